@@ -1,0 +1,1 @@
+"""Layerwise distillation of surgered students back to their teacher."""

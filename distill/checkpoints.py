@@ -1,0 +1,115 @@
+"""Training checkpoints: trained parameters, optimizer, scheduler, RNG and step, written atomically.
+
+One file per checkpoint, ``<work>/checkpoints/step-00000050.pt``; it is written to a temporary name
+and renamed, so a crash mid-write never leaves a truncated latest checkpoint, and older ones are
+deleted only after the new one is in place. ``--resume`` picks the highest step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from prune.errors import LayercutError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_DIR = "checkpoints"
+_NAME = re.compile(r"step-(\d+)\.pt")
+
+
+def checkpoint_dir(work: str | Path) -> Path:
+    """Folder holding the checkpoints of a work folder."""
+    return Path(work) / CHECKPOINT_DIR
+
+
+def list_checkpoints(work: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under ``work``, by increasing step."""
+    folder = checkpoint_dir(work)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.fullmatch(p.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(work: str | Path) -> Path | None:
+    """The checkpoint with the highest step, or None."""
+    found = list_checkpoints(work)
+    return found[-1][1] if found else None
+
+
+def rng_state() -> dict:
+    """Every random generator a training step draws from (dropout, LoRA init)."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what :func:`rng_state` captured."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def trained_state(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]:
+    """The trained parameters and every persistent buffer (e.g. BatchNorm running statistics), on the CPU."""
+    wanted = set(names)
+    params = dict(model.named_parameters())
+    state = {n: t for n, t in model.state_dict().items() if n in wanted or n not in params}
+    return {name: tensor.detach().cpu().clone() for name, tensor in state.items()}
+
+
+def save_checkpoint(work: str | Path, step: int, model: nn.Module, names: list[str], optimizer, scheduler,
+                    config: dict) -> Path:
+    """Write the training state at ``step`` atomically, then delete older checkpoints."""
+    folder = checkpoint_dir(work)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step-{step:08d}.pt"
+    payload = {
+        "step": step,
+        "model": trained_state(model, names),
+        "trained_names": list(names),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "rng": rng_state(),
+        "config": config,
+    }
+    tmp = folder / f".{path.name}.tmp-{os.getpid()}"
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+    for old_step, old in list_checkpoints(work):
+        if old_step != step:
+            old.unlink(missing_ok=True)
+    logger.info("checkpoint at step %d: %s", step, path)
+    return path
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Read a checkpoint written by :func:`save_checkpoint` (our own file: it holds RNG/optimizer objects)."""
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def restore_model(model: nn.Module, payload: dict, names: list[str]) -> None:
+    """Load the checkpoint's trained parameters and buffers into ``model``; the trained set must match."""
+    if sorted(payload["trained_names"]) != sorted(names):
+        raise LayercutError(
+            "the checkpoint trained other parameters than this run would (different --train, --lora-r or "
+            "student): resume with the same options, or start over with --overwrite"
+        )
+    own = model.state_dict()
+    for name, tensor in payload["model"].items():
+        if name not in own or own[name].shape != tensor.shape:
+            raise LayercutError(
+                f"checkpoint tensor {name} does not fit the student: resume with the same --student, or start over "
+                "with --overwrite"
+            )
+    model.load_state_dict(payload["model"], strict=False)

@@ -1,0 +1,135 @@
+"""Distillation losses, registered by name and computed in float32.
+
+Every loss takes one :class:`LossInputs` (the residual states and logits of one micro-batch) and
+returns a scalar. ``DistillConfig.loss_weights()`` names the terms a run uses; new terms are added
+with :func:`register_loss`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prune.errors import LayercutError
+
+
+@dataclass
+class LossInputs:
+    """What the losses see for one micro-batch.
+
+    Attributes:
+        student_states: student residual states by index (``i`` = input of student block ``i``,
+            ``i + 1`` = its output), each [batch, seq, hidden].
+        teacher_states: teacher residual states by index (same convention, original numbering).
+        targets: ``targets[j]`` is the teacher state student block ``j``'s output is matched to
+            (``max(layout[j]) + 1``).
+        mask: [batch, seq], 1 for tokens that count, 0 for padding.
+        student_logits: [batch, seq, vocab] or None when no loss needs them.
+        teacher_logits: [batch, seq, vocab] or None.
+    """
+
+    student_states: dict[int, torch.Tensor]
+    teacher_states: dict[int, torch.Tensor]
+    targets: list[int]
+    mask: torch.Tensor
+    student_logits: torch.Tensor | None = None
+    teacher_logits: torch.Tensor | None = None
+
+
+LossFn = Callable[[LossInputs], torch.Tensor]
+LOSSES: dict[str, LossFn] = {}
+# Losses that need the logits of both models (the others skip the LM head).
+NEEDS_LOGITS: set[str] = set()
+
+
+def register_loss(name: str, *, needs_logits: bool = False) -> Callable[[LossFn], LossFn]:
+    """Decorator adding a loss to :data:`LOSSES` under ``name``."""
+
+    def add(fn: LossFn) -> LossFn:
+        if name in LOSSES:
+            raise ValueError(f"loss '{name}' is already registered")
+        LOSSES[name] = fn
+        if needs_logits:
+            NEEDS_LOGITS.add(name)
+        return fn
+
+    return add
+
+
+def get_loss(name: str) -> LossFn:
+    """The registered loss ``name``; an unknown name lists the known ones."""
+    try:
+        return LOSSES[name]
+    except KeyError:
+        raise LayercutError(f"unknown loss '{name}': choose one of {', '.join(sorted(LOSSES))}") from None
+
+
+def masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of per-token ``values`` [batch, seq] over the tokens where ``mask`` is 1."""
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def state_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean squared error per hidden coordinate, averaged over unmasked tokens (float32)."""
+    diff = student.float() - teacher.to(student.device).float()  # [batch, seq, hidden]
+    return masked_token_mean(diff.pow(2).mean(dim=-1), mask.to(student.device))
+
+
+@register_loss("layerwise_mse")
+def layerwise_mse(inputs: LossInputs) -> torch.Tensor:
+    """Sum over student blocks ``j`` of the MSE between their output and teacher state ``targets[j]``."""
+    terms = [
+        state_mse(inputs.student_states[j + 1], inputs.teacher_states[target], inputs.mask)
+        for j, target in enumerate(inputs.targets)
+    ]
+    return torch.stack(terms).sum()
+
+
+@register_loss("teacher_student_kl", needs_logits=True)
+def teacher_student_kl(inputs: LossInputs) -> torch.Tensor:
+    """KL(teacher || student) of the next-token distributions, summed over the vocabulary, averaged over tokens.
+
+    Both log-softmaxes are taken in float32 (bf16 logits would round the small probabilities away).
+    """
+    if inputs.student_logits is None or inputs.teacher_logits is None:
+        raise ValueError("teacher_student_kl needs the logits of both models")
+    student = F.log_softmax(inputs.student_logits.float(), dim=-1)  # [batch, seq, vocab]
+    teacher = F.log_softmax(inputs.teacher_logits.to(student.device).float(), dim=-1)  # [batch, seq, vocab]
+    per_token = (teacher.exp() * (teacher - student)).sum(dim=-1)  # [batch, seq]
+    return masked_token_mean(per_token, inputs.mask.to(student.device))
+
+
+@register_loss("consecutive_cosine_distance")
+def consecutive_cosine_distance(inputs: LossInputs) -> torch.Tensor:
+    """Secretly Linear's regulariser: sum over consecutive student states of ``1 - cos(h_i, h_{i-1})``.
+
+    The cosine is taken per token over the hidden dimension and averaged over unmasked tokens.
+    Minimising it pulls each block's output towards the direction of its input (the DESIGN.md form,
+    ``lambda * sum(1 - cos(h_i, h_{i-1}))``); the paper reports that this regulariser, used in
+    pretraining, lowers its measured linearity scores.
+    """
+    indices = sorted(inputs.student_states)
+    terms = []
+    for previous, current in zip(indices, indices[1:]):
+        h_prev = inputs.student_states[previous].float()  # [batch, seq, hidden]
+        h_cur = inputs.student_states[current].float()
+        cos = F.cosine_similarity(h_cur, h_prev, dim=-1, eps=1e-8)  # [batch, seq]
+        terms.append(masked_token_mean(1.0 - cos, inputs.mask.to(cos.device)))
+    return torch.stack(terms).sum()
+
+
+def total_loss(inputs: LossInputs, weights: dict[str, float]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Weighted sum of the named losses, and each (unweighted) term as a float for the log."""
+    total = None
+    terms: dict[str, float] = {}
+    for name, weight in weights.items():
+        value = get_loss(name)(inputs)
+        terms[name] = float(value.detach())
+        total = weight * value if total is None else total + weight * value
+    if total is None:
+        raise LayercutError("no loss term has a positive weight: set --mse-weight or --kl-weight above 0")
+    return total, terms

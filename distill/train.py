@@ -1,0 +1,433 @@
+"""Layerwise distillation: train a surgered student to reproduce its teacher's block outputs.
+
+Each step draws ``grad_accum`` micro-batches of packed calibration sequences, runs the teacher
+(eval, no grad) and the student with hooks on their blocks, and minimises the weighted losses of
+``distill.losses`` (by default the sum over student blocks ``j`` of the MSE between block ``j``'s
+output and the teacher's state ``max(layout[j]) + 1``). Teacher activations are computed on the fly,
+so memory depends on the batch, never on the number of calibration sequences.
+
+``accelerate.Accelerator`` places the student, runs bf16 autocast on a GPU and accumulates gradients;
+the same path runs on the CPU in float32 (``python -m distill.run``) and under ``accelerate launch``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from distill.batches import BatchOrder
+from distill.checkpoints import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    restore_model,
+    save_checkpoint,
+    set_rng_state,
+)
+from distill.compat import check_models
+from distill.config import DistillConfig
+from distill.layout import Layout, check_layout, resolve_layout, teacher_targets
+from distill.losses import NEEDS_LOGITS, LossInputs, total_loss
+from distill.trainable import Trainable, merge_lora, select_trainable
+from prune.adapters import input_device, num_blocks
+from prune.capture import residual_states
+from prune.data import calibration_data
+from prune.errors import LayercutError
+
+logger = logging.getLogger(__name__)
+
+LOG_FILE = "train_log.jsonl"
+
+
+@dataclass
+class DistillResult:
+    """What a distillation run did.
+
+    Attributes:
+        steps: optimizer steps completed (including those before a resume).
+        final_loss: total loss of the last step.
+        losses: total loss of each step run by this call.
+        steps_per_second: optimizer steps per second in this call (training loop only).
+        peak_memory_bytes: peak resident memory (RSS) of the process so far.
+        log_path: the JSON-lines log, or None without a work folder.
+        start_step: step this call started from (0, or the resumed checkpoint's).
+        final_terms: each loss term of the last step, unweighted.
+        seconds: wall time of the training loop in this call.
+        trainable_parameters: number of trained scalars.
+        peak_gpu_memory_bytes: peak CUDA memory allocated, or None on the CPU.
+    """
+
+    steps: int
+    final_loss: float
+    losses: list[float]
+    steps_per_second: float
+    peak_memory_bytes: int
+    log_path: Path | None
+    start_step: int = 0
+    final_terms: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0
+    trainable_parameters: int = 0
+    peak_gpu_memory_bytes: int | None = None
+
+    def report(self, config: DistillConfig) -> dict:
+        """The ``distill`` section of ``layercut.json``."""
+        return {
+            "config": config.to_dict(),
+            "steps": self.steps,
+            "start_step": self.start_step,
+            "first_loss": self.losses[0] if self.losses else None,
+            "final_loss": self.final_loss,
+            "final_terms": self.final_terms,
+            "steps_per_second": round(self.steps_per_second, 4),
+            "seconds": round(self.seconds, 2),
+            "tokens_per_step": config.tokens_per_step,
+            "trainable_parameters": self.trainable_parameters,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_gpu_memory_bytes": self.peak_gpu_memory_bytes,
+        }
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process (the high-water mark, not the current size)."""
+    try:
+        import resource
+    except ImportError:  # Windows: no high-water mark, report the current size
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
+
+
+def make_accelerator(config: DistillConfig):
+    """An ``Accelerator`` for the run: bf16 autocast on a bf16-capable GPU unless told otherwise."""
+    import os
+
+    from accelerate import Accelerator
+
+    precision = config.mixed_precision
+    if precision == "auto":
+        if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+            precision = None  # `accelerate launch --mixed_precision` decides
+        elif torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            precision = "bf16"
+        else:
+            precision = "no"
+    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=config.grad_accum)
+
+
+def _logits_kwargs(model: nn.Module, want_logits: bool) -> dict:
+    """Skip most of the LM head when no loss needs logits (``logits_to_keep=1``), if the model supports it."""
+    if want_logits or "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return {}
+    return {"logits_to_keep": 1}
+
+
+def forward_states(call, hooked: nn.Module, input_ids, mask, keep: set[int] | None, want_logits: bool,
+                   extra: dict | None = None):
+    """Run ``call`` (the model or its accelerate wrapper) and collect ``hooked``'s residual states.
+
+    Args:
+        call: what to call with the token ids (the model, or its accelerate-prepared wrapper).
+        hooked: the plain model whose blocks get the hooks.
+        input_ids: [batch, seq] token ids on the model's input device.
+        mask: [batch, seq] attention mask.
+        keep: state indices to keep (None: all).
+        want_logits: return the logits.
+        extra: more keyword arguments for ``call`` (default: ``logits_to_keep=1`` when logits are not wanted).
+
+    Returns:
+        (states by index, logits [batch, seq, vocab] or None).
+    """
+    states: dict[int, torch.Tensor] = {}
+
+    def record(index: int, hidden: torch.Tensor) -> None:
+        if keep is None or index in keep:
+            states[index] = hidden
+
+    with residual_states(hooked, record):
+        kwargs = _logits_kwargs(hooked, want_logits) if extra is None else extra
+        output = call(input_ids=input_ids, attention_mask=mask, use_cache=False, **kwargs)
+    return states, output.logits if want_logits else None
+
+
+@torch.no_grad()
+def evaluate_losses(student: nn.Module, teacher: nn.Module, token_ids: torch.Tensor, config: DistillConfig,
+                    layout: Layout | None = None) -> dict[str, float]:
+    """Each loss term of ``config`` (unweighted) averaged over all of ``token_ids`` [samples, seq_len], no training.
+
+    Runs both models in eval mode in batches of ``config.batch_size``; for before/after comparisons.
+    """
+    layout = layout or resolve_layout(student, teacher)
+    targets = teacher_targets(layout)
+    weights = config.loss_weights()
+    want_logits = bool(NEEDS_LOGITS & set(weights))
+    was_training = student.training
+    student.eval()
+    sums: dict[str, float] = {}
+    try:
+        for rows in torch.split(token_ids, config.batch_size):
+            mask = torch.ones_like(rows)
+            t_dev, s_dev = input_device(teacher), input_device(student)
+            t_states, t_logits = forward_states(teacher, teacher, rows.to(t_dev), mask.to(t_dev), set(targets),
+                                                want_logits)
+            s_states, s_logits = forward_states(student, student, rows.to(s_dev), mask.to(s_dev), None, want_logits)
+            _, terms = total_loss(LossInputs(s_states, t_states, targets, mask.to(s_dev), s_logits, t_logits), weights)
+            for name, value in terms.items():
+                sums[name] = sums.get(name, 0.0) + value * rows.shape[0]
+    finally:
+        student.train(was_training)
+    return {name: value / token_ids.shape[0] for name, value in sums.items()}
+
+
+class _JsonLog:
+    """Append-only JSON-lines log; on resume, lines past the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path | None, keep_until: int | None):
+        self.path = path
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if keep_until is not None and path.is_file():
+            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            kept = [row for row in rows if row.get("step", 0) <= keep_until]
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+
+    def write(self, row: dict) -> None:
+        if self.path is not None:
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row) + "\n")
+
+
+def _nan_error(what: str, value: float, step: int, work: Path | None) -> LayercutError:
+    found = list_checkpoints(work) if work is not None else []
+    if found:
+        kept = f"the last good checkpoint is {found[-1][1]} (step {found[-1][0]}): continue from it with --resume"
+    else:
+        kept = "no checkpoint was written yet"
+    return LayercutError(
+        f"{what} became {value} at step {step}: training stopped; {kept}, and lower --lr (or raise --max-grad-norm "
+        "clipping / check the student)"
+    )
+
+
+class _Run:
+    """The state of one distillation run: models, optimizer, schedule, data order and log."""
+
+    def __init__(self, student, teacher, token_ids, config: DistillConfig, layout: Layout, work: Path | None):
+        from transformers import get_cosine_schedule_with_warmup
+
+        self.config, self.work, self.token_ids = config, work, token_ids
+        self.targets = teacher_targets(layout)
+        self.weights = config.loss_weights()
+        self.want_logits = bool(NEEDS_LOGITS & set(self.weights))
+        # decided before accelerate may wrap the student's forward (and hide its signature)
+        self.call_kwargs = (_logits_kwargs(teacher, self.want_logits), _logits_kwargs(student, self.want_logits))
+        self.requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
+        self.accelerator = make_accelerator(config)
+        self.trainable: Trainable = select_trainable(student, config)
+        self.student, self.teacher = student, teacher
+        optimizer = torch.optim.AdamW(self.trainable.parameters, lr=config.lr, weight_decay=config.weight_decay)
+        self.scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup, config.steps)
+        self.model, self.optimizer = self.accelerator.prepare(student, optimizer)
+        self.order = BatchOrder(token_ids.shape[0], config.batch_size, config.seed)
+        self.losses: list[float] = []
+        self.last: tuple[float, dict[str, float]] = (math.nan, {})
+
+    def restore(self, path: Path) -> int:
+        """Load a checkpoint; returns its step."""
+        payload = load_checkpoint(path)
+        restore_model(self.student, payload, self.trainable.names)
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scheduler.load_state_dict(payload["scheduler"])
+        set_rng_state(payload["rng"])
+        self.last = (payload.get("loss", math.nan), payload.get("terms", {}))
+        changed = sorted(k for k, v in self.config.to_dict().items() if payload["config"].get(k) != v)
+        if changed:
+            logger.warning("resuming with other options than the checkpoint's: %s", ", ".join(changed))
+        logger.info("resumed from %s (step %d)", path, payload["step"])
+        return int(payload["step"])
+
+    def _micro_batch(self, batch_index: int) -> tuple[torch.Tensor, dict[str, float]]:
+        acc = self.accelerator
+        ids = self.order.batch(self.token_ids, batch_index * acc.num_processes + acc.process_index)
+        mask = torch.ones_like(ids)  # packed sequences: no padding
+        with torch.no_grad(), acc.autocast():
+            device = input_device(self.teacher)
+            t_states, t_logits = forward_states(
+                self.teacher, self.teacher, ids.to(device), mask.to(device), set(self.targets), self.want_logits,
+                self.call_kwargs[0],
+            )
+        device = input_device(self.student)
+        s_states, s_logits = forward_states(
+            self.model, self.student, ids.to(device), mask.to(device), None, self.want_logits, self.call_kwargs[1]
+        )
+        inputs = LossInputs(s_states, t_states, self.targets, mask.to(device), s_logits, t_logits)
+        return total_loss(inputs, self.weights)
+
+    def step(self, step: int) -> tuple[float, dict[str, float], float, float]:
+        """One optimizer step (0-based ``step``); returns (loss, terms, grad norm, lr used)."""
+        acc, k = self.accelerator, self.config.grad_accum
+        loss_sum, term_sums = 0.0, {}
+        for micro in range(k):
+            with acc.accumulate(self.model):
+                loss, terms = self._micro_batch(step * k + micro)
+                if not torch.isfinite(loss.detach()):
+                    raise _nan_error("the loss", float(loss.detach()), step + 1, self.work)
+                acc.backward(loss)
+            loss_sum += float(loss.detach()) / k
+            for name, value in terms.items():
+                term_sums[name] = term_sums.get(name, 0.0) + value / k
+        limit = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+        grad_norm = float(acc.clip_grad_norm_(self.trainable.parameters, limit))
+        if not math.isfinite(grad_norm):
+            raise _nan_error("the gradient norm", grad_norm, step + 1, self.work)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, term_sums, grad_norm, lr
+
+    def save(self, step: int) -> None:
+        if self.work is None:
+            return
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            info = {"config": self.config.to_dict(), "loss": self.last[0], "terms": self.last[1]}
+            save_checkpoint(self.work, step, self.student, self.trainable.names, self.optimizer, self.scheduler, info)
+        self.accelerator.wait_for_everyone()
+
+
+def _should_save(config: DistillConfig, done: int) -> bool:
+    return done == config.steps or (config.save_every > 0 and done % config.save_every == 0)
+
+
+def _train_loop(run: _Run, start: int, log: _JsonLog) -> float:
+    """Steps ``start .. config.steps - 1``; returns the loop's wall seconds."""
+    config = run.config
+    run.student.train()
+    run.teacher.eval()
+    bar = tqdm(total=config.steps, initial=start, desc="distill", unit="step",
+               disable=not run.accelerator.is_local_main_process)
+    started = time.perf_counter()
+    for step in range(start, config.steps):
+        loss, terms, grad_norm, lr = run.step(step)
+        run.losses.append(loss)
+        run.last = (loss, terms)
+        done = step + 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.4g}")
+        if done % config.log_every == 0 or done == config.steps:
+            log.write({"step": done, "loss": loss, **terms, "lr": lr, "grad_norm": grad_norm,
+                       "seconds": round(time.perf_counter() - started, 3), "tokens": done * config.tokens_per_step})
+        if _should_save(config, done):
+            run.save(done)
+    bar.close()
+    return time.perf_counter() - started
+
+
+def _prepare_work(out: str | Path | None, resume: bool) -> tuple[Path | None, Path | None]:
+    """The work folder and the checkpoint to resume from (None for a fresh start)."""
+    work = Path(out).expanduser() if out is not None else None
+    if resume:
+        path = latest_checkpoint(work) if work is not None else None
+        if path is None:
+            raise LayercutError(
+                f"--resume: no checkpoint found in {work / 'checkpoints' if work else '(no work folder given)'}; "
+                "run without --resume to start from step 0"
+            )
+        return work, path
+    if work is not None and list_checkpoints(work):
+        logger.warning("starting over: removing the old checkpoints in %s", work)
+        for _, old in list_checkpoints(work):
+            old.unlink()
+    return work, None
+
+
+def distill(
+    student: nn.Module,
+    teacher: nn.Module,
+    tokenizer,
+    config: DistillConfig,
+    *,
+    out: str | Path | None = None,
+    resume: bool = False,
+    token_ids: torch.Tensor | None = None,
+    layout: Layout | None = None,
+) -> DistillResult:
+    """Train ``student`` in place to match ``teacher`` block by block.
+
+    Args:
+        student: the surgered model (its ``config.layercut_layout`` says which teacher states its
+            blocks stand for). LoRA adapters are merged back into it before returning.
+        teacher: the original model; only run forward (eval mode, no grad), never changed.
+        tokenizer: packs ``config.data`` into sequences (unused when ``token_ids`` is given).
+        config: the run's options.
+        out: work folder for ``train_log.jsonl`` and ``checkpoints/``; None writes nothing.
+        resume: continue from the latest checkpoint in ``out``.
+        token_ids: pre-packed sequences [samples, seq_len] to draw batches from instead of ``config.data``.
+        layout: the student's layout, overriding what it records.
+
+    Returns:
+        The run's :class:`DistillResult`.
+
+    Raises:
+        LayercutError: incompatible models, no layout, ``resume`` without a checkpoint, NaN/inf loss.
+    """
+    check_models(student, teacher)
+    layout = check_layout(layout, num_blocks(student), num_blocks(teacher)) if layout else resolve_layout(
+        student, teacher)
+    work, checkpoint = _prepare_work(out, resume)
+    random.seed(config.seed)
+    torch.manual_seed(config.seed)
+    if token_ids is None:
+        token_ids = calibration_data(tokenizer, config.data).token_ids  # [samples, seq_len] int64
+    if token_ids.dim() != 2 or token_ids.shape[1] < 2:
+        raise LayercutError(f"token_ids must be [samples, seq_len >= 2], got shape {tuple(token_ids.shape)}")
+    teacher_was_training = teacher.training
+    run = _Run(student, teacher, token_ids.long(), config, layout, work)
+    start = run.restore(checkpoint) if checkpoint is not None else 0
+    log = _JsonLog(work / LOG_FILE if work is not None and run.accelerator.is_main_process else None, start)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    seconds = _train_loop(run, start, log)
+    return _finish(run, start, seconds, teacher_was_training, log)
+
+
+def _finish(run: _Run, start: int, seconds: float, teacher_was_training: bool, log: _JsonLog) -> DistillResult:
+    """Merge LoRA, drop accelerate's wrappers, restore modes, and summarise."""
+    run.accelerator.unwrap_model(run.model, keep_fp32_wrapper=False)  # removes the autocast forward wrapper
+    if run.trainable.peft_model is not None:
+        merge_lora(run.trainable.peft_model)
+    for name, param in run.student.named_parameters():  # as the caller had them (LoRA names are gone now)
+        param.requires_grad_(run.requires_grad.get(name, False))
+    run.student.eval()
+    run.teacher.train(teacher_was_training)
+    done = run.config.steps - start
+    final_loss, final_terms = run.last
+    gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+    return DistillResult(
+        steps=run.config.steps,
+        final_loss=final_loss,
+        losses=run.losses,
+        steps_per_second=done / seconds if seconds > 0 else 0.0,
+        peak_memory_bytes=peak_rss_bytes(),
+        log_path=log.path,
+        start_step=start,
+        final_terms=final_terms,
+        seconds=seconds,
+        trainable_parameters=run.trainable.count,
+        peak_gpu_memory_bytes=gpu_peak,
+    )

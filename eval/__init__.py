@@ -1,0 +1,1 @@
+"""Evaluation: perplexity, lm-eval tasks, speed and memory, lens, reports."""

@@ -1,0 +1,162 @@
+"""Benchmarks of slimmed models against their original.
+
+    python -m eval.bench speed --model slim/ --baseline smollm2-135m [--model slim8/] [--out bench/]
+
+Subcommands live in ``SUBCOMMANDS`` (name -> how to add its arguments, how to run it); a new one is
+one :func:`register_subcommand` call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from eval.report import speed_markdown, write_speed_report
+from eval.speed import (
+    SpeedOptions,
+    attach_memory,
+    check_tokenizer,
+    load_for_eval,
+    measure_speed,
+    peak_memory_inprocess,
+    peak_memory_subprocess,
+)
+from prune.errors import LayercutError, cli_entry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """One ``eval.bench`` subcommand: its help line, its arguments and what it runs."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register_subcommand(name: str, help: str, add_arguments, run) -> None:
+    """Add a subcommand to ``python -m eval.bench``."""
+    SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
+
+
+# ---- speed ----
+
+
+def _add_speed_arguments(parser: argparse.ArgumentParser) -> None:
+    models = parser.add_argument_group("models")
+    models.add_argument("--model", action="append", required=True, help="candidate name or folder (repeatable)")
+    models.add_argument("--baseline", required=True, help="original model name or folder")
+    models.add_argument("--tokenizer", help="tokenizer name for model folders saved without one")
+    models.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
+    models.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    sizes = parser.add_argument_group("workload")
+    defaults = SpeedOptions()
+    sizes.add_argument("--prompt-len", type=int, default=defaults.prompt_len, help="prefill tokens (default: 256)")
+    sizes.add_argument("--new-tokens", type=int, default=defaults.new_tokens, help="decode steps (default: 64)")
+    sizes.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences (default: 1)")
+    sizes.add_argument("--repeats", type=int, default=defaults.repeats, help="timed rounds (default: 5)")
+    sizes.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed rounds first (default: 1)")
+    sizes.add_argument(
+        "--memory",
+        choices=("subprocess", "inprocess", "off"),
+        default="subprocess",
+        help="peak memory: each model in a fresh process (default), in this process (approximate), or not at all",
+    )
+    parser.add_argument("--out", help="folder for speed.json and speed.md (default: print only)")
+
+
+def _labels(baseline: str, models: list[str]) -> list[str]:
+    """Return unique labels: a model given twice (e.g. the baseline against itself) gets ``#2``, ``#3``."""
+    labels: list[str] = []
+    for name in [baseline, *models]:
+        label, n = name, 1
+        while label in labels:
+            n += 1
+            label = f"{name}#{n}"
+        labels.append(label)
+    return labels
+
+
+def run_speed(args: argparse.Namespace) -> int:
+    """Load the baseline and the candidates, time them interleaved, measure memory, print and save."""
+    options = SpeedOptions(
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        batch_size=args.batch_size,
+        repeats=args.repeats,
+        warmup=args.warmup,
+    )
+    names = [args.baseline, *args.model]
+    for name in names:
+        check_tokenizer(name, args.tokenizer)
+    labels = _labels(args.baseline, args.model)
+    loaded = {lab: load_for_eval(n, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device)
+              for lab, n in zip(labels, names, strict=True)}  # fmt: skip
+    folders = {lab: _checkpoint_folder(n) for lab, n in zip(labels, names, strict=True)}
+    comparison = measure_speed({lab: lm.model for lab, lm in loaded.items()}, labels[0], options, folders=folders)
+    if args.memory == "inprocess":
+        attach_memory(comparison, {lab: peak_memory_inprocess(lm.model, options) for lab, lm in loaded.items()})
+    loaded.clear()  # free the models before the memory children load their own copies
+    if args.memory == "subprocess":
+        peaks = {
+            lab: peak_memory_subprocess(n, options, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
+            for lab, n in zip(labels, names, strict=True)
+        }
+        attach_memory(comparison, peaks)
+    result = comparison.to_dict()
+    print(speed_markdown(result))
+    for ratio in comparison.ratios:
+        print(
+            f"{ratio.name}: prefill x{ratio.prefill:.3f}, decode x{ratio.decode:.3f}, ideal L/(L-k) x{ratio.ideal:.3f} "
+            f"(decode at {ratio.decode / ratio.ideal:.1%} of ideal, prefill at {ratio.prefill / ratio.ideal:.1%})"
+        )
+    if args.out:
+        paths = write_speed_report(result, args.out)
+        print(f"wrote {paths['json']} and {paths['markdown']}")
+    return 0
+
+
+def _checkpoint_folder(name: str) -> str | None:
+    """Return the folder whose weight files give the checkpoint size (a GGUF alias: its converted safetensors copy)."""
+    from prune.loading import hf_checkpoint
+
+    try:
+        folder = hf_checkpoint(name)
+    except LayercutError:
+        return None
+    return folder if Path(folder).is_dir() else None
+
+
+register_subcommand("speed", "prefill/decode speed and peak memory against a baseline", _add_speed_arguments, run_speed)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the ``eval.bench`` parser with one sub-parser per registered subcommand."""
+    parser = argparse.ArgumentParser(prog="python -m eval.bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
+    for name, command in SUBCOMMANDS.items():
+        command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
+    return parser
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    """Run one ``eval.bench`` subcommand."""
+    args = build_parser().parse_args(argv)
+    return SUBCOMMANDS[args.command].run(args)
+
+
+def console_main() -> None:
+    """Entry point of the ``layercut-bench`` console script."""
+    raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    console_main()

@@ -1,0 +1,419 @@
+"""Run lm-evaluation-harness tasks on an in-memory model or a checkpoint folder, from the hub or local files.
+
+    from eval.lmeval import run_lm_eval
+    scores = run_lm_eval(model, tokenizer, ["arc_easy", "piqa"], data_dir="../shared/data", limit=200)
+    scores["arc_easy"]["acc_norm"]
+
+Two ways to get the data, same task names:
+
+* No data folder (``data_dir=None`` and ``$LAYERCUT_DATA`` unset): every name goes to lm-eval's own
+  registry untouched, and its datasets come from the Hugging Face hub.
+* A data folder laid out like layercut's ``shared/data``: the standard names in :data:`OFFLINE_TASKS`
+  run from those files through the task YAMLs in ``eval/tasks/``. They keep the standard names, prompts,
+  targets, choices and metrics (the readers rebuild the hub's rows, then lm-eval's own templates and
+  functions make the requests), and nothing touches the network. ``lambada`` (in lm-eval, lambada_openai
+  plus lambada_standard) runs as ``lambada_openai``, the only version we have on disk. Any other name
+  still goes to lm-eval's registry.
+
+The same YAMLs work with lm-eval's own command line:
+``lm-eval run --include_path eval/tasks --metadata '{"data_dir": "../shared/data"}' --tasks piqa ...``.
+
+Tested with lm-eval :data:`LM_EVAL_TESTED` (the task registry and ``custom_dataset`` hooks change
+between minor versions).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from prune.errors import LayercutError
+
+logger = logging.getLogger(__name__)
+
+LM_EVAL_TESTED = ">=0.4.13,<0.5"
+_LM_EVAL_TESTED_MIN = (0, 4, 13)
+_LM_EVAL_TESTED_BELOW = (0, 5)
+DATA_DIR_ENV = "LAYERCUT_DATA"
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+
+# standard lm-eval task name -> the files it reads, relative to the data folder
+OFFLINE_TASKS: dict[str, tuple[str, ...]] = {
+    "arc_easy": ("arc/hf_format/ARC-Easy-test.jsonl",),
+    "arc_challenge": ("arc/hf_format/ARC-Challenge-test.jsonl",),
+    "hellaswag": ("hellaswag/hellaswag_val_full.txt",),
+    "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
+    "lambada_openai": ("lambada/lambada_test.jsonl",),
+    "winogrande": ("winogrande/winogrande_dev_llmfoundry.jsonl", "winogrande/dev-labels.lst"),
+    "boolq": ("boolq/val.jsonl",),
+}
+# names users type that mean a different task offline
+OFFLINE_ALIASES: dict[str, str] = {"lambada": "lambada_openai"}
+
+# the metric papers quote for each task (acc_norm where the length-normalised score is the convention)
+_PRIMARY_METRIC = {
+    "arc_easy": "acc_norm",
+    "arc_challenge": "acc_norm",
+    "hellaswag": "acc_norm",
+    "piqa": "acc",
+    "lambada": "acc",
+    "lambada_openai": "acc",
+    "lambada_standard": "acc",
+    "winogrande": "acc",
+    "boolq": "acc",
+}
+_OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def primary_metric(task: str) -> str:
+    """Return the metric to quote for ``task``: ``acc_norm`` for ARC and HellaSwag, ``acc`` otherwise.
+
+    Args:
+        task: A standard lm-eval task name.
+
+    Returns:
+        A key of the per-task dicts that :func:`run_lm_eval` returns.
+    """
+    return _PRIMARY_METRIC.get(task, "acc")
+
+
+def resolve_data_dir(data_dir: str | Path | None) -> Path | None:
+    """Return the local data folder: ``data_dir``, else ``$LAYERCUT_DATA``, else ``None`` (use the hub).
+
+    Args:
+        data_dir: A folder laid out like layercut's ``shared/data``, or ``None``.
+
+    Returns:
+        The folder as an absolute path, or ``None`` when neither is set.
+
+    Raises:
+        LayercutError: the folder given does not exist.
+    """
+    chosen = data_dir if data_dir not in (None, "") else os.environ.get(DATA_DIR_ENV) or None
+    if chosen is None:
+        return None
+    path = Path(chosen).expanduser()
+    if not path.is_dir():
+        source = "--data-dir" if data_dir not in (None, "") else f"${DATA_DIR_ENV}"
+        raise LayercutError(
+            f"data folder {path} ({source}) does not exist; point it at a folder laid out like shared/data"
+        )
+    return path.resolve()
+
+
+def local_data_files(task: str, data_dir: str | Path | None) -> list[Path]:
+    """Return the local files ``task`` reads, checked to exist.
+
+    Args:
+        task: A key of :data:`OFFLINE_TASKS`.
+        data_dir: The data folder; ``None`` falls back to ``$LAYERCUT_DATA``.
+
+    Returns:
+        Absolute paths in the order of ``OFFLINE_TASKS[task]``.
+
+    Raises:
+        LayercutError: no folder given, or a file is missing (the message names the file and the folder).
+    """
+    root = resolve_data_dir(data_dir)
+    if root is None:
+        raise LayercutError(
+            f"{task}: no local data folder given; pass --data-dir or set {DATA_DIR_ENV} "
+            f"(lm-eval command line: --metadata '{{\"data_dir\": \"/path\"}}')"
+        )
+    paths = [root / rel for rel in OFFLINE_TASKS[task]]
+    for rel, path in zip(OFFLINE_TASKS[task], paths, strict=True):
+        if not path.is_file():
+            raise LayercutError(
+                f"{task}: local data file {rel} not found in {root}; point --data-dir or "
+                f"{DATA_DIR_ENV} at a folder laid out like shared/data (or drop --data-dir to use the hub)"
+            )
+    return paths
+
+
+@functools.lru_cache(maxsize=1)
+def _registry():
+    """lm-eval's task registry (indexing its thousands of YAMLs takes seconds, so once per process)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+def _local_task_manager(root: Path):
+    """Index our YAMLs only, so they do not clash with lm-eval's built-in tasks of the same names."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"data_dir": str(root)})
+
+
+def _unknown_task(name: str) -> LayercutError:
+    known = ", ".join([*sorted(OFFLINE_TASKS), *sorted(OFFLINE_ALIASES)])
+    return LayercutError(
+        f"unknown task {name!r}: not an offline task ({known}) nor in lm-eval's registry; "
+        f"`lm-eval ls tasks` lists lm-eval's tasks (`lm-eval --tasks list` before 0.4.10)"
+    )
+
+
+def _task_names(tasks: Sequence[str] | str) -> list[str]:
+    """Task names in order, without repeats; a single string may hold a comma-separated list."""
+    items = tasks.split(",") if isinstance(tasks, str) else list(tasks)
+    names = list(dict.fromkeys(str(t).strip() for t in items if str(t).strip()))
+    if not names:
+        raise LayercutError("no tasks given; name at least one, e.g. --tasks arc_easy,piqa")
+    return names
+
+
+def plan_tasks(tasks: Sequence[str] | str, data_dir: Path | None) -> tuple[list[str], list[str]]:
+    """Split task names into those run from local files and those passed to lm-eval's registry.
+
+    Args:
+        tasks: Task names (standard lm-eval names, or ``lambada``).
+        data_dir: The resolved data folder, or ``None`` for the hub.
+
+    Returns:
+        ``(local, registry)``: standard names to run from ``data_dir`` (their files checked), and the rest.
+
+    Raises:
+        LayercutError: no tasks, an unknown name, or a missing local file.
+    """
+    local: list[str] = []
+    registry: list[str] = []
+    for name in _task_names(tasks):
+        if data_dir is not None and name in OFFLINE_ALIASES:
+            logger.info(
+                "offline, %r runs %s only: lm-eval's %r group also has lambada_standard, which has no local file",
+                name, OFFLINE_ALIASES[name], name,
+            )
+            name = OFFLINE_ALIASES[name]
+        if data_dir is not None and name in OFFLINE_TASKS:
+            local_data_files(name, data_dir)
+            local.append(name)
+        elif name in _registry().all_tasks:
+            registry.append(name)
+        else:
+            raise _unknown_task(name)
+    return list(dict.fromkeys(local)), registry
+
+
+def _check_options(limit: int | float | None, batch_size: int, num_fewshot: int | None) -> int | float | None:
+    """Validate the options; return ``limit`` as lm-eval reads it (a float below 1 is a fraction, else rows)."""
+    if limit is not None:
+        whole = isinstance(limit, int) or (isinstance(limit, float) and limit.is_integer())
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0 or (limit >= 1 and not whole):
+            raise LayercutError(f"limit must be a number of rows or a fraction in (0, 1), got {limit!r}")
+        limit = limit if limit < 1 else int(limit)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise LayercutError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
+        raise LayercutError(f"num_fewshot must be a non-negative integer, got {num_fewshot!r}")
+    return limit
+
+
+def _check_lm_eval_version() -> None:
+    try:
+        found = metadata.version("lm_eval")
+    except metadata.PackageNotFoundError as err:
+        raise LayercutError(f"lm-eval is not installed; pip install 'lm-eval{LM_EVAL_TESTED}'") from err
+    parts = tuple(int(p) for p in found.split(".")[:3] if p.isdigit())
+    if not _LM_EVAL_TESTED_MIN <= parts < _LM_EVAL_TESTED_BELOW:
+        logger.warning("lm-eval %s found; layercut's task bridge is tested with lm-eval%s", found, LM_EVAL_TESTED)
+
+
+def wrap_model(model: Any, tokenizer: Any, batch_size: int = 8):
+    """Wrap an in-memory model in lm-eval's ``HFLM``, or load one from a ``save_pretrained`` folder.
+
+    Args:
+        model: A ``PreTrainedModel`` (used as is, on whatever devices it sits) or a checkpoint folder.
+        tokenizer: Its tokenizer; for a folder, ``None`` loads the folder's own.
+        batch_size: Requests per forward pass.
+
+    Returns:
+        The ``HFLM`` wrapper.
+
+    Raises:
+        LayercutError: an in-memory model without a tokenizer, or a folder that does not exist.
+    """
+    from lm_eval.models.huggingface import HFLM
+
+    if isinstance(model, (str, Path)):
+        folder = Path(model).expanduser()
+        if not folder.is_dir():
+            raise LayercutError(f"model folder {folder} not found; pass a save_pretrained folder or a loaded model")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        tok = tokenizer if tokenizer is not None else str(folder)
+        return HFLM(pretrained=str(folder), tokenizer=tok, batch_size=batch_size, device=device)
+    if tokenizer is None:
+        raise LayercutError("an in-memory model needs its tokenizer; pass tokenizer= (load_model returns both)")
+    return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+
+
+@contextmanager
+def hub_offline() -> Iterator[None]:
+    """Forbid hub access for the duration, then restore the previous settings.
+
+    ``datasets`` and ``huggingface_hub`` read the environment once at import, so their flags are set too.
+    """
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved_env = {key: os.environ.get(key) for key in _OFFLINE_ENV}
+    flags = [(datasets.config, "HF_DATASETS_OFFLINE"), (datasets.config, "HF_HUB_OFFLINE"),
+             (huggingface_hub.constants, "HF_HUB_OFFLINE")]
+    saved_flags = [(module, attr, getattr(module, attr)) for module, attr in flags if hasattr(module, attr)]
+    try:
+        os.environ.update(dict.fromkeys(_OFFLINE_ENV, "1"))
+        for module, attr, _ in saved_flags:
+            setattr(module, attr, True)
+        yield
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        for module, attr, value in saved_flags:
+            setattr(module, attr, value)
+
+
+def _metric_value(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    return math.nan if value == "N/A" else None  # lm-eval writes "N/A" for a stderr it cannot estimate
+
+
+def clean_metrics(raw: dict[str, Any]) -> dict[str, float]:
+    """lm-eval's per-task result dict with the ``,none`` filter suffix dropped and only numbers kept.
+
+    Args:
+        raw: One entry of ``simple_evaluate(...)["results"]``, e.g. ``{"acc,none": 0.5, "alias": "piqa"}``.
+
+    Returns:
+        ``{"acc": 0.5, "acc_stderr": ..., ...}``; metrics under another filter keep ``"name,filter"``.
+    """
+    out: dict[str, float] = {}
+    for key, value in raw.items():
+        metric, _, filter_name = key.partition(",")
+        number = _metric_value(value)
+        if number is not None and metric != "alias":
+            out[metric if filter_name in ("", "none") else key] = number
+    return out
+
+
+class _DropCustomDatasetNotice(logging.Filter):
+    """Drop lm-eval's per-task advice on ``custom_dataset`` kwargs: we pass ``data_dir`` ourselves."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Custom kwargs can be passed" not in record.getMessage()
+
+
+def local_tasks(names: Sequence[str], data_dir: str | Path | None) -> dict[str, Any]:
+    """Build lm-eval ``Task`` objects for offline tasks, reading their rows from ``data_dir``.
+
+    Args:
+        names: Keys of :data:`OFFLINE_TASKS`.
+        data_dir: The data folder (``None``: ``$LAYERCUT_DATA``).
+
+    Returns:
+        ``{name: Task}``, ready for ``lm_eval.evaluator.simple_evaluate(tasks=[...])``.
+
+    Raises:
+        LayercutError: an unknown offline task, or a missing folder or file.
+    """
+    for name in names:
+        if name not in OFFLINE_TASKS:
+            raise _unknown_task(name)
+        local_data_files(name, data_dir)
+    manager = _local_task_manager(resolve_data_dir(data_dir))
+    with _quiet_lm_eval():
+        return dict(manager.load(list(names))["tasks"])
+
+
+@contextmanager
+def _quiet_lm_eval() -> Iterator[None]:
+    task_logger = logging.getLogger("lm_eval.api.task")
+    notice = _DropCustomDatasetNotice()
+    task_logger.addFilter(notice)
+    try:
+        yield
+    finally:
+        task_logger.removeFilter(notice)
+
+
+def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed) -> dict[str, dict[str, float]]:
+    from lm_eval import evaluator
+
+    start = time.perf_counter()
+    with _quiet_lm_eval():
+        out = evaluator.simple_evaluate(
+            model=lm, tasks=names, task_manager=task_manager, limit=limit, num_fewshot=num_fewshot,
+            log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    logger.info("lm-eval %s done in %.1f s", ",".join(names), time.perf_counter() - start)
+    if out is None:  # non-zero rank of a distributed run: rank 0 reports
+        return {}
+    return {task: clean_metrics(raw) for task, raw in out["results"].items()}
+
+
+def run_lm_eval(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[str],
+    *,
+    data_dir: str | Path | None = None,
+    limit: int | float | None = None,
+    batch_size: int = 8,
+    num_fewshot: int | None = None,
+    seed: int = 1234,
+) -> dict[str, dict[str, float]]:
+    """Evaluate ``model`` on lm-eval tasks, from local files when a data folder is given.
+
+    Args:
+        model: An in-memory ``PreTrainedModel``, or a ``save_pretrained`` folder.
+        tokenizer: The model's tokenizer (``None`` with a folder loads the folder's own).
+        tasks: Standard lm-eval task names (``lambada`` runs ``lambada_openai`` offline).
+        data_dir: Folder laid out like ``shared/data``; ``None`` falls back to ``$LAYERCUT_DATA``, and
+            without either the tasks come from lm-eval's registry and the hub.
+        limit: Rows per task (a whole number), or a fraction of each task (a float in (0, 1)); ``None``: all.
+        batch_size: Requests per forward pass.
+        num_fewshot: Few-shot examples (``None``: each task's default, 0 for these). Offline there is
+            no train split, so they are drawn from the evaluated split (never the row itself).
+        seed: Seed for Python, NumPy, torch and the few-shot sampler.
+
+    Returns:
+        ``{task: {metric: value}}`` with lm-eval's metric names without the ``,none`` suffix, e.g.
+        ``{"piqa": {"acc": .., "acc_stderr": .., "acc_norm": .., "acc_norm_stderr": ..}}``. Groups that
+        lm-eval aggregates appear under their own name.
+
+    Raises:
+        LayercutError: bad options, an unknown task, a missing data folder or file, or a missing model folder.
+    """
+    limit = _check_options(limit, batch_size, num_fewshot)
+    _check_lm_eval_version()
+    root = resolve_data_dir(data_dir)
+    local, registry = plan_tasks(tasks, root)
+    if root is not None and num_fewshot:
+        logger.warning("offline tasks have no train split: few-shot examples come from the evaluated split")
+    lm = wrap_model(model, tokenizer, batch_size)
+    kwargs = dict(limit=limit, num_fewshot=num_fewshot, seed=seed)
+    results: dict[str, dict[str, float]] = {}
+    if local:
+        logger.info("running %s from local files in %s", ", ".join(local), root)
+        with hub_offline():
+            results.update(_evaluate(lm, local, _local_task_manager(root), **kwargs))
+    if registry:
+        logger.info("running %s from lm-eval's registry%s", ", ".join(registry), " (offline)" if root else "")
+        with hub_offline() if root is not None else nullcontext():
+            results.update(_evaluate(lm, registry, _registry(), **kwargs))
+    return results

@@ -1,0 +1,376 @@
+"""Shortcuts from an intermediate residual state to the last block's output (Jump to Conclusions, N-NJTC).
+
+A shortcut maps state ``l`` (the residual stream after ``l`` blocks, before the final norm) to a guess
+of state ``L`` (the last block's output), so the model's own final norm and LM head can read it:
+
+* ``id``: no map, ``h_l`` itself (the "logit lens").
+* ``mat``: the affine least-squares map ``h_l A + b``, closed form from streamed float64 moments
+  (``prune.stats`` / ``prune.linear_fit``), with a scale-free ridge.
+* ``njtc``: a rank-r correction ``h_l + (h_l U) V`` trained by Adam on the MSE to ``h_L``.
+* ``n-njtc``: the same with a ``BatchNorm1d`` in front: ``h_l + (BN(h_l) U) V``.
+
+The low-rank maps predict the residual ``h_L - h_l`` by default (``residual=True``): a rank-5 map of
+a 576-wide stream cannot carry ``h_L`` itself (most of it is ``h_l``), but it can carry the change.
+``residual=False`` predicts ``h_L`` directly, as a plain ``U V`` product.
+
+Training streams the calibration split: each forward pass gives one batch of states, the maps take a
+few optimizer steps on random token minibatches of it, then the batch is dropped. Memory is one
+batch of states, whatever the number of calibration tokens.
+
+Shortcuts save to one safetensors file (with their settings as metadata) and reload with
+:func:`load_shortcuts`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm.auto import tqdm
+
+from prune.adapters import hidden_size, input_device, lm_head, num_blocks
+from prune.capture import residual_states
+from prune.errors import LayercutError
+from prune.linear_fit import LinearFit, fit_linear_map
+from prune.stats import StateMoments
+
+logger = logging.getLogger(__name__)
+
+SHORTCUTS_FILE = "shortcuts.safetensors"
+_METADATA_KEY = "layercut_shortcuts"
+
+
+@dataclass(frozen=True)
+class ShortcutKind:
+    """A registered kind of shortcut.
+
+    Attributes:
+        name: registry key and CLI value.
+        description: one line for tables and help.
+        fitted: "closed-form" (from moments), "gradient" (trained) or "none".
+        batch_norm: whether the low-rank map normalises its input first.
+    """
+
+    name: str
+    description: str
+    fitted: str
+    batch_norm: bool = False
+
+
+SHORTCUTS: dict[str, ShortcutKind] = {
+    "id": ShortcutKind("id", "no map: read h_l with the final norm and LM head (logit lens)", "none"),
+    "mat": ShortcutKind("mat", "affine least squares h_l A + b, closed form from moments (ridge)", "closed-form"),
+    "njtc": ShortcutKind("njtc", "rank-r map U V trained by Adam on MSE", "gradient"),
+    "n-njtc": ShortcutKind("n-njtc", "BatchNorm then rank-r map U V, trained by Adam on MSE", "gradient", True),
+}
+
+
+def parse_shortcuts(spec: str | Sequence[str]) -> list[str]:
+    """Shortcut names from ``"id,mat"`` or a list, in registry order; unknown names list the known ones."""
+    names = [n.strip() for n in (spec.split(",") if isinstance(spec, str) else spec) if n.strip()]
+    unknown = [n for n in names if n not in SHORTCUTS]
+    if unknown:
+        raise LayercutError(f"unknown shortcut '{unknown[0]}': choose from {', '.join(SHORTCUTS)} (comma-separated)")
+    if not names:
+        raise LayercutError(f"--shortcuts is empty: give a comma-separated subset of {', '.join(SHORTCUTS)}")
+    return [n for n in SHORTCUTS if n in names]
+
+
+def default_rank(dim: int) -> int:
+    """The N-NJTC rank: one hundredth of the hidden size, at least 1 (5 for SmolLM2's 576)."""
+    return max(1, dim // 100)
+
+
+class IdentityShortcut(nn.Module):
+    """``id``: the state itself."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return ``x`` unchanged."""
+        return x
+
+
+class AffineShortcut(nn.Module):
+    """``mat``: ``x @ weight + bias``, weights kept in float64 and applied in float32 (or float64 inputs)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim, dim, dtype=torch.float64), requires_grad=False)  # [d_in, d_out]
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float64), requires_grad=False)  # [d_out]
+
+    @classmethod
+    def from_fit(cls, fit: LinearFit) -> AffineShortcut:
+        """Wrap a closed-form :class:`~prune.linear_fit.LinearFit`."""
+        module = cls(fit.weight.shape[0])
+        module.weight.data.copy_(fit.weight.cpu())
+        module.bias.data.copy_(fit.bias.cpu())
+        return module.to(fit.weight.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the map in float32 (float64 for float64 inputs) and return ``x``'s dtype."""
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        y = x.to(work) @ self.weight.to(work) + self.bias.to(work)
+        return y.to(x.dtype)
+
+
+class LowRankShortcut(nn.Module):
+    """``njtc`` / ``n-njtc``: ``[x +] (BN(x) U) V`` with ``U`` [d, r], ``V`` [r, d].
+
+    ``V`` starts at zero so a residual map starts as ``id`` and only learns the correction.
+    """
+
+    def __init__(self, dim: int, rank: int, batch_norm: bool, residual: bool = True):
+        super().__init__()
+        self.residual = residual
+        self.norm = nn.BatchNorm1d(dim) if batch_norm else None
+        self.u = nn.Parameter(torch.randn(dim, rank) / math.sqrt(dim))  # [d, r]
+        self.v = nn.Parameter(torch.zeros(rank, dim))  # [r, d]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Map [..., d] states in float32; returns ``x``'s dtype."""
+        flat = x.reshape(-1, x.shape[-1]).float()  # [n, d]
+        z = self.norm(flat) if self.norm is not None else flat
+        y = (z @ self.u) @ self.v
+        if self.residual:
+            y = y + flat
+        return y.reshape(x.shape).to(x.dtype)
+
+
+def trained_parameters(module: nn.Module) -> int:
+    """Number of fitted values in a shortcut (BatchNorm running statistics are not counted)."""
+    return sum(p.numel() for p in module.parameters())
+
+
+@dataclass
+class ShortcutSet:
+    """Shortcuts from every state ``l < target`` to state ``target``, one module per state and kind.
+
+    Attributes:
+        target: the state the shortcuts predict (the number of blocks L).
+        dim: hidden size.
+        maps: kind name -> ``nn.ModuleList`` indexed by source state 0..target-1.
+        settings: how they were made (ridge, rank, residual, training losses...), saved with them.
+    """
+
+    target: int
+    dim: int
+    maps: dict[str, nn.ModuleList] = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        """Kinds held, in registry order."""
+        return [n for n in SHORTCUTS if n in self.maps]
+
+    def apply(self, name: str, layer: int, state: torch.Tensor) -> torch.Tensor:
+        """Predict state ``target`` from ``state`` = state ``layer`` (identity at ``layer == target``)."""
+        if layer == self.target:
+            return state
+        return self.maps[name][layer](state)
+
+    def parameters_per_layer(self, name: str) -> int:
+        """Fitted values of one layer's shortcut of kind ``name``."""
+        return trained_parameters(self.maps[name][0])
+
+    def save(self, folder: str | Path) -> Path:
+        """Write every shortcut and the settings to ``folder/shortcuts.safetensors``."""
+        tensors = {}
+        for name, modules in self.maps.items():
+            for layer, module in enumerate(modules):
+                for key, value in module.state_dict().items():
+                    tensors[f"{name}.{layer}.{key}"] = value.detach().cpu().contiguous()
+        meta = {"target": self.target, "dim": self.dim, "names": self.names, "settings": self.settings}
+        path = Path(folder) / SHORTCUTS_FILE
+        save_file(tensors, str(path), metadata={_METADATA_KEY: json.dumps(meta)})
+        return path
+
+
+def empty_shortcuts(name: str, dim: int, count: int, rank: int = 1, residual: bool = True) -> nn.ModuleList:
+    """``count`` fresh shortcuts of kind ``name`` (identity, zero affine, or initialised low-rank)."""
+    kind = SHORTCUTS[name]
+    if kind.fitted == "none":
+        return nn.ModuleList(IdentityShortcut() for _ in range(count))
+    if kind.fitted == "closed-form":
+        return nn.ModuleList(AffineShortcut(dim) for _ in range(count))
+    return nn.ModuleList(LowRankShortcut(dim, rank, kind.batch_norm, residual) for _ in range(count))
+
+
+def load_shortcuts(folder: str | Path) -> ShortcutSet:
+    """Reload a :class:`ShortcutSet` written by :meth:`ShortcutSet.save` (file or folder path)."""
+    path = Path(folder)
+    path = path / SHORTCUTS_FILE if path.is_dir() else path
+    if not path.is_file():
+        raise LayercutError(f"no {SHORTCUTS_FILE} in {folder}: pass the --out folder of a lens run")
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads((handle.metadata() or {}).get(_METADATA_KEY, "null") or "null")
+    if meta is None:
+        raise LayercutError(f"{path} has no layercut shortcut metadata: it was not written by eval.lens")
+    tensors = load_file(str(path))
+    settings = meta["settings"]
+    shortcuts = ShortcutSet(meta["target"], meta["dim"], settings=settings)
+    for name in meta["names"]:
+        modules = empty_shortcuts(name, meta["dim"], meta["target"], settings.get("rank", 1),
+                                  settings.get("residual", True))  # fmt: skip
+        for layer, module in enumerate(modules):
+            prefix = f"{name}.{layer}."
+            module.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+        shortcuts.maps[name] = modules.eval()
+    return shortcuts
+
+
+def mat_pairs(target: int) -> list[tuple[int, int]]:
+    """The (l, target) state pairs whose cross Grams the ``mat`` shortcuts need."""
+    return [(layer, target) for layer in range(target)]
+
+
+def fit_mat_shortcuts(moments: StateMoments, target: int, ridge: float) -> nn.ModuleList:
+    """Closed-form ``mat`` shortcut from every state ``l < target`` to ``target``."""
+    return nn.ModuleList(
+        AffineShortcut.from_fit(fit_linear_map(moments.pair(layer, target), ridge)) for layer in range(target)
+    )
+
+
+@dataclass
+class LowRankConfig:
+    """How ``njtc`` / ``n-njtc`` are trained.
+
+    Attributes:
+        rank: r of ``U`` [d, r] and ``V`` [r, d]; None = ``max(1, d // 100)``.
+        steps: total Adam steps.
+        epochs: passes over the calibration split (the steps are spread evenly over the batches).
+        lr: Adam learning rate.
+        token_batch: tokens per step, drawn from the current forward batch.
+        residual: predict ``h_L - h_l`` (True) or ``h_L`` itself (False).
+        seed: initialisation and minibatch order.
+    """
+
+    rank: int | None = None
+    steps: int = 300
+    epochs: int = 2
+    lr: float = 1e-2
+    token_batch: int = 512
+    residual: bool = True
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "epochs", "token_batch"):
+            if getattr(self, name) <= 0:
+                raise LayercutError(f"low-rank {name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.rank is not None and self.rank <= 0:
+            raise LayercutError(f"--rank must be positive, got {self.rank}")
+        if not self.lr > 0:
+            raise LayercutError(f"--lr must be positive, got {self.lr}")
+
+
+def batch_states(model: nn.Module, ids: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """All residual states of one forward pass, flattened to [tokens, d] float32 (detached)."""
+    states: list[torch.Tensor | None] = [None] * (count + 1)
+
+    def keep(index: int, h: torch.Tensor) -> None:
+        states[index] = h.detach().reshape(-1, h.shape[-1]).float()
+
+    with torch.no_grad(), residual_states(model, keep):
+        model.base_model(input_ids=ids.to(input_device(model)), use_cache=False)
+    return states  # type: ignore[return-value]
+
+
+def train_low_rank(
+    model: nn.Module,
+    token_ids: torch.Tensor,
+    names: Iterable[str],
+    config: LowRankConfig,
+    *,
+    batch_size: int = 4,
+    progress: bool = True,
+) -> tuple[dict[str, nn.ModuleList], dict[str, list[float]]]:
+    """Train low-rank shortcuts of each kind in ``names`` from every state to the last, on streamed batches.
+
+    All maps train together (their parameters are disjoint, so the summed loss gives each its own
+    gradient and Adam is per-parameter: the same as training each alone).
+
+    Returns:
+        kind -> ``nn.ModuleList`` (eval mode), and kind -> the last step's MSE per layer.
+    """
+    names = [n for n in names if SHORTCUTS[n].fitted == "gradient"]
+    count, dim = num_blocks(model), hidden_size(model)
+    rank = config.rank or default_rank(dim)
+    torch.manual_seed(config.seed)
+    device = lm_head(model).weight.device
+    maps = {n: empty_shortcuts(n, dim, count, rank, config.residual).to(device).train() for n in names}
+    if not maps:
+        return {}, {}
+    optimizer = torch.optim.Adam([p for m in maps.values() for p in m.parameters()], lr=config.lr)
+    starts = list(range(0, token_ids.shape[0], batch_size))
+    per_batch = max(1, math.ceil(config.steps / (config.epochs * len(starts))))
+    generator = torch.Generator().manual_seed(config.seed)
+    losses: dict[str, list[float]] = {}
+    bar = tqdm(total=config.steps, desc="train low-rank", unit="step", disable=not progress)
+    step = 0
+    while step < config.steps:
+        for start in starts:
+            states = [s.to(device) for s in batch_states(model, token_ids[start : start + batch_size], count)]
+            for _ in range(min(per_batch, config.steps - step)):
+                pick = torch.randint(0, states[0].shape[0], (config.token_batch,), generator=generator)
+                losses = _low_rank_step(maps, states, pick.to(device), optimizer)
+                step += 1
+                bar.update(1)
+            if step >= config.steps:
+                break
+    bar.close()
+    for modules in maps.values():
+        modules.eval()
+    logger.info("trained %s shortcuts (rank %d) for %d steps", ",".join(maps), rank, config.steps)
+    return maps, losses
+
+
+def _low_rank_step(maps: dict[str, nn.ModuleList], states: list[torch.Tensor], pick: torch.Tensor, optimizer):
+    """One Adam step on the summed per-layer MSE; returns each layer's loss per kind."""
+    target = states[-1][pick]  # [token_batch, d]
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    losses: dict[str, list[float]] = {}
+    for name, modules in maps.items():
+        per_layer = [torch.nn.functional.mse_loss(m(states[layer][pick]), target) for layer, m in enumerate(modules)]
+        total = total + sum(per_layer)
+        losses[name] = [float(v.detach()) for v in per_layer]
+    total.backward()
+    optimizer.step()
+    return losses
+
+
+def build_shortcuts(
+    names: Sequence[str],
+    target: int,
+    dim: int,
+    *,
+    moments: StateMoments | None = None,
+    ridge: float = 0.0,
+    low_rank: dict[str, nn.ModuleList] | None = None,
+    settings: dict | None = None,
+) -> ShortcutSet:
+    """Assemble a :class:`ShortcutSet` from fitted pieces (``moments`` for ``mat``, trained low-rank maps)."""
+    shortcuts = ShortcutSet(target, dim, settings=dict(settings or {}))
+    for name in names:
+        kind = SHORTCUTS[name]
+        if kind.fitted == "none":
+            shortcuts.maps[name] = empty_shortcuts(name, dim, target)
+        elif kind.fitted == "closed-form":
+            if moments is None:
+                raise ValueError("mat shortcuts need calibration moments")
+            shortcuts.maps[name] = fit_mat_shortcuts(moments, target, ridge)
+        else:
+            shortcuts.maps[name] = (low_rank or {})[name]
+    return shortcuts
+
+
+def settings_dict(config: LowRankConfig, dim: int, ridge: float) -> dict:
+    """JSON-ready settings saved with the shortcuts."""
+    return {**asdict(config), "rank": config.rank or default_rank(dim), "ridge": ridge}

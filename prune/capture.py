@@ -1,0 +1,57 @@
+"""Forward hooks that hand each residual-stream state to a callback while the model runs.
+
+State ``i`` is the input of block ``i``; state ``L`` is the output of the last block (before the final
+norm, which is why ``output_hidden_states`` is not used: its last entry is usually after the norm).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from prune.adapters import get_blocks
+
+StateCallback = Callable[[int, torch.Tensor], None]
+
+
+def block_output(output) -> torch.Tensor:
+    """The hidden state a block returns: a tensor, or the first element of a tuple (older transformers)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def block_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """The hidden state passed to a block, positionally or as ``hidden_states=``."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+@contextmanager
+def residual_states(model: nn.Module, callback: StateCallback) -> Iterator[None]:
+    """Call ``callback(i, h)`` for every residual state ``h`` [batch, seq, hidden] during forward passes.
+
+    Blocks follow each other directly in every supported architecture, so block ``i``'s output is
+    block ``i+1``'s input: hooking block 0's input and every block's output sees each state once.
+    """
+    _, blocks = get_blocks(model)
+    handles = []
+    try:
+        handles.append(
+            blocks[0].register_forward_pre_hook(
+                lambda _m, args, kwargs: callback(0, block_input(args, kwargs)), with_kwargs=True
+            )
+        )
+        for index, block in enumerate(blocks):
+            handles.append(block.register_forward_hook(_output_hook(callback, index + 1)))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _output_hook(callback: StateCallback, state_index: int):
+    def hook(_module, _args, output):
+        callback(state_index, block_output(output))
+
+    return hook

@@ -1,0 +1,122 @@
+"""Write a slimmed checkpoint: weights, tokenizer, ``layercut.json`` and a model card, all or nothing.
+
+Everything is written into a temporary sibling folder that is renamed into place at the end, so a
+crash or Ctrl-C never leaves a half-written checkpoint under the user's ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from prune.errors import LayercutError
+
+logger = logging.getLogger(__name__)
+
+REPORT_FILE = "layercut.json"
+
+
+def check_output_dir(out: str | Path, overwrite: bool) -> Path:
+    """Fail early (before any heavy work) if ``out`` is a non-empty folder and overwrite is off."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise LayercutError(f"--out {out} is a file: pass a folder path")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise LayercutError(f"--out {out} exists and is not empty: pass --overwrite or choose another folder")
+    return path
+
+
+@contextmanager
+def atomic_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder next to ``out``; on success it replaces ``out``, on error it is removed."""
+    target = check_output_dir(out, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield staging
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            target.rename(old)
+            staging.rename(target)
+            shutil.rmtree(old)
+        else:
+            staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries that shape a checkpoint, for the report."""
+    import importlib.metadata as metadata
+
+    versions = {"python": platform.python_version()}
+    for name in ("layercut", "torch", "transformers", "accelerate", "peft"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Pretty JSON with a trailing newline."""
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def model_card(report: dict) -> str:
+    """A Hugging Face model card (README.md) describing what was removed and why."""
+    dropped = report.get("dropped", [])
+    lines = [
+        "---",
+        f"base_model: {report.get('source_model', 'unknown')}",
+        "library_name: transformers",
+        "tags:",
+        "- layercut",
+        "- pruned",
+        "---",
+        "",
+        f"# {Path(str(report.get('source_model', 'model'))).name} with {len(dropped)} blocks removed",
+        "",
+        f"Made with layercut from `{report.get('source_model')}`: {report.get('num_blocks_before')} decoder blocks "
+        f"-> {report.get('num_blocks_after')}. Removed blocks (0-based, original numbering): {dropped}.",
+        f"Selection: `{report.get('select')}` on score `{report.get('score')}`; "
+        f"calibration data: {report.get('data', {}).get('source')} ({report.get('data', {}).get('tokens')} tokens).",
+        "",
+        "It is a plain checkpoint: `AutoModelForCausalLM.from_pretrained(path)` loads it, no custom code.",
+        f"Per-block scores and every setting are in `{REPORT_FILE}`.",
+        "",
+    ]
+    replacements = report.get("replacements")
+    if replacements:
+        lines += ["## Replacements", "", *(f"- {r}" for r in replacements), ""]
+    return "\n".join(lines)
+
+
+def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite: bool = False, extra=None) -> Path:
+    """Save ``model`` and ``tokenizer`` with ``layercut.json`` and README.md into ``out`` atomically.
+
+    Args:
+        model: the (surgered) model.
+        tokenizer: its tokenizer.
+        out: destination folder.
+        report: JSON-ready dict written as ``layercut.json`` and summarised in the model card.
+        overwrite: replace a non-empty ``out``.
+        extra: optional callable ``(staging_folder) -> None`` writing more files (plots, tables).
+    """
+    with atomic_directory(out, overwrite) as staging:
+        logger.info("saving checkpoint to %s", out)
+        model.save_pretrained(staging, safe_serialization=True)
+        tokenizer.save_pretrained(staging)
+        write_json(staging / REPORT_FILE, report)
+        (staging / "README.md").write_text(model_card(report), encoding="utf-8")
+        if extra is not None:
+            extra(staging)
+    return Path(out)

@@ -1,0 +1,135 @@
+"""Fold a span's linear replacement into the previous kept block's MLP output projection.
+
+The kept block before the span outputs ``h = r + m``: ``r`` is its input plus its attention part,
+``m = z W`` the MLP output, with ``z`` the MLP's hidden activations (width = intermediate size) and
+``W`` the output projection (``down_proj``, ``fc2``, ``c_proj``, ``dense_4h_to_h``). A vanilla block
+can only change ``W``, so the fold solves, exactly in least squares over calibration tokens,
+
+    min_{W', b'} || r + z W' + b' - y ||^2,   i.e. regress  t = y - r = y - h + m  on  z,
+
+where ``y`` is the span's output. That is ReplaceMe's idea (fold a map into ``down_proj``) without its
+restriction ``W' = W T``: the streamed Gram of ``z`` is intermediate x intermediate in float64 (1536^2
+= 19 MB for SmolLM2-135M; 11008^2 = 1 GB for a 7B Llama, acceptable). Projections without a bias
+(Llama family) are fitted without intercept (uncentred least squares); those with one (OPT, GPT-2,
+GPT-NeoX) also get a new bias. The checkpoint stays a plain ``AutoModelForCausalLM``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from prune.adapters import arch_spec, get_blocks, get_submodule
+from prune.errors import LayercutError
+from prune.linear_fit import fit_linear_map
+from prune.replace import PairAccumulator, Replacement, SpanBatch, SpanFitter, WeightPatch, _Recorder
+from prune.stats import PairMoments
+
+# Architectures whose MLP output goes through a norm before the residual add: no linear fold exists.
+MLP_OUTPUT_NORMED = {"gemma2": "post_feedforward_layernorm"}
+
+
+def mlp_output_projection(model: nn.Module, block: nn.Module) -> nn.Module:
+    """The MLP output projection of ``block`` (an ``nn.Linear`` or GPT-2's ``Conv1D``).
+
+    Raises:
+        LayercutError: the architecture has no known projection, or it is not a plain dense layer.
+    """
+    spec = arch_spec(model)
+    model_type = model.config.model_type
+    if not spec.mlp_out:
+        raise LayercutError(
+            f"--replace fold needs the MLP output projection, which is unknown for '{model_type}': set mlp_out in "
+            "prune.adapters.ARCHITECTURES or use --replace linear / block"
+        )
+    try:
+        module = get_submodule(block, spec.mlp_out)
+    except AttributeError:
+        raise LayercutError(
+            f"--replace fold: '{model_type}' blocks have no '{spec.mlp_out}' (the MLP output projection in "
+            "prune.adapters.ARCHITECTURES); fix that entry or use --replace linear / block"
+        ) from None
+    if not isinstance(module, (nn.Linear, Conv1D)) or not module.weight.is_floating_point():
+        raise LayercutError(
+            f"--replace fold writes into {spec.mlp_out}, a {type(module).__name__}, not a dense float layer: "
+            "load the model unquantized or use --replace linear"
+        )
+    return module
+
+
+def check_foldable(model: nn.Module, spans: Sequence[tuple[int, ...]]) -> None:
+    """Fail before any heavy work when a fold is impossible for this model or these spans."""
+    model_type = model.config.model_type
+    if model_type in MLP_OUTPUT_NORMED:
+        raise LayercutError(
+            f"--replace fold: '{model_type}' normalises the MLP output ({MLP_OUTPUT_NORMED[model_type]}) before "
+            "the residual add, so no linear map folds into it; use --replace linear or block"
+        )
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise LayercutError("--replace fold rewrites weights: load the model without --load-in-4bit/--load-in-8bit")
+    for span in spans:
+        if span[0] == 0:
+            raise LayercutError(
+                f"--replace fold cannot replace blocks {list(span)}: a span starting at block 0 has no previous "
+                "block to fold into; protect block 0 (--protect 0,-1) or use --replace linear / block"
+            )
+    _, blocks = get_blocks(model)
+    for span in spans:
+        mlp_output_projection(model, blocks[span[0] - 1])
+
+
+class FoldFitter(SpanFitter):
+    """Streams the moments of (z, t = y - h + m) for the host block and solves for its new projection."""
+
+    needs_mlp = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.where = "fold"
+        self.projection = mlp_output_projection(self.model, self.original[self.host])
+        self.intercept = self.projection.bias is not None
+        self.moments = PairAccumulator()
+
+    def hook_inputs(self, recorder: _Recorder) -> None:
+        """Also capture the projection's input z and output m."""
+        super().hook_inputs(recorder)
+        recorder.input_of(self.projection, f"{self.span}.z")
+        recorder.output_of(self.projection, f"{self.span}.m")
+
+    def observe(self, batch: SpanBatch) -> None:
+        """Accumulate the Grams of (z, y - r)."""
+        self.moments.update(batch.z, batch.y - batch.x + batch.m)  # y - r, with r = h - m
+
+    def finish(self) -> Replacement:
+        """Least squares for the new weights; a :class:`WeightPatch` of the projection."""
+        moments = self.moments.moments()
+        if not self.intercept:
+            moments = _uncentred(moments)
+        fit = fit_linear_map(moments, self.config.ridge)  # weight [intermediate, d]
+        weight = fit.weight if isinstance(self.projection, Conv1D) else fit.weight.T  # Conv1D stores [in, out]
+        param = self.projection.weight
+        patch = WeightPatch(
+            self.projection,
+            weight.to(device=param.device, dtype=param.dtype).contiguous(),
+            fit.bias.to(device=param.device, dtype=param.dtype) if self.intercept else None,
+        )
+        return Replacement(self.config.kind, self.span, "fold", self.host, None, patch, record={
+            "params": 0, "rewrites": arch_spec(self.model).mlp_out,
+            "intercept": self.intercept, "ridge": self.config.ridge, "tokens": moments.n})
+
+
+def _uncentred(moments: PairMoments) -> PairMoments:
+    """The same moments about the origin: a least-squares fit through zero (no intercept)."""
+    n, mx, my = moments.n, moments.mean_x, moments.mean_y.to(moments.mean_x.device)
+    zeros_x, zeros_y = torch.zeros_like(mx), torch.zeros_like(my)
+    return PairMoments(
+        n,
+        zeros_x,
+        zeros_y,
+        moments.cxx + n * torch.outer(mx, mx),
+        moments.cxy + n * torch.outer(mx, my),
+        moments.cyy + n * torch.outer(my, my),
+    )

@@ -1,0 +1,75 @@
+"""Closed-form least squares between two residual states, from their streamed moments (float64)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prune.stats import PairMoments
+
+
+@dataclass
+class LinearFit:
+    """The affine map ``y ~ x @ weight + bias``."""
+
+    weight: torch.Tensor  # [d_in, d_out] float64
+    bias: torch.Tensor  # [d_out] float64
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the map to [..., d_in] states, in their own dtype."""
+        return x @ self.weight.to(x) + self.bias.to(x)
+
+
+def _spectrum(cxx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eigen-decomposition of a Gram matrix and the mask of eigenvalues above numerical noise."""
+    evals, evecs = torch.linalg.eigh(cxx)
+    keep = evals > evals.max().clamp_min(0) * cxx.shape[0] * torch.finfo(cxx.dtype).eps
+    return evals, evecs, keep
+
+
+def explained_sum_of_squares(cxx: torch.Tensor, cxy: torch.Tensor) -> torch.Tensor:
+    """``tr(Cxy^T Cxx^+ Cxy)``: the part of ``tr(Cyy)`` that the best linear map from X explains."""
+    evals, evecs, keep = _spectrum(cxx)
+    projected = evecs[:, keep].T @ cxy  # [rank, d_out]
+    return ((projected**2).sum(1) / evals[keep]).sum()
+
+
+def fit_linear_map(moments: PairMoments, ridge: float = 0.0) -> LinearFit:
+    """Least squares ``A = (Cxx + lambda I)^-1 Cxy``, ``b = mean(Y) - mean(X) A``.
+
+    Args:
+        moments: centred moments of (X, Y).
+        ridge: lambda relative to the mean diagonal of Cxx (scale-free); 0 gives the minimum-norm
+            solution through the pseudo-inverse.
+    """
+    cxx, cxy = moments.cxx, moments.cxy
+    if ridge > 0:
+        lam = ridge * torch.diagonal(cxx).mean()
+        eye = torch.eye(cxx.shape[0], dtype=cxx.dtype, device=cxx.device)
+        weight = torch.linalg.solve(cxx + lam * eye, cxy)
+    else:
+        evals, evecs, keep = _spectrum(cxx)
+        basis = evecs[:, keep]  # [d_in, rank]
+        weight = basis @ ((basis.T @ cxy) / evals[keep, None])
+    bias = moments.mean_y - moments.mean_x.to(weight.device) @ weight
+    return LinearFit(weight, bias)
+
+
+def r_squared(fit: LinearFit, moments: PairMoments) -> float:
+    """Coordinate-averaged ``1 - SSE_j / SST_j`` of ``fit`` on the tokens summarised by ``moments``.
+
+    Works on held-out moments: the residual ``Y - XA - b`` is expanded in the centred Grams plus the
+    offset between the held-out means and the map's prediction of them.
+    """
+    a = fit.weight.to(moments.cxx)
+    sse = (
+        torch.diagonal(moments.cyy)
+        - 2 * (a * moments.cxy).sum(0)
+        + ((moments.cxx @ a) * a).sum(0)
+    )
+    offset = moments.mean_y - moments.mean_x @ a - fit.bias.to(a)
+    sse = sse + moments.n * offset**2
+    sst = torch.diagonal(moments.cyy)
+    valid = sst > 0
+    return float((1 - sse[valid] / sst[valid]).mean())

@@ -1,0 +1,101 @@
+"""Per-block scores from streamed moments, registered by name.
+
+Every score here comes from the same single pass (``prune.stats.stream_moments``). Each one says
+whether a high value marks a block as safe to remove, so selection can rank any of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from prune.errors import LayercutError
+from prune.linear_fit import explained_sum_of_squares
+from prune.stats import PairMoments, StateMoments
+
+
+@dataclass(frozen=True)
+class Score:
+    """A named per-block criterion.
+
+    Attributes:
+        name: registry key and CLI value.
+        description: one line for tables and help.
+        higher_is_removable: True when a high value means the block does little.
+        compute: (moments, block index) -> value.
+    """
+
+    name: str
+    description: str
+    higher_is_removable: bool
+    compute: Callable[[StateMoments, int], float]
+
+    def removability(self, values: list[float]) -> list[float]:
+        """Values oriented so that larger always means "safer to remove"."""
+        return list(values) if self.higher_is_removable else [-v for v in values]
+
+
+SCORES: dict[str, Score] = {}
+
+
+def register_score(name: str, description: str, higher_is_removable: bool):
+    """Decorator adding a ``(moments, block) -> float`` function to :data:`SCORES`."""
+
+    def wrap(fn: Callable[[StateMoments, int], float]) -> Callable[[StateMoments, int], float]:
+        SCORES[name] = Score(name, description, higher_is_removable, fn)
+        return fn
+
+    return wrap
+
+
+def get_score(name: str) -> Score:
+    """Look up a score by name; the error lists the known ones."""
+    try:
+        return SCORES[name]
+    except KeyError:
+        raise LayercutError(f"unknown score '{name}': choose one of {', '.join(SCORES)}") from None
+
+
+def linearity(moments: PairMoments, residual: bool = True) -> float:
+    """Generalised-Procrustes linearity ``1 - min_A ||X~ A - Y~||_F^2`` of centred, normalised X, Y.
+
+    Equals ``tr(Cxy^T Cxx^+ Cxy) / tr(Cyy)``. Without the residual, Y is replaced by Y - X, the
+    block's own contribution to the residual stream.
+    """
+    cxx, cxy, cyy = moments.cxx, moments.cxy, moments.cyy
+    if not residual:
+        cxy, cyy = cxy - cxx, cyy - cxy - cxy.T + cxx
+    return float(explained_sum_of_squares(cxx, cxy) / torch.trace(cyy))
+
+
+@register_score("linearity", "linearity of block output on input (with residual)", higher_is_removable=True)
+def _linearity(moments: StateMoments, block: int) -> float:
+    return linearity(moments.pair(block, block + 1), residual=True)
+
+
+@register_score("linearity-nores", "linearity of the block's update (output - input)", higher_is_removable=True)
+def _linearity_nores(moments: StateMoments, block: int) -> float:
+    return linearity(moments.pair(block, block + 1), residual=False)
+
+
+@register_score("cosine", "mean cosine similarity of block input and output", higher_is_removable=True)
+def _cosine(moments: StateMoments, block: int) -> float:
+    return moments.mean_cosine(block, block + 1)
+
+
+@register_score("angular", "mean angular distance arccos(cos)/pi of input and output", higher_is_removable=False)
+def _angular(moments: StateMoments, block: int) -> float:
+    return moments.mean_angular_distance(block, block + 1)
+
+
+@register_score("bi", "Block Influence 1 - mean cosine (ShortGPT)", higher_is_removable=False)
+def _block_influence(moments: StateMoments, block: int) -> float:
+    return 1.0 - moments.mean_cosine(block, block + 1)
+
+
+def block_scores(moments: StateMoments, names: list[str] | None = None) -> dict[str, list[float]]:
+    """Every requested score (default: all registered) for every block."""
+    blocks = range(moments.num_states - 1)
+    return {name: [get_score(name).compute(moments, b) for b in blocks] for name in (names or list(SCORES))}

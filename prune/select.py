@@ -1,0 +1,150 @@
+"""Which blocks go: the K most removable independently, the best contiguous span, or greedy re-scoring.
+
+Selections are registered by name. By default the first and the last block are protected: the first
+turns token embeddings into the working representation and the last prepares the state for the
+LM head, and removing either one breaks small models (see DESIGN.md, SmolLM2 figures).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from prune.errors import LayercutError
+from prune.scores import Score
+from prune.stats import StateMoments, stream_moments
+from prune.surgery import blocks_removed
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROTECT = "0,-1"
+
+
+def parse_drop(value: str | int, num_blocks: int) -> int:
+    """``4`` or ``25%`` (of the model's blocks, rounded) -> a block count, validated."""
+    text = str(value).strip()
+    try:
+        count = round(num_blocks * float(text[:-1]) / 100) if text.endswith("%") else int(text)
+    except ValueError:
+        raise LayercutError(f"--drop must be a count like 4 or a share like 25%, got '{value}'") from None
+    if count <= 0:
+        raise LayercutError(f"--drop {value} removes no block: ask for at least 1")
+    if count >= num_blocks:
+        raise LayercutError(
+            f"--drop {value} asks for {count} of the model's {num_blocks} blocks: drop at most {num_blocks - 1}"
+        )
+    return count
+
+
+def parse_protect(value: str | Sequence[int] | None, num_blocks: int) -> list[int]:
+    """``"0,-1"`` (negative counts from the end), ``"none"``, or a list -> sorted block indices."""
+    if value is None or value == "none" or value == "":
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        indices = [int(i) for i in items]
+    except ValueError:
+        raise LayercutError(f"--protect takes block indices like 0,-1 or 'none', got '{value}'") from None
+    if any(not -num_blocks <= i < num_blocks for i in indices):
+        raise LayercutError(f"--protect {value}: the model has blocks 0..{num_blocks - 1}")
+    return sorted({i % num_blocks for i in indices})
+
+
+@dataclass
+class SelectionInput:
+    """What a selection strategy sees."""
+
+    score: Score
+    moments: StateMoments
+    values: list[float]  # the score for every block
+    count: int
+    protected: list[int]
+    model: nn.Module | None = None
+    token_ids: torch.Tensor | None = None
+    batch_size: int = 4
+
+
+SELECTIONS: dict[str, Callable[[SelectionInput], list[int]]] = {}
+
+
+def register_selection(name: str):
+    """Decorator adding a selection strategy to :data:`SELECTIONS`."""
+
+    def wrap(fn):
+        SELECTIONS[name] = fn
+        return fn
+
+    return wrap
+
+
+def select_blocks(method: str, inputs: SelectionInput) -> list[int]:
+    """Run the named strategy; checks there are enough unprotected blocks first."""
+    if method not in SELECTIONS:
+        raise LayercutError(f"unknown selection '{method}': choose one of {', '.join(SELECTIONS)}")
+    free = len(inputs.values) - len(inputs.protected)
+    if inputs.count > free:
+        raise LayercutError(
+            f"cannot drop {inputs.count} blocks: only {free} are not protected ({inputs.protected}); "
+            "lower --drop or pass --protect none"
+        )
+    return sorted(SELECTIONS[method](inputs))
+
+
+@register_selection("topk")
+def _topk(inputs: SelectionInput) -> list[int]:
+    ranked = sorted(range(len(inputs.values)), key=lambda b: -inputs.score.removability(inputs.values)[b])
+    return [b for b in ranked if b not in inputs.protected][: inputs.count]
+
+
+def span_removability(inputs: SelectionInput, start: int) -> float:
+    """How removable the span ``start .. start + count - 1`` is.
+
+    Distance scores compare the span's endpoints directly (Gromov et al.) when all pairwise cosines
+    were streamed; otherwise the per-block values are summed.
+    """
+    end = start + inputs.count
+    pairwise = inputs.moments.cosine_pairs == "all"
+    if pairwise and inputs.score.name in ("angular", "bi", "cosine"):
+        cos = inputs.moments.mean_cosine(start, end)
+        value = {"angular": inputs.moments.mean_angular_distance(start, end), "bi": 1 - cos, "cosine": cos}
+        return inputs.score.removability([value[inputs.score.name]])[0]
+    return sum(inputs.score.removability(inputs.values)[start:end])
+
+
+@register_selection("span")
+def _span(inputs: SelectionInput) -> list[int]:
+    starts = [
+        s
+        for s in range(len(inputs.values) - inputs.count + 1)
+        if not any(b in inputs.protected for b in range(s, s + inputs.count))
+    ]
+    if not starts:
+        raise LayercutError(
+            f"no contiguous span of {inputs.count} unprotected blocks: lower --drop or change --protect"
+        )
+    best = max(starts, key=lambda s: span_removability(inputs, s))
+    return list(range(best, best + inputs.count))
+
+
+@register_selection("greedy")
+def _greedy(inputs: SelectionInput) -> list[int]:
+    """Remove the most removable block, re-score the shallower model, repeat."""
+    if inputs.model is None or inputs.token_ids is None:
+        raise ValueError("greedy selection needs the model and calibration tokens")
+    chosen: list[int] = []
+    values = inputs.values
+    while True:
+        remaining = [b for b in range(len(inputs.values)) if b not in chosen]
+        removability = inputs.score.removability(values)
+        best = max((p for p, b in enumerate(remaining) if b not in inputs.protected), key=lambda p: removability[p])
+        chosen.append(remaining[best])
+        logger.info("greedy step %d: drop block %d", len(chosen), remaining[best])
+        if len(chosen) == inputs.count:
+            return chosen
+        with blocks_removed(inputs.model, chosen):
+            moments = stream_moments(inputs.model, inputs.token_ids, batch_size=inputs.batch_size, progress=False)
+            values = [inputs.score.compute(moments, b) for b in range(moments.num_states - 1)]

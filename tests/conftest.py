@@ -1,0 +1,93 @@
+"""Shared fixtures: tiny random models of every supported architecture, a tiny tokenizer, data paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+VOCAB = 320
+HIDDEN = 32
+BLOCKS = 4
+
+_SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# Small configs, one per supported architecture; sizes passed under each config's own names.
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
+    "mistral": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
+    "qwen2": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
+    "qwen3": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256),
+    "phi3": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
+    "gemma": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256),
+    "gemma2": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256,
+                   sliding_window=16),
+    "opt": dict(hidden_size=HIDDEN, ffn_dim=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                vocab_size=VOCAB, max_position_embeddings=256, word_embed_proj_dim=HIDDEN),
+    "gpt2": dict(n_embd=HIDDEN, n_layer=BLOCKS, n_head=4, vocab_size=VOCAB, n_positions=256),
+    "gpt_neox": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                     vocab_size=VOCAB, max_position_embeddings=256),
+}
+
+
+def make_tiny_model(model_type: str, seed: int = 0):
+    """A random ``*ForCausalLM`` of ``model_type`` with BLOCKS blocks of width HIDDEN, in eval mode."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **TINY_CONFIGS[model_type], **_SPECIAL)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be "
+    "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
+    "surrounding families, that he is considered the rightful property of some one or other of "
+    "their daughters. "
+)
+
+
+def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with at most VOCAB tokens, trained in code (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([_TEXT] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def sample_text() -> str:
+    return _TEXT * 40
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder {SHARED_DATA} not present")
+    return SHARED_DATA

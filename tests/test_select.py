@@ -1,0 +1,74 @@
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from prune.errors import LayercutError
+from prune.scores import get_score
+from prune.select import SelectionInput, parse_drop, parse_protect, select_blocks
+from prune.stats import StateMoments, stream_moments
+
+
+def inputs(values, count, protected=(), score="linearity", moments=None):
+    return SelectionInput(get_score(score), moments or StateMoments(len(values) + 1, []), list(values), count,
+                          list(protected))
+
+
+def test_topk_takes_the_most_removable_unprotected_blocks():
+    values = [0.9, 0.99, 0.95, 0.999, 0.97, 0.98]
+    assert select_blocks("topk", inputs(values, 2, protected=[3])) == [1, 5]
+    # For distance scores low means removable.
+    assert select_blocks("topk", inputs([0.3, 0.1, 0.2, 0.05], 2, score="angular")) == [1, 3]
+
+
+def test_span_takes_the_best_contiguous_run():
+    values = [0.99, 0.5, 0.9, 0.95, 0.94, 0.6, 0.999]
+    assert select_blocks("span", inputs(values, 3, protected=[0, 6])) == [2, 3, 4]
+    with pytest.raises(LayercutError, match="no contiguous span"):
+        select_blocks("span", inputs(values, 3, protected=[0, 3, 6]))
+
+
+def test_span_with_angular_uses_endpoint_distance():
+    model = make_tiny_model("llama")
+    moments = stream_moments(model, torch.randint(3, 320, (4, 16)), cosine_pairs="all", progress=False)
+    values = [moments.mean_angular_distance(b, b + 1) for b in range(4)]
+    chosen = select_blocks("span", inputs(values, 2, moments=moments, score="angular"))
+    best = min(range(3), key=lambda s: moments.mean_angular_distance(s, s + 2))
+    assert chosen == [best, best + 1]
+
+
+def test_greedy_rescoring_matches_topk_for_one_block_and_runs_for_more():
+    model = make_tiny_model("llama")
+    ids = torch.randint(3, 320, (8, 32))
+    moments = stream_moments(model, ids, progress=False)
+    score = get_score("linearity")
+    values = [score.compute(moments, b) for b in range(4)]
+    one = SelectionInput(score, moments, values, 1, [], model, ids)
+    assert select_blocks("greedy", one) == select_blocks("topk", one)
+    two = SelectionInput(score, moments, values, 2, [0], model, ids)
+    chosen = select_blocks("greedy", two)
+    assert len(chosen) == 2 and 0 not in chosen
+    assert model.config.num_hidden_layers == 4  # greedy restores the model between rounds
+
+
+@pytest.mark.parametrize("value,expected", [("4", 4), (3, 3), ("25%", 8), ("10%", 3)])
+def test_parse_drop(value, expected):
+    assert parse_drop(value, 30) == expected
+
+
+@pytest.mark.parametrize("value,message", [("30", "at most 29"), ("0", "no block"), ("-2", "no block"),
+                                           ("abc", "count like 4")])
+def test_parse_drop_errors(value, message):
+    with pytest.raises(LayercutError, match=message):
+        parse_drop(value, 30)
+
+
+def test_parse_protect():
+    assert parse_protect("0,-1", 30) == [0, 29]
+    assert parse_protect("none", 30) == []
+    with pytest.raises(LayercutError, match="blocks 0..29"):
+        parse_protect("40", 30)
+
+
+def test_not_enough_unprotected_blocks():
+    with pytest.raises(LayercutError, match="only 2 are not protected"):
+        select_blocks("topk", inputs([0.9, 0.8, 0.7, 0.6], 3, protected=[0, 3]))
