@@ -114,7 +114,7 @@ def consecutive_cosine_distance(inputs: LossInputs) -> torch.Tensor:
     """
     indices = sorted(inputs.student_states)
     terms = []
-    for previous, current in zip(indices, indices[1:]):
+    for previous, current in zip(indices[:-1], indices[1:], strict=True):
         h_prev = inputs.student_states[previous].float()  # [batch, seq, hidden]
         h_cur = inputs.student_states[current].float()
         cos = F.cosine_similarity(h_cur, h_prev, dim=-1, eps=1e-8)  # [batch, seq]

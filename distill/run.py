@@ -1,8 +1,8 @@
-"""Distill a layercut student back towards its teacher, block by block, and export it.
+r"""Distill a layercut student back towards its teacher, block by block, and export it.
 
     python -m distill.run --student slim-lin/ --teacher smollm2-135m --steps 500 --out slim-lin-distilled/
     python -m distill.run --student slim/ --steps 200 --train lora --kl-weight 1 --out slim-healed/
-    accelerate launch -m distill.run --student opt-slim/ --teacher opt-1.3b --teacher-load-in-4bit \\
+    accelerate launch -m distill.run --student opt-slim/ --teacher opt-1.3b --teacher-load-in-4bit \
         --batch-size 16 --seq-len 512 --steps 2000 --out opt-slim-distilled/
 
 Checkpoints and ``train_log.jsonl`` go to a work folder (``<out>.work/`` unless ``--work-dir``);
@@ -46,7 +46,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--teacher-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                        help="teacher weights dtype (default: auto = float32 on CPU, the checkpoint's dtype on GPU)")
     group.add_argument("--teacher-device", default="auto",
-                       help="cpu, cuda, cuda:N or auto (the GPUs when there are any, else the CPU; default: auto)")
+                       help="cpu, cuda, cuda:N or auto (the GPUs when there are any, each process's own under "
+                       "accelerate launch, else the CPU; default: auto)")
     group.add_argument("--teacher-load-in-4bit", action="store_true", help="bitsandbytes 4-bit teacher (CUDA only)")
     group.add_argument("--teacher-load-in-8bit", action="store_true", help="bitsandbytes 8-bit teacher (CUDA only)")
 
@@ -81,14 +82,19 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"gradient clipping L2 norm, 0 = off (default: {d.max_grad_norm})")
     group.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
                        help="auto: bf16 autocast on a bf16 GPU, float32 on the CPU (default: auto)")
+    group.add_argument("--threads", type=int, default=None,
+                       help="CPU threads for torch (default: torch's choice, one per core); 1 is much faster on a "
+                       "CPU that other jobs keep busy")
 
 
 def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     group = parser.add_argument_group("data")
     group.add_argument("--data", default=None,
-                       help=".txt/.jsonl/.parquet file or datasets spec name[:config[:split]] (default: built-in corpus)")
-    group.add_argument("--text-field", default="text", help="text column of jsonl/parquet/datasets rows (default: text)")
+                       help=".txt/.jsonl/.parquet file or datasets spec name[:config[:split]] "
+                       "(default: built-in corpus)")
+    group.add_argument("--text-field", default="text",
+                       help="text column of jsonl/parquet/datasets rows (default: text)")
     group.add_argument("--samples", type=int, default=d.data.samples,
                        help=f"packed calibration sequences batches are drawn from (default: {d.data.samples})")
     group.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default: {d.seq_len})")
@@ -185,9 +191,13 @@ def teacher_name(args: argparse.Namespace, report: dict) -> str:
 
 def load_teacher(args: argparse.Namespace, name: str) -> LoadedModel:
     """Load the teacher with the ``--teacher-*`` flags; "auto" means the GPU when there is one."""
-    device = args.teacher_device
+    from accelerate import PartialState
+
+    device, state = args.teacher_device, PartialState()
     if device == "auto" and not torch.cuda.is_available():
         device = "cpu"
+    elif device == "auto" and state.num_processes > 1:
+        device = f"cuda:{state.local_process_index}"  # one teacher per process, on that process's GPU
     return load_model(name, dtype=args.teacher_dtype, device=device, load_in_4bit=args.teacher_load_in_4bit,
                       load_in_8bit=args.teacher_load_in_8bit)
 
@@ -241,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the distillation CLI; returns the exit code."""
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
+    if args.threads is not None:
+        if args.threads <= 0:
+            raise LayercutError(f"--threads must be a positive integer, got {args.threads}")
+        torch.set_num_threads(args.threads)
     check_output_dir(args.out, args.overwrite)
     work = work_folder(args.out, args.work_dir)
     check_work_folder(work, args.resume, args.overwrite)

@@ -218,8 +218,8 @@ def _nan_error(what: str, value: float, step: int, work: Path | None) -> Layercu
     else:
         kept = "no checkpoint was written yet"
     return LayercutError(
-        f"{what} became {value} at step {step}: training stopped; {kept}, and lower --lr (or raise --max-grad-norm "
-        "clipping / check the student)"
+        f"{what} became {value} at step {step}: training stopped; {kept}; lower --lr or --max-grad-norm, "
+        "or check the student's weights for inf/nan"
     )
 
 
@@ -322,19 +322,21 @@ def _train_loop(run: _Run, start: int, log: _JsonLog) -> float:
     bar = tqdm(total=config.steps, initial=start, desc="distill", unit="step",
                disable=not run.accelerator.is_local_main_process)
     started = time.perf_counter()
-    for step in range(start, config.steps):
-        loss, terms, grad_norm, lr = run.step(step)
-        run.losses.append(loss)
-        run.last = (loss, terms)
-        done = step + 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.4g}")
-        if done % config.log_every == 0 or done == config.steps:
-            log.write({"step": done, "loss": loss, **terms, "lr": lr, "grad_norm": grad_norm,
-                       "seconds": round(time.perf_counter() - started, 3), "tokens": done * config.tokens_per_step})
-        if _should_save(config, done):
-            run.save(done)
-    bar.close()
+    try:
+        for step in range(start, config.steps):
+            loss, terms, grad_norm, lr = run.step(step)
+            run.losses.append(loss)
+            run.last = (loss, terms)
+            done = step + 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4g}")
+            if done % config.log_every == 0 or done == config.steps:
+                log.write({"step": done, "loss": loss, **terms, "lr": lr, "grad_norm": grad_norm,
+                           "seconds": round(time.perf_counter() - started, 3), "tokens": done * config.tokens_per_step})
+            if _should_save(config, done):
+                run.save(done)
+    finally:
+        bar.close()  # before any error message, so the message is the last line
     return time.perf_counter() - started
 
 

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from eval.report import speed_markdown, write_speed_report
 from eval.speed import (
     SpeedOptions,
@@ -69,6 +71,9 @@ def _add_speed_arguments(parser: argparse.ArgumentParser) -> None:
         default="subprocess",
         help="peak memory: each model in a fresh process (default), in this process (approximate), or not at all",
     )
+    sizes.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)"
+    )
     parser.add_argument("--out", help="folder for speed.json and speed.md (default: print only)")
 
 
@@ -93,6 +98,10 @@ def run_speed(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
     )
+    if args.threads is not None:
+        if args.threads < 1:
+            raise LayercutError(f"--threads must be at least 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     names = [args.baseline, *args.model]
     for name in names:
         check_tokenizer(name, args.tokenizer)

@@ -81,8 +81,12 @@ def score_states(model: nn.Module, states: torch.Tensor, reference: torch.Tensor
         score_tokens(lens_logits(model, states[i : i + CHUNK_TOKENS]), reference[i : i + CHUNK_TOKENS])
         for i in range(0, states.shape[0], CHUNK_TOKENS)
     ]
-    return TokenScores(*(torch.cat([getattr(p, f) for p in parts]) for f in ("hits", "surprisal", "confidence",
-                                                                            "correct")))  # fmt: skip
+    return TokenScores(
+        hits=torch.cat([p.hits for p in parts]),
+        surprisal=torch.cat([p.surprisal for p in parts]),
+        confidence=torch.cat([p.confidence for p in parts]),
+        correct=torch.cat([p.correct for p in parts]),
+    )
 
 
 def reference_tokens(model: nn.Module, last_state: torch.Tensor) -> torch.Tensor:
@@ -182,6 +186,7 @@ def evaluate_shortcuts(
     names = list(names or shortcuts.names)
     count = num_blocks(model)
     device = lm_head(model).weight.device
+    shortcuts.to(device)
     acc = {(name, layer): _Accumulator() for name in names for layer in range(count + 1)}
     errors, references = _SquaredError(), []
     starts = range(0, token_ids.shape[0], batch_size)

@@ -262,7 +262,7 @@ def run_lens(config: LensConfig, loaded: LoadedModel | None = None) -> LensResul
     model = loaded.model.eval()
     arch_spec(model)
     count, dim = num_blocks(model), hidden_size(model)
-    check_lens_tokens(max(1, config.tokens // config.seq_len) * min(config.seq_len, config.tokens), dim)
+    check_lens_tokens(config.tokens, dim)
     blocks = parse_blocks(config.submodule_blocks, count) if config.submodules else []
     fit, held, split = lens_splits(loaded.tokenizer, config)
     check_lens_tokens(fit.num_tokens, dim)

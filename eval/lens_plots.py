@@ -36,6 +36,11 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
+def _title(results: dict) -> str:
+    """The model as typed, shortened to its last path component."""
+    return Path(str(results["model"])).name
+
+
 def _label(results: dict, name: str) -> str:
     params = results["shortcuts"][name]["params_per_layer"]
     return f"{name} ({params:,} params/layer)" if params else name
@@ -56,7 +61,7 @@ def plot_r2(results: dict, path: str | Path) -> Path:
         label = _label(results, name)
         ax.plot(results["layers"], metrics["r2"], marker="o", ms=3, color=COLOURS.get(name), label=label)
     _layer_axes(ax, results, "R$^2$ to last block output")
-    ax.set_title(f"{results['model']}: quality of fit (held out)")
+    ax.set_title(f"{_title(results)}: quality of fit (held out)")
     ax.legend()
     return _save(fig, path)
 
@@ -73,7 +78,7 @@ def plot_precision(results: dict, path: str | Path) -> Path:
         ax.set_title(f"Precision@{k}")
         ax.set_ylim(0, 1.02)
     axes[0].legend()
-    fig.suptitle(f"{results['model']}: is the full model's top-1 in the shortcut's top-k?")
+    fig.suptitle(f"{_title(results)}: is the full model's top-1 in the shortcut's top-k?")
     return _save(fig, path)
 
 
@@ -84,7 +89,7 @@ def plot_surprisal(results: dict, path: str | Path) -> Path:
     for name, metrics in results["per_layer"].items():
         ax.plot(results["layers"], metrics["surprisal"], marker="o", ms=3, color=COLOURS.get(name), label=name)
     _layer_axes(ax, results, "surprisal (nats)")
-    ax.set_title(f"{results['model']}: -log p(full model's top-1)")
+    ax.set_title(f"{_title(results)}: -log p(full model's top-1)")
     ax.legend()
     return _save(fig, path)
 
@@ -107,16 +112,20 @@ def plot_heatmap(results: dict, path: str | Path) -> Path:
         ax.set_ylabel("source layer l")
         ax.set_title(f"{name}: R$^2$ of l -> l' (held out)")
         fig.colorbar(image, ax=ax, fraction=0.046, pad=0.04)
-    fig.suptitle(f"{results['model']} (values below 0 shown as 0)")
+    fig.suptitle(f"{_title(results)} (values below 0 shown as 0)")
     return _save(fig, path)
 
 
 def plot_early_exit(results: dict, path: str | Path) -> Path:
-    """Precision@1 against mean layers used over the lambda sweep, with the fixed-layer exit lines."""
+    """Precision@1 against mean layers used over the lambda sweep, with the fixed-layer exit lines.
+
+    Drawn for id and mat as in the paper (every shortcut when neither was run); all are in results.json.
+    """
     plt = _pyplot()
     exits = results["early_exit"]
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for name, data in exits["shortcuts"].items():
+    shown = {n: d for n, d in exits["shortcuts"].items() if n in ("id", "mat")} or exits["shortcuts"]
+    for name, data in shown.items():
         colour = COLOURS.get(name)
         layers = [p["layers"] for p in data["sweep"]]
         precision = [p["precision@1"] for p in data["sweep"]]
@@ -129,7 +138,7 @@ def plot_early_exit(results: dict, path: str | Path) -> Path:
     ax.set_ylabel("Precision@1 vs full model")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.set_title(f"{results['model']}: early exit (star: fewest layers at {exits['goal']:.0%} precision)")
+    ax.set_title(f"{_title(results)}: early exit (star: fewest layers at {exits['goal']:.0%} precision)")
     ax.legend(fontsize=7)
     return _save(fig, path)
 
@@ -145,7 +154,7 @@ def plot_submodules(results: dict, path: str | Path) -> Path:
     ax.set_ylabel("Precision@1 vs original model")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    ax.set_title(f"{results['model']}: one sub-module replaced by a linear map")
+    ax.set_title(f"{_title(results)}: one sub-module replaced by a linear map")
     ax.legend()
     return _save(fig, path)
 

@@ -185,7 +185,7 @@ def speed_markdown(comparison: dict) -> str:
     header = [
         "model", "blocks", "params (M)", "checkpoint (MiB)", "peak memory (MiB)",
         "prefill tok/s median [min-max]", "decode tok/s median [min-max]",
-        "ideal L/(L-k)", "prefill x", "decode x", "decode x / ideal",
+        "ideal L/(L-k)", "prefill x", "decode x", "prefill x / ideal", "decode x / ideal",
     ]  # fmt: skip
     ratios = {r["name"]: r for r in comparison["ratios"]}
     rows = []
@@ -197,12 +197,13 @@ def speed_markdown(comparison: dict) -> str:
             _rate(model["prefill_tokens_per_s"]), _rate(model["decode_tokens_per_s"]),
         ]  # fmt: skip
         if ratio is None:
-            row += ["1.000", "1.000", "1.000", "-"]
+            row += ["1.000", "1.000", "1.000", "-", "-"]
         else:
             row += [
                 f"{ratio['ideal']:.3f}",
                 _ratio_cell(ratio["prefill"], ratio["prefill_paired"]),
                 _ratio_cell(ratio["decode"], ratio["decode_paired"]),
+                f"{ratio['prefill'] / ratio['ideal']:.1%}",
                 f"{ratio['decode'] / ratio['ideal']:.1%}",
             ]
         rows.append(row)

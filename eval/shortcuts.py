@@ -88,79 +88,125 @@ def default_rank(dim: int) -> int:
     return max(1, dim // 100)
 
 
-class IdentityShortcut(nn.Module):
+class ShortcutBank(nn.Module):
+    """One kind of shortcut for every source state ``0..num_layers-1``, stored as stacked tensors.
+
+    Stacking keeps training to a handful of batched operations per step, whatever the depth.
+    """
+
+    def __init__(self, num_layers: int, dim: int):
+        super().__init__()
+        self.num_layers = num_layers
+        self.dim = dim
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Predict the target state from state ``layer`` [..., d]."""
+        raise NotImplementedError
+
+    def parameters_per_layer(self) -> int:
+        """Fitted values of one layer's shortcut (BatchNorm running statistics are not counted)."""
+        return sum(p.numel() for p in self.parameters()) // max(1, self.num_layers)
+
+
+class IdentityBank(ShortcutBank):
     """``id``: the state itself."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """Return ``x`` unchanged."""
         return x
 
 
-class AffineShortcut(nn.Module):
-    """``mat``: ``x @ weight + bias``, weights kept in float64 and applied in float32 (or float64 inputs)."""
+class AffineBank(ShortcutBank):
+    """``mat``: ``x @ weight[l] + bias[l]``, kept in float64, applied in float32 (float64 for float64 inputs)."""
 
-    def __init__(self, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim, dim, dtype=torch.float64), requires_grad=False)  # [d_in, d_out]
-        self.bias = nn.Parameter(torch.zeros(dim, dtype=torch.float64), requires_grad=False)  # [d_out]
+    def __init__(self, num_layers: int, dim: int):
+        super().__init__(num_layers, dim)
+        self.weight = nn.Parameter(torch.zeros(num_layers, dim, dim, dtype=torch.float64), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(num_layers, dim, dtype=torch.float64), requires_grad=False)
 
     @classmethod
-    def from_fit(cls, fit: LinearFit) -> AffineShortcut:
-        """Wrap a closed-form :class:`~prune.linear_fit.LinearFit`."""
-        module = cls(fit.weight.shape[0])
-        module.weight.data.copy_(fit.weight.cpu())
-        module.bias.data.copy_(fit.bias.cpu())
-        return module.to(fit.weight.device)
+    def from_fits(cls, fits: Sequence[LinearFit]) -> AffineBank:
+        """Stack closed-form :class:`~prune.linear_fit.LinearFit` maps ([d_in, d_out] weights), one per layer."""
+        bank = cls(len(fits), fits[0].weight.shape[0])
+        for layer, fit in enumerate(fits):
+            bank.weight.data[layer] = fit.weight.cpu()
+            bank.bias.data[layer] = fit.bias.cpu()
+        return bank
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the map in float32 (float64 for float64 inputs) and return ``x``'s dtype."""
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Apply layer ``layer``'s map and return ``x``'s dtype."""
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
-        y = x.to(work) @ self.weight.to(work) + self.bias.to(work)
+        y = x.to(work) @ self.weight[layer].to(work) + self.bias[layer].to(work)
         return y.to(x.dtype)
 
 
-class LowRankShortcut(nn.Module):
-    """``njtc`` / ``n-njtc``: ``[x +] (BN(x) U) V`` with ``U`` [d, r], ``V`` [r, d].
+class LowRankBank(ShortcutBank):
+    """``njtc`` / ``n-njtc``: ``[x +] (BN_l(x) U_l) V_l`` with ``U_l`` [d, r], ``V_l`` [r, d] per layer.
 
-    ``V`` starts at zero so a residual map starts as ``id`` and only learns the correction.
+    The BatchNorm is written out (per-layer batch statistics while training, running statistics
+    with momentum 0.1 in eval mode, as ``nn.BatchNorm1d``) so all layers train in one batched call.
+    ``V`` starts at zero, so a residual map starts as ``id`` and learns only the correction.
     """
 
-    def __init__(self, dim: int, rank: int, batch_norm: bool, residual: bool = True):
-        super().__init__()
-        self.residual = residual
-        self.norm = nn.BatchNorm1d(dim) if batch_norm else None
-        self.u = nn.Parameter(torch.randn(dim, rank) / math.sqrt(dim))  # [d, r]
-        self.v = nn.Parameter(torch.zeros(rank, dim))  # [r, d]
+    def __init__(self, num_layers: int, dim: int, rank: int, batch_norm: bool, residual: bool = True):
+        super().__init__(num_layers, dim)
+        self.rank, self.residual, self.batch_norm = rank, residual, batch_norm
+        self.u = nn.Parameter(torch.randn(num_layers, dim, rank) / math.sqrt(dim))  # [L, d, r]
+        self.v = nn.Parameter(torch.zeros(num_layers, rank, dim))  # [L, r, d]
+        if batch_norm:
+            self.norm_weight = nn.Parameter(torch.ones(num_layers, dim))  # [L, d]
+            self.norm_bias = nn.Parameter(torch.zeros(num_layers, dim))
+            self.register_buffer("running_mean", torch.zeros(num_layers, dim))
+            self.register_buffer("running_var", torch.ones(num_layers, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Map [..., d] states in float32; returns ``x``'s dtype."""
+    def _normalise(self, x: torch.Tensor, layers: slice | int) -> torch.Tensor:
+        """BatchNorm of [L', n, d] (or [n, d] for one layer) with the statistics of ``layers``."""
+        if not self.batch_norm:
+            return x
+        if self.training:
+            mean, var = x.mean(-2), x.var(-2, unbiased=False)
+            with torch.no_grad():
+                unbiased = var * x.shape[-2] / max(1, x.shape[-2] - 1)
+                self.running_mean[layers] = 0.9 * self.running_mean[layers] + 0.1 * mean
+                self.running_var[layers] = 0.9 * self.running_var[layers] + 0.1 * unbiased
+        else:
+            mean, var = self.running_mean[layers], self.running_var[layers]
+        scale = self.norm_weight[layers] / torch.sqrt(var + _BN_EPS)
+        return (x - mean.unsqueeze(-2)) * scale.unsqueeze(-2) + self.norm_bias[layers].unsqueeze(-2)
+
+    def forward_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Every layer at once: [L, n, d] float32 states -> [L, n, d] predictions."""
+        z = self._normalise(x, slice(None))
+        y = torch.bmm(torch.bmm(z, self.u), self.v)
+        return y + x if self.residual else y
+
+    def forward(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Map [..., d] states of layer ``layer`` in float32; returns ``x``'s dtype."""
         flat = x.reshape(-1, x.shape[-1]).float()  # [n, d]
-        z = self.norm(flat) if self.norm is not None else flat
-        y = (z @ self.u) @ self.v
+        z = self._normalise(flat, layer)
+        y = (z @ self.u[layer]) @ self.v[layer]
         if self.residual:
             y = y + flat
         return y.reshape(x.shape).to(x.dtype)
 
 
-def trained_parameters(module: nn.Module) -> int:
-    """Number of fitted values in a shortcut (BatchNorm running statistics are not counted)."""
-    return sum(p.numel() for p in module.parameters())
+_BN_EPS = 1e-5
 
 
 @dataclass
 class ShortcutSet:
-    """Shortcuts from every state ``l < target`` to state ``target``, one module per state and kind.
+    """Shortcuts from every state ``l < target`` to state ``target``, one bank per kind.
 
     Attributes:
         target: the state the shortcuts predict (the number of blocks L).
         dim: hidden size.
-        maps: kind name -> ``nn.ModuleList`` indexed by source state 0..target-1.
-        settings: how they were made (ridge, rank, residual, training losses...), saved with them.
+        maps: kind name -> :class:`ShortcutBank` over source states 0..target-1.
+        settings: how they were made (ridge, rank, residual...), saved with them.
     """
 
     target: int
     dim: int
-    maps: dict[str, nn.ModuleList] = field(default_factory=dict)
+    maps: dict[str, ShortcutBank] = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
 
     @property
@@ -172,33 +218,39 @@ class ShortcutSet:
         """Predict state ``target`` from ``state`` = state ``layer`` (identity at ``layer == target``)."""
         if layer == self.target:
             return state
-        return self.maps[name][layer](state)
+        return self.maps[name](layer, state)
 
     def parameters_per_layer(self, name: str) -> int:
         """Fitted values of one layer's shortcut of kind ``name``."""
-        return trained_parameters(self.maps[name][0])
+        return self.maps[name].parameters_per_layer()
+
+    def to(self, device) -> ShortcutSet:
+        """Move every bank to ``device`` (in place); returns self."""
+        for bank in self.maps.values():
+            bank.to(device)
+        return self
 
     def save(self, folder: str | Path) -> Path:
         """Write every shortcut and the settings to ``folder/shortcuts.safetensors``."""
-        tensors = {}
-        for name, modules in self.maps.items():
-            for layer, module in enumerate(modules):
-                for key, value in module.state_dict().items():
-                    tensors[f"{name}.{layer}.{key}"] = value.detach().cpu().contiguous()
+        tensors = {
+            f"{name}.{key}": value.detach().cpu().contiguous()
+            for name, bank in self.maps.items()
+            for key, value in bank.state_dict().items()
+        }
         meta = {"target": self.target, "dim": self.dim, "names": self.names, "settings": self.settings}
         path = Path(folder) / SHORTCUTS_FILE
         save_file(tensors, str(path), metadata={_METADATA_KEY: json.dumps(meta)})
         return path
 
 
-def empty_shortcuts(name: str, dim: int, count: int, rank: int = 1, residual: bool = True) -> nn.ModuleList:
-    """``count`` fresh shortcuts of kind ``name`` (identity, zero affine, or initialised low-rank)."""
+def empty_bank(name: str, num_layers: int, dim: int, rank: int = 1, residual: bool = True) -> ShortcutBank:
+    """A fresh bank of kind ``name`` (identity, zero affine, or initialised low-rank)."""
     kind = SHORTCUTS[name]
     if kind.fitted == "none":
-        return nn.ModuleList(IdentityShortcut() for _ in range(count))
+        return IdentityBank(num_layers, dim)
     if kind.fitted == "closed-form":
-        return nn.ModuleList(AffineShortcut(dim) for _ in range(count))
-    return nn.ModuleList(LowRankShortcut(dim, rank, kind.batch_norm, residual) for _ in range(count))
+        return AffineBank(num_layers, dim)
+    return LowRankBank(num_layers, dim, rank, kind.batch_norm, residual)
 
 
 def load_shortcuts(folder: str | Path) -> ShortcutSet:
@@ -210,19 +262,17 @@ def load_shortcuts(folder: str | Path) -> ShortcutSet:
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as handle:
-        meta = json.loads((handle.metadata() or {}).get(_METADATA_KEY, "null") or "null")
+        meta = json.loads((handle.metadata() or {}).get(_METADATA_KEY) or "null")
     if meta is None:
         raise LayercutError(f"{path} has no layercut shortcut metadata: it was not written by eval.lens")
     tensors = load_file(str(path))
     settings = meta["settings"]
     shortcuts = ShortcutSet(meta["target"], meta["dim"], settings=settings)
     for name in meta["names"]:
-        modules = empty_shortcuts(name, meta["dim"], meta["target"], settings.get("rank", 1),
-                                  settings.get("residual", True))  # fmt: skip
-        for layer, module in enumerate(modules):
-            prefix = f"{name}.{layer}."
-            module.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
-        shortcuts.maps[name] = modules.eval()
+        bank = empty_bank(name, meta["target"], meta["dim"], settings.get("rank", 1), settings.get("residual", True))
+        prefix = f"{name}."
+        bank.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+        shortcuts.maps[name] = bank.eval()
     return shortcuts
 
 
@@ -231,11 +281,9 @@ def mat_pairs(target: int) -> list[tuple[int, int]]:
     return [(layer, target) for layer in range(target)]
 
 
-def fit_mat_shortcuts(moments: StateMoments, target: int, ridge: float) -> nn.ModuleList:
+def fit_mat_shortcuts(moments: StateMoments, target: int, ridge: float) -> AffineBank:
     """Closed-form ``mat`` shortcut from every state ``l < target`` to ``target``."""
-    return nn.ModuleList(
-        AffineShortcut.from_fit(fit_linear_map(moments.pair(layer, target), ridge)) for layer in range(target)
-    )
+    return AffineBank.from_fits([fit_linear_map(moments.pair(layer, target), ridge) for layer in range(target)])
 
 
 @dataclass
@@ -290,24 +338,24 @@ def train_low_rank(
     *,
     batch_size: int = 4,
     progress: bool = True,
-) -> tuple[dict[str, nn.ModuleList], dict[str, list[float]]]:
+) -> tuple[dict[str, LowRankBank], dict[str, list[float]]]:
     """Train low-rank shortcuts of each kind in ``names`` from every state to the last, on streamed batches.
 
-    All maps train together (their parameters are disjoint, so the summed loss gives each its own
+    All layers train together (their parameters are disjoint, so the summed loss gives each its own
     gradient and Adam is per-parameter: the same as training each alone).
 
     Returns:
-        kind -> ``nn.ModuleList`` (eval mode), and kind -> the last step's MSE per layer.
+        kind -> :class:`LowRankBank` (eval mode), and kind -> the last step's MSE per layer.
     """
     names = [n for n in names if SHORTCUTS[n].fitted == "gradient"]
+    if not names:
+        return {}, {}
     count, dim = num_blocks(model), hidden_size(model)
     rank = config.rank or default_rank(dim)
     torch.manual_seed(config.seed)
     device = lm_head(model).weight.device
-    maps = {n: empty_shortcuts(n, dim, count, rank, config.residual).to(device).train() for n in names}
-    if not maps:
-        return {}, {}
-    optimizer = torch.optim.Adam([p for m in maps.values() for p in m.parameters()], lr=config.lr)
+    banks = {n: empty_bank(n, count, dim, rank, config.residual).to(device).train() for n in names}
+    optimizer = torch.optim.Adam([p for bank in banks.values() for p in bank.parameters()], lr=config.lr)
     starts = list(range(0, token_ids.shape[0], batch_size))
     per_batch = max(1, math.ceil(config.steps / (config.epochs * len(starts))))
     generator = torch.Generator().manual_seed(config.seed)
@@ -316,34 +364,31 @@ def train_low_rank(
     step = 0
     while step < config.steps:
         for start in starts:
-            states = [s.to(device) for s in batch_states(model, token_ids[start : start + batch_size], count)]
+            states = batch_states(model, token_ids[start : start + batch_size], count)
+            stacked = torch.stack([s.to(device) for s in states])  # [L + 1, n, d] float32
+            del states
             for _ in range(min(per_batch, config.steps - step)):
-                pick = torch.randint(0, states[0].shape[0], (config.token_batch,), generator=generator)
-                losses = _low_rank_step(maps, states, pick.to(device), optimizer)
+                pick = torch.randint(0, stacked.shape[1], (config.token_batch,), generator=generator)
+                losses = _low_rank_step(banks, stacked[:, pick.to(device)], optimizer)
                 step += 1
                 bar.update(1)
             if step >= config.steps:
                 break
     bar.close()
-    for modules in maps.values():
-        modules.eval()
-    logger.info("trained %s shortcuts (rank %d) for %d steps", ",".join(maps), rank, config.steps)
-    return maps, losses
+    for bank in banks.values():
+        bank.eval()
+    logger.info("trained %s shortcuts (rank %d) for %d steps", ",".join(banks), rank, config.steps)
+    return banks, losses
 
 
-def _low_rank_step(maps: dict[str, nn.ModuleList], states: list[torch.Tensor], pick: torch.Tensor, optimizer):
-    """One Adam step on the summed per-layer MSE; returns each layer's loss per kind."""
-    target = states[-1][pick]  # [token_batch, d]
+def _low_rank_step(banks: dict[str, LowRankBank], states: torch.Tensor, optimizer) -> dict[str, list[float]]:
+    """One Adam step on the summed per-layer MSE of [L + 1, token_batch, d] states; each layer's loss per kind."""
+    sources, target = states[:-1], states[-1:]  # [L, b, d], [1, b, d]
     optimizer.zero_grad(set_to_none=True)
-    total = 0.0
-    losses: dict[str, list[float]] = {}
-    for name, modules in maps.items():
-        per_layer = [torch.nn.functional.mse_loss(m(states[layer][pick]), target) for layer, m in enumerate(modules)]
-        total = total + sum(per_layer)
-        losses[name] = [float(v.detach()) for v in per_layer]
-    total.backward()
+    per_layer = {name: ((bank.forward_all(sources) - target) ** 2).mean(dim=(1, 2)) for name, bank in banks.items()}
+    sum(v.sum() for v in per_layer.values()).backward()
     optimizer.step()
-    return losses
+    return {name: v.detach().cpu().tolist() for name, v in per_layer.items()}
 
 
 def build_shortcuts(
@@ -353,7 +398,7 @@ def build_shortcuts(
     *,
     moments: StateMoments | None = None,
     ridge: float = 0.0,
-    low_rank: dict[str, nn.ModuleList] | None = None,
+    low_rank: dict[str, LowRankBank] | None = None,
     settings: dict | None = None,
 ) -> ShortcutSet:
     """Assemble a :class:`ShortcutSet` from fitted pieces (``moments`` for ``mat``, trained low-rank maps)."""
@@ -361,7 +406,7 @@ def build_shortcuts(
     for name in names:
         kind = SHORTCUTS[name]
         if kind.fitted == "none":
-            shortcuts.maps[name] = empty_shortcuts(name, dim, target)
+            shortcuts.maps[name] = empty_bank(name, target, dim)
         elif kind.fitted == "closed-form":
             if moments is None:
                 raise ValueError("mat shortcuts need calibration moments")

@@ -166,7 +166,8 @@ def load(path: str | Path, **load_model_kwargs) -> LoadedModel:
         count = attach_maps_(loaded.model, maps_file)
         logger.info("attached %d replacement map(s) from %s", count, maps_file)
     else:
-        needing = [r for r in replacement_records(loaded.model) if not REPLACEMENTS.get(r["kind"], REPLACEMENTS["none"]).vanilla]
+        records = replacement_records(loaded.model)
+        needing = [r for r in records if r["kind"] in REPLACEMENTS and not REPLACEMENTS[r["kind"]].vanilla]
         if needing:
             raise LayercutError(
                 f"{path} records {needing[0]['kind']} replacements but has no {REPLACEMENTS_FILE}: copy that file "

@@ -60,8 +60,8 @@ def mlp_output_projection(model: nn.Module, block: nn.Module) -> nn.Module:
     return module
 
 
-def check_foldable(model: nn.Module, spans: Sequence[tuple[int, ...]]) -> None:
-    """Fail before any heavy work when a fold is impossible for this model or these spans."""
+def check_fold_architecture(model: nn.Module) -> None:
+    """Fail early when no block of this model can absorb a fold (before any calibration pass)."""
     model_type = model.config.model_type
     if model_type in MLP_OUTPUT_NORMED:
         raise LayercutError(
@@ -70,6 +70,12 @@ def check_foldable(model: nn.Module, spans: Sequence[tuple[int, ...]]) -> None:
         )
     if getattr(model, "hf_quantizer", None) is not None:
         raise LayercutError("--replace fold rewrites weights: load the model without --load-in-4bit/--load-in-8bit")
+    mlp_output_projection(model, get_blocks(model)[1][0])
+
+
+def check_foldable(model: nn.Module, spans: Sequence[tuple[int, ...]]) -> None:
+    """Fail before any heavy work when a fold is impossible for this model or these spans."""
+    check_fold_architecture(model)
     for span in spans:
         if span[0] == 0:
             raise LayercutError(
@@ -101,7 +107,9 @@ class FoldFitter(SpanFitter):
 
     def observe(self, batch: SpanBatch) -> None:
         """Accumulate the Grams of (z, y - r)."""
-        self.moments.update(batch.z, batch.y - batch.x + batch.m)  # y - r, with r = h - m
+        # OPT runs its MLP on [tokens, d] rows: flatten everything to rows before combining
+        rows = [t.reshape(-1, t.shape[-1]) for t in (batch.y, batch.x, batch.m)]  # [tokens, d]
+        self.moments.update(batch.z.reshape(-1, batch.z.shape[-1]), rows[0] - rows[1] + rows[2])  # y - r, r = h - m
 
     def finish(self) -> Replacement:
         """Least squares for the new weights; a :class:`WeightPatch` of the projection."""

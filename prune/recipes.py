@@ -1,9 +1,9 @@
 """Recipes: YAML files under ``recipes/`` that map key for key onto :class:`prune.pipeline.PruneConfig`.
 
-    load: {model: smollm2-135m}
-    data: {samples: 64, seq_len: 512}
-    drop: 4
-    out: slim/
+load: {model: smollm2-135m}
+data: {samples: 64, seq_len: 512}
+drop: 4
+out: slim/
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from prune.errors import LayercutError
 from prune.data import DataConfig
+from prune.errors import LayercutError
 from prune.pipeline import LoadConfig, PruneConfig
 
 # Recipe sections that are themselves dataclasses; their keys are checked the same way.

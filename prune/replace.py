@@ -314,7 +314,10 @@ def _assemble(original: Sequence[nn.Module], layout: list[list[int]], done: Sequ
     removed = {i for r in done for i in r.span}
     before = {r.host: r.module for r in done if r.where == "before"}
     after = {r.host: r.module for r in done if r.where == "after"}
-    absorbed = {r.host: [i for k in r.span for i in layout[k]] for r in done if r.where in ("before", "after", "fold")}
+    absorbed: dict[int, list[int]] = {}  # host -> original indices it now covers besides its own
+    for r in done:
+        if r.where != "block":
+            absorbed.setdefault(r.host, []).extend(i for k in r.span for i in layout[k])
     new_blocks = {r.span[0]: r for r in done if r.where == "block"}
     blocks, sources, new_layout = [], [], []
     for i, block in enumerate(original):
@@ -495,7 +498,9 @@ class _CachingFitter(SpanFitter):
         self.dropped_batches = 0
 
     def remember(self, batch: SpanBatch) -> None:
-        """Keep a CPU copy of ``batch`` if it fits in the budget."""
+        """Keep a CPU copy of ``batch`` if there are Adam steps to run and it fits in the budget."""
+        if not self.config.steps:
+            return
         size = batch.x.numel() * batch.x.element_size() * 2
         if self.cached_bytes + size > self.config.cache_bytes and self.cache:
             self.dropped_batches += 1
@@ -720,6 +725,14 @@ def _fit_sequential(model, fitters: list[SpanFitter], token_ids, config) -> list
         done.append(fitter.finish())
         done[-1].record["fit_seconds"] = round(time.perf_counter() - begun, 2)
     return done
+
+
+def check_replacement_supported(model: nn.Module, kind: str) -> None:
+    """Architecture-level checks for ``kind`` that need no calibration pass (run them before scoring)."""
+    if kind == "fold":
+        from prune.fold import check_fold_architecture
+
+        check_fold_architecture(model)
 
 
 def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor,

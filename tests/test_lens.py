@@ -20,6 +20,7 @@ from eval.lens_metrics import (
 )
 from eval.lens_standins import final_predictions, fit_stand_ins, parse_blocks, stand_in
 from eval.shortcuts import (
+    LowRankBank,
     LowRankConfig,
     ShortcutSet,
     batch_states,
@@ -34,6 +35,15 @@ from prune.errors import LayercutError
 from prune.stats import stream_moments
 
 SEQ = 32
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices run faster on one thread, and a busy machine makes thread hand-offs costly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def token_ids(samples: int, seed: int) -> torch.Tensor:
@@ -228,7 +238,7 @@ def test_low_rank_training_lowers_the_mse(llama, splits, residual):
     target = states[count].float()
     with torch.no_grad():
         for layer in (0, count - 1):
-            trained = torch.nn.functional.mse_loss(maps["n-njtc"][layer](states[layer].float()), target)
+            trained = torch.nn.functional.mse_loss(maps["n-njtc"](layer, states[layer].float()), target)
             start = torch.nn.functional.mse_loss(states[layer].float() if residual else 0 * target, target)
             assert trained < 0.9 * start
     assert len(losses["n-njtc"]) == count
@@ -299,3 +309,36 @@ def test_opt_feed_forward_stand_in_spans_fc1_to_fc2(splits):
     random.seed(0)
     with torch.no_grad():
         assert torch.equal(model(held).logits, original)
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_low_rank_bank_equals_per_layer_batchnorm_reference(residual):
+    torch.manual_seed(0)
+    layers, dim, rank = 3, 16, 2
+    bank = LowRankBank(layers, dim, rank, batch_norm=True, residual=residual)
+    with torch.no_grad():
+        bank.v.normal_()
+        bank.norm_weight.uniform_(0.5, 1.5)
+        bank.norm_bias.normal_()
+    norms = [torch.nn.BatchNorm1d(dim) for _ in range(layers)]
+    for layer, norm in enumerate(norms):
+        norm.weight.data.copy_(bank.norm_weight[layer])
+        norm.bias.data.copy_(bank.norm_bias[layer])
+    x = torch.randn(layers, 40, dim) * 3 + 1
+
+    def reference(layer, states):
+        y = norms[layer](states) @ bank.u[layer] @ bank.v[layer]
+        return y + states if residual else y
+
+    batched = bank.train().forward_all(x)  # training mode: batch statistics, running stats updated
+    for layer in range(layers):
+        expected = reference(layer, x[layer])  # nn.BatchNorm1d in training mode updates its running stats too
+        assert torch.allclose(batched[layer], expected, atol=1e-5)
+        assert torch.allclose(bank.running_mean[layer], norms[layer].running_mean, atol=1e-6)
+        assert torch.allclose(bank.running_var[layer], norms[layer].running_var, atol=1e-6)
+    bank.eval()
+    for norm in norms:
+        norm.eval()
+    with torch.no_grad():
+        for layer in range(layers):
+            assert torch.allclose(bank(layer, x[layer]), reference(layer, x[layer]), atol=1e-5)

@@ -21,12 +21,12 @@ def stacked_states(model, ids, batch_size):
     return {i: torch.cat(v) for i, v in states.items()}
 
 
-def lstsq_linearity(x, y):
+def lstsq_linearity(x, y, driver="gelsd"):
     """1 - min_A ||X~ A - Y~||^2 by torch.linalg.lstsq on centred, Frobenius-normalised states."""
     x = x - x.mean(0)
     y = y - y.mean(0)
     x, y = x / x.norm(), y / y.norm()
-    solution = torch.linalg.lstsq(x, y, driver="gelsd").solution
+    solution = torch.linalg.lstsq(x, y, driver=driver).solution
     return 1 - float(((x @ solution - y) ** 2).sum())
 
 
@@ -113,10 +113,12 @@ def test_linearity_equals_least_squares_on_real_smollm2_states():
     moments = stream_moments(loaded.model, ids, batch_size=5, progress=False)
     scores = block_scores(moments, ["linearity", "linearity-nores"])
     states = stacked_states(loaded.model, ids, batch_size=5)
-    for block in range(30):
+    # First and last blocks, the jump at 12 (massive activations), and the no-residual peaks at 0, 11, 28.
+    for block in (0, 1, 11, 12, 15, 28, 29):
         x, y = states[block], states[block + 1]
-        assert scores["linearity"][block] == pytest.approx(lstsq_linearity(x, y), abs=1e-6)
-        assert scores["linearity-nores"][block] == pytest.approx(lstsq_linearity(x, y - x), abs=1e-6)
+        # n = 2560 > d = 576 tokens: X has full column rank and QR (gelsy) solves it exactly and fast.
+        assert scores["linearity"][block] == pytest.approx(lstsq_linearity(x, y, "gelsy"), abs=1e-6)
+        assert scores["linearity-nores"][block] == pytest.approx(lstsq_linearity(x, y - x, "gelsy"), abs=1e-6)
     # The shape DESIGN.md reports: middle blocks ~0.9996 with the residual, much lower without.
     assert min(scores["linearity"][12:19]) > 0.999
     assert max(scores["linearity-nores"][12:19]) < 0.8

@@ -142,11 +142,24 @@ def test_peak_memory_inprocess_counts_weights():
     assert method.startswith("cpu")
 
 
-def test_peak_memory_subprocess(tmp_path):
-    folder = save(tmp_path, "m", 2)
-    peak, method = peak_memory_subprocess(str(folder), SMALL)
-    assert 0 < peak < 2 * 1024**3
-    assert "fresh process" in method
+def test_peak_memory_subprocess_grows_with_the_model(tmp_path):
+    sizes = {}
+    for blocks in (1, 12):
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(
+            "llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=1024, num_hidden_layers=blocks,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        )  # fmt: skip
+        model = AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(tmp_path / str(blocks))
+        tiny_tokenizer().save_pretrained(tmp_path / str(blocks))
+        peak, method = peak_memory_subprocess(str(tmp_path / str(blocks)), SMALL)
+        sizes[blocks] = (peak, weights_bytes(model))
+        assert "fresh process" in method
+    # 11 more blocks of ~0.8 MiB each: the peak grows by at least their weights, and not by hundreds of MiB
+    extra_weights = sizes[12][1] - sizes[1][1]
+    assert 0.8 * extra_weights <= sizes[12][0] - sizes[1][0] < extra_weights + 200 * 1024**2
+    assert sizes[12][0] >= sizes[12][1]
 
 
 def test_folder_without_tokenizer(tmp_path):

@@ -1,0 +1,166 @@
+"""What streamed scoring costs: time against a plain forward pass, memory against storing every state.
+
+Three ways to get every block's linearity over N calibration tokens:
+- ``plain``: the forward pass alone (no scores), the floor.
+- ``streamed``: layercut's hooks folding each state into float64 moments (memory independent of N).
+- ``stored``: keep every residual state of every token, then solve least squares per block (what
+  tools that collect ``hidden_states`` first, such as LLM-Microscope, do; memory grows with N).
+
+Time ratios are measured in one process, interleaved, several repeats. Peak memory of each method is
+measured in a fresh child process each (peak RSS over the RSS after loading, or CUDA max allocated),
+so one measurement cannot inherit another's high-water mark.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import psutil
+import torch
+
+from prune.capture import residual_states
+from prune.data import DataConfig, calibration_data
+from prune.loading import load_model
+from prune.scores import block_scores
+from prune.stats import stream_moments
+
+METHODS = ("plain", "streamed", "stored")
+
+
+@dataclass
+class MemoryRow:
+    """One method at one token count, measured in its own process."""
+
+    method: str
+    tokens: int
+    seconds: float
+    peak_mib: float  # above the memory held after loading the model and data
+
+
+@torch.no_grad()
+def run_method(method: str, model, token_ids: torch.Tensor, batch_size: int) -> list[float] | None:
+    """Run one method over ``token_ids`` [samples, seq]; returns linearity scores (None for plain)."""
+    if method == "plain":
+        for start in range(0, token_ids.shape[0], batch_size):
+            model.base_model(input_ids=token_ids[start : start + batch_size], use_cache=False)
+        return None
+    if method == "streamed":
+        moments = stream_moments(model, token_ids, batch_size=batch_size, progress=False)
+        return block_scores(moments, ["linearity"])["linearity"]
+    if method == "stored":
+        return _stored_linearity(model, token_ids, batch_size)
+    raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+
+
+def _stored_linearity(model, token_ids, batch_size) -> list[float]:
+    states: dict[int, list[torch.Tensor]] = {}
+    with residual_states(model, lambda i, h: states.setdefault(i, []).append(h.reshape(-1, h.shape[-1]).cpu())):
+        for start in range(0, token_ids.shape[0], batch_size):
+            model.base_model(input_ids=token_ids[start : start + batch_size], use_cache=False)
+    stacked = [torch.cat(states.pop(i)) for i in range(len(states))]  # every state: [tokens, hidden]
+    scores = []
+    for x, y in itertools.pairwise(stacked):
+        x, y = x.double(), y.double()
+        x, y = x - x.mean(0), y - y.mean(0)
+        x, y = x / x.norm(), y / y.norm()
+        solution = torch.linalg.lstsq(x, y, driver="gelsd").solution
+        scores.append(1 - float(((x @ solution - y) ** 2).sum()))
+    return scores
+
+
+def _tokens(loaded, tokens: int, seq_len: int, data: str | None) -> torch.Tensor:
+    samples = max(1, tokens // seq_len)
+    return calibration_data(loaded.tokenizer, DataConfig(data=data, samples=samples, seq_len=seq_len)).token_ids
+
+
+def _memory_worker(model_name, device, method, tokens, seq_len, batch_size, data, queue) -> None:
+    loaded = load_model(model_name, device=device)
+    ids = _tokens(loaded, tokens, seq_len, data).to(loaded.model.device)
+    on_cuda = ids.device.type == "cuda"
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = psutil.Process().memory_info().rss
+    started = time.perf_counter()
+    run_method(method, loaded.model, ids, batch_size)
+    seconds = time.perf_counter() - started
+    # ru_maxrss is in KiB on Linux.
+    peak = torch.cuda.max_memory_allocated() if on_cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    queue.put(MemoryRow(method, ids.numel(), seconds, (peak - base) / 2**20))
+
+
+def measure_memory(model_name: str, device: str, method: str, tokens: int, seq_len: int, batch_size: int,
+                   data: str | None = None) -> MemoryRow:
+    """Peak memory and time of one method in a fresh child process."""
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(
+        target=_memory_worker, args=(model_name, device, method, tokens, seq_len, batch_size, data, queue)
+    )
+    process.start()
+    row = queue.get()
+    process.join()
+    return row
+
+
+def measure_time_ratio(loaded, tokens: int, seq_len: int, batch_size: int, repeats: int,
+                       data: str | None = None) -> dict:
+    """Streamed-scoring time over plain-forward time, interleaved (plain, streamed, plain, ...)."""
+    ids = _tokens(loaded, tokens, seq_len, data).to(loaded.model.device)
+    run_method("plain", loaded.model, ids[:batch_size], batch_size)  # warm-up: first calls allocate
+    times: dict[str, list[float]] = {"plain": [], "streamed": []}
+    for _ in range(repeats):
+        for method in times:
+            if ids.device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            run_method(method, loaded.model, ids, batch_size)
+            if ids.device.type == "cuda":
+                torch.cuda.synchronize()
+            times[method].append(time.perf_counter() - started)
+    ratios = [s / p for s, p in zip(times["streamed"], times["plain"], strict=True)]
+    return {
+        "tokens": ids.numel(),
+        "plain_seconds": times["plain"],
+        "streamed_seconds": times["streamed"],
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
+
+
+def memory_rows_as_dicts(rows: list[MemoryRow]) -> list[dict]:
+    """JSON-ready rows."""
+    return [asdict(r) for r in rows]
+
+
+def scoring_markdown(model: str, timing: dict, rows: list[MemoryRow]) -> str:
+    """Markdown summary: the time ratio, then one memory row per (tokens, method) and the growth ratios."""
+    lines = [
+        f"## Scoring cost: {model}",
+        "",
+        f"Streamed scoring / plain forward over {timing['tokens']} tokens: median "
+        f"**{timing['ratio_median']:.3f}x** (min {timing['ratio_min']:.3f}, max {timing['ratio_max']:.3f}; "
+        f"{len(timing['plain_seconds'])} interleaved rounds; plain median "
+        f"{statistics.median(timing['plain_seconds']):.1f} s, streamed median "
+        f"{statistics.median(timing['streamed_seconds']):.1f} s)",
+        "",
+        "| method | tokens | seconds | peak memory above model (MiB) |",
+        "|---|---:|---:|---:|",
+        *(f"| {r.method} | {r.tokens} | {r.seconds:.1f} | {r.peak_mib:.0f} |" for r in rows),
+        "",
+    ]
+    for method in sorted({r.method for r in rows}):
+        mine = sorted((r for r in rows if r.method == method), key=lambda r: r.tokens)
+        if len(mine) > 1 and mine[0].peak_mib > 0:
+            lines.append(
+                f"- {method}: peak memory at {mine[-1].tokens} tokens / at {mine[0].tokens} tokens = "
+                f"{mine[-1].peak_mib / mine[0].peak_mib:.2f}x"
+            )
+    return "\n".join(lines)

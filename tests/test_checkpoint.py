@@ -1,0 +1,99 @@
+"""``prune.save`` / ``prune.load``: vanilla and replacement checkpoints round-trip with equal logits."""
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_model, make_tiny_tokenizer
+from transformers import AutoModelForCausalLM
+
+import prune
+from prune import checkpoint
+from prune.adapters import get_blocks
+from prune.errors import LayercutError
+from prune.loading import LoadedModel
+from prune.replace import LinearMap, LowRankMap, ReplaceConfig, ReplacedBlock, replace_blocks_, replacement_modules
+from prune.surgery import block_layout, drop_blocks_
+
+
+def calibration(samples=16, seq=32, seed=0):
+    return torch.randint(3, 320, (samples, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def logits(model, seed=11):
+    with torch.no_grad():
+        return model(calibration(2, 20, seed=seed)).logits
+
+
+@pytest.mark.parametrize(
+    "model_type,kind,dropped",
+    [
+        ("llama", "linear", [1, 2]),
+        ("llama", "linear", [0, 2]),  # a map before block 0's successor and one after it
+        ("gpt2", "lowrank", [2]),
+        ("opt", "linear", [3]),
+        ("gpt_neox", "lowrank", [0]),
+    ],
+)
+def test_replacement_checkpoint_round_trip(tmp_path, model_type, kind, dropped):
+    model = make_tiny_model(model_type)
+    records = replace_blocks_(model, dropped, calibration(),
+                              ReplaceConfig(kind=kind, progress=False, steps=5 if kind == "lowrank" else None))
+    expected = logits(model)
+    out = prune.save(model, make_tiny_tokenizer(), tmp_path / "ckpt", {"dropped": dropped})
+    assert (out / "replacements.safetensors").is_file()
+    assert "prune.load" in (out / "README.md").read_text()
+    report = json.loads((out / "layercut.json").read_text())
+    assert report["replacements"] == records and report["layout"] == block_layout(model)
+    assert any(isinstance(b, ReplacedBlock) for b in get_blocks(model)[1]), "saving keeps the wrappers in memory"
+
+    loaded = prune.load(out)
+    torch.testing.assert_close(logits(loaded.model), expected, rtol=0, atol=1e-6)
+    assert block_layout(loaded.model) == block_layout(model)
+    assert loaded.model.config.layercut_replacements == records
+    cls = LinearMap if kind == "linear" else LowRankMap
+    assert [type(m) for m in replacement_modules(loaded.model)] == [cls] * len(records)
+    # plain transformers reads the same folder as the kept blocks without the maps
+    plain = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert not torch.allclose(logits(plain), expected, atol=1e-4)
+
+
+def test_vanilla_round_trip_and_layout(tmp_path):
+    model = make_tiny_model("qwen2")
+    drop_blocks_(model, [1, 2])
+    out = prune.save(model, make_tiny_tokenizer(), tmp_path / "slim", {"dropped": [1, 2]})
+    assert not (out / "replacements.safetensors").exists()
+    loaded = prune.load(str(out))
+    torch.testing.assert_close(logits(loaded.model), logits(model), rtol=0, atol=1e-6)
+    assert block_layout(loaded.model) == [[0], [3]]
+
+
+def test_load_without_the_maps_file_is_a_clear_error(tmp_path):
+    model = make_tiny_model("llama")
+    replace_blocks_(model, [2], calibration(), ReplaceConfig(kind="linear", progress=False))
+    out = prune.save(model, make_tiny_tokenizer(), tmp_path / "lin", {})
+    (out / "replacements.safetensors").unlink()
+    with pytest.raises(LayercutError, match="records linear replacements but has no replacements.safetensors"):
+        prune.load(out)
+
+
+def test_load_delegates_names_to_load_model(monkeypatch):
+    calls = []
+    loaded = LoadedModel(make_tiny_model("llama"), make_tiny_tokenizer(), "smollm2-135m", "hub")
+
+    def fake_load_model(name, **kwargs):
+        calls.append((name, kwargs))
+        return loaded
+
+    monkeypatch.setattr(checkpoint, "load_model", fake_load_model)
+    assert prune.load("smollm2-135m", dtype="bfloat16") is loaded
+    assert calls == [("smollm2-135m", {"dtype": "bfloat16"})]
+
+
+def test_vanilla_blocks_restores_wrappers_on_error():
+    model = make_tiny_model("llama")
+    replace_blocks_(model, [2], calibration(), ReplaceConfig(kind="linear", progress=False))
+    with pytest.raises(RuntimeError), checkpoint.vanilla_blocks(model) as maps:
+        assert list(maps) == ["1.after"] and not isinstance(get_blocks(model)[1][1], ReplacedBlock)
+        raise RuntimeError("boom")
+    assert isinstance(get_blocks(model)[1][1], ReplacedBlock)

@@ -1,0 +1,316 @@
+"""Replacements of removed blocks: closed-form maps, low-rank maps, trained blocks, layout, KV cache."""
+
+import pytest
+import torch
+from conftest import TINY_CONFIGS, make_tiny_model
+from torch import nn
+
+from prune.adapters import arch_spec, get_blocks
+from prune.capture import residual_states
+from prune.errors import LayercutError
+from prune.replace import (
+    LinearFitter,
+    LinearMap,
+    LowRankMap,
+    PairAccumulator,
+    ReplaceConfig,
+    ReplacedBlock,
+    SpanBatch,
+    block_layout,
+    fit_replacements,
+    reduced_rank_fit,
+    replace_blocks_,
+    replacement_modules,
+    replacement_records,
+)
+from prune.stats import span_pairs
+from prune.surgery import blocks_removed, drop_blocks_
+
+HIDDEN = 32
+
+
+def calibration(samples=16, seq=32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 320, (samples, seq), generator=generator)
+
+
+def quick(kind, **kw):
+    kw.setdefault("progress", False)
+    if kind in ("lowrank", "block"):
+        kw.setdefault("steps", 10)
+    return ReplaceConfig(kind=kind, **kw)
+
+
+def final_state(model, ids):
+    states = {}
+    last = len(get_blocks(model)[1])
+    with torch.no_grad(), residual_states(model, lambda i, h: states.__setitem__(i, h)):
+        model.base_model(input_ids=ids, use_cache=False)
+    return states[last]
+
+
+class AffineBlock(nn.Module):
+    """A stand-in decoder block that is exactly h -> h A + b."""
+
+    def __init__(self, a, b):
+        super().__init__()
+        self.a, self.b = nn.Parameter(a), nn.Parameter(b)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states @ self.a + self.b
+
+
+def test_pair_accumulator_matches_explicit_moments():
+    torch.manual_seed(0)
+    x = torch.randn(3, 50, 6) * 5 + 1000  # massive mean, small spread
+    y = torch.randn(3, 50, 4)
+    acc = PairAccumulator()
+    for k in range(3):
+        acc.update(x[k], y[k])
+    m = acc.moments()
+    fx, fy = x.reshape(-1, 6).double(), y.reshape(-1, 4).double()
+    cx, cy = fx - fx.mean(0), fy - fy.mean(0)
+    assert m.n == 150
+    torch.testing.assert_close(m.mean_x, fx.mean(0))
+    torch.testing.assert_close(m.cxx, cx.T @ cx, rtol=1e-9, atol=1e-6)
+    torch.testing.assert_close(m.cxy, cx.T @ cy, rtol=1e-9, atol=1e-6)
+
+
+def test_linear_fitter_recovers_an_exact_map():
+    torch.manual_seed(0)
+    a, b = torch.randn(HIDDEN, HIDDEN), torch.randn(HIDDEN)
+    model = make_tiny_model("llama")
+    fitter = LinearFitter(model, list(get_blocks(model)[1]), (1, 2), quick("linear"))
+    for _ in range(4):
+        x = torch.randn(2, 64, HIDDEN, dtype=torch.float64)
+        fitter.observe(SpanBatch(x, x @ a.double() + b.double()))
+    result = fitter.finish()
+    assert isinstance(result.module, LinearMap) and result.where == "after" and result.host == 0
+    torch.testing.assert_close(result.module.proj.weight.T, a, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(result.module.proj.bias, b, rtol=1e-5, atol=1e-5)
+    assert result.record["params"] == HIDDEN * HIDDEN + HIDDEN
+
+
+def test_linear_replacement_of_an_exactly_linear_block_is_exact():
+    torch.manual_seed(0)
+    model = make_tiny_model("llama")
+    blocks = get_blocks(model)[1]
+    blocks[2] = AffineBlock(torch.eye(HIDDEN) + 0.1 * torch.randn(HIDDEN, HIDDEN), 0.1 * torch.randn(HIDDEN))
+    ids = calibration(4, 24, seed=1)
+    with torch.no_grad():
+        expected = model(ids).logits
+    records = replace_blocks_(model, [2], calibration(), quick("linear"))
+    assert records[0]["replaces"] == [2] and records[0]["kind"] == "linear" and records[0]["fit"] == "independent"
+    assert records[0]["params"] == HIDDEN * HIDDEN + HIDDEN and records[0]["fit_seconds"] >= 0
+    assert model.config.num_hidden_layers == 3 and block_layout(model) == [[0], [1, 2], [3]]
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+def test_linear_beats_removal_on_the_final_state(model_type):
+    ids, heldout = calibration(), calibration(4, 32, seed=7)
+    reference = final_state(make_tiny_model(model_type), heldout)
+    removed, linear = make_tiny_model(model_type), make_tiny_model(model_type)
+    drop_blocks_(removed, [1, 2])
+    replace_blocks_(linear, [1, 2], ids, quick("linear"))
+    err_removed = ((final_state(removed, heldout) - reference) ** 2).mean()
+    err_linear = ((final_state(linear, heldout) - reference) ** 2).mean()
+    assert err_linear < err_removed, (float(err_linear), float(err_removed))
+
+
+@pytest.mark.parametrize(
+    "kind,dropped,layout",
+    [
+        ("none", [1, 2], [[0], [3]]),
+        ("linear", [1, 2], [[0, 1, 2], [3]]),
+        ("linear", [0], [[0, 1], [2], [3]]),
+        ("linear", [0, 2], [[0, 1, 2], [3]]),
+        ("lowrank", [2, 3], [[0], [1, 2, 3]]),
+        ("fold", [2], [[0], [1, 2], [3]]),
+        ("block", [1, 2], [[0], [1, 2], [3]]),
+    ],
+)
+def test_layout_is_recorded(kind, dropped, layout):
+    model = make_tiny_model("llama")
+    replace_blocks_(model, dropped, calibration(), quick(kind))
+    assert block_layout(model) == layout == model.config.layercut_layout
+    assert model.config.num_hidden_layers == len(layout) == len(get_blocks(model)[1])
+    records = replacement_records(model)
+    assert len(records) == (0 if kind == "none" else len(span_pairs(dropped)))
+    if kind == "linear" and dropped == [0, 2]:
+        block = get_blocks(model)[1][0]  # one kept block carries the map before it and the map after it
+        assert isinstance(block, ReplacedBlock) and block.before is not None and block.after is not None
+        assert [r["where"] for r in records] == ["before", "after"]
+
+
+def test_layout_composes_and_temporary_removal_restores_it():
+    model = make_tiny_model("llama")
+    assert block_layout(model) == [[0], [1], [2], [3]] and not hasattr(model.config, "layercut_layout")
+    with blocks_removed(model, [1]):
+        assert block_layout(model) == [[0], [2], [3]]
+    assert not hasattr(model.config, "layercut_layout")
+    replace_blocks_(model, [1], calibration(), quick("linear"))
+    assert block_layout(model) == [[0, 1], [2], [3]]
+    drop_blocks_(model, [1])
+    assert block_layout(model) == [[0, 1], [3]] and len(replacement_records(model)) == 1
+    drop_blocks_(model, [0])  # the block carrying the map goes, and its record with it
+    assert block_layout(model) == [[3]] and replacement_records(model) == []
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "opt", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("kind", ["linear", "lowrank", "fold", "block"])
+def test_generation_with_kv_cache_after_each_kind(model_type, kind):
+    if kind == "fold" and model_type == "gemma2":
+        pytest.skip("gemma2 cannot fold (normed MLP output)")
+    model = make_tiny_model(model_type)
+    replace_blocks_(model, [1, 2], calibration(8, 32), quick(kind, steps=3))
+    expected = 3 if kind == "block" else 2
+    assert len(get_blocks(model)[1]) == getattr(model.config, arch_spec(model).layer_count) == expected
+    ids = calibration(2, 12, seed=3)
+    with torch.no_grad():
+        full = model(ids).logits
+        prefix = model(ids[:, :8], use_cache=True)
+        step = model(ids[:, 8:], past_key_values=prefix.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(step, full[:, 8:], rtol=1e-4, atol=1e-4)
+    out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 9)
+
+
+def test_sequential_fit_uses_the_surgered_inputs():
+    model = make_tiny_model("llama")
+    ids = calibration()
+    independent = fit_replacements(model, [1, 3], ids, quick("linear"))
+    sequential = fit_replacements(model, [1, 3], ids, quick("linear", fit="sequential"))
+    first = [r.module.proj.weight for r in (independent[0], sequential[0])]
+    second = [r.module.proj.weight for r in (independent[1], sequential[1])]
+    torch.testing.assert_close(first[0], first[1])  # nothing replaced before the first span
+    assert not torch.allclose(second[0], second[1], atol=1e-4)
+    # the model is untouched by fitting
+    assert len(get_blocks(model)[1]) == 4 and not hasattr(model.config, "layercut_layout")
+    # sequential inputs are exactly what the model with the first span replaced feeds span 2
+    linear = make_tiny_model("llama")
+    replace_blocks_(linear, [1, 3], ids, quick("linear", fit="sequential"))
+    heldout = calibration(4, 32, seed=9)
+    reference = final_state(make_tiny_model("llama"), heldout)
+    independent_model = make_tiny_model("llama")
+    replace_blocks_(independent_model, [1, 3], ids, quick("linear"))
+    err_seq = ((final_state(linear, heldout) - reference) ** 2).mean()
+    err_ind = ((final_state(independent_model, heldout) - reference) ** 2).mean()
+    assert err_seq < 1.05 * err_ind
+
+
+def reference_reduced_rank(x, y, rank):
+    """Reduced-rank regression with explicit data: OLS, then project on the top right singular vectors of the fit."""
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    b = torch.linalg.lstsq(xc, yc).solution
+    _, _, vh = torch.linalg.svd(xc @ b, full_matrices=False)
+    return b @ vh[:rank].T @ vh[:rank]
+
+
+def test_reduced_rank_fit_matches_explicit_reference():
+    torch.manual_seed(0)
+    x = torch.randn(400, 12, dtype=torch.float64)
+    y = x @ torch.randn(12, 12, dtype=torch.float64) + 0.1 * torch.randn(400, 12, dtype=torch.float64)
+    acc = PairAccumulator()
+    acc.update(x, y)
+    down, up = reduced_rank_fit(acc.moments(), 3)
+    torch.testing.assert_close(down @ up.T, reference_reduced_rank(x, y, 3), rtol=1e-8, atol=1e-8)
+
+
+def test_lowrank_map_parameters_and_full_rank_equals_linear():
+    ids = calibration()
+    lowrank, linear = make_tiny_model("llama"), make_tiny_model("llama")
+    records = replace_blocks_(lowrank, [1, 2], ids, quick("lowrank", steps=0, rank=HIDDEN))
+    replace_blocks_(linear, [1, 2], ids, quick("linear"))
+    rank = HIDDEN
+    assert records[0]["params"] == 2 * rank * HIDDEN + 3 * HIDDEN and records[0]["rank"] == rank
+    assert records[0]["linear_params"] == HIDDEN * HIDDEN + HIDDEN
+    heldout = calibration(2, 16, seed=5)
+    with torch.no_grad():
+        torch.testing.assert_close(lowrank(heldout).logits, linear(heldout).logits, rtol=1e-3, atol=1e-3)
+    default = make_tiny_model("llama")
+    records = replace_blocks_(default, [1, 2], ids, quick("lowrank", steps=5))
+    assert records[0]["rank"] == 1 and records[0]["params"] == 2 * HIDDEN + 3 * HIDDEN  # max(1, 32 // 100)
+    assert isinstance(replacement_modules(default)[0], LowRankMap)
+
+
+def test_lowrank_training_does_not_lose_the_closed_form_start():
+    model = make_tiny_model("llama")
+    records = replace_blocks_(model, [1, 2], calibration(), quick("lowrank", rank=4, steps=30))
+    record = records[0]
+    assert record["steps"] == 30 and record["train_loss_end"] <= record["train_loss_start"] * 1.05
+    assert record["train_loss_start"] < 1.0  # the closed-form start already beats removal (1.0)
+
+
+def test_block_replacement_trains_and_stays_vanilla():
+    model = make_tiny_model("llama")
+    original = get_blocks(model)[1]
+    one_block = sum(p.numel() for p in original[1].parameters())
+    records = replace_blocks_(model, [1, 2], calibration(), quick("block", steps=40, lr=3e-3))
+    record = records[0]
+    assert record["params"] == one_block and record["train_loss_end"] < record["train_loss_start"]
+    blocks = get_blocks(model)[1]
+    assert type(blocks[1]) is type(blocks[0]) and len(blocks) == 3
+    assert replacement_modules(model) == [blocks[1]]
+
+
+def test_replacement_modules_for_each_kind():
+    ids = calibration()
+    model = make_tiny_model("llama")
+    replace_blocks_(model, [0, 2], ids, quick("linear"))
+    maps = replacement_modules(model)
+    assert len(maps) == 2 and all(isinstance(m, LinearMap) for m in maps)
+    model = make_tiny_model("gpt2")
+    replace_blocks_(model, [2], ids, quick("fold"))
+    assert replacement_modules(model) == [get_blocks(model)[1][1].mlp.c_proj]
+    assert replacement_modules(make_tiny_model("llama")) == []
+
+
+def test_wrapper_exposes_the_block_parts():
+    model = make_tiny_model("qwen2")
+    replace_blocks_(model, [2], calibration(), quick("linear"))
+    wrapper = get_blocks(model)[1][1]
+    assert isinstance(wrapper, ReplacedBlock)
+    assert wrapper.self_attn is wrapper.block.self_attn and wrapper.get_submodule("mlp.down_proj") is not None
+    assert wrapper.self_attn.layer_idx == 1
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(kind="squash"), "unknown replacement 'squash': choose one of none, linear, lowrank, fold, block"),
+        (dict(kind="lowrank", rank=0), "--rank must be a positive integer, got 0"),
+        (dict(kind="lowrank", rank=-3), "--rank must be a positive integer"),
+        (dict(kind="linear", rank=4), "--rank applies to --replace lowrank only"),
+        (dict(kind="linear", fit="greedy"), "unknown --fit 'greedy'"),
+        (dict(kind="linear", ridge=-1.0), "--ridge must be a finite number >= 0"),
+        (dict(kind="block", steps=-1), "--replace-steps must be >= 0"),
+    ],
+)
+def test_bad_options(options, message):
+    with pytest.raises(LayercutError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ReplaceConfig(**options)
+
+
+def test_fold_on_an_architecture_without_an_mlp_output_projection(monkeypatch):
+    import dataclasses
+
+    from prune import adapters
+
+    llama = adapters.ARCHITECTURES["llama"]
+    monkeypatch.setitem(adapters.ARCHITECTURES, "llama", dataclasses.replace(llama, mlp_out=""))
+    model = make_tiny_model("llama")
+    with pytest.raises(LayercutError, match="MLP output projection, which is unknown for 'llama'"):
+        replace_blocks_(model, [2], calibration(), quick("fold"))
+    monkeypatch.setitem(adapters.ARCHITECTURES, "llama", dataclasses.replace(llama, mlp_out="mlp.no_such_proj"))
+    with pytest.raises(LayercutError, match="blocks have no 'mlp.no_such_proj'"):
+        replace_blocks_(model, [2], calibration(), quick("fold"))
+    assert len(get_blocks(model)[1]) == 4  # nothing changed
+
+
+def test_fold_errors_for_block_zero_and_normed_mlp_output():
+    with pytest.raises(LayercutError, match="span starting at block 0 has no previous block.*--protect"):
+        replace_blocks_(make_tiny_model("llama"), [0, 1], calibration(), quick("fold"))
+    with pytest.raises(LayercutError, match="'gemma2' normalises the MLP output"):
+        replace_blocks_(make_tiny_model("gemma2"), [2], calibration(), quick("fold"))

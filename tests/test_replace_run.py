@@ -1,0 +1,157 @@
+"""``python -m prune.run --replace ...`` end to end on a tiny saved model, recipes, and the bad inputs."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_tiny_model, make_tiny_tokenizer
+from transformers import AutoModelForCausalLM
+
+import prune
+from prune.errors import EXIT_BAD_INPUT, LayercutError
+from prune.pipeline import LoadConfig, PruneConfig, run_prune
+from prune.recipes import config_from_recipe
+from prune.run import main
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def in_memory(config):
+    config.out = None  # set after construction: PruneConfig names a default folder when dropping
+    return config
+
+
+def small(folder):
+    return ["--model", folder, "--samples", "8", "--seq-len", "32", "--batch-size", "4", "--protect", "0"]
+
+
+def test_linear_replacement_cli_round_trip(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "slim-lin"
+    code, stdout, err = run(capsys, *small(tiny_folder), "--drop", "2", "--replace", "linear", "--out", out)
+    assert code == 0, err
+    assert "replaced blocks" in stdout and "by linear (1056 parameters, independent fit" in stdout
+    assert (out / "replacements.safetensors").is_file() and (out / "linearity_profile.png").is_file()
+    report = json.loads((out / "layercut.json").read_text())
+    assert report["replace"] == "linear" and report["fit"] == "independent"
+    covered = sorted(i for r in report["replacements"] for i in r["replaces"])
+    assert covered == report["dropped"]
+    for record in report["replacements"]:
+        assert record["kind"] == "linear" and record["params"] == 32 * 32 + 32 and record["fit_seconds"] >= 0
+    assert sorted(i for group in report["layout"] for i in group) == [0, 1, 2, 3]
+    # the same run in memory gives the logits prune.load reproduces
+    config = PruneConfig(load=LoadConfig(str(tiny_folder)), data={"samples": 8, "seq_len": 32}, drop=2,
+                         protect="0", replace="linear")
+    result = run_prune(in_memory(config))
+    ids = torch.randint(3, 320, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(prune.load(out).model(ids).logits, result.loaded.model(ids).logits,
+                                   rtol=0, atol=1e-6)
+
+
+def test_fold_cli_writes_a_vanilla_checkpoint(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "slim-fold"
+    code, _, err = run(capsys, *small(tiny_folder), "--drop", "1", "--replace", "fold", "--fit", "sequential",
+                       "--out", out)
+    assert code == 0, err
+    assert not (out / "replacements.safetensors").exists()
+    report = json.loads((out / "layercut.json").read_text())
+    assert report["replacements"][0]["kind"] == "fold" and report["replacements"][0]["fit"] == "sequential"
+    plain = AutoModelForCausalLM.from_pretrained(out)
+    assert plain.config.num_hidden_layers == 3
+
+
+def test_default_out_names_the_replacement(tiny_folder):
+    config = PruneConfig(load=LoadConfig(str(tiny_folder)), drop=2, replace="lowrank")
+    assert config.out == f"{Path(str(tiny_folder)).name}-drop2-lowrank"
+    assert PruneConfig(load=LoadConfig(str(tiny_folder)), drop=2).out == f"{Path(str(tiny_folder)).name}-drop2"
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--drop", "1", "--replace", "squash"], "unknown replacement 'squash': choose one of none, linear"),
+        (["--drop", "1", "--replace", "lowrank", "--rank", "0"], "--rank must be a positive integer, got 0"),
+        (["--drop", "1", "--replace", "lowrank", "--rank", "-2"], "--rank must be a positive integer, got -2"),
+        (["--drop", "1", "--replace", "linear", "--rank", "3"], "--rank applies to --replace lowrank only"),
+        (["--drop", "1", "--replace", "linear", "--fit", "greedy"], "unknown --fit 'greedy'"),
+        (["--drop", "1", "--fit", "sequential"], "--fit sequential applies to replacements"),
+        (["--replace", "linear"], "--replace needs blocks to remove: pass --drop"),
+        (["--drop", "1", "--distill-steps", "-1"], "--distill-steps must be an integer >= 0"),
+        (["--drop", "1", "--replace", "fold", "--protect", "none", "--select", "span", "--score", "bi", "--drop",
+          "3"], "span starting at block 0"),
+    ],
+)
+def test_bad_replacement_input(tiny_folder, tmp_path, capsys, extra, message):
+    args = ["--model", tiny_folder, "--samples", "8", "--seq-len", "32", "--out", tmp_path / "o", *extra]
+    code, _, err = run(capsys, *args)
+    assert code == EXIT_BAD_INPUT, err
+    assert message in err and err.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_fold_without_mlp_projection_fails_before_scoring(tiny_folder, tmp_path, capsys, monkeypatch):
+    from prune import adapters
+
+    spec = dataclasses.replace(adapters.ARCHITECTURES["llama"], mlp_out="")
+    monkeypatch.setitem(adapters.ARCHITECTURES, "llama", spec)
+    monkeypatch.setattr("prune.pipeline.score_model", lambda *a: pytest.fail("scored before the check"))
+    code, _, err = run(capsys, *small(tiny_folder), "--drop", "1", "--replace", "fold", "--out", tmp_path / "o")
+    assert code == EXIT_BAD_INPUT and "MLP output projection, which is unknown for 'llama'" in err
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_maps_onto_prune_config(recipe):
+    config = config_from_recipe(recipe)
+    assert isinstance(config, PruneConfig) and config.out
+    config.replace_config()
+    if config.distill_steps:
+        assert config.distill_config().steps == config.distill_steps
+
+
+def test_linear_distill_recipe():
+    config = config_from_recipe(RECIPES[0].parent / "smollm2-drop4-linear-distill.yaml")
+    assert (config.replace, config.drop, config.distill_steps) == ("linear", 4, 100)
+    distill = config.distill_config()
+    assert (distill.batch_size, distill.seq_len, distill.train) == (4, 128, "replacements")
+
+
+def test_bad_distill_keys():
+    with pytest.raises(LayercutError, match="distill: .*unexpected keyword argument 'learning_rate'.*known keys"):
+        PruneConfig(drop=1, replace="linear", distill_steps=5, distill={"learning_rate": 1})
+
+
+def test_distill_steps_wiring(tiny_folder, tmp_path):
+    """--distill-steps trains the replacement maps against the reloaded original, then exports."""
+    out = tmp_path / "lin-distilled"
+    config = PruneConfig(
+        load=LoadConfig(str(tiny_folder)), data={"samples": 8, "seq_len": 32}, drop=2, protect="0",
+        replace="linear", distill_steps=3, distill={"batch_size": 2, "seq_len": 16, "lr": 1e-3,
+                                                      "data": {"samples": 16, "seq_len": 16}}, out=str(out))
+    before = run_prune(in_memory(dataclasses.replace(config, distill_steps=0))).loaded.model
+    result = run_prune(config)
+    report = result.report
+    assert report["distill"]["steps"] == 3 and report["distill"]["final_loss"] is not None
+    assert (out / "train_log.jsonl").is_file() and not (tmp_path / "lin-distilled.work").exists()
+    maps_before = [m.proj.weight for m in prune.replace.replacement_modules(before)]
+    maps_after = [m.proj.weight for m in prune.replace.replacement_modules(result.loaded.model)]
+    assert any(not torch.allclose(a, b) for a, b in zip(maps_before, maps_after, strict=True))
+    ids = torch.randint(3, 320, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(prune.load(out).model(ids).logits, result.loaded.model(ids).logits,
+                                   rtol=0, atol=1e-6)
