@@ -1,6 +1,7 @@
 """Benchmarks of slimmed models against their original.
 
     python -m eval.bench speed --model slim/ --baseline smollm2-135m [--model slim8/] [--out bench/]
+    python -m eval.bench scoring --model smollm2-135m [--tokens 8192,32768] [--out bench-scoring/]
 
 Subcommands live in ``SUBCOMMANDS`` (name -> how to add its arguments, how to run it); a new one is
 one :func:`register_subcommand` call.
@@ -144,6 +145,55 @@ def _checkpoint_folder(name: str) -> str | None:
 
 
 register_subcommand("speed", "prefill/decode speed and peak memory against a baseline", _add_speed_arguments, run_speed)
+
+
+# ---- scoring ----
+
+
+def _add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="model name or folder (default: smollm2-135m)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    parser.add_argument("--data", default=None, help="calibration text (default: the built-in corpus)")
+    parser.add_argument("--tokens", default="8192,32768", help="token counts for the memory rows (default: 8192,32768)")
+    parser.add_argument("--time-tokens", type=int, default=8192, help="tokens per timed pass (default: 8192)")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: 512)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds (default: 3)")
+    parser.add_argument("--methods", default="streamed,stored", help="memory rows (default: streamed,stored)")
+    parser.add_argument("--out", help="folder for scoring.json and scoring.md (default: print only)")
+
+
+def _run_scoring(args: argparse.Namespace) -> int:
+    from eval.scoring_cost import measure_memory, measure_time_ratio, memory_rows_as_dicts, scoring_markdown
+    from prune.loading import load_model
+
+    token_counts = [int(t) for t in str(args.tokens).split(",")]
+    loaded = load_model(args.model, device=args.device)
+    timing = measure_time_ratio(loaded, args.time_tokens, args.seq_len, args.batch_size, args.repeats, args.data)
+    del loaded
+    rows = [
+        measure_memory(args.model, args.device, method, tokens, args.seq_len, args.batch_size, args.data)
+        for tokens in token_counts
+        for method in args.methods.split(",")
+    ]
+    table = scoring_markdown(args.model, timing, rows)
+    print(table)
+    if args.out:
+        from prune.export import atomic_directory, write_json
+
+        with atomic_directory(args.out, overwrite=True) as staging:
+            write_json(staging / "scoring.json", {"model": args.model, "timing": timing,
+                                                  "memory": memory_rows_as_dicts(rows)})
+            (staging / "scoring.md").write_text(table + "\n", encoding="utf-8")
+    return 0
+
+
+register_subcommand(
+    "scoring",
+    "streamed scoring time vs a plain forward pass; peak memory vs storing every hidden state",
+    _add_scoring_arguments,
+    _run_scoring,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -200,10 +200,10 @@ def perplexity(
     max_positions = model_max_positions(model)
     if max_positions is not None and seq_len > max_positions:
         raise LayercutError(f"seq_len {seq_len} exceeds the model's maximum of {max_positions} positions; lower it")
+    stride = stride or seq_len
     if seq_len > n_tokens:
         logger.warning("text has only %d tokens, fewer than seq_len %d: using one window", n_tokens, seq_len)
-        seq_len = n_tokens
-    stride = stride or seq_len
+        seq_len, stride = n_tokens, min(stride, n_tokens)
     windows = plan_windows(n_tokens, seq_len, stride, drop_last=drop_last)
     token_ids = token_ids.long().cpu()
     total_nll, scored = 0.0, sum(w.end - w.score_from for w in windows)

@@ -31,6 +31,8 @@ PERPLEXITY_KEY = "wikitext/perplexity"
 # Lower is better for these metric names; the others (accuracies) are higher-is-better.
 _LOWER_IS_BETTER = ("perplexity", "nll", "bits_per_byte", "word_perplexity", "byte_perplexity")
 _MIB = 1024 * 1024
+# Bookkeeping numbers lm-eval returns beside the metrics: kept in results.json, left out of the table.
+_NOT_METRICS = ("sample_len", "samples")
 
 
 def is_lower_better(metric_key: str) -> bool:
@@ -39,11 +41,15 @@ def is_lower_better(metric_key: str) -> bool:
 
 
 def table_metrics(results: dict) -> list[str]:
-    """Metric keys shown in the table: every numeric metric of any model except standard errors, in first-seen order."""
+    """Metric keys shown in the table: numeric metrics of any model, in first-seen order.
+
+    Standard errors and lm-eval's bookkeeping (``sample_len``) stay in ``results.json`` only.
+    """
     keys: list[str] = []
     for model in results["models"]:
         for key, value in model["metrics"].items():
-            if "stderr" not in key and isinstance(value, (int, float)) and key not in keys:
+            shown = "stderr" not in key and key.rsplit("/", 1)[-1] not in _NOT_METRICS
+            if shown and isinstance(value, (int, float)) and key not in keys:
                 keys.append(key)
     return keys
 

@@ -95,7 +95,7 @@ def test_lm_eval_tasks_are_flattened_into_metrics(setup, monkeypatch):
     def fake_lm_eval(model, tokenizer, tasks, **kw):
         calls.append((list(tasks), kw["limit"], kw["data_dir"]))
         blocks = model.config.num_hidden_layers
-        return {"arc_easy": {"acc": 0.1 * blocks, "acc_norm": 0.05 * blocks, "acc_stderr": 0.01}}
+        return {"arc_easy": {"acc": 0.1 * blocks, "acc_norm": 0.05 * blocks, "acc_stderr": 0.01, "sample_len": 5}}
 
     monkeypatch.setattr(run_module, "run_lm_eval", fake_lm_eval)
     monkeypatch.setattr(run_module, "plan_tasks", lambda tasks, data_dir: ([], list(tasks)))
@@ -103,13 +103,12 @@ def test_lm_eval_tasks_are_flattened_into_metrics(setup, monkeypatch):
                           out=str(root / "lm"), limit=5, progress=False)  # fmt: skip
     results = run_module.run(options)
     assert calls == [(["arc_easy"], 5, None)] * 2
-    assert results["models"][1]["metrics"] == pytest.approx(
-        {"arc_easy/acc": 0.3, "arc_easy/acc_norm": 0.15, "arc_easy/acc_stderr": 0.01}, rel=1e-12
-    )
+    expected = {"arc_easy/acc": 0.3, "arc_easy/acc_norm": 0.15, "arc_easy/acc_stderr": 0.01, "arc_easy/sample_len": 5}
+    assert results["models"][1]["metrics"] == pytest.approx(expected, rel=1e-12)
     assert results["primary_metrics"] == ["arc_easy/acc_norm"]
     table = (root / "lm" / "README.md").read_text()
     assert "| arc_easy/acc_norm | 0.2000 | 0.1500 | -0.0500 (-25.0%) |" in table
-    assert "stderr" not in table
+    assert "stderr" not in table and "sample_len" not in table
 
 
 def test_unknown_task_is_a_one_line_error(setup, capsys):

@@ -1,0 +1,29 @@
+"""The scoring benchmark's three methods agree, and the report says what was measured."""
+
+import pytest
+import torch
+from conftest import make_tiny_model
+
+from eval.scoring_cost import MemoryRow, run_method, scoring_markdown
+
+
+def test_streamed_and_stored_scores_agree():
+    model = make_tiny_model("llama")
+    ids = torch.randint(3, 320, (8, 32))
+    assert run_method("plain", model, ids, 4) is None
+    streamed = run_method("streamed", model, ids, 4)
+    stored = run_method("stored", model, ids, 3)
+    assert streamed == pytest.approx(stored, abs=1e-9)
+    with pytest.raises(ValueError, match="unknown method"):
+        run_method("other", model, ids, 4)
+
+
+def test_markdown_reports_ratios():
+    timing = {"tokens": 8192, "plain_seconds": [2.0, 2.2], "streamed_seconds": [2.4, 2.6],
+              "ratio_median": 1.2, "ratio_min": 1.18, "ratio_max": 1.2}
+    rows = [MemoryRow("streamed", 8192, 3.0, 100.0), MemoryRow("streamed", 32768, 12.0, 101.0),
+            MemoryRow("stored", 8192, 4.0, 600.0), MemoryRow("stored", 32768, 16.0, 2400.0)]
+    text = scoring_markdown("m", timing, rows)
+    assert "**1.200x**" in text
+    assert "streamed: peak memory at 32768 tokens / at 8192 tokens = 1.01x" in text
+    assert "stored: peak memory at 32768 tokens / at 8192 tokens = 4.00x" in text
