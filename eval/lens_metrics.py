@@ -190,7 +190,9 @@ def evaluate_shortcuts(
     acc = {(name, layer): _Accumulator() for name in names for layer in range(count + 1)}
     errors, references = _SquaredError(), []
     starts = range(0, token_ids.shape[0], batch_size)
-    for start in tqdm(starts, desc="lens predictions", unit="batch", disable=not progress):
+    # One tick per (batch, shortcut, layer): the LM head over every position is the slow part.
+    bar = tqdm(total=len(starts) * len(names) * count, desc="lens predictions", unit="layer", disable=not progress)
+    for start in starts:
         states = [s.to(device) for s in batch_states(model, token_ids[start : start + batch_size], count)]
         target = states[count]  # [n, d]
         reference = reference_tokens(model, target)  # [n]
@@ -203,7 +205,9 @@ def evaluate_shortcuts(
                 prediction = shortcuts.apply(name, layer, states[layer])  # [n, d]
                 errors.add((name, layer), prediction, target)
                 acc[(name, layer)].add(score_states(model, prediction, reference))
+                bar.update(1)
         del states
+    bar.close()
     return _collect(names, count, acc, errors, torch.cat(references).view(token_ids.shape))
 
 

@@ -234,7 +234,7 @@ def per_layer_table(predictions: LensPredictions, r2_from_moments: dict[str, lis
 def early_exit_results(predictions: LensPredictions) -> dict:
     """The lambda sweep, the fixed-layer line and the layers saved at 95% precision, per shortcut."""
     count = predictions.num_layers
-    out = {"goal": PRECISION_GOAL, "exit_layers": f"1..{count - 1}, else all {count}", "shortcuts": {}}
+    out = {"goal": PRECISION_GOAL, "exit_layers": [1, count - 1], "shortcuts": {}}
     for name in predictions.names:
         sweep = early_exit_sweep(predictions.confidence[name], predictions.correct[name])
         used = layers_at_precision(sweep)

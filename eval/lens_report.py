@@ -139,8 +139,10 @@ def lens_readme(results: dict, figures: list[str]) -> str:
         "",
     ]  # fmt: skip
     if results.get("early_exit"):
-        lines += ["## Early exit", "", f"Exit at the first layer in {results['early_exit']['exit_layers']} whose "
-                  "top-1 probability exceeds lambda; layers used = blocks run.", "", early_exit_table(results), ""]
+        first, last = results["early_exit"]["exit_layers"]
+        lines += ["## Early exit", "", f"Each token exits at the first layer l in {first}..{last} whose top-1 "
+                  f"probability exceeds lambda (else it runs all {results['num_blocks']} blocks); layers used = "
+                  "blocks run; lambda swept over [0, 1].", "", early_exit_table(results), ""]  # fmt: skip
     if results.get("submodules"):
         lines += ["## Sub-module stand-ins", "", "One part of one block replaced by an affine map fitted from its "
                   "input to its output; final predictions against the original model's top-1.", "",

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import psutil
 import torch
 
+from eval.speed import vm_hwm_bytes
 from prune.capture import residual_states
 from prune.data import DataConfig, calibration_data
 from prune.loading import load_model
@@ -90,8 +91,11 @@ def _memory_worker(model_name, device, method, tokens, seq_len, batch_size, data
     started = time.perf_counter()
     run_method(method, loaded.model, ids, batch_size)
     seconds = time.perf_counter() - started
-    # ru_maxrss is in KiB on Linux.
-    peak = torch.cuda.max_memory_allocated() if on_cuda else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if on_cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        # VmHWM starts afresh in the child; ru_maxrss (KiB) would carry the parent's peak over.
+        peak = vm_hwm_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     queue.put(MemoryRow(method, ids.numel(), seconds, (peak - base) / 2**20))
 
 

@@ -496,7 +496,7 @@ def peak_memory_subprocess(
     return int(report["bytes"]), report["method"]
 
 
-def _vm_hwm_bytes() -> int | None:
+def vm_hwm_bytes() -> int | None:
     """Peak resident set of this process from ``/proc/self/status`` (Linux), None elsewhere.
 
     ``VmHWM`` starts afresh at ``exec``, unlike ``ru_maxrss``, which Linux carries over from the parent
@@ -535,6 +535,6 @@ def _peak_memory_child(spec_json: str) -> None:
     if input_device(kept[0]).type == "cuda":
         report = {"bytes": torch.cuda.max_memory_allocated(), "method": "cuda: max_memory_allocated (fresh process)"}
     else:
-        peak = max(base_rss + growth, _vm_hwm_bytes() or 0)
+        peak = max(base_rss + growth, vm_hwm_bytes() or 0)
         report = {"bytes": peak - base_rss, "method": "cpu: peak RSS of a fresh process minus its RSS after imports"}
     print(json.dumps(report))

@@ -4,18 +4,24 @@ Each maximal run (span) of removed blocks gets one replacement, fitted to reprod
 from its input on calibration text:
 
 * ``linear``: ``h -> h A + b``, closed-form least squares (float64) from streamed moments.
-* ``lowrank``: ``h -> h + up(down(BatchNorm(h)))`` with rank ``max(1, d // 100)``; initialised with the
-  closed-form reduced-rank least-squares solution (the exact MSE optimum of this family), then a few
-  Adam steps on MSE. Residual form: at rank 5 a map that must rebuild the whole state (not just the
-  span's change) loses most of it.
+* ``lowrank``: ``h -> h + up(down(BatchNorm(h)))`` with rank ``max(1, d // 100)``, started at the
+  closed-form reduced-rank least-squares solution (the exact MSE optimum of this family on the
+  calibration tokens), then Adam steps on the MSE. Residual form, because at tiny rank a map that must
+  rebuild the whole state loses it: on SmolLM2-135M (blocks 12-15, rank 5, 16k calibration tokens,
+  held-out Emma) the residual form gives perplexity 42.3, the direct form 892. Adam adds little after
+  the closed-form start (100 or 300 steps: 42.27 / 42.25); from a zero start it needs ~300 steps at
+  lr 1e-2 to get there (42.22).
 * ``fold``: the map is folded into the previous kept block's MLP output projection (``prune.fold``);
   the checkpoint stays a vanilla architecture.
 * ``block``: one standard block of the architecture per span, a copy of the span's first block,
-  trained with Adam on the MSE to the span's output; a vanilla checkpoint.
+  trained with Adam on the MSE to the span's output; a vanilla checkpoint. (First rather than last:
+  on the same SmolLM2 setting 41.96 vs 43.96 untrained, 38.05 vs 38.82 after 200 steps.)
 
 ``fit="independent"`` fits every span on the original model's states (one streamed pass);
 ``fit="sequential"`` fits span by span, each on the inputs the already-surgered model produces
 (targets are always the original model's span outputs), which corrects the drift earlier spans cause.
+Adam-trained kinds keep the captured activations of at most ``cache_bytes`` (on the CPU) and train on
+them; closed-form kinds keep only float64 moments, so their memory does not grow with the data.
 
 ``linear`` and ``lowrank`` maps ride on a kept block inside a :class:`ReplacedBlock` (the block, then
 the map; the map first when the span starts at block 0), so the block list keeps the config's length
@@ -519,6 +525,7 @@ class _CachingFitter(SpanFitter):
                         list(self.span), len(self.cache), self.config.cache_bytes)
         module.to(device=self.device, dtype=torch.float32).eval()
         params = list(module.parameters())
+        flags = [p.requires_grad for p in params]
         for p in params:
             p.requires_grad_(True)
         optimizer = torch.optim.Adam(params, lr=self.config.lr)
@@ -539,8 +546,8 @@ class _CachingFitter(SpanFitter):
             optimizer.step()
             losses.append(float(loss.detach()))
             bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        for p in params:
-            p.requires_grad_(False)
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(flag)
         module.to(self.dtype)
         first, last = (losses[0], sum(losses[-10:]) / len(losses[-10:])) if losses else (None, None)
         return {"steps": steps, "lr": self.config.lr, "train_loss_start": first, "train_loss_end": last}

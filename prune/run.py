@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{name}: {spec.description}" for name, spec in REPLACEMENTS.items()) + " (default: none)")
     group.add_argument("--fit", default="independent",
                        help="independent: fit each span on the original model's states; sequential: on the states "
-                       "of the model with the earlier spans already replaced (one more pass per span) "
+                       "of the model with the earlier spans already replaced (two passes per later span) "
                        "(default: independent)")
     group.add_argument("--rank", type=int, default=None,
                        help="rank of --replace lowrank maps (default: max(1, hidden // 100))")
