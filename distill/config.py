@@ -3,6 +3,9 @@
 The defaults are sized for a small model on a laptop-class CPU: 4 sequences of 128 tokens per step
 (512 tokens), so ``prune.run --model smollm2-135m --drop 4 --replace linear --distill-steps 100``
 finishes in minutes on two cores. On a GPU raise ``batch_size`` / ``seq_len``.
+
+The learning rate 3e-4 was measured on SmolLM2-135M with 4 blocks replaced by a closed-form linear map
+(held-out perplexity after 100 steps: 34.6 at 1e-4, 34.3 at 3e-4; dense 31.4, closed form 36.3).
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class DistillConfig:
     """
 
     steps: int = 100
-    lr: float = 1e-4
+    lr: float = 3e-4
     batch_size: int = 4
     seq_len: int = DEFAULT_SEQ_LEN
     grad_accum: int = 1

@@ -8,7 +8,8 @@ from prune.surgery import blocks_removed, drop_blocks_
 
 
 def attention_indices(model):
-    return [m.layer_idx for _, blocks in [get_blocks(model)] for b in blocks for m in b.modules() if hasattr(m, "layer_idx")]
+    blocks = get_blocks(model)[1]
+    return [m.layer_idx for b in blocks for m in b.modules() if hasattr(m, "layer_idx")]
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
