@@ -328,12 +328,19 @@ def _submodule_results(model, fit, held, predictions: LensPredictions, blocks, c
             "original": {"precision@1": 1.0, "surprisal": full}, "rows": rows}  # fmt: skip
 
 
+def render_lens_report(results: dict, folder: str | Path) -> list[str]:
+    """Write README.md and the figures of ``results`` into ``folder``; returns the figure file names."""
+    folder = Path(folder)
+    figures = [p.name for p in write_figures(results, folder)]
+    (folder / README_FILE).write_text(lens_readme(results, figures), encoding="utf-8")
+    return figures
+
+
 def write_lens_outputs(results: dict, shortcuts: ShortcutSet, config: LensConfig) -> Path:
     """results.json, README.md, the figures and shortcuts.safetensors, all or nothing."""
     with atomic_directory(config.out, config.overwrite) as staging:
         write_json(staging / RESULTS_FILE, results)
-        figures = [p.name for p in write_figures(results, staging)]
-        (staging / README_FILE).write_text(lens_readme(results, figures), encoding="utf-8")
+        render_lens_report(results, staging)
         shortcuts.save(staging)
     logger.info("wrote %s", config.out)
     return Path(config.out)
