@@ -2,6 +2,7 @@
 
     python -m eval.bench speed --model slim/ --baseline smollm2-135m [--model slim8/] [--out bench/]
     python -m eval.bench scoring --model smollm2-135m [--tokens 8192,32768] [--out bench-scoring/]
+    python -m eval.bench replace --model smollm2-135m --drop 4,8 --heldout emma.txt [--out bench-replace/]
 
 Subcommands live in ``SUBCOMMANDS`` (name -> how to add its arguments, how to run it); a new one is
 one :func:`register_subcommand` call.
@@ -193,6 +194,73 @@ register_subcommand(
     "streamed scoring time vs a plain forward pass; peak memory vs storing every hidden state",
     _add_scoring_arguments,
     _run_scoring,
+)
+
+
+# ---- replace ----
+
+
+def _add_replace_arguments(parser: argparse.ArgumentParser) -> None:
+    from eval.replace_compare import VARIANTS
+
+    parser.add_argument("--model", default="smollm2-135m", help="model name or folder (default: smollm2-135m)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
+    parser.add_argument("--drop", default="4,8", help="comma-separated block counts to remove (default: 4,8)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
+    parser.add_argument("--heldout", required=True,
+                        help="text the calibration never saw: .txt/.jsonl/.parquet file or datasets spec")
+    parser.add_argument("--heldout-chars", type=int, default=None,
+                        help="score only the first N characters of it (default: all)")
+    parser.add_argument("--data", default=None, help="calibration text (default: the built-in corpus)")
+    parser.add_argument("--samples", type=int, default=64, help="calibration sequences (default: 64)")
+    parser.add_argument("--seq-len", type=int, default=512, help="calibration and perplexity window (default: 512)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
+    parser.add_argument("--distill-steps", type=int, default=100,
+                        help="steps of the +distill variants, other DistillConfig defaults (default: 100)")
+    parser.add_argument("--out", help="folder for replace.json, replace.md and replace.png (default: print only)")
+
+
+def _run_replace(args: argparse.Namespace) -> int:
+    from distill.config import DistillConfig
+    from eval.replace_compare import (
+        CompareOptions,
+        compare_markdown,
+        compare_replacements,
+        parse_variants,
+        plot_compare,
+    )
+    from prune.data import DataConfig, calibration_data, load_documents
+    from prune.loading import load_model
+    from prune.pipeline import PruneConfig
+
+    drops = [int(d) for d in str(args.drop).split(",")]
+    variants = parse_variants(args.variants)
+    documents, _ = load_documents(args.heldout)
+    heldout = "\n\n".join(documents)[: args.heldout_chars]
+    prune = PruneConfig(data=DataConfig(args.data, args.samples, args.seq_len), batch_size=args.batch_size)
+    distill = DistillConfig(steps=args.distill_steps) if args.distill_steps else None
+    loaded = load_model(args.model, device=args.device)
+    calibration = calibration_data(loaded.tokenizer, prune.data)
+    options = CompareOptions(drops, variants, prune, distill, seq_len=args.seq_len)
+    results = compare_replacements(loaded, calibration, heldout, options)
+    table = compare_markdown(results)
+    print(table)
+    if args.out:
+        from prune.export import atomic_directory, write_json
+
+        with atomic_directory(args.out, overwrite=True) as staging:
+            write_json(staging / "replace.json", results)
+            (staging / "replace.md").write_text(table + "\n", encoding="utf-8")
+            plot_compare(results, staging / "replace.png")
+    return 0
+
+
+register_subcommand(
+    "replace",
+    "held-out perplexity of remove / linear / sequential / fold / lowrank / distilled replacements",
+    _add_replace_arguments,
+    _run_replace,
 )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from eval.lens_pipeline import LensConfig, run_lens
-from eval.lens_report import claims_list, early_exit_table, layer_table, shortcut_table
+from eval.lens_report import claims_list, early_exit_table, layer_table, shortcut_table, submodule_table
 from eval.shortcuts import SHORTCUTS, LowRankConfig
 from prune.errors import cli_entry
 from prune.pipeline import LoadConfig
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     print(layer_table(results, [("precision@1", "P@1", 3), ("surprisal", "surprisal", 2), ("r2", "R^2", 3)]))
     if results["early_exit"]:
         print("\n" + early_exit_table(results))
+    if results["submodules"]:
+        print("\n" + submodule_table(results))
     print("\n" + "\n".join(claims_list(results)))
     print(f"\n{results['data']['fit']['tokens']} fit / {results['data']['eval']['tokens']} held-out tokens "
           f"in {results['seconds']:.1f}s")  # fmt: skip

@@ -88,7 +88,8 @@ def plot_surprisal(results: dict, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for name, metrics in results["per_layer"].items():
         ax.plot(results["layers"], metrics["surprisal"], marker="o", ms=3, color=COLOURS.get(name), label=name)
-    _layer_axes(ax, results, "surprisal (nats)")
+    _layer_axes(ax, results, "surprisal (nats, log scale)")
+    ax.set_yscale("log")  # the logit lens on the embeddings can be 100x the rest
     ax.set_title(f"{_title(results)}: -log p(full model's top-1)")
     ax.legend()
     return _save(fig, path)

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import nn
@@ -699,8 +700,7 @@ def _fit_independent(model, fitters: list[SpanFitter], token_ids, config) -> lis
 
     def setup(recorder: _Recorder) -> None:
         for fitter in fitters:
-            fitter.hook_inputs(recorder)
-            fitter.hook_target(recorder)
+            _hook_both(fitter, recorder)
 
     for batch in _batches(token_ids, config, f"fit {config.kind}"):
         values = _record(model, batch, setup)
@@ -715,6 +715,11 @@ def _fit_independent(model, fitters: list[SpanFitter], token_ids, config) -> lis
     return results
 
 
+def _hook_both(fitter: SpanFitter, recorder: _Recorder) -> None:
+    fitter.hook_inputs(recorder)
+    fitter.hook_target(recorder)
+
+
 def _fit_sequential(model, fitters: list[SpanFitter], token_ids, config) -> list[Replacement]:
     """Span by span: inputs from the model with the earlier spans already replaced, targets from the original."""
     original = fitters[0].original
@@ -722,12 +727,12 @@ def _fit_sequential(model, fitters: list[SpanFitter], token_ids, config) -> list
     for fitter in fitters:
         begun = time.perf_counter()
         for batch in _batches(token_ids, config, f"fit {config.kind} {list(fitter.span)}"):
-            targets = _record(model, batch, fitter.hook_target)
             if done:
+                targets = _record(model, batch, fitter.hook_target)
                 with _surgered_view(model, original, done):
                     inputs = _record(model, batch, fitter.hook_inputs)
-            else:  # nothing replaced yet: the original model's inputs are the surgered model's
-                inputs = _record(model, batch, fitter.hook_inputs)
+            else:  # nothing replaced yet: one pass of the original model gives inputs and targets
+                inputs = targets = _record(model, batch, partial(_hook_both, fitter))
             fitter.observe(fitter.batch(inputs, targets))
         done.append(fitter.finish())
         done[-1].record["fit_seconds"] = round(time.perf_counter() - begun, 2)

@@ -132,8 +132,10 @@ def main(argv: list[str] | None = None) -> int:
           f"by {report['select']} on {report['score']} over {report['data']['tokens']} tokens "
           f"in {report['seconds']:.1f}s")
     for record in report["replacements"]:
+        added = (f"folded into the previous block's {record['rewrites']}" if record["kind"] == "fold"
+                 else f"{record['params']} parameters")
         print(f"replaced blocks {record['replaces']} "
-              f"by {record['kind']} ({record['params']} parameters, {record['fit']} fit, {record['fit_seconds']:.1f}s)")
+              f"by {record['kind']} ({added}, {record['fit']} fit, {record['fit_seconds']:.1f}s)")
     if "distill" in report:
         print(f"distilled {report['distill']['steps']} steps: loss {report['distill']['first_loss']} -> "
               f"{report['distill']['final_loss']}")

@@ -52,6 +52,7 @@ def test_cli_writes_results_figures_and_reloadable_shortcuts(tiny, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "| layer | id P@1 |" in printed and "wrote" in printed
+    assert "| block | attention P@1 |" in printed  # the stand-ins table is printed, not only written
     names = {p.name for p in out.iterdir()}
     assert names == {"results.json", "README.md", "shortcuts.safetensors", "r2.png", "precision.png",
                      "surprisal.png", "heatmap.png", "early_exit.png", "submodules.png"}  # fmt: skip

@@ -66,9 +66,10 @@ def test_linear_replacement_cli_round_trip(tiny_folder, tmp_path, capsys):
 
 def test_fold_cli_writes_a_vanilla_checkpoint(tiny_folder, tmp_path, capsys):
     out = tmp_path / "slim-fold"
-    code, _, err = run(capsys, *small(tiny_folder), "--drop", "1", "--replace", "fold", "--fit", "sequential",
-                       "--out", out)
+    code, stdout, err = run(capsys, *small(tiny_folder), "--drop", "1", "--replace", "fold", "--fit", "sequential",
+                            "--out", out)
     assert code == 0, err
+    assert "by fold (folded into the previous block's mlp.down_proj, sequential fit" in stdout
     assert not (out / "replacements.safetensors").exists()
     report = json.loads((out / "layercut.json").read_text())
     assert report["replacements"][0]["kind"] == "fold" and report["replacements"][0]["fit"] == "sequential"
