@@ -132,8 +132,11 @@ def main(argv: list[str] | None = None) -> int:
           f"by {report['select']} on {report['score']} over {report['data']['tokens']} tokens "
           f"in {report['seconds']:.1f}s")
     for record in report["replacements"]:
-        added = (f"folded into the previous block's {record['rewrites']}" if record["kind"] == "fold"
-                 else f"{record['params']} parameters")
+        added = f"{record['params']} parameters"
+        if record["kind"] == "fold":
+            added = f"folded into the previous block's {record['rewrites']}"
+        elif "linear_params" in record:  # lowrank: say what the full map would have cost
+            added += f", {record['params'] / record['linear_params']:.1%} of a linear map's {record['linear_params']}"
         print(f"replaced blocks {record['replaces']} "
               f"by {record['kind']} ({added}, {record['fit']} fit, {record['fit_seconds']:.1f}s)")
     if "distill" in report:

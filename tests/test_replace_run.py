@@ -156,3 +156,15 @@ def test_distill_steps_wiring(tiny_folder, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(prune.load(out).model(ids).logits, result.loaded.model(ids).logits,
                                    rtol=0, atol=1e-6)
+
+
+def test_lowrank_cli_reports_its_share_of_a_linear_map(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "slim-lowrank"
+    code, stdout, err = run(capsys, *small(tiny_folder), "--drop", "1", "--replace", "lowrank", "--rank", "2",
+                            "--replace-steps", "2", "--out", out)
+    assert code == 0, err
+    record = json.loads((out / "layercut.json").read_text())["replacements"][0]
+    # BatchNorm (weight, bias) + down (32 x 2) + up (2 x 32 + bias): far below the 32 x 32 + 32 map
+    assert record["params"] == 2 * 32 + 32 * 2 + 2 * 32 + 32 and record["linear_params"] == 32 * 32 + 32
+    assert f"by lowrank ({record['params']} parameters, {record['params'] / 1056:.1%} of a linear map's 1056" in stdout
+    assert prune.load(out).model.config.num_hidden_layers == 3
