@@ -212,6 +212,8 @@ def _add_replace_arguments(parser: argparse.ArgumentParser) -> None:
                         help="text the calibration never saw: .txt/.jsonl/.parquet file or datasets spec")
     parser.add_argument("--heldout-chars", type=int, default=None,
                         help="score only the first N characters of it (default: all)")
+    parser.add_argument("--score", default="linearity", help="ranking criterion, as prune.run (default: linearity)")
+    parser.add_argument("--select", default="topk", help="topk, span or greedy, as prune.run (default: topk)")
     parser.add_argument("--data", default=None, help="calibration text (default: the built-in corpus)")
     parser.add_argument("--samples", type=int, default=64, help="calibration sequences (default: 64)")
     parser.add_argument("--seq-len", type=int, default=512, help="calibration and perplexity window (default: 512)")
@@ -238,7 +240,8 @@ def _run_replace(args: argparse.Namespace) -> int:
     variants = parse_variants(args.variants)
     documents, _ = load_documents(args.heldout)
     heldout = "\n\n".join(documents)[: args.heldout_chars]
-    prune = PruneConfig(data=DataConfig(args.data, args.samples, args.seq_len), batch_size=args.batch_size)
+    prune = PruneConfig(data=DataConfig(args.data, args.samples, args.seq_len), batch_size=args.batch_size,
+                        score=args.score, select=args.select)
     distill = DistillConfig(steps=args.distill_steps) if args.distill_steps else None
     loaded = load_model(args.model, device=args.device)
     calibration = calibration_data(loaded.tokenizer, prune.data)
