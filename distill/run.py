@@ -23,7 +23,7 @@ import torch
 
 from distill.checkpoints import checkpoint_dir, latest_checkpoint, list_checkpoints
 from distill.compat import check_compatible
-from distill.config import TRAIN_MODES, DistillConfig
+from distill.config import DEFAULT_LR, TRAIN_MODES, DistillConfig
 from distill.layout import LAYOUT_ATTRIBUTE, resolve_layout
 from distill.train import LOG_FILE, DistillResult, distill
 from prune.adapters import num_blocks
@@ -56,7 +56,8 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     d = _DEFAULTS
     group = parser.add_argument_group("training")
     group.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default: {d.steps})")
-    group.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default: {d.lr})")
+    group.add_argument("--lr", type=float, default=None, help="peak AdamW learning rate (default: "
+                       + ", ".join(f"{lr:g} for --train {mode}" for mode, lr in DEFAULT_LR.items()) + ")")
     group.add_argument("--batch-size", type=int, default=d.batch_size,
                        help=f"sequences per micro-batch (default: {d.batch_size})")
     group.add_argument("--grad-accum", type=int, default=d.grad_accum,

@@ -177,6 +177,9 @@ def test_config_defaults_and_validation():
     config = DistillConfig(steps=50, seq_len=64)
     assert config.warmup == 5 and config.data.seq_len == 64 and config.tokens_per_step == 4 * 64
     assert config.loss_weights() == {"layerwise_mse": 1.0}
+    # pretrained weights get a far smaller default step than fresh maps; an explicit lr always wins
+    assert (config.lr, DistillConfig(train="lora").lr, DistillConfig(train="all").lr) == (3e-4, 3e-4, 2e-5)
+    assert DistillConfig(train="all", lr=1e-3).lr == 1e-3
     for bad in (dict(train="everything"), dict(lr=-1.0), dict(steps=0), dict(warmup_steps=200, steps=100),
                 dict(mse_weight=0.0), dict(kl_weight=float("nan")), dict(batch_size=0)):
         with pytest.raises(LayercutError):
