@@ -226,6 +226,7 @@ def _add_replace_arguments(parser: argparse.ArgumentParser) -> None:
 def _run_replace(args: argparse.Namespace) -> int:
     from distill.config import DistillConfig
     from eval.replace_compare import (
+        VARIANTS,
         CompareOptions,
         compare_markdown,
         compare_replacements,
@@ -238,6 +239,9 @@ def _run_replace(args: argparse.Namespace) -> int:
 
     drops = [int(d) for d in str(args.drop).split(",")]
     variants = parse_variants(args.variants)
+    distilled = [name for name in variants if VARIANTS[name].distill]
+    if distilled and args.distill_steps <= 0:
+        raise LayercutError(f"variant(s) {', '.join(distilled)} distil: give --distill-steps > 0 or leave them out")
     documents, _ = load_documents(args.heldout)
     heldout = "\n\n".join(documents)[: args.heldout_chars]
     prune = PruneConfig(data=DataConfig(args.data, args.samples, args.seq_len), batch_size=args.batch_size,

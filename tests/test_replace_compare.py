@@ -71,3 +71,5 @@ def test_unknown_variant_and_missing_distill_config(setup, sample_text, capsys):
         compare(setup, sample_text, ["block+distill"], drops=(1,))
     code = main(["replace", "--heldout", "x.txt", "--variants", "nope"])
     assert code == EXIT_BAD_INPUT and "unknown variant(s) nope" in capsys.readouterr().err
+    code = main(["replace", "--heldout", "x.txt", "--variants", "linear,linear+distill", "--distill-steps", "0"])
+    assert code == EXIT_BAD_INPUT and "linear+distill distil: give --distill-steps > 0" in capsys.readouterr().err
