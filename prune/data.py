@@ -135,7 +135,8 @@ def pack_tokens(documents: list[str], tokenizer, config: DataConfig) -> torch.Te
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     stream: list[int] = []
     for index in order:
-        stream += tokenizer(documents[index], add_special_tokens=False)["input_ids"] + separator
+        # verbose=False: a whole book is longer than model_max_length by design; windows are cut below
+        stream += tokenizer(documents[index], add_special_tokens=False, verbose=False)["input_ids"] + separator
         if len(stream) >= 2 * config.num_tokens:  # enough to choose from without reading everything
             break
     windows = len(stream) // config.seq_len
