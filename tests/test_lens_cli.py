@@ -109,11 +109,12 @@ def test_pipeline_on_other_architectures(tiny, model_type):
     model = make_tiny_model(model_type)
     loaded = LoadedModel(model, make_tiny_tokenizer(), f"tiny-{model_type}", "memory")
     config = LensConfig(data=str(root / "fit.txt"), eval_data=str(root / "held.txt"), tokens=256, eval_tokens=128,
-                        seq_len=32, shortcuts="id,mat,n-njtc", low_rank=LowRankConfig(steps=4, token_batch=32),
-                        heatmap=False, progress=False)  # fmt: skip
+                        seq_len=32, shortcuts="id,mat,njtc,n-njtc", low_rank=LowRankConfig(steps=4, token_batch=32),
+                        heatmap=False, early_exit=True, progress=False)  # fmt: skip
     results = run_lens(config, loaded).results
-    assert list(results["per_layer"]) == ["id", "mat", "n-njtc"] and results["heatmap"] is None
-    assert results["r2_source"] == {"id": "moments", "mat": "moments", "n-njtc": "tokens"}
+    assert list(results["per_layer"]) == ["id", "mat", "njtc", "n-njtc"] and results["heatmap"] is None
+    assert results["r2_source"] == {"id": "moments", "mat": "moments", "njtc": "tokens", "n-njtc": "tokens"}
+    assert set(results["early_exit"]["shortcuts"]) >= {"id", "mat"}
     assert results["claims"]["layers_compared"] == 3
 
 
