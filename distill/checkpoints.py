@@ -24,6 +24,12 @@ CHECKPOINT_DIR = "checkpoints"
 _NAME = re.compile(r"step-(\d+)\.pt")
 
 
+def default_work_folder(out: str | Path) -> Path:
+    """Where a run exporting to ``out`` keeps checkpoints and its log: the sibling ``<out>.work``."""
+    path = Path(out).expanduser()
+    return path.with_name(path.name + ".work")
+
+
 def checkpoint_dir(work: str | Path) -> Path:
     """Folder holding the checkpoints of a work folder."""
     return Path(work) / CHECKPOINT_DIR

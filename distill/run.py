@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from distill.checkpoints import checkpoint_dir, latest_checkpoint, list_checkpoints
+from distill.checkpoints import checkpoint_dir, default_work_folder, latest_checkpoint, list_checkpoints
 from distill.compat import check_compatible
 from distill.config import DEFAULT_LR, TRAIN_MODES, DistillConfig
 from distill.layout import LAYOUT_ATTRIBUTE, resolve_layout
@@ -142,10 +142,7 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
 
 def work_folder(out: str, work_dir: str | None) -> Path:
     """Where checkpoints and the log live: ``--work-dir``, else a sibling ``<out>.work``."""
-    if work_dir:
-        return Path(work_dir).expanduser()
-    out_path = Path(out).expanduser()
-    return out_path.with_name(out_path.name + ".work")
+    return Path(work_dir).expanduser() if work_dir else default_work_folder(out)
 
 
 def check_work_folder(work: Path, resume: bool, overwrite: bool) -> None:

@@ -50,7 +50,7 @@ from prune.adapters import arch_spec, hidden_size, num_blocks
 from prune.data import CalibrationData, load_documents
 from prune.errors import LayercutError
 from prune.export import atomic_directory, check_output_dir, library_versions, write_json
-from prune.loading import LoadedModel, load_model
+from prune.loading import LoadedModel
 from prune.pipeline import MIN_TOKENS_PER_DIM, LoadConfig
 from prune.stats import StateMoments, stream_moments
 
@@ -256,9 +256,7 @@ def run_lens(config: LensConfig, loaded: LoadedModel | None = None) -> LensResul
     started = time.perf_counter()
     if config.out is not None:
         check_output_dir(config.out, config.overwrite)
-    load = config.load
-    loaded = loaded or load_model(load.model, dtype=load.dtype, device=load.device, load_in_4bit=load.load_in_4bit,
-                                  load_in_8bit=load.load_in_8bit)  # fmt: skip
+    loaded = loaded or config.load.load()
     model = loaded.model.eval()
     arch_spec(model)
     count, dim = num_blocks(model), hidden_size(model)

@@ -47,6 +47,11 @@ class LoadConfig:
         if self.load_in_4bit and self.load_in_8bit:
             raise LayercutError("--load-in-4bit and --load-in-8bit exclude each other: pass one")
 
+    def load(self) -> LoadedModel:
+        """Load the model these options describe."""
+        return load_model(self.model, dtype=self.dtype, device=self.device, load_in_4bit=self.load_in_4bit,
+                          load_in_8bit=self.load_in_8bit)
+
 
 @dataclass
 class PruneConfig:
@@ -199,10 +204,7 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None) -> PruneRe
     started = time.perf_counter()
     if config.out is not None:
         check_output_dir(config.out, config.overwrite)
-    load = config.load
-    loaded = loaded or load_model(
-        load.model, dtype=load.dtype, device=load.device, load_in_4bit=load.load_in_4bit, load_in_8bit=load.load_in_8bit
-    )
+    loaded = loaded or config.load.load()
     model = loaded.model
     arch_spec(model)
     check_replacement_supported(model, config.replace)
@@ -224,25 +226,15 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None) -> PruneRe
     return PruneResult(loaded, calibration, moments, scores, dropped, report, out)
 
 
-def distill_work_folder(out: str | None) -> Path | None:
-    """Where distillation keeps its checkpoints and log during a run: ``<out>.work`` (as distill.run)."""
-    if out is None:
-        return None
-    path = Path(out).expanduser()
-    return path.with_name(path.name + ".work")
-
-
 def distill_student(loaded: LoadedModel, config: PruneConfig) -> tuple[dict, Path | None]:
     """Distil the surgered model towards a fresh copy of the original; returns (report section, log path)."""
+    from distill.checkpoints import default_work_folder
     from distill.train import distill  # lazy: prune's library does not depend on distill
 
     distill_config = config.distill_config()
-    load = config.load
-    logger.info("loading the teacher (%s) for %d distillation steps", load.model, config.distill_steps)
-    teacher = load_model(
-        load.model, dtype=load.dtype, device=load.device, load_in_4bit=load.load_in_4bit, load_in_8bit=load.load_in_8bit
-    )
-    work = distill_work_folder(config.out)
+    logger.info("loading the teacher (%s) for %d distillation steps", config.load.model, config.distill_steps)
+    teacher = config.load.load()
+    work = default_work_folder(config.out) if config.out is not None else None
     if work is not None and work.exists():
         shutil.rmtree(work)  # a fresh run: prune.run has no --resume (distill.run has)
     result = distill(loaded.model, teacher.model, loaded.tokenizer, distill_config, out=work)
