@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +43,7 @@ from prune.adapters import input_device, num_blocks
 from prune.capture import residual_states
 from prune.data import calibration_data
 from prune.errors import LayercutError
+from prune.memory import peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -96,18 +96,6 @@ class DistillResult:
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_gpu_memory_bytes": self.peak_gpu_memory_bytes,
         }
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (the high-water mark, not the current size)."""
-    try:
-        import resource
-    except ImportError:  # Windows: no high-water mark, report the current size
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
 
 
 def make_accelerator(config: DistillConfig):

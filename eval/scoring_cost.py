@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
-import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -23,10 +22,10 @@ from dataclasses import asdict, dataclass
 import psutil
 import torch
 
-from eval.speed import vm_hwm_bytes
 from prune.capture import residual_states
 from prune.data import DataConfig, calibration_data
 from prune.loading import load_model
+from prune.memory import peak_rss_bytes
 from prune.scores import block_scores
 from prune.stats import stream_moments
 
@@ -94,8 +93,7 @@ def _memory_worker(model_name, device, method, tokens, seq_len, batch_size, data
     if on_cuda:
         peak = torch.cuda.max_memory_allocated()
     else:
-        # VmHWM starts afresh in the child; ru_maxrss (KiB) would carry the parent's peak over.
-        peak = vm_hwm_bytes() or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = peak_rss_bytes()  # VmHWM: starts afresh in this child, unlike ru_maxrss
     queue.put(MemoryRow(method, ids.numel(), seconds, (peak - base) / 2**20))
 
 

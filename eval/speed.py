@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from prune.adapters import input_device, num_blocks
 from prune.errors import LayercutError
+from prune.memory import vm_hwm_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -494,22 +495,6 @@ def peak_memory_subprocess(
         raise LayercutError(f"memory measurement of {model_ref} failed in its child process: {tail[0]}")
     report = json.loads(done.stdout.strip().splitlines()[-1])
     return int(report["bytes"]), report["method"]
-
-
-def vm_hwm_bytes() -> int | None:
-    """Peak resident set of this process from ``/proc/self/status`` (Linux), None elsewhere.
-
-    ``VmHWM`` starts afresh at ``exec``, unlike ``ru_maxrss``, which Linux carries over from the parent
-    process (a child of a big parent would report the parent's peak).
-    """
-    try:
-        with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024  # reported in kB
-    except OSError:
-        return None
-    return None
 
 
 def _peak_memory_child(spec_json: str) -> None:
