@@ -91,3 +91,41 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"shared data folder {SHARED_DATA} not present")
     return SHARED_DATA
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run far faster on one torch thread on a shared 2-core machine (no oversubscription)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A tiny llama checkpoint with its tokenizer, saved once, for the CLI tests."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    make_tiny_model("llama").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def run_prune_cli(capsys, *args) -> tuple[int, str, str]:
+    """``python -m prune.run ARGS`` in process: (exit code, stdout, stderr)."""
+    from prune.run import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_cache_and_generate(model, ids: torch.Tensor) -> None:
+    """Incremental decoding through the KV cache reproduces the full forward pass, and generate() runs."""
+    with torch.no_grad():
+        full = model(ids).logits
+        prefix = model(ids[:, :8], use_cache=True)
+        step = model(ids[:, 8:], past_key_values=prefix.past_key_values, use_cache=True).logits
+    torch.testing.assert_close(step, full[:, 8:], rtol=1e-4, atol=1e-4)
+    out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (ids.shape[0], 9)

@@ -35,13 +35,7 @@ from prune.surgery import drop_blocks_
 SEQ = 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread on a shared 2-core machine (no thread oversubscription)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ids(samples: int = 16, seq: int = SEQ, seed: int = 0) -> torch.Tensor:

@@ -15,14 +15,7 @@ from distill.run import main
 from prune.export import export_checkpoint
 from prune.surgery import drop_blocks_
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread on a shared 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _student_report(teacher_dir: Path) -> dict:

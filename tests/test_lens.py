@@ -37,13 +37,7 @@ from prune.stats import stream_moments
 SEQ = 32
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices run faster on one thread, and a busy machine makes thread hand-offs costly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def token_ids(samples: int, seed: int) -> torch.Tensor:

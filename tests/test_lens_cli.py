@@ -4,7 +4,6 @@ import json
 import random
 
 import pytest
-import torch
 from conftest import _TEXT, make_tiny_model, make_tiny_tokenizer
 
 from eval.lens import main
@@ -19,13 +18,7 @@ FAST = ["--tokens", "512", "--eval-tokens", "128", "--seq-len", "32", "--steps",
         "--no-progress"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices run faster on one thread, and a busy machine makes thread hand-offs costly."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def random_text(words: int, seed: int) -> str:

@@ -4,25 +4,11 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_tokenizer
+from conftest import make_tiny_tokenizer
+from conftest import run_prune_cli as run
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from prune.errors import EXIT_BAD_INPUT
-from prune.run import main
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model("llama").save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def small(folder):

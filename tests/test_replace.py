@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import TINY_CONFIGS, make_tiny_model
+from conftest import TINY_CONFIGS, assert_cache_and_generate, make_tiny_model
 from torch import nn
 
 from prune.adapters import arch_spec, get_blocks
@@ -167,14 +167,7 @@ def test_generation_with_kv_cache_after_each_kind(model_type, kind):
     replace_blocks_(model, [1, 2], calibration(8, 32), quick(kind, steps=3))
     expected = 3 if kind == "block" else 2
     assert len(get_blocks(model)[1]) == getattr(model.config, arch_spec(model).layer_count) == expected
-    ids = calibration(2, 12, seed=3)
-    with torch.no_grad():
-        full = model(ids).logits
-        prefix = model(ids[:, :8], use_cache=True)
-        step = model(ids[:, 8:], past_key_values=prefix.past_key_values, use_cache=True).logits
-    torch.testing.assert_close(step, full[:, 8:], rtol=1e-4, atol=1e-4)
-    out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert out.shape == (2, 9)
+    assert_cache_and_generate(model, calibration(2, 12, seed=3))
 
 
 def test_sequential_fit_uses_the_surgered_inputs():

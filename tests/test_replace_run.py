@@ -6,35 +6,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, make_tiny_tokenizer
+from conftest import run_prune_cli as run
 from transformers import AutoModelForCausalLM
 
 import prune
 from prune.errors import EXIT_BAD_INPUT, LayercutError
 from prune.pipeline import LoadConfig, PruneConfig, run_prune
 from prune.recipes import config_from_recipe
-from prune.run import main
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    make_tiny_model("llama").save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    return folder
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def in_memory(config):
     config.out = None  # set after construction: PruneConfig names a default folder when dropping
     return config
+
+
+def assert_loads_with_the_same_logits(folder, model):
+    ids = torch.randint(3, 320, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(prune.load(folder).model(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
 
 
 def small(folder):
@@ -58,10 +49,7 @@ def test_linear_replacement_cli_round_trip(tiny_folder, tmp_path, capsys):
     config = PruneConfig(load=LoadConfig(str(tiny_folder)), data={"samples": 8, "seq_len": 32}, drop=2,
                          protect="0", replace="linear")
     result = run_prune(in_memory(config))
-    ids = torch.randint(3, 320, (2, 16))
-    with torch.no_grad():
-        torch.testing.assert_close(prune.load(out).model(ids).logits, result.loaded.model(ids).logits,
-                                   rtol=0, atol=1e-6)
+    assert_loads_with_the_same_logits(out, result.loaded.model)
 
 
 def test_fold_cli_writes_a_vanilla_checkpoint(tiny_folder, tmp_path, capsys):
@@ -152,10 +140,7 @@ def test_distill_steps_wiring(tiny_folder, tmp_path):
     maps_before = [m.proj.weight for m in prune.replace.replacement_modules(before)]
     maps_after = [m.proj.weight for m in prune.replace.replacement_modules(result.loaded.model)]
     assert any(not torch.allclose(a, b) for a, b in zip(maps_before, maps_after, strict=True))
-    ids = torch.randint(3, 320, (2, 16))
-    with torch.no_grad():
-        torch.testing.assert_close(prune.load(out).model(ids).logits, result.loaded.model(ids).logits,
-                                   rtol=0, atol=1e-6)
+    assert_loads_with_the_same_logits(out, result.loaded.model)
 
 
 def test_lowrank_cli_reports_its_share_of_a_linear_map(tiny_folder, tmp_path, capsys):

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from conftest import TINY_CONFIGS, make_tiny_model
+from conftest import TINY_CONFIGS, assert_cache_and_generate, make_tiny_model
 
 from prune.adapters import arch_spec, get_blocks
 from prune.errors import LayercutError
@@ -26,14 +26,7 @@ def test_drop_blocks_renumbers_and_generates_with_cache(model_type):
     assert sorted(set(attention_indices(model))) == [0, 1]
     if layer_types is not None:
         assert model.config.layer_types == [layer_types[0], layer_types[3]]
-    with torch.no_grad():
-        full = model(ids).logits
-        # Incremental decoding through the KV cache must reproduce the full forward pass.
-        prefix = model(ids[:, :8], use_cache=True)
-        step = model(ids[:, 8:], past_key_values=prefix.past_key_values, use_cache=True).logits
-    torch.testing.assert_close(step, full[:, 8:], rtol=1e-4, atol=1e-4)
-    out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
-    assert out.shape == (2, 9)
+    assert_cache_and_generate(model, ids)
 
 
 def test_blocks_removed_restores_everything():
