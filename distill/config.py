@@ -39,8 +39,6 @@ class DistillConfig:
         lr: peak AdamW learning rate (reached after the warm-up, then cosine decay to 0); None takes
             ``DEFAULT_LR[train]``.
         batch_size: sequences per micro-batch.
-        seq_len: tokens per sequence; the calibration data is packed at this length
-            (it overrides ``data.seq_len``).
         grad_accum: micro-batches per optimizer step (tokens per step = grad_accum x batch_size x seq_len).
         warmup_steps: linear warm-up steps; None means 10% of ``steps``.
         mse_weight: weight of the layerwise MSE between student and teacher block outputs.
@@ -59,13 +57,12 @@ class DistillConfig:
         seed: seeds the batch order, LoRA initialisation and dropout.
         mixed_precision: "auto" (bf16 autocast on a GPU that supports it, float32 on the CPU),
             "no" or "bf16".
-        data: the calibration text sequences are drawn from.
+        data: the text sequences are drawn from; its ``seq_len`` is the training sequence length.
     """
 
     steps: int = 100
     lr: float | None = None
     batch_size: int = 4
-    seq_len: int = DEFAULT_SEQ_LEN
     grad_accum: int = 1
     warmup_steps: int | None = None
     mse_weight: float = 1.0
@@ -84,8 +81,8 @@ class DistillConfig:
     data: DataConfig = field(default_factory=_default_data)
 
     def __post_init__(self):
-        if isinstance(self.data, dict):
-            self.data = DataConfig(**self.data)
+        if isinstance(self.data, dict):  # a partial section keeps distillation's own defaults for the rest
+            self.data = dataclasses.replace(_default_data(), **self.data)
         if self.train not in TRAIN_MODES:
             raise LayercutError(f"unknown --train '{self.train}': choose one of {', '.join(TRAIN_MODES)}")
         if self.lr is None:
@@ -94,9 +91,6 @@ class DistillConfig:
         self._check_weights()
         if self.mixed_precision not in ("auto", "no", "bf16"):
             raise LayercutError(f"unknown mixed_precision '{self.mixed_precision}': use auto, no or bf16")
-        if self.data.seq_len != self.seq_len:
-            # one knob for the sequence length: the data is packed at the training length
-            self.data = dataclasses.replace(self.data, seq_len=self.seq_len)
 
     def _check_counts(self) -> None:
         positive = {"steps": self.steps, "batch-size": self.batch_size, "grad-accum": self.grad_accum,
@@ -104,8 +98,6 @@ class DistillConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:
                 raise LayercutError(f"--{name} must be a positive integer, got {value}")
-        if self.seq_len < 2:
-            raise LayercutError(f"--seq-len must be at least 2, got {self.seq_len}")
         if self.save_every < 0:
             raise LayercutError(f"--save-every must be 0 (only at the end) or positive, got {self.save_every}")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
@@ -135,13 +127,25 @@ class DistillConfig:
     @property
     def tokens_per_step(self) -> int:
         """Tokens seen per optimizer step (one process)."""
-        return self.grad_accum * self.batch_size * self.seq_len
+        return self.grad_accum * self.batch_size * self.data.seq_len
 
     def loss_weights(self) -> dict[str, float]:
         """Registered loss name -> weight, for the terms with a non-zero weight."""
         weights = {"layerwise_mse": self.mse_weight, "teacher_student_kl": self.kl_weight,
                    "consecutive_cosine_distance": self.cosine_reg}
         return {name: weight for name, weight in weights.items() if weight > 0}
+
+    @classmethod
+    def from_dict(cls, values: dict) -> DistillConfig:
+        """Build from a recipe / ``prune.run`` section; unknown or moved keys give a one-line error."""
+        values = dict(values)
+        if "seq_len" in values:
+            raise LayercutError("distill: 'seq_len' moved; write it as distill: {data: {seq_len: ...}}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise LayercutError(f"distill: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
 
     def to_dict(self) -> dict:
         """JSON-ready copy (for reports and checkpoints)."""

@@ -16,10 +16,10 @@ from torch import nn
 
 from prune.adapters import num_blocks
 from prune.errors import LayercutError
+from prune.surgery import LAYOUT_ATTR, block_layout
 
 logger = logging.getLogger(__name__)
 
-LAYOUT_ATTRIBUTE = "layercut_layout"
 Layout = list[list[int]]
 
 
@@ -32,16 +32,12 @@ def layout_from_dropped(num_blocks_before: int, dropped: Sequence[int]) -> Layou
 def _recorded_layout(student: nn.Module) -> Layout | None:
     """The layout the student carries, or None when it carries none.
 
-    ``prune.replace.block_layout`` (which also knows replacement wrappers) is used when the model
+    ``prune.surgery.block_layout`` (which also knows replacement wrappers) is used when the model
     records a layout; it falls back to the identity when none is recorded, which we must not mistake
     for a real layout, hence the attribute check first.
     """
-    if getattr(student.config, LAYOUT_ATTRIBUTE, None) is None:
+    if getattr(student.config, LAYOUT_ATTR, None) is None:
         return None
-    try:
-        from prune.replace import block_layout
-    except ImportError:  # prune.replace not installed yet: read the attribute directly
-        return [list(map(int, group)) for group in getattr(student.config, LAYOUT_ATTRIBUTE)]
     return [list(map(int, group)) for group in block_layout(student)]
 
 

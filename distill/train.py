@@ -34,7 +34,7 @@ from distill.checkpoints import (
     save_checkpoint,
     set_rng_state,
 )
-from distill.compat import check_models
+from distill.checks import check_models
 from distill.config import DistillConfig
 from distill.layout import Layout, check_layout, resolve_layout, teacher_targets
 from distill.losses import NEEDS_LOGITS, LossInputs, total_loss

@@ -22,17 +22,9 @@ from torch import nn
 from distill.config import DistillConfig
 from prune.adapters import get_blocks
 from prune.errors import LayercutError
+from prune.replace import replacement_modules
 
 logger = logging.getLogger(__name__)
-
-
-def find_replacement_modules(student: nn.Module) -> list[nn.Module]:
-    """``prune.replace.replacement_modules(student)``; none when ``prune.replace`` is not available."""
-    try:
-        from prune.replace import replacement_modules
-    except ImportError:
-        return []
-    return list(replacement_modules(student))
 
 
 def _linear_types() -> tuple[type, ...]:
@@ -109,7 +101,7 @@ def _freeze_embeddings(student: nn.Module) -> None:
 def select_trainable(student: nn.Module, config: DistillConfig) -> Trainable:
     """Freeze the student, then unfreeze (or add, for LoRA) what ``config.train`` names."""
     student.requires_grad_(False)
-    replacements = find_replacement_modules(student)
+    replacements = replacement_modules(student)
     peft_model = None
     if config.train == "replacements":
         if not replacements:

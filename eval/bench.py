@@ -16,19 +16,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from eval.report import speed_markdown, write_speed_report
 from eval.speed import (
     SpeedOptions,
     attach_memory,
-    check_tokenizer,
-    load_for_eval,
     measure_speed,
     peak_memory_inprocess,
     peak_memory_subprocess,
 )
 from prune.errors import LayercutError, cli_entry
+from prune.loading import check_tokenizer
+from prune.options import (
+    add_data_arguments,
+    add_load_arguments,
+    add_threads_argument,
+    apply_threads,
+    data_config_from_args,
+    load_config_from_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +62,7 @@ def _add_speed_arguments(parser: argparse.ArgumentParser) -> None:
     models = parser.add_argument_group("models")
     models.add_argument("--model", action="append", required=True, help="candidate name or folder (repeatable)")
     models.add_argument("--baseline", required=True, help="original model name or folder")
-    models.add_argument("--tokenizer", help="tokenizer name for model folders saved without one")
-    models.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
-    models.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (default: auto)")
+    add_load_arguments(parser, model_flag=False, title="loading")
     sizes = parser.add_argument_group("workload")
     defaults = SpeedOptions()
     sizes.add_argument("--prompt-len", type=int, default=defaults.prompt_len, help="prefill tokens (default: 256)")
@@ -73,9 +76,7 @@ def _add_speed_arguments(parser: argparse.ArgumentParser) -> None:
         default="subprocess",
         help="peak memory: each model in a fresh process (default), in this process (approximate), or not at all",
     )
-    sizes.add_argument(
-        "--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)"
-    )
+    add_threads_argument(parser)
     parser.add_argument("--out", help="folder for speed.json and speed.md (default: print only)")
 
 
@@ -100,16 +101,13 @@ def run_speed(args: argparse.Namespace) -> int:
         repeats=args.repeats,
         warmup=args.warmup,
     )
-    if args.threads is not None:
-        if args.threads < 1:
-            raise LayercutError(f"--threads must be at least 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    apply_threads(args)
     names = [args.baseline, *args.model]
     for name in names:
         check_tokenizer(name, args.tokenizer)
     labels = _labels(args.baseline, args.model)
-    loaded = {lab: load_for_eval(n, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device)
-              for lab, n in zip(labels, names, strict=True)}  # fmt: skip
+    load = load_config_from_args(args, model=args.baseline)
+    loaded = {lab: load.load(n) for lab, n in zip(labels, names, strict=True)}
     folders = {lab: _checkpoint_folder(n) for lab, n in zip(labels, names, strict=True)}
     comparison = measure_speed({lab: lm.model for lab, lm in loaded.items()}, labels[0], options, folders=folders)
     if args.memory == "inprocess":
@@ -154,10 +152,10 @@ register_subcommand("speed", "prefill/decode speed and peak memory against a bas
 def _add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model name or folder (default: smollm2-135m)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    parser.add_argument("--data", default=None, help="calibration text (default: the built-in corpus)")
+    add_data_arguments(parser, samples=None, seq_len=512)
+    add_threads_argument(parser)
     parser.add_argument("--tokens", default="8192,32768", help="token counts for the memory rows (default: 8192,32768)")
     parser.add_argument("--time-tokens", type=int, default=8192, help="tokens per timed pass (default: 8192)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: 512)")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds (default: 3)")
     parser.add_argument("--methods", default="streamed,stored", help="memory rows (default: streamed,stored)")
@@ -166,10 +164,11 @@ def _add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_scoring(args: argparse.Namespace) -> int:
     from eval.scoring_cost import measure_memory, measure_time_ratio, memory_rows_as_dicts, scoring_markdown
-    from prune.loading import load_model
+    from prune.checkpoint import load
 
+    apply_threads(args)
     token_counts = [int(t) for t in str(args.tokens).split(",")]
-    loaded = load_model(args.model, device=args.device)
+    loaded = load(args.model, device=args.device)
     timing = measure_time_ratio(loaded, args.time_tokens, args.seq_len, args.batch_size, args.repeats, args.data)
     del loaded
     rows = [
@@ -214,13 +213,12 @@ def _add_replace_arguments(parser: argparse.ArgumentParser) -> None:
                         help="score only the first N characters of it (default: all)")
     parser.add_argument("--score", default="linearity", help="ranking criterion, as prune.run (default: linearity)")
     parser.add_argument("--select", default="topk", help="topk, span or greedy, as prune.run (default: topk)")
-    parser.add_argument("--data", default=None, help="calibration text (default: the built-in corpus)")
-    parser.add_argument("--samples", type=int, default=64, help="calibration sequences (default: 64)")
-    parser.add_argument("--seq-len", type=int, default=512, help="calibration and perplexity window (default: 512)")
+    add_data_arguments(parser, samples=64, seq_len=512, what="sequence and perplexity window")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
     parser.add_argument("--distill-steps", type=int, default=100,
                         help="steps of the +distill variants, other DistillConfig defaults (default: 100)")
     parser.add_argument("--out", help="folder for replace.json, replace.md and replace.png (default: print only)")
+    add_threads_argument(parser)
 
 
 def _run_replace(args: argparse.Namespace) -> int:
@@ -233,10 +231,11 @@ def _run_replace(args: argparse.Namespace) -> int:
         parse_variants,
         plot_compare,
     )
-    from prune.data import DataConfig, calibration_data, load_documents
-    from prune.loading import load_model
+    from prune.checkpoint import load
+    from prune.data import calibration_data, load_documents
     from prune.pipeline import PruneConfig
 
+    apply_threads(args)
     drops = [int(d) for d in str(args.drop).split(",")]
     variants = parse_variants(args.variants)
     distilled = [name for name in variants if VARIANTS[name].distill]
@@ -244,10 +243,10 @@ def _run_replace(args: argparse.Namespace) -> int:
         raise LayercutError(f"variant(s) {', '.join(distilled)} distil: give --distill-steps > 0 or leave them out")
     documents, _ = load_documents(args.heldout)
     heldout = "\n\n".join(documents)[: args.heldout_chars]
-    prune = PruneConfig(data=DataConfig(args.data, args.samples, args.seq_len), batch_size=args.batch_size,
+    prune = PruneConfig(data=data_config_from_args(args), batch_size=args.batch_size,
                         score=args.score, select=args.select)
     distill = DistillConfig(steps=args.distill_steps) if args.distill_steps else None
-    loaded = load_model(args.model, device=args.device)
+    loaded = load(args.model, device=args.device)
     calibration = calibration_data(loaded.tokenizer, prune.data)
     options = CompareOptions(drops, variants, prune, distill, seq_len=args.seq_len)
     results = compare_replacements(loaded, calibration, heldout, options)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from prune.adapters import input_device
+from prune.adapters import input_device, max_positions
 from prune.errors import LayercutError
 
 logger = logging.getLogger(__name__)
@@ -72,20 +72,10 @@ class _Window:
     score_from: int
 
 
-def model_max_positions(model: torch.nn.Module) -> int | None:
-    """Return the longest sequence the model's config allows, or None when the config does not say."""
-    config = getattr(model, "config", None)
-    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def default_seq_len(model: torch.nn.Module) -> int:
     """Return ``min(2048, model maximum positions)``."""
-    max_positions = model_max_positions(model)
-    return DEFAULT_MAX_SEQ_LEN if max_positions is None else min(DEFAULT_MAX_SEQ_LEN, max_positions)
+    limit = max_positions(model)
+    return DEFAULT_MAX_SEQ_LEN if limit is None else min(DEFAULT_MAX_SEQ_LEN, limit)
 
 
 def plan_windows(n_tokens: int, seq_len: int, stride: int, *, drop_last: bool = True) -> list[_Window]:
@@ -197,9 +187,9 @@ def perplexity(
         raise LayercutError(f"batch_size must be at least 1, got {batch_size}")
     n_tokens = token_ids.numel()
     seq_len = seq_len or default_seq_len(model)
-    max_positions = model_max_positions(model)
-    if max_positions is not None and seq_len > max_positions:
-        raise LayercutError(f"seq_len {seq_len} exceeds the model's maximum of {max_positions} positions; lower it")
+    limit = max_positions(model)
+    if limit is not None and seq_len > limit:
+        raise LayercutError(f"seq_len {seq_len} exceeds the model's maximum of {limit} positions; lower it")
     stride = stride or seq_len
     if seq_len > n_tokens:
         logger.warning("text has only %d tokens, fewer than seq_len %d: using one window", n_tokens, seq_len)

@@ -3,7 +3,9 @@
 One model load, one calibration set and one scoring pass choose the blocks for every drop count;
 each variant then surgers a fresh copy of the original model, is optionally distilled against the
 untouched original, and is scored on a text the calibration never saw. Everything a variant
-differs in is its replacement kind, its fit and whether it is distilled, so the rows compare.
+differs in is its replacement method, its fit and whether it is distilled, so the rows compare. The
+variants come from the method registry (``prune.replace.METHODS``): ``<method>[+sequential][+distill]``,
+with ``remove`` for the method ``none``.
 
     python -m eval.bench replace --model smollm2-135m --drop 4,8 --heldout emma.txt --out bench-replace/
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,38 +26,85 @@ from prune.data import CalibrationData
 from prune.errors import LayercutError
 from prune.loading import LoadedModel
 from prune.pipeline import PruneConfig, choose_blocks, score_model
-from prune.replace import ReplaceConfig, replace_blocks_
+from prune.replace import METHODS, ReplaceConfig, replace_blocks_
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of filling the removed blocks' place."""
+    """One way of filling the removed blocks' place: a registered method, its fit, and distillation after.
 
-    replace: str
+    Attributes:
+        method: a method of ``prune.replace.METHODS`` (``none`` is the variant ``remove``).
+        fit: independent | sequential.
+        distill: distil the surgered model against the original afterwards.
+    """
+
+    method: str
     fit: str = "independent"
     distill: bool = False
 
 
-VARIANTS: dict[str, Variant] = {
-    "remove": Variant("none"),
-    "linear": Variant("linear"),
-    "linear+sequential": Variant("linear", fit="sequential"),
-    "fold": Variant("fold"),
-    "lowrank": Variant("lowrank"),
-    "linear+distill": Variant("linear", distill=True),
-    "block+distill": Variant("block", distill=True),
-}
+REMOVE = "remove"  # the variant name of the method ``none``
+MODIFIERS = ("sequential", "distill")  # suffixes, in this order: <method>[+sequential][+distill]
+# The variants compared by default: each method once, the sequential fit and distillation where they tell most.
+DEFAULT_VARIANTS = ("remove", "linear", "linear+sequential", "fold", "lowrank", "linear+distill", "block+distill")
+
+
+def variant(name: str) -> Variant:
+    """The variant ``<method>[+sequential][+distill]`` (``remove`` is the method ``none``).
+
+    Raises:
+        KeyError: not a registered method, an unknown or misplaced modifier, or a fit the method lacks.
+    """
+    base, *modifiers = name.split("+")
+    method = "none" if base == REMOVE else base
+    canonical = [m for m in MODIFIERS if m in modifiers]  # each known modifier once, in order
+    if base == "none" or method not in METHODS or modifiers != canonical:
+        raise KeyError(name)
+    fit = "sequential" if "sequential" in modifiers else "independent"
+    if fit not in METHODS[method].fits:
+        raise KeyError(name)
+    return Variant(method, fit, "distill" in modifiers)
+
+
+def variant_name(method: str) -> str:
+    """A method's plain variant name."""
+    return REMOVE if method == "none" else method
+
+
+def default_variants() -> list[str]:
+    """:data:`DEFAULT_VARIANTS`, plus every registered method none of them uses (a new method is compared too)."""
+    used = {variant(name).method for name in DEFAULT_VARIANTS if name in VARIANTS}
+    return [name for name in DEFAULT_VARIANTS if name in VARIANTS] + [
+        variant_name(method) for method in METHODS if method not in used]
+
+
+class _VariantTable(Mapping):
+    """The variants, read from the registry: iterates over the default ones, looks up any valid name."""
+
+    def __getitem__(self, name: str) -> Variant:
+        return variant(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(default_variants())
+
+    def __len__(self) -> int:
+        return len(default_variants())
+
+
+VARIANTS: Mapping[str, Variant] = _VariantTable()
 
 
 def parse_variants(spec: str) -> list[str]:
-    """Comma-separated variant names, checked against :data:`VARIANTS`."""
+    """Comma-separated variant names, each ``<method>[+sequential][+distill]`` or ``remove``."""
     names = [name.strip() for name in spec.split(",") if name.strip()]
     unknown = [name for name in names if name not in VARIANTS]
     if unknown or not names:
-        raise LayercutError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}: "
-                            f"choose from {', '.join(VARIANTS)}")
+        raise LayercutError(f"unknown variant(s) {', '.join(unknown) or '(none given)'}: choose from "
+                            f"{', '.join(VARIANTS)}, or any <method>[+sequential][+distill] with a method of "
+                            f"{', '.join(variant_name(m) for m in METHODS)}")
     return names
 
 
@@ -64,7 +114,7 @@ class CompareOptions:
 
     Attributes:
         drops: block counts to remove.
-        variants: names from :data:`VARIANTS`.
+        variants: variant names (:func:`parse_variants`).
         prune: selection options (score, select, protect, batch size); its ``drop`` is overridden.
         distill: ``distill.config.DistillConfig`` for the distilled variants.
         seq_len: perplexity window.
@@ -114,14 +164,14 @@ def compare_replacements(loaded: LoadedModel, calibration: CalibrationData, held
 
 def _run_variant(loaded: LoadedModel, calibration: CalibrationData, heldout: torch.Tensor, dropped: list[int],
                  name: str, options: CompareOptions) -> dict:
-    variant = VARIANTS[name]
+    chosen = variant(name)
     student = copy.deepcopy(loaded.model)
     started = time.perf_counter()
-    replace = ReplaceConfig(kind=variant.replace, fit=variant.fit, batch_size=options.prune.batch_size)
+    replace = ReplaceConfig(method=chosen.method, fit=chosen.fit, batch_size=options.prune.batch_size)
     records = replace_blocks_(student, dropped, calibration.token_ids, replace)
     row = {"drop": len(dropped), "variant": name, "dropped": dropped,
            "params": sum(r["params"] for r in records), "fit_seconds": round(time.perf_counter() - started, 1)}
-    if variant.distill:
+    if chosen.distill:
         if options.distill is None:
             raise LayercutError(f"variant {name} distils: pass a DistillConfig in CompareOptions.distill")
         row["distill"] = _distill(student, loaded.model, loaded.tokenizer, options.distill)

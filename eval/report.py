@@ -27,7 +27,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-PERPLEXITY_KEY = "wikitext/perplexity"
 # Lower is better for these metric names; the others (accuracies) are higher-is-better.
 _LOWER_IS_BETTER = ("perplexity", "nll", "bits_per_byte", "word_perplexity", "byte_perplexity")
 _MIB = 1024 * 1024
@@ -76,20 +75,32 @@ def _delta(base: float | None, value: float | None) -> str:
 
 
 def markdown_table(results: dict) -> str:
-    """Side-by-side table: metric rows; columns baseline, each model, and each model's delta."""
-    base, *cands = results["models"]
-    header = ["metric", f"baseline: {base['name']}"]
-    for cand in cands:
-        header += [cand["name"], "delta" if len(cands) == 1 else f"delta {cand['name']}"]
-    rows = [["blocks", str(base.get("num_blocks", "-"))]]
-    for cand in cands:
-        removed = cand.get("blocks_removed")
-        rows[0] += [str(cand.get("num_blocks", "-")), "-" if removed is None else f"-{removed}"]
-    for key in table_metrics(results):
-        b = base["metrics"].get(key)
-        row = [key + (" (lower is better)" if is_lower_better(key) else ""), _fmt(b)]
+    """Side-by-side table: metric rows; columns baseline, each model, and each model's delta to the baseline.
+
+    Without a baseline (``results["baseline"]`` None) the columns are the models alone.
+    """
+    if results.get("baseline") is None:
+        base, cands = None, results["models"]
+        header = ["metric", *[c["name"] for c in cands]]
+        rows = [["blocks", *[str(c.get("num_blocks", "-")) for c in cands]]]
+    else:
+        base, *cands = results["models"]
+        header = ["metric", f"baseline: {base['name']}"]
         for cand in cands:
-            row += [_fmt(cand["metrics"].get(key)), _delta(b, cand["metrics"].get(key))]
+            header += [cand["name"], "delta" if len(cands) == 1 else f"delta {cand['name']}"]
+        rows = [["blocks", str(base.get("num_blocks", "-"))]]
+        for cand in cands:
+            removed = cand.get("blocks_removed")
+            rows[0] += [str(cand.get("num_blocks", "-")), "-" if removed is None else f"-{removed}"]
+    for key in table_metrics(results):
+        row = [key + (" (lower is better)" if is_lower_better(key) else "")]
+        if base is None:
+            row += [_fmt(cand["metrics"].get(key)) for cand in cands]
+        else:
+            b = base["metrics"].get(key)
+            row.append(_fmt(b))
+            for cand in cands:
+                row += [_fmt(cand["metrics"].get(key)), _delta(b, cand["metrics"].get(key))]
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
@@ -102,7 +113,8 @@ def plot_metrics(results: dict, path: Path) -> Path:
     fig, axes = plt.subplots(1, max(1, len(keys)), figsize=(max(4.0, 3.2 * len(keys)), 3.6), squeeze=False)
     for ax, key in zip(axes[0], keys, strict=False):
         values = [m["metrics"].get(key, float("nan")) for m in results["models"]]
-        ax.bar(range(len(names)), values, color=["#777777"] + ["#3b75af"] * (len(names) - 1))
+        colors = ["#777777" if m["role"] == "baseline" else "#3b75af" for m in results["models"]]
+        ax.bar(range(len(names)), values, color=colors)
         ax.set_xticks(range(len(names)), [_short(n) for n in names], rotation=30, ha="right", fontsize=8)
         ax.set_title(key, fontsize=9)
         if is_lower_better(key) and all(v > 0 for v in values if not math.isnan(v)):
@@ -168,7 +180,9 @@ def write_report(results: dict, out_dir: str | Path) -> dict[str, Path]:
 
 def _readme(results: dict, plots: dict[str, Path]) -> str:
     settings = results.get("settings", {})
-    lines = [f"# Evaluation: {results['baseline']} vs {', '.join(m['name'] for m in results['models'][1:])}", ""]
+    names = [m["name"] for m in results["models"] if m["role"] != "baseline"]
+    title = f"{results['baseline']} vs {', '.join(names)}" if results.get("baseline") else ", ".join(names)
+    lines = [f"# Evaluation: {title}", ""]
     lines += [markdown_table(results), ""]
     lines += [f"- {k}: `{v}`" for k, v in settings.items()]
     lines += [""] + [f"![{kind}]({path.name})" for kind, path in plots.items()]

@@ -23,8 +23,8 @@ import psutil
 import torch
 
 from prune.capture import residual_states
+from prune.checkpoint import load
 from prune.data import DataConfig, calibration_data
-from prune.loading import load_model
 from prune.memory import peak_rss_bytes
 from prune.scores import block_scores
 from prune.stats import stream_moments
@@ -79,7 +79,7 @@ def _tokens(loaded, tokens: int, seq_len: int, data: str | None) -> torch.Tensor
 
 
 def _memory_worker(model_name, device, method, tokens, seq_len, batch_size, data, queue) -> None:
-    loaded = load_model(model_name, device=device)
+    loaded = load(model_name, device=device)
     ids = _tokens(loaded, tokens, seq_len, data).to(loaded.model.device)
     on_cuda = ids.device.type == "cuda"
     if on_cuda:

@@ -28,7 +28,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,14 +37,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from prune.adapters import input_device, num_blocks
+from prune.adapters import input_device, max_positions, num_blocks
 from prune.errors import LayercutError
 from prune.memory import vm_hwm_bytes
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 _REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -188,57 +186,6 @@ def block_count(model: torch.nn.Module) -> int:
         return int(value)
 
 
-def has_tokenizer_files(folder: str | Path) -> bool:
-    """Whether a checkpoint folder holds any tokenizer file ``AutoTokenizer`` reads."""
-    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
-
-
-def check_tokenizer(name: str, tokenizer: str | None = None) -> None:
-    """Fail in one line when ``name`` is a local folder without tokenizer files and no ``tokenizer`` is given."""
-    folder = Path(name).expanduser()
-    if tokenizer is None and folder.is_dir() and not has_tokenizer_files(folder):
-        raise LayercutError(
-            f"model folder {name} has no tokenizer files; save one with tokenizer.save_pretrained(folder) "
-            "or pass --tokenizer NAME"
-        )
-
-
-def load_for_eval(name: str, *, tokenizer: str | None = None, dtype: str = "auto", device: str = "cpu"):
-    """``prune.loading.load_model``, plus a tokenizer taken from ``tokenizer`` for folders saved without one.
-
-    The override builds a temporary folder of links to the checkpoint's files next to the saved
-    tokenizer, so every dtype/device rule of ``load_model`` still applies.
-
-    Returns:
-        A ``prune.loading.LoadedModel``; its ``source`` is the folder the user named.
-    """
-    from prune.loading import load_model
-
-    check_tokenizer(name, tokenizer)
-    folder = Path(name).expanduser()
-    if tokenizer is None or not folder.is_dir() or has_tokenizer_files(folder):
-        return load_model(name, dtype=dtype, device=device)
-    with tempfile.TemporaryDirectory(prefix="layercut-tok-") as tmp:
-        for item in folder.resolve().iterdir():
-            (Path(tmp) / item.name).symlink_to(item)
-        _tokenizer(tokenizer).save_pretrained(tmp)
-        loaded = load_model(tmp, dtype=dtype, device=device)
-    loaded.name, loaded.source = name, str(folder.resolve())
-    return loaded
-
-
-def _tokenizer(name: str):
-    """Load a tokenizer by model name, or from a folder holding only tokenizer files."""
-    from transformers import AutoTokenizer
-
-    from prune.loading import load_tokenizer
-
-    folder = Path(name).expanduser()
-    if folder.is_dir() and has_tokenizer_files(folder) and not (folder / "config.json").is_file():
-        return AutoTokenizer.from_pretrained(folder)
-    return load_tokenizer(name)
-
-
 def make_prompt(vocab_size: int, options: SpeedOptions) -> torch.Tensor:
     """Random prompt shared by all models; token ids avoid the first 16 (often special tokens)."""
     generator = torch.Generator().manual_seed(options.seed)
@@ -296,11 +243,11 @@ def time_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -
 
 
 def _check_context(model: torch.nn.Module, options: SpeedOptions) -> None:
-    max_positions = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    limit = max_positions(model)
     needed = options.prompt_len + options.new_tokens
-    if max_positions is not None and needed > max_positions:
+    if limit is not None and needed > limit:
         raise LayercutError(
-            f"prompt_len + new_tokens = {needed} exceeds the model's {max_positions} positions; lower --prompt-len"
+            f"prompt_len + new_tokens = {needed} exceeds the model's {limit} positions; lower --prompt-len"
         )
 
 
@@ -471,7 +418,7 @@ def peak_memory_subprocess(
     torch and transformers; on CUDA: the child's ``torch.cuda.max_memory_allocated``.
 
     Args:
-        model_ref: Name or folder that :func:`load_for_eval` loads.
+        model_ref: Name or folder that ``prune.load`` loads (replacement maps attached).
         options: Prompt and decode sizes of the run.
         device: Device to load on.
         dtype: Dtype to load in.
@@ -501,7 +448,7 @@ def _peak_memory_child(spec_json: str) -> None:
     """Body of the child process of :func:`peak_memory_subprocess`; prints one JSON line."""
     import psutil
 
-    import prune.loading  # noqa: F401  (imported before the baseline RSS: its libraries are not the model's cost)
+    from prune.checkpoint import load  # imported before the baseline RSS: its libraries are not the model's cost
 
     spec = json.loads(spec_json)
     options = SpeedOptions(**spec["options"])
@@ -511,7 +458,7 @@ def _peak_memory_child(spec_json: str) -> None:
     kept = []
 
     def load_and_run() -> None:
-        loaded = load_for_eval(spec["model"], tokenizer=spec["tokenizer"], dtype=spec["dtype"], device=spec["device"])
+        loaded = load(spec["model"], tokenizer=spec["tokenizer"], dtype=spec["dtype"], device=spec["device"])
         model = loaded.model.eval()
         run_once(model, make_prompt(model.get_input_embeddings().weight.shape[0], options), options.new_tokens)
         kept.append(model)  # keep the weights resident until the peak is read

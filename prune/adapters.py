@@ -165,3 +165,15 @@ def hidden_size(model: nn.Module) -> int:
 def input_device(model: nn.Module):
     """Device the token ids must be on (the embedding's device, also under a device_map)."""
     return model.get_input_embeddings().weight.device
+
+
+def max_positions(model_or_config) -> int | None:
+    """The longest sequence the model's (text) config allows, or None when the config does not say."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -1,9 +1,11 @@
 """Save and load layercut checkpoints, vanilla or with replacement maps.
 
 A checkpoint is always a vanilla ``save_pretrained`` folder of the kept blocks (plus tokenizer,
-``layercut.json`` and a model card). Linear / low-rank maps are not part of any transformers
-architecture, so they go next to it in ``replacements.safetensors`` (tensors plus, in the file's
-metadata, where each map sits); the layout and replacement records live in ``config.json``.
+``layercut.json`` and a model card). The maps of methods that are not vanilla (``linear``,
+``lowrank``) are not part of any transformers architecture, so they go next to it in
+``replacements.safetensors`` (tensors plus, in the file's metadata, where each map sits and its
+method's ``spec``); the layout and replacement records live in ``config.json``. The registry
+(``prune.replace.METHODS``) says how each method's maps are described and rebuilt.
 ``load`` rebuilds the maps; plain ``AutoModelForCausalLM.from_pretrained`` on such a folder gives the
 model without its maps (blocks removed), which the model card says.
 """
@@ -24,7 +26,7 @@ from prune.adapters import get_blocks
 from prune.errors import LayercutError
 from prune.export import export_checkpoint
 from prune.loading import LoadedModel, load_model
-from prune.replace import REPLACEMENTS, LinearMap, LowRankMap, ReplacedBlock
+from prune.replace import METHODS, ReplacedBlock, method_for_module, record_method
 from prune.surgery import block_layout, replacement_records
 
 logger = logging.getLogger(__name__)
@@ -35,20 +37,17 @@ _SIDES = ("before", "after")
 
 
 def _map_spec(module: nn.Module) -> dict:
-    if isinstance(module, LinearMap):
-        return {"type": "linear", "dim": module.proj.in_features}
-    if isinstance(module, LowRankMap):
-        return {"type": "lowrank", "dim": module.up.out_features, "rank": module.down.out_features,
-                "residual": module.residual}
-    raise TypeError(f"cannot save a replacement map of type {type(module).__name__}")
+    """What ``replacements.safetensors`` records of a map: its method's name (``type``) and shape."""
+    method = method_for_module(module)
+    return {"type": method.name, **method.spec(module)}
 
 
 def _build_map(spec: dict) -> nn.Module:
-    if spec["type"] == "linear":
-        return LinearMap(spec["dim"])
-    if spec["type"] == "lowrank":
-        return LowRankMap(spec["dim"], spec["rank"], spec["residual"])
-    raise LayercutError(f"{REPLACEMENTS_FILE} holds a map of unknown type '{spec['type']}': update layercut")
+    """An untrained map of the shape ``spec`` records (its weights are loaded after)."""
+    method = METHODS.get(spec["type"])
+    if method is None or method.build is None:
+        raise LayercutError(f"{REPLACEMENTS_FILE} holds a map of unknown type '{spec['type']}': update layercut")
+    return method.build(spec)
 
 
 @contextmanager
@@ -157,7 +156,8 @@ def load(path: str | Path, **load_model_kwargs) -> LoadedModel:
     Args:
         path: a folder written by :func:`save` / ``prune.run`` (vanilla or with maps), or any alias,
             hub id, folder or ``.gguf`` file that ``prune.loading.load_model`` loads.
-        **load_model_kwargs: ``dtype``, ``device``, ``load_in_4bit``, ``load_in_8bit``.
+        **load_model_kwargs: passed to ``prune.loading.load_model`` as they are (``dtype``, ``device``,
+            ``load_in_4bit``, ``load_in_8bit``, ``tokenizer``, ...).
     """
     loaded = load_model(str(path), **load_model_kwargs)
     folder = Path(str(path)).expanduser()
@@ -166,11 +166,12 @@ def load(path: str | Path, **load_model_kwargs) -> LoadedModel:
         count = attach_maps_(loaded.model, maps_file)
         logger.info("attached %d replacement map(s) from %s", count, maps_file)
     else:
-        records = replacement_records(loaded.model)
-        needing = [r for r in records if r["kind"] in REPLACEMENTS and not REPLACEMENTS[r["kind"]].vanilla]
+        # records name their method under "method" ("kind" in checkpoints written before the rename)
+        methods = [record_method(r) for r in replacement_records(loaded.model)]
+        needing = [m for m in methods if m in METHODS and not METHODS[m].vanilla]
         if needing:
             raise LayercutError(
-                f"{path} records {needing[0]['kind']} replacements but has no {REPLACEMENTS_FILE}: copy that file "
+                f"{path} records {needing[0]} replacements but has no {REPLACEMENTS_FILE}: copy that file "
                 "next to config.json (or re-export the checkpoint)"
             )
     return loaded

@@ -23,6 +23,12 @@ DEFAULT_CORPUS = "austen_pride_and_prejudice.txt"
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 
 
+def check_seq_len(seq_len: int, flag: str = "--seq-len") -> None:
+    """A sequence must hold at least two tokens: one to predict from, one to predict."""
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise LayercutError(f"{flag} must be at least 2, got {seq_len}")
+
+
 @dataclass
 class DataConfig:
     """What to calibrate on.
@@ -45,8 +51,7 @@ class DataConfig:
     def __post_init__(self):
         if self.samples <= 0:
             raise LayercutError(f"--samples must be positive, got {self.samples}")
-        if self.seq_len <= 1:
-            raise LayercutError(f"--seq-len must be at least 2, got {self.seq_len}")
+        check_seq_len(self.seq_len)
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,21 @@ logger = logging.getLogger(__name__)
 REPORT_FILE = "layercut.json"
 
 
+def read_report(folder: str | Path) -> dict:
+    """The ``layercut.json`` of a checkpoint folder, or an empty dict when it has none (or is no folder).
+
+    Raises:
+        LayercutError: the file exists but is not valid JSON (a report we cannot read is never guessed).
+    """
+    path = Path(folder).expanduser() / REPORT_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise LayercutError(f"{path} is not valid JSON ({err.msg}): re-export the checkpoint with prune.run") from None
+
+
 def check_output_dir(out: str | Path, overwrite: bool) -> Path:
     """Fail early (before any heavy work) if ``out`` is a non-empty folder and overwrite is off."""
     path = Path(out).expanduser()

@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from prune.adapters import max_positions
 from prune.errors import LayercutError
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ _MARKER = "layercut-source.json"  # written last inside a converted folder; its 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_SYNONYMS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 _DEVICE_RE = re.compile(r"cpu|auto|cuda(:\d+)?")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 _SHORT_ALIASES = ("smollm2-135m", "gpt2", "opt-125m", "pythia-160m", "qwen2.5-0.5b", "llama-3.2-1b")
 
 
@@ -286,7 +288,7 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     )
     _make_saveable(model)
     _set_pad_token(tokenizer)
-    max_len = getattr(model.config, "max_position_embeddings", None)
+    max_len = max_positions(model)
     if max_len and tokenizer.model_max_length > 10 * max_len:
         # GGUF tokenizers come back with an "unlimited" 1e30 length; cap it at the model's context
         tokenizer.model_max_length = max_len
@@ -373,10 +375,32 @@ def hf_checkpoint(name: str) -> str:
     return _checkpoint(resolve_model_name(name))
 
 
+def has_tokenizer_files(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a saved tokenizer."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def check_tokenizer(name: str, tokenizer: str | None = None) -> None:
+    """Fail in one line when ``name`` is a folder without tokenizer files and no ``tokenizer`` is given."""
+    folder = Path(name).expanduser()
+    if tokenizer is None and folder.is_dir() and not has_tokenizer_files(folder):
+        raise LayercutError(
+            f"model folder {name} has no tokenizer files; save one with tokenizer.save_pretrained(folder) "
+            "or pass --tokenizer NAME"
+        )
+
+
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    """Load the tokenizer for a model name (alias, hub id, folder or ``.gguf``), with a pad token set."""
-    resolved = resolve_model_name(name)
-    checkpoint = _checkpoint(resolved)
+    """Load a tokenizer, with a pad token set.
+
+    Args:
+        name: a model name (alias, hub id, folder or ``.gguf``), or a folder holding only tokenizer files.
+    """
+    folder = Path(name).expanduser()
+    if folder.is_dir() and has_tokenizer_files(folder) and not (folder / "config.json").is_file():
+        checkpoint = str(folder)
+    else:
+        checkpoint = _checkpoint(resolve_model_name(name))
     with _hub_errors(name, hub_id=not Path(checkpoint).exists()):
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     _set_pad_token(tokenizer)
@@ -478,8 +502,12 @@ def load_model(
     device: str = "cpu",
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
+    tokenizer: str | None = None,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, ready for inference.
+
+    This reads the checkpoint as transformers sees it: replacement maps of a layercut checkpoint are
+    not attached. Tools load through ``prune.load``, which calls this and then attaches them.
 
     Args:
         name: an alias (``MODEL_ALIASES``; ``smollm2-135m`` is embedded and works offline), a hub id
@@ -488,6 +516,8 @@ def load_model(
         device: "cpu", "cuda", "cuda:N", or "auto" (accelerate ``device_map="auto"`` over the visible GPUs).
         load_in_4bit: NF4 weights via bitsandbytes (CUDA only).
         load_in_8bit: int8 weights via bitsandbytes (CUDA only).
+        tokenizer: take the tokenizer from this model name or tokenizer folder instead (for checkpoint
+            folders saved without one).
 
     Returns:
         The model in eval mode, its tokenizer (with a pad token), the name typed and the source loaded.
@@ -498,12 +528,12 @@ def load_model(
     # every check that can fail on user input runs before any weight is read
     kwargs = _load_kwargs(dtype, device, load_in_4bit, load_in_8bit)
     resolved = resolve_model_name(name)
+    check_tokenizer(name, tokenizer)
     start = time.perf_counter()
     checkpoint = _checkpoint(resolved)
     with _hub_errors(name, hub_id=not Path(checkpoint).exists()):
         config = AutoConfig.from_pretrained(checkpoint)
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    _set_pad_token(tokenizer)
+    tokenizer = load_tokenizer(tokenizer or checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs)
     _finish_model(model, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())

@@ -3,6 +3,8 @@
 load: {model: smollm2-135m}
 data: {samples: 64, seq_len: 512}
 drop: 4
+replace: {method: linear}
+distill: {steps: 100}
 out: slim/
 """
 
@@ -15,10 +17,20 @@ import yaml
 
 from prune.data import DataConfig
 from prune.errors import LayercutError
-from prune.pipeline import LoadConfig, PruneConfig
+from prune.options import LoadConfig
+from prune.pipeline import PruneConfig
+from prune.replace import ReplaceConfig
 
 # Recipe sections that are themselves dataclasses; their keys are checked the same way.
-NESTED_SECTIONS = {"load": LoadConfig, "data": DataConfig}
+NESTED_SECTIONS = {"load": LoadConfig, "data": DataConfig, "replace": ReplaceConfig}
+# Keys of the earlier flat recipe layout, with their spelling now.
+RENAMED_KEYS = {
+    "fit": "replace: {fit: ...}",
+    "rank": "replace: {rank: ...}",
+    "ridge": "replace: {ridge: ...}",
+    "replace_steps": "replace: {steps: ...}",
+    "distill_steps": "distill: {steps: ...}",
+}
 
 
 def read_recipe(path: str | Path) -> dict:
@@ -36,16 +48,34 @@ def read_recipe(path: str | Path) -> dict:
 
 
 def _check_keys(cls, values: dict, where: str) -> None:
+    for key, spelling in RENAMED_KEYS.items():
+        if key in values and cls is PruneConfig:
+            raise LayercutError(f"{where}: '{key}' moved; write it as {spelling}")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise LayercutError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
+def merge_sections(base: dict, overrides: dict) -> dict:
+    """``base`` with ``overrides`` on top; nested mappings merge key by key (a method name merges as ``method``)."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        current = merged.get(key)
+        if key == "replace" and isinstance(current, str):
+            current = {"method": current}
+        if isinstance(current, dict) and isinstance(value, dict):
+            merged[key] = merge_sections(current, value)
+        else:
+            merged[key] = value
+    return merged
+
+
 def config_from_recipe(path: str | Path, overrides: dict | None = None) -> PruneConfig:
-    """Build a :class:`PruneConfig` from a recipe; ``overrides`` (top-level keys) win over the file."""
-    values = {**read_recipe(path), **(overrides or {})}
+    """Build a :class:`PruneConfig` from a recipe; ``overrides`` (same layout, nested) win over the file."""
+    values = read_recipe(path)
     _check_keys(PruneConfig, values, str(path))
+    values = merge_sections(values, overrides or {})
     for name, cls in NESTED_SECTIONS.items():
         if isinstance(values.get(name), dict):
             _check_keys(cls, values[name], f"{path}: {name}")

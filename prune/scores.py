@@ -37,6 +37,21 @@ class Score:
         return list(values) if self.higher_is_removable else [-v for v in values]
 
 
+# Fewer tokens than this many times the hidden size make every least-squares fit (and so every
+# linearity score) trivially close to exact.
+MIN_TOKENS_PER_DIM = 4
+
+
+def check_enough_tokens(tokens: int, dim: int, fix: str = "raise --samples or --seq-len") -> None:
+    """Linear fits need n >= 4 d tokens; otherwise a one-line error that ends with ``fix``."""
+    needed = MIN_TOKENS_PER_DIM * dim
+    if tokens < needed:
+        raise LayercutError(
+            f"{tokens} calibration tokens are too few for hidden size {dim}: need at least {needed} "
+            f"({MIN_TOKENS_PER_DIM} x hidden); {fix}"
+        )
+
+
 SCORES: dict[str, Score] = {}
 
 

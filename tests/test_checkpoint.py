@@ -26,7 +26,7 @@ def logits(model, seed=11):
 
 
 @pytest.mark.parametrize(
-    "model_type,kind,dropped",
+    "model_type,method,dropped",
     [
         ("llama", "linear", [1, 2]),
         ("llama", "linear", [0, 2]),  # a map before block 0's successor and one after it
@@ -35,10 +35,10 @@ def logits(model, seed=11):
         ("gpt_neox", "lowrank", [0]),
     ],
 )
-def test_replacement_checkpoint_round_trip(tmp_path, model_type, kind, dropped):
+def test_replacement_checkpoint_round_trip(tmp_path, model_type, method, dropped):
     model = make_tiny_model(model_type)
     records = replace_blocks_(model, dropped, calibration(),
-                              ReplaceConfig(kind=kind, progress=False, steps=5 if kind == "lowrank" else None))
+                              ReplaceConfig(method=method, progress=False, steps=5 if method == "lowrank" else None))
     expected = logits(model)
     out = prune.save(model, make_tiny_tokenizer(), tmp_path / "ckpt", {"dropped": dropped})
     assert (out / "replacements.safetensors").is_file()
@@ -51,7 +51,7 @@ def test_replacement_checkpoint_round_trip(tmp_path, model_type, kind, dropped):
     torch.testing.assert_close(logits(loaded.model), expected, rtol=0, atol=1e-6)
     assert block_layout(loaded.model) == block_layout(model)
     assert loaded.model.config.layercut_replacements == records
-    cls = LinearMap if kind == "linear" else LowRankMap
+    cls = LinearMap if method == "linear" else LowRankMap
     assert [type(m) for m in replacement_modules(loaded.model)] == [cls] * len(records)
     # plain transformers reads the same folder as the kept blocks without the maps
     plain = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -70,7 +70,7 @@ def test_vanilla_round_trip_and_layout(tmp_path):
 
 def test_load_without_the_maps_file_is_a_clear_error(tmp_path):
     model = make_tiny_model("llama")
-    replace_blocks_(model, [2], calibration(), ReplaceConfig(kind="linear", progress=False))
+    replace_blocks_(model, [2], calibration(), ReplaceConfig(method="linear", progress=False))
     out = prune.save(model, make_tiny_tokenizer(), tmp_path / "lin", {})
     (out / "replacements.safetensors").unlink()
     with pytest.raises(LayercutError, match="records linear replacements but has no replacements.safetensors"):
@@ -92,8 +92,60 @@ def test_load_delegates_names_to_load_model(monkeypatch):
 
 def test_vanilla_blocks_restores_wrappers_on_error():
     model = make_tiny_model("llama")
-    replace_blocks_(model, [2], calibration(), ReplaceConfig(kind="linear", progress=False))
+    replace_blocks_(model, [2], calibration(), ReplaceConfig(method="linear", progress=False))
     with pytest.raises(RuntimeError), checkpoint.vanilla_blocks(model) as maps:
         assert list(maps) == ["1.after"] and not isinstance(get_blocks(model)[1][1], ReplacedBlock)
         raise RuntimeError("boom")
     assert isinstance(get_blocks(model)[1][1], ReplacedBlock)
+
+
+def maps_metadata(folder):
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "replacements.safetensors"), framework="pt") as handle:
+        return json.loads(handle.metadata()["layercut_maps"])
+
+
+def test_maps_file_metadata_keeps_its_format(tmp_path):
+    """The saved map specs stay what earlier checkpoints hold, so those keep loading."""
+    model = make_tiny_model("llama")
+    replace_blocks_(model, [0, 2], calibration(), ReplaceConfig(method="linear", progress=False))
+    out = prune.save(model, make_tiny_tokenizer(), tmp_path / "lin", {})
+    assert maps_metadata(out) == {"0.before": {"type": "linear", "dim": 32}, "0.after": {"type": "linear", "dim": 32}}
+    model = make_tiny_model("llama")
+    replace_blocks_(model, [2], calibration(), ReplaceConfig(method="lowrank", rank=3, steps=0, progress=False))
+    out = prune.save(model, make_tiny_tokenizer(), tmp_path / "low", {})
+    assert maps_metadata(out) == {"1.after": {"type": "lowrank", "dim": 32, "rank": 3, "residual": True}}
+
+
+def test_checkpoint_with_legacy_kind_records_loads(tmp_path):
+    """Checkpoints written before the rename name the method under "kind"."""
+    model = make_tiny_model("llama")
+    replace_blocks_(model, [1, 2], calibration(), ReplaceConfig(method="linear", progress=False))
+    out = prune.save(model, make_tiny_tokenizer(), tmp_path / "old", {})
+    config = json.loads((out / "config.json").read_text())
+    config["layercut_replacements"] = [{("kind" if k == "method" else k): v for k, v in r.items()}
+                                       for r in config["layercut_replacements"]]
+    (out / "config.json").write_text(json.dumps(config))
+    loaded = prune.load(out)
+    torch.testing.assert_close(logits(loaded.model), logits(model), rtol=0, atol=1e-6)
+    assert [type(m) for m in replacement_modules(loaded.model)] == [LinearMap]
+    (out / "replacements.safetensors").unlink()
+    with pytest.raises(LayercutError, match="records linear replacements but has no replacements.safetensors"):
+        prune.load(out)
+
+
+def test_unknown_map_type_is_a_clear_error():
+    with pytest.raises(LayercutError, match="holds a map of unknown type 'squash': update layercut"):
+        checkpoint._build_map({"type": "squash", "dim": 4})
+    with pytest.raises(TypeError, match="cannot save a replacement map of type Linear"):
+        checkpoint._map_spec(torch.nn.Linear(2, 2))
+
+
+def test_load_passes_every_keyword_to_load_model(monkeypatch):
+    seen = {}
+    loaded = LoadedModel(make_tiny_model("llama"), make_tiny_tokenizer(), "x", "hub")
+    monkeypatch.setattr(checkpoint, "load_model", lambda name, **kwargs: seen.update(kwargs) or loaded)
+    prune.load("x", dtype="float32", device="cpu", load_in_4bit=False, load_in_8bit=False, tokenizer="gpt2")
+    assert seen == {"dtype": "float32", "device": "cpu", "load_in_4bit": False, "load_in_8bit": False,
+                    "tokenizer": "gpt2"}

@@ -14,7 +14,7 @@ from torch import nn
 from distill import trainable as trainable_module
 from distill.batches import BatchOrder
 from distill.checkpoints import list_checkpoints
-from distill.compat import check_models, check_tokenizers
+from distill.checks import check_models, check_tokenizers
 from distill.config import DistillConfig
 from distill.layout import layout_from_dropped, resolve_layout, teacher_targets
 from distill.losses import (
@@ -76,12 +76,12 @@ def replaced_pair(monkeypatch):
     drop_blocks_(student, [1])
     student.model.layers[0] = MapAfterBlock(student.model.layers[0], 32)
     student.config.layercut_layout = [[0, 1], [2], [3]]
-    monkeypatch.setattr(trainable_module, "find_replacement_modules", lambda model: [model.model.layers[0].map])
+    monkeypatch.setattr(trainable_module, "replacement_modules", lambda model: [model.model.layers[0].map])
     return student, teacher
 
 
 def _config(**kw) -> DistillConfig:
-    base = dict(steps=4, lr=1e-3, batch_size=4, seq_len=SEQ, log_every=1, save_every=0, train="all")
+    base = dict(steps=4, lr=1e-3, batch_size=4, data={"seq_len": SEQ}, log_every=1, save_every=0, train="all")
     base.update(kw)
     return DistillConfig(**base)
 
@@ -168,7 +168,7 @@ def test_total_loss_is_the_weighted_sum_and_registry_lists_names():
 
 
 def test_config_defaults_and_validation():
-    config = DistillConfig(steps=50, seq_len=64)
+    config = DistillConfig(steps=50, data={"seq_len": 64})
     assert config.warmup == 5 and config.data.seq_len == 64 and config.tokens_per_step == 4 * 64
     assert config.loss_weights() == {"layerwise_mse": 1.0}
     # pretrained weights get a far smaller default step than fresh maps; an explicit lr always wins
@@ -414,7 +414,7 @@ def _linear_pair(dropped=(1, 2)):
 
     teacher = make_tiny_model("llama")
     student = copy.deepcopy(teacher)
-    replace_blocks_(student, list(dropped), _ids(32), ReplaceConfig(kind="linear", progress=False))
+    replace_blocks_(student, list(dropped), _ids(32), ReplaceConfig(method="linear", progress=False))
     return student, teacher
 
 

@@ -145,7 +145,7 @@ def test_cli_distills_a_linear_replacement_student_and_keeps_its_maps(pair, tmp_
 
     loaded = prune.load(str(pair["teacher"]))
     ids = torch.randint(3, 320, (32, 16), generator=torch.Generator().manual_seed(0))
-    replace_blocks_(loaded.model, [1, 2], ids, ReplaceConfig(kind="linear", progress=False))
+    replace_blocks_(loaded.model, [1, 2], ids, ReplaceConfig(method="linear", progress=False))
     save(loaded.model, loaded.tokenizer, tmp_path / "lin", _student_report(pair["teacher"]))
     out = tmp_path / "lin-distilled"
     argv = _args(pair, out)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-import eval.run as run_module
+import eval.evaluate as run_module
 from eval.perplexity import text_perplexity, wikitext2_test_text
 from eval.report import markdown_table, write_report
 from eval.run import EvalOptions, main

@@ -19,7 +19,7 @@ def calibration(samples=16, seq=32, seed=0):
 
 
 def fold(model, dropped, ids, **kw):
-    return replace_blocks_(model, dropped, ids, ReplaceConfig(kind="fold", progress=False, **kw))
+    return replace_blocks_(model, dropped, ids, ReplaceConfig(method="fold", progress=False, **kw))
 
 
 @torch.no_grad()
@@ -80,7 +80,7 @@ def test_fold_export_loads_in_plain_transformers(model_type, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(plain(heldout).logits, model(heldout).logits, rtol=0, atol=1e-5)
     assert plain.config.layercut_layout == [[0], [1, 2], [3]]
-    assert plain.config.layercut_replacements[0]["kind"] == "fold"
+    assert plain.config.layercut_replacements[0]["method"] == "fold"
 
 
 def test_fold_beats_removal():

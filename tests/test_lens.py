@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from eval.lens_metrics import (
+from eval.lens.metrics import (
     PRECISION_KS,
     early_exit_sweep,
     evaluate_shortcuts,
@@ -18,8 +18,7 @@ from eval.lens_metrics import (
     mat_r2_per_layer,
     r2_heatmap,
 )
-from eval.lens_standins import final_predictions, fit_stand_ins, parse_blocks, stand_in
-from eval.shortcuts import (
+from eval.lens.shortcuts import (
     LowRankBank,
     LowRankConfig,
     ShortcutSet,
@@ -30,6 +29,7 @@ from eval.shortcuts import (
     parse_shortcuts,
     train_low_rank,
 )
+from eval.lens.standins import final_predictions, fit_stand_ins, parse_blocks, stand_in
 from prune.adapters import final_norm, get_blocks, hidden_size, lm_head, num_blocks
 from prune.errors import LayercutError
 from prune.stats import stream_moments

@@ -2,16 +2,18 @@
 
 import json
 import random
+import subprocess
+import sys
 
 import pytest
 from conftest import _TEXT, make_tiny_model, make_tiny_tokenizer
 
-from eval.lens import main
-from eval.lens_metrics import evaluate_shortcuts
-from eval.lens_pipeline import FIT_SHARE, LensConfig, _token_windows, lens_splits, run_lens
-from eval.shortcuts import LowRankConfig, load_shortcuts
+from eval.lens.metrics import evaluate_shortcuts
+from eval.lens.pipeline import FIT_SHARE, LensConfig, _token_windows, lens_splits, run_lens
+from eval.lens.run import main
+from eval.lens.shortcuts import LowRankConfig, load_shortcuts
 from prune.loading import LoadedModel
-from prune.pipeline import LoadConfig
+from prune.options import LoadConfig
 
 WORDS = _TEXT.split()
 FAST = ["--tokens", "512", "--eval-tokens", "128", "--seq-len", "32", "--steps", "8", "--token-batch", "64",
@@ -130,6 +132,8 @@ def test_cli_without_heatmap_or_early_exit(tiny):
         (["--shortcuts", "id,tuned"], "unknown shortcut 'tuned': choose from id, mat, njtc, n-njtc"),
         (["--submodules", "--submodule-blocks", "7"], "names block 7: the model has blocks 0..3"),
         (["--eval-tokens", "100000"], "held-out text"),
+        (["--seq-len", "1"], "--seq-len must be at least 2, got 1"),
+        (["--threads", "0"], "--threads must be a positive integer, got 0"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tiny, capsys, extra, message):
@@ -139,6 +143,12 @@ def test_bad_input_is_one_line_exit_2(tiny, capsys, extra, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len([line for line in err if line.startswith("error:")]) == 1
     assert message in err[-1]
+
+
+def test_module_help_lists_the_lens_flags():
+    done = subprocess.run([sys.executable, "-m", "eval.lens", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--shortcuts" in done.stdout and "--threads" in done.stdout
 
 
 def test_existing_output_folder_needs_overwrite(tiny, capsys):

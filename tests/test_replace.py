@@ -9,7 +9,6 @@ from prune.adapters import arch_spec, get_blocks
 from prune.capture import residual_states
 from prune.errors import LayercutError
 from prune.replace import (
-    LinearFitter,
     LinearMap,
     LowRankMap,
     PairAccumulator,
@@ -18,11 +17,13 @@ from prune.replace import (
     SpanBatch,
     block_layout,
     fit_replacements,
-    reduced_rank_fit,
+    get_method,
     replace_blocks_,
     replacement_modules,
     replacement_records,
 )
+from prune.replace.linear import LinearFitter
+from prune.replace.lowrank import reduced_rank_fit
 from prune.stats import span_pairs
 from prune.surgery import blocks_removed, drop_blocks_
 
@@ -34,11 +35,11 @@ def calibration(samples=16, seq=32, seed=0):
     return torch.randint(3, 320, (samples, seq), generator=generator)
 
 
-def quick(kind, **kw):
-    kw.setdefault("progress", False)
-    if kind in ("lowrank", "block"):
-        kw.setdefault("steps", 10)
-    return ReplaceConfig(kind=kind, **kw)
+def quick(method, steps=10, **kw):
+    """A quiet config; ``steps`` only for the methods that train."""
+    if "steps" in get_method(method).options.accepts:
+        kw["steps"] = steps
+    return ReplaceConfig(method=method, progress=False, **kw)
 
 
 def final_state(model, ids):
@@ -100,7 +101,7 @@ def test_linear_replacement_of_an_exactly_linear_block_is_exact():
     with torch.no_grad():
         expected = model(ids).logits
     records = replace_blocks_(model, [2], calibration(), quick("linear"))
-    assert records[0]["replaces"] == [2] and records[0]["kind"] == "linear" and records[0]["fit"] == "independent"
+    assert records[0]["replaces"] == [2] and records[0]["method"] == "linear" and records[0]["fit"] == "independent"
     assert records[0]["params"] == HIDDEN * HIDDEN + HIDDEN and records[0]["fit_seconds"] >= 0
     assert model.config.num_hidden_layers == 3 and block_layout(model) == [[0], [1, 2], [3]]
     with torch.no_grad():
@@ -120,7 +121,7 @@ def test_linear_beats_removal_on_the_final_state(model_type):
 
 
 @pytest.mark.parametrize(
-    "kind,dropped,layout",
+    "method,dropped,layout",
     [
         ("none", [1, 2], [[0], [3]]),
         ("linear", [1, 2], [[0, 1, 2], [3]]),
@@ -131,14 +132,14 @@ def test_linear_beats_removal_on_the_final_state(model_type):
         ("block", [1, 2], [[0], [1, 2], [3]]),
     ],
 )
-def test_layout_is_recorded(kind, dropped, layout):
+def test_layout_is_recorded(method, dropped, layout):
     model = make_tiny_model("llama")
-    replace_blocks_(model, dropped, calibration(), quick(kind))
+    replace_blocks_(model, dropped, calibration(), quick(method))
     assert block_layout(model) == layout == model.config.layercut_layout
     assert model.config.num_hidden_layers == len(layout) == len(get_blocks(model)[1])
     records = replacement_records(model)
-    assert len(records) == (0 if kind == "none" else len(span_pairs(dropped)))
-    if kind == "linear" and dropped == [0, 2]:
+    assert len(records) == (0 if method == "none" else len(span_pairs(dropped)))
+    if method == "linear" and dropped == [0, 2]:
         block = get_blocks(model)[1][0]  # one kept block carries the map before it and the map after it
         assert isinstance(block, ReplacedBlock) and block.before is not None and block.after is not None
         assert [r["where"] for r in records] == ["before", "after"]
@@ -159,13 +160,13 @@ def test_layout_composes_and_temporary_removal_restores_it():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "opt", "gpt2", "gpt_neox"])
-@pytest.mark.parametrize("kind", ["linear", "lowrank", "fold", "block"])
-def test_generation_with_kv_cache_after_each_kind(model_type, kind):
-    if kind == "fold" and model_type == "gemma2":
+@pytest.mark.parametrize("method", ["linear", "lowrank", "fold", "block"])
+def test_generation_with_kv_cache_after_each_method(model_type, method):
+    if method == "fold" and model_type == "gemma2":
         pytest.skip("gemma2 cannot fold (normed MLP output)")
     model = make_tiny_model(model_type)
-    replace_blocks_(model, [1, 2], calibration(8, 32), quick(kind, steps=3))
-    expected = 3 if kind == "block" else 2
+    replace_blocks_(model, [1, 2], calibration(8, 32), quick(method, steps=3))
+    expected = 3 if method == "block" else 2
     assert len(get_blocks(model)[1]) == getattr(model.config, arch_spec(model).layer_count) == expected
     assert_cache_and_generate(model, calibration(2, 12, seed=3))
 
@@ -248,7 +249,7 @@ def test_block_replacement_trains_and_stays_vanilla():
     assert replacement_modules(model) == [blocks[1]]
 
 
-def test_replacement_modules_for_each_kind():
+def test_replacement_modules_for_each_method():
     ids = calibration()
     model = make_tiny_model("llama")
     replace_blocks_(model, [0, 2], ids, quick("linear"))
@@ -272,13 +273,21 @@ def test_wrapper_exposes_the_block_parts():
 @pytest.mark.parametrize(
     "options,message",
     [
-        (dict(kind="squash"), "unknown replacement 'squash': choose one of none, linear, lowrank, fold, block"),
-        (dict(kind="lowrank", rank=0), "--rank must be a positive integer, got 0"),
-        (dict(kind="lowrank", rank=-3), "--rank must be a positive integer"),
-        (dict(kind="linear", rank=4), "--rank applies to --replace lowrank only"),
-        (dict(kind="linear", fit="greedy"), "unknown --fit 'greedy'"),
-        (dict(kind="linear", ridge=-1.0), "--ridge must be a finite number >= 0"),
-        (dict(kind="block", steps=-1), "--replace-steps must be >= 0"),
+        (dict(method="squash"), "unknown replacement 'squash': choose one of none, linear, lowrank, fold, block"),
+        (dict(method="lowrank", rank=0), "--rank must be a positive integer, got 0"),
+        (dict(method="lowrank", rank=-3), "--rank must be a positive integer"),
+        (dict(method="linear", rank=4), "--rank applies to --replace lowrank only (got --replace linear); drop --rank"),
+        (dict(method="none", rank=4), "--rank applies to --replace lowrank only (got --replace none)"),
+        (dict(method="linear", fit="greedy"), "unknown --fit 'greedy'"),
+        (dict(method="none", fit="sequential"),
+         "--fit sequential applies to replacements: pass --replace linear|lowrank|fold|block"),
+        (dict(method="linear", ridge=-1.0), "--ridge must be a finite number >= 0"),
+        (dict(method="block", ridge=0.1), "--ridge applies to --replace linear, lowrank, fold only"),
+        (dict(method="block", steps=-1), "--replace-steps must be >= 0"),
+        (dict(method="linear", steps=5), "--replace-steps applies to --replace lowrank, block only"),
+        (dict(method="fold", lr=1e-3), "replacement lr applies to --replace lowrank, block only"),
+        (dict(method="block", lr=0.0), "replacement lr must be a positive number, got 0.0"),
+        (dict(method="linear", batch_size=0), "--batch-size must be positive, got 0"),
     ],
 )
 def test_bad_options(options, message):
@@ -307,3 +316,15 @@ def test_fold_errors_for_block_zero_and_normed_mlp_output():
         replace_blocks_(make_tiny_model("llama"), [0, 1], calibration(), quick("fold"))
     with pytest.raises(LayercutError, match="'gemma2' normalises the MLP output"):
         replace_blocks_(make_tiny_model("gemma2"), [2], calibration(), quick("fold"))
+
+
+def test_method_defaults_and_a_resolved_config_validates_again():
+    import dataclasses
+
+    resolved = {m: ReplaceConfig(method=m) for m in ("none", "linear", "lowrank", "fold", "block")}
+    assert [(c.steps, c.lr) for c in resolved.values()] == [(None, None), (None, None), (100, 1e-3), (None, None),
+                                                            (200, 1e-4)]
+    assert ReplaceConfig(method="block", steps=0, lr=3e-3).steps == 0
+    for config in resolved.values():  # a resolved config (e.g. read back from layercut.json) is accepted as it is
+        again = dataclasses.replace(config, seed=1)
+        assert (again.steps, again.lr, again.rank, again.ridge) == (config.steps, config.lr, None, 0.0)

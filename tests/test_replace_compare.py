@@ -9,7 +9,15 @@ from conftest import make_tiny_model
 from distill.config import DistillConfig
 from eval.bench import main
 from eval.perplexity import perplexity, tokenize_text
-from eval.replace_compare import CompareOptions, compare_markdown, compare_replacements, parse_variants, plot_compare
+from eval.replace_compare import (
+    VARIANTS,
+    CompareOptions,
+    Variant,
+    compare_markdown,
+    compare_replacements,
+    parse_variants,
+    plot_compare,
+)
 from prune.data import CalibrationData, DataConfig
 from prune.errors import EXIT_BAD_INPUT, LayercutError
 from prune.loading import LoadedModel
@@ -45,8 +53,8 @@ def test_rows_equal_separate_surgery_and_leave_the_original_untouched(setup, sam
     for row in results["rows"]:
         assert len(row["dropped"]) == row["drop"] and 0 not in row["dropped"]
         student = copy.deepcopy(loaded.model)
-        kind = {"remove": "none"}.get(row["variant"], row["variant"])
-        replace_blocks_(student, row["dropped"], calibration.token_ids, ReplaceConfig(kind=kind, progress=False))
+        method = {"remove": "none"}.get(row["variant"], row["variant"])
+        replace_blocks_(student, row["dropped"], calibration.token_ids, ReplaceConfig(method=method, progress=False))
         expected = perplexity(student, heldout, seq_len=32, progress=False).perplexity
         assert row["perplexity"] == pytest.approx(expected, rel=1e-6)
     linear = [r for r in results["rows"] if r["variant"] == "linear"]
@@ -57,7 +65,7 @@ def test_rows_equal_separate_surgery_and_leave_the_original_untouched(setup, sam
 
 
 def test_distilled_variant_reports_its_training(setup, sample_text):
-    distill = DistillConfig(steps=2, batch_size=2, seq_len=32, data=DataConfig(samples=8, seq_len=32))
+    distill = DistillConfig(steps=2, batch_size=2, data=DataConfig(samples=8, seq_len=32))
     results = compare(setup, sample_text, ["linear+distill"], drops=(1,), distill=distill)
     row = results["rows"][0]
     assert row["distill"]["steps"] == 2 and row["distill"]["steps_per_second"] > 0
@@ -73,3 +81,15 @@ def test_unknown_variant_and_missing_distill_config(setup, sample_text, capsys):
     assert code == EXIT_BAD_INPUT and "unknown variant(s) nope" in capsys.readouterr().err
     code = main(["replace", "--heldout", "x.txt", "--variants", "linear,linear+distill", "--distill-steps", "0"])
     assert code == EXIT_BAD_INPUT and "linear+distill distil: give --distill-steps > 0" in capsys.readouterr().err
+
+
+def test_variants_come_from_the_method_registry():
+    assert list(VARIANTS) == ["remove", "linear", "linear+sequential", "fold", "lowrank", "linear+distill",
+                              "block+distill"]
+    assert parse_variants("block, lowrank+sequential+distill,remove+distill") == [
+        "block", "lowrank+sequential+distill", "remove+distill"]
+    assert VARIANTS["lowrank+sequential+distill"] == Variant("lowrank", "sequential", True)
+    assert VARIANTS["remove"] == Variant("none")
+    for bad in ("none", "remove+sequential", "linear+distill+sequential", "linear+linear", "block+block"):
+        with pytest.raises(LayercutError, match=r"unknown variant\(s\) " + bad.replace("+", r"\+")):
+            parse_variants(bad)

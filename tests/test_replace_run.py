@@ -43,7 +43,7 @@ def test_linear_replacement_cli_round_trip(tiny_folder, tmp_path, capsys):
     covered = sorted(i for r in report["replacements"] for i in r["replaces"])
     assert covered == report["dropped"]
     for record in report["replacements"]:
-        assert record["kind"] == "linear" and record["params"] == 32 * 32 + 32 and record["fit_seconds"] >= 0
+        assert record["method"] == "linear" and record["params"] == 32 * 32 + 32 and record["fit_seconds"] >= 0
     assert sorted(i for group in report["layout"] for i in group) == [0, 1, 2, 3]
     # the same run in memory gives the logits prune.load reproduces
     config = PruneConfig(load=LoadConfig(str(tiny_folder)), data={"samples": 8, "seq_len": 32}, drop=2,
@@ -60,7 +60,7 @@ def test_fold_cli_writes_a_vanilla_checkpoint(tiny_folder, tmp_path, capsys):
     assert "by fold (folded into the previous block's mlp.down_proj, sequential fit" in stdout
     assert not (out / "replacements.safetensors").exists()
     report = json.loads((out / "layercut.json").read_text())
-    assert report["replacements"][0]["kind"] == "fold" and report["replacements"][0]["fit"] == "sequential"
+    assert report["replacements"][0]["method"] == "fold" and report["replacements"][0]["fit"] == "sequential"
     plain = AutoModelForCausalLM.from_pretrained(out)
     assert plain.config.num_hidden_layers == 3
 
@@ -81,7 +81,8 @@ def test_default_out_names_the_replacement(tiny_folder):
         (["--drop", "1", "--replace", "linear", "--fit", "greedy"], "unknown --fit 'greedy'"),
         (["--drop", "1", "--fit", "sequential"], "--fit sequential applies to replacements"),
         (["--replace", "linear"], "--replace needs blocks to remove: pass --drop"),
-        (["--drop", "1", "--distill-steps", "-1"], "--distill-steps must be an integer >= 0"),
+        (["--drop", "1", "--distill-steps", "-1"], "--distill-steps (distill.steps) must be an integer >= 0"),
+        (["--drop", "1", "--replace", "linear", "--replace-steps", "3"], "--replace-steps applies to --replace"),
         (["--drop", "1", "--replace", "fold", "--protect", "none", "--select", "span", "--score", "bi", "--drop",
           "3"], "span starting at block 0"),
     ],
@@ -108,21 +109,24 @@ def test_fold_without_mlp_projection_fails_before_scoring(tiny_folder, tmp_path,
 def test_every_recipe_maps_onto_prune_config(recipe):
     config = config_from_recipe(recipe)
     assert isinstance(config, PruneConfig) and config.out
-    config.replace_config()
-    if config.distill_steps:
-        assert config.distill_config().steps == config.distill_steps
+    steps = config.build_steps()  # builds (and so validates) the distill section too
+    assert [step.name for step in steps] == config.step_sections()
 
 
 def test_linear_distill_recipe():
     config = config_from_recipe(RECIPES[0].parent / "smollm2-drop4-linear-distill.yaml")
-    assert (config.replace, config.drop, config.distill_steps) == ("linear", 4, 100)
-    distill = config.distill_config()
-    assert (distill.batch_size, distill.seq_len, distill.train) == (4, 128, "replacements")
+    assert (config.replace.method, config.drop, config.distill["steps"]) == ("linear", 4, 100)
+    (step,) = config.build_steps()
+    distill = step.config
+    assert (distill.steps, distill.batch_size, distill.data.seq_len, distill.train) == (100, 4, 128, "replacements")
+    assert distill.data.samples == 1024  # the distillation default, not the calibration's 64
 
 
 def test_bad_distill_keys():
-    with pytest.raises(LayercutError, match="distill: .*unexpected keyword argument 'learning_rate'.*known keys"):
-        PruneConfig(drop=1, replace="linear", distill_steps=5, distill={"learning_rate": 1})
+    with pytest.raises(LayercutError, match="distill: unknown key.*learning_rate.*known: "):
+        PruneConfig(drop=1, replace="linear", distill={"steps": 5, "learning_rate": 1}).build_steps()
+    with pytest.raises(LayercutError, match="'seq_len' moved; write it as distill: {data: {seq_len: ...}}"):
+        PruneConfig(drop=1, replace="linear", distill={"steps": 5, "seq_len": 64}).build_steps()
 
 
 def test_distill_steps_wiring(tiny_folder, tmp_path):
@@ -130,9 +134,9 @@ def test_distill_steps_wiring(tiny_folder, tmp_path):
     out = tmp_path / "lin-distilled"
     config = PruneConfig(
         load=LoadConfig(str(tiny_folder)), data={"samples": 8, "seq_len": 32}, drop=2, protect="0",
-        replace="linear", distill_steps=3, distill={"batch_size": 2, "seq_len": 16, "lr": 1e-3,
-                                                      "data": {"samples": 16, "seq_len": 16}}, out=str(out))
-    before = run_prune(in_memory(dataclasses.replace(config, distill_steps=0))).loaded.model
+        replace="linear", distill={"steps": 3, "batch_size": 2, "lr": 1e-3, "data": {"samples": 16, "seq_len": 16}},
+        out=str(out))
+    before = run_prune(in_memory(dataclasses.replace(config, distill={}))).loaded.model
     result = run_prune(config)
     report = result.report
     assert report["distill"]["steps"] == 3 and report["distill"]["final_loss"] is not None

@@ -14,12 +14,12 @@ from eval.speed import (
     count_parameters,
     greedy_decode,
     ideal_speedup,
-    load_for_eval,
     measure_speed,
     peak_memory_inprocess,
     peak_memory_subprocess,
     weights_bytes,
 )
+from prune.checkpoint import load
 from prune.errors import LayercutError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -165,11 +165,11 @@ def test_peak_memory_subprocess_grows_with_the_model(tmp_path):
 def test_folder_without_tokenizer(tmp_path):
     bare = save(tmp_path, "bare", 2, with_tokenizer=False)
     with pytest.raises(LayercutError, match="has no tokenizer files") as info:
-        load_for_eval(str(bare))
+        load(str(bare))
     assert "\n" not in str(info.value)
     tok_folder = tmp_path / "tok"
     tiny_tokenizer().save_pretrained(tok_folder)
-    loaded = load_for_eval(str(bare), tokenizer=str(tok_folder))
+    loaded = load(str(bare), tokenizer=str(tok_folder))
     assert loaded.source == str(bare.resolve())
     assert loaded.tokenizer("the fox")["input_ids"] == tiny_tokenizer()("the fox")["input_ids"]
     assert count_parameters(loaded.model) == count_parameters(tiny_llama(2))

@@ -1,6 +1,6 @@
 """The lens figures, drawn from a ``results.json`` dict (Jump to Conclusions / N-NJTC style PNGs).
 
-Each function takes the results dict written by ``eval.lens_pipeline`` and a path, draws one figure
+Each function takes the results dict written by ``eval.lens.pipeline`` and a path, draws one figure
 and returns the path; :func:`write_figures` draws every figure the results have data for.
 """
 

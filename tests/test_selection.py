@@ -4,7 +4,7 @@ from conftest import make_tiny_model
 
 from prune.errors import LayercutError
 from prune.scores import get_score
-from prune.select import SelectionInput, parse_drop, parse_protect, select_blocks
+from prune.selection import SelectionInput, parse_drop, parse_protect, select_blocks
 from prune.stats import StateMoments, stream_moments
 
 

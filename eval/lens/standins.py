@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from eval.lens_metrics import score_states
+from eval.lens.metrics import score_states
 from prune.adapters import arch_spec, get_blocks, get_submodule, input_device, lm_head, num_blocks
 from prune.capture import block_input, block_output, residual_states
 from prune.errors import LayercutError

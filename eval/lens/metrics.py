@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from eval.shortcuts import ShortcutSet, batch_states
+from eval.lens.shortcuts import ShortcutSet, batch_states
 from prune.adapters import final_norm, lm_head, num_blocks
 from prune.linear_fit import LinearFit, fit_linear_map, r_squared
 from prune.stats import StateMoments

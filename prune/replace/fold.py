@@ -1,4 +1,4 @@
-"""Fold a span's linear replacement into the previous kept block's MLP output projection.
+"""``fold``: a span's linear replacement folded into the previous kept block's MLP output projection.
 
 The kept block before the span outputs ``h = r + m``: ``r`` is its input plus its attention part,
 ``m = z W`` the MLP output, with ``z`` the MLP's hidden activations (width = intermediate size) and
@@ -17,6 +17,8 @@ GPT-NeoX) also get a new bias. The checkpoint stays a plain ``AutoModelForCausal
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -25,7 +27,9 @@ from transformers.pytorch_utils import Conv1D
 from prune.adapters import arch_spec, get_blocks, get_submodule
 from prune.errors import LayercutError
 from prune.linear_fit import fit_linear_map
-from prune.replace import PairAccumulator, Replacement, SpanBatch, SpanFitter, WeightPatch, _Recorder
+from prune.replace.capture import PairAccumulator, Recorder, SpanBatch
+from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
+from prune.replace.registry import Method, MethodOptions, register_method
 from prune.stats import PairMoments
 
 # Architectures whose MLP output goes through a norm before the residual add: no linear fold exists.
@@ -87,10 +91,15 @@ def check_foldable(model: nn.Module, spans: Sequence[tuple[int, ...]]) -> None:
         mlp_output_projection(model, blocks[span[0] - 1])
 
 
+@dataclass
+class FoldOptions(MethodOptions):
+    """``fold`` reads ``ridge`` only."""
+
+    accepts: ClassVar[tuple[str, ...]] = ("ridge",)
+
+
 class FoldFitter(SpanFitter):
     """Streams the moments of (z, t = y - h + m) for the host block and solves for its new projection."""
-
-    needs_mlp = True
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -99,7 +108,7 @@ class FoldFitter(SpanFitter):
         self.intercept = self.projection.bias is not None
         self.moments = PairAccumulator()
 
-    def hook_inputs(self, recorder: _Recorder) -> None:
+    def hook_inputs(self, recorder: Recorder) -> None:
         """Also capture the projection's input z and output m."""
         super().hook_inputs(recorder)
         recorder.input_of(self.projection, f"{self.span}.z")
@@ -124,7 +133,7 @@ class FoldFitter(SpanFitter):
             weight.to(device=param.device, dtype=param.dtype).contiguous(),
             fit.bias.to(device=param.device, dtype=param.dtype) if self.intercept else None,
         )
-        return Replacement(self.config.kind, self.span, "fold", self.host, None, patch, record={
+        return Replacement(self.config.method, self.span, "fold", self.host, None, patch, record={
             "params": 0, "rewrites": arch_spec(self.model).mlp_out,
             "intercept": self.intercept, "ridge": self.config.ridge, "tokens": moments.n})
 
@@ -141,3 +150,12 @@ def _uncentred(moments: PairMoments) -> PairMoments:
         moments.cxy + n * torch.outer(mx, my),
         moments.cyy + n * torch.outer(my, my),
     )
+
+
+register_method(Method(
+    "fold", "linear map folded into the previous block's MLP", vanilla=True, options=FoldOptions,
+    fitter=FoldFitter, check_model=check_fold_architecture, check_spans=check_foldable,
+    # the folded map lives in the host block's projection: training that trains the map
+    trained_module=lambda model, block, _record: mlp_output_projection(model, block),
+    describe=lambda record: f"folded into the previous block's {record['rewrites']}",
+))

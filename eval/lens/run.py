@@ -7,34 +7,37 @@ r"""Read what each layer already predicts (Jump to Conclusions, N-NJTC) and how 
 
 Fits the shortcuts on calibration text, evaluates them on held-out text, prints the per-layer
 Precision@1 / surprisal table and the early-exit summary; with ``--out`` writes ``results.json``,
-``README.md``, PNG figures and ``shortcuts.safetensors``.
+``README.md``, PNG figures and ``shortcuts.safetensors``. (``layercut-lens`` and
+``python -m eval.lens.run`` are the same command.)
 """
 
 from __future__ import annotations
 
 import argparse
 
-from eval.lens_pipeline import LensConfig, run_lens
-from eval.lens_report import claims_list, early_exit_table, layer_table, shortcut_table, submodule_table
-from eval.shortcuts import SHORTCUTS, LowRankConfig
+from eval.lens.pipeline import LensConfig, run_lens
+from eval.lens.report import claims_list, early_exit_table, layer_table, shortcut_table, submodule_table
+from eval.lens.shortcuts import SHORTCUTS, LowRankConfig
 from prune.errors import cli_entry
-from prune.pipeline import LoadConfig
-from prune.run import add_load_arguments
+from prune.options import (
+    add_data_arguments,
+    add_load_arguments,
+    add_output_arguments,
+    add_threads_argument,
+    apply_threads,
+    load_config_from_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``eval.lens`` argument parser."""
     parser = argparse.ArgumentParser(prog="python -m eval.lens", description=__doc__.split("\n")[0])
     add_load_arguments(parser)
-    group = parser.add_argument_group("data")
-    group.add_argument("--data", default=None, help="fit text: .txt/.jsonl/.parquet or datasets spec "
-                       "(default: built-in Austen corpus; its last 20%% of windows are held out)")  # fmt: skip
+    add_data_arguments(parser, samples=None, seq_len=512, title="fit data", what="window")
+    group = parser.add_argument_group("held-out data and batching")
     group.add_argument("--eval-data", default=None, help="held-out text (default: the last 20%% of --data's windows)")
-    group.add_argument("--text-field", default="text", help="column of jsonl/parquet/datasets rows (default: text)")
     group.add_argument("--tokens", type=int, default=16384, help="fit tokens, >= 4 x hidden size (default: 16384)")
     group.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens (default: 4096)")
-    group.add_argument("--seq-len", type=int, default=512, help="tokens per window (default: 512)")
-    group.add_argument("--seed", type=int, default=0, help="window draw and low-rank initialisation (default: 0)")
     group.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default: 4)")
     group = parser.add_argument_group("shortcuts")
     group.add_argument("--shortcuts", default=",".join(SHORTCUTS),
@@ -42,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--ridge", type=float, default=1e-3,
                        help="mat ridge, relative to the mean diagonal of the input Gram (default: 1e-3)")  # fmt: skip
     group.add_argument("--rank", type=int, default=None, help="njtc / n-njtc rank (default: hidden // 100, at least 1)")
-    group.add_argument("--steps", type=int, default=300, help="Adam steps for njtc / n-njtc (default: 300)")
+    group.add_argument("--steps", type=int, default=300,
+                       help="Adam steps for njtc / n-njtc, from a --seed initialisation (default: 300)")  # fmt: skip
     group.add_argument("--epochs", type=int, default=2, help="passes over the fit windows while training (default: 2)")
     group.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (default: 1e-2)")
     group.add_argument("--token-batch", type=int, default=512, help="tokens per Adam step (default: 512)")
@@ -59,10 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace attention / FFN / norms of each block by a linear map, one at a time")  # fmt: skip
     group.add_argument("--submodule-blocks", default=None, help="blocks for --submodules: all, 0,5,-1 or 0-9 "
                        "(default: all; each part costs one pass over the held-out tokens)")  # fmt: skip
-    group = parser.add_argument_group("output")
-    group.add_argument("--out", default=None, help="folder for results.json, README.md, figures, shortcuts")
-    group.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    group.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    add_output_arguments(parser, what="results.json, README.md, figures, shortcuts")
+    add_threads_argument(parser)
+    parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return parser
 
 
@@ -72,7 +75,7 @@ def config_from_args(args: argparse.Namespace) -> LensConfig:
                              token_batch=args.token_batch, residual=args.low_rank_target == "residual",
                              seed=args.seed)  # fmt: skip
     return LensConfig(
-        load=LoadConfig(args.model, args.dtype, args.device, args.load_in_4bit, args.load_in_8bit),
+        load=load_config_from_args(args),
         data=args.data, eval_data=args.eval_data, text_field=args.text_field, tokens=args.tokens,
         eval_tokens=args.eval_tokens, seq_len=args.seq_len, seed=args.seed, batch_size=args.batch_size,
         shortcuts=args.shortcuts, ridge=args.ridge, low_rank=low_rank, early_exit=args.early_exit,
@@ -85,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> LensConfig:
 def main(argv: list[str] | None = None) -> int:
     """Run the lens CLI; returns the exit code."""
     args = build_parser().parse_args(argv)
+    apply_threads(args)
     result = run_lens(config_from_args(args))
     results = result.results
     print(shortcut_table(results), end="\n\n")
@@ -102,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def console_main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point (``layercut-lens``)."""
     raise SystemExit(main())
 
 

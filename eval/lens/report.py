@@ -1,6 +1,6 @@
 """Markdown for a lens run: per-layer tables, parameter counts, early exit, stand-ins and the papers' claims.
 
-Everything is read from the results dict that ``eval.lens_pipeline`` writes as ``results.json``.
+Everything is read from the results dict that ``eval.lens.pipeline`` writes as ``results.json``.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def lens_readme(results: dict, figures: list[str]) -> str:
         "a guess of the last block's output, read by the model's own final norm and LM head. Precision@k: the full "
         "model's top-1 token is in the shortcut's top-k; surprisal: -log p of that token, in nats; R^2: coordinate-"
         "averaged, held out. Files: `results.json` (all numbers), `shortcuts.safetensors` "
-        "(`eval.shortcuts.load_shortcuts(folder)`).",
+        "(`eval.lens.shortcuts.load_shortcuts(folder)`).",
         "",
         "## Shortcuts",
         "",

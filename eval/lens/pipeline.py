@@ -1,6 +1,6 @@
 """One lens run as a function: split the text, fit the shortcuts, measure them, write the report.
 
-``eval.lens`` (the CLI) builds a :class:`LensConfig` and calls :func:`run_lens`.
+``eval.lens.run`` (the CLI) builds a :class:`LensConfig` and calls :func:`run_lens`.
 
 Data split: the calibration text (``data``, default the built-in *Pride and Prejudice*) is tokenized
 in document order, joined with EOS and cut into windows of ``seq_len`` tokens. Without ``eval_data``
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from eval.lens_metrics import (
+from eval.lens.metrics import (
     PRECISION_GOAL,
     PRECISION_KS,
     LensPredictions,
@@ -33,10 +33,9 @@ from eval.lens_metrics import (
     mat_r2_per_layer,
     r2_heatmap,
 )
-from eval.lens_plots import write_figures
-from eval.lens_report import claims, lens_readme
-from eval.lens_standins import SUBMODULE_PARTS, evaluate_stand_ins, fit_stand_ins, parse_blocks
-from eval.shortcuts import (
+from eval.lens.plots import write_figures
+from eval.lens.report import claims, lens_readme
+from eval.lens.shortcuts import (
     SHORTCUTS,
     LowRankConfig,
     ShortcutSet,
@@ -46,12 +45,14 @@ from eval.shortcuts import (
     settings_dict,
     train_low_rank,
 )
+from eval.lens.standins import SUBMODULE_PARTS, evaluate_stand_ins, fit_stand_ins, parse_blocks
 from prune.adapters import arch_spec, hidden_size, num_blocks
-from prune.data import CalibrationData, load_documents
+from prune.data import CalibrationData, check_seq_len, load_documents
 from prune.errors import LayercutError
 from prune.export import atomic_directory, check_output_dir, library_versions, write_json
 from prune.loading import LoadedModel
-from prune.pipeline import MIN_TOKENS_PER_DIM, LoadConfig
+from prune.options import LoadConfig
+from prune.scores import MIN_TOKENS_PER_DIM
 from prune.stats import StateMoments, stream_moments
 
 logger = logging.getLogger(__name__)
@@ -122,8 +123,7 @@ class LensConfig:
         for name in ("tokens", "eval_tokens", "batch_size"):
             if getattr(self, name) <= 0:
                 raise LayercutError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.seq_len < 2:
-            raise LayercutError(f"--seq-len must be at least 2, got {self.seq_len}")
+        check_seq_len(self.seq_len)
         if self.ridge < 0:
             raise LayercutError(f"--ridge must be >= 0, got {self.ridge}")
         if self.heatmap_stride < 0:

@@ -1,0 +1,54 @@
+"""Distillation as a post-surgery step of a prune run (``prune.run --distill-steps N``).
+
+Registered as the ``distill`` entry point of the ``layercut.steps`` group (``pyproject.toml``): prune
+finds it by name and never imports ``distill``. The teacher is a fresh load of the model the run
+pruned; checkpoints and the training log go to ``<out>.work/``, and the log is copied into the export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+
+from distill.checkpoints import default_work_folder
+from distill.config import DistillConfig
+from distill.train import distill
+from prune.loading import LoadedModel
+from prune.steps import StepResult
+
+logger = logging.getLogger(__name__)
+
+
+def step_config(options: dict, prune_config) -> DistillConfig:
+    """The :class:`DistillConfig` of a prune run's ``distill`` section.
+
+    Without its own ``data``, distillation reads the run's calibration source (``--data``) at its own
+    sequence length and count.
+    """
+    config = DistillConfig.from_dict(options)
+    if "data" not in options and prune_config.data.data is not None:
+        data = dataclasses.replace(config.data, data=prune_config.data.data, text_field=prune_config.data.text_field)
+        config = dataclasses.replace(config, data=data)
+    return config
+
+
+class DistillStep:
+    """Layerwise distillation of the surgered model towards a fresh copy of the original."""
+
+    name = "distill"
+
+    def __init__(self, options: dict, prune_config):
+        self.config = step_config(options, prune_config)
+
+    def __call__(self, loaded: LoadedModel, prune_config) -> StepResult:
+        """Distil ``loaded.model`` in place; the report section, the log to copy and the work folder to delete."""
+        logger.info("loading the teacher (%s) for %d distillation steps", prune_config.load.model, self.config.steps)
+        teacher = prune_config.load.load()
+        work = default_work_folder(prune_config.out) if prune_config.out is not None else None
+        if work is not None and work.exists():
+            shutil.rmtree(work)  # a fresh run: prune.run has no --resume (distill.run has)
+        result = distill(loaded.model, teacher.model, loaded.tokenizer, self.config, out=work)
+        del teacher
+        files = [result.log_path] if result.log_path is not None else []
+        return StepResult(result.report(self.config), files=files, cleanup=[work] if work is not None else [])

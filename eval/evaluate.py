@@ -1,0 +1,224 @@
+"""Evaluate models (slimmed ones against their original, or one alone): perplexity, lm-eval tasks, a report.
+
+``eval.run`` (the CLI) builds :class:`EvalOptions` and calls :func:`run`. Task names:
+
+* ``wikitext``: layercut's perplexity protocol on the WikiText-2 raw test split (``eval.perplexity``);
+* ``ppl:PATH``: the same protocol on any text file (.txt, or .jsonl/.json/.parquet rows with a
+  ``text`` field), reported as ``ppl:<file stem>/perplexity``;
+* anything else goes to lm-eval (``eval.lmeval``).
+
+Every model is opened with ``prune.load``, so a checkpoint with replacement maps is measured with
+its maps. Models are loaded one at a time, baseline first, so memory holds one model.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eval.lmeval import plan_tasks, primary_metric, resolve_data_dir, run_lm_eval
+from eval.perplexity import DEFAULT_MAX_SEQ_LEN, load_wikitext2_test, text_perplexity
+from eval.report import write_report
+from eval.speed import block_count, count_parameters
+from prune.checkpoint import load
+from prune.data import check_seq_len, load_documents
+from prune.errors import LayercutError
+from prune.export import read_report
+from prune.loading import check_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PERPLEXITY_TASK = "wikitext"
+TEXT_TASK_PREFIX = "ppl:"
+
+
+@dataclass
+class EvalOptions:
+    """What ``eval.run`` evaluates and how.
+
+    Attributes:
+        models: Candidate names or folders.
+        baseline: The original model, or None to evaluate the models alone.
+        tasks: ``wikitext``, ``ppl:PATH`` and/or lm-eval task names.
+        out: Report folder.
+        data_dir: Local data folder (``$LAYERCUT_DATA`` when None); None for both means the hub.
+        limit: Rows per lm-eval task (None: all).
+        seq_len: Perplexity window (None: min(2048, model maximum)).
+        stride: Perplexity stride (None: seq_len, non-overlapping windows).
+        batch_size: lm-eval requests per forward pass.
+        ppl_batch_size: Perplexity windows per forward pass.
+        num_fewshot: lm-eval few-shot examples (None: task default).
+        device: cpu, cuda, cuda:N or auto.
+        dtype: auto, float32, bfloat16 or float16.
+        tokenizer: Tokenizer for model folders saved without one.
+        load_in_4bit: bitsandbytes 4-bit weights (CUDA only).
+        load_in_8bit: bitsandbytes 8-bit weights (CUDA only).
+        progress: Show progress bars.
+    """
+
+    models: list[str]
+    baseline: str | None = None
+    tasks: list[str] = field(default_factory=lambda: [PERPLEXITY_TASK])
+    out: str = "report"
+    data_dir: str | None = None
+    limit: int | float | None = None
+    seq_len: int | None = None
+    stride: int | None = None
+    batch_size: int = 8
+    ppl_batch_size: int = 1
+    num_fewshot: int | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    tokenizer: str | None = None
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.models:
+            raise LayercutError("no --model given; name at least one model to evaluate")
+        self.tasks = list(dict.fromkeys(t.strip() for t in self.tasks if t.strip()))
+        if not self.tasks:
+            raise LayercutError("no tasks given; e.g. --tasks wikitext,arc_easy")
+        if self.seq_len is not None:
+            check_seq_len(self.seq_len)
+        if self.stride is not None and self.stride < 1:
+            raise LayercutError(f"--stride must be at least 1, got {self.stride}")
+        if self.seq_len and self.stride and self.stride > self.seq_len:
+            raise LayercutError(f"--stride {self.stride} exceeds --seq-len {self.seq_len}; use a stride <= seq-len")
+        if self.ppl_batch_size < 1:
+            raise LayercutError(f"--ppl-batch-size must be at least 1, got {self.ppl_batch_size}")
+
+    @property
+    def lm_eval_tasks(self) -> list[str]:
+        """Task names handed to lm-eval (all but ``wikitext`` and ``ppl:PATH``)."""
+        return [t for t in self.tasks if t != PERPLEXITY_TASK and not t.startswith(TEXT_TASK_PREFIX)]
+
+    @property
+    def text_files(self) -> list[str]:
+        """The paths of the ``ppl:PATH`` tasks."""
+        return [t.removeprefix(TEXT_TASK_PREFIX) for t in self.tasks if t.startswith(TEXT_TASK_PREFIX)]
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every model evaluated, baseline first."""
+        return ([self.baseline] if self.baseline else []) + list(self.models)
+
+
+def validate(options: EvalOptions) -> Path | None:
+    """Check everything that can be checked before loading a model; return the resolved data folder."""
+    data_dir = resolve_data_dir(options.data_dir)
+    if options.lm_eval_tasks:
+        try:
+            plan_tasks(options.lm_eval_tasks, data_dir)
+        except LayercutError as err:
+            if "unknown task" in str(err):
+                raise LayercutError(f"{err}; '{PERPLEXITY_TASK}' is layercut's WikiText-2 perplexity, "
+                                    f"'{TEXT_TASK_PREFIX}PATH' the perplexity of a text file") from None
+            raise
+    for path in options.text_files:
+        if not Path(path).expanduser().is_file():
+            raise LayercutError(f"task {TEXT_TASK_PREFIX}{path}: no such file; pass a .txt or .jsonl file")
+    for name in options.model_names:
+        check_tokenizer(name, options.tokenizer)
+    return data_dir
+
+
+def perplexity_texts(options: EvalOptions, data_dir: Path | None) -> dict[str, str]:
+    """Task label -> text for ``wikitext`` and every ``ppl:PATH`` task (labels ``ppl:<stem>``, unique)."""
+    texts = {PERPLEXITY_TASK: load_wikitext2_test(data_dir)} if PERPLEXITY_TASK in options.tasks else {}
+    for path in options.text_files:
+        label, n = f"{TEXT_TASK_PREFIX}{Path(path).stem}", 1
+        while label in texts:
+            n += 1
+            label = f"{TEXT_TASK_PREFIX}{Path(path).stem}#{n}"
+        documents, _ = load_documents(path)
+        texts[label] = "\n\n".join(documents)
+        if not texts[label].strip():
+            raise LayercutError(f"task {TEXT_TASK_PREFIX}{path}: the file holds no text")
+    return texts
+
+
+def evaluate_model(name: str, role: str, options: EvalOptions, data_dir: Path | None, texts: dict[str, str]) -> dict:
+    """Load one model with its replacement maps, run every task on it, free it; return its results entry."""
+    loaded = load(name, tokenizer=options.tokenizer, dtype=options.dtype, device=options.device,
+                  load_in_4bit=options.load_in_4bit, load_in_8bit=options.load_in_8bit)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    entry = {"name": name, "role": role, "source": loaded.source, "num_blocks": block_count(model),
+             "params": count_parameters(model), "metrics": {}, "details": {}}  # fmt: skip
+    try:
+        for task, text in texts.items():
+            logger.info("%s: %s perplexity", name, task)
+            result = text_perplexity(
+                model, tokenizer, text, seq_len=options.seq_len, stride=options.stride,
+                batch_size=options.ppl_batch_size, progress=options.progress,
+            )  # fmt: skip
+            entry["metrics"][f"{task}/perplexity"] = result.perplexity
+            entry["details"][task] = result.to_dict()
+        if options.lm_eval_tasks:
+            logger.info("%s: lm-eval %s", name, ",".join(options.lm_eval_tasks))
+            scores = run_lm_eval(
+                model, tokenizer, options.lm_eval_tasks, data_dir=data_dir, limit=options.limit,
+                batch_size=options.batch_size, num_fewshot=options.num_fewshot,
+            )  # fmt: skip
+            for task, metrics in scores.items():
+                entry["details"][task] = metrics
+                entry["metrics"].update({f"{task}/{metric}": value for metric, value in metrics.items()})
+    finally:
+        del model, tokenizer, loaded
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return entry
+
+
+def blocks_removed(entry: dict, baseline_blocks: int | None) -> int | None:
+    """Blocks removed: from ``layercut.json`` when the folder has one, else the difference to the baseline."""
+    if entry["role"] == "baseline":
+        return 0
+    info = read_report(entry["name"])
+    if "num_blocks_before" in info and "num_blocks_after" in info:
+        return int(info["num_blocks_before"]) - int(info["num_blocks_after"])
+    return None if baseline_blocks is None else baseline_blocks - entry["num_blocks"]
+
+
+def primary_keys(entries: list[dict]) -> list[str]:
+    """Metric keys to plot: every perplexity, then each lm-eval task's primary metric."""
+    keys = list(dict.fromkeys(key for e in entries for key in e["metrics"] if key.endswith("/perplexity")))
+    tasks = dict.fromkeys(key.split("/")[0] for e in entries for key in e["metrics"] if key not in keys)
+    return keys + [f"{task}/{primary_metric(task)}" for task in tasks]
+
+
+def run(options: EvalOptions) -> dict:
+    """Evaluate the baseline (if any) and each model, write the report, and return the results dict."""
+    data_dir = validate(options)
+    texts = perplexity_texts(options, data_dir)
+    entries = [evaluate_model(options.baseline, "baseline", options, data_dir, texts)] if options.baseline else []
+    for name in options.models:
+        entries.append(evaluate_model(name, "candidate", options, data_dir, texts))
+    for entry in entries:
+        entry["blocks_removed"] = blocks_removed(entry, entries[0]["num_blocks"] if options.baseline else None)
+        info = read_report(entry["name"])
+        if "dropped" in info:
+            entry["dropped"] = info["dropped"]
+    settings = {k: v for k, v in vars(options).items() if k not in ("models", "baseline", "progress")}
+    settings["data_dir"] = str(data_dir) if data_dir else "hub (datasets / lm-eval registry)"
+    settings["seq_len"] = options.seq_len or f"min({DEFAULT_MAX_SEQ_LEN}, model maximum)"
+    results = {"baseline": options.baseline, "settings": settings, "primary_metrics": primary_keys(entries),
+               "models": entries}  # fmt: skip
+    write_report(results, options.out)
+    return results
+
+
+def parse_limit(text: str) -> int | float:
+    """Parse ``--limit`` as lm-eval does: below 1 a fraction of each task, else a row count."""
+    value = float(text)
+    if value < 1:
+        return value
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"a row count must be a whole number, got {text}")
+    return int(value)

@@ -1,0 +1,159 @@
+"""Command-line options that every layercut entry point shares, each flag defined once.
+
+Groups: model loading (``--model``, ``--dtype``, ``--device``, ``--load-in-4bit`` / ``--load-in-8bit``,
+``--tokenizer``), calibration data (``--data``, ``--text-field``, ``--samples``, ``--seq-len``,
+``--seed``), output (``--out``, ``--overwrite``) and ``--threads``. Each group has the function that
+turns the parsed flags into the dataclass the library takes (:class:`LoadConfig`,
+:class:`prune.data.DataConfig`), so a flag, its help text and its validation live in one place.
+Entry points may prefix the loading group (``--teacher``, ``--teacher-dtype``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+
+from prune.checkpoint import load
+from prune.data import DataConfig
+from prune.errors import LayercutError
+from prune.loading import EMBEDDED_MODEL, LoadedModel
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class LoadConfig:
+    """How to load a model; a recipe's ``load:`` section maps key for key onto it.
+
+    Attributes:
+        model: alias, hub id, checkpoint folder or ``.gguf`` file.
+        dtype: auto | float32 | bfloat16 | float16.
+        device: cpu | cuda | cuda:N | auto (accelerate ``device_map`` over the GPUs).
+        load_in_4bit: bitsandbytes NF4 weights (CUDA only).
+        load_in_8bit: bitsandbytes int8 weights (CUDA only).
+        tokenizer: tokenizer to use instead of the checkpoint's (for folders saved without one).
+    """
+
+    model: str = EMBEDDED_MODEL
+    dtype: str = "auto"
+    device: str = "cpu"
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    tokenizer: str | None = None
+
+    def __post_init__(self):
+        if self.load_in_4bit and self.load_in_8bit:
+            raise LayercutError("--load-in-4bit and --load-in-8bit exclude each other: pass one")
+
+    def load(self, model: str | None = None) -> LoadedModel:
+        """Load ``model`` (default: ``self.model``) with these options, replacement maps attached."""
+        return load(model or self.model, dtype=self.dtype, device=self.device, load_in_4bit=self.load_in_4bit,
+                    load_in_8bit=self.load_in_8bit, tokenizer=self.tokenizer)
+
+
+def _flag(prefix: str, name: str) -> str:
+    return f"--{prefix}-{name}" if prefix else f"--{name}"
+
+
+def add_load_arguments(parser: argparse.ArgumentParser, *, prefix: str = "", model_flag: bool = True,
+                       model_default: str | None = EMBEDDED_MODEL, device_default: str = "cpu",
+                       title: str = "model") -> None:
+    """Model-loading flags; with ``prefix="teacher"`` they read ``--teacher``, ``--teacher-dtype``, ...
+
+    Args:
+        parser: the parser to add a group to.
+        prefix: word put before every flag (the model flag is then ``--<prefix>``).
+        model_flag: add the model flag itself (entry points with several models add their own).
+        model_default: default of the model flag (None: required).
+        device_default: default of the device flag.
+        title: the group's title in ``--help``.
+    """
+    group = parser.add_argument_group(title)
+    if model_flag:
+        flag = f"--{prefix}" if prefix else "--model"
+        default = f"default: {model_default}" if model_default else "required"
+        group.add_argument(flag, default=model_default, required=model_default is None,
+                           help="alias (smollm2-135m, opt-1.3b, gpt2, ...), hub id, checkpoint folder or .gguf file "
+                           f"({default}; smollm2-135m is embedded and works offline)")
+    group.add_argument(_flag(prefix, "dtype"), default="auto", choices=DTYPES,
+                       help="weights dtype (default: auto = float32 on CPU, the checkpoint's dtype on GPU)")
+    group.add_argument(_flag(prefix, "device"), default=device_default,
+                       help=f"cpu, cuda, cuda:N or auto (accelerate device_map over the GPUs; "
+                       f"default: {device_default})")
+    for bits in (4, 8):
+        group.add_argument(_flag(prefix, f"load-in-{bits}bit"), action="store_true",
+                           help=f"bitsandbytes {bits}-bit weights (CUDA only)")
+    if not prefix:
+        group.add_argument("--tokenizer", default=None,
+                           help="tokenizer (model name or folder) for checkpoint folders saved without one")
+
+
+def load_config_from_args(args: argparse.Namespace, prefix: str = "", model: str | None = None) -> LoadConfig:
+    """The :class:`LoadConfig` of flags added by :func:`add_load_arguments` with the same ``prefix``."""
+    key = f"{prefix}_" if prefix else ""
+    if model is None:
+        model = getattr(args, prefix or "model")
+    return LoadConfig(model=model, dtype=getattr(args, f"{key}dtype"), device=getattr(args, f"{key}device"),
+                      load_in_4bit=getattr(args, f"{key}load_in_4bit"),
+                      load_in_8bit=getattr(args, f"{key}load_in_8bit"),
+                      tokenizer=None if prefix else getattr(args, "tokenizer", None))
+
+
+def add_data_arguments(parser: argparse.ArgumentParser, *, samples: int | None = 64, seq_len: int = 512,
+                       title: str = "calibration data", what: str = "sequence") -> None:
+    """Calibration-text flags: ``--data``, ``--text-field``, ``--samples`` (unless None), ``--seq-len``, ``--seed``."""
+    group = parser.add_argument_group(title)
+    group.add_argument("--data", default=None,
+                       help=".txt/.jsonl/.parquet file or datasets spec name[:config[:split]] "
+                       "(default: the built-in Austen corpus)")
+    group.add_argument("--text-field", default="text",
+                       help="text column of jsonl/parquet/datasets rows (default: text)")
+    if samples is not None:
+        group.add_argument("--samples", type=int, default=samples, help=f"packed sequences (default: {samples})")
+    group.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per {what} (default: {seq_len})")
+    group.add_argument("--seed", type=int, default=0, help="which sequences are drawn, and in what order (default: 0)")
+
+
+def data_config_from_args(args: argparse.Namespace) -> DataConfig:
+    """The :class:`prune.data.DataConfig` of flags added by :func:`add_data_arguments`."""
+    return DataConfig(args.data, args.samples, args.seq_len, args.seed, args.text_field)
+
+
+def add_output_arguments(parser: argparse.ArgumentParser, *, required: bool = False,
+                         what: str = "the checkpoint and reports") -> None:
+    """``--out`` and ``--overwrite``."""
+    group = parser.add_argument_group("output")
+    group.add_argument("--out", default=None, required=required, help=f"folder for {what}")
+    group.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+
+
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads``: torch's CPU threads."""
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads for torch (default: torch's choice, one per core); 1 is much faster on a "
+                        "CPU that other jobs keep busy")
+
+
+def apply_threads(args: argparse.Namespace) -> None:
+    """Set torch's CPU threads from ``--threads`` (nothing when it was not given)."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if threads < 1:
+        raise LayercutError(f"--threads must be a positive integer, got {threads}")
+    torch.set_num_threads(threads)
+
+
+def explicit_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The ``dest`` of every option typed on the command line (so it can win over a recipe's value)."""
+    saved = {action: action.default for action in parser._actions}
+    try:
+        for action in saved:
+            action.default = argparse.SUPPRESS
+        given, _ = parser.parse_known_args(argv)
+    finally:
+        for action, default in saved.items():
+            action.default = default
+    return set(vars(given))

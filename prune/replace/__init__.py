@@ -1,0 +1,106 @@
+"""Replace removed blocks instead of only dropping them: one module per method, found by name.
+
+Each maximal run (span) of removed blocks gets one replacement, fitted to reproduce the span's output
+from its input on calibration text. The methods (``METHODS``, in this order):
+
+* ``none`` (``none.py``): the blocks are only removed.
+* ``linear`` (``linear.py``): ``h -> h A + b``, closed-form least squares (float64) from streamed moments.
+* ``lowrank`` (``lowrank.py``): ``h -> h + up(down(BatchNorm(h)))``, rank ``max(1, d // 100)``, from
+  the closed-form reduced-rank solution, then Adam steps on the MSE.
+* ``fold`` (``fold.py``): the linear map folded into the previous kept block's MLP output
+  projection; the checkpoint stays a vanilla architecture.
+* ``block`` (``block.py``): one standard block of the architecture per span, a copy of the span's
+  first block, trained with Adam on the MSE to the span's output; a vanilla checkpoint.
+
+``fit="independent"`` fits every span on the original model's states (one streamed pass);
+``fit="sequential"`` fits span by span, each on the inputs the already-surgered model produces
+(targets are always the original model's span outputs), which corrects the drift earlier spans cause.
+Adam-trained methods keep the captured activations of at most ``cache_bytes`` (on the CPU) and train
+on them; closed-form methods keep only float64 moments, so their memory does not grow with the data.
+
+Maps (``linear``, ``lowrank``) ride on a kept block inside a :class:`ReplacedBlock` (the block, then
+the map; the map first when the span starts at block 0), so the block list keeps the config's length
+and every ``layer_idx`` / KV-cache slot stays valid. ``prune.checkpoint`` saves them next to a vanilla
+checkpoint and ``prune.load`` puts them back.
+
+A new method is one module in this folder that registers a :class:`Method` (``register_method``):
+every module here that is not a shared one is imported, so it registers itself. Shared modules
+(``registry``, ``config``, ``capture``, ``fitter``, ``modules``, ``driver``) never import a method
+module.
+"""
+
+import importlib
+import pkgutil
+
+from prune.replace.capture import PairAccumulator, SpanBatch
+from prune.replace.config import DEFAULT_CACHE_BYTES, ReplaceConfig
+from prune.replace.driver import (
+    check_replacement_supported,
+    fit_replacements,
+    install_replacements_,
+    replace_blocks_,
+    replacement_modules,
+    spans_of,
+)
+from prune.replace.fitter import Replacement, SpanFitter
+from prune.replace.modules import ReplacedBlock, parameter_count
+from prune.replace.registry import (
+    FITS,
+    METHODS,
+    REPLACEMENTS,
+    Method,
+    MethodOptions,
+    describe_replacement,
+    get_method,
+    method_for_module,
+    record_method,
+    register_method,
+    unregister_method,
+)
+from prune.surgery import block_layout, replacement_records
+
+# isort: off
+# the methods register themselves on import, in this order: the order --help and errors list them in
+from prune.replace import none, linear, lowrank, fold, block  # noqa: F401
+# isort: on
+from prune.replace.linear import LinearMap
+from prune.replace.lowrank import LowRankMap, default_rank
+
+SHARED_MODULES = ("registry", "config", "capture", "fitter", "modules", "driver")
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name not in SHARED_MODULES:
+        importlib.import_module(f"{__name__}.{_module.name}")  # a method added as one new file registers here
+
+__all__ = [
+    "DEFAULT_CACHE_BYTES",
+    "SHARED_MODULES",
+    "FITS",
+    "METHODS",
+    "REPLACEMENTS",
+    "LinearMap",
+    "LowRankMap",
+    "Method",
+    "MethodOptions",
+    "PairAccumulator",
+    "ReplaceConfig",
+    "ReplacedBlock",
+    "Replacement",
+    "SpanBatch",
+    "SpanFitter",
+    "block_layout",
+    "check_replacement_supported",
+    "default_rank",
+    "describe_replacement",
+    "fit_replacements",
+    "get_method",
+    "install_replacements_",
+    "method_for_module",
+    "parameter_count",
+    "record_method",
+    "register_method",
+    "replace_blocks_",
+    "replacement_modules",
+    "replacement_records",
+    "spans_of",
+    "unregister_method",
+]

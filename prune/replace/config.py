@@ -1,0 +1,54 @@
+"""How removed blocks are replaced: :class:`ReplaceConfig` (a recipe's ``replace:`` section)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prune.errors import LayercutError
+from prune.replace.registry import FITS, METHODS, get_method
+
+# Bound on the captured (input, target) pairs kept for Adam; beyond it only the first batches are used.
+DEFAULT_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class ReplaceConfig:
+    """How removed blocks are replaced.
+
+    Attributes:
+        method: a registered method (``prune.replace.METHODS``: none | linear | lowrank | fold | block).
+        fit: independent (original model's inputs) | sequential (the surgered model's inputs).
+        rank: rank of ``lowrank`` maps; None = ``max(1, d // 100)``.
+        ridge: ridge of the closed-form fits, relative to the mean diagonal of the input Gram (0 = pseudo-inverse).
+        steps: Adam steps for ``lowrank`` (after its closed-form start) and ``block``; 0 skips training;
+            None = the method's default.
+        lr: Adam learning rate for those steps; None = the method's default.
+        batch_size: sequences per forward pass while capturing.
+        cache_bytes: most bytes of captured activations kept for the Adam steps.
+        seed: seeds the Adam batch order.
+        progress: show tqdm bars.
+    """
+
+    method: str = "linear"
+    fit: str = "independent"
+    rank: int | None = None
+    ridge: float = 0.0
+    steps: int | None = None
+    lr: float | None = None
+    batch_size: int = 4
+    cache_bytes: int = DEFAULT_CACHE_BYTES
+    seed: int = 0
+    progress: bool = True
+
+    def __post_init__(self):
+        spec = get_method(self.method)
+        if self.fit not in FITS:
+            raise LayercutError(f"unknown --fit '{self.fit}': choose one of {', '.join(FITS)}")
+        if self.fit not in spec.fits:
+            takers = "|".join(m.name for m in METHODS.values() if self.fit in m.fits)
+            raise LayercutError(f"--fit {self.fit} applies to replacements: pass --replace {takers}")
+        options = spec.options(self.method, rank=self.rank, ridge=self.ridge, steps=self.steps, lr=self.lr)
+        for name, value in options.values().items():
+            setattr(self, name, value)
+        if self.batch_size <= 0:
+            raise LayercutError(f"--batch-size must be positive, got {self.batch_size}")

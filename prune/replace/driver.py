@@ -1,0 +1,234 @@
+"""Fit one replacement per span of removed blocks and put them into the model, whatever the method.
+
+The driver looks the method up in the registry and asks it for its fitter, checks and modules; it
+never names a method. ``fit="independent"`` feeds every span's fitter from one pass of the original
+model; ``fit="sequential"`` fits span by span, each on the inputs the already-surgered model produces.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from functools import partial
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from prune.adapters import get_blocks
+from prune.replace.capture import Recorder, record
+from prune.replace.config import ReplaceConfig
+from prune.replace.fitter import Replacement, SpanFitter
+from prune.replace.modules import ReplacedBlock
+from prune.replace.registry import get_method, record_method
+from prune.stats import span_pairs
+from prune.surgery import (
+    RECORDS_ATTR,
+    block_layout,
+    blocks_replaced,
+    check_block_indices,
+    drop_blocks_,
+    host_position,
+    replacement_records,
+    set_blocks_,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def spans_of(dropped: Sequence[int]) -> list[tuple[int, ...]]:
+    """Maximal runs of consecutive positions, as tuples."""
+    return [tuple(range(start, stop)) for start, stop in span_pairs(dropped)]
+
+
+def _assemble(original: Sequence[nn.Module], layout: list[list[int]], done: Sequence[Replacement]):
+    """The block list with ``done`` spans replaced: (blocks, per-layer sources, layout)."""
+    removed = {i for r in done for i in r.span}
+    before = {r.host: r.module for r in done if r.where == "before"}
+    after = {r.host: r.module for r in done if r.where == "after"}
+    absorbed: dict[int, list[int]] = {}  # host -> original indices it now covers besides its own
+    for r in done:
+        if r.where != "block":
+            absorbed.setdefault(r.host, []).extend(i for k in r.span for i in layout[k])
+    new_blocks = {r.span[0]: r for r in done if r.where == "block"}
+    blocks, sources, new_layout = [], [], []
+    for i, block in enumerate(original):
+        if i in new_blocks:
+            r = new_blocks[i]
+            blocks.append(r.module)
+            sources.append(r.record["init_block_position"])
+            new_layout.append([k for j in r.span for k in layout[j]])
+        if i in removed:
+            continue
+        if i in before or i in after:
+            block = ReplacedBlock(block, before.get(i), after.get(i))
+        blocks.append(block)
+        sources.append(i)
+        new_layout.append(layout[i] + absorbed.get(i, []))
+    return blocks, sources, new_layout
+
+
+@contextmanager
+def _surgered_view(model: nn.Module, original: Sequence[nn.Module], done: Sequence[Replacement]) -> Iterator[None]:
+    """The model with the ``done`` replacements in place, for the length of a ``with``."""
+    if not done:
+        yield
+        return
+    blocks, sources, layout = _assemble(original, block_layout(model), done)
+    with ExitStack() as stack:
+        stack.enter_context(blocks_replaced(model, blocks, sources, layout))
+        for r in done:
+            if r.patch is not None:
+                stack.callback(r.patch.apply())
+        yield
+
+
+def _batches(token_ids: torch.Tensor, config: ReplaceConfig, desc: str):
+    starts = range(0, token_ids.shape[0], config.batch_size)
+    for start in tqdm(starts, desc=desc, unit="batch", disable=not config.progress):
+        yield token_ids[start : start + config.batch_size]  # [batch, seq]
+
+
+def _hook_both(fitter: SpanFitter, recorder: Recorder) -> None:
+    fitter.hook_inputs(recorder)
+    fitter.hook_target(recorder)
+
+
+def _fit_independent(model, fitters: list[SpanFitter], token_ids, config) -> list[Replacement]:
+    """One pass of the original model feeds every span's fitter."""
+    started = time.perf_counter()
+
+    def setup(recorder: Recorder) -> None:
+        for fitter in fitters:
+            _hook_both(fitter, recorder)
+
+    for batch in _batches(token_ids, config, f"fit {config.method}"):
+        values = record(model, batch, setup)
+        for fitter in fitters:
+            fitter.observe(fitter.batch(values, values))
+    shared = (time.perf_counter() - started) / len(fitters)
+    results = []
+    for fitter in fitters:
+        begun = time.perf_counter()
+        results.append(fitter.finish())
+        results[-1].record["fit_seconds"] = round(shared + time.perf_counter() - begun, 2)
+    return results
+
+
+def _fit_sequential(model, fitters: list[SpanFitter], token_ids, config) -> list[Replacement]:
+    """Span by span: inputs from the model with the earlier spans already replaced, targets from the original."""
+    original = fitters[0].original
+    done: list[Replacement] = []
+    for fitter in fitters:
+        begun = time.perf_counter()
+        for batch in _batches(token_ids, config, f"fit {config.method} {list(fitter.span)}"):
+            if done:
+                targets = record(model, batch, fitter.hook_target)
+                with _surgered_view(model, original, done):
+                    inputs = record(model, batch, fitter.hook_inputs)
+            else:  # nothing replaced yet: one pass of the original model gives inputs and targets
+                inputs = targets = record(model, batch, partial(_hook_both, fitter))
+            fitter.observe(fitter.batch(inputs, targets))
+        done.append(fitter.finish())
+        done[-1].record["fit_seconds"] = round(time.perf_counter() - begun, 2)
+    return done
+
+
+def check_replacement_supported(model: nn.Module, method: str) -> None:
+    """Architecture-level checks for ``method`` that need no calibration pass (run them before scoring)."""
+    spec = get_method(method)
+    if spec.check_model is not None:
+        spec.check_model(model)
+
+
+def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor,
+                     config: ReplaceConfig) -> list[Replacement]:
+    """Fit one replacement per span of ``dropped`` (current positions) without changing the model.
+
+    Args:
+        model: a supported model, not yet surgered for ``dropped``.
+        dropped: positions of the blocks to replace.
+        token_ids: [samples, seq] calibration tokens.
+        config: the method and fitting options.
+    """
+    spec = get_method(config.method)
+    if spec.fitter is None:
+        raise ValueError(f"--replace {config.method} fits nothing: use replace_blocks_")
+    original = list(get_blocks(model)[1])
+    spans = spans_of(check_block_indices(dropped, len(original)))
+    if spec.check_spans is not None:
+        spec.check_spans(model, spans)
+    fitters = [spec.fitter(model, original, span, config) for span in spans]
+    if config.fit == "sequential":
+        return _fit_sequential(model, fitters, token_ids, config)
+    return _fit_independent(model, fitters, token_ids, config)
+
+
+def install_replacements_(model: nn.Module, replacements: Sequence[Replacement]) -> list[dict]:
+    """Put fitted replacements into the model for good; records them on the config and returns the records."""
+    original = list(get_blocks(model)[1])
+    layout = block_layout(model)
+    blocks, sources, new_layout = _assemble(original, layout, replacements)
+    for r in replacements:
+        if r.patch is not None:
+            r.patch.apply()
+    records = replacement_records(model)
+    set_blocks_(model, blocks, sources, new_layout)
+    new = [{"method": r.method, "replaces": [i for k in r.span for i in layout[k]], "where": r.where, **r.record}
+           for r in replacements]
+    for entry in new:
+        entry.pop("init_block_position", None)  # assembly bookkeeping, not part of the record
+    # keep the earlier records whose host survived (set_blocks_ filtered against the new layout)
+    kept = [r for r in records if host_position(new_layout, r["replaces"]) is not None]
+    setattr(model.config, RECORDS_ATTR, kept + new)
+    return new
+
+
+def replace_blocks_(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor | None,
+                    config: ReplaceConfig) -> list[dict]:
+    """Remove blocks ``dropped`` (current positions) and put fitted replacements in their place.
+
+    Args:
+        model: a supported model; changed in place.
+        dropped: block positions to remove.
+        token_ids: [samples, seq] calibration tokens (unused by a method that fits nothing, ``none``).
+        config: the method and fitting options.
+
+    Returns:
+        One record per replacement (method, replaces, params, fit, fit_seconds, ...).
+    """
+    if get_method(config.method).fitter is None:
+        drop_blocks_(model, dropped)
+        return []
+    started = time.perf_counter()
+    replacements = fit_replacements(model, dropped, token_ids, config)
+    for r in replacements:
+        r.record["fit"] = config.fit
+    records = install_replacements_(model, replacements)
+    logger.info("replaced %d span(s) by %s (%s fit) in %.1f s", len(records), config.method, config.fit,
+                time.perf_counter() - started)
+    return records
+
+
+def replacement_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules that ``--train replacements`` trains, in block order.
+
+    Each record's method says which: linear / low-rank maps, the blocks that replaced spans, the MLP
+    output projections that absorbed a folded map.
+    """
+    _, blocks = get_blocks(model)
+    layout = block_layout(model)
+    modules: list[nn.Module] = []
+    for entry in replacement_records(model):
+        name = record_method(entry)
+        spec = get_method(name)
+        position = host_position(layout, entry["replaces"])
+        module = spec.trained_module(model, blocks[position], entry) if spec.trained_module else None
+        if module is None:
+            logger.warning("block %d should carry a %s replacement but has none (loaded without prune.load?)",
+                           position, name)
+        else:
+            modules.append(module)
+    return modules

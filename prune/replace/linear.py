@@ -1,0 +1,69 @@
+"""``linear``: ``h -> h A + b`` per span, closed-form least squares (float64) from streamed moments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from prune.linear_fit import LinearFit, fit_linear_map
+from prune.replace.capture import PairAccumulator, SpanBatch
+from prune.replace.fitter import Replacement, SpanFitter
+from prune.replace.modules import map_on_block, parameter_count
+from prune.replace.registry import Method, MethodOptions, register_method
+
+
+class LinearMap(nn.Module):
+    """``h -> h A + b`` on the residual stream; ``d^2 + d`` parameters."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    @classmethod
+    def from_fit(cls, fit: LinearFit, dtype: torch.dtype, device: torch.device) -> LinearMap:
+        """The module computing ``fit`` (float64 weights cast to ``dtype``)."""
+        module = cls(fit.weight.shape[0]).to(device=device, dtype=dtype)
+        with torch.no_grad():
+            module.proj.weight.copy_(fit.weight.T)  # nn.Linear stores [d_out, d_in]
+            module.proj.bias.copy_(fit.bias)
+        return module
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Map [..., d] states."""
+        return self.proj(hidden)
+
+
+@dataclass
+class LinearOptions(MethodOptions):
+    """``linear`` reads ``ridge`` only."""
+
+    accepts: ClassVar[tuple[str, ...]] = ("ridge",)
+
+
+class LinearFitter(SpanFitter):
+    """Closed-form ``A, b`` from streamed float64 moments of (span input, span output)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.moments = PairAccumulator()
+
+    def observe(self, batch: SpanBatch) -> None:
+        """Accumulate the Grams of (x, y)."""
+        self.moments.update(batch.x, batch.y)
+
+    def finish(self) -> Replacement:
+        """Solve the least squares and build the :class:`LinearMap`."""
+        fit = fit_linear_map(self.moments.moments(), self.config.ridge)
+        module = LinearMap.from_fit(fit, self.dtype, self.device)
+        return self._replacement(module, params=parameter_count(module), ridge=self.config.ridge,
+                                 tokens=self.moments.n)
+
+
+register_method(Method(
+    "linear", "closed-form h -> h A + b per span", vanilla=False, options=LinearOptions, fitter=LinearFitter,
+    module=LinearMap, spec=lambda module: {"dim": module.proj.in_features},
+    build=lambda spec: LinearMap(spec["dim"]), trained_module=map_on_block,
+))

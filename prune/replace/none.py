@@ -1,0 +1,16 @@
+"""``none``: the removed blocks are only removed; nothing takes their place (the checkpoint stays vanilla)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prune.replace.registry import Method, MethodOptions, register_method
+
+
+@dataclass
+class NoneOptions(MethodOptions):
+    """Removal reads none of the replacement options."""
+
+
+# no fitter: the driver only removes the blocks; one fit, because there is nothing to fit in sequence
+register_method(Method("none", "remove the blocks", vanilla=True, options=NoneOptions, fits=("independent",)))
