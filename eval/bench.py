@@ -14,18 +14,10 @@ import argparse
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from eval.report import speed_markdown, write_speed_report
-from eval.speed import (
-    SpeedOptions,
-    attach_memory,
-    measure_speed,
-    peak_memory_inprocess,
-    peak_memory_subprocess,
-)
-from prune.errors import LayercutError, cli_entry
-from prune.loading import check_tokenizer
+from eval.speed import SpeedOptions, benchmark_speed
+from prune.errors import cli_entry
 from prune.options import (
     add_data_arguments,
     add_load_arguments,
@@ -80,45 +72,13 @@ def _add_speed_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", help="folder for speed.json and speed.md (default: print only)")
 
 
-def _labels(baseline: str, models: list[str]) -> list[str]:
-    """Return unique labels: a model given twice (e.g. the baseline against itself) gets ``#2``, ``#3``."""
-    labels: list[str] = []
-    for name in [baseline, *models]:
-        label, n = name, 1
-        while label in labels:
-            n += 1
-            label = f"{name}#{n}"
-        labels.append(label)
-    return labels
-
-
 def run_speed(args: argparse.Namespace) -> int:
-    """Load the baseline and the candidates, time them interleaved, measure memory, print and save."""
-    options = SpeedOptions(
-        prompt_len=args.prompt_len,
-        new_tokens=args.new_tokens,
-        batch_size=args.batch_size,
-        repeats=args.repeats,
-        warmup=args.warmup,
-    )
+    """Time the baseline and the candidates interleaved, measure memory, print and save."""
     apply_threads(args)
-    names = [args.baseline, *args.model]
-    for name in names:
-        check_tokenizer(name, args.tokenizer)
-    labels = _labels(args.baseline, args.model)
+    options = SpeedOptions(prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch_size=args.batch_size,
+                           repeats=args.repeats, warmup=args.warmup)  # fmt: skip
     load = load_config_from_args(args, model=args.baseline)
-    loaded = {lab: load.load(n) for lab, n in zip(labels, names, strict=True)}
-    folders = {lab: _checkpoint_folder(n) for lab, n in zip(labels, names, strict=True)}
-    comparison = measure_speed({lab: lm.model for lab, lm in loaded.items()}, labels[0], options, folders=folders)
-    if args.memory == "inprocess":
-        attach_memory(comparison, {lab: peak_memory_inprocess(lm.model, options) for lab, lm in loaded.items()})
-    loaded.clear()  # free the models before the memory children load their own copies
-    if args.memory == "subprocess":
-        peaks = {
-            lab: peak_memory_subprocess(n, options, device=args.device, dtype=args.dtype, tokenizer=args.tokenizer)
-            for lab, n in zip(labels, names, strict=True)
-        }
-        attach_memory(comparison, peaks)
+    comparison = benchmark_speed(args.baseline, args.model, load, options, memory=args.memory)
     result = comparison.to_dict()
     print(speed_markdown(result))
     for ratio in comparison.ratios:
@@ -130,17 +90,6 @@ def run_speed(args: argparse.Namespace) -> int:
         paths = write_speed_report(result, args.out)
         print(f"wrote {paths['json']} and {paths['markdown']}")
     return 0
-
-
-def _checkpoint_folder(name: str) -> str | None:
-    """Return the folder whose weight files give the checkpoint size (a GGUF alias: its converted safetensors copy)."""
-    from prune.loading import hf_checkpoint
-
-    try:
-        folder = hf_checkpoint(name)
-    except LayercutError:
-        return None
-    return folder if Path(folder).is_dir() else None
 
 
 register_subcommand("speed", "prefill/decode speed and peak memory against a baseline", _add_speed_arguments, run_speed)
@@ -163,27 +112,19 @@ def _add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_scoring(args: argparse.Namespace) -> int:
-    from eval.scoring_cost import measure_memory, measure_time_ratio, memory_rows_as_dicts, scoring_markdown
-    from prune.checkpoint import load
+    from eval.scoring_cost import benchmark_scoring, scoring_markdown
 
     apply_threads(args)
     token_counts = [int(t) for t in str(args.tokens).split(",")]
-    loaded = load(args.model, device=args.device)
-    timing = measure_time_ratio(loaded, args.time_tokens, args.seq_len, args.batch_size, args.repeats, args.data)
-    del loaded
-    rows = [
-        measure_memory(args.model, args.device, method, tokens, args.seq_len, args.batch_size, args.data)
-        for tokens in token_counts
-        for method in args.methods.split(",")
-    ]
-    table = scoring_markdown(args.model, timing, rows)
+    result = benchmark_scoring(args.model, args.device, data_config_from_args(args), args.batch_size,
+                               args.time_tokens, args.repeats, token_counts, args.methods.split(","))
+    table = scoring_markdown(args.model, result["timing"], result["rows"])
     print(table)
     if args.out:
         from prune.export import atomic_directory, write_json
 
         with atomic_directory(args.out, overwrite=True) as staging:
-            write_json(staging / "scoring.json", {"model": args.model, "timing": timing,
-                                                  "memory": memory_rows_as_dicts(rows)})
+            write_json(staging / "scoring.json", {k: v for k, v in result.items() if k != "rows"})
             (staging / "scoring.md").write_text(table + "\n", encoding="utf-8")
     return 0
 
@@ -222,34 +163,14 @@ def _add_replace_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_replace(args: argparse.Namespace) -> int:
-    from distill.config import DistillConfig
-    from eval.replace_compare import (
-        VARIANTS,
-        CompareOptions,
-        compare_markdown,
-        compare_replacements,
-        parse_variants,
-        plot_compare,
-    )
-    from prune.checkpoint import load
-    from prune.data import calibration_data, load_documents
+    from eval.replace_compare import benchmark_replacements, compare_markdown, plot_compare
     from prune.pipeline import PruneConfig
 
     apply_threads(args)
-    drops = [int(d) for d in str(args.drop).split(",")]
-    variants = parse_variants(args.variants)
-    distilled = [name for name in variants if VARIANTS[name].distill]
-    if distilled and args.distill_steps <= 0:
-        raise LayercutError(f"variant(s) {', '.join(distilled)} distil: give --distill-steps > 0 or leave them out")
-    documents, _ = load_documents(args.heldout)
-    heldout = "\n\n".join(documents)[: args.heldout_chars]
-    prune = PruneConfig(data=data_config_from_args(args), batch_size=args.batch_size,
-                        score=args.score, select=args.select)
-    distill = DistillConfig(steps=args.distill_steps) if args.distill_steps else None
-    loaded = load(args.model, device=args.device)
-    calibration = calibration_data(loaded.tokenizer, prune.data)
-    options = CompareOptions(drops, variants, prune, distill, seq_len=args.seq_len)
-    results = compare_replacements(loaded, calibration, heldout, options)
+    prune = PruneConfig(load={"model": args.model, "device": args.device}, data=data_config_from_args(args),
+                        batch_size=args.batch_size, score=args.score, select=args.select)
+    results = benchmark_replacements(prune, [int(d) for d in str(args.drop).split(",")], args.variants,
+                                     args.heldout, args.heldout_chars, args.distill_steps)
     table = compare_markdown(results)
     print(table)
     if args.out:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from eval.perplexity import perplexity, tokenize_text
-from prune.data import CalibrationData
+from prune.data import CalibrationData, calibration_data, load_documents
 from prune.errors import LayercutError
 from prune.loading import LoadedModel
 from prune.pipeline import PruneConfig, choose_blocks, score_model
@@ -225,3 +225,30 @@ def plot_compare(results: dict, path) -> Path:
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def benchmark_replacements(prune, drops: list[int], variants: str, heldout: str, heldout_chars: int | None = None,
+                           distill_steps: int = 0) -> dict:
+    """Load ``prune.load`` and compare ``variants`` at each drop count on a held-out text.
+
+    Args:
+        prune: a ``PruneConfig`` giving the model, calibration data, score, selection and batch size.
+        drops: block counts to remove.
+        variants: comma-separated variant names (see :func:`parse_variants`).
+        heldout: text the calibration never saw: a file or datasets spec (``prune.data.load_documents``).
+        heldout_chars: score only the first this many characters (None: all).
+        distill_steps: steps of the ``+distill`` variants (other ``DistillConfig`` defaults).
+    """
+    from distill.config import DistillConfig
+
+    names = parse_variants(variants)
+    distilled = [name for name in names if VARIANTS[name].distill]
+    if distilled and distill_steps <= 0:
+        raise LayercutError(f"variant(s) {', '.join(distilled)} distil: give --distill-steps > 0 or leave them out")
+    documents, _ = load_documents(heldout)
+    text = "\n\n".join(documents)[:heldout_chars]
+    loaded = prune.load.load()
+    calibration = calibration_data(loaded.tokenizer, prune.data)
+    distill = DistillConfig(steps=distill_steps) if distill_steps else None
+    options = CompareOptions(drops, names, prune, distill, seq_len=prune.data.seq_len)
+    return compare_replacements(loaded, calibration, text, options)

@@ -166,3 +166,28 @@ def scoring_markdown(model: str, timing: dict, rows: list[MemoryRow]) -> str:
                 f"{mine[-1].peak_mib / mine[0].peak_mib:.2f}x"
             )
     return "\n".join(lines)
+
+
+def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int, time_tokens: int, repeats: int,
+                      token_counts: list[int], methods: list[str]) -> dict:
+    """The time ratio of streamed scoring to a plain forward pass, then each method's memory at each token count.
+
+    Args:
+        model: the model to score (``prune.load``).
+        device: where to run it.
+        data: calibration text; its ``data`` and ``seq_len`` are used, the token counts set the samples.
+        batch_size: sequences per forward pass.
+        time_tokens: tokens per timed pass.
+        repeats: interleaved timed rounds.
+        token_counts: token counts of the memory rows.
+        methods: memory rows to run (``streamed``, ``stored``, ``plain``), each in a fresh process.
+
+    Returns:
+        ``{"model", "timing", "memory"}`` (JSON-ready) and ``"rows"`` (the :class:`MemoryRow` objects).
+    """
+    loaded = load(model, device=device)
+    timing = measure_time_ratio(loaded, time_tokens, data.seq_len, batch_size, repeats, data.data)
+    del loaded
+    rows = [measure_memory(model, device, method, tokens, data.seq_len, batch_size, data.data)
+            for tokens in token_counts for method in methods]  # fmt: skip
+    return {"model": model, "timing": timing, "memory": memory_rows_as_dicts(rows), "rows": rows}

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 
 from prune.adapters import input_device, max_positions, num_blocks
 from prune.errors import LayercutError
+from prune.loading import check_tokenizer
 from prune.memory import vm_hwm_bytes
 
 logger = logging.getLogger(__name__)
@@ -470,3 +471,55 @@ def _peak_memory_child(spec_json: str) -> None:
         peak = max(base_rss + growth, vm_hwm_bytes() or 0)
         report = {"bytes": peak - base_rss, "method": "cpu: peak RSS of a fresh process minus its RSS after imports"}
     print(json.dumps(report))
+
+
+def unique_labels(names: list[str]) -> list[str]:
+    """Labels for ``names``, unique: a model given twice (e.g. the baseline against itself) gets ``#2``, ``#3``."""
+    labels: list[str] = []
+    for name in names:
+        label, n = name, 1
+        while label in labels:
+            n += 1
+            label = f"{name}#{n}"
+        labels.append(label)
+    return labels
+
+
+def checkpoint_folder(name: str) -> str | None:
+    """The folder whose weight files give the checkpoint size (a GGUF alias: its converted safetensors copy)."""
+    from prune.loading import hf_checkpoint
+
+    try:
+        folder = hf_checkpoint(name)
+    except LayercutError:
+        return None
+    return folder if Path(folder).is_dir() else None
+
+
+def benchmark_speed(baseline: str, models: list[str], load, options: SpeedOptions,
+                    memory: str = "subprocess") -> SpeedComparison:
+    """Load the baseline and the models (``prune.load``), time them interleaved, and measure peak memory.
+
+    Args:
+        baseline: the original model.
+        models: the candidates.
+        load: a ``prune.options.LoadConfig`` giving dtype, device, quantization and tokenizer.
+        options: what to time.
+        memory: "subprocess" (each model in a fresh process), "inprocess" (approximate) or "off".
+    """
+    names = [baseline, *models]
+    for name in names:
+        check_tokenizer(name, load.tokenizer)
+    labels = unique_labels(names)
+    loaded = {label: load.load(name) for label, name in zip(labels, names, strict=True)}
+    folders = {label: checkpoint_folder(name) for label, name in zip(labels, names, strict=True)}
+    comparison = measure_speed({label: lm.model for label, lm in loaded.items()}, labels[0], options, folders=folders)
+    if memory == "inprocess":
+        attach_memory(comparison, {label: peak_memory_inprocess(lm.model, options) for label, lm in loaded.items()})
+    loaded.clear()  # free the models before the memory children load their own copies
+    if memory == "subprocess":
+        attach_memory(comparison, {
+            label: peak_memory_subprocess(name, options, device=load.device, dtype=load.dtype, tokenizer=load.tokenizer)
+            for label, name in zip(labels, names, strict=True)
+        })  # fmt: skip
+    return comparison

@@ -118,7 +118,8 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, samples: int | None =
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:
     """The :class:`prune.data.DataConfig` of flags added by :func:`add_data_arguments`."""
-    return DataConfig(args.data, args.samples, args.seq_len, args.seed, args.text_field)
+    samples = getattr(args, "samples", None) or DataConfig.samples  # entry points without --samples count tokens
+    return DataConfig(args.data, samples, args.seq_len, args.seed, args.text_field)
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, *, required: bool = False,

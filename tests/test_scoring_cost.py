@@ -27,3 +27,17 @@ def test_markdown_reports_ratios():
     assert "**1.200x**" in text
     assert "streamed: peak memory at 32768 tokens / at 8192 tokens = 1.01x" in text
     assert "stored: peak memory at 32768 tokens / at 8192 tokens = 4.00x" in text
+
+
+def test_bench_scoring_cli_writes_its_report(tiny_folder, tmp_path, capsys):
+    import json
+
+    from eval.bench import main
+
+    out = tmp_path / "scoring"
+    assert main(["scoring", "--model", str(tiny_folder), "--tokens", "256", "--time-tokens", "256", "--seq-len", "32",
+                 "--repeats", "1", "--methods", "streamed", "--threads", "1", "--out", str(out)]) == 0  # fmt: skip
+    report = json.loads((out / "scoring.json").read_text())
+    assert report["timing"]["tokens"] == 256 and report["timing"]["ratio_median"] > 0
+    assert [(row["method"], row["tokens"]) for row in report["memory"]] == [("streamed", 256)]
+    assert "streamed" in capsys.readouterr().out
