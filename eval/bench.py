@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from eval.report import speed_markdown, write_speed_report
-from eval.speed import SpeedOptions, benchmark_speed
+from eval.speed import SpeedOptions, benchmark_speed, noise_warnings
 from prune.errors import cli_entry
 from prune.options import (
     add_data_arguments,
@@ -86,6 +86,9 @@ def run_speed(args: argparse.Namespace) -> int:
             f"{ratio.name}: prefill x{ratio.prefill:.3f}, decode x{ratio.decode:.3f}, ideal L/(L-k) x{ratio.ideal:.3f} "
             f"(decode at {ratio.decode / ratio.ideal:.1%} of ideal, prefill at {ratio.prefill / ratio.ideal:.1%})"
         )
+    result["warnings"] = noise_warnings(comparison)
+    for line in result["warnings"]:
+        print(f"warning: {line}")
     if args.out:
         paths = write_speed_report(result, args.out)
         print(f"wrote {paths['json']} and {paths['markdown']}")

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from eval.lmeval import plan_tasks, primary_metric, resolve_data_dir, run_lm_eval
-from eval.perplexity import DEFAULT_MAX_SEQ_LEN, load_wikitext2_test, text_perplexity
+from eval.lmeval import check_registry_data, plan_tasks, primary_metric, resolve_data_dir, run_lm_eval
+from eval.perplexity import DEFAULT_MAX_SEQ_LEN, default_seq_len, load_wikitext2_test, text_perplexity
 from eval.report import write_report
 from eval.speed import block_count, count_parameters
 from prune.checkpoint import load
@@ -51,6 +51,8 @@ class EvalOptions:
         stride: Perplexity stride (None: seq_len, non-overlapping windows).
         batch_size: lm-eval requests per forward pass.
         ppl_batch_size: Perplexity windows per forward pass.
+        ppl_tokens: Score only the first this many tokens of each perplexity text (None: all, unless
+            ``limit`` is a row count: then ``limit`` windows).
         num_fewshot: lm-eval few-shot examples (None: task default).
         device: cpu, cuda, cuda:N or auto.
         dtype: auto, float32, bfloat16 or float16.
@@ -70,6 +72,7 @@ class EvalOptions:
     stride: int | None = None
     batch_size: int = 8
     ppl_batch_size: int = 1
+    ppl_tokens: int | None = None
     num_fewshot: int | None = None
     device: str = "cpu"
     dtype: str = "auto"
@@ -90,6 +93,8 @@ class EvalOptions:
             raise LayercutError(f"--stride must be at least 1, got {self.stride}")
         if self.seq_len and self.stride and self.stride > self.seq_len:
             raise LayercutError(f"--stride {self.stride} exceeds --seq-len {self.seq_len}; use a stride <= seq-len")
+        if self.ppl_tokens is not None and self.ppl_tokens < 2:
+            raise LayercutError(f"--ppl-tokens must be at least 2, got {self.ppl_tokens}")
         if self.ppl_batch_size < 1:
             raise LayercutError(f"--ppl-batch-size must be at least 1, got {self.ppl_batch_size}")
 
@@ -114,12 +119,13 @@ def validate(options: EvalOptions) -> Path | None:
     data_dir = resolve_data_dir(options.data_dir)
     if options.lm_eval_tasks:
         try:
-            plan_tasks(options.lm_eval_tasks, data_dir)
+            _, registry = plan_tasks(options.lm_eval_tasks, data_dir)
         except LayercutError as err:
             if "unknown task" in str(err):
                 raise LayercutError(f"{err}; '{PERPLEXITY_TASK}' is layercut's WikiText-2 perplexity, "
                                     f"'{TEXT_TASK_PREFIX}PATH' the perplexity of a text file") from None
             raise
+        check_registry_data(registry)
     for path in options.text_files:
         if not Path(path).expanduser().is_file():
             raise LayercutError(f"task {TEXT_TASK_PREFIX}{path}: no such file; pass a .txt or .jsonl file")
@@ -136,7 +142,7 @@ def perplexity_texts(options: EvalOptions, data_dir: Path | None) -> dict[str, s
         while label in texts:
             n += 1
             label = f"{TEXT_TASK_PREFIX}{Path(path).stem}#{n}"
-        documents, _ = load_documents(path)
+        documents, _ = load_documents(path, flag=f"--tasks {TEXT_TASK_PREFIX}")
         texts[label] = "\n\n".join(documents)
         if not texts[label].strip():
             raise LayercutError(f"task {TEXT_TASK_PREFIX}{path}: the file holds no text")
@@ -155,9 +161,10 @@ def evaluate_model(name: str, role: str, options: EvalOptions, data_dir: Path | 
             logger.info("%s: %s perplexity", name, task)
             result = text_perplexity(
                 model, tokenizer, text, seq_len=options.seq_len, stride=options.stride,
-                batch_size=options.ppl_batch_size, progress=options.progress,
+                batch_size=options.ppl_batch_size, progress=options.progress, max_tokens=ppl_tokens(options, model),
             )  # fmt: skip
             entry["metrics"][f"{task}/perplexity"] = result.perplexity
+            entry["metrics"][f"{task}/tokens_scored"] = result.tokens_scored
             entry["details"][task] = result.to_dict()
         if options.lm_eval_tasks:
             logger.info("%s: lm-eval %s", name, ",".join(options.lm_eval_tasks))
@@ -176,6 +183,15 @@ def evaluate_model(name: str, role: str, options: EvalOptions, data_dir: Path | 
     return entry
 
 
+def ppl_tokens(options: EvalOptions, model) -> int | None:
+    """Tokens of each perplexity text to score: ``ppl_tokens``, else ``limit`` windows when it is a row count."""
+    if options.ppl_tokens is not None:
+        return options.ppl_tokens
+    if isinstance(options.limit, int):
+        return options.limit * (options.seq_len or default_seq_len(model))
+    return None
+
+
 def blocks_removed(entry: dict, baseline_blocks: int | None) -> int | None:
     """Blocks removed: from ``layercut.json`` when the folder has one, else the difference to the baseline."""
     if entry["role"] == "baseline":
@@ -189,7 +205,9 @@ def blocks_removed(entry: dict, baseline_blocks: int | None) -> int | None:
 def primary_keys(entries: list[dict]) -> list[str]:
     """Metric keys to plot: every perplexity, then each lm-eval task's primary metric."""
     keys = list(dict.fromkeys(key for e in entries for key in e["metrics"] if key.endswith("/perplexity")))
-    tasks = dict.fromkeys(key.split("/")[0] for e in entries for key in e["metrics"] if key not in keys)
+    text_tasks = {key.split("/")[0] for key in keys}
+    tasks = dict.fromkeys(key.split("/")[0] for e in entries for key in e["metrics"])
+    tasks = [task for task in tasks if task not in text_tasks]
     return keys + [f"{task}/{primary_metric(task)}" for task in tasks]
 
 

@@ -204,6 +204,28 @@ def plan_tasks(tasks: Sequence[str] | str, data_dir: Path | None) -> tuple[list[
     return list(dict.fromkeys(local)), registry
 
 
+def check_registry_data(names: Sequence[str]) -> None:
+    """Build lm-eval's tasks (which reads their data) before any model is loaded; one line when that fails.
+
+    The data of registry tasks comes from the Hugging Face hub (cached after the first run): offline or
+    unreachable, datasets fails deep inside lm-eval, after the model is loaded. Building the tasks
+    here fails first, and the data read now is what the run reads from the cache later.
+    """
+    if not names:
+        return
+    try:
+        with _quiet_lm_eval():
+            _registry().load_task_or_group(list(names))
+    except Exception as err:  # datasets / hub raise many types (ConnectionError, OSError, ValueError, ...)
+        cause = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
+        offline = ", ".join([*sorted(OFFLINE_TASKS), *sorted(OFFLINE_ALIASES)])
+        raise LayercutError(
+            f"lm-eval task(s) {', '.join(names)}: their data could not be read ({type(err).__name__}: {cause}); "
+            f"they come from the Hugging Face hub: run once online (then they are cached), or use the tasks "
+            f"that run from --data-dir ({offline})"
+        ) from None
+
+
 def _check_options(limit: int | float | None, batch_size: int, num_fewshot: int | None) -> int | float | None:
     """Validate the options; return ``limit`` as lm-eval reads it (a float below 1 is a fraction, else rows)."""
     if limit is not None:
@@ -232,7 +254,8 @@ def wrap_model(model: Any, tokenizer: Any, batch_size: int = 8):
     """Wrap an in-memory model in lm-eval's ``HFLM``, or load one from a ``save_pretrained`` folder.
 
     Args:
-        model: A ``PreTrainedModel`` (used as is, on whatever devices it sits) or a checkpoint folder.
+        model: A ``PreTrainedModel`` (used as is, on whatever devices it sits) or a checkpoint folder
+            (opened with ``prune.load``).
         tokenizer: Its tokenizer; for a folder, ``None`` loads the folder's own.
         batch_size: Requests per forward pass.
 
@@ -248,9 +271,10 @@ def wrap_model(model: Any, tokenizer: Any, batch_size: int = 8):
         folder = Path(model).expanduser()
         if not folder.is_dir():
             raise LayercutError(f"model folder {folder} not found; pass a save_pretrained folder or a loaded model")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        tok = tokenizer if tokenizer is not None else str(folder)
-        return HFLM(pretrained=str(folder), tokenizer=tok, batch_size=batch_size, device=device)
+        from prune.checkpoint import load  # the one loader: a checkpoint with replacement maps keeps them
+
+        loaded = load(str(folder), device="cuda" if torch.cuda.is_available() else "cpu")
+        return HFLM(pretrained=loaded.model, tokenizer=tokenizer or loaded.tokenizer, batch_size=batch_size)
     if tokenizer is None:
         raise LayercutError("an in-memory model needs its tokenizer; pass tokenizer= (load_model returns both)")
     return HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)

@@ -166,6 +166,7 @@ def perplexity(
     batch_size: int = 1,
     progress: bool = True,
     drop_last: bool = True,
+    max_tokens: int | None = None,
 ) -> PerplexityResult:
     """Measure the perplexity of ``model`` on one token stream.
 
@@ -177,6 +178,7 @@ def perplexity(
         batch_size: Windows per forward pass.
         progress: Show a tqdm bar.
         drop_last: Leave out a final partial window (see the module docstring).
+        max_tokens: Score only the first this many tokens of the stream (None: all).
 
     Returns:
         The perplexity, mean NLL and counts.
@@ -185,6 +187,10 @@ def perplexity(
         raise LayercutError(f"token_ids must be a 1-D tensor of token ids, got shape {tuple(token_ids.shape)}")
     if batch_size < 1:
         raise LayercutError(f"batch_size must be at least 1, got {batch_size}")
+    if max_tokens is not None:
+        if max_tokens < 2:
+            raise LayercutError(f"max_tokens must be at least 2, got {max_tokens}")
+        token_ids = token_ids[:max_tokens]
     n_tokens = token_ids.numel()
     seq_len = seq_len or default_seq_len(model)
     limit = max_positions(model)

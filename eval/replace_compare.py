@@ -245,7 +245,7 @@ def benchmark_replacements(prune, drops: list[int], variants: str, heldout: str,
     distilled = [name for name in names if VARIANTS[name].distill]
     if distilled and distill_steps <= 0:
         raise LayercutError(f"variant(s) {', '.join(distilled)} distil: give --distill-steps > 0 or leave them out")
-    documents, _ = load_documents(heldout)
+    documents, _ = load_documents(heldout, flag="--heldout")
     text = "\n\n".join(documents)[:heldout_chars]
     loaded = prune.load.load()
     calibration = calibration_data(loaded.tokenizer, prune.data)

@@ -66,6 +66,13 @@ def _fmt(value: float | None) -> str:
     return f"{value:.4f}" if abs(value) < 10 else f"{value:.2f}"
 
 
+def _cell(metrics: dict, key: str) -> str:
+    """A metric, with lm-eval's standard error beside it when there is one (``0.4800 ± 0.0289``)."""
+    text = _fmt(metrics.get(key))
+    stderr = metrics.get(f"{key}_stderr")
+    return text if stderr is None or text == "-" else f"{text} ± {_fmt(stderr)}"
+
+
 def _delta(base: float | None, value: float | None) -> str:
     if base is None or value is None:
         return "-"
@@ -95,12 +102,12 @@ def markdown_table(results: dict) -> str:
     for key in table_metrics(results):
         row = [key + (" (lower is better)" if is_lower_better(key) else "")]
         if base is None:
-            row += [_fmt(cand["metrics"].get(key)) for cand in cands]
+            row += [_cell(cand["metrics"], key) for cand in cands]
         else:
             b = base["metrics"].get(key)
-            row.append(_fmt(b))
+            row.append(_cell(base["metrics"], key))
             for cand in cands:
-                row += [_fmt(cand["metrics"].get(key)), _delta(b, cand["metrics"].get(key))]
+                row += [_cell(cand["metrics"], key), _delta(b, cand["metrics"].get(key))]
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
@@ -251,5 +258,6 @@ def write_speed_report(comparison: dict, out_dir: str | Path) -> dict[str, Path]
     ]
     methods = {m["memory_method"] for m in [comparison["baseline"], *comparison["candidates"]] if m["memory_method"]}
     notes += [f"- peak memory: {m}" for m in sorted(methods)]
+    notes += [f"- **warning**: {line}" for line in comparison.get("warnings", [])]
     paths["markdown"].write_text("# Speed and memory\n\n" + speed_markdown(comparison) + "\n".join(notes) + "\n")
     return paths

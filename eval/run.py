@@ -33,13 +33,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated: wikitext, ppl:PATH (perplexity of a .txt/.jsonl file), lm-eval "
                        "task names, e.g. wikitext,ppl:heldout.txt,arc_easy,piqa (default: wikitext)")
     tasks.add_argument("--data-dir", help="local data folder laid out like shared/data (default: $LAYERCUT_DATA)")
-    tasks.add_argument("--limit", type=parse_limit, help="rows per lm-eval task: a count, or a fraction in (0, 1]")
+    tasks.add_argument("--limit", type=parse_limit,
+                       help="rows per lm-eval task: a count, or a fraction in (0, 1]; a count also caps each "
+                       "perplexity text at that many windows (see --ppl-tokens)")
     tasks.add_argument("--num-fewshot", type=int, help="lm-eval few-shot examples (default: each task's)")
     tasks.add_argument("--batch-size", type=int, default=8, help="lm-eval requests per forward pass (default: 8)")
     ppl = parser.add_argument_group("perplexity")
     ppl.add_argument("--seq-len", type=int, help="window in tokens (default: min(2048, model maximum))")
     ppl.add_argument("--stride", type=int, help="step between windows in tokens (default: seq-len)")
     ppl.add_argument("--ppl-batch-size", type=int, default=1, help="windows per forward pass (default: 1)")
+    ppl.add_argument("--ppl-tokens", type=int, default=None,
+                     help="score only the first N tokens of each text (default: all, or --limit windows)")
     parser.add_argument("--out", required=True, help="report folder (results.json, README.md, PNG plots)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_threads_argument(parser)
@@ -54,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     options = EvalOptions(
         models=args.model, baseline=args.baseline, tasks=args.tasks.split(","), out=args.out,
         data_dir=args.data_dir, limit=args.limit, seq_len=args.seq_len, stride=args.stride,
-        batch_size=args.batch_size, ppl_batch_size=args.ppl_batch_size, num_fewshot=args.num_fewshot,
+        batch_size=args.batch_size, ppl_batch_size=args.ppl_batch_size, ppl_tokens=args.ppl_tokens,
+        num_fewshot=args.num_fewshot,
         device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, load_in_4bit=args.load_in_4bit,
         load_in_8bit=args.load_in_8bit, progress=not args.no_progress,
     )  # fmt: skip

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 
 import psutil
 import torch
+from tqdm.auto import tqdm
 
 from prune.capture import residual_states
 from prune.checkpoint import load
@@ -117,7 +118,7 @@ def measure_time_ratio(loaded, tokens: int, seq_len: int, batch_size: int, repea
     ids = _tokens(loaded, tokens, seq_len, data).to(loaded.model.device)
     run_method("plain", loaded.model, ids[:batch_size], batch_size)  # warm-up: first calls allocate
     times: dict[str, list[float]] = {"plain": [], "streamed": []}
-    for _ in range(repeats):
+    for _ in tqdm(range(repeats), desc="timing plain vs streamed", unit="round"):
         for method in times:
             if ids.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -188,6 +189,7 @@ def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int
     loaded = load(model, device=device)
     timing = measure_time_ratio(loaded, time_tokens, data.seq_len, batch_size, repeats, data.data)
     del loaded
+    cells = [(tokens, method) for tokens in token_counts for method in methods]
     rows = [measure_memory(model, device, method, tokens, data.seq_len, batch_size, data.data)
-            for tokens in token_counts for method in methods]  # fmt: skip
+            for tokens, method in tqdm(cells, desc="peak memory, a fresh process each", unit="run")]
     return {"model": model, "timing": timing, "memory": memory_rows_as_dicts(rows), "rows": rows}

@@ -346,6 +346,27 @@ def speed_ratio(base: ModelSpeed, cand: ModelSpeed) -> SpeedRatio:
     )
 
 
+# Spreads past these (max / min over the repeats) mean the machine, not the model, set the timing.
+NOISY_RUN_SPREAD = 1.5
+NOISY_RATIO_SPREAD = 1.25
+
+
+def noise_warnings(comparison: SpeedComparison) -> list[str]:
+    """One line per timing too noisy to trust: a model's throughput or a paired ratio that varied too much."""
+    lines = []
+    for model in [comparison.baseline, *comparison.candidates]:
+        for phase, spread in (("prefill", model.prefill_tokens_per_s), ("decode", model.decode_tokens_per_s)):
+            if spread.min > 0 and spread.max / spread.min > NOISY_RUN_SPREAD:
+                lines.append(f"{model.name} {phase}: {spread.min:.1f}-{spread.max:.1f} tokens/s over the repeats "
+                             f"(x{spread.max / spread.min:.2f}); the machine was busy, the figure is noise")
+    for ratio in comparison.ratios:
+        for phase, spread in (("prefill", ratio.prefill_paired), ("decode", ratio.decode_paired)):
+            if spread.min > 0 and spread.max / spread.min > NOISY_RATIO_SPREAD:
+                lines.append(f"{ratio.name} {phase} speed-up ranges x{spread.min:.3f}-x{spread.max:.3f} between "
+                             "repeats: not a measurement; rerun on an idle machine, with --threads 1 or more --repeats")
+    return lines
+
+
 def attach_memory(comparison: SpeedComparison, peaks: dict[str, tuple[int | None, str]]) -> None:
     """Fill in peak memory (label -> (bytes, method)) and recompute the ratios."""
     for speed in [comparison.baseline, *comparison.candidates]:

@@ -177,3 +177,12 @@ def max_positions(model_or_config) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def config_layer_count(config) -> int | None:
+    """The number of blocks a (text) config declares, under its architecture's own name; None if unknown."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    spec = ARCHITECTURES.get(getattr(config, "model_type", None))
+    value = getattr(config, spec.layer_count, None) if spec is not None else None
+    return value if isinstance(value, int) else None

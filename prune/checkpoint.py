@@ -1,19 +1,24 @@
 """Save and load layercut checkpoints, vanilla or with replacement maps.
 
-A checkpoint is always a vanilla ``save_pretrained`` folder of the kept blocks (plus tokenizer,
-``layercut.json`` and a model card). The maps of methods that are not vanilla (``linear``,
-``lowrank``) are not part of any transformers architecture, so they go next to it in
+A checkpoint is always a ``save_pretrained`` folder of the kept blocks (plus tokenizer,
+``layercut.json`` and a model card); the layout and replacement records live in its config. A vanilla
+one (no maps) is a plain transformers checkpoint. The maps of methods that are not vanilla
+(``linear``, ``lowrank``) are not part of any transformers architecture, so they go next to it in
 ``replacements.safetensors`` (tensors plus, in the file's metadata, where each map sits and its
-method's ``spec``); the layout and replacement records live in ``config.json``. The registry
-(``prune.replace.METHODS``) says how each method's maps are described and rebuilt.
-``load`` rebuilds the maps; plain ``AutoModelForCausalLM.from_pretrained`` on such a folder gives the
-model without its maps (blocks removed), which the model card says.
+method's ``spec``), and the folder follows the Hugging Face convention for custom layers so that it
+never loads silently as another model: ``config.json`` becomes a ``model_type: "layercut"`` config
+wrapping the model's own (``base_config``) with an ``auto_map`` to the ``modeling_layercut.py`` it
+carries (a copy of :mod:`prune.hf_remote_code`). Plain ``AutoModelForCausalLM.from_pretrained``
+refuses it; with ``trust_remote_code=True`` it loads the model with its maps, and :func:`load` does
+the same without remote code. The registry (``prune.replace.METHODS``) says how each method's maps
+are described and rebuilt.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from prune import hf_remote_code
 from prune.adapters import get_blocks
 from prune.errors import LayercutError
 from prune.export import export_checkpoint
@@ -31,9 +37,9 @@ from prune.surgery import block_layout, replacement_records
 
 logger = logging.getLogger(__name__)
 
-REPLACEMENTS_FILE = "replacements.safetensors"
-_METADATA_KEY = "layercut_maps"
-_SIDES = ("before", "after")
+REPLACEMENTS_FILE = hf_remote_code.MAPS_FILE
+_METADATA_KEY = hf_remote_code.MAPS_METADATA_KEY
+_SIDES = hf_remote_code.SIDES
 
 
 def _map_spec(module: nn.Module) -> dict:
@@ -83,20 +89,51 @@ def _write_maps(maps: dict[str, nn.Module], path: Path) -> None:
 _CARD_NOTE = """
 ## Loading
 
-This checkpoint carries replacement maps for the removed blocks in `{file}`: load it with
+This checkpoint carries replacement maps for the removed blocks in `{file}`, so it is not a plain
+transformers checkpoint. Load it with layercut:
 
 ```python
 import prune
 loaded = prune.load("{name}")   # loaded.model, loaded.tokenizer
 ```
 
-Plain `AutoModelForCausalLM.from_pretrained` loads the kept blocks without the maps (plain removal).
+or, without layercut installed, with the modeling code it carries (`{code}`):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)  # reads the wrapped config
+```
+
+Plain `AutoModelForCausalLM.from_pretrained("{name}")` refuses it (model type `{model_type}`): loading
+the kept blocks without their maps would give another model.
 """
+
+
+def _write_remote_code(staging: Path, blocks_path: str) -> None:
+    """Make a folder with maps self-describing: wrapped ``config.json`` and the modeling file it names."""
+    config_file = staging / "config.json"
+    base = json.loads(config_file.read_text(encoding="utf-8"))
+    wrapped = hf_remote_code.wrap_config_dict(base, blocks_path)
+    config_file.write_text(json.dumps(wrapped, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    shutil.copyfile(hf_remote_code.__file__, staging / hf_remote_code.MODELING_FILE)
+
+
+def _add_card_note(staging: Path, name: str) -> None:
+    card = staging / "README.md"
+    text = card.read_text(encoding="utf-8")
+    note = _CARD_NOTE.format(file=REPLACEMENTS_FILE, name=name, code=hf_remote_code.MODELING_FILE,
+                             model_type=hf_remote_code.MODEL_TYPE)
+    card.write_text(text + note, encoding="utf-8")
 
 
 def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: bool = False,
          extra: Callable[[Path], None] | None = None) -> Path:
     """Write ``model`` (vanilla or with replacement maps) and ``tokenizer`` to ``out`` atomically.
+
+    A model without maps gives a plain transformers checkpoint. With maps, the folder also holds
+    ``replacements.safetensors`` and ``modeling_layercut.py``, and its ``config.json`` wraps the
+    model's config (``model_type: "layercut"``): see the module docstring.
 
     Args:
         model: a (surgered) model; its ``ReplacedBlock`` maps go to ``replacements.safetensors``.
@@ -110,14 +147,14 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
     report = dict(report)
     report.setdefault("replacements", replacement_records(model))
     report.setdefault("layout", block_layout(model))
+    blocks_path = get_blocks(model)[0]
     with vanilla_blocks(model) as maps:
 
         def write_extra(staging: Path) -> None:
             if maps:
                 _write_maps(maps, staging / REPLACEMENTS_FILE)
-                card = staging / "README.md"
-                note = _CARD_NOTE.format(file=REPLACEMENTS_FILE, name=Path(out).name)
-                card.write_text(card.read_text(encoding="utf-8") + note, encoding="utf-8")
+                _write_remote_code(staging, blocks_path)
+                _add_card_note(staging, Path(out).name)
             if extra is not None:
                 extra(staging)
 
@@ -150,8 +187,36 @@ def attach_maps_(model: nn.Module, path: str | Path) -> int:
     return len(specs)
 
 
+def _maps_needed(model: nn.Module) -> list[str]:
+    """The methods of the model's replacement records whose maps live in ``replacements.safetensors``."""
+    # records name their method under "method" ("kind" in checkpoints written before the rename)
+    methods = [record_method(r) for r in replacement_records(model)]
+    return [m for m in methods if m in METHODS and not METHODS[m].vanilla]
+
+
+def _maps_file(path: str | Path, source: str, fetch: bool) -> Path | None:
+    """The checkpoint's ``replacements.safetensors``: in its folder, or (``fetch``) from the hub repo it came from."""
+    folder = Path(str(path)).expanduser()
+    if folder.is_dir():
+        file = folder / REPLACEMENTS_FILE
+        return file if file.is_file() else None
+    if not fetch or Path(source).exists():
+        return None
+    from transformers.utils import cached_file
+
+    try:
+        found = cached_file(source, REPLACEMENTS_FILE)
+    except OSError:
+        return None
+    return Path(found) if found else None
+
+
 def load(path: str | Path, **load_model_kwargs) -> LoadedModel:
     """Load a layercut checkpoint with its replacement maps, or any model ``load_model`` takes.
+
+    Needs no remote code: the maps are rebuilt with layercut's own modules (``prune.replace``), so
+    ``--train replacements`` and the reports find them. Checkpoints written before the maps' folders
+    carried a wrapped config (their ``config.json`` is the base model's) load the same way.
 
     Args:
         path: a folder written by :func:`save` / ``prune.run`` (vanilla or with maps), or any alias,
@@ -159,19 +224,15 @@ def load(path: str | Path, **load_model_kwargs) -> LoadedModel:
         **load_model_kwargs: passed to ``prune.loading.load_model`` as they are (``dtype``, ``device``,
             ``load_in_4bit``, ``load_in_8bit``, ``tokenizer``, ...).
     """
-    loaded = load_model(str(path), **load_model_kwargs)
-    folder = Path(str(path)).expanduser()
-    maps_file = folder / REPLACEMENTS_FILE
-    if folder.is_dir() and maps_file.is_file():
+    loaded = load_model(str(path), allow_maps=True, **load_model_kwargs)
+    needing = _maps_needed(loaded.model)
+    maps_file = _maps_file(path, loaded.source, fetch=bool(needing))
+    if maps_file is not None:
         count = attach_maps_(loaded.model, maps_file)
         logger.info("attached %d replacement map(s) from %s", count, maps_file)
-    else:
-        # records name their method under "method" ("kind" in checkpoints written before the rename)
-        methods = [record_method(r) for r in replacement_records(loaded.model)]
-        needing = [m for m in methods if m in METHODS and not METHODS[m].vanilla]
-        if needing:
-            raise LayercutError(
-                f"{path} records {needing[0]} replacements but has no {REPLACEMENTS_FILE}: copy that file "
-                "next to config.json (or re-export the checkpoint)"
-            )
+    elif needing:
+        raise LayercutError(
+            f"{path} records {needing[0]} replacements but has no {REPLACEMENTS_FILE}: copy that file "
+            "next to config.json (or re-export the checkpoint)"
+        )
     return loaded

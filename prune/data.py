@@ -40,6 +40,8 @@ class DataConfig:
         seq_len: tokens per sequence.
         seed: picks which sequences; same seed, same tokens.
         text_field: column holding the text in jsonl / parquet / datasets rows.
+        heldout_samples: sequences of the same text set aside, disjoint from the calibration ones, to
+            measure the pruned model on (fewer when the text has no more).
     """
 
     data: str | None = None
@@ -47,11 +49,14 @@ class DataConfig:
     seq_len: int = 512
     seed: int = 0
     text_field: str = "text"
+    heldout_samples: int = 8
 
     def __post_init__(self):
         if self.samples <= 0:
             raise LayercutError(f"--samples must be positive, got {self.samples}")
         check_seq_len(self.seq_len)
+        if not isinstance(self.heldout_samples, int) or self.heldout_samples < 0:
+            raise LayercutError(f"--heldout-samples must be an integer >= 0, got {self.heldout_samples}")
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +70,7 @@ class CalibrationData:
 
     token_ids: torch.Tensor  # [samples, seq_len] int64
     source: str
+    heldout_ids: torch.Tensor | None = None  # [heldout samples, seq_len], disjoint from token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -82,21 +88,27 @@ def default_corpus_text() -> str:
     return resources.files("prune").joinpath("corpus", DEFAULT_CORPUS).read_text(encoding="utf-8")
 
 
-def load_documents(spec: str | None, text_field: str = "text") -> tuple[list[str], str]:
-    """Documents named by ``spec`` and a short description of the source."""
+def load_documents(spec: str | None, text_field: str = "text", flag: str = "--data") -> tuple[list[str], str]:
+    """Documents named by ``spec`` and a short description of the source; errors name ``flag``."""
     if spec is None:
         return [default_corpus_text()], f"built-in:{DEFAULT_CORPUS}"
     path = Path(spec).expanduser()
     if path.exists():
         return _read_file(path, text_field), str(path.resolve())
     if path.suffix in FILE_SUFFIXES or spec.startswith((".", "/", "~")):
-        raise LayercutError(f"data file '{spec}' not found: pass an existing .txt/.jsonl/.parquet file to --data")
+        raise LayercutError(f"data file '{spec}' not found: pass an existing .txt/.jsonl/.parquet file to {flag}")
     return _read_dataset(spec, text_field), f"datasets:{spec}"
 
 
 def _read_file(path: Path, text_field: str) -> list[str]:
     if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8")]
+        try:
+            return [path.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as err:
+            raise LayercutError(
+                f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}): convert it, "
+                f"e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8.txt"
+            ) from None
     if path.suffix not in FILE_SUFFIXES[1:]:
         raise LayercutError(f"unsupported data file '{path}': use .txt, .jsonl, .json or .parquet")
     import datasets
@@ -134,6 +146,15 @@ def pack_tokens(documents: list[str], tokenizer, config: DataConfig) -> torch.Te
     Documents are read in a seeded order and only as many as needed; the windows do not overlap and
     are drawn with the same seed, so the same config always gives the same tokens.
     """
+    return pack_with_heldout(documents, tokenizer, config)[0]
+
+
+def pack_with_heldout(documents: list[str], tokenizer, config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack_tokens`, and up to ``config.heldout_samples`` other windows of the same stream.
+
+    The held-out windows are drawn after the calibration ones from the windows those left, so asking
+    for them never changes the calibration tokens.
+    """
     rng = random.Random(config.seed)
     order = list(range(len(documents)))
     rng.shuffle(order)
@@ -151,13 +172,19 @@ def pack_tokens(documents: list[str], tokenizer, config: DataConfig) -> torch.Te
             f"{config.samples} were asked for: give more text with --data or lower --samples / --seq-len"
         )
     chosen = sorted(rng.sample(range(windows), config.samples))
+    rest = sorted(set(range(windows)) - set(chosen))
+    heldout = sorted(rng.sample(rest, min(config.heldout_samples, len(rest))))
+    if len(heldout) < config.heldout_samples:
+        logger.warning("the calibration text leaves %d held-out sequences of the %d asked for", len(heldout),
+                       config.heldout_samples)
     ids = torch.tensor(stream[: windows * config.seq_len], dtype=torch.long).view(windows, config.seq_len)
-    return ids[chosen]  # [samples, seq_len]
+    return ids[chosen], ids[heldout]  # [samples, seq_len], [heldout, seq_len]
 
 
 def calibration_data(tokenizer, config: DataConfig) -> CalibrationData:
     """Read, tokenize and pack the calibration text described by ``config``."""
     documents, source = load_documents(config.data, config.text_field)
-    ids = pack_tokens(documents, tokenizer, config)
-    logger.info("calibration data: %d x %d tokens from %s", ids.shape[0], ids.shape[1], source)
-    return CalibrationData(ids, source)
+    ids, heldout = pack_with_heldout(documents, tokenizer, config)
+    logger.info("calibration data: %d x %d tokens from %s (%d sequences held out)", ids.shape[0], ids.shape[1],
+                source, heldout.shape[0])
+    return CalibrationData(ids, source, heldout if heldout.shape[0] else None)

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 
 class LayercutError(ValueError):
@@ -15,7 +16,7 @@ class LayercutError(ValueError):
 
 
 def cli_entry(main: Callable[..., int | None]) -> Callable[..., int]:
-    """Wrap a CLI ``main`` so a ``LayercutError`` prints one line and returns exit code 2.
+    """Wrap a CLI ``main`` so a ``LayercutError`` prints one line and returns exit code 2 (Ctrl-C: 130).
 
     Only errors we raised on purpose are turned into one-liners; anything else is a bug and keeps
     its traceback.
@@ -29,5 +30,8 @@ def cli_entry(main: Callable[..., int | None]) -> Callable[..., int]:
         except LayercutError as err:
             print(f"error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
+        except KeyboardInterrupt:  # Ctrl-C: temporary folders are removed on the way out, no half checkpoint stays
+            print("interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
 
     return wrapper

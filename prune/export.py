@@ -45,7 +45,22 @@ def check_output_dir(out: str | Path, overwrite: bool) -> Path:
         raise LayercutError(f"--out {out} is a file: pass a folder path")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
         raise LayercutError(f"--out {out} exists and is not empty: pass --overwrite or choose another folder")
+    _check_writable(path)
     return path
+
+
+def _check_writable(path: Path) -> None:
+    """Fail now, not after hours of work, when nothing can be written where ``path`` would go."""
+    ancestor = path.parent.resolve()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    try:
+        probe = tempfile.mkdtemp(prefix=".layercut-probe-", dir=ancestor)
+    except OSError as err:
+        raise LayercutError(
+            f"--out {path}: cannot write in {ancestor} ({err.strerror}); choose another folder"
+        ) from None
+    os.rmdir(probe)
 
 
 @contextmanager
@@ -105,14 +120,41 @@ def model_card(report: dict) -> str:
         f"Selection: `{report.get('select')}` on score `{report.get('score')}`; "
         f"calibration data: {report.get('data', {}).get('source')} ({report.get('data', {}).get('tokens')} tokens).",
         "",
-        "It is a plain checkpoint: `AutoModelForCausalLM.from_pretrained(path)` loads it, no custom code.",
         f"Per-block scores and every setting are in `{REPORT_FILE}`.",
         "",
     ]
-    replacements = report.get("replacements")
+    replacements = report.get("replacements") or []
+    # maps ride before / after a kept block and need their own code; every other export is vanilla
+    if not any(r.get("where") in ("before", "after") for r in replacements):
+        lines += ["It is a plain checkpoint: `AutoModelForCausalLM.from_pretrained(path)` loads it, no custom code.",
+                  ""]
     if replacements:
         lines += ["## Replacements", "", *(f"- {r}" for r in replacements), ""]
+    lines += _distill_section(report.get("distill")) + _heldout_section(report.get("heldout"))
     return "\n".join(lines)
+
+
+def _distill_section(distill: dict | None) -> list[str]:
+    if not distill:
+        return []
+    config = distill.get("config", {})
+    return [
+        "## Distillation", "",
+        f"Trained layerwise towards `{distill.get('teacher', 'the original model')}` for {distill.get('steps')} steps "
+        f"(`--train {config.get('train', '?')}`, lr {config.get('lr', '?')}): loss {distill.get('first_loss')} -> "
+        f"{distill.get('final_loss')}. Every setting is under `distill` in `{REPORT_FILE}`.", "",
+    ]  # fmt: skip
+
+
+def _heldout_section(heldout: dict | None) -> list[str]:
+    if not heldout:
+        return []
+    return [
+        "## Held-out perplexity", "",
+        f"On {heldout['tokens']} tokens of the calibration source that scoring and fitting never saw "
+        f"(windows of {heldout['seq_len']}): original {heldout['original']:.3f}, this model {heldout['pruned']:.3f} "
+        f"(x{heldout['ratio']:.3f}).", "",
+    ]  # fmt: skip
 
 
 def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite: bool = False, extra=None) -> Path:

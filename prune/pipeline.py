@@ -14,17 +14,27 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prune.adapters import arch_spec, hidden_size, num_blocks
+from prune.adapters import arch_spec, config_layer_count, hidden_size, max_positions, num_blocks
 from prune.checkpoint import save
-from prune.data import CalibrationData, DataConfig, calibration_data
+from prune.data import CalibrationData, DataConfig, calibration_data, load_documents
 from prune.errors import LayercutError
 from prune.export import REPORT_FILE, atomic_directory, check_output_dir, library_versions, write_json
-from prune.loading import LoadedModel
+from prune.heldout import heldout_report, packed_perplexity
+from prune.loading import LoadedModel, load_config
 from prune.options import LoadConfig
 from prune.replace import ReplaceConfig, check_replacement_supported, replace_blocks_
 from prune.score_report import plot_linearity_profile, score_table
 from prune.scores import SCORES, block_scores, check_enough_tokens, get_score
-from prune.selection import DEFAULT_PROTECT, SELECTIONS, SelectionInput, parse_drop, parse_protect, select_blocks
+from prune.selection import (
+    DEFAULT_PROTECT,
+    SELECTIONS,
+    SelectionInput,
+    check_enough_free,
+    parse_drop,
+    parse_protect,
+    select_blocks,
+    span_candidates,
+)
 from prune.stats import StateMoments, stream_moments
 from prune.steps import SurgeryStep, build_step
 from prune.surgery import block_layout, replacement_records
@@ -130,6 +140,35 @@ class PruneResult:
     out: Path | None
 
 
+def preflight(config: PruneConfig) -> None:
+    """Every check that needs only the model's config, before any weight is read or any token scored.
+
+    A local calibration file must read as text; ``--drop`` and ``--protect`` are checked against the
+    block count, the calibration ``--seq-len`` against the model's positions. Models whose config is
+    not at hand without converting them (a ``.gguf`` seen for the first time) are checked after loading.
+    """
+    if config.data.data is not None and Path(config.data.data).expanduser().is_file():
+        load_documents(config.data.data, config.data.text_field)  # a local file: cheap to read twice
+    model_config = load_config(config.load.model)
+    if model_config is not None:
+        check_against_model(config, model_config)
+
+
+def check_against_model(config: PruneConfig, model_config) -> None:
+    """``--drop`` and ``--protect`` against the block count, ``--seq-len`` against the positions of a model config."""
+    blocks = config_layer_count(model_config)
+    if blocks is not None:
+        protected = parse_protect(config.protect, blocks)
+        if config.drop is not None:
+            check_enough_free(parse_drop(config.drop, blocks), blocks, protected)
+    limit = max_positions(model_config)
+    if limit is not None and config.data.seq_len > limit:
+        raise LayercutError(
+            f"--seq-len {config.data.seq_len} exceeds the model's {limit} positions: lower --seq-len (and raise "
+            "--samples to keep the tokens)"
+        )
+
+
 def score_model(model, calibration: CalibrationData, config: PruneConfig) -> tuple[StateMoments, dict]:
     """One streamed pass; every registered score for every block."""
     check_enough_tokens(calibration.num_tokens, hidden_size(model))
@@ -140,12 +179,10 @@ def score_model(model, calibration: CalibrationData, config: PruneConfig) -> tup
     return moments, block_scores(moments, list(SCORES))
 
 
-def choose_blocks(model, calibration, moments, scores, config: PruneConfig) -> list[int]:
-    """Apply ``config.drop`` / ``select`` / ``protect`` to the scores."""
-    if config.drop is None:
-        return []
+def selection_input(model, calibration, moments, scores, config: PruneConfig) -> SelectionInput:
+    """What the selection strategy sees for ``config.drop`` / ``score`` / ``protect``."""
     count = num_blocks(model)
-    inputs = SelectionInput(
+    return SelectionInput(
         score=get_score(config.score),
         moments=moments,
         values=scores[config.score],
@@ -155,7 +192,21 @@ def choose_blocks(model, calibration, moments, scores, config: PruneConfig) -> l
         token_ids=calibration.token_ids,
         batch_size=config.batch_size,
     )
-    return select_blocks(config.select, inputs)
+
+
+def choose_blocks(model, calibration, moments, scores, config: PruneConfig) -> list[int]:
+    """Apply ``config.drop`` / ``select`` / ``protect`` to the scores."""
+    if config.drop is None:
+        return []
+    return select_blocks(config.select, selection_input(model, calibration, moments, scores, config))
+
+
+def span_report(model, calibration, moments, scores, config: PruneConfig) -> list[dict]:
+    """For ``--select span``: every candidate span with the score it was ranked by, best first."""
+    inputs = selection_input(model, calibration, moments, scores, config)
+    score = get_score(config.score)
+    return [{"blocks": [start, start + inputs.count - 1], config.score: score.removability([value])[0]}
+            for start, value in span_candidates(inputs)]  # removability is its own inverse: the raw score
 
 
 def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
@@ -172,20 +223,28 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     steps = config.build_steps() if steps is None else steps
     if config.out is not None:
         check_output_dir(config.out, config.overwrite)
-    loaded = loaded or config.load.load()
+    if loaded is None:
+        preflight(config)
+        loaded = config.load.load()
     model = loaded.model
     arch_spec(model)
     check_replacement_supported(model, config.replace.method)
     before = num_blocks(model)
-    if config.drop is not None:
-        parse_drop(config.drop, before)
+    check_against_model(config, model.config)
     calibration = calibration_data(loaded.tokenizer, config.data)
+    heldout = calibration.heldout_ids if config.drop is not None else None
+    original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
     moments, scores = score_model(model, calibration, config)
     dropped = choose_blocks(model, calibration, moments, scores, config)
+    spans = span_report(model, calibration, moments, scores, config) if dropped and config.select == "span" else None
     if dropped:
         replace_blocks_(model, dropped, calibration.token_ids, config.replace)
     done = {step.name: step(loaded, config) for step in steps} if dropped else {}
     report = build_report(loaded, config, calibration, scores, dropped, before, time.perf_counter() - started)
+    if spans is not None:
+        report["span_scores"] = spans
+    if original is not None and dropped:
+        report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout)
     report.update({name: result.report for name, result in done.items()})
     files = [f for result in done.values() for f in result.files]
     out = write_outputs(loaded, report, config, files) if config.out is not None else None
@@ -201,7 +260,7 @@ def build_report(loaded, config, calibration, scores, dropped, before, seconds) 
         "model_name": loaded.name,
         "architecture": loaded.model.config.model_type,
         "num_blocks_before": before,
-        "num_blocks_after": before - len(dropped),
+        "num_blocks_after": num_blocks(loaded.model),
         "dropped": sorted(dropped),
         "score": config.score,
         "select": config.select,

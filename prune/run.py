@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 
+from prune.catalog import model_table
 from prune.errors import cli_entry
 from prune.options import (
     add_data_arguments,
@@ -40,19 +41,19 @@ FLAG_PATHS = {
     "load_in_4bit": ("load", "load_in_4bit"), "load_in_8bit": ("load", "load_in_8bit"),
     "tokenizer": ("load", "tokenizer"),
     "data": ("data", "data"), "samples": ("data", "samples"), "seq_len": ("data", "seq_len"),
-    "seed": ("data", "seed"), "text_field": ("data", "text_field"),
+    "seed": ("data", "seed"), "text_field": ("data", "text_field"), "heldout_samples": ("data", "heldout_samples"),
     "replace": ("replace", "method"), "fit": ("replace", "fit"), "rank": ("replace", "rank"),
     "ridge": ("replace", "ridge"), "replace_steps": ("replace", "steps"),
     "distill_steps": ("distill", "steps"),
 }  # fmt: skip
-NOT_CONFIG = {"recipe", "threads"}
+NOT_CONFIG = {"recipe", "threads", "list_models"}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``prune.run`` argument parser."""
     parser = argparse.ArgumentParser(prog="python -m prune.run", description=__doc__.split("\n")[0])
     add_load_arguments(parser)
-    add_data_arguments(parser, samples=64, seq_len=512)
+    add_data_arguments(parser, samples=64, seq_len=512, heldout_samples=8)
     group = parser.add_argument_group("selection")
     group.add_argument("--drop", default=None,
                        help="blocks to remove: a count (4) or a share (25%%); omit to only score")
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("recipe")
     group.add_argument("--recipe", default=None,
                        help="YAML recipe (see recipes/); flags typed on the command line win over its values")
+    parser.add_argument("--list-models", action="store_true",
+                        help="list the model aliases, their hub ids and whether each loads offline now, then exit")
     add_output_arguments(parser, what="the checkpoint and reports (default: <model>-drop<K> when dropping, "
                          "nothing when only scoring)")
     add_threads_argument(parser)
@@ -123,8 +126,17 @@ def print_summary(result) -> None:
     print(f"\n{report['num_blocks_before']} blocks -> {report['num_blocks_after']}; dropped {result.dropped} "
           f"by {report['select']} on {report['score']} over {report['data']['tokens']} tokens "
           f"in {report['seconds']:.1f}s")
+    if "span_scores" in report:
+        best = ", ".join(f"{span['blocks'][0]}-{span['blocks'][1]}: {span[report['score']]:.4f}"
+                         for span in report["span_scores"][:3])
+        print(f"spans by {report['score']} (best first): {best}")
     for record in report["replacements"]:
         print(describe_replacement(record))
+    if "heldout" in report:
+        h = report["heldout"]
+        print(f"held-out perplexity ({h['samples']} x {h['seq_len']} tokens of the calibration source, unseen by "
+              f"scoring and fitting): original {h['original']:.3f} -> {h['pruned']:.3f} (x{h['ratio']:.3f})"
+              + ("; distillation drew its own sequences from the same text" if "distill" in report else ""))
     if "distill" in report:
         print(f"distilled {report['distill']['steps']} steps: loss {report['distill']['first_loss']} -> "
               f"{report['distill']['final_loss']}")
@@ -137,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the prune CLI; returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.list_models:
+        print(model_table())
+        return 0
     apply_threads(args)
     config = config_from_args(args, explicit_flags(parser, argv))
     print_summary(run_prune(config, steps=config.build_steps()))

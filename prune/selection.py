@@ -85,13 +85,18 @@ def select_blocks(method: str, inputs: SelectionInput) -> list[int]:
     """Run the named strategy; checks there are enough unprotected blocks first."""
     if method not in SELECTIONS:
         raise LayercutError(f"unknown selection '{method}': choose one of {', '.join(SELECTIONS)}")
-    free = len(inputs.values) - len(inputs.protected)
-    if inputs.count > free:
+    check_enough_free(inputs.count, len(inputs.values), inputs.protected)
+    return sorted(SELECTIONS[method](inputs))
+
+
+def check_enough_free(count: int, num_blocks: int, protected: Sequence[int]) -> None:
+    """``count`` blocks can go only if that many are not protected."""
+    free = num_blocks - len(protected)
+    if count > free:
         raise LayercutError(
-            f"cannot drop {inputs.count} blocks: only {free} are not protected ({inputs.protected}); "
+            f"cannot drop {count} blocks: only {free} of {num_blocks} are not protected ({list(protected)}); "
             "lower --drop or pass --protect none"
         )
-    return sorted(SELECTIONS[method](inputs))
 
 
 @register_selection("topk")
@@ -115,8 +120,8 @@ def span_removability(inputs: SelectionInput, start: int) -> float:
     return sum(inputs.score.removability(inputs.values)[start:end])
 
 
-@register_selection("span")
-def _span(inputs: SelectionInput) -> list[int]:
+def span_candidates(inputs: SelectionInput) -> list[tuple[int, float]]:
+    """Every unprotected span of ``count`` blocks as (first block, removability), most removable first."""
     starts = [
         s
         for s in range(len(inputs.values) - inputs.count + 1)
@@ -126,7 +131,12 @@ def _span(inputs: SelectionInput) -> list[int]:
         raise LayercutError(
             f"no contiguous span of {inputs.count} unprotected blocks: lower --drop or change --protect"
         )
-    best = max(starts, key=lambda s: span_removability(inputs, s))
+    return sorted(((s, span_removability(inputs, s)) for s in starts), key=lambda c: -c[1])
+
+
+@register_selection("span")
+def _span(inputs: SelectionInput) -> list[int]:
+    best = span_candidates(inputs)[0][0]
     return list(range(best, best + inputs.count))
 
 

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
+# before transformers is imported (it reads them once): no test reaches the hub, and the modeling code of
+# trust_remote_code loads goes to a throw-away folder, not the user's ~/.cache/huggingface/modules
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="layercut-test-modules-"))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 from conftest import make_tiny_model, make_tiny_tokenizer
-from transformers import AutoModelForCausalLM
 
 import prune
 from prune import checkpoint
@@ -53,9 +52,10 @@ def test_replacement_checkpoint_round_trip(tmp_path, model_type, method, dropped
     assert loaded.model.config.layercut_replacements == records
     cls = LinearMap if method == "linear" else LowRankMap
     assert [type(m) for m in replacement_modules(loaded.model)] == [cls] * len(records)
-    # plain transformers reads the same folder as the kept blocks without the maps
-    plain = AutoModelForCausalLM.from_pretrained(out).eval()
-    assert not torch.allclose(logits(plain), expected, atol=1e-4)
+    # plain transformers must not read the folder as the kept blocks without the maps (tests/test_remote_code.py)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "layercut" and config["base_config"]["model_type"] == model_type
+    assert (out / "modeling_layercut.py").is_file()
 
 
 def test_vanilla_round_trip_and_layout(tmp_path):
@@ -87,7 +87,7 @@ def test_load_delegates_names_to_load_model(monkeypatch):
 
     monkeypatch.setattr(checkpoint, "load_model", fake_load_model)
     assert prune.load("smollm2-135m", dtype="bfloat16") is loaded
-    assert calls == [("smollm2-135m", {"dtype": "bfloat16"})]
+    assert calls == [("smollm2-135m", {"dtype": "bfloat16", "allow_maps": True})]
 
 
 def test_vanilla_blocks_restores_wrappers_on_error():
@@ -124,8 +124,9 @@ def test_checkpoint_with_legacy_kind_records_loads(tmp_path):
     replace_blocks_(model, [1, 2], calibration(), ReplaceConfig(method="linear", progress=False))
     out = prune.save(model, make_tiny_tokenizer(), tmp_path / "old", {})
     config = json.loads((out / "config.json").read_text())
-    config["layercut_replacements"] = [{("kind" if k == "method" else k): v for k, v in r.items()}
-                                       for r in config["layercut_replacements"]]
+    base = config["base_config"]  # the records live in the wrapped model's config
+    base["layercut_replacements"] = [{("kind" if k == "method" else k): v for k, v in r.items()}
+                                     for r in base["layercut_replacements"]]
     (out / "config.json").write_text(json.dumps(config))
     loaded = prune.load(out)
     torch.testing.assert_close(logits(loaded.model), logits(model), rtol=0, atol=1e-6)
@@ -148,4 +149,24 @@ def test_load_passes_every_keyword_to_load_model(monkeypatch):
     monkeypatch.setattr(checkpoint, "load_model", lambda name, **kwargs: seen.update(kwargs) or loaded)
     prune.load("x", dtype="float32", device="cpu", load_in_4bit=False, load_in_8bit=False, tokenizer="gpt2")
     assert seen == {"dtype": "float32", "device": "cpu", "load_in_4bit": False, "load_in_8bit": False,
-                    "tokenizer": "gpt2"}
+                    "tokenizer": "gpt2", "allow_maps": True}
+
+
+def test_load_fetches_the_maps_of_a_hub_checkpoint(tmp_path, monkeypatch):
+    """A hub id whose records need maps gets its replacements.safetensors from the hub (the cache here)."""
+    import transformers.utils
+
+    from prune.loading import load_model
+
+    model = make_tiny_model("llama")
+    replace_blocks_(model, [2], calibration(), ReplaceConfig(method="linear", progress=False))
+    out = prune.save(model, make_tiny_tokenizer(), tmp_path / "lin", {})
+    base = load_model(str(out), allow_maps=True)
+    monkeypatch.setattr(checkpoint, "load_model", lambda name, **kwargs: LoadedModel(base.model, base.tokenizer,
+                                                                                     name, "org/lin"))
+    asked = []
+    monkeypatch.setattr(transformers.utils, "cached_file",
+                        lambda repo, file: asked.append((repo, file)) or str(out / file))
+    loaded = prune.load("org/lin")
+    assert asked == [("org/lin", "replacements.safetensors")]
+    torch.testing.assert_close(logits(loaded.model), logits(model), rtol=0, atol=1e-6)

@@ -99,15 +99,17 @@ def test_lm_eval_tasks_are_flattened_into_metrics(setup, monkeypatch):
 
     monkeypatch.setattr(run_module, "run_lm_eval", fake_lm_eval)
     monkeypatch.setattr(run_module, "plan_tasks", lambda tasks, data_dir: ([], list(tasks)))
+    monkeypatch.setattr(run_module, "check_registry_data", lambda names: calls.append(("checked", names)))
     options = EvalOptions(models=[str(models["cut1"])], baseline=str(models["base"]), tasks=["arc_easy"],
                           out=str(root / "lm"), limit=5, progress=False)  # fmt: skip
     results = run_module.run(options)
-    assert calls == [(["arc_easy"], 5, None)] * 2
+    assert calls == [("checked", ["arc_easy"])] + [(["arc_easy"], 5, None)] * 2  # data checked before any model
     expected = {"arc_easy/acc": 0.3, "arc_easy/acc_norm": 0.15, "arc_easy/acc_stderr": 0.01, "arc_easy/sample_len": 5}
     assert results["models"][1]["metrics"] == pytest.approx(expected, rel=1e-12)
     assert results["primary_metrics"] == ["arc_easy/acc_norm"]
     table = (root / "lm" / "README.md").read_text()
     assert "| arc_easy/acc_norm | 0.2000 | 0.1500 | -0.0500 (-25.0%) |" in table
+    assert "| arc_easy/acc | 0.4000 ± 0.0100 | 0.3000 ± 0.0100 | -0.1000 (-25.0%) |" in table  # lm-eval's stderr
     assert "stderr" not in table and "sample_len" not in table
 
 
@@ -185,3 +187,19 @@ def test_real_lm_eval_task_on_a_tiny_model(setup):
     for entry in results["models"]:
         assert 0.0 <= entry["metrics"]["arc_easy/acc_norm"] <= 1.0
         assert entry["metrics"]["arc_easy/acc"] * 4 == pytest.approx(round(entry["metrics"]["arc_easy/acc"] * 4))
+
+
+def test_limit_caps_perplexity_windows_and_the_report_says_how_many_tokens(setup, capsys):
+    root, models = setup
+    out = root / "limited"
+    argv = ["--model", str(models["cut1"]), "--tasks", "wikitext", "--data-dir", str(root / "data"), "--seq-len", "16",
+            "--limit", "2", "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    metrics = json.loads((out / "results.json").read_text())["models"][0]["metrics"]
+    assert metrics["wikitext/tokens_scored"] == 2 * (16 - 1)  # two windows; each window's first token is context
+    text = wikitext2_test_text(root / "data")
+    model = AutoModelForCausalLM.from_pretrained(models["cut1"]).eval()
+    tokenizer = AutoTokenizer.from_pretrained(models["cut1"])
+    expected = text_perplexity(model, tokenizer, text, seq_len=16, max_tokens=32, progress=False)
+    assert metrics["wikitext/perplexity"] == pytest.approx(expected.perplexity, rel=1e-9)
+    assert "wikitext/tokens_scored" in capsys.readouterr().out

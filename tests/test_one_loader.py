@@ -50,7 +50,7 @@ def test_eval_run_measures_a_replaced_checkpoint_with_its_maps(replaced, tiny_fo
     text = wikitext2_test_text(root / "data")
     with_maps = load(str(slim))
     expected = text_perplexity(with_maps.model, with_maps.tokenizer, text, seq_len=32, progress=False).perplexity
-    plain = load_model(str(slim))  # transformers' view: the blocks removed, the map gone
+    plain = load_model(str(slim), allow_maps=True)  # the blocks without their maps: the removal-only model
     removed = text_perplexity(plain.model, plain.tokenizer, text, seq_len=32, progress=False).perplexity
 
     assert measured == pytest.approx(expected, rel=1e-9)

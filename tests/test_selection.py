@@ -70,5 +70,5 @@ def test_parse_protect():
 
 
 def test_not_enough_unprotected_blocks():
-    with pytest.raises(LayercutError, match="only 2 are not protected"):
+    with pytest.raises(LayercutError, match="only 2 of 4 are not protected"):
         select_blocks("topk", inputs([0.9, 0.8, 0.7, 0.6], 3, protected=[0, 3]))

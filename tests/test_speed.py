@@ -208,3 +208,19 @@ def test_bench_bad_input_is_one_line(tmp_path, capsys):
 def test_bench_has_a_subcommand_registry():
     assert "speed" in SUBCOMMANDS
     assert callable(SUBCOMMANDS["speed"].add_arguments) and callable(SUBCOMMANDS["speed"].run)
+
+
+def test_noisy_timings_are_flagged():
+    def model(name, prefill, decode):
+        return speed.ModelSpeed(name, 2, 10, 40, None, Spread.of(prefill), Spread.of(decode), [1.0] * len(prefill),
+                                [1.0] * len(decode), None, None)
+
+    steady = model("base", [100, 101, 99], [50, 50, 51])
+    wild = model("cut", [87, 292, 150], [60, 61, 60])  # 8.7-29.2-like spread
+    ratio = speed.speed_ratio(steady, wild)
+    comparison = speed.SpeedComparison(steady, [wild], [ratio], SpeedOptions(), "cpu", 2)
+    lines = speed.noise_warnings(comparison)
+    assert any(line.startswith("cut prefill: 87.0-292.0 tokens/s") for line in lines)
+    assert not any("decode" in line and line.startswith("cut decode:") for line in lines)
+    steady_only = speed.SpeedComparison(steady, [], [], SpeedOptions(), "cpu", 2)
+    assert speed.noise_warnings(steady_only) == []

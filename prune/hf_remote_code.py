@@ -1,0 +1,264 @@
+"""Modeling code that a layercut checkpoint with replacement maps carries, as ``modeling_layercut.py``.
+
+Load such a checkpoint without layercut installed::
+
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
+
+The checkpoint is the kept blocks of a transformers model (``model.safetensors``) plus linear or
+low-rank maps standing in for the removed blocks (``replacements.safetensors``). Its ``config.json``
+has ``model_type: "layercut"`` with the wrapped model's config under ``base_config``: plain
+``from_pretrained`` refuses it instead of loading the kept blocks without their maps (another model).
+``LayercutForCausalLM.from_pretrained`` builds the wrapped architecture from ``base_config``, loads the
+folder's weights into it and puts each map on its block; the model it returns is that architecture
+(e.g. ``LlamaForCausalLM``), so generation and the KV cache work as usual.
+
+This file is self-contained (torch, transformers and safetensors only) and is layercut's own
+definition of the format: ``prune.checkpoint`` writes the checkpoint with these names, and
+``prune.loading`` reads ``base_config`` with :func:`base_config_from_dict`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.utils import cached_file
+
+MODEL_TYPE = "layercut"
+MODELING_FILE = "modeling_layercut.py"
+MAPS_FILE = "replacements.safetensors"
+MAPS_METADATA_KEY = "layercut_maps"  # safetensors metadata: {"<position>.<before|after>": spec}
+SIDES = ("before", "after")
+AUTO_MAP = {
+    "AutoConfig": "modeling_layercut.LayercutConfig",
+    "AutoModelForCausalLM": "modeling_layercut.LayercutForCausalLM",
+}
+# where blocks live when a config does not say (configs written by layercut always do)
+_COMMON_BLOCK_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers")
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Config
+
+
+def is_wrapped(config_dict: dict) -> bool:
+    """Whether a ``config.json`` dict is a layercut-wrapped one (a checkpoint with replacement maps)."""
+    return config_dict.get("model_type") == MODEL_TYPE
+
+
+def wrap_config_dict(base: dict, blocks_path: str) -> dict:
+    """The ``config.json`` of a checkpoint with maps, around the wrapped model's config dict ``base``."""
+    return {
+        "model_type": MODEL_TYPE,
+        "architectures": ["LayercutForCausalLM"],
+        "auto_map": dict(AUTO_MAP),
+        "blocks_path": blocks_path,
+        "base_config": base,
+        "transformers_version": base.get("transformers_version"),
+    }
+
+
+def base_config_from_dict(base: dict) -> PretrainedConfig:
+    """The wrapped model's config (e.g. a ``LlamaConfig``) from its dict, as ``AutoConfig`` would build it."""
+    model_type = base.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(
+            f"this layercut checkpoint wraps a '{model_type}' model, which this transformers version does not know: "
+            "upgrade transformers"
+        )
+    return CONFIG_MAPPING[model_type].from_dict(dict(base))
+
+
+class LayercutConfig(PretrainedConfig):
+    """The config of a checkpoint with replacement maps: the wrapped model's config and where its blocks are.
+
+    Attributes:
+        base_config: the wrapped model's ``config.json`` dict (its ``model_type``, sizes, layercut records).
+        blocks_path: dotted path of the decoder blocks' ``nn.ModuleList`` (e.g. ``"model.layers"``).
+    """
+
+    model_type = MODEL_TYPE
+
+    def __init__(self, base_config: dict | None = None, blocks_path: str | None = None, **kwargs):
+        self.base_config = dict(base_config or {})
+        self.blocks_path = blocks_path
+        super().__init__(**kwargs)
+
+    @property
+    def base_model_type(self) -> str | None:
+        """The wrapped architecture's ``model_type`` (e.g. ``"llama"``)."""
+        return self.base_config.get("model_type")
+
+    def base(self) -> PretrainedConfig:
+        """The wrapped model's config object."""
+        return base_config_from_dict(self.base_config)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Maps (same state_dict keys and maths as layercut's prune.replace.LinearMap / LowRankMap / ReplacedBlock)
+
+
+class LinearMap(nn.Module):
+    """``h -> h A + b`` on the residual stream."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Map [..., d] states."""
+        return self.proj(hidden)
+
+
+class LowRankMap(nn.Module):
+    """``h -> h + up(down(BatchNorm(h)))`` (residual) or ``h -> up(down(BatchNorm(h)))``."""
+
+    def __init__(self, dim: int, rank: int, residual: bool = True):
+        super().__init__()
+        self.residual = residual
+        self.norm = nn.BatchNorm1d(dim)
+        self.down = nn.Linear(dim, rank, bias=False)
+        self.up = nn.Linear(rank, dim)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Map [..., d] states; the norm sees them as a [tokens, d] batch."""
+        flat = hidden.reshape(-1, hidden.shape[-1])  # [tokens, d]
+        out = self.up(self.down(self.norm(flat))).view_as(hidden)
+        return hidden + out if self.residual else out
+
+
+# map type (the layercut method's name) -> its module, built from the spec saved in replacements.safetensors
+MAP_TYPES = {
+    "linear": lambda spec: LinearMap(spec["dim"]),
+    "lowrank": lambda spec: LowRankMap(spec["dim"], spec["rank"], spec.get("residual", True)),
+}
+
+
+def build_map(spec: dict) -> nn.Module:
+    """An untrained map of the type and shape a ``replacements.safetensors`` spec records."""
+    if spec.get("type") not in MAP_TYPES:
+        raise ValueError(f"{MAPS_FILE} holds a map of unknown type '{spec.get('type')}': update this checkpoint's code")
+    return MAP_TYPES[spec["type"]](spec)
+
+
+class ReplacedBlock(nn.Module):
+    """A kept block with the maps of removed blocks next to it: ``before`` on its input, ``after`` on its output.
+
+    Unknown attributes fall through to the wrapped block (``attention_type``, ``self_attn``, ...).
+    """
+
+    def __init__(self, block: nn.Module, before: nn.Module | None = None, after: nn.Module | None = None):
+        super().__init__()
+        self.block = block
+        self.before = before
+        self.after = after
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            block = self.__dict__["_modules"].get("block")
+            if block is None:
+                raise
+            return getattr(block, name)
+
+    def forward(self, *args, **kwargs):
+        """Run ``before``, the block, then ``after``; returns what the block returns (tensor or tuple)."""
+        hidden = args[0] if args else kwargs["hidden_states"]
+        if self.before is not None:
+            hidden = self.before(hidden)
+        if args:
+            output = self.block(hidden, *args[1:], **kwargs)
+        else:
+            output = self.block(**{**kwargs, "hidden_states": hidden})
+        if self.after is None:
+            return output
+        if isinstance(output, (tuple, list)):
+            return (self.after(output[0]), *output[1:])
+        return self.after(output)
+
+
+def _blocks_path(model: nn.Module, blocks_path: str | None) -> str:
+    for path in (blocks_path,) if blocks_path else _COMMON_BLOCK_PATHS:
+        try:
+            if isinstance(model.get_submodule(path), nn.ModuleList):
+                return path
+        except AttributeError:
+            continue
+    tried = blocks_path or ", ".join(_COMMON_BLOCK_PATHS)
+    raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} (tried {tried})")
+
+
+def attach_maps(model: nn.Module, maps_file: str, blocks_path: str | None = None) -> int:
+    """Wrap the blocks named in a ``replacements.safetensors`` file with their maps; returns how many maps."""
+    with safe_open(maps_file, framework="pt") as handle:
+        specs = json.loads((handle.metadata() or {}).get(MAPS_METADATA_KEY, "{}"))
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    path = _blocks_path(model, blocks_path)
+    blocks = list(model.get_submodule(path))
+    for name, spec in specs.items():
+        position_text, side = name.split(".")
+        position = int(position_text)
+        if not 0 <= position < len(blocks) or side not in SIDES:
+            raise ValueError(f"{maps_file} names block {name} but the model has {len(blocks)} blocks: mismatched files")
+        host = blocks[position]
+        param = next(host.parameters())
+        module = build_map(spec)
+        module.load_state_dict({key[len(name) + 1 :]: value for key, value in tensors.items()
+                                if key.startswith(name + ".")})  # fmt: skip
+        module.to(device=param.device, dtype=param.dtype).eval()
+        if not isinstance(host, ReplacedBlock):
+            host = ReplacedBlock(host)
+        setattr(host, side, module)
+        blocks[position] = host
+    model.set_submodule(path, nn.ModuleList(blocks))
+    return len(specs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Model
+
+
+class LayercutForCausalLM(PreTrainedModel):
+    """Loader of a checkpoint with replacement maps; ``from_pretrained`` returns the wrapped architecture.
+
+    Never instantiated itself: the model it returns is the wrapped ``*ForCausalLM`` (what generation,
+    pipelines and the KV cache expect), with :class:`ReplacedBlock` wrappers on the blocks carrying maps.
+    Save a changed model with layercut's ``prune.save``: ``save_pretrained`` of the returned model writes
+    the wrappers' weight names, which plain transformers does not read back.
+    """
+
+    config_class = LayercutConfig
+    base_model_prefix = ""
+
+    def __init__(self, config: LayercutConfig, *args, **kwargs):
+        raise TypeError(
+            "LayercutForCausalLM only loads checkpoints: use AutoModelForCausalLM.from_pretrained(path, "
+            "trust_remote_code=True)"
+        )
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+        """Load the wrapped model from the checkpoint's weights and attach its replacement maps.
+
+        Args:
+            pretrained_model_name_or_path: the checkpoint folder or hub id.
+            *model_args: passed to the wrapped model's ``from_pretrained``.
+            config: its :class:`LayercutConfig` (read from the checkpoint when not given).
+            **kwargs: ``from_pretrained`` options (``dtype``, ``device_map``, hub options, ...), passed on.
+        """
+        path = str(pretrained_model_name_or_path)
+        hub = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
+        if not isinstance(config, LayercutConfig):
+            config = LayercutConfig.from_pretrained(path, **hub)
+        kwargs.pop("_from_auto", None)
+        model = AutoModelForCausalLM.from_pretrained(path, *model_args, config=config.base(), **kwargs)
+        maps_file = cached_file(path, MAPS_FILE, **hub)
+        attach_maps(model, maps_file, config.blocks_path)
+        return model
