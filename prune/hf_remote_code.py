@@ -168,6 +168,10 @@ class ReplacedBlock(nn.Module):
                 raise
             return getattr(block, name)
 
+    def maps(self) -> list[nn.Module]:
+        """The replacement maps (before, after) present."""
+        return [m for m in (self.before, self.after) if m is not None]
+
     def forward(self, *args, **kwargs):
         """Run ``before``, the block, then ``after``; returns what the block returns (tensor or tuple)."""
         hidden = args[0] if args else kwargs["hidden_states"]

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import nn
 
+from prune.hf_remote_code import LinearMap  # one definition: the one checkpoints carry
 from prune.linear_fit import LinearFit, fit_linear_map
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
@@ -15,25 +15,13 @@ from prune.replace.modules import map_on_block, parameter_count
 from prune.replace.registry import Method, MethodOptions, register_method
 
 
-class LinearMap(nn.Module):
-    """``h -> h A + b`` on the residual stream; ``d^2 + d`` parameters."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.proj = nn.Linear(dim, dim)
-
-    @classmethod
-    def from_fit(cls, fit: LinearFit, dtype: torch.dtype, device: torch.device) -> LinearMap:
-        """The module computing ``fit`` (float64 weights cast to ``dtype``)."""
-        module = cls(fit.weight.shape[0]).to(device=device, dtype=dtype)
-        with torch.no_grad():
-            module.proj.weight.copy_(fit.weight.T)  # nn.Linear stores [d_out, d_in]
-            module.proj.bias.copy_(fit.bias)
-        return module
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Map [..., d] states."""
-        return self.proj(hidden)
+def linear_map_from_fit(fit: LinearFit, dtype: torch.dtype, device: torch.device) -> LinearMap:
+    """The :class:`LinearMap` computing ``fit`` (float64 weights cast to ``dtype``)."""
+    module = LinearMap(fit.weight.shape[0]).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        module.proj.weight.copy_(fit.weight.T)  # nn.Linear stores [d_out, d_in]
+        module.proj.bias.copy_(fit.bias)
+    return module
 
 
 @dataclass
@@ -57,7 +45,7 @@ class LinearFitter(SpanFitter):
     def finish(self) -> Replacement:
         """Solve the least squares and build the :class:`LinearMap`."""
         fit = fit_linear_map(self.moments.moments(), self.config.ridge)
-        module = LinearMap.from_fit(fit, self.dtype, self.device)
+        module = linear_map_from_fit(fit, self.dtype, self.device)
         return self._replacement(module, params=parameter_count(module), ridge=self.config.ridge,
                                  tokens=self.moments.n)
 

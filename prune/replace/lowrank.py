@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from torch import nn
 
+from prune.hf_remote_code import LowRankMap  # one definition: the one checkpoints carry
 from prune.linear_fit import fit_linear_map
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement
@@ -27,27 +27,6 @@ from prune.stats import PairMoments
 def default_rank(dim: int) -> int:
     """Rank of a ``lowrank`` map: ``max(1, d // 100)`` (N-NJTC)."""
     return max(1, dim // 100)
-
-
-class LowRankMap(nn.Module):
-    """``h -> h + up(down(BatchNorm(h)))`` (residual) or ``h -> up(down(BatchNorm(h)))``.
-
-    Parameters: ``2 r d`` (down, up) ``+ d`` (up's bias) ``+ 2 d`` (the norm's affine), plus the norm's
-    ``2 d`` running statistics (buffers).
-    """
-
-    def __init__(self, dim: int, rank: int, residual: bool = True):
-        super().__init__()
-        self.residual = residual
-        self.norm = nn.BatchNorm1d(dim)
-        self.down = nn.Linear(dim, rank, bias=False)
-        self.up = nn.Linear(rank, dim)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Map [..., d] states; the norm sees them as a [tokens, d] batch."""
-        flat = hidden.reshape(-1, hidden.shape[-1])  # [tokens, d]
-        out = self.up(self.down(self.norm(flat))).view_as(hidden)
-        return hidden + out if self.residual else out
 
 
 @dataclass
