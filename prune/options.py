@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import statistics
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -144,21 +147,40 @@ def add_output_arguments(parser: argparse.ArgumentParser, *, required: bool = Fa
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
     """``--threads``: torch's CPU threads."""
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for torch (default: the cores that are free when the command starts, "
-                        "at least 1, unless OMP_NUM_THREADS is set; on a CPU that other jobs keep busy, more threads "
-                        "than free cores run several times slower)")
+                        help="CPU threads for torch (default: the cores no other process is running on when the "
+                        "command starts, at least 1, unless OMP_NUM_THREADS is set; on a CPU that other jobs keep "
+                        "busy, more threads than free cores run several times slower)")
 
 
 def default_threads() -> int | None:
-    """Threads for a CPU run: the cores left free by the load average, at least 1; None leaves torch's choice.
+    """Threads for a CPU run: the cores other processes are not running on now, at least 1.
 
-    Torch takes one thread per core; on a machine other jobs keep busy, its threads wait on each other
-    and a 2-core run slowed 7.6x (distillation, 0.036 vs 0.274 steps/s with one thread).
+    None (torch's own choice, one thread per core) when ``OMP_NUM_THREADS`` is set or the count of
+    running processes cannot be read. Torch's threads wait on each other when another job holds a
+    core: on a busy 2-core machine distillation ran 7.6x slower with two threads than with one. The
+    count is the kernel's number of runnable processes now (a few samples, the median, this process
+    excluded), not the load average, which still remembers jobs that ended a minute ago.
     """
-    if os.environ.get("OMP_NUM_THREADS") or not hasattr(os, "getloadavg"):
+    if os.environ.get("OMP_NUM_THREADS"):
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, round(cores - os.getloadavg()[0])))
+    busy = running_processes()
+    if busy is None:
+        return None
+    return max(1, min(cores, cores - busy))
+
+
+def running_processes(samples: int = 5, interval_s: float = 0.01) -> int | None:
+    """Runnable processes other than this one (median of a few reads of ``/proc/loadavg``); None off Linux."""
+    counts = []
+    for _ in range(samples):
+        try:
+            field = Path("/proc/loadavg").read_text().split()[3]  # "running/total"
+        except (OSError, IndexError):
+            return None
+        counts.append(int(field.split("/")[0]) - 1)
+        time.sleep(interval_s)
+    return int(statistics.median(counts))
 
 
 def apply_threads(args: argparse.Namespace) -> None:
@@ -170,7 +192,7 @@ def apply_threads(args: argparse.Namespace) -> None:
         threads = default_threads()
         if threads is None:
             return
-        logger.info("using %d torch CPU thread(s), the cores free now; --threads N to choose", threads)
+        logger.info("using %d torch CPU thread(s): the cores free now; --threads N to choose", threads)
     torch.set_num_threads(threads)
 
 

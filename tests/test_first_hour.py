@@ -99,18 +99,25 @@ def test_list_models(capsys):
 def test_default_threads_leave_busy_cores_alone(monkeypatch):
     import os
 
-    from prune.options import default_threads
+    import prune.options as options
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1}, raising=False)
-    monkeypatch.setattr(os, "getloadavg", lambda: (1.7, 1.0, 1.0))
-    assert default_threads() == 1
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
-    assert default_threads() == 2
-    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))
-    assert default_threads() == 1
+    for busy, threads in ((1, 1), (0, 2), (9, 1), (None, None)):
+        monkeypatch.setattr(options, "running_processes", lambda busy=busy: busy)
+        assert options.default_threads() == threads
+    monkeypatch.setattr(options, "running_processes", lambda: 0)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert default_threads() is None
+    assert options.default_threads() is None
+
+
+def test_running_processes_reads_this_machine():
+    import sys
+
+    from prune.options import running_processes
+
+    count = running_processes()
+    assert count is None if not sys.platform.startswith("linux") else count >= 0
 
 
 def test_heldout_flag_is_named_in_its_error(tmp_path, capsys):
