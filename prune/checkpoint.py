@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -162,29 +161,14 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
 
 
 def attach_maps_(model: nn.Module, path: str | Path) -> int:
-    """Wrap the blocks named in a ``replacements.safetensors`` file with their maps; returns how many maps."""
-    with safe_open(str(path), framework="pt") as handle:
-        specs = json.loads((handle.metadata() or {}).get(_METADATA_KEY, "{}"))
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-    blocks_path, blocks = get_blocks(model)
-    wrapped = list(blocks)
-    for name, spec in specs.items():
-        position_text, side = name.split(".")
-        position = int(position_text)
-        if not 0 <= position < len(wrapped) or side not in _SIDES:
-            raise LayercutError(f"{path} names block {name} but the model has {len(wrapped)} blocks: mismatched files")
-        host = wrapped[position]
-        param = next(host.parameters())
-        module = _build_map(spec)
-        state = {key[len(name) + 1 :]: value for key, value in tensors.items() if key.startswith(name + ".")}
-        module.load_state_dict(state)
-        module.to(device=param.device, dtype=param.dtype).eval()
-        if not isinstance(host, ReplacedBlock):
-            host = ReplacedBlock(host)
-        setattr(host, side, module)
-        wrapped[position] = host
-    model.set_submodule(blocks_path, nn.ModuleList(wrapped))
-    return len(specs)
+    """Wrap the blocks named in a ``replacements.safetensors`` file with their maps; returns how many maps.
+
+    The code is the one a checkpoint carries for ``trust_remote_code``; maps are built by the registry.
+    """
+    try:
+        return hf_remote_code.attach_maps(model, str(path), get_blocks(model)[0], build=_build_map)
+    except ValueError as err:
+        raise LayercutError(str(err)) from None
 
 
 def _maps_needed(model: nn.Module) -> list[str]:

@@ -199,8 +199,12 @@ def _blocks_path(model: nn.Module, blocks_path: str | None) -> str:
     raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} (tried {tried})")
 
 
-def attach_maps(model: nn.Module, maps_file: str, blocks_path: str | None = None) -> int:
-    """Wrap the blocks named in a ``replacements.safetensors`` file with their maps; returns how many maps."""
+def attach_maps(model: nn.Module, maps_file: str, blocks_path: str | None = None, build=None) -> int:
+    """Wrap the blocks named in a ``replacements.safetensors`` file with their maps; returns how many maps.
+
+    ``build`` makes a map from its saved spec (default: :func:`build_map`; layercut passes its registry's).
+    """
+    build = build or build_map
     with safe_open(maps_file, framework="pt") as handle:
         specs = json.loads((handle.metadata() or {}).get(MAPS_METADATA_KEY, "{}"))
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
@@ -213,7 +217,7 @@ def attach_maps(model: nn.Module, maps_file: str, blocks_path: str | None = None
             raise ValueError(f"{maps_file} names block {name} but the model has {len(blocks)} blocks: mismatched files")
         host = blocks[position]
         param = next(host.parameters())
-        module = build_map(spec)
+        module = build(spec)
         module.load_state_dict({key[len(name) + 1 :]: value for key, value in tensors.items()
                                 if key.startswith(name + ".")})  # fmt: skip
         module.to(device=param.device, dtype=param.dtype).eval()
