@@ -434,3 +434,21 @@ def test_smollm2_arc_easy_beats_chance(data):
     loaded = load_model("smollm2-135m")
     results = run_lm_eval(loaded.model, loaded.tokenizer, ["arc_easy"], data_dir=data, limit=50)
     assert results["arc_easy"]["acc_norm"] > 0.35  # chance is 0.25 (4 choices)
+
+
+def test_registry_task_data_unreadable_is_one_line_before_any_model(monkeypatch):
+    """Offline, a hub task (mmlu) used to fail deep inside lm-eval after the model loaded; now it is checked first."""
+    import eval.lmeval as lmeval
+    from prune.errors import LayercutError
+
+    class OfflineRegistry:
+        def load_task_or_group(self, names):
+            raise ConnectionError("Couldn't reach 'cais/mmlu' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(lmeval, "_registry", lambda: OfflineRegistry())
+    with pytest.raises(LayercutError) as info:
+        lmeval.check_registry_data(["mmlu"])
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("lm-eval task(s) mmlu: their data could not be read")
+    assert "ConnectionError: Couldn't reach 'cais/mmlu'" in message and "arc_easy" in message
+    lmeval.check_registry_data([])  # nothing to check, nothing built
