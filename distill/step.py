@@ -51,4 +51,5 @@ class DistillStep:
         result = distill(loaded.model, teacher.model, loaded.tokenizer, self.config, out=work)
         del teacher
         files = [result.log_path] if result.log_path is not None else []
-        return StepResult(result.report(self.config), files=files, cleanup=[work] if work is not None else [])
+        report = {"teacher": prune_config.load.model, **result.report(self.config)}
+        return StepResult(report, files=files, cleanup=[work] if work is not None else [])

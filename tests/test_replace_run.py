@@ -142,7 +142,7 @@ def test_distill_steps_wiring(tiny_folder, tmp_path):
     assert report["distill"]["steps"] == 3 and report["distill"]["final_loss"] is not None
     assert (out / "train_log.jsonl").is_file() and not (tmp_path / "lin-distilled.work").exists()
     card = (out / "README.md").read_text()
-    assert "## Distillation" in card and "for 3 steps (`--train replacements`" in card
+    assert "## Distillation" in card and f"towards `{tiny_folder}` for 3 steps (`--train replacements`" in card
     maps_before = [m.proj.weight for m in prune.replace.replacement_modules(before)]
     maps_after = [m.proj.weight for m in prune.replace.replacement_modules(result.loaded.model)]
     assert any(not torch.allclose(a, b) for a, b in zip(maps_before, maps_after, strict=True))
