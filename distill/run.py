@@ -38,8 +38,8 @@ _DEFAULTS = DistillConfig()
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("student")
     group.add_argument("--student", required=True, help="folder of a layercut student (written by prune.run)")
-    add_load_arguments(parser, prefix="teacher", model_default="", device_default="auto", title="teacher")
-    parser.set_defaults(teacher=None)  # None: the model named in the student's layercut.json
+    add_load_arguments(parser, prefix="teacher", model_default=None, device_default="auto", title="teacher",
+                       model_default_help="the model the student's layercut.json names")
 
 
 def _add_training_arguments(parser: argparse.ArgumentParser) -> None:

@@ -65,23 +65,26 @@ def _flag(prefix: str, name: str) -> str:
 
 
 def add_load_arguments(parser: argparse.ArgumentParser, *, prefix: str = "", model_flag: bool = True,
-                       model_default: str | None = EMBEDDED_MODEL, device_default: str = "cpu",
-                       title: str = "model") -> None:
+                       model_default: str | None = EMBEDDED_MODEL, model_default_help: str | None = None,
+                       device_default: str = "cpu", title: str = "model") -> None:
     """Model-loading flags; with ``prefix="teacher"`` they read ``--teacher``, ``--teacher-dtype``, ...
 
     Args:
         parser: the parser to add a group to.
         prefix: word put before every flag (the model flag is then ``--<prefix>``).
         model_flag: add the model flag itself (entry points with several models add their own).
-        model_default: default of the model flag (None: required).
+        model_default: default of the model flag (None: required, unless ``model_default_help`` says
+            what None means).
+        model_default_help: what the default means, for ``--help`` (default: the default's name).
         device_default: default of the device flag.
         title: the group's title in ``--help``.
     """
     group = parser.add_argument_group(title)
     if model_flag:
         flag = f"--{prefix}" if prefix else "--model"
-        default = f"default: {model_default}" if model_default else "required"
-        group.add_argument(flag, default=model_default, required=model_default is None,
+        required = model_default is None and model_default_help is None
+        default = "required" if required else f"default: {model_default_help or model_default}"
+        group.add_argument(flag, default=model_default, required=required,
                            help="alias (smollm2-135m, opt-1.3b, gpt2, ...), hub id, checkpoint folder or .gguf file "
                            f"({default}; smollm2-135m is embedded and works offline)")
     group.add_argument(_flag(prefix, "dtype"), default="auto", choices=DTYPES,
