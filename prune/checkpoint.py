@@ -157,7 +157,7 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
             if extra is not None:
                 extra(staging)
 
-        return export_checkpoint(model, tokenizer, out, report, overwrite, write_extra)
+        return export_checkpoint(model, tokenizer, out, report, overwrite, write_extra, plain=not maps)
 
 
 def attach_maps_(model: nn.Module, path: str | Path) -> int:

@@ -140,20 +140,13 @@ def _column(rows, text_field: str, where: str) -> list[str]:
     return [t for t in rows[text_field] if t and t.strip()]
 
 
-def pack_tokens(documents: list[str], tokenizer, config: DataConfig) -> torch.Tensor:
-    """Tokenize, join with EOS, and cut ``config.samples`` windows of ``config.seq_len`` tokens.
+def pack_with_heldout(documents: list[str], tokenizer, config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenize, join with EOS, and cut ``config.samples`` windows of ``config.seq_len`` tokens, plus held-out ones.
 
     Documents are read in a seeded order and only as many as needed; the windows do not overlap and
-    are drawn with the same seed, so the same config always gives the same tokens.
-    """
-    return pack_with_heldout(documents, tokenizer, config)[0]
-
-
-def pack_with_heldout(documents: list[str], tokenizer, config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pack_tokens`, and up to ``config.heldout_samples`` other windows of the same stream.
-
-    The held-out windows are drawn after the calibration ones from the windows those left, so asking
-    for them never changes the calibration tokens.
+    are drawn with the same seed, so the same config always gives the same tokens. Up to
+    ``config.heldout_samples`` more windows are drawn afterwards from the ones calibration left, so
+    asking for them never changes the calibration tokens.
     """
     rng = random.Random(config.seed)
     order = list(range(len(documents)))

@@ -101,8 +101,12 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
-def model_card(report: dict) -> str:
-    """A Hugging Face model card (README.md) describing what was removed and why."""
+def model_card(report: dict, plain: bool = True) -> str:
+    """A Hugging Face model card (README.md) describing what was removed and why.
+
+    ``plain``: the checkpoint loads with plain transformers (False for one carrying replacement maps,
+    whose writer adds how to load it).
+    """
     dropped = report.get("dropped", [])
     lines = [
         "---",
@@ -124,8 +128,7 @@ def model_card(report: dict) -> str:
         "",
     ]
     replacements = report.get("replacements") or []
-    # maps ride before / after a kept block and need their own code; every other export is vanilla
-    if not any(r.get("where") in ("before", "after") for r in replacements):
+    if plain:
         lines += ["It is a plain checkpoint: `AutoModelForCausalLM.from_pretrained(path)` loads it, no custom code.",
                   ""]
     if replacements:
@@ -157,7 +160,8 @@ def _heldout_section(heldout: dict | None) -> list[str]:
     ]  # fmt: skip
 
 
-def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite: bool = False, extra=None) -> Path:
+def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite: bool = False, extra=None,
+                      plain: bool = True) -> Path:
     """Save ``model`` and ``tokenizer`` with ``layercut.json`` and README.md into ``out`` atomically.
 
     Args:
@@ -167,13 +171,14 @@ def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite
         report: JSON-ready dict written as ``layercut.json`` and summarised in the model card.
         overwrite: replace a non-empty ``out``.
         extra: optional callable ``(staging_folder) -> None`` writing more files (plots, tables).
+        plain: the checkpoint loads with plain transformers (the model card says so).
     """
     with atomic_directory(out, overwrite) as staging:
         logger.info("saving checkpoint to %s", out)
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         write_json(staging / REPORT_FILE, report)
-        (staging / "README.md").write_text(model_card(report), encoding="utf-8")
+        (staging / "README.md").write_text(model_card(report, plain), encoding="utf-8")
         if extra is not None:
             extra(staging)
     return Path(out)
