@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,11 +24,11 @@ from eval.lmeval import check_registry_data, plan_tasks, primary_metric, resolve
 from eval.perplexity import DEFAULT_MAX_SEQ_LEN, default_seq_len, load_wikitext2_test, text_perplexity
 from eval.report import write_report
 from eval.speed import block_count, count_parameters
-from prune.checkpoint import load
 from prune.data import check_seq_len, load_documents
 from prune.errors import LayercutError
 from prune.export import read_report
 from prune.loading import check_tokenizer
+from prune.options import LoadConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +54,7 @@ class EvalOptions:
         ppl_tokens: Score only the first this many tokens of each perplexity text (None: all, unless
             ``limit`` is a row count: then ``limit`` windows).
         num_fewshot: lm-eval few-shot examples (None: task default).
-        device: cpu, cuda, cuda:N or auto.
-        dtype: auto, float32, bfloat16 or float16.
-        tokenizer: Tokenizer for model folders saved without one.
-        load_in_4bit: bitsandbytes 4-bit weights (CUDA only).
-        load_in_8bit: bitsandbytes 8-bit weights (CUDA only).
+        load: How every model is loaded (dtype, device, quantization, tokenizer; its ``model`` is unused).
         progress: Show progress bars.
     """
 
@@ -74,11 +70,7 @@ class EvalOptions:
     ppl_batch_size: int = 1
     ppl_tokens: int | None = None
     num_fewshot: int | None = None
-    device: str = "cpu"
-    dtype: str = "auto"
-    tokenizer: str | None = None
-    load_in_4bit: bool = False
-    load_in_8bit: bool = False
+    load: LoadConfig = field(default_factory=LoadConfig)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -130,7 +122,7 @@ def validate(options: EvalOptions) -> Path | None:
         if not Path(path).expanduser().is_file():
             raise LayercutError(f"task {TEXT_TASK_PREFIX}{path}: no such file; pass a .txt or .jsonl file")
     for name in options.model_names:
-        check_tokenizer(name, options.tokenizer)
+        check_tokenizer(name, options.load.tokenizer)
     return data_dir
 
 
@@ -151,8 +143,7 @@ def perplexity_texts(options: EvalOptions, data_dir: Path | None) -> dict[str, s
 
 def evaluate_model(name: str, role: str, options: EvalOptions, data_dir: Path | None, texts: dict[str, str]) -> dict:
     """Load one model with its replacement maps, run every task on it, free it; return its results entry."""
-    loaded = load(name, tokenizer=options.tokenizer, dtype=options.dtype, device=options.device,
-                  load_in_4bit=options.load_in_4bit, load_in_8bit=options.load_in_8bit)
+    loaded = options.load.load(name)
     model, tokenizer = loaded.model, loaded.tokenizer
     entry = {"name": name, "role": role, "source": loaded.source, "num_blocks": block_count(model),
              "params": count_parameters(model), "metrics": {}, "details": {}}  # fmt: skip
@@ -223,7 +214,8 @@ def run(options: EvalOptions) -> dict:
         info = read_report(entry["name"])
         if "dropped" in info:
             entry["dropped"] = info["dropped"]
-    settings = {k: v for k, v in vars(options).items() if k not in ("models", "baseline", "progress")}
+    settings = {k: v for k, v in vars(options).items() if k not in ("models", "baseline", "progress", "load")}
+    settings.update({k: v for k, v in asdict(options.load).items() if k != "model"})
     settings["data_dir"] = str(data_dir) if data_dir else "hub (datasets / lm-eval registry)"
     settings["seq_len"] = options.seq_len or f"min({DEFAULT_MAX_SEQ_LEN}, model maximum)"
     results = {"baseline": options.baseline, "settings": settings, "primary_metrics": primary_keys(entries),

@@ -16,7 +16,7 @@ import argparse
 from eval.evaluate import PERPLEXITY_TASK, EvalOptions, parse_limit, run
 from eval.report import markdown_table
 from prune.errors import cli_entry
-from prune.options import add_load_arguments, add_threads_argument, apply_threads
+from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         models=args.model, baseline=args.baseline, tasks=args.tasks.split(","), out=args.out,
         data_dir=args.data_dir, limit=args.limit, seq_len=args.seq_len, stride=args.stride,
         batch_size=args.batch_size, ppl_batch_size=args.ppl_batch_size, ppl_tokens=args.ppl_tokens,
-        num_fewshot=args.num_fewshot,
-        device=args.device, dtype=args.dtype, tokenizer=args.tokenizer, load_in_4bit=args.load_in_4bit,
-        load_in_8bit=args.load_in_8bit, progress=not args.no_progress,
+        num_fewshot=args.num_fewshot, load=load_config_from_args(args, model=args.model[0]),
+        progress=not args.no_progress,
     )  # fmt: skip
     results = run(options)
     print(markdown_table(results))
