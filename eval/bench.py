@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from eval.report import speed_markdown, write_speed_report
 from eval.speed import SpeedOptions, benchmark_speed, noise_warnings
-from prune.errors import cli_entry
+from prune.errors import LayercutError, cli_entry
 from prune.options import (
     add_data_arguments,
     add_load_arguments,
@@ -111,6 +111,9 @@ def _add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds (default: 3)")
     parser.add_argument("--methods", default="streamed,stored", help="memory rows (default: streamed,stored)")
+    parser.add_argument("--end-to-end", type=int, default=4, metavar="DROP",
+                        help="time whole prune runs removing DROP blocks against replacing them by linear maps "
+                             "(default calibration: 64 sequences of --seq-len; default: 4; 0 skips)")
     parser.add_argument("--out", help="folder for scoring.json and scoring.md (default: print only)")
 
 
@@ -119,9 +122,12 @@ def _run_scoring(args: argparse.Namespace) -> int:
 
     apply_threads(args)
     token_counts = [int(t) for t in str(args.tokens).split(",")]
+    if args.end_to_end < 0:
+        raise LayercutError(f"--end-to-end must be a block count >= 0, got {args.end_to_end}")
     result = benchmark_scoring(args.model, args.device, data_config_from_args(args), args.batch_size,
-                               args.time_tokens, args.repeats, token_counts, args.methods.split(","))
-    table = scoring_markdown(args.model, result["timing"], result["rows"])
+                               args.time_tokens, args.repeats, token_counts, args.methods.split(","),
+                               args.end_to_end)
+    table = scoring_markdown(args.model, result["timing"], result["rows"], result["end_to_end"])
     print(table)
     if args.out:
         from prune.export import atomic_directory, write_json

@@ -9,15 +9,21 @@ Three ways to get every block's linearity over N calibration tokens:
 Time ratios are measured in one process, interleaved, several repeats. Peak memory of each method is
 measured in a fresh child process each (peak RSS over the RSS after loading, or CUDA max allocated),
 so one measurement cannot inherit another's high-water mark.
+
+The end-to-end rows time whole prune runs (load, calibrate, score, select, surgery, export), plain removal
+against ``--replace linear`` of the same blocks, interleaved: what a linear map costs a user on top.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import multiprocessing
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import psutil
 import torch
@@ -27,6 +33,8 @@ from prune.capture import residual_states
 from prune.checkpoint import load
 from prune.data import DataConfig, calibration_data
 from prune.memory import peak_rss_bytes
+from prune.options import LoadConfig
+from prune.pipeline import PruneConfig, run_prune
 from prune.scores import block_scores
 from prune.stats import stream_moments
 
@@ -138,13 +146,50 @@ def measure_time_ratio(loaded, tokens: int, seq_len: int, batch_size: int, repea
     }
 
 
+def measure_end_to_end(model: str, device: str, data: DataConfig, batch_size: int, drop: int,
+                       repeats: int) -> dict:
+    """Wall time of whole prune runs, ``--drop drop`` removed vs replaced by ``linear``, interleaved.
+
+    No held-out perplexity (the same cost in both runs would only dilute the ratio); everything else is
+    the run a user types, export included.
+    """
+    data = dataclasses.replace(data, heldout_samples=0)
+    times: dict[str, list[float]] = {"none": [], "linear": []}
+    fits: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="layercut-e2e-") as folder:
+        for _ in tqdm(range(repeats), desc=f"end to end: drop {drop}, remove vs linear", unit="round"):
+            for method in times:
+                config = PruneConfig(load=LoadConfig(model=model, device=device), data=data, drop=drop,
+                                     replace=method, batch_size=batch_size, out=str(Path(folder) / method),
+                                     overwrite=True)
+                started = time.perf_counter()
+                result = run_prune(config)
+                times[method].append(time.perf_counter() - started)
+                if method == "linear":
+                    fits.append({"dropped": result.dropped, "replacements": [
+                        {k: r.get(k) for k in ("replaces", "fit_seconds", "from_scoring_pass")}
+                        for r in result.report["replacements"]]})
+    ratios = [b / a for a, b in zip(times["none"], times["linear"], strict=True)]
+    return {"drop": drop, "tokens": data.num_tokens, "remove_seconds": times["none"],
+            "linear_seconds": times["linear"], "ratio_median": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios), "linear_fits": fits}
+
+
 def memory_rows_as_dicts(rows: list[MemoryRow]) -> list[dict]:
     """JSON-ready rows."""
     return [asdict(r) for r in rows]
 
 
-def scoring_markdown(model: str, timing: dict, rows: list[MemoryRow]) -> str:
-    """Markdown summary: the time ratio, then one memory row per (tokens, method) and the growth ratios."""
+def scoring_markdown(model: str, timing: dict, rows: list[MemoryRow], end_to_end: dict | None = None) -> str:
+    """Markdown summary: the time ratios, then one memory row per (tokens, method) and the growth ratios."""
+    e2e = []
+    if end_to_end is not None:
+        e = end_to_end
+        e2e = [f"End to end, `--drop {e['drop']} --replace linear` / `--drop {e['drop']}` (plain removal of the same "
+               f"blocks) over {e['tokens']} calibration tokens: median **{e['ratio_median']:.3f}x** (min "
+               f"{e['ratio_min']:.3f}, max {e['ratio_max']:.3f}; {len(e['remove_seconds'])} interleaved rounds; "
+               f"removal median {statistics.median(e['remove_seconds']):.1f} s, linear median "
+               f"{statistics.median(e['linear_seconds']):.1f} s)", ""]
     lines = [
         f"## Scoring cost: {model}",
         "",
@@ -154,6 +199,7 @@ def scoring_markdown(model: str, timing: dict, rows: list[MemoryRow]) -> str:
         f"{statistics.median(timing['plain_seconds']):.1f} s, streamed median "
         f"{statistics.median(timing['streamed_seconds']):.1f} s)",
         "",
+        *e2e,
         "| method | tokens | seconds | peak memory above model (MiB) |",
         "|---|---:|---:|---:|",
         *(f"| {r.method} | {r.tokens} | {r.seconds:.1f} | {r.peak_mib:.0f} |" for r in rows),
@@ -170,7 +216,7 @@ def scoring_markdown(model: str, timing: dict, rows: list[MemoryRow]) -> str:
 
 
 def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int, time_tokens: int, repeats: int,
-                      token_counts: list[int], methods: list[str]) -> dict:
+                      token_counts: list[int], methods: list[str], end_to_end_drop: int = 0) -> dict:
     """The time ratio of streamed scoring to a plain forward pass, then each method's memory at each token count.
 
     Args:
@@ -182,9 +228,12 @@ def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int
         repeats: interleaved timed rounds.
         token_counts: token counts of the memory rows.
         methods: memory rows to run (``streamed``, ``stored``, ``plain``), each in a fresh process.
+        end_to_end_drop: blocks removed in the end-to-end rows (:func:`measure_end_to_end`, ``repeats``
+            rounds over ``data``); 0 skips them.
 
     Returns:
-        ``{"model", "timing", "memory"}`` (JSON-ready) and ``"rows"`` (the :class:`MemoryRow` objects).
+        ``{"model", "timing", "memory", "end_to_end"}`` (JSON-ready) and ``"rows"`` (the :class:`MemoryRow`
+        objects).
     """
     loaded = load(model, device=device)
     timing = measure_time_ratio(loaded, time_tokens, data.seq_len, batch_size, repeats, data.data)
@@ -192,4 +241,7 @@ def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int
     cells = [(tokens, method) for tokens in token_counts for method in methods]
     rows = [measure_memory(model, device, method, tokens, data.seq_len, batch_size, data.data)
             for tokens, method in tqdm(cells, desc="peak memory, a fresh process each", unit="run")]
-    return {"model": model, "timing": timing, "memory": memory_rows_as_dicts(rows), "rows": rows}
+    end_to_end = (measure_end_to_end(model, device, data, batch_size, end_to_end_drop, repeats)
+                  if end_to_end_drop else None)
+    return {"model": model, "timing": timing, "memory": memory_rows_as_dicts(rows), "end_to_end": end_to_end,
+            "rows": rows}

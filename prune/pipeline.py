@@ -128,6 +128,29 @@ def _replace_config(value, batch_size: int) -> ReplaceConfig:
 
 
 @dataclass
+class Scored:
+    """Calibration and its statistics, computed once and shared by several runs on the same model.
+
+    ``eval.compare`` scores a model once and hands this to every method's :func:`run_prune`.
+    ``cosine_pairs`` says which cosine sums the moments hold ("all" serves every selection).
+    """
+
+    calibration: CalibrationData
+    moments: StateMoments
+    scores: dict[str, list[float]]
+
+
+def score_calibration(loaded: LoadedModel, config: PruneConfig, cosine_pairs: str | None = None) -> Scored:
+    """Calibration text of ``config.data`` and one streamed pass over it.
+
+    ``cosine_pairs`` defaults to what ``config`` needs; pass "all" to serve every selection.
+    """
+    calibration = calibration_data(loaded.tokenizer, config.data)
+    moments, scores = score_model(loaded.model, calibration, config, cosine_pairs)
+    return Scored(calibration, moments, scores)
+
+
+@dataclass
 class PruneResult:
     """What a prune run produced (the model is surgered in place)."""
 
@@ -169,13 +192,17 @@ def check_against_model(config: PruneConfig, model_config) -> None:
         )
 
 
-def score_model(model, calibration: CalibrationData, config: PruneConfig) -> tuple[StateMoments, dict]:
+def needed_cosine_pairs(config: PruneConfig) -> str:
+    """The cosine sums ``config``'s selection reads: every pair for a span ranked by a cosine score."""
+    return "all" if config.select == "span" and config.score in ("angular", "bi", "cosine") else "adjacent"
+
+
+def score_model(model, calibration: CalibrationData, config: PruneConfig,
+                cosine_pairs: str | None = None) -> tuple[StateMoments, dict]:
     """One streamed pass; every registered score for every block."""
     check_enough_tokens(calibration.num_tokens, hidden_size(model))
-    span_pairs = config.select == "span" and config.score in ("angular", "bi", "cosine")
-    moments = stream_moments(
-        model, calibration.token_ids, batch_size=config.batch_size, cosine_pairs="all" if span_pairs else "adjacent"
-    )
+    moments = stream_moments(model, calibration.token_ids, batch_size=config.batch_size,
+                             cosine_pairs=cosine_pairs or needed_cosine_pairs(config))
     return moments, block_scores(moments, list(SCORES))
 
 
@@ -210,7 +237,7 @@ def span_report(model, calibration, moments, scores, config: PruneConfig) -> lis
 
 
 def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
-              steps: Sequence[SurgeryStep] | None = None) -> PruneResult:
+              steps: Sequence[SurgeryStep] | None = None, scored: Scored | None = None) -> PruneResult:
     """Load (unless given), score, select, remove or replace, run ``steps``, export according to ``config``.
 
     Args:
@@ -218,6 +245,8 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
         loaded: an already loaded model to use instead of loading ``config.load``.
         steps: post-surgery steps run in order on the surgered model; None builds the ones ``config``
             switches on (``config.build_steps()``, found by name).
+        scored: calibration and statistics already computed on this model (:func:`score_calibration`); the
+            model must not have been surgered since.
     """
     started = time.perf_counter()
     steps = config.build_steps() if steps is None else steps
@@ -231,14 +260,19 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     check_replacement_supported(model, config.replace.method)
     before = num_blocks(model)
     check_against_model(config, model.config)
-    calibration = calibration_data(loaded.tokenizer, config.data)
+    if scored is not None:
+        _check_scored(scored, config, before)
+        calibration, moments, scores = scored.calibration, scored.moments, scored.scores
+    else:
+        calibration = calibration_data(loaded.tokenizer, config.data)
     heldout = calibration.heldout_ids if config.drop is not None else None
     original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
-    moments, scores = score_model(model, calibration, config)
+    if scored is None:
+        moments, scores = score_model(model, calibration, config)
     dropped = choose_blocks(model, calibration, moments, scores, config)
     spans = span_report(model, calibration, moments, scores, config) if dropped and config.select == "span" else None
     if dropped:
-        replace_blocks_(model, dropped, calibration.token_ids, config.replace)
+        replace_blocks_(model, dropped, calibration.token_ids, config.replace, moments)
     done = {step.name: step(loaded, config) for step in steps} if dropped else {}
     report = build_report(loaded, config, calibration, scores, dropped, before, time.perf_counter() - started)
     if spans is not None:
@@ -251,6 +285,16 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     for folder in (f for result in done.values() for f in result.cleanup):
         shutil.rmtree(folder, ignore_errors=True)
     return PruneResult(loaded, calibration, moments, scores, dropped, report, out)
+
+
+def _check_scored(scored: Scored, config: PruneConfig, blocks: int) -> None:
+    # Shared statistics from another model, or too few cosine sums, would give silently wrong selections.
+    if scored.moments.num_states != blocks + 1:
+        raise LayercutError(f"shared statistics describe {scored.moments.num_states - 1} blocks, the model has "
+                            f"{blocks}: score this model (prune.pipeline.score_calibration)")
+    if needed_cosine_pairs(config) == "all" and scored.moments.cosine_pairs != "all":
+        raise LayercutError("shared statistics lack the all-pairs cosines --select span needs: "
+                            "score with cosine_pairs='all'")
 
 
 def build_report(loaded, config, calibration, scores, dropped, before, seconds) -> dict:

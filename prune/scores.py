@@ -79,10 +79,10 @@ def linearity(moments: PairMoments, residual: bool = True) -> float:
     Equals ``tr(Cxy^T Cxx^+ Cxy) / tr(Cyy)``. Without the residual, Y is replaced by Y - X, the
     block's own contribution to the residual stream.
     """
-    cxx, cxy, cyy = moments.cxx, moments.cxy, moments.cyy
-    if not residual:
-        cxy, cyy = cxy - cxx, cyy - cxy - cxy.T + cxx
-    return float(explained_sum_of_squares(cxx, cxy) / torch.trace(cyy))
+    if residual:
+        return float(explained_sum_of_squares(moments.cxx, moments.cxy) / torch.trace(moments.cyy))
+    cxu, tuu = moments.update_moments()
+    return float(explained_sum_of_squares(moments.cxx, cxu) / tuu)
 
 
 @register_score("linearity", "linearity of block output on input (with residual)", higher_is_removable=True)

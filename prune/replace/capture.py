@@ -10,41 +10,36 @@ from torch import nn
 
 from prune.adapters import input_device
 from prune.capture import block_input, block_output
-from prune.stats import PairMoments
+from prune.stats import PairMoments, StateMoments
 
 
 class PairAccumulator:
-    """Streamed float64 moments of paired activations (X [n, d_x], Y [n, d_y]; widths may differ).
+    """Streamed moments of paired activations (X [n, d_x], Y [n, d_y]; widths may differ).
 
-    Rows are shifted by the first batch's means before squaring, so centring at the end does not
-    cancel large means away (massive activations reach 1e3 against spreads of ~10).
+    The same arithmetic as the scoring pass (:class:`prune.stats.StateMoments`, of which this is the
+    two-state case): shifted by the first batch's means, each batch's products in ``precision``, sums in
+    float64.
     """
 
-    def __init__(self):
-        self.n = 0
-        self._shift: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._sums: list[torch.Tensor] = []  # sum x', sum y', x'^T x', x'^T y', y'^T y'
+    def __init__(self, precision: str = "float32"):
+        self._states = StateMoments(2, [(0, 1)], cosine_pairs="none", precision=precision)
+
+    @property
+    def n(self) -> int:
+        """Tokens seen so far."""
+        return self._states.n
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Add the tokens of ``x`` [..., d_x] and ``y`` [..., d_y] (same leading shape)."""
-        x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)  # [tokens, d_x]
-        y = y.detach().reshape(-1, y.shape[-1]).to(device=x.device, dtype=torch.float64)  # [tokens, d_y]
-        if self._shift is None:
-            self._shift = (x.mean(0), y.mean(0))
-        x, y = x - self._shift[0], y - self._shift[1]
-        terms = [x.sum(0), y.sum(0), x.T @ x, x.T @ y, y.T @ y]
-        self._sums = terms if not self._sums else [a + b for a, b in zip(self._sums, terms, strict=True)]
-        self.n += x.shape[0]
+        self._states.begin_batch(None)
+        self._states.observe(0, x.reshape(-1, x.shape[-1]))
+        self._states.observe(1, y.reshape(-1, y.shape[-1]).to(x.device))
 
     def moments(self) -> PairMoments:
         """Centred moments (sums over tokens, not divided by n)."""
         if not self.n:
             raise ValueError("no tokens observed")
-        sx, sy, xx, xy, yy = self._sums
-        mx, my = sx / self.n, sy / self.n
-        n = self.n
-        return PairMoments(n, self._shift[0] + mx, self._shift[1] + my, xx - n * torch.outer(mx, mx),
-                           xy - n * torch.outer(mx, my), yy - n * torch.outer(my, my))
+        return self._states.pair(0, 1)
 
 
 @dataclass
@@ -68,29 +63,53 @@ class SpanBatch:
     m: torch.Tensor | None = None
 
 
-class Recorder:
-    """Forward hooks that store named activations of one forward pass; handles removed on close."""
+class _Complete(Exception):  # noqa: N818 - control flow, not an error
+    """Raised by the last hook of a :class:`Recorder`: nothing after it is needed."""
 
-    def __init__(self):
+
+class Recorder:
+    """Forward hooks that store named activations of one forward pass; handles removed on close.
+
+    With ``stop_early`` the pass ends as soon as every hook has fired once: a fit of the middle blocks
+    does not pay for the blocks after its span.
+    """
+
+    def __init__(self, stop_early: bool = False):
         self.values: dict[str, object] = {}
+        self.stop_early = stop_early
         self._handles = []
+        self._pending: set[int] = set()
+
+    def _new_hook_id(self) -> int:
+        hook_id = len(self._handles)  # the hook's handle is appended next
+        self._pending.add(hook_id)
+        return hook_id
+
+    def _fired(self, hook_id: int) -> None:
+        self._pending.discard(hook_id)
+        if self.stop_early and not self._pending:
+            raise _Complete
 
     def input_of(self, module: nn.Module, key: str, with_call: bool = False) -> None:
         """Store ``module``'s input hidden state under ``key`` (and its other call arguments under ``key.call``)."""
+        hook_id = self._new_hook_id()
 
         def hook(_m, args, kwargs):
             self.values[key] = block_input(args, kwargs).detach()
             if with_call:
                 rest = {k: v for k, v in kwargs.items() if k != "hidden_states"}
                 self.values[key + ".call"] = (tuple(args[1:]), rest)
+            self._fired(hook_id)
 
         self._handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
     def output_of(self, module: nn.Module, key: str) -> None:
         """Store ``module``'s output hidden state under ``key``."""
+        hook_id = self._new_hook_id()
 
         def hook(_m, _args, output):
             self.values[key] = block_output(output).detach()
+            self._fired(hook_id)
 
         self._handles.append(module.register_forward_hook(hook))
 
@@ -102,12 +121,18 @@ class Recorder:
 
 
 @torch.no_grad()
-def record(model: nn.Module, batch: torch.Tensor, setup: Callable[[Recorder], None]) -> dict[str, object]:
-    """Run the base model (no LM head, no cache) on ``batch`` with hooks from ``setup``; their values."""
-    recorder = Recorder()
+def record(model: nn.Module, batch: torch.Tensor, setup: Callable[[Recorder], None],
+           stop_early: bool = True) -> dict[str, object]:
+    """Run the base model (no LM head, no cache) on ``batch`` with hooks from ``setup``; their values.
+
+    The pass stops once every hook has fired (``stop_early``), so it costs only up to the last block a hook needs.
+    """
+    recorder = Recorder(stop_early)
     try:
         setup(recorder)
         model.base_model(input_ids=batch.to(input_device(model)), use_cache=False)
+    except _Complete:
+        pass
     finally:
         recorder.close()
     return recorder.values

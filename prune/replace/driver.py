@@ -23,7 +23,7 @@ from prune.replace.config import ReplaceConfig
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import ReplacedBlock
 from prune.replace.registry import get_method, record_method
-from prune.stats import span_pairs
+from prune.stats import StateMoments, span_pairs
 from prune.surgery import (
     RECORDS_ATTR,
     block_layout,
@@ -98,6 +98,8 @@ def _hook_both(fitter: SpanFitter, recorder: Recorder) -> None:
 
 def _fit_independent(model, fitters: list[SpanFitter], token_ids, config) -> list[Replacement]:
     """One pass of the original model feeds every span's fitter."""
+    if not fitters:
+        return []
     started = time.perf_counter()
 
     def setup(recorder: Recorder) -> None:
@@ -144,7 +146,7 @@ def check_replacement_supported(model: nn.Module, method: str) -> None:
 
 
 def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor,
-                     config: ReplaceConfig) -> list[Replacement]:
+                     config: ReplaceConfig, moments: StateMoments | None = None) -> list[Replacement]:
     """Fit one replacement per span of ``dropped`` (current positions) without changing the model.
 
     Args:
@@ -152,6 +154,9 @@ def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.
         dropped: positions of the blocks to replace.
         token_ids: [samples, seq] calibration tokens.
         config: the method and fitting options.
+        moments: statistics of this model over ``token_ids`` (the scoring pass); an independent fit takes
+            a span's (input, output) moments from them where they hold the pair and the method needs no
+            more, and runs a capture pass only for the other spans.
     """
     spec = get_method(config.method)
     if spec.fitter is None:
@@ -163,7 +168,20 @@ def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.
     fitters = [spec.fitter(model, original, span, config) for span in spans]
     if config.fit == "sequential":
         return _fit_sequential(model, fitters, token_ids, config)
-    return _fit_independent(model, fitters, token_ids, config)
+    given = [f for f in fitters if moments is not None and _feed_from(moments, f)]
+    captured = _fit_independent(model, [f for f in fitters if f not in given], token_ids, config)
+    done = {r.span: r for r in captured}
+    for fitter in given:
+        begun = time.perf_counter()
+        done[fitter.span] = fitter.finish()
+        done[fitter.span].record["fit_seconds"] = round(time.perf_counter() - begun, 2)
+    logger.info("%d of %d span(s) fitted from the scoring pass's statistics", len(given), len(fitters))
+    return [done[span] for span in spans]
+
+
+def _feed_from(moments: StateMoments, fitter: SpanFitter) -> bool:
+    pair = (fitter.span[0], fitter.span[-1] + 1)
+    return pair in moments.cross and fitter.use_moments(moments.pair(*pair))
 
 
 def install_replacements_(model: nn.Module, replacements: Sequence[Replacement]) -> list[dict]:
@@ -187,7 +205,7 @@ def install_replacements_(model: nn.Module, replacements: Sequence[Replacement])
 
 
 def replace_blocks_(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor | None,
-                    config: ReplaceConfig) -> list[dict]:
+                    config: ReplaceConfig, moments: StateMoments | None = None) -> list[dict]:
     """Remove blocks ``dropped`` (current positions) and put fitted replacements in their place.
 
     Args:
@@ -195,6 +213,7 @@ def replace_blocks_(model: nn.Module, dropped: Sequence[int], token_ids: torch.T
         dropped: block positions to remove.
         token_ids: [samples, seq] calibration tokens (unused by a method that fits nothing, ``none``).
         config: the method and fitting options.
+        moments: the scoring pass's statistics over ``token_ids`` (see :func:`fit_replacements`).
 
     Returns:
         One record per replacement (method, replaces, params, fit, fit_seconds, ...).
@@ -203,7 +222,7 @@ def replace_blocks_(model: nn.Module, dropped: Sequence[int], token_ids: torch.T
         drop_blocks_(model, dropped)
         return []
     started = time.perf_counter()
-    replacements = fit_replacements(model, dropped, token_ids, config)
+    replacements = fit_replacements(model, dropped, token_ids, config, moments)
     for r in replacements:
         r.record["fit"] = config.fit
     records = install_replacements_(model, replacements)

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from prune.adapters import hidden_size
 from prune.replace.capture import Recorder, SpanBatch, move
 from prune.replace.config import ReplaceConfig
+from prune.stats import PairMoments
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,13 @@ class SpanFitter:
         args, kwargs = inputs.get(f"{key}.x.call", ((), {}))
         return SpanBatch(inputs[f"{key}.x"], targets[f"{key}.y"], args, kwargs,
                          inputs.get(f"{key}.z"), inputs.get(f"{key}.m"))
+
+    def use_moments(self, moments: PairMoments) -> bool:
+        """Take the span's (input, output) moments from the scoring pass instead of observing batches.
+
+        Returns whether they are all this fit needs; the default (a method that needs more) is False.
+        """
+        return False
 
     def observe(self, batch: SpanBatch) -> None:
         """Fold one batch in."""

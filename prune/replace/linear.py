@@ -13,6 +13,7 @@ from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import map_on_block, parameter_count
 from prune.replace.registry import Method, MethodOptions, register_method
+from prune.stats import PairMoments
 
 
 def linear_map_from_fit(fit: LinearFit, dtype: torch.dtype, device: torch.device) -> LinearMap:
@@ -37,6 +38,12 @@ class LinearFitter(SpanFitter):
     def __init__(self, *args):
         super().__init__(*args)
         self.moments = PairAccumulator()
+        self.given: PairMoments | None = None
+
+    def use_moments(self, moments: PairMoments) -> bool:
+        """The fit needs nothing but these moments."""
+        self.given = moments
+        return True
 
     def observe(self, batch: SpanBatch) -> None:
         """Accumulate the Grams of (x, y)."""
@@ -44,10 +51,11 @@ class LinearFitter(SpanFitter):
 
     def finish(self) -> Replacement:
         """Solve the least squares and build the :class:`LinearMap`."""
-        fit = fit_linear_map(self.moments.moments(), self.config.ridge)
+        moments = self.given if self.given is not None else self.moments.moments()
+        fit = fit_linear_map(moments, self.config.ridge)
         module = linear_map_from_fit(fit, self.dtype, self.device)
-        return self._replacement(module, params=parameter_count(module), ridge=self.config.ridge,
-                                 tokens=self.moments.n)
+        return self._replacement(module, params=parameter_count(module), ridge=self.config.ridge, tokens=moments.n,
+                                 from_scoring_pass=self.given is not None)
 
 
 register_method(Method(
