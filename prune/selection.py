@@ -1,4 +1,7 @@
-"""Which blocks go: the K most removable independently, the best contiguous span, or greedy re-scoring.
+"""Which blocks go: the K most removable, the best contiguous span, greedy re-scoring, or measured perplexity.
+
+``topk``, ``span`` and ``greedy`` rank by a score; ``greedy-ppl`` (SLEB) measures the calibration
+perplexity of every candidate removal; ``last`` takes the deepest blocks (reverse-order pruning).
 
 Selections are registered by name. By default the first and the last block are protected: the first
 turns token embeddings into the working representation and the last prepares the state for the
@@ -13,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from prune.errors import LayercutError
+from prune.heldout import packed_perplexity
 from prune.scores import Score
 from prune.stats import StateMoments, stream_moments
 from prune.surgery import blocks_removed
@@ -158,3 +163,37 @@ def _greedy(inputs: SelectionInput) -> list[int]:
         with blocks_removed(inputs.model, chosen):
             moments = stream_moments(inputs.model, inputs.token_ids, batch_size=inputs.batch_size, progress=False)
             values = [inputs.score.compute(moments, b) for b in range(moments.num_states - 1)]
+
+
+@register_selection("greedy-ppl")
+def _greedy_ppl(inputs: SelectionInput) -> list[int]:
+    """SLEB: remove, one at a time, the block whose removal leaves the lowest calibration perplexity.
+
+    Costs one calibration pass per remaining candidate per removal (K x N passes); the score is unused.
+    """
+    if inputs.model is None or inputs.token_ids is None:
+        raise ValueError("greedy-ppl selection needs the model and calibration tokens")
+    chosen: list[int] = []
+    blocks = len(inputs.values)
+    free = blocks - len(inputs.protected)
+    bar = tqdm(total=sum(free - k for k in range(inputs.count)), desc="greedy-ppl", unit="pass")
+    while len(chosen) < inputs.count:
+        candidates = [b for b in range(blocks) if b not in chosen and b not in inputs.protected]
+        perplexities = {}
+        for block in candidates:
+            with blocks_removed(inputs.model, chosen + [block]):
+                perplexities[block] = packed_perplexity(inputs.model, inputs.token_ids, inputs.batch_size,
+                                                        progress=False)
+            bar.update()
+        best = min(candidates, key=lambda b: perplexities[b])
+        chosen.append(best)
+        logger.info("greedy-ppl step %d: drop block %d (calibration perplexity %.3f)", len(chosen), best,
+                    perplexities[best])
+    bar.close()
+    return chosen
+
+
+@register_selection("last")
+def _last(inputs: SelectionInput) -> list[int]:
+    """The deepest ``count`` unprotected blocks (reverse-order pruning); the score is unused."""
+    return [b for b in reversed(range(len(inputs.values))) if b not in inputs.protected][: inputs.count]

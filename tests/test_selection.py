@@ -72,3 +72,31 @@ def test_parse_protect():
 def test_not_enough_unprotected_blocks():
     with pytest.raises(LayercutError, match="only 2 of 4 are not protected"):
         select_blocks("topk", inputs([0.9, 0.8, 0.7, 0.6], 3, protected=[0, 3]))
+
+
+def test_greedy_ppl_removes_the_block_whose_removal_hurts_calibration_perplexity_least():
+    from prune.heldout import packed_perplexity
+    from prune.surgery import blocks_removed
+
+    model = make_tiny_model("llama", seed=3)
+    ids = torch.randint(3, 320, (4, 16), generator=torch.Generator().manual_seed(1))
+    score = get_score("linearity")
+    alone = {}
+    for block in (1, 2, 3):
+        with blocks_removed(model, [block]):
+            alone[block] = packed_perplexity(model, ids, progress=False)
+    one = SelectionInput(score, StateMoments(5, []), [0.0] * 4, 1, [0], model, ids)
+    assert select_blocks("greedy-ppl", one) == [min(alone, key=alone.get)]
+    first = min(alone, key=alone.get)
+    pairs = {}
+    for block in {1, 2, 3} - {first}:
+        with blocks_removed(model, [first, block]):
+            pairs[block] = packed_perplexity(model, ids, progress=False)
+    two = SelectionInput(score, StateMoments(5, []), [0.0] * 4, 2, [0], model, ids)
+    assert select_blocks("greedy-ppl", two) == sorted([first, min(pairs, key=pairs.get)])
+    assert model.config.num_hidden_layers == 4  # the model is restored after every trial
+
+
+def test_last_takes_the_deepest_unprotected_blocks():
+    assert select_blocks("last", inputs([0.0] * 8, 3, protected=[0, 7])) == [4, 5, 6]
+    assert select_blocks("last", inputs([0.0] * 8, 2, protected=[0])) == [6, 7]

@@ -1,0 +1,469 @@
+"""The field in one command: every method recipe x every drop on one model, one calibration set, one table.
+
+    python -m eval.compare --model smollm2-135m --drop 2,4,6,8 --methods all --out cmp/
+    python -m eval.compare --model smollm2-135m --drop 4 --methods shortgpt,sleb,linearpatch
+        --heldout ../shared/data/austen/emma.txt --tasks arc_easy,piqa --limit 200 --out cmp4/
+    python -m eval.compare --methods list
+
+A method is a recipe in ``recipes/methods/`` (named by its file stem) or any recipe file. The model is
+loaded once, the calibration text is drawn and scored once (all scores, all pairwise cosines), and every
+cell (method, drop) runs ``prune.pipeline.run_prune`` on a fresh copy of the model with those shared
+statistics. Each cell reports the blocks removed, parameters, held-out perplexity on a text calibration
+never saw (``--heldout``; default: ``prune/corpus/austen_emma.txt`` when shipped and the calibration is
+the built-in corpus, else the calibration source's held-out sequences, disjoint from the calibration
+ones), optional lm-eval tasks, decode speed-up over the dense model, wall time and whether
+its export is a vanilla transformers checkpoint. ``--oracle`` adds SLEB's oracle (calibration
+perplexity with each block alone removed) and every score's Spearman correlation with it.
+
+Writes to ``--out``: ``results.json`` (after every cell: rerunning skips finished cells, so a crash or
+Ctrl-C loses at most one), ``README.md`` (a leaderboard per drop, dense row on top, best first),
+``perplexity_vs_blocks.png``, ``chosen_blocks.png``, ``oracle.md`` with ``--oracle``, and each cell's
+reports under ``cells/<method>-drop<K>/`` (weights too with ``--keep-checkpoints``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eval.lmeval import primary_metric, run_lm_eval
+from eval.perplexity import perplexity, tokenize_text
+from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, count_parameters, make_prompt, time_decode
+from prune.adapters import num_blocks
+from prune.checkpoint import REPLACEMENTS_FILE
+from prune.data import load_documents
+from prune.errors import LayercutError, cli_entry
+from prune.heldout import packed_perplexity
+from prune.options import (
+    add_data_arguments,
+    add_load_arguments,
+    add_threads_argument,
+    apply_threads,
+    data_config_from_args,
+    load_config_from_args,
+)
+from prune.oracle import oracle_table, run_oracle
+from prune.pipeline import PruneConfig, Scored, preflight, run_prune, score_calibration
+from prune.recipes import config_from_recipe, method_recipes, method_summary, resolve_method
+
+logger = logging.getLogger(__name__)
+
+RESULTS = "results.json"
+README = "README.md"
+PPL_PNG = "perplexity_vs_blocks.png"
+BLOCKS_PNG = "chosen_blocks.png"
+ORACLE_MD = "oracle.md"
+CELLS = "cells"
+# The default held-out text, once one distinct from the calibration corpus is shipped beside it; until
+# then the calibration source's held-out sequences (disjoint from the calibration ones) stand in.
+SHIPPED_HELDOUT = Path(__file__).resolve().parents[1] / "prune" / "corpus" / "austen_emma.txt"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``eval.compare`` argument parser."""
+    parser = argparse.ArgumentParser(prog="python -m eval.compare", description=__doc__.split("\n")[0])
+    add_load_arguments(parser)
+    add_data_arguments(parser, samples=32, seq_len=512, heldout_samples=8)
+    group = parser.add_argument_group("comparison")
+    group.add_argument("--drop", default=None, help="block counts to remove, comma list (2,4,6,8)")
+    group.add_argument("--methods", default="all",
+                       help="all (every recipe in recipes/methods/), a comma list of method names and/or recipe "
+                       "files, or list (print the known methods and exit) (default: all)")
+    group.add_argument("--heldout", default=None,
+                       help="text the calibration never saw, for perplexity (.txt/.jsonl/.parquet or datasets "
+                       "spec; default: prune/corpus/austen_emma.txt when shipped and --data is unset, else the "
+                       "calibration source's --heldout-samples sequences, disjoint from the calibration ones)")
+    group.add_argument("--heldout-tokens", type=int, default=None,
+                       help="score only the first this many tokens of --heldout (default: all)")
+    group.add_argument("--tasks", default=None, help="lm-eval tasks, comma list (arc_easy,piqa; default: none)")
+    group.add_argument("--limit", type=int, default=None, help="rows per lm-eval task (default: all)")
+    group.add_argument("--data-dir", default=None,
+                       help="local lm-eval data laid out like shared/data (default: $LAYERCUT_DATA, else the hub)")
+    group.add_argument("--batch-size", type=int, default=4,
+                       help="sequences per forward pass while scoring, fitting and measuring (default: 4)")
+    group.add_argument("--speed-tokens", type=int, default=32,
+                       help="decode steps timed per model for the speed-up (0: skip; default: 32)")
+    group.add_argument("--oracle", action="store_true",
+                       help="also measure calibration perplexity with each block alone removed, and each score's "
+                       "Spearman correlation with it")
+    group.add_argument("--keep-checkpoints", action="store_true",
+                       help="keep every cell's weights under cells/ (default: reports only; a cell's weights are "
+                       "the size of the model)")
+    parser.add_argument("--out", default=None, help="folder for results.json, README.md and the plots (required)")
+    parser.add_argument("--overwrite", action="store_true", help="start afresh in a --out that holds another run")
+    add_threads_argument(parser)
+    return parser
+
+
+def parse_drops(text: str | None) -> list[int]:
+    """``"2,4,6,8"`` -> ``[2, 4, 6, 8]`` (sorted, unique, positive)."""
+    if not text:
+        raise LayercutError("--drop is required: block counts to remove, e.g. --drop 4 or --drop 2,4,6,8")
+    try:
+        drops = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise LayercutError(f"--drop takes block counts like 2,4,6,8, got '{text}'") from None
+    if not drops or drops[0] <= 0:
+        raise LayercutError(f"--drop takes positive block counts like 2,4,6,8, got '{text}'")
+    return drops
+
+
+def parse_methods(text: str) -> dict[str, Path]:
+    """``all``, or a comma list of method names / recipe files -> name -> recipe path."""
+    if text.strip() == "all":
+        methods = method_recipes()
+        if not methods:
+            raise LayercutError("--methods all found no recipe in recipes/methods/: name recipe files instead")
+        return methods
+    chosen = {}
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        path = resolve_method(item)
+        chosen[item if item in method_recipes() else path.stem] = path
+    if not chosen:
+        raise LayercutError("--methods is empty: pass all, list, or method names")
+    return chosen
+
+
+def method_list() -> str:
+    """One line per known method: its name and its recipe's summary."""
+    methods = method_recipes()
+    width = max((len(name) for name in methods), default=0)
+    return "\n".join(f"{name:<{width}}  {method_summary(path)}" for name, path in methods.items())
+
+
+def cell_config(path: Path, drop: int, args: argparse.Namespace, out: Path | None) -> PruneConfig:
+    """The method's recipe with the comparison's model, data, drop and batch size on top."""
+    load = dataclasses.asdict(load_config_from_args(args))
+    data = dataclasses.asdict(data_config_from_args(args))
+    overrides = {"load": load, "data": data, "drop": drop, "batch_size": args.batch_size,
+                 "out": None if out is None else str(out), "overwrite": True}
+    return config_from_recipe(path, overrides)
+
+
+def recipe_digest(path: Path) -> str:
+    """Changes when the recipe does: a finished cell of an edited recipe is run again."""
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def _write_atomic(path: Path, write) -> None:
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        write(staging)
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` so a reader never sees half a file."""
+    _write_atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
+
+
+def setup_of(args: argparse.Namespace) -> dict:
+    """What every cell of one comparison shares; a --out written for another setup is refused."""
+    return {"model": args.model, "load": dataclasses.asdict(load_config_from_args(args)),
+            "data": dataclasses.asdict(data_config_from_args(args)), "heldout": args.heldout,
+            "heldout_tokens": args.heldout_tokens, "tasks": args.tasks, "limit": args.limit,
+            "batch_size": args.batch_size, "speed_tokens": args.speed_tokens}
+
+
+def open_results(out: Path, setup: dict, overwrite: bool) -> dict:
+    """The results so far in ``out`` (resume), or a fresh record."""
+    path = out / RESULTS
+    if path.is_file() and not overwrite:
+        results = json.loads(path.read_text(encoding="utf-8"))
+        differs = sorted(k for k in setup if results.get("setup", {}).get(k) != setup[k])
+        if differs:
+            raise LayercutError(f"{out} holds a comparison with another {', '.join(differs)}: pass another --out, "
+                                "the same options to resume it, or --overwrite to start afresh")
+        return results
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise LayercutError(f"--out {out} exists and is not a comparison folder: pass another --out or "
+                                "--overwrite")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return {"setup": setup, "dense": None, "cells": {}, "oracle": None, "timing": {}}
+
+
+class Heldout:
+    """The held-out text and how to score a model on it."""
+
+    def __init__(self, args: argparse.Namespace, scored: Scored | None, tokenizer):
+        self.seq_len = args.seq_len
+        self.batch_size = args.batch_size
+        spec = args.heldout
+        if spec is None and args.data is None and SHIPPED_HELDOUT.is_file():
+            spec = str(SHIPPED_HELDOUT)  # a shipped text the default calibration corpus does not contain
+        if spec is not None:
+            documents, source = load_documents(spec, flag="--heldout")
+            ids = tokenize_text(tokenizer, "\n\n".join(documents))
+            self.ids = ids[: args.heldout_tokens] if args.heldout_tokens else ids
+            self.packed = None
+            self.describe = {"source": source, "tokens": int(self.ids.numel())}
+        else:
+            heldout = scored.calibration.heldout_ids if scored is not None else None
+            if heldout is None or heldout.numel() == 0:
+                raise LayercutError("no held-out text: pass --heldout FILE or raise --heldout-samples above 0")
+            self.ids, self.packed = None, heldout
+            self.describe = {"source": f"{scored.calibration.source} (held-out sequences, disjoint from "
+                                       "calibration)", "tokens": int(heldout.numel())}
+
+    def perplexity(self, model) -> float:
+        """Held-out perplexity of ``model``."""
+        if self.packed is not None:
+            return packed_perplexity(model, self.packed, self.batch_size, progress=False)
+        return perplexity(model, self.ids, seq_len=self.seq_len, batch_size=self.batch_size, progress=False).perplexity
+
+
+def measure(model, tokenizer, heldout: Heldout, args: argparse.Namespace) -> dict:
+    """Parameters, held-out perplexity, lm-eval tasks and decode seconds of one model."""
+    row = {"params": count_parameters(model), "blocks": num_blocks(model), "heldout_ppl": heldout.perplexity(model)}
+    if args.tasks:
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        raw = run_lm_eval(model, tokenizer, tasks, data_dir=args.data_dir, limit=args.limit)
+        row["tasks"] = {task: raw[task].get(primary_metric(task)) for task in tasks if task in raw}
+    if args.speed_tokens:
+        options = SpeedOptions(prompt_len=min(64, args.seq_len), new_tokens=args.speed_tokens)
+        prompt = make_prompt(model.config.vocab_size, options)
+        time_decode(model, prompt, 2)  # warm-up
+        row["decode_s"] = sorted(time_decode(model, prompt, options.new_tokens) for _ in range(3))[1]
+    return row
+
+
+def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, heldout: Heldout, out: Path,
+             dense: dict) -> dict:
+    """One method at one drop on a fresh copy of the model; the cell's row."""
+    started = time.perf_counter()
+    cell_dir = out / CELLS / f"{name}-drop{drop}"
+    config = cell_config(path, drop, args, cell_dir)
+    copied = time.perf_counter()
+    student = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model))
+    copy_seconds = time.perf_counter() - copied
+    # the cell measures on its own held-out text: keep run_prune from scoring the dense model again
+    shared = Scored(dataclasses.replace(scored.calibration, heldout_ids=None), scored.moments, scored.scores)
+    result = run_prune(config, loaded=student, scored=shared)
+    prune_seconds = time.perf_counter() - started
+    row = {"method": name, "recipe": str(path), "recipe_digest": recipe_digest(path), "drop": drop,
+           "dropped": result.dropped, "score": config.score, "select": config.select,
+           "replace": config.replace.method, "distill_steps": result.report.get("distill", {}).get("steps", 0),
+           "vanilla": not (cell_dir / REPLACEMENTS_FILE).exists(), "prune_seconds": round(prune_seconds, 2),
+           "copy_seconds": round(copy_seconds, 2)}
+    row.update(measure(student.model, student.tokenizer, heldout, args))
+    row["heldout_ratio"] = row["heldout_ppl"] / dense["heldout_ppl"]
+    row["params_ratio"] = row["params"] / dense["params"]
+    if "decode_s" in row and dense.get("decode_s"):
+        row["decode_speedup"] = dense["decode_s"] / row["decode_s"]
+    row["seconds"] = round(time.perf_counter() - started, 2)
+    if not args.keep_checkpoints:
+        for file in cell_dir.iterdir():
+            if file.suffix in WEIGHT_SUFFIXES:
+                file.unlink()
+    del student
+    return row
+
+
+def cell_key(name: str, drop: int) -> str:
+    """The key of a cell in ``results.json``."""
+    return f"{name}@{drop}"
+
+
+def leaderboard(results: dict) -> str:
+    """README.md: one table per drop, dense on top, best held-out perplexity first; then the oracle."""
+    dense, setup = results["dense"], results["setup"]
+    cells = list(results["cells"].values())
+    tasks = sorted({t for row in cells + [dense] for t in row.get("tasks", {})})
+    timing = results.get("timing", {})
+    lines = [f"# Method comparison: {setup['model']}", "",
+             f"Held-out perplexity on {results.get('heldout', {}).get('source', '?')} "
+             f"({results.get('heldout', {}).get('tokens', '?')} tokens); calibration "
+             f"{results.get('calibration', {}).get('tokens', '?')} tokens of "
+             f"{results.get('calibration', {}).get('source', '?')}, scored once for every cell "
+             f"({timing.get('score_seconds', '?')} s). Decode speed-up: {setup['speed_tokens']} greedy steps "
+             "with the KV cache, median of 3, against the dense model. Wall time: the cell's prune, fit, "
+             "distillation and measurements.", ""]
+    copies = sorted(row["copy_seconds"] for row in cells)
+    if copies and "load_seconds" in timing:
+        lines += [f"Each cell starts from a copy of the loaded model: {copies[len(copies) // 2]:.2f} s (median) "
+                  f"to copy it in memory against {timing['load_seconds']:.2f} s to load it.", ""]
+    head = ["rank", "method", "blocks removed", "params", "held-out ppl", "vs dense", *tasks, "decode speed-up",
+            "wall s", "vanilla"]
+    for drop in sorted({row["drop"] for row in cells}):
+        rows = sorted((r for r in cells if r["drop"] == drop), key=lambda r: r["heldout_ppl"])
+        lines += [f"## Drop {drop}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        dense_tasks = [_task(dense, t) for t in tasks]
+        lines.append(f"| - | dense | - | {dense['params']:,} | {dense['heldout_ppl']:.3f} | 1.000 | "
+                     + "".join(f"{v} | " for v in dense_tasks) + ("1.00" if "decode_s" in dense else "-")
+                     + " | - | yes |")
+        for rank, row in enumerate(rows, 1):
+            speed = f"{row['decode_speedup']:.2f}" if "decode_speedup" in row else "-"
+            lines.append(f"| {rank} | {row['method']} | {row['dropped']} | {row['params']:,} | "
+                         f"{row['heldout_ppl']:.3f} | {row['heldout_ratio']:.3f} | "
+                         + "".join(f"{_task(row, t)} | " for t in tasks)
+                         + f"{speed} | {row['seconds']:.1f} | {'yes' if row['vanilla'] else 'no'} |")
+        lines.append("")
+    lines += [f"![held-out perplexity vs blocks removed]({PPL_PNG})", "", f"![chosen blocks]({BLOCKS_PNG})", ""]
+    if results.get("oracle"):
+        lines += ["## Oracle", "", results["oracle"]["table"], ""]
+    return "\n".join(lines)
+
+
+def _task(row: dict, task: str) -> str:
+    value = row.get("tasks", {}).get(task)
+    return "-" if value is None else f"{value:.3f}"
+
+
+def plot_perplexity(results: dict, path: Path) -> None:
+    """PNG: held-out perplexity against blocks removed, one line per method, dense as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
+
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    dense = results["dense"]["heldout_ppl"]
+    methods = sorted({row["method"] for row in results["cells"].values()})
+    for name in methods:  # every line starts at the dense model (0 blocks removed)
+        rows = sorted((r for r in results["cells"].values() if r["method"] == name), key=lambda r: r["drop"])
+        ax.plot([0] + [r["drop"] for r in rows], [dense] + [r["heldout_ppl"] for r in rows], marker="o", label=name)
+    ax.axhline(dense, color="black", ls="--", lw=1, label="dense")
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
+    ax.set_xticks([0] + sorted({row["drop"] for row in results["cells"].values()}))
+    ax.set_xlabel("blocks removed")
+    ax.set_ylabel("held-out perplexity (log)")
+    ax.set_title(f"{results['setup']['model']}: held-out perplexity by method")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    _write_atomic(path, fig.savefig)
+    plt.close(fig)
+
+
+def plot_blocks(results: dict, path: Path, blocks: int) -> None:
+    """PNG: which blocks each method removed at each drop, one row per cell."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(results["cells"].values(), key=lambda r: (r["drop"], r["method"]))
+    grid = torch.zeros(len(rows), blocks)
+    for i, row in enumerate(rows):
+        grid[i, row["dropped"]] = 1
+    fig, ax = plt.subplots(figsize=(max(5, blocks * 0.3 + 3), max(2, len(rows) * 0.25 + 1)), dpi=120)
+    ax.imshow(grid.numpy(), cmap="Greys", aspect="auto", vmin=0, vmax=1)
+    ax.set_yticks(range(len(rows)), [f"{r['method']} (drop {r['drop']})" for r in rows], fontsize=7)
+    ax.set_xticks(range(blocks), [str(b) for b in range(blocks)], fontsize=7)
+    ax.set_xlabel("block (black: removed)")
+    ax.set_title("blocks each method removed")
+    fig.tight_layout()
+    _write_atomic(path, fig.savefig)
+    plt.close(fig)
+
+
+def write_reports(results: dict, out: Path, blocks: int, plots: bool = True) -> None:
+    """results.json, README.md and (unless ``plots`` is False) the plots, each replaced whole."""
+    write_text(out / RESULTS, json.dumps(results, indent=2) + "\n")
+    if results["cells"]:
+        write_text(out / README, leaderboard(results) + "\n")
+        if plots:
+            plot_perplexity(results, out / PPL_PNG)
+            plot_blocks(results, out / BLOCKS_PNG, blocks)
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """Run every unfinished cell of the comparison ``args`` asks for; the results."""
+    if args.out is None:
+        raise LayercutError("--out is required: the folder for results.json, README.md and the plots")
+    drops = parse_drops(args.drop)
+    methods = parse_methods(args.methods)
+    for path in methods.values():  # every recipe checked before the model loads
+        cell_config(path, drops[-1], args, None).build_steps()
+    preflight(cell_config(next(iter(methods.values())), drops[-1], args, None))
+    out = Path(args.out)
+    results = open_results(out, setup_of(args), args.overwrite)
+    todo = [(name, path, drop) for drop in drops for name, path in methods.items()
+            if results["cells"].get(cell_key(name, drop), {}).get("recipe_digest") != recipe_digest(path)]
+    need_oracle = args.oracle and not results.get("oracle")
+    if not todo and not need_oracle and results["dense"] is not None:
+        logger.info("every cell of %s is finished", out)
+        write_reports(results, out, results["dense"]["blocks"])
+        return results
+    started = time.perf_counter()
+    loaded = load_config_from_args(args).load()
+    results["timing"]["load_seconds"] = round(time.perf_counter() - started, 2)
+    base = cell_config(next(iter(methods.values())), drops[-1], args, None)
+    started = time.perf_counter()
+    scored = score_calibration(loaded, base, cosine_pairs="all")  # serves every score and selection
+    results["timing"]["score_seconds"] = round(time.perf_counter() - started, 2)
+    results["calibration"] = scored.calibration.describe()
+    heldout = Heldout(args, scored, loaded.tokenizer)
+    results["heldout"] = heldout.describe
+    if results["dense"] is None:
+        results["dense"] = measure(loaded.model, loaded.tokenizer, heldout, args)
+    if need_oracle:
+        oracle = run_oracle(loaded.model, scored.calibration.token_ids, scored.scores, args.batch_size)
+        results["oracle"] = {**oracle.as_dict(), "table": oracle_table(oracle, scored.scores)}
+        write_text(out / ORACLE_MD, results["oracle"]["table"] + "\n")
+    write_reports(results, out, results["dense"]["blocks"], plots=False)
+    done = len(methods) * len(drops) - len(todo)
+    try:
+        with tqdm(total=len(methods) * len(drops), initial=done, desc="compare", unit="cell") as bar:
+            for name, path, drop in todo:
+                bar.set_postfix_str(f"{name} drop {drop}")
+                results["cells"][cell_key(name, drop)] = run_cell(name, path, drop, args, loaded, scored, heldout,
+                                                                  out, results["dense"])
+                write_reports(results, out, results["dense"]["blocks"], plots=False)  # a crash keeps the cell
+                bar.update()
+    finally:  # also after Ctrl-C: the plots show the cells finished so far
+        write_reports(results, out, results["dense"]["blocks"])
+    return results
+
+
+def print_summary(results: dict) -> None:
+    """Best method per drop, one line each."""
+    dense = results["dense"]
+    print(f"dense: held-out perplexity {dense['heldout_ppl']:.3f}, {dense['params']:,} parameters")
+    for drop in sorted({row["drop"] for row in results["cells"].values()}):
+        rows = sorted((r for r in results["cells"].values() if r["drop"] == drop), key=lambda r: r["heldout_ppl"])
+        best = rows[0]
+        print(f"drop {drop}: best {best['method']} {best['heldout_ppl']:.3f} (x{best['heldout_ratio']:.3f}) "
+              f"of {len(rows)} method(s)")
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    """Run the comparison CLI; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.methods.strip() == "list":
+        print(method_list())
+        return 0
+    apply_threads(args)
+    results = compare(args)
+    print_summary(results)
+    print(f"wrote {args.out}/{README}")
+    return 0
+
+
+def console_main() -> None:
+    """Console-script entry point."""
+    raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    console_main()

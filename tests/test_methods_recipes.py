@@ -1,0 +1,92 @@
+"""The peer methods as recipes (``recipes/methods/``): each names a method only, the command line the rest."""
+
+import json
+import re
+
+import pytest
+import yaml
+from conftest import run_prune_cli as run
+
+from prune.errors import EXIT_BAD_INPUT, LayercutError
+from prune.recipes import (
+    METHOD_KEYS,
+    METHODS_DIR,
+    config_from_recipe,
+    method_recipes,
+    method_summary,
+    resolve_method,
+)
+from prune.replace import METHODS
+from prune.selection import SELECTIONS
+
+PEERS = {"shortgpt": "2403.03853", "gromov": "2403.17887", "gromov-heal": "2403.17887", "sleb": "2402.09025",
+         "llm-streamline": "2403.19135", "replaceme-ls": "2505.02819", "replaceme-cosine": "2505.02819",
+         "linearpatch": "2505.24680", "linearpatch-distill": "2505.24680", "prune-comp": "2507.18212",
+         "reassessing": "2411.15558"}
+OURS = ("layercut-linear", "layercut-linear-distill")
+
+
+def small(folder):
+    return ["--model", folder, "--samples", "8", "--seq-len", "32", "--batch-size", "4", "--heldout-samples", "0"]
+
+
+def test_every_peer_and_ours_has_a_recipe_that_names_the_method_only():
+    recipes = method_recipes()
+    assert set(recipes) == set(PEERS) | set(OURS)
+    for name, path in recipes.items():
+        text = path.read_text()
+        values = yaml.safe_load(text)
+        assert set(values) <= set(METHOD_KEYS), name
+        header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+        if name in PEERS:  # the header names the paper, what is exact, what is approximated
+            assert f"arXiv {PEERS[name]}" in header and "Reproduced exactly" in header, name
+            assert "Approximated" in header or "Not here" in header, name
+        assert f"--recipe recipes/methods/{name}.yaml" in header, name
+        assert values["select"] in SELECTIONS, name
+        replace = values.get("replace", "none")
+        assert (replace if isinstance(replace, str) else replace["method"]) in METHODS, name
+        config = config_from_recipe(path, {"drop": 2, "load": {"model": "tiny"}})
+        assert config.drop == 2 and config.load.model == "tiny"
+        assert [s.name for s in config.build_steps()] == (["distill"] if "distill" in values else [])
+        assert method_summary(path) == values["method"] and "\n" not in values["method"]
+
+
+def test_method_recipe_without_drop_is_one_line_exit_2(tiny_folder, capsys):
+    code, _, err = run(capsys, "--recipe", METHODS_DIR / "linearpatch.yaml", *small(tiny_folder))
+    assert code == EXIT_BAD_INPUT
+    assert err.strip().count("\n") == 0
+    assert re.fullmatch(r"error: .*linearpatch\.yaml is a method recipe: say how much to remove with --drop N.*",
+                        err.strip())
+
+
+def test_method_recipe_runs_with_model_and_drop_from_the_command_line(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "slim"
+    code, stdout, err = run(capsys, "--recipe", METHODS_DIR / "linearpatch.yaml", *small(tiny_folder), "--drop", "2",
+                            "--out", out)
+    assert code == 0, err
+    report = json.loads((out / "layercut.json").read_text())
+    assert report["replace"] == "linearpatch" and report["score"] == "bi" and len(report["dropped"]) == 2
+    assert report["num_blocks_after"] == 2 and "by linearpatch" in stdout
+    # an explicit flag wins over the recipe
+    out2 = tmp_path / "slim2"
+    code, _, _ = run(capsys, "--recipe", METHODS_DIR / "shortgpt.yaml", *small(tiny_folder), "--drop", "1",
+                     "--score", "cosine", "--replace", "linear", "--out", out2)
+    report = json.loads((out2 / "layercut.json").read_text())
+    assert code == 0 and report["score"] == "cosine" and report["replace"] == "linear"
+    assert report["protect"] == []  # the recipe's protect: none stays where no flag says otherwise
+
+
+def test_method_recipe_may_not_name_the_model_or_the_drop(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("method: mine\nscore: bi\ndrop: 4\nload: {model: gpt2}\n")
+    with pytest.raises(LayercutError, match="names a method only: remove drop, load and pass them on the command"):
+        config_from_recipe(path, {"drop": 2})
+
+
+def test_resolve_method_by_name_or_path_and_unknown_lists_the_known(tmp_path):
+    assert resolve_method("sleb") == METHODS_DIR / "sleb.yaml"
+    path = tmp_path / "mine.yaml"
+    path.write_text("method: mine\nscore: bi\nselect: topk\n")
+    assert resolve_method(str(path)) == path
+    with pytest.raises(LayercutError, match="unknown method 'squash': choose one of gromov, gromov-heal, "):
+        resolve_method("squash")
