@@ -383,7 +383,7 @@ def distill(
     random.seed(config.seed)
     torch.manual_seed(config.seed)
     if token_ids is None:
-        token_ids = calibration_data(tokenizer, config.data).token_ids  # [samples, seq_len] int64
+        token_ids = calibration_data(tokenizer, config.data, model=teacher).token_ids  # [samples, seq_len] int64
     if token_ids.dim() != 2 or token_ids.shape[1] < 2:
         raise LayercutError(f"token_ids must be [samples, seq_len >= 2], got shape {tuple(token_ids.shape)}")
     teacher_was_training = teacher.training

@@ -3,16 +3,30 @@
     python -m eval.compare --model smollm2-135m --drop 2,4,6,8 --methods all --out cmp/
     python -m eval.compare --model smollm2-135m --drop 4 --methods shortgpt,sleb,linearpatch
         --heldout ../shared/data/austen/emma.txt --tasks arc_easy,piqa --limit 200 --out cmp4/
+    python -m eval.compare --model smollm2-135m --drop 4,8 --methods shortgpt,layercut-linear
+        --data "emma.txt@0.5,wikitext:wikitext-2-raw-v1:train@0.5"
+        --heldout novel=persuasion.txt,news=ptb.test.txt,wiki=wiki.test.txt
+        --tasks arc_easy,hellaswag,piqa,lambada --out cmp-domains/
     python -m eval.compare --methods list
 
 A method is a recipe in ``recipes/methods/`` (named by its file stem) or any recipe file. The model is
 loaded once, the calibration text is drawn and scored once (all scores, all pairwise cosines), and every
 cell (method, drop) runs ``prune.pipeline.run_prune`` on a fresh copy of the model with those shared
-statistics. Each cell reports the blocks removed, parameters, held-out perplexity on a text calibration
-never saw (``--heldout``; default: ``prune/corpus/austen_emma.txt`` when shipped and the calibration is
-the built-in corpus, else the calibration source's held-out sequences, disjoint from the calibration
-ones), optional lm-eval tasks, decode speed-up over the dense model, wall time and whether
-its export is a vanilla transformers checkpoint. ``--oracle`` adds SLEB's oracle (calibration
+statistics. Each cell reports the blocks removed, parameters, held-out perplexity on each domain of
+text calibration never saw and their geometric mean (``--heldout novel.txt,news=ptb.txt,...``, one domain
+per entry, named by file stem or ``name=``; default: ``prune/corpus/austen_emma.txt`` when shipped and
+the calibration is the built-in corpus, else the calibration's held-out sequences, one domain per
+source of a ``--data`` mixture, disjoint from the calibration ones), optional lm-eval tasks with their
+standard errors, the task mean and the task retention above chance, decode speed-up over the dense
+model, wall time and whether its export is a vanilla transformers checkpoint.
+
+Task retention: the sum over tasks of (accuracy - chance) divided by the same sum for the dense
+model, over the tasks where the dense model is clearly above chance (by more than two standard
+errors); chance is 1 / the choices a row offers (0 for LAMBADA's open next word). A task difference
+under two standard errors is a tie. Method A is *better* than B at a drop only when A has the lower
+perplexity on every domain and, with ``--tasks``, a retention higher by two standard errors or more.
+Rerunning with more ``--heldout`` domains measures the dense model on the new ones and reruns the
+cells that lack one (the pruned weights are not kept to complete them). ``--oracle`` adds SLEB's oracle (calibration
 perplexity with each block alone removed) and every score's Spearman correlation with it.
 
 Writes to ``--out``: ``results.json`` (after every cell: rerunning skips finished cells, so a crash or
@@ -29,9 +43,11 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +58,7 @@ from eval.perplexity import perplexity, tokenize_text
 from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, count_parameters, make_prompt, time_decode
 from prune.adapters import num_blocks
 from prune.checkpoint import REPLACEMENTS_FILE
-from prune.data import load_documents
+from prune.data import FILE_SUFFIXES, load_documents
 from prune.errors import LayercutError, cli_entry
 from prune.heldout import packed_perplexity
 from prune.options import (
@@ -81,11 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="all (every recipe in recipes/methods/), a comma list of method names and/or recipe "
                        "files, or list (print the known methods and exit) (default: all)")
     group.add_argument("--heldout", default=None,
-                       help="text the calibration never saw, for perplexity (.txt/.jsonl/.parquet or datasets "
-                       "spec; default: prune/corpus/austen_emma.txt when shipped and --data is unset, else the "
-                       "calibration source's --heldout-samples sequences, disjoint from the calibration ones)")
+                       help="texts the calibration never saw, one perplexity domain each: comma list of "
+                       ".txt/.jsonl/.parquet files or datasets specs, named by file stem or name=FILE "
+                       "(novel=emma.txt,news=ptb.txt); default: prune/corpus/austen_emma.txt when shipped and "
+                       "--data is unset, else the calibration's --heldout-samples sequences, one domain per "
+                       "--data source, disjoint from the calibration ones")
     group.add_argument("--heldout-tokens", type=int, default=None,
-                       help="score only the first this many tokens of --heldout (default: all)")
+                       help="score only the first this many tokens of each --heldout text (default: all)")
     group.add_argument("--tasks", default=None, help="lm-eval tasks, comma list (arc_easy,piqa; default: none)")
     group.add_argument("--limit", type=int, default=None, help="rows per lm-eval task (default: all)")
     group.add_argument("--data-dir", default=None,
@@ -172,8 +190,9 @@ def write_text(path: Path, text: str) -> None:
 
 def setup_of(args: argparse.Namespace) -> dict:
     """What every cell of one comparison shares; a --out written for another setup is refused."""
+    # --heldout is not here: domains can be added to a comparison (see reconcile_domains)
     return {"model": args.model, "load": dataclasses.asdict(load_config_from_args(args)),
-            "data": dataclasses.asdict(data_config_from_args(args)), "heldout": args.heldout,
+            "data": dataclasses.asdict(data_config_from_args(args)),
             "heldout_tokens": args.heldout_tokens, "tasks": args.tasks, "limit": args.limit,
             "batch_size": args.batch_size, "speed_tokens": args.speed_tokens}
 
@@ -197,49 +216,158 @@ def open_results(out: Path, setup: dict, overwrite: bool) -> dict:
     return {"setup": setup, "dense": None, "cells": {}, "oracle": None, "timing": {}}
 
 
-class Heldout:
-    """The held-out text and how to score a model on it."""
+@dataclass(frozen=True)
+class Domain:
+    """One held-out perplexity domain.
 
-    def __init__(self, args: argparse.Namespace, scored: Scored | None, tokenizer):
+    Attributes:
+        name: its column in the tables.
+        spec: the file or datasets spec read; None: the calibration's held-out sequences.
+        part: with ``spec`` None, which ``--data`` source's held-out sequences (None: all of them).
+    """
+
+    name: str
+    spec: str | None
+    part: int | None = None
+
+    @property
+    def key(self) -> str:
+        """What the domain's figures were measured on; a name whose key changed is measured again."""
+        if self.spec is not None:
+            return self.spec
+        return f"calibration held-out {'all' if self.part is None else self.part}"
+
+
+def _domain_name(spec: str) -> str:
+    path = Path(spec).expanduser()
+    if path.suffix in FILE_SUFFIXES or path.exists():
+        return path.stem
+    return spec.replace("/", "-").replace(":", "-")  # a datasets spec
+
+
+def plan_domains(args: argparse.Namespace) -> list[Domain]:
+    """The held-out domains ``args`` asks for, before anything is loaded; bad spellings are one-line errors."""
+    if args.heldout is None:
+        if args.data is None and SHIPPED_HELDOUT.is_file():  # a text the default calibration corpus does not contain
+            return [Domain(SHIPPED_HELDOUT.stem, str(SHIPPED_HELDOUT))]
+        sources = data_config_from_args(args).sources
+        if len(sources) == 1:
+            return [Domain("heldout", None)]
+        names = [_domain_name(source.label()) if not source.is_self else "self" for source in sources]
+        return [Domain(name, None, index) for index, name in enumerate(names)]
+    items = [args.heldout] if Path(args.heldout).expanduser().exists() else [
+        item.strip() for item in args.heldout.split(",")]
+    domains = []
+    for item in items:
+        name, sep, spec = item.partition("=")
+        if not sep or Path(item).expanduser().exists():
+            name, spec = _domain_name(item), item
+        if not name.strip() or not spec.strip():
+            raise LayercutError(f"--heldout entry '{item}' is empty: give FILE or NAME=FILE, e.g. "
+                                "novel=emma.txt,news=ptb.txt")
+        domains.append(Domain(name.strip(), spec.strip()))
+    names = [domain.name for domain in domains]
+    for name in names:
+        if names.count(name) > 1:
+            raise LayercutError(f"--heldout names the domain '{name}' twice: name them apart, e.g. "
+                                f"{name}1=FIRST.txt,{name}2=SECOND.txt")
+    for domain in domains:
+        path = Path(domain.spec).expanduser()
+        if not path.exists() and (path.suffix in FILE_SUFFIXES or domain.spec.startswith((".", "/", "~"))):
+            load_documents(domain.spec, flag="--heldout")  # its one-line error, before the model loads
+    return domains
+
+
+class Heldout:
+    """The held-out domains and how to score a model on them."""
+
+    def __init__(self, args: argparse.Namespace, scored: Scored | None, tokenizer,
+                 domains: list[Domain] | None = None):
         self.seq_len = args.seq_len
         self.batch_size = args.batch_size
-        spec = args.heldout
-        if spec is None and args.data is None and SHIPPED_HELDOUT.is_file():
-            spec = str(SHIPPED_HELDOUT)  # a shipped text the default calibration corpus does not contain
-        if spec is not None:
-            documents, source = load_documents(spec, flag="--heldout")
-            ids = tokenize_text(tokenizer, "\n\n".join(documents))
-            self.ids = ids[: args.heldout_tokens] if args.heldout_tokens else ids
-            self.packed = None
-            self.describe = {"source": source, "tokens": int(self.ids.numel())}
-        else:
-            heldout = scored.calibration.heldout_ids if scored is not None else None
-            if heldout is None or heldout.numel() == 0:
-                raise LayercutError("no held-out text: pass --heldout FILE or raise --heldout-samples above 0")
-            self.ids, self.packed = None, heldout
-            self.describe = {"source": f"{scored.calibration.source} (held-out sequences, disjoint from "
-                                       "calibration)", "tokens": int(heldout.numel())}
+        self.domains = domains if domains is not None else plan_domains(args)
+        self.ids: dict[str, torch.Tensor] = {}  # name -> 1-D stream of a text
+        self.packed: dict[str, torch.Tensor] = {}  # name -> [sequences, seq_len] calibration held-out
+        self.describe = {"domains": {}}
+        for domain in self.domains:
+            if domain.spec is not None:
+                documents, source = load_documents(domain.spec, flag="--heldout")
+                ids = tokenize_text(tokenizer, "\n\n".join(documents))
+                self.ids[domain.name] = ids[: args.heldout_tokens] if args.heldout_tokens else ids
+                tokens = int(self.ids[domain.name].numel())
+            else:
+                source, self.packed[domain.name] = self._calibration_part(scored, domain)
+                tokens = int(self.packed[domain.name].numel())
+            self.describe["domains"][domain.name] = {"source": source, "tokens": tokens, "key": domain.key}
+        if len(self.domains) == 1:  # the one-text layout of earlier results.json files
+            self.describe.update({k: v for k, v in self.describe["domains"][self.domains[0].name].items()
+                                  if k != "key"})
 
-    def perplexity(self, model) -> float:
-        """Held-out perplexity of ``model``."""
-        if self.packed is not None:
-            return packed_perplexity(model, self.packed, self.batch_size, progress=False)
-        return perplexity(model, self.ids, seq_len=self.seq_len, batch_size=self.batch_size, progress=False).perplexity
+    @staticmethod
+    def _calibration_part(scored: Scored | None, domain: Domain) -> tuple[str, torch.Tensor]:
+        calibration = scored.calibration if scored is not None else None
+        if domain.part is None:
+            heldout, source = (calibration.heldout_ids, calibration.source) if calibration else (None, "")
+        else:
+            source, heldout = list(calibration.heldout_by_source.items())[domain.part]
+        if heldout is None or heldout.numel() == 0:
+            raise LayercutError(f"no held-out text for the domain '{domain.name}': pass --heldout FILE or raise "
+                                "--heldout-samples")
+        return f"{source} (held-out sequences, disjoint from calibration)", heldout
+
+    def names(self) -> list[str]:
+        """The domain names in order."""
+        return [domain.name for domain in self.domains]
+
+    def perplexity(self, model, name: str) -> float:
+        """Held-out perplexity of ``model`` on the domain ``name``."""
+        if name in self.packed:
+            return packed_perplexity(model, self.packed[name], self.batch_size, progress=False)
+        return perplexity(model, self.ids[name], seq_len=self.seq_len, batch_size=self.batch_size,
+                          progress=False).perplexity
+
+
+def mean_perplexity(domains: dict[str, float], names: list[str]) -> float:
+    """Geometric mean of the perplexities of ``names``: the perplexity of their mean per-token loss."""
+    return math.exp(sum(math.log(domains[name]) for name in names) / len(names))
+
+
+def measure_domains(model, heldout: Heldout, row: dict, names: list[str] | None = None) -> None:
+    """Put the perplexity of each domain (``names``, default all) and their mean into ``row``."""
+    domains = row.setdefault("domains", {})
+    for name in names if names is not None else heldout.names():
+        domains[name] = heldout.perplexity(model, name)
+    row["heldout_ppl"] = mean_perplexity(domains, heldout.names())
 
 
 def measure(model, tokenizer, heldout: Heldout, args: argparse.Namespace) -> dict:
-    """Parameters, held-out perplexity, lm-eval tasks and decode seconds of one model."""
-    row = {"params": count_parameters(model), "blocks": num_blocks(model), "heldout_ppl": heldout.perplexity(model)}
+    """Parameters, held-out perplexity per domain, lm-eval tasks and decode seconds of one model."""
+    row = {"params": count_parameters(model), "blocks": num_blocks(model)}
+    measure_domains(model, heldout, row)
     if args.tasks:
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
         raw = run_lm_eval(model, tokenizer, tasks, data_dir=args.data_dir, limit=args.limit)
         row["tasks"] = {task: raw[task].get(primary_metric(task)) for task in tasks if task in raw}
+        row["task_stderr"] = {task: raw[task].get(f"{primary_metric(task)}_stderr") for task in tasks if task in raw}
     if args.speed_tokens:
         options = SpeedOptions(prompt_len=min(64, args.seq_len), new_tokens=args.speed_tokens)
         prompt = make_prompt(model.config.vocab_size, options)
         time_decode(model, prompt, 2)  # warm-up
         row["decode_s"] = sorted(time_decode(model, prompt, options.new_tokens) for _ in range(3))[1]
     return row
+
+
+def reconcile_domains(results: dict, domains: list[Domain]) -> None:
+    """Forget every figure of a domain whose name now means another text, so it is measured again."""
+    measured = results.get("heldout", {}).get("domains", {})
+    for domain in domains:
+        if domain.name in measured and measured[domain.name].get("key") != domain.key:
+            for row in [results["dense"] or {}, *results["cells"].values()]:
+                row.get("domains", {}).pop(domain.name, None)
+
+
+def _has_domains(row: dict | None, domains: list[Domain]) -> bool:
+    return row is not None and all(domain.name in row.get("domains", {}) for domain in domains)
 
 
 def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, heldout: Heldout, out: Path,
@@ -262,6 +390,7 @@ def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, hel
            "copy_seconds": round(copy_seconds, 2)}
     row.update(measure(student.model, student.tokenizer, heldout, args))
     row["heldout_ratio"] = row["heldout_ppl"] / dense["heldout_ppl"]
+    row["domain_ratios"] = {name: row["domains"][name] / dense["domains"][name] for name in heldout.names()}
     row["params_ratio"] = row["params"] / dense["params"]
     if "decode_s" in row and dense.get("decode_s"):
         row["decode_speedup"] = dense["decode_s"] / row["decode_s"]
@@ -274,49 +403,176 @@ def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, hel
     return row
 
 
+# Accuracy of a random guess on each task: 1 / the choices a row offers (ARC: 4 on almost every row,
+# HellaSwag 4 endings, PIQA 2 solutions, WinoGrande 2 options, BoolQ yes/no); LAMBADA's target is an
+# open next word, so 0.
+CHANCE = {"arc_easy": 0.25, "arc_challenge": 0.25, "hellaswag": 0.25, "piqa": 0.5, "winogrande": 0.5, "boolq": 0.5,
+          "openbookqa": 0.25, "sciq": 0.25, "copa": 0.5, "mmlu": 0.25, "lambada": 0.0, "lambada_openai": 0.0,
+          "lambada_standard": 0.0}
+TIE_SE = 2.0  # differences under this many standard errors are ties
+
+
+def refresh_rows(results: dict, names: list[str]) -> None:
+    """Mean perplexity and ratios of every row over the domains ``names`` (the ones asked for now)."""
+    results["domains"] = list(names)
+    dense = results["dense"]
+    if not _has_domains(dense, [Domain(n, None) for n in names]):
+        return
+    dense["heldout_ppl"] = mean_perplexity(dense["domains"], names)
+    for row in results["cells"].values():
+        if all(name in row.get("domains", {}) for name in names):
+            row["heldout_ppl"] = mean_perplexity(row["domains"], names)
+            row["heldout_ratio"] = row["heldout_ppl"] / dense["heldout_ppl"]
+            row["domain_ratios"] = {name: row["domains"][name] / dense["domains"][name] for name in names}
+
+
+def _stderr(row: dict, task: str) -> float:
+    value = row.get("task_stderr", {}).get(task)
+    return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
+
+
+def _task_figures(row: dict, tasks: list[str], counted: list[str], dense: dict) -> dict:
+    """Task mean, retention above chance and their standard errors for one row."""
+    figures = {}
+    present = [t for t in tasks if row.get("tasks", {}).get(t) is not None]
+    if present:
+        figures["task_mean"] = sum(row["tasks"][t] for t in present) / len(present)
+        figures["task_mean_stderr"] = math.sqrt(sum(_stderr(row, t) ** 2 for t in present)) / len(present)
+    if counted and all(row.get("tasks", {}).get(t) is not None for t in counted):
+        above = sum(dense["tasks"][t] - CHANCE[t] for t in counted)  # the dense model's, > 0 by the choice of tasks
+        figures["retention"] = sum(row["tasks"][t] - CHANCE[t] for t in counted) / above
+        # the dense model's own error is shared by every row: only the row's error separates two rows
+        figures["retention_stderr"] = math.sqrt(sum(_stderr(row, t) ** 2 for t in counted)) / above
+    return figures
+
+
+def _beats(a: dict, b: dict, fa: dict, fb: dict, names: list[str], quality: str | None) -> bool:
+    """Lower perplexity on every domain and, when tasks ran, the task figure higher by two standard errors."""
+    if not all(a["domains"][n] < b["domains"][n] for n in names):
+        return False
+    if quality is None:
+        return True
+    if quality not in fa or quality not in fb:
+        return False
+    margin = TIE_SE * math.hypot(fa[f"{quality}_stderr"], fb[f"{quality}_stderr"])
+    return fa[quality] - fb[quality] >= margin and fa[quality] > fb[quality]
+
+
+def analyse(results: dict) -> dict:
+    """Task means, retention above chance, ties and the "better than" relation of every finished row."""
+    dense = results["dense"] or {}
+    names = results.get("domains") or list(dense.get("domains", {}))
+    rows = {key: row for key, row in results["cells"].items() if all(n in row.get("domains", {}) for n in names)}
+    tasks = sorted({t for row in [dense, *rows.values()] for t in row.get("tasks", {})})
+    counted, excluded = [], {}
+    for task in tasks:
+        value = dense.get("tasks", {}).get(task)
+        if task not in CHANCE:
+            excluded[task] = "no chance level known"
+        elif value is None:
+            excluded[task] = "no dense score"
+        elif value - CHANCE[task] <= TIE_SE * _stderr(dense, task):
+            excluded[task] = f"dense {value:.3f} is within {TIE_SE:g} standard errors of chance {CHANCE[task]:g}"
+        else:
+            counted.append(task)
+    figures = {key: _task_figures(row, tasks, counted, dense) for key, row in rows.items()}
+    figures["dense"] = _task_figures(dense, tasks, counted, dense) if dense else {}
+    quality = None if not tasks else ("retention" if counted else "task_mean")
+    better, ties = {}, {}
+    for key, row in rows.items():
+        same = [(k, r) for k, r in rows.items() if r["drop"] == row["drop"] and k != key]
+        better[key] = sorted(k for k, r in same if _beats(row, r, figures[key], figures[k], names, quality))
+        if quality is not None and quality in figures[key]:
+            best = max((k for k, _ in [(key, row), *same] if quality in figures[k]), key=lambda k: figures[k][quality])
+            gap = figures[best][quality] - figures[key][quality]
+            tie = gap < TIE_SE * math.hypot(figures[best][f"{quality}_stderr"], figures[key][f"{quality}_stderr"])
+            ties[key] = "best" if best == key else ("tie" if tie else f"-{100 * gap:.1f}")
+    return {"domains": names, "tasks": tasks, "chance": {t: CHANCE[t] for t in tasks if t in CHANCE},
+            "retention_tasks": counted, "excluded_tasks": excluded, "task_quality": quality, "rows": figures,
+            "better_than": better, "vs_best_tasks": ties}
+
+
 def cell_key(name: str, drop: int) -> str:
     """The key of a cell in ``results.json``."""
     return f"{name}@{drop}"
 
 
 def leaderboard(results: dict) -> str:
-    """README.md: one table per drop, dense on top, best held-out perplexity first; then the oracle."""
+    """README.md: one table per drop, dense on top, best mean held-out perplexity first; then the oracle."""
     dense, setup = results["dense"], results["setup"]
-    cells = list(results["cells"].values())
-    tasks = sorted({t for row in cells + [dense] for t in row.get("tasks", {})})
+    analysis = results.get("analysis") or analyse(results)
+    names, tasks, figures = analysis["domains"], analysis["tasks"], analysis["rows"]
+    cells = {key: row for key, row in results["cells"].items() if key in analysis["better_than"]}
     timing = results.get("timing", {})
+    heldout = results.get("heldout", {})
+    texts = "; ".join(f"{name}: {d['source']} ({d['tokens']} tokens)" for name, d in heldout.get("domains", {}).items()
+                      if name in names)
     lines = [f"# Method comparison: {setup['model']}", "",
-             f"Held-out perplexity on {results.get('heldout', {}).get('source', '?')} "
-             f"({results.get('heldout', {}).get('tokens', '?')} tokens); calibration "
-             f"{results.get('calibration', {}).get('tokens', '?')} tokens of "
+             f"Held-out perplexity on {texts or '?'}; with several domains, \"held-out ppl\" is their geometric "
+             f"mean. Calibration {results.get('calibration', {}).get('tokens', '?')} tokens of "
              f"{results.get('calibration', {}).get('source', '?')}, scored once for every cell "
              f"({timing.get('score_seconds', '?')} s). Decode speed-up: {setup['speed_tokens']} greedy steps "
              "with the KV cache, median of 3, against the dense model. Wall time: the cell's prune, fit, "
              "distillation and measurements.", ""]
-    copies = sorted(row["copy_seconds"] for row in cells)
+    lines += _task_note(analysis)
+    copies = sorted(row["copy_seconds"] for row in cells.values())
     if copies and "load_seconds" in timing:
         lines += [f"Each cell starts from a copy of the loaded model: {copies[len(copies) // 2]:.2f} s (median) "
                   f"to copy it in memory against {timing['load_seconds']:.2f} s to load it.", ""]
-    head = ["rank", "method", "blocks removed", "params", "held-out ppl", "vs dense", *tasks, "decode speed-up",
-            "wall s", "vanilla"]
-    for drop in sorted({row["drop"] for row in cells}):
-        rows = sorted((r for r in cells if r["drop"] == drop), key=lambda r: r["heldout_ppl"])
+    domain_heads = [f"{name} ppl" for name in names] if len(names) > 1 else []
+    task_heads = [*tasks, "task mean", "retention", "tasks vs best"] if tasks else []
+    head = ["rank", "method", "blocks removed", "params", "held-out ppl", "vs dense", *domain_heads, *task_heads,
+            "better than", "decode speed-up", "wall s", "vanilla"]
+    for drop in sorted({row["drop"] for row in cells.values()}):
+        rows = sorted(((k, r) for k, r in cells.items() if r["drop"] == drop), key=lambda kr: kr[1]["heldout_ppl"])
         lines += [f"## Drop {drop}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        dense_tasks = [_task(dense, t) for t in tasks]
+        domain_cells = [f"{dense['domains'][n]:.3f}" for n in names] if len(names) > 1 else []
         lines.append(f"| - | dense | - | {dense['params']:,} | {dense['heldout_ppl']:.3f} | 1.000 | "
-                     + "".join(f"{v} | " for v in dense_tasks) + ("1.00" if "decode_s" in dense else "-")
-                     + " | - | yes |")
-        for rank, row in enumerate(rows, 1):
+                     + "".join(f"{v} | " for v in domain_cells + _task_cells(dense, tasks, figures["dense"], "-"))
+                     + "- | " + ("1.00" if "decode_s" in dense else "-") + " | - | yes |")
+        for rank, (key, row) in enumerate(rows, 1):
             speed = f"{row['decode_speedup']:.2f}" if "decode_speedup" in row else "-"
+            domain_cells = [f"{row['domains'][n]:.3f} ({100 * (row['domains'][n] / dense['domains'][n] - 1):+.1f}%)"
+                            for n in names] if len(names) > 1 else []
+            beaten = ", ".join(cells[k]["method"] for k in analysis["better_than"][key]) or "-"
             lines.append(f"| {rank} | {row['method']} | {row['dropped']} | {row['params']:,} | "
-                         f"{row['heldout_ppl']:.3f} | {row['heldout_ratio']:.3f} | "
-                         + "".join(f"{_task(row, t)} | " for t in tasks)
-                         + f"{speed} | {row['seconds']:.1f} | {'yes' if row['vanilla'] else 'no'} |")
+                         f"{row['heldout_ppl']:.3f} | {row['heldout_ppl'] / dense['heldout_ppl']:.3f} | "
+                         + "".join(f"{v} | " for v in domain_cells + _task_cells(
+                             row, tasks, figures[key], analysis["vs_best_tasks"].get(key, "-")))
+                         + f"{beaten} | {speed} | {row['seconds']:.1f} | {'yes' if row['vanilla'] else 'no'} |")
         lines.append("")
     lines += [f"![held-out perplexity vs blocks removed]({PPL_PNG})", "", f"![chosen blocks]({BLOCKS_PNG})", ""]
     if results.get("oracle"):
         lines += ["## Oracle", "", results["oracle"]["table"], ""]
     return "\n".join(lines)
+
+
+def _task_note(analysis: dict) -> list[str]:
+    if not analysis["tasks"]:
+        return ["\"Better than\": lower perplexity on every held-out domain.", ""]
+    counted = ", ".join(analysis["retention_tasks"])
+    excluded = "; ".join(f"{t}: {why}" for t, why in analysis["excluded_tasks"].items())
+    quality = "retention" if analysis["task_quality"] == "retention" else "task mean"
+    chance = ", ".join(f"{t} {c:g}" for t, c in analysis["chance"].items())
+    retention = (f"Retention = sum over {counted} of (accuracy - chance) / the same sum for the dense model"
+                 if counted else "Retention: none, no task has the dense model clearly above chance")
+    return [f"Tasks: accuracy ± lm-eval's standard error, in %. {retention} (chance: {chance})"
+            + (f"; left out: {excluded}" if excluded else "") + f". \"Tasks vs best\" compares the {quality} with "
+            f"the best at the same drop: tie when the gap is under {TIE_SE:g} standard errors. \"Better than\": "
+            f"lower perplexity on every domain and a {quality} higher by {TIE_SE:g} standard errors or more.", ""]
+
+
+def _task_cells(row: dict, tasks: list[str], figures: dict, vs_best: str) -> list[str]:
+    if not tasks:
+        return []
+    cells = []
+    for task in tasks:
+        value = row.get("tasks", {}).get(task)
+        cells.append("-" if value is None else f"{100 * value:.1f} ± {100 * _stderr(row, task):.1f}")
+    for quality in ("task_mean", "retention"):
+        cells.append(f"{100 * figures[quality]:.1f} ± {100 * figures[f'{quality}_stderr']:.1f}"
+                     if quality in figures else "-")
+    return [*cells, vs_best]
 
 
 def _task(row: dict, task: str) -> str:
@@ -377,6 +633,7 @@ def plot_blocks(results: dict, path: Path, blocks: int) -> None:
 
 def write_reports(results: dict, out: Path, blocks: int, plots: bool = True) -> None:
     """results.json, README.md and (unless ``plots`` is False) the plots, each replaced whole."""
+    results["analysis"] = analyse(results)
     write_text(out / RESULTS, json.dumps(results, indent=2) + "\n")
     if results["cells"]:
         write_text(out / README, leaderboard(results) + "\n")
@@ -394,13 +651,17 @@ def compare(args: argparse.Namespace) -> dict:
     for path in methods.values():  # every recipe checked before the model loads
         cell_config(path, drops[-1], args, None).build_steps()
     preflight(cell_config(next(iter(methods.values())), drops[-1], args, None))
+    domains = plan_domains(args)
     out = Path(args.out)
     results = open_results(out, setup_of(args), args.overwrite)
+    reconcile_domains(results, domains)
     todo = [(name, path, drop) for drop in drops for name, path in methods.items()
-            if results["cells"].get(cell_key(name, drop), {}).get("recipe_digest") != recipe_digest(path)]
+            if results["cells"].get(cell_key(name, drop), {}).get("recipe_digest") != recipe_digest(path)
+            or not _has_domains(results["cells"].get(cell_key(name, drop)), domains)]
     need_oracle = args.oracle and not results.get("oracle")
-    if not todo and not need_oracle and results["dense"] is not None:
+    if not todo and not need_oracle and _has_domains(results["dense"], domains):
         logger.info("every cell of %s is finished", out)
+        refresh_rows(results, [domain.name for domain in domains])
         write_reports(results, out, results["dense"]["blocks"])
         return results
     started = time.perf_counter()
@@ -411,10 +672,14 @@ def compare(args: argparse.Namespace) -> dict:
     scored = score_calibration(loaded, base, cosine_pairs="all")  # serves every score and selection
     results["timing"]["score_seconds"] = round(time.perf_counter() - started, 2)
     results["calibration"] = scored.calibration.describe()
-    heldout = Heldout(args, scored, loaded.tokenizer)
+    heldout = Heldout(args, scored, loaded.tokenizer, domains)
     results["heldout"] = heldout.describe
     if results["dense"] is None:
         results["dense"] = measure(loaded.model, loaded.tokenizer, heldout, args)
+    else:  # a domain added since: measure the dense model on it alone
+        missing = [name for name in heldout.names() if name not in results["dense"].get("domains", {})]
+        measure_domains(loaded.model, heldout, results["dense"], missing)
+    refresh_rows(results, heldout.names())
     if need_oracle:
         oracle = run_oracle(loaded.model, scored.calibration.token_ids, scored.scores, args.batch_size)
         results["oracle"] = {**oracle.as_dict(), "table": oracle_table(oracle, scored.scores)}
@@ -441,8 +706,18 @@ def print_summary(results: dict) -> None:
     for drop in sorted({row["drop"] for row in results["cells"].values()}):
         rows = sorted((r for r in results["cells"].values() if r["drop"] == drop), key=lambda r: r["heldout_ppl"])
         best = rows[0]
-        print(f"drop {drop}: best {best['method']} {best['heldout_ppl']:.3f} (x{best['heldout_ratio']:.3f}) "
-              f"of {len(rows)} method(s)")
+        line = (f"drop {drop}: best {best['method']} {best['heldout_ppl']:.3f} (x{best['heldout_ratio']:.3f}) "
+                f"of {len(rows)} method(s)")
+        analysis = results.get("analysis", {})
+        key = cell_key(best["method"], drop)
+        retention = analysis.get("rows", {}).get(key, {}).get("retention")
+        if retention is not None:
+            line += f", task retention {100 * retention:.1f}%"
+        beaten = analysis.get("better_than", {}).get(key)
+        if beaten is not None and len(rows) > 1:
+            line += f", better than {len(beaten)} of {len(rows) - 1} on every domain" + (
+                " and the tasks" if analysis.get("tasks") else "")
+        print(line)
 
 
 @cli_entry

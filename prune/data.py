@@ -1,19 +1,35 @@
 """Calibration text: read it, tokenize it, pack it into fixed-length sequences.
 
 Sources: a local ``.txt`` (one document), ``.jsonl`` / ``.json`` / ``.parquet`` (one document per row),
-a ``datasets`` spec ``name[:config[:split]]``, or the built-in public-domain corpus shipped inside
-the package (Jane Austen's *Pride and Prejudice*).
+a ``datasets`` spec ``name[:config[:split]]``, the built-in public-domain corpus shipped inside the
+package (Jane Austen's *Pride and Prejudice*; ``builtin`` names it in a mixture), or ``self``: text
+sampled from the model being pruned (the self-generated calibration of Ji et al., "Beware of
+Calibration Data for Pruning Large Language Models", ICLR 2025), spelled ``self`` or
+``self:temperature=0.8:top_p=0.9``.
+
+A mixture is a comma list of sources, each with an optional ``@weight``::
+
+    --data "emma.txt@0.5,ptb.txt@0.25,wikitext:wikitext-2-raw-v1:train@0.25"
+    --data "self@0.5,emma.txt@0.5"
+    --data "emma.txt,ptb.txt"            # no weights: equal shares
+
+Weights are normalised to sum to one; each source gives its share of ``--samples`` (largest
+remainders) and of the held-out sequences, drawn from its own windows so a source's held-out
+sequences never overlap its calibration ones. A single source is read exactly as before.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from prune.errors import LayercutError
 
@@ -21,6 +37,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CORPUS = "austen_pride_and_prejudice.txt"
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+BUILTIN = "builtin"
+SELF = "self"
+# sampling for ``--data self``: the model's own distribution, its long unlikely tail cut off
+SELF_DEFAULTS = {"temperature": 1.0, "top_p": 0.95}
+SELF_BATCH = 8
+MIXTURE_EXAMPLE = "emma.txt@0.5,wikitext:wikitext-2-raw-v1:train@0.5"
 
 
 def check_seq_len(seq_len: int, flag: str = "--seq-len") -> None:
@@ -34,8 +56,9 @@ class DataConfig:
     """What to calibrate on.
 
     Attributes:
-        data: file path, ``datasets`` spec (``wikitext:wikitext-2-raw-v1:train``) or None for the
-            built-in corpus.
+        data: file path, ``datasets`` spec (``wikitext:wikitext-2-raw-v1:train``), ``self`` (text
+            sampled from the model), a weighted mixture of these (``a.txt@0.7,self@0.3``) or None for
+            the built-in corpus.
         samples: number of packed sequences.
         seq_len: tokens per sequence.
         seed: picks which sequences; same seed, same tokens.
@@ -57,6 +80,15 @@ class DataConfig:
         check_seq_len(self.seq_len)
         if not isinstance(self.heldout_samples, int) or self.heldout_samples < 0:
             raise LayercutError(f"--heldout-samples must be an integer >= 0, got {self.heldout_samples}")
+        sources = parse_sources(self.data)
+        if len(sources) > self.samples:
+            raise LayercutError(f"--data mixes {len(sources)} sources but --samples is {self.samples}: raise "
+                                f"--samples to at least {len(sources)}")
+
+    @property
+    def sources(self) -> list[Source]:
+        """The sources of ``data`` with their normalised weights (one, weight 1, unless a mixture)."""
+        return parse_sources(self.data)
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +103,10 @@ class CalibrationData:
     token_ids: torch.Tensor  # [samples, seq_len] int64
     source: str
     heldout_ids: torch.Tensor | None = None  # [heldout samples, seq_len], disjoint from token_ids
+    # a mixture's parts: source, weight, samples, heldout (sequences each gave); None for one source
+    mixture: list[dict] | None = None
+    # held-out sequences of each source in --data order, by source description (may hold 0 rows)
+    heldout_by_source: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -80,7 +116,122 @@ class CalibrationData:
     def describe(self) -> dict:
         """JSON-ready summary for reports."""
         samples, seq_len = self.token_ids.shape
-        return {"source": self.source, "samples": samples, "seq_len": seq_len, "tokens": self.num_tokens}
+        summary = {"source": self.source, "samples": samples, "seq_len": seq_len, "tokens": self.num_tokens}
+        if self.mixture is not None:
+            summary["mixture"] = [dict(part) for part in self.mixture]
+        return summary
+
+
+@dataclass(frozen=True)
+class Source:
+    """One calibration source and its share of the sequences.
+
+    Attributes:
+        spec: what ``load_documents`` reads (None: the built-in corpus), or ``self``.
+        weight: share of the sequences, the weights of a mixture summing to one.
+        sampling: temperature and top_p of a ``self`` source (empty for text sources).
+    """
+
+    spec: str | None
+    weight: float = 1.0
+    sampling: tuple[tuple[str, float], ...] = ()
+
+    @property
+    def is_self(self) -> bool:
+        """Text sampled from the model rather than read."""
+        return self.spec == SELF
+
+    def label(self) -> str:
+        """How reports name the source before it is read."""
+        if self.is_self:
+            return "self(" + ", ".join(f"{k}={v:g}" for k, v in self.sampling) + ")"
+        return BUILTIN if self.spec is None else self.spec
+
+
+def parse_sources(spec: str | None) -> list[Source]:
+    """``--data`` -> its sources with weights summing to one; a bad spelling is a one-line error.
+
+    A path that exists is one source even if its name holds ``,`` or ``@``.
+    """
+    if spec is None:
+        return [Source(None)]
+    if not isinstance(spec, str) or not spec.strip():
+        raise LayercutError(f"--data is empty: pass a file, a datasets spec, self, or a mixture like {MIXTURE_EXAMPLE}")
+    if Path(spec).expanduser().exists():
+        return [Source(spec)]
+    items = [item.strip() for item in spec.split(",")]
+    if any(not item for item in items):
+        raise LayercutError(f"--data '{spec}' has an empty entry: separate sources by single commas, e.g. "
+                            f"{MIXTURE_EXAMPLE}")
+    parsed = [_split_weight(item) for item in items]
+    given = [weight is not None for _, weight in parsed]
+    if any(given) and not all(given):
+        raise LayercutError(f"--data '{spec}' weights some sources and not others: give every source a weight "
+                            f"({MIXTURE_EXAMPLE}) or none (equal shares)")
+    weights = [weight if weight is not None else 1.0 for _, weight in parsed]
+    total = sum(weights)
+    sources = [_source(name, weight / total) for (name, _), weight in zip(parsed, weights, strict=True)]
+    labels = [source.label() for source in sources]
+    for label in labels:
+        if labels.count(label) > 1:
+            raise LayercutError(f"--data names '{label}' twice: give it once with the sum of its weights")
+    return sources
+
+
+def _split_weight(item: str) -> tuple[str, float | None]:
+    """``"emma.txt@0.5"`` -> ``("emma.txt", 0.5)``; ``"emma.txt"`` -> ``("emma.txt", None)``."""
+    if "@" not in item or Path(item).expanduser().exists():
+        return item, None
+    name, text = item.rsplit("@", 1)
+    try:
+        weight = float(text)
+    except ValueError:
+        raise LayercutError(f"--data entry '{item}' has weight '{text}': write SOURCE@WEIGHT with a positive "
+                            "number, e.g. emma.txt@0.5") from None
+    if not name.strip():
+        raise LayercutError(f"--data entry '{item}' names no source before '@': write SOURCE@WEIGHT, e.g. emma.txt@0.5")
+    if not math.isfinite(weight) or weight <= 0:
+        raise LayercutError(f"--data entry '{item}' has weight {text}: weights must be positive numbers; leave a "
+                            "source out rather than weigh it 0")
+    return name.strip(), weight
+
+
+def _source(name: str, weight: float) -> Source:
+    if name == BUILTIN:
+        return Source(None, weight)
+    if name != SELF and not name.startswith(SELF + ":"):
+        return Source(name, weight)
+    options = dict(SELF_DEFAULTS)
+    for part in name.split(":")[1:]:
+        key, _, text = part.partition("=")
+        if key not in SELF_DEFAULTS:
+            raise LayercutError(f"--data '{name}': unknown sampling option '{key}'; write self or "
+                                "self:temperature=1.0:top_p=0.95")
+        try:
+            options[key] = float(text)
+        except ValueError:
+            raise LayercutError(f"--data '{name}': {key} must be a number, e.g. self:{key}=0.9") from None
+    if not options["temperature"] > 0 or not 0 < options["top_p"] <= 1:
+        raise LayercutError(f"--data '{name}': temperature must be > 0 and top_p in (0, 1], e.g. "
+                            "self:temperature=1.0:top_p=0.95")
+    return Source(SELF, weight, tuple(options.items()))
+
+
+def shares(total: int, weights: list[float]) -> list[int]:
+    """``total`` split in proportion to ``weights`` (largest remainders, ties to the earlier source)."""
+    exact = [total * w for w in weights]
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def check_sources(config: DataConfig) -> None:
+    """Read every local file of ``config.data`` now, so a bad one fails before the model loads."""
+    for source in config.sources:
+        if source.spec is not None and not source.is_self and Path(source.spec).expanduser().is_file():
+            load_documents(source.spec, config.text_field)
 
 
 def default_corpus_text() -> str:
@@ -95,6 +246,9 @@ def load_documents(spec: str | None, text_field: str = "text", flag: str = "--da
     path = Path(spec).expanduser()
     if path.exists():
         return _read_file(path, text_field), str(path.resolve())
+    if "," in spec or spec == SELF or spec.startswith(SELF + ":"):
+        raise LayercutError(f"{flag} takes one text source here, got '{spec}': pass a single .txt/.jsonl/.parquet "
+                            "file or datasets spec")
     if path.suffix in FILE_SUFFIXES or spec.startswith((".", "/", "~")):
         raise LayercutError(f"data file '{spec}' not found: pass an existing .txt/.jsonl/.parquet file to {flag}")
     return _read_dataset(spec, text_field), f"datasets:{spec}"
@@ -148,7 +302,13 @@ def pack_with_heldout(documents: list[str], tokenizer, config: DataConfig) -> tu
     ``config.heldout_samples`` more windows are drawn afterwards from the ones calibration left, so
     asking for them never changes the calibration tokens.
     """
-    rng = random.Random(config.seed)
+    return _pack(documents, tokenizer, config.samples, config.heldout_samples, config.seq_len, config.seed,
+                 "calibration text")
+
+
+def _pack(documents: list[str], tokenizer, samples: int, heldout_samples: int, seq_len: int, seed: int | str,
+          what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    rng = random.Random(seed)
     order = list(range(len(documents)))
     rng.shuffle(order)
     separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -156,28 +316,124 @@ def pack_with_heldout(documents: list[str], tokenizer, config: DataConfig) -> tu
     for index in order:
         # verbose=False: a whole book is longer than model_max_length by design; windows are cut below
         stream += tokenizer(documents[index], add_special_tokens=False, verbose=False)["input_ids"] + separator
-        if len(stream) >= 2 * config.num_tokens:  # enough to choose from without reading everything
+        if len(stream) >= 2 * samples * seq_len:  # enough to choose from without reading everything
             break
-    windows = len(stream) // config.seq_len
-    if windows < config.samples:
+    windows = len(stream) // seq_len
+    if windows < samples:
         raise LayercutError(
-            f"calibration text has {len(stream)} tokens, {windows} sequences of {config.seq_len}; "
-            f"{config.samples} were asked for: give more text with --data or lower --samples / --seq-len"
+            f"{what} has {len(stream)} tokens, {windows} sequences of {seq_len}; "
+            f"{samples} were asked for: give more text with --data or lower --samples / --seq-len"
         )
-    chosen = sorted(rng.sample(range(windows), config.samples))
+    chosen = sorted(rng.sample(range(windows), samples))
     rest = sorted(set(range(windows)) - set(chosen))
-    heldout = sorted(rng.sample(rest, min(config.heldout_samples, len(rest))))
-    if len(heldout) < config.heldout_samples:
-        logger.warning("the calibration text leaves %d held-out sequences of the %d asked for", len(heldout),
-                       config.heldout_samples)
-    ids = torch.tensor(stream[: windows * config.seq_len], dtype=torch.long).view(windows, config.seq_len)
+    heldout = sorted(rng.sample(rest, min(heldout_samples, len(rest))))
+    if len(heldout) < heldout_samples:
+        logger.warning("the %s leaves %d held-out sequences of the %d asked for", what, len(heldout), heldout_samples)
+    ids = torch.tensor(stream[: windows * seq_len], dtype=torch.long).view(windows, seq_len)
     return ids[chosen], ids[heldout]  # [samples, seq_len], [heldout, seq_len]
 
 
-def calibration_data(tokenizer, config: DataConfig) -> CalibrationData:
-    """Read, tokenize and pack the calibration text described by ``config``."""
-    documents, source = load_documents(config.data, config.text_field)
-    ids, heldout = pack_with_heldout(documents, tokenizer, config)
+def _top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``logits`` [batch, vocab] from the smallest set holding ``top_p`` of the mass."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [batch, vocab]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # keep a token while the mass before it is under top_p: the most likely token always stays
+    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
+    sorted_probs = sorted_probs * keep
+    picked = torch.multinomial(sorted_probs, 1, generator=generator)  # [batch, 1], index into the sorted order
+    return order.gather(-1, picked)  # [batch, 1]
+
+
+@torch.no_grad()
+def sample_sequences(model, tokenizer, count: int, seq_len: int, seed: int, temperature: float = 1.0,
+                     top_p: float = 0.95, batch_size: int = SELF_BATCH) -> torch.Tensor:
+    """``count`` sequences of ``seq_len`` tokens sampled from ``model``, each starting at the BOS token.
+
+    The sequences start where a document starts (BOS, else EOS, which separates documents) so the
+    model writes what it considers typical text. Sampling runs past an EOS: what follows is the next
+    document, as in packed text. Same model, seed and device give the same tokens.
+    """
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is None:
+        raise LayercutError("--data self starts sampling at the BOS or EOS token and this tokenizer has neither: "
+                            "use a text source for --data")
+    device = model.get_input_embeddings().weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    rows = []
+    with tqdm(total=count * seq_len, desc="sampling calibration text", unit="tok") as bar:
+        for first in range(0, count, batch_size):
+            batch = min(batch_size, count - first)
+            ids = torch.full((batch, 1), start, dtype=torch.long, device=device)  # [batch, 1]
+            tokens, past = [ids], None
+            bar.update(batch)
+            for _ in range(seq_len - 1):
+                out = model(input_ids=tokens[-1], past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                tokens.append(_top_p_sample(out.logits[:, -1], temperature, top_p, generator))
+                bar.update(batch)
+            rows.append(torch.cat(tokens, dim=1).cpu())  # [batch, seq_len]
+    return torch.cat(rows)  # [count, seq_len]
+
+
+def _source_seed(seed: int, index: int, mixed: bool) -> int:
+    """The seed of a mixture's ``index``-th source; a lone source keeps ``seed`` (its tokens stay as before)."""
+    if not mixed:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "big") >> 1
+
+
+def _draw_source(source: Source, tokenizer, config: DataConfig, samples: int, heldout: int, seed: int,
+                 model) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """[samples, seq_len] and [heldout, seq_len] token ids of one source, and its description."""
+    if source.is_self:
+        if model is None:
+            raise LayercutError("--data self samples text from the model, and this command does not pass the model "
+                                "to the calibration step: use a text source for --data")
+        options = dict(source.sampling)
+        ids = sample_sequences(model, tokenizer, samples + heldout, config.seq_len, seed, **options)
+        return ids[:samples], ids[samples:], source.label()
+    documents, described = load_documents(source.spec, config.text_field)
+    what = "calibration text" if source.weight == 1.0 else f"calibration text {described}"
+    calibration, held = _pack(documents, tokenizer, samples, heldout, config.seq_len, seed, what)
+    return calibration, held, described
+
+
+def calibration_data(tokenizer, config: DataConfig, model=None) -> CalibrationData:
+    """Read, tokenize and pack the calibration text described by ``config``.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        config: what to read and how much.
+        model: the model itself, needed only when ``config.data`` holds ``self`` (text it samples).
+    """
+    sources = config.sources
+    mixed = len(sources) > 1
+    weights = [source.weight for source in sources]
+    samples, heldouts = shares(config.samples, weights), shares(config.heldout_samples, weights)
+    for source, count in zip(sources, samples, strict=True):
+        if count == 0:
+            raise LayercutError(f"--data source '{source.label()}' gets 0 of {config.samples} sequences at weight "
+                                f"{source.weight:.3g}: raise --samples or its weight")
+    parts, calibration, heldout_by_source = [], [], {}
+    for index, (source, count, held) in enumerate(zip(sources, samples, heldouts, strict=True)):
+        ids, held_ids, described = _draw_source(source, tokenizer, config, count, held,
+                                                _source_seed(config.seed, index, mixed), model)
+        if described in heldout_by_source:
+            raise LayercutError(f"--data names {described} twice: give it once with the sum of its weights")
+        calibration.append(ids)
+        heldout_by_source[described] = held_ids
+        parts.append({"source": described, "weight": round(source.weight, 6), "samples": int(ids.shape[0]),
+                      "heldout": int(held_ids.shape[0])})
+    ids = torch.cat(calibration)  # [samples, seq_len]
+    if mixed:  # interleave the sources, so any prefix of the sequences is a mixture too
+        order = list(range(ids.shape[0]))
+        random.Random(config.seed).shuffle(order)
+        ids = ids[order]
+        source = "mixture(" + ", ".join(f"{part['source']}@{part['weight']:.3g}" for part in parts) + ")"
+    else:
+        source = parts[0]["source"]
+    heldout = torch.cat(list(heldout_by_source.values()))  # [heldout, seq_len]
     logger.info("calibration data: %d x %d tokens from %s (%d sequences held out)", ids.shape[0], ids.shape[1],
                 source, heldout.shape[0])
-    return CalibrationData(ids, source, heldout if heldout.shape[0] else None)
+    return CalibrationData(ids, source, heldout if heldout.shape[0] else None, parts if mixed else None,
+                           heldout_by_source)

@@ -117,8 +117,10 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, samples: int | None =
     """Calibration flags: ``--data --text-field --samples`` (unless None) ``--seq-len --seed [--heldout-samples]``."""
     group = parser.add_argument_group(title)
     group.add_argument("--data", default=None,
-                       help=".txt/.jsonl/.parquet file or datasets spec name[:config[:split]] "
-                       "(default: the built-in Austen corpus)")
+                       help=".txt/.jsonl/.parquet file, datasets spec name[:config[:split]], self (text sampled "
+                       "from the model; self:temperature=1.0:top_p=0.95), or a weighted mixture of these: "
+                       "'emma.txt@0.5,wikitext:wikitext-2-raw-v1:train@0.3,self@0.2' (no weights: equal shares; "
+                       "builtin names the default corpus) (default: the built-in Austen corpus)")
     group.add_argument("--text-field", default="text",
                        help="text column of jsonl/parquet/datasets rows (default: text)")
     if samples is not None:

@@ -16,12 +16,13 @@ from pathlib import Path
 
 from prune.adapters import arch_spec, config_layer_count, hidden_size, max_positions, num_blocks
 from prune.checkpoint import save
-from prune.data import CalibrationData, DataConfig, calibration_data, load_documents
+from prune.data import CalibrationData, DataConfig, calibration_data, check_sources
 from prune.errors import LayercutError
 from prune.export import REPORT_FILE, atomic_directory, check_output_dir, library_versions, write_json
 from prune.heldout import heldout_report, packed_perplexity
 from prune.loading import LoadedModel, load_config
 from prune.options import LoadConfig
+from prune.oracle import Oracle, oracle_table, run_oracle
 from prune.replace import ReplaceConfig, check_replacement_supported, replace_blocks_
 from prune.score_report import plot_linearity_profile, score_table
 from prune.scores import SCORES, block_scores, check_enough_tokens, get_score
@@ -63,6 +64,9 @@ class PruneConfig:
             name alone (``replace: linear``) is short for ``{method: linear}``.
         distill: options of the distillation step after surgery (``distill.config.DistillConfig`` keys,
             ``steps`` > 0 switches it on); prune hands them to the ``distill`` step unread.
+        oracle: also measure the calibration perplexity with each block alone removed (one pass per block)
+            and each score's Spearman rank correlation with it (``prune.oracle``; into the report and
+            ``scores.md``).
         out: output folder; None writes nothing when only scoring, and ``<model>-drop<K>`` when
             dropping, so the first command a user types keeps its result.
         overwrite: replace a non-empty ``out``.
@@ -77,6 +81,7 @@ class PruneConfig:
     batch_size: int = 4
     replace: ReplaceConfig | str = "none"
     distill: dict = field(default_factory=dict)
+    oracle: bool = False
     out: str | None = None
     overwrite: bool = False
 
@@ -145,7 +150,7 @@ def score_calibration(loaded: LoadedModel, config: PruneConfig, cosine_pairs: st
 
     ``cosine_pairs`` defaults to what ``config`` needs; pass "all" to serve every selection.
     """
-    calibration = calibration_data(loaded.tokenizer, config.data)
+    calibration = calibration_data(loaded.tokenizer, config.data, model=loaded.model)
     moments, scores = score_model(loaded.model, calibration, config, cosine_pairs)
     return Scored(calibration, moments, scores)
 
@@ -166,12 +171,11 @@ class PruneResult:
 def preflight(config: PruneConfig) -> None:
     """Every check that needs only the model's config, before any weight is read or any token scored.
 
-    A local calibration file must read as text; ``--drop`` and ``--protect`` are checked against the
+    Every local calibration file must read as text; ``--drop`` and ``--protect`` are checked against the
     block count, the calibration ``--seq-len`` against the model's positions. Models whose config is
     not at hand without converting them (a ``.gguf`` seen for the first time) are checked after loading.
     """
-    if config.data.data is not None and Path(config.data.data).expanduser().is_file():
-        load_documents(config.data.data, config.data.text_field)  # a local file: cheap to read twice
+    check_sources(config.data)  # local files: cheap to read twice
     model_config = load_config(config.load.model)
     if model_config is not None:
         check_against_model(config, model_config)
@@ -264,11 +268,12 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
         _check_scored(scored, config, before)
         calibration, moments, scores = scored.calibration, scored.moments, scored.scores
     else:
-        calibration = calibration_data(loaded.tokenizer, config.data)
+        calibration = calibration_data(loaded.tokenizer, config.data, model=loaded.model)
     heldout = calibration.heldout_ids if config.drop is not None else None
     original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
     if scored is None:
         moments, scores = score_model(model, calibration, config)
+    oracle = run_oracle(model, calibration.token_ids, scores, config.batch_size) if config.oracle else None
     dropped = choose_blocks(model, calibration, moments, scores, config)
     spans = span_report(model, calibration, moments, scores, config) if dropped and config.select == "span" else None
     if dropped:
@@ -277,6 +282,8 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     report = build_report(loaded, config, calibration, scores, dropped, before, time.perf_counter() - started)
     if spans is not None:
         report["span_scores"] = spans
+    if oracle is not None:
+        report["oracle"] = oracle.as_dict()
     if original is not None and dropped:
         report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout)
     report.update({name: result.report for name, result in done.items()})
@@ -327,7 +334,10 @@ def write_outputs(loaded: LoadedModel, report: dict, config: PruneConfig, files:
     def profile_files(folder: Path) -> None:
         title = f"{loaded.name}: block linearity ({report['data']['tokens']} tokens)"
         plot_linearity_profile(report["scores"], folder / PROFILE_PNG, title, report["dropped"])
-        (folder / SCORES_MD).write_text(score_table(report["scores"], report["dropped"]) + "\n", encoding="utf-8")
+        table = score_table(report["scores"], report["dropped"])
+        if "oracle" in report:
+            table += "\n\n" + oracle_table(Oracle(**report["oracle"]), report["scores"])
+        (folder / SCORES_MD).write_text(table + "\n", encoding="utf-8")
         for path in files:
             if path.is_file():
                 shutil.copy2(path, folder / path.name)

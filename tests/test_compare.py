@@ -139,4 +139,147 @@ def test_lm_eval_tasks_per_cell_and_for_dense(tiny_folder, tmp_path, capsys, sha
     results = json.loads((out / "results.json").read_text())
     for row in (results["dense"], results["cells"]["shortgpt@1"]):
         assert 0 <= row["tasks"]["piqa"] <= 1 and row["tasks"]["piqa"] * 4 == round(row["tasks"]["piqa"] * 4)
-    assert "| piqa |" in (out / "README.md").read_text()
+        p = row["tasks"]["piqa"]  # lm-eval's standard error of a mean of 4 zero-one scores
+        assert row["task_stderr"]["piqa"] == pytest.approx((p * (1 - p) / 3) ** 0.5)
+    analysis = results["analysis"]
+    assert analysis["chance"] == {"piqa": 0.5} and analysis["tasks"] == ["piqa"]
+    # 4 rows of a random model cannot be clearly above chance: retention falls back to the plain task mean
+    assert analysis["retention_tasks"] == [] and analysis["task_quality"] == "task_mean"
+    assert analysis["rows"]["shortgpt@1"]["task_mean"] == results["cells"]["shortgpt@1"]["tasks"]["piqa"]
+    readme = (out / "README.md").read_text()
+    assert "| piqa | task mean | retention | tasks vs best |" in readme and "piqa: dense" in readme
+
+
+def _row(method, drop, domains, tasks=None, stderr=0.02):
+    row = {"method": method, "drop": drop, "domains": domains, "dropped": list(range(drop)), "params": 10,
+           "heldout_ppl": compare_module.mean_perplexity(domains, list(domains)), "heldout_ratio": 1.0,
+           "domain_ratios": {n: 1.0 for n in domains}, "seconds": 1.0, "vanilla": True, "copy_seconds": 0.1}
+    if tasks is not None:
+        row["tasks"] = tasks
+        row["task_stderr"] = {t: stderr for t in tasks}
+    return row
+
+
+def test_retention_above_chance_ties_and_better_than():
+    dense = _row("dense", 0, {"novel": 10.0, "news": 20.0},
+                 {"arc_easy": 0.60, "piqa": 0.70, "winogrande": 0.51, "lambada_openai": 0.30, "mystery": 0.9})
+    cells = {
+        "remove@4": _row("remove", 4, {"novel": 14.0, "news": 30.0},
+                         {"arc_easy": 0.55, "piqa": 0.66, "winogrande": 0.52, "lambada_openai": 0.20, "mystery": 0.5}),
+        "linear@4": _row("linear", 4, {"novel": 12.0, "news": 28.0},
+                         {"arc_easy": 0.45, "piqa": 0.60, "winogrande": 0.53, "lambada_openai": 0.22, "mystery": 0.5}),
+        "fold@4": _row("fold", 4, {"novel": 13.0, "news": 31.0},
+                       {"arc_easy": 0.40, "piqa": 0.58, "winogrande": 0.50, "lambada_openai": 0.10, "mystery": 0.5}),
+    }
+    heldout = {"domains": {"novel": {"source": "a.txt", "tokens": 100}, "news": {"source": "b", "tokens": 9}}}
+    results = {"setup": {"model": "m", "speed_tokens": 0}, "dense": dense, "cells": cells,
+               "domains": ["novel", "news"], "heldout": heldout}
+    analysis = compare_module.analyse(results)
+    # winogrande: 0.51 is within two standard errors (0.04) of chance 0.5; "mystery" has no known chance level
+    assert analysis["retention_tasks"] == ["arc_easy", "lambada_openai", "piqa"]
+    assert set(analysis["excluded_tasks"]) == {"winogrande", "mystery"}
+    rows = analysis["rows"]
+    # (0.30 + 0.16 + 0.20) / (0.35 + 0.20 + 0.30)
+    assert rows["remove@4"]["retention"] == pytest.approx(0.66 / 0.85)
+    assert rows["linear@4"]["retention"] == pytest.approx((0.20 + 0.22 + 0.10) / 0.85)
+    assert rows["remove@4"]["retention_stderr"] == pytest.approx(0.02 * 3 ** 0.5 / 0.85)
+    assert rows["dense"]["retention"] == pytest.approx(1.0)
+    assert rows["remove@4"]["task_mean"] == pytest.approx((0.55 + 0.66 + 0.52 + 0.20 + 0.5) / 5)
+    assert rows["remove@4"]["task_mean_stderr"] == pytest.approx(0.02 * 5 ** 0.5 / 5)
+    # linear wins perplexity on both domains but loses retention to removal (0.61 vs 0.78, gap > 2 x 0.082):
+    # better than fold only; removal loses perplexity on the novel to fold, so it is better than none
+    assert analysis["better_than"] == {"remove@4": [], "linear@4": ["fold@4"], "fold@4": []}
+    assert analysis["vs_best_tasks"] == {"remove@4": "best", "linear@4": "-16.5", "fold@4": "-38.8"}
+    # within two standard errors of the best (0.69 vs 0.78): a tie, and a tie is no win
+    cells["linear@4"]["tasks"]["arc_easy"] = 0.52
+    analysis = compare_module.analyse(results)
+    assert analysis["vs_best_tasks"]["linear@4"] == "tie" and analysis["better_than"]["linear@4"] == ["fold@4"]
+    cells["linear@4"]["tasks"].update(arc_easy=0.60, lambada_openai=0.30, piqa=0.70)
+    assert compare_module.analyse(results)["better_than"]["linear@4"] == ["fold@4", "remove@4"]
+    cells["linear@4"]["tasks"].update(arc_easy=0.52, lambada_openai=0.22, piqa=0.60)
+    results["analysis"] = analysis
+    readme = compare_module.leaderboard(results)
+    header = next(line for line in readme.splitlines() if line.startswith("| rank"))
+    assert "| novel ppl | news ppl |" in header and "| retention | tasks vs best | better than |" in header
+    linear = next(line for line in readme.splitlines() if line.startswith("| 1 | linear"))
+    assert "| 12.000 (+20.0%) | 28.000 (+40.0%) |" in linear and "| tie | fold |" in linear
+    assert "left out: mystery: no chance level known; winogrande: dense 0.510 is within 2" in readme
+
+
+def test_without_tasks_better_means_every_domain():
+    dense = _row("dense", 0, {"a": 10.0, "b": 10.0})
+    cells = {"x@1": _row("x", 1, {"a": 11.0, "b": 12.0}), "y@1": _row("y", 1, {"a": 12.0, "b": 11.5}),
+             "z@1": _row("z", 1, {"a": 13.0, "b": 13.0})}
+    analysis = compare_module.analyse({"dense": dense, "cells": cells, "domains": ["a", "b"]})
+    assert analysis["better_than"] == {"x@1": ["z@1"], "y@1": ["z@1"], "z@1": []}
+    assert analysis["tasks"] == [] and analysis["vs_best_tasks"] == {}
+
+
+def test_heldout_domains_resume_when_a_domain_is_added(tiny_folder, tmp_path, capsys, counted, sample_text):
+    from eval.perplexity import perplexity, tokenize_text
+
+    novel, speech, news = tmp_path / "novel.txt", tmp_path / "speech.txt", tmp_path / "news.txt"
+    novel.write_text(sample_text)
+    speech.write_text(" ".join(sample_text.split()[::-1]))
+    news.write_text(sample_text.upper())
+    out = tmp_path / "cmp"
+    base = [*small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt", "--speed-tokens", "0"]
+    code, _, err = run(capsys, *base, "--heldout", f"{novel},talk={speech}")
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    dense, cell = results["dense"], results["cells"]["shortgpt@1"]
+    assert list(results["heldout"]["domains"]) == ["novel", "talk"] == results["domains"]
+    tok = make_tiny_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
+    expected = {name: perplexity(model, tokenize_text(tok, path.read_text()), seq_len=32, batch_size=4,
+                                 progress=False).perplexity for name, path in (("novel", novel), ("talk", speech))}
+    assert dense["domains"] == pytest.approx(expected, rel=1e-5)
+    assert dense["heldout_ppl"] == pytest.approx((expected["novel"] * expected["talk"]) ** 0.5, rel=1e-5)
+    assert cell["domain_ratios"]["talk"] == pytest.approx(cell["domains"]["talk"] / expected["talk"])
+    readme = (out / "README.md").read_text()
+    assert "| novel ppl | talk ppl |" in readme and "| better than |" in readme
+    # the same request again runs nothing; one domain more reruns the cell and completes the dense row
+    counted.clear()
+    assert run(capsys, *base, "--heldout", f"{novel},talk={speech}")[0] == 0 and counted == []
+    code, _, err = run(capsys, *base, "--heldout", f"{novel},talk={speech},{news}")
+    assert code == 0, err
+    assert counted == [("shortgpt", 1)]
+    again = json.loads((out / "results.json").read_text())
+    assert again["dense"]["domains"]["novel"] == dense["domains"]["novel"]  # kept, not measured again
+    assert set(again["cells"]["shortgpt@1"]["domains"]) == {"novel", "talk", "news"}
+    assert again["cells"]["shortgpt@1"]["domains"]["talk"] == pytest.approx(cell["domains"]["talk"])
+    # a domain name that now means another text is measured again
+    counted.clear()
+    code, _, err = run(capsys, *base, "--heldout", f"{novel},talk={news},{news}")
+    assert code == 0, err
+    third = json.loads((out / "results.json").read_text())
+    assert counted == [("shortgpt", 1)]
+    assert third["dense"]["domains"]["talk"] == pytest.approx(third["dense"]["domains"]["news"])
+
+
+def test_mixture_calibration_gives_one_domain_per_source(tiny_folder, tmp_path, capsys, sample_text):
+    a, b = tmp_path / "austen.txt", tmp_path / "shout.txt"
+    a.write_text(sample_text)
+    b.write_text(sample_text.upper())
+    out = tmp_path / "cmp"
+    code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt", "--speed-tokens",
+                       "0", "--data", f"{a}@0.75,{b}@0.25", "--heldout-samples", "4")
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert [(p["samples"], p["heldout"]) for p in results["calibration"]["mixture"]] == [(6, 3), (2, 1)]
+    domains = results["heldout"]["domains"]
+    assert list(domains) == ["austen", "shout"] and [d["tokens"] for d in domains.values()] == [3 * 32, 1 * 32]
+    data = calibration_data(make_tiny_tokenizer(), DataConfig(f"{a}@0.75,{b}@0.25", 8, 32, heldout_samples=4))
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
+    shout = list(data.heldout_by_source.values())[1]
+    assert results["dense"]["domains"]["shout"] == pytest.approx(packed_perplexity(model, shout, progress=False),
+                                                                 rel=1e-5)
+
+
+@pytest.mark.parametrize("heldout,message", [("a=x.txt,a=y.txt", "names the domain 'a' twice"),
+                                             ("x.txt,,y.txt", "is empty: give FILE or NAME=FILE"),
+                                             ("a.txt,b.txt", "data file 'a.txt' not found")])
+def test_bad_heldout_lists_are_one_line_errors(tiny_folder, tmp_path, capsys, heldout, message):
+    code, _, err = run(capsys, *small(tiny_folder, tmp_path / "x"), "--drop", "1", "--methods", "shortgpt",
+                       "--heldout", heldout)
+    assert code == EXIT_BAD_INPUT and message in err and err.count("\n") == 1

@@ -42,3 +42,20 @@ def test_oracle_measures_each_removal_and_rates_the_scores(one_thread):
     table = oracle_table(oracle, scores)
     assert "| score | Spearman |" in table and f"| 3 | {oracle.removed[3]:.3f} |" in table
     assert f"dense {oracle.dense:.3f}" in table
+
+
+def test_prune_run_with_oracle_reports_it_beside_the_scores(tiny_folder, tmp_path, one_thread):
+    import json
+
+    from prune.data import DataConfig
+    from prune.options import LoadConfig
+    from prune.pipeline import PruneConfig, run_prune
+
+    config = PruneConfig(load=LoadConfig(model=str(tiny_folder)), data=DataConfig(samples=8, seq_len=32,
+                         heldout_samples=0), drop=1, oracle=True, out=str(tmp_path / "slim"))
+    result = run_prune(config)
+    oracle = json.loads((tmp_path / "slim" / "layercut.json").read_text())["oracle"]
+    assert len(oracle["removed"]) == 4 and oracle["tokens"] == 8 * 32
+    assert all(ppl > 0 for ppl in oracle["removed"]) and set(oracle["spearman"]) == set(result.scores)
+    table = (tmp_path / "slim" / "scores.md").read_text()
+    assert "Spearman" in table and f"{oracle['removed'][2]:.3f}" in table

@@ -1,0 +1,188 @@
+"""Calibration mixtures (``--data a.txt@0.75,b.txt@0.25``) and self-generated calibration (``--data self``)."""
+
+import pytest
+import torch
+from conftest import make_tiny_model, make_tiny_tokenizer
+
+from prune.data import (
+    DataConfig,
+    _top_p_sample,
+    calibration_data,
+    load_documents,
+    parse_sources,
+    sample_sequences,
+    shares,
+)
+from prune.errors import LayercutError
+
+
+@pytest.fixture
+def two_texts(tmp_path):
+    """Two texts whose windows are all distinct and tell their source apart: only b holds the letter x."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(" ".join(str(i) for i in range(3000)))
+    b.write_text(" ".join(f"x{i}" for i in range(3000)))
+    return a, b
+
+
+def _from_b(row: torch.Tensor, tok) -> bool:
+    return "x" in tok.decode(row)
+
+
+def test_single_sources_parse_as_before(two_texts):
+    a, _ = two_texts
+    assert parse_sources(None)[0].spec is None
+    assert [(s.spec, s.weight) for s in parse_sources("wikitext:wikitext-2-raw-v1:train")] == [
+        ("wikitext:wikitext-2-raw-v1:train", 1.0)]
+    assert [(s.spec, s.weight) for s in parse_sources(str(a))] == [(str(a), 1.0)]
+
+
+def test_weights_are_normalised_and_default_to_equal_shares(two_texts):
+    a, b = two_texts
+    mixed = parse_sources(f"{a}@3,wikitext:wikitext-2-raw-v1:train@1, builtin@4")
+    assert [(s.spec, s.weight) for s in mixed] == [(str(a), 0.375), ("wikitext:wikitext-2-raw-v1:train", 0.125),
+                                                  (None, 0.5)]
+    assert [s.weight for s in parse_sources(f"{a},{b},self")] == pytest.approx([1 / 3] * 3)
+    assert dict(parse_sources("self:temperature=0.7:top_p=0.5")[0].sampling) == {"temperature": 0.7, "top_p": 0.5}
+    assert shares(8, [0.75, 0.25]) == [6, 2] and shares(10, [1 / 3] * 3) == [4, 3, 3]
+    assert shares(0, [0.5, 0.5]) == [0, 0]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("a.txt@0.5,b.txt", "weights some sources and not others"),
+    ("a.txt@half,b.txt@1", "has weight 'half': write SOURCE@WEIGHT"),
+    ("a.txt@0,b.txt@1", "weights must be positive"),
+    ("a.txt@-1", "weights must be positive"),
+    ("a.txt,,b.txt", "has an empty entry"),
+    ("@0.5,b.txt@0.5", "names no source before '@'"),
+    ("a.txt@0.5,a.txt@0.5", "names 'a.txt' twice"),
+    ("self:temp=0.5", "unknown sampling option 'temp'"),
+    ("self:top_p=2", "top_p in (0, 1]"),
+    ("  ", "--data is empty"),
+])
+def test_bad_spellings_are_one_line_errors(spec, message):
+    with pytest.raises(LayercutError, match=None) as err:
+        DataConfig(data=spec)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_mixture_draws_each_source_in_proportion_and_keeps_heldout_disjoint(two_texts):
+    a, b = two_texts
+    tok = make_tiny_tokenizer()
+    config = DataConfig(data=f"{a}@0.75,{b}@0.25", samples=8, seq_len=32, heldout_samples=4, seed=1)
+    data = calibration_data(tok, config)
+    from_b = [_from_b(row, tok) for row in data.token_ids]
+    assert data.token_ids.shape == (8, 32) and sum(from_b) == 2
+    assert from_b != sorted(from_b) or from_b != sorted(from_b, reverse=True)  # interleaved, not one block each
+    assert [_from_b(row, tok) for row in data.heldout_ids] == [False, False, False, True]
+    calibration = {tuple(row.tolist()) for row in data.token_ids}
+    assert not calibration & {tuple(row.tolist()) for row in data.heldout_ids}
+    assert [h.shape[0] for h in data.heldout_by_source.values()] == [3, 1]
+    described = data.describe()
+    assert [(p["weight"], p["samples"], p["heldout"]) for p in described["mixture"]] == [(0.75, 6, 3), (0.25, 2, 1)]
+    assert described["source"].startswith("mixture(") and described["tokens"] == 8 * 32
+    assert torch.equal(calibration_data(tok, config).token_ids, data.token_ids)  # same seed, same tokens
+    other = calibration_data(tok, DataConfig(data=f"{a}@0.75,{b}@0.25", samples=8, seq_len=32, seed=2))
+    assert not torch.equal(other.token_ids, data.token_ids)
+
+
+def test_one_weighted_source_is_the_source_alone(two_texts):
+    a, _ = two_texts
+    tok = make_tiny_tokenizer()
+    alone = calibration_data(tok, DataConfig(data=str(a), samples=4, seq_len=32))
+    weighted = calibration_data(tok, DataConfig(data=f"{a}@1", samples=4, seq_len=32))
+    assert torch.equal(alone.token_ids, weighted.token_ids) and torch.equal(alone.heldout_ids, weighted.heldout_ids)
+    assert "mixture" not in weighted.describe()
+
+
+def test_too_small_a_share_and_too_little_text_name_the_fix(two_texts, tmp_path):
+    a, b = two_texts
+    with pytest.raises(LayercutError, match=r"gets 0 of 8 sequences at weight 0.01: raise --samples or its weight"):
+        calibration_data(make_tiny_tokenizer(), DataConfig(data=f"{a}@0.99,{b}@0.01", samples=8, seq_len=32))
+    small = tmp_path / "small.txt"
+    small.write_text("a few words")
+    with pytest.raises(LayercutError, match=r"calibration text .*small.txt has \d+ tokens"):
+        calibration_data(make_tiny_tokenizer(), DataConfig(data=f"{a},{small}", samples=8, seq_len=32))
+    with pytest.raises(LayercutError, match="mixes 2 sources but --samples is 1"):
+        DataConfig(data=f"{a},{b}", samples=1)
+    with pytest.raises(LayercutError, match="takes one text source here"):
+        load_documents(f"{a},{b}", flag="--heldout")
+
+
+def test_top_p_keeps_the_smallest_set_holding_the_mass():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(4000, 1)
+    picked = _top_p_sample(logits, 1.0, 0.8, torch.Generator().manual_seed(0)).flatten()
+    counts = torch.bincount(picked, minlength=4).double() / picked.numel()
+    assert counts[2:].sum() == 0  # 0.5 + 0.3 reach 0.8: the tail is cut
+    assert counts[0].item() == pytest.approx(0.625, abs=0.03)  # renormalised 0.5 / 0.8
+    hot = _top_p_sample(logits[:4000], 2.0, 1.0, torch.Generator().manual_seed(0)).flatten()
+    assert (torch.bincount(hot, minlength=4)[3] / 4000).item() == pytest.approx(
+        torch.softmax(logits[0] / 2, -1)[3].item(), abs=0.02)  # temperature flattens the distribution
+
+
+def test_self_samples_from_the_model(one_thread):
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    config = DataConfig(data="self", samples=4, seq_len=16, heldout_samples=2, seed=3)
+    data = calibration_data(tok, config, model=model)
+    assert data.token_ids.shape == (4, 16) and data.heldout_ids.shape == (2, 16)
+    assert (data.token_ids[:, 0] == tok.bos_token_id).all()
+    assert torch.equal(calibration_data(tok, config, model=model).token_ids, data.token_ids)
+    other = calibration_data(tok, DataConfig(data="self", samples=4, seq_len=16, seed=4), model=model)
+    assert not torch.equal(other.token_ids, data.token_ids)
+    assert not {tuple(r.tolist()) for r in data.token_ids} & {tuple(r.tolist()) for r in data.heldout_ids}
+    assert data.source == "self(temperature=1, top_p=0.95)"
+    # a nucleus this small holds the most likely token alone: sampling becomes greedy decoding
+    greedy = calibration_data(tok, DataConfig(data="self:top_p=1e-9", samples=2, seq_len=12), model=model)
+    start = torch.full((1, 1), tok.bos_token_id)
+    expected = model.generate(start, max_new_tokens=11, min_new_tokens=11, do_sample=False, pad_token_id=0)
+    assert torch.equal(greedy.token_ids, expected.repeat(2, 1))
+
+
+def test_self_in_a_mixture_and_without_a_model(two_texts, one_thread):
+    a, _ = two_texts
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    data = calibration_data(tok, DataConfig(data=f"self@0.5,{a}@0.5", samples=6, seq_len=16), model=model)
+    assert int((data.token_ids[:, 0] == tok.bos_token_id).sum()) == 3
+    assert [p["samples"] for p in data.describe()["mixture"]] == [3, 3]
+    with pytest.raises(LayercutError, match="--data self samples text from the model"):
+        calibration_data(tok, DataConfig(data="self", samples=4, seq_len=16))
+
+
+def test_prune_run_takes_a_mixture_and_refuses_a_bad_one(tiny_folder, two_texts, tmp_path, capsys, one_thread):
+    import json
+
+    from conftest import run_prune_cli
+
+    a, b = two_texts
+    out = tmp_path / "slim"
+    code, _, err = run_prune_cli(capsys, "--model", tiny_folder, "--data", f"{a}@0.75,{b}@0.25", "--samples", "8",
+                                 "--seq-len", "32", "--drop", "1", "--threads", "1", "--out", out)
+    assert code == 0, err
+    calibration = json.loads((out / "layercut.json").read_text())["data"]
+    assert [(p["samples"], p["weight"]) for p in calibration["mixture"]] == [(6, 0.75), (2, 0.25)]
+    code, _, err = run_prune_cli(capsys, "--model", tiny_folder, "--data", f"{a}@0.75,{b}", "--drop", "1",
+                                 "--out", tmp_path / "bad")
+    assert code == 2 and err.strip().splitlines()[-1].startswith("error: --data") and "Traceback" not in err
+    assert "weights some sources and not others" in err and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "opt", "gemma2", "qwen3"])
+def test_sampling_through_the_cache_matches_greedy_decoding(model_type, one_thread):
+    """Positions and caches of each architecture family: a top-p this small must reproduce generate()."""
+    tok, model = make_tiny_tokenizer(), make_tiny_model(model_type)
+    ids = sample_sequences(model, tok, 3, 20, seed=0, top_p=1e-9, batch_size=2)
+    start = torch.full((1, 1), tok.bos_token_id)
+    expected = model.generate(start, max_new_tokens=19, min_new_tokens=19, do_sample=False, pad_token_id=0)
+    assert ids.shape == (3, 20) and torch.equal(ids, expected.repeat(3, 1))
+
+
+def test_prune_run_self_calibration(tiny_folder, tmp_path, capsys, one_thread):
+    import json
+
+    from conftest import run_prune_cli
+
+    code, _, err = run_prune_cli(capsys, "--model", tiny_folder, "--data", "self", "--samples", "8",
+                                 "--seq-len", "32", "--drop", "1", "--threads", "1", "--out", tmp_path / "s")
+    assert code == 0, err
+    data = json.loads((tmp_path / "s" / "layercut.json").read_text())["data"]
+    assert data["source"].startswith("self(") and data["tokens"] == 8 * 32
