@@ -7,6 +7,7 @@ post-surgery steps (``prune.steps``), and prune never imports the package that p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import time
@@ -14,7 +15,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prune.adapters import arch_spec, config_layer_count, hidden_size, max_positions, num_blocks
+from prune.adapters import arch_spec, config_layer_count, get_blocks, hidden_size, max_positions, num_blocks
+from prune.budget import blocks_for_params, blocks_for_speedup, parse_param_target
+from prune.budget import parameter_count as budget_parameter_count
 from prune.checkpoint import save
 from prune.data import CalibrationData, DataConfig, calibration_data, check_sources
 from prune.errors import LayercutError
@@ -55,7 +58,11 @@ class PruneConfig:
     Attributes:
         load: model and how to load it (:class:`prune.options.LoadConfig`).
         data: calibration text (:class:`prune.data.DataConfig`).
-        drop: blocks to remove, a count (4) or a share ("25%"); None only scores.
+        drop: blocks to remove, a count (4) or a share ("25%"); None only scores (or meets a target).
+        target_params: remove the fewest blocks that bring the parameters to this ("110M", "1.2B", "85%");
+            in place of ``drop`` (``prune.budget``).
+        target_speedup: remove the fewest blocks whose ideal decode speed-up ``L / (L - K)`` reaches this
+            (1.25); in place of ``drop``.
         score: criterion used to rank blocks (all registered scores are reported).
         select: topk | span | greedy.
         protect: blocks never removed ("0,-1" = first and last; "none").
@@ -75,6 +82,8 @@ class PruneConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     data: DataConfig = field(default_factory=DataConfig)
     drop: str | int | None = None
+    target_params: str | int | None = None
+    target_speedup: float | None = None
     score: str = "linearity"
     select: str = "topk"
     protect: str = DEFAULT_PROTECT
@@ -101,13 +110,26 @@ class PruneConfig:
         steps = self.distill.get("steps", 0)
         if not isinstance(steps, int) or steps < 0:
             raise LayercutError(f"--distill-steps (distill.steps) must be an integer >= 0, got {steps}")
-        if self.drop is None and (self.replace.method != "none" or self.step_sections()):
+        amounts = [flag for flag, value in (("--drop", self.drop), ("--target-params", self.target_params),
+                                            ("--target-speedup", self.target_speedup)) if value is not None]
+        if len(amounts) > 1:
+            raise LayercutError(f"{' and '.join(amounts)} both say how much to remove: pass one of them")
+        if not self.removes and (self.replace.method != "none" or self.step_sections()):
             flag = "--replace" if self.replace.method != "none" else "--distill-steps"
-            raise LayercutError(f"{flag} needs blocks to remove: pass --drop (a count or a share)")
-        if self.out is None and self.drop is not None:
+            raise LayercutError(f"{flag} needs blocks to remove: pass --drop (a count or a share), --target-params "
+                                "or --target-speedup")
+        if self.out is None and self.removes:
             stem = Path(self.load.model.rstrip("/")).name.removesuffix(".gguf")
             method = "" if self.replace.method == "none" else f"-{self.replace.method}"
-            self.out = f"{stem}-drop{str(self.drop).replace('%', 'pct')}{method}"
+            amount = (f"drop{str(self.drop).replace('%', 'pct')}" if self.drop is not None else
+                      f"params{str(self.target_params).replace('%', 'pct')}" if self.target_params is not None
+                      else f"speedup{self.target_speedup}x")
+            self.out = f"{stem}-{amount}{method}"
+
+    @property
+    def removes(self) -> bool:
+        """Whether this run removes blocks (``drop`` or a target), rather than only scoring."""
+        return self.drop is not None or self.target_params is not None or self.target_speedup is not None
 
     def step_sections(self) -> list[str]:
         """The post-surgery steps this config switches on (a section with ``steps`` > 0)."""
@@ -269,21 +291,30 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
         calibration, moments, scores = scored.calibration, scored.moments, scored.scores
     else:
         calibration = calibration_data(loaded.tokenizer, config.data, model=loaded.model)
-    heldout = calibration.heldout_ids if config.drop is not None else None
+    heldout = calibration.heldout_ids if config.removes else None
     original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
     if scored is None:
         moments, scores = score_model(model, calibration, config)
     oracle = run_oracle(model, calibration.token_ids, scores, config.batch_size) if config.oracle else None
+    params_before = budget_parameter_count(model)
+    budget = resolve_budget(model, calibration, moments, scores, config, params_before)
+    if budget is not None:
+        config = dataclasses.replace(config, drop=budget["drop"], target_params=None, target_speedup=None)
     dropped = choose_blocks(model, calibration, moments, scores, config)
     spans = span_report(model, calibration, moments, scores, config) if dropped and config.select == "span" else None
     if dropped:
         replace_blocks_(model, dropped, calibration.token_ids, config.replace, moments)
+    if budget is not None and budget.get("target_params") is not None:
+        check_params_budget(model, budget)
     done = {step.name: step(loaded, config) for step in steps} if dropped else {}
     report = build_report(loaded, config, calibration, scores, dropped, before, time.perf_counter() - started)
     if spans is not None:
         report["span_scores"] = spans
     if oracle is not None:
         report["oracle"] = oracle.as_dict()
+    if budget is not None:
+        report["budget"] = {**budget, "params_before": params_before,
+                            "params_after": budget_parameter_count(model)}
     if original is not None and dropped:
         report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout)
     report.update({name: result.report for name, result in done.items()})
@@ -292,6 +323,36 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     for folder in (f for result in done.values() for f in result.cleanup):
         shutil.rmtree(folder, ignore_errors=True)
     return PruneResult(loaded, calibration, moments, scores, dropped, report, out)
+
+
+def resolve_budget(model, calibration, moments, scores, config: PruneConfig, total: int) -> dict | None:
+    """The block count a ``target_params`` / ``target_speedup`` asks for (None when ``drop`` is given)."""
+    if config.target_params is None and config.target_speedup is None:
+        return None
+    count = num_blocks(model)
+    if config.target_speedup is not None:
+        drop = blocks_for_speedup(float(config.target_speedup), count)
+        check_enough_free(drop, count, parse_protect(config.protect, count))
+        return {"target_speedup": float(config.target_speedup), "drop": drop, "ideal_speedup": count / (count - drop)}
+    target = parse_param_target(config.target_params, total)
+    free = count - len(parse_protect(config.protect, count))
+    _, blocks = get_blocks(model)
+
+    def select(k: int) -> list[int]:
+        return choose_blocks(model, calibration, moments, scores, dataclasses.replace(config, drop=k,
+                             target_params=None))
+
+    drop = blocks_for_params(target, total, [budget_parameter_count(b) for b in blocks], select, free)
+    return {"target_params": target, "drop": drop}
+
+
+def check_params_budget(model, budget: dict) -> None:
+    """Refuse a surgered model whose replacements carried it back above ``--target-params``."""
+    after = budget_parameter_count(model)
+    if after > budget["target_params"]:
+        raise LayercutError(f"--target-params {budget['target_params']:,}: removing {budget['drop']} blocks meets "
+                            f"it, but the replacements bring the model back to {after:,} parameters; ask for "
+                            f"{after - budget['target_params']:,} fewer or use --replace none / fold")
 
 
 def _check_scored(scored: Scored, config: PruneConfig, blocks: int) -> None:
