@@ -21,21 +21,26 @@ class LinearFit:
         return x @ self.weight.to(x) + self.bias.to(x)
 
 
-def _spectrum(cxx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _spectrum(cxx: torch.Tensor, eigh: tuple[torch.Tensor, torch.Tensor] | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Eigen-decomposition of a Gram matrix and the mask of eigenvalues above numerical noise.
 
     The cutoff is float64's even for Grams summed from float32 batch products: their error is relative
     to each entry, not to the largest eigenvalue (on SmolLM2 the smallest of 576 eigenvalues, 1e-6 of
     the largest, agrees with the float64 Gram's to 1e-6; a float32 cutoff would drop 553 of them).
     """
-    evals, evecs = torch.linalg.eigh(cxx)
+    evals, evecs = torch.linalg.eigh(cxx) if eigh is None else eigh
     keep = evals > evals.max().clamp_min(0) * cxx.shape[0] * torch.finfo(cxx.dtype).eps
     return evals, evecs, keep
 
 
-def explained_sum_of_squares(cxx: torch.Tensor, cxy: torch.Tensor) -> torch.Tensor:
-    """``tr(Cxy^T Cxx^+ Cxy)``: the part of ``tr(Cyy)`` that the best linear map from X explains."""
-    evals, evecs, keep = _spectrum(cxx)
+def explained_sum_of_squares(cxx: torch.Tensor, cxy: torch.Tensor,
+                             eigh: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``tr(Cxy^T Cxx^+ Cxy)``: the part of ``tr(Cyy)`` that the best linear map from X explains.
+
+    ``eigh``: ``torch.linalg.eigh(cxx)`` when the caller has it (``PairMoments.cxx_eigh()``).
+    """
+    evals, evecs, keep = _spectrum(cxx, eigh)
     projected = evecs[:, keep].T @ cxy  # [rank, d_out]
     return ((projected**2).sum(1) / evals[keep]).sum()
 
@@ -54,7 +59,7 @@ def fit_linear_map(moments: PairMoments, ridge: float = 0.0) -> LinearFit:
         eye = torch.eye(cxx.shape[0], dtype=cxx.dtype, device=cxx.device)
         weight = torch.linalg.solve(cxx + lam * eye, cxy)
     else:
-        evals, evecs, keep = _spectrum(cxx)
+        evals, evecs, keep = _spectrum(cxx, moments.cxx_eigh())
         basis = evecs[:, keep]  # [d_in, rank]
         weight = basis @ ((basis.T @ cxy) / evals[keep, None])
     bias = moments.mean_y - moments.mean_x.to(weight.device) @ weight

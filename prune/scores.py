@@ -80,9 +80,10 @@ def linearity(moments: PairMoments, residual: bool = True) -> float:
     block's own contribution to the residual stream.
     """
     if residual:
-        return float(explained_sum_of_squares(moments.cxx, moments.cxy) / torch.trace(moments.cyy))
+        explained = explained_sum_of_squares(moments.cxx, moments.cxy, moments.cxx_eigh())
+        return float(explained / torch.trace(moments.cyy))
     cxu, tuu = moments.update_moments()
-    return float(explained_sum_of_squares(moments.cxx, cxu) / tuu)
+    return float(explained_sum_of_squares(moments.cxx, cxu, moments.cxx_eigh()) / tuu)
 
 
 @register_score("linearity", "linearity of block output on input (with residual)", higher_is_removable=True)

@@ -7,8 +7,9 @@ per requested pair of states a cross Gram, per pair a running cosine sum. Never 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -38,6 +39,12 @@ class PairMoments:
     cyy: torch.Tensor  # [d, d]
     cxu: torch.Tensor | None = None  # [d, d]
     tuu: float | None = None
+    # eigh(cxx) on demand from the producer's cache: every score and span starting at X shares one
+    eigh_source: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def cxx_eigh(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``torch.linalg.eigh(cxx)``, computed once per state where the moments come from a :class:`StateMoments`."""
+        return self.eigh_source() if self.eigh_source is not None else torch.linalg.eigh(self.cxx)
 
     def update_moments(self) -> tuple[torch.Tensor, float]:
         """``(Cxu, tr Cuu)`` of the update U = Y - X: accumulated ones if kept, else from the Grams."""
@@ -106,6 +113,7 @@ class StateMoments:
                 self._keep_until[i] = max(self._keep_until[i], num_states - 1 if cosine_pairs == "all" else i + 1)
         self._batch: dict[int, tuple[torch.Tensor, ...]] = {}  # state -> (shifted rows, float32 rows, norms)
         self._mask: torch.Tensor | None = None
+        self._eigh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # state -> eigh of its centred Gram
 
     @property
     def n(self) -> int:
@@ -127,6 +135,7 @@ class StateMoments:
             self.sums[index] = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
             self.grams[index] = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float64, device=rows.device)
         shifted = rows - self.shifts[index]
+        self._eigh.pop(index, None)
         self.counts[index] += shifted.shape[0]
         self.sums[index] += shifted.sum(0, dtype=torch.float64)
         self.grams[index] += shifted.T @ shifted
@@ -181,21 +190,32 @@ class StateMoments:
         offset = self._offset(index)
         return self.grams[index] - self.counts[index] * torch.outer(offset, offset)
 
+    def gram_eigh(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``torch.linalg.eigh`` of state ``index``'s centred Gram, computed once.
+
+        Every score of a block and every span starting there solves against it; on a CPU each costs
+        ~35 ms at d = 576.
+        """
+        if index not in self._eigh:
+            self._eigh[index] = torch.linalg.eigh(self.centred_gram(index))
+        return self._eigh[index]
+
     def pair(self, i: int, j: int) -> PairMoments:
         """The centred moments of (state i, state j); (i, j) must have been requested."""
         if i == j:
             gram = self.centred_gram(i)
-            return PairMoments(self.n, self.mean(i), self.mean(i), gram, gram, gram)
+            return PairMoments(self.n, self.mean(i), self.mean(i), gram, gram, gram,
+                               eigh_source=partial(self.gram_eigh, i))
         oi, oj = self._offset(i), self._offset(j).to(self.grams[i].device)
         cxx, cyy = self.centred_gram(i), self.centred_gram(j).to(oi.device)
         mean_x, mean_y = self.mean(i), self.mean(j).to(oi.device)
         if (i, j) not in self.update_sq:
             cxy = self.cross[(i, j)] - self.n * torch.outer(oi, oj)
-            return PairMoments(self.n, mean_x, mean_y, cxx, cxy, cyy)
+            return PairMoments(self.n, mean_x, mean_y, cxx, cxy, cyy, eigh_source=partial(self.gram_eigh, i))
         ou = oj - oi
         cxu = self.cross[(i, j)] - self.n * torch.outer(oi, ou)
         tuu = self.update_sq[(i, j)] - self.n * float(ou @ ou)
-        return PairMoments(self.n, mean_x, mean_y, cxx, cxx + cxu, cyy, cxu, tuu)
+        return PairMoments(self.n, mean_x, mean_y, cxx, cxx + cxu, cyy, cxu, tuu, partial(self.gram_eigh, i))
 
     def mean_cosine(self, i: int, j: int) -> float:
         """Token-averaged cosine similarity between states i and j."""

@@ -135,3 +135,14 @@ def test_linearity_equals_least_squares_on_real_smollm2_states():
     # The shape DESIGN.md reports: middle blocks ~0.9996 with the residual, much lower without.
     assert min(scores["linearity"][12:19]) > 0.999
     assert max(scores["linearity-nores"][12:19]) < 0.8
+
+
+def test_every_score_of_a_block_shares_one_eigendecomposition(monkeypatch):
+    model = make_tiny_model("llama")
+    moments = stream_moments(model, torch.randint(3, 320, (6, 24)), progress=False)
+    calls = []
+    eigh = torch.linalg.eigh
+    monkeypatch.setattr(torch.linalg, "eigh", lambda a: calls.append(1) or eigh(a))
+    first = block_scores(moments, ["linearity", "linearity-nores"])
+    assert len(calls) == 4  # one per block's input state, not one per score
+    assert block_scores(moments, ["linearity", "linearity-nores"]) == first and len(calls) == 4
