@@ -137,6 +137,7 @@ class LowRankMap(nn.Module):
 MAP_TYPES = {
     "linear": lambda spec: LinearMap(spec["dim"]),
     "lowrank": lambda spec: LowRankMap(spec["dim"], spec["rank"], spec.get("residual", True)),
+    "linearpatch": lambda spec: LinearMap(spec["dim"]),  # a d x d map like linear's (saved as type "linear")
 }
 
 

@@ -7,6 +7,7 @@
     python -m prune.run --model opt-1.3b --drop 25% --select span --out opt-1.3b-slim/
     python -m prune.run --recipe recipes/smollm2-drop4.yaml --samples 8      # flags win over the recipe
     python -m prune.run --model gpt2 --score angular            # scores only, nothing written
+    python -m prune.run --list-architectures                    # which transformers architectures prune
 
 Prints a table of every block's scores; writes the checkpoint, its tokenizer, ``layercut.json``, a
 model card, ``scores.md`` and ``linearity_profile.png`` to ``--out`` (default ``<model>-drop<K>``
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 
+from prune.architectures import architecture_markdown
 from prune.catalog import model_table
 from prune.errors import cli_entry
 from prune.options import (
@@ -46,7 +48,7 @@ FLAG_PATHS = {
     "ridge": ("replace", "ridge"), "replace_steps": ("replace", "steps"),
     "distill_steps": ("distill", "steps"),
 }  # fmt: skip
-NOT_CONFIG = {"recipe", "threads", "list_models"}
+NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,11 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("selection")
     group.add_argument("--drop", default=None,
                        help="blocks to remove: a count (4) or a share (25%%); omit to only score")
+    group.add_argument("--target-params", default=None, metavar="N|P%",
+                       help="in place of --drop: remove the fewest blocks that bring the parameters to N (110M, "
+                       "1.2B) or P%% of the model's")
+    group.add_argument("--target-speedup", type=float, default=None, metavar="X",
+                       help="in place of --drop: remove the fewest blocks whose ideal decode speed-up L/(L-K) "
+                       "reaches X (1.25)")
     group.add_argument("--score", default="linearity", choices=list(SCORES),
                        help="ranking criterion (default: linearity)")
     group.add_argument("--select", default="topk", choices=list(SELECTIONS),
                        help="topk: the K most removable blocks; span: best contiguous K; greedy: drop one, "
-                       "re-score, repeat (default: topk)")
+                       "re-score, repeat; greedy-ppl: drop the block whose removal costs the least calibration "
+                       "perplexity, repeat (SLEB); last: the deepest blocks (default: topk)")
+    group.add_argument("--oracle", action="store_true",
+                       help="also measure the calibration perplexity with each block alone removed (one pass per "
+                       "block) and each score's Spearman correlation with it, into scores.md")
     group.add_argument("--protect", default=DEFAULT_PROTECT,
                        help="blocks never dropped, negative from the end, or 'none' (default: 0,-1 = first and last)")
     group.add_argument("--batch-size", type=int, default=4,
@@ -88,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="YAML recipe (see recipes/); flags typed on the command line win over its values")
     parser.add_argument("--list-models", action="store_true",
                         help="list the model aliases, their hub ids and whether each loads offline now, then exit")
+    parser.add_argument("--list-architectures", action="store_true",
+                        help="list every causal-LM architecture of the installed transformers with whether layercut "
+                        "prunes it (each built tiny and read; about a minute), then exit")
     add_output_arguments(parser, what="the checkpoint and reports (default: <model>-drop<K> when dropping, "
                          "nothing when only scoring)")
     add_threads_argument(parser)
@@ -123,6 +138,14 @@ def print_summary(result) -> None:
     """The score table and one line per thing the run did."""
     report = result.report
     print(score_table(result.scores, result.dropped))
+    if "oracle" in report:
+        rho = ", ".join(f"{name} {value:+.2f}" for name, value in report["oracle"]["spearman"].items())
+        print(f"\noracle (Spearman of each score with single-block removal perplexity): {rho}")
+    if "budget" in report:
+        b = report["budget"]
+        goal = (f"--target-params {b['target_params']:,}" if "target_params" in b
+                else f"--target-speedup {b['target_speedup']} (ideal {b['ideal_speedup']:.3f}x)")
+        print(f"\n{goal}: {b['drop']} blocks; parameters {b['params_before']:,} -> {b['params_after']:,}")
     print(f"\n{report['num_blocks_before']} blocks -> {report['num_blocks_after']}; dropped {result.dropped} "
           f"by {report['select']} on {report['score']} over {report['data']['tokens']} tokens "
           f"in {report['seconds']:.1f}s")
@@ -151,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list_models:
         print(model_table())
+        return 0
+    if args.list_architectures:
+        print(architecture_markdown())
         return 0
     apply_threads(args)
     config = config_from_args(args, explicit_flags(parser, argv))

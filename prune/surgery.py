@@ -13,13 +13,17 @@ each of its blocks should reproduce (distillation aligns on it).
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
-from prune.adapters import PER_LAYER_CONFIG_LISTS, arch_spec, get_blocks
+from prune.adapters import PER_LAYER_CONFIG_LISTS, arch_spec, get_blocks, text_config
 from prune.errors import LayercutError
+from prune.tiny import quiet
 
 LAYOUT_ATTR = "layercut_layout"
 RECORDS_ATTR = "layercut_replacements"
@@ -73,13 +77,125 @@ def _layer_index_owners(block: nn.Module) -> list[nn.Module]:
     return [m for m in block.modules() if isinstance(getattr(m, "layer_idx", None), int)]
 
 
-def _per_layer_lists(model: nn.Module, num_blocks: int) -> dict[str, list]:
-    lists = {}
-    for name in PER_LAYER_CONFIG_LISTS:
-        values = getattr(model.config, name, None)
-        if isinstance(values, (list, tuple)) and len(values) == num_blocks:
-            lists[name] = list(values)
-    return lists
+# Lists of a config's own length that do not describe layers (sizes, limits, MTP heads).
+_NOT_PER_LAYER = {"architectures", "time_step_limit", "mrope_section", "bad_words_ids", "suppress_tokens",
+                  "begin_suppress_tokens", "forced_decoder_ids", "image_size", "patch_size"}
+# Integer lists of layer *indices* (not one value per layer); others are recognised by name and shape.
+_INDEX_LISTS = {"mlp_only_layers", "attn_layer_indices", "full_attn_idxs", "hybrid_layer_ids", "moe_layers",
+                "swa_layers", "global_attn_layers", "dense_layers", "sparse_layers"}
+_INDEX_HINTS = ("idx", "indices", "ids", "_layers")
+# Interval patterns: layer i has the feature when i % period == offset.
+_PERIOD_PAIRS = (("attn_layer_period", "attn_layer_offset"), ("expert_layer_period", "expert_layer_offset"))
+
+
+def _is_index_list(name: str, values, count: int) -> bool:
+    if not (isinstance(values, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in values)):
+        return False
+    if name in PER_LAYER_CONFIG_LISTS:
+        return False
+    in_range = all(0 <= v < count for v in values) and list(values) == sorted(set(values))
+    return in_range and (name in _INDEX_LISTS or any(h in name for h in _INDEX_HINTS))
+
+
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool, dict))
+
+
+def _config_entries(config) -> dict:
+    return {k: v for k, v in config.to_dict().items() if not k.startswith("_") and not k.startswith("mtp")}
+
+
+def _per_layer_entries(config, count: int) -> dict[str, tuple[str, object]]:
+    """Config entries that describe layers: name -> (kind, value); kinds: list, string, index, keys."""
+    entries = {}
+    for name, value in _config_entries(config).items():
+        if name in _NOT_PER_LAYER or name in (LAYOUT_ATTR, RECORDS_ATTR):
+            continue
+        if _is_index_list(name, value, count):
+            entries[name] = ("index", list(value))
+        elif isinstance(value, (list, tuple)) and len(value) == count and all(_scalar(v) for v in value):
+            entries[name] = ("list", list(value))
+        elif isinstance(value, str) and len(value) == count and "pattern" in name:
+            entries[name] = ("string", value)
+        elif (isinstance(value, dict) and value and all(str(k).isdigit() for k in value)
+              and all(int(k) < count for k in value) and "layer" in name):
+            entries[name] = ("keys", dict(value))
+    return entries
+
+
+def _remap(kind: str, value, sources: Sequence[int]):
+    if kind == "list":
+        return [value[i] for i in sources]
+    if kind == "string":
+        return "".join(value[i] for i in sources)
+    if kind == "index":
+        return [position for position, source in enumerate(sources) if source in set(value)]
+    # keys: per-layer dicts keep their key type (JSON turns int keys into strings)
+    by_index = {int(k): (k, v) for k, v in value.items()}
+    return {(str(p) if isinstance(by_index[s][0], str) else p): by_index[s][1]
+            for p, s in enumerate(sources) if s in by_index}
+
+
+def _solve_period(flags: list[bool]) -> tuple[int, int] | None:
+    """(period, offset) with flags[i] == (i % period == offset) for every i, if any."""
+    for period in range(1, len(flags) + 1):
+        for offset in range(period):
+            if all(flag == (i % period == offset) for i, flag in enumerate(flags)):
+                return period, offset
+    return None
+
+
+def remapped_config_entries(config, sources: Sequence[int], count: int) -> dict[str, object]:
+    """New values of every per-layer config entry after blocks ``sources`` (old positions) are kept in order.
+
+    Raises:
+        LayercutError: an entry (named) cannot describe the kept blocks.
+    """
+    new = {name: _remap(kind, value, sources) for name, (kind, value) in _per_layer_entries(config, count).items()}
+    values = _config_entries(config)
+    for name, value in values.items():
+        # a cyclic pattern shorter than the stack (("recurrent", "recurrent", "attention") repeated)
+        if (("type" in name or "pattern" in name) and name not in new and isinstance(value, (list, tuple))
+                and 1 < len(value) < count and all(isinstance(v, str) for v in value)):
+            new[name] = [value[s % len(value)] for s in sources]
+    scale = values.get("scale_depth")
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        # residual branches scaled by scale_depth / sqrt(layers): keep each kept branch's scale
+        new["scale_depth"] = scale * math.sqrt(len(sources) / count)
+    dense = values.get("first_k_dense_replace")
+    if isinstance(dense, int) and not isinstance(dense, bool):
+        new["first_k_dense_replace"] = sum(1 for s in sources if s < dense)
+    step = values.get("decoder_sparse_step")
+    if isinstance(step, int) and step > 1:
+        if "mlp_only_layers" not in values:
+            raise LayercutError(
+                f"config entry decoder_sparse_step={step} cannot describe the kept blocks (no mlp_only_layers to "
+                "list the dense ones): keep the blocks of one sparse step together or prune another model"
+            )
+        only = set(values.get("mlp_only_layers") or [])
+        new["mlp_only_layers"] = [p for p, s in enumerate(sources) if s in only or (s + 1) % step != 0]
+        new["decoder_sparse_step"] = 1
+    for period_name, offset_name in _PERIOD_PAIRS:
+        period, offset = values.get(period_name), values.get(offset_name)
+        if not (isinstance(period, int) and isinstance(offset, int)) or period < 1:
+            continue
+        solved = _solve_period([s % period == offset for s in sources])
+        if solved is None:
+            raise LayercutError(
+                f"config entries {period_name}/{offset_name} ({period}/{offset}) cannot describe the kept blocks: "
+                f"the kept layers no longer repeat with one period; choose other blocks"
+            )
+        new[period_name], new[offset_name] = solved
+    freq = values.get("moe_layer_freq")
+    if isinstance(freq, int) and freq > 1:
+        start = values.get("first_k_dense_replace") or 0
+        flags = [s >= start and s % freq == 0 for s in sources]
+        if flags != [p >= new.get("first_k_dense_replace", 0) and p % freq == 0 for p in range(len(sources))]:
+            raise LayercutError(
+                f"config entry moe_layer_freq={freq} cannot describe the kept blocks: the dense / MoE pattern "
+                f"of the kept layers is no longer every {freq}th layer; choose other blocks"
+            )
+    return new
 
 
 def set_blocks_(model: nn.Module, blocks: Sequence[nn.Module], sources: Sequence[int], layout: list[list[int]]) -> None:
@@ -95,14 +211,15 @@ def set_blocks_(model: nn.Module, blocks: Sequence[nn.Module], sources: Sequence
     path, current = get_blocks(model)
     if not len(blocks) == len(sources) == len(layout):
         raise ValueError("blocks, sources and layout must have the same length")
-    lists = _per_layer_lists(model, len(current))
+    config = text_config(model)
+    entries = remapped_config_entries(config, sources, len(current))
     model.set_submodule(path, nn.ModuleList(blocks))
     for position, block in enumerate(blocks):
         for owner in _layer_index_owners(block):
             owner.layer_idx = position
-    setattr(model.config, arch_spec(model).layer_count, len(blocks))
-    for name, values in lists.items():
-        setattr(model.config, name, [values[i] for i in sources])
+    setattr(config, arch_spec(model).layer_count, len(blocks))
+    for name, value in entries.items():
+        setattr(config, name, value)
     layout = [sorted(int(i) for i in entry) for entry in layout]
     setattr(model.config, LAYOUT_ATTR, layout)
     # a replacement whose host block is gone went with it
@@ -110,11 +227,67 @@ def set_blocks_(model: nn.Module, blocks: Sequence[nn.Module], sources: Sequence
     setattr(model.config, RECORDS_ATTR, records)
 
 
+def check_removable(model: nn.Module, indices: Sequence[int]) -> None:
+    """Raise the one-line ``LayercutError`` that ``drop_blocks_(model, indices)`` would, changing nothing.
+
+    Selection strategies can skip block sets whose kept layers the config cannot describe (a hybrid's
+    attention period broken by the removal).
+    """
+    _, blocks = get_blocks(model)
+    dropped = check_block_indices(indices, len(blocks))
+    kept = [i for i in range(len(blocks)) if i not in dropped]
+    remapped_config_entries(text_config(model), kept, len(blocks))
+
+
+def _signature(block: nn.Module) -> list[tuple[str, str]]:
+    return [(name, type(module).__name__) for name, module in block.named_modules()]
+
+
+def check_config_rebuilds_blocks(model: nn.Module, kept: Sequence[int]) -> None:
+    """Check that the config after keeping ``kept`` rebuilds every kept block as the same kind of block.
+
+    The model is rebuilt on the meta device (no memory, no weights).
+
+    This catches per-layer config entries that no rule here knows (a new counter deciding which
+    layers are MoE): the export would otherwise load with the wrong module in some position.
+    Models with replacements or custom (remote) code are not rebuilt.
+
+    Raises:
+        LayercutError: a kept block would come back as another kind of block.
+    """
+    if replacement_records(model) or not type(model).__module__.startswith("transformers."):
+        return
+    if getattr(model, "hf_quantizer", None) is not None:
+        return
+    path, blocks = get_blocks(model)
+    config = copy.deepcopy(model.config)
+    text = text_config(config)
+    entries = remapped_config_entries(text, kept, len(blocks))
+    setattr(text, arch_spec(model).layer_count, len(kept))
+    for name, value in entries.items():
+        setattr(text, name, value)
+    try:
+        with torch.device("meta"), quiet():
+            rebuilt = type(model)(config).get_submodule(path)
+    except Exception:  # noqa: BLE001 - a config this check cannot build is for the reload to report
+        return
+    for position, source in enumerate(kept):
+        want, got = _signature(blocks[source]), _signature(rebuilt[position])
+        if want != got:
+            diff = next(((w, g) for w, g in zip(want, got, strict=False) if w != g), (want[-1:], got[-1:]))
+            raise LayercutError(
+                f"after removing blocks, block {source} would reload as a different block (its {diff[0]} "
+                f"becomes {diff[1]}): a per-layer config entry cannot describe the kept blocks; choose "
+                "other blocks"
+            )
+
+
 def drop_blocks_(model: nn.Module, indices: Sequence[int]) -> list[int]:
     """Remove blocks ``indices`` (0-based, current numbering) in place; returns the kept indices."""
     _, blocks = get_blocks(model)
     dropped = check_block_indices(indices, len(blocks))
     kept = [i for i in range(len(blocks)) if i not in dropped]
+    check_config_rebuilds_blocks(model, kept)
     layout = block_layout(model)
     set_blocks_(model, [blocks[i] for i in kept], kept, [layout[i] for i in kept])
     return kept
@@ -127,8 +300,10 @@ def blocks_replaced(
     """``set_blocks_`` for the length of a ``with``: modules, indices and config are restored on exit."""
     path, current = get_blocks(model)
     original = list(current)
-    config_names = [arch_spec(model).layer_count, *PER_LAYER_CONFIG_LISTS, LAYOUT_ATTR, RECORDS_ATTR]
-    saved_config = {n: getattr(model.config, n, _ABSENT) for n in config_names}
+    config = text_config(model)
+    names = [arch_spec(model).layer_count, *remapped_config_entries(config, range(len(original)), len(original))]
+    saved_text = {n: copy.deepcopy(getattr(config, n, _ABSENT)) for n in names}
+    saved_config = {n: getattr(model.config, n, _ABSENT) for n in (LAYOUT_ATTR, RECORDS_ATTR)}
     owners = {id(m): m for block in [*original, *blocks] for m in _layer_index_owners(block)}
     saved_index = [(m, m.layer_idx) for m in owners.values()]
     try:
@@ -136,12 +311,13 @@ def blocks_replaced(
         yield
     finally:
         model.set_submodule(path, nn.ModuleList(original))
-        for name, value in saved_config.items():
-            if value is _ABSENT:
-                if hasattr(model.config, name):
-                    delattr(model.config, name)
-            else:
-                setattr(model.config, name, value)
+        for target, saved in ((config, saved_text), (model.config, saved_config)):
+            for name, value in saved.items():
+                if value is _ABSENT:
+                    if hasattr(target, name):
+                        delattr(target, name)
+                else:
+                    setattr(target, name, value)
         for owner, index in saved_index:
             owner.layer_idx = index
 

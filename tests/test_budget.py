@@ -77,3 +77,18 @@ def test_one_amount_only():
     with pytest.raises(LayercutError, match="--drop and --target-params both say how much"):
         PruneConfig(drop=2, target_params="100M")
     assert PruneConfig(target_speedup=1.25).out.endswith("-speedup1.25x")
+
+
+def test_cli_budget_errors_and_a_method_recipe_with_a_budget(tiny_folder, tmp_path, capsys, one_thread):
+    from conftest import run_prune_cli
+
+    code, _, err = run_prune_cli(capsys, "--model", tiny_folder, "--target-params", "10B", "--samples", "8",
+                                 "--seq-len", "32", "--out", tmp_path / "big")
+    assert code == 2 and "is not below the model's" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "big").exists()
+    code, out, err = run_prune_cli(capsys, "--recipe", "recipes/methods/shortgpt.yaml", "--model", tiny_folder,
+                                   "--target-speedup", "1.3", "--samples", "8", "--seq-len", "32",
+                                   "--heldout-samples", "0", "--out", tmp_path / "fast")
+    assert code == 0, err
+    assert "--target-speedup 1.3 (ideal 1.333x): 1 blocks" in out
+    assert json.loads((tmp_path / "fast" / "layercut.json").read_text())["budget"]["drop"] == 1

@@ -68,8 +68,9 @@ def test_overwrite(tiny_folder, tmp_path, capsys):
 
 
 def unsupported_folder(tmp_path):
-    config = AutoConfig.for_model("gptj", n_embd=32, n_layer=2, n_head=4, rotary_dim=4, vocab_size=320)
-    folder = tmp_path / "gptj"
+    config = AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64, vocab_size=320, is_decoder=True)
+    folder = tmp_path / "bert"
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     make_tiny_tokenizer().save_pretrained(folder)
     return folder
@@ -101,7 +102,7 @@ def test_bad_input_is_one_line_with_exit_code_2(tiny_folder, tmp_path, capsys, m
 def test_unsupported_architecture(tmp_path, capsys):
     code, _, err = run(capsys, "--model", unsupported_folder(tmp_path), "--drop", "1")
     assert code == EXIT_BAD_INPUT
-    assert "unsupported architecture 'gptj'" in err and "llama" in err
+    assert "unsupported architecture 'bert': an encoder" in err and "--list-architectures" in err
 
 
 def test_subprocess_exit_code(tmp_path):

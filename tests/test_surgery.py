@@ -67,3 +67,72 @@ def test_bad_block_indices():
         drop_blocks_(model, [7])
     with pytest.raises(LayercutError, match="at least one must stay"):
         drop_blocks_(model, [0, 1, 2, 3])
+
+
+def _tiny(model_type, **overrides):
+    from prune.architectures import build_tiny
+
+    return build_tiny(model_type, **overrides)
+
+
+def test_sparse_step_becomes_an_explicit_dense_list():
+    """Qwen2-MoE with every 2nd layer sparse: after dropping block 1 the step no longer holds, mlp_only_layers does."""
+    model = _tiny("qwen2_moe", decoder_sparse_step=2, mlp_only_layers=[])
+    kinds = [type(b.mlp).__name__ for b in get_blocks(model)[1]]
+    drop_blocks_(model, [1])
+    assert model.config.decoder_sparse_step == 1 and model.config.mlp_only_layers == [0, 1]
+    assert [type(b.mlp).__name__ for b in get_blocks(model)[1]] == [kinds[0], kinds[2], kinds[3]]
+    rebuilt = type(model)(model.config)
+    assert [type(b.mlp).__name__ for b in rebuilt.model.layers] == [kinds[0], kinds[2], kinds[3]]
+
+
+def test_first_dense_layers_and_index_lists_are_renumbered():
+    model = _tiny("deepseek_v3", first_k_dense_replace=2)
+    drop_blocks_(model, [0])
+    assert model.config.first_k_dense_replace == 1
+    model = _tiny("lfm2", full_attn_idxs=[1, 3])
+    assert model.config.layer_types == ["conv", "full_attention", "conv", "full_attention"]
+    drop_blocks_(model, [1])
+    assert model.config.layer_types == ["conv", "conv", "full_attention"]
+    assert model.config.full_attn_idxs == [2]
+
+
+def test_jamba_period_is_resolved_or_refused():
+    model = _tiny("jamba")  # attention every 2nd layer from 1, experts every 2nd from 1
+    drop_blocks_(model, [2, 3])
+    assert (model.config.attn_layer_period, model.config.attn_layer_offset) == (2, 1)
+    model = _tiny("jamba", num_hidden_layers=8)
+    drop_blocks_(model, [0])  # attention at 1, 3, 5, 7 -> now at 0, 2, 4, 6: period 2, offset 0
+    assert (model.config.attn_layer_period, model.config.attn_layer_offset) == (2, 0)
+    with pytest.raises(LayercutError, match="attn_layer_period/attn_layer_offset .* cannot describe the kept blocks"):
+        drop_blocks_(model, [1])  # attention would sit at 0, 1, 3, 5: no period fits
+    assert len(get_blocks(model)[1]) == 7, "a refused removal changes nothing"
+
+
+def test_cyclic_block_pattern_is_written_out():
+    model = _tiny("recurrent_gemma")
+    before = list(model.config.layers_block_type)
+    drop_blocks_(model, [1])
+    assert list(model.config.layers_block_type) == [before[0], before[2], before[3]]
+
+
+def test_an_unknown_layer_counter_is_caught_by_rebuilding(monkeypatch):
+    """If no rule knew decoder_sparse_step, the rebuilt model would put an MoE block where a dense one is kept."""
+    from prune import surgery
+
+    model = _tiny("qwen2_moe", decoder_sparse_step=2, mlp_only_layers=[])
+    real = surgery.remapped_config_entries
+
+    def without_step_rule(config, sources, count):
+        step, config.decoder_sparse_step = config.decoder_sparse_step, 1  # hide the counter from the rules
+        try:
+            entries = real(config, sources, count)
+        finally:
+            config.decoder_sparse_step = step
+        entries.pop("mlp_only_layers", None)
+        return entries
+
+    monkeypatch.setattr(surgery, "remapped_config_entries", without_step_rule)
+    with pytest.raises(LayercutError, match="block 2 would reload as a different block.*choose other blocks"):
+        drop_blocks_(model, [1])
+    assert len(get_blocks(model)[1]) == 4

@@ -40,7 +40,8 @@ def part_spans(model: nn.Module, part: str) -> list[tuple[str, str]]:
     if part == "attention":
         return [(spec.attention, spec.attention)]
     if part == "mlp":
-        inside = spec.mlp_out.startswith(spec.mlp + ".")
+        # a mixture of experts has no single output projection (mlp_out ""): the MLP module is the exit
+        inside = not spec.mlp_out or spec.mlp_out.startswith(spec.mlp + ".")
         return [(spec.mlp, spec.mlp if inside else spec.mlp_out)]
     if part == "norms":
         return [(norm, norm) for norm in spec.norms]

@@ -32,9 +32,6 @@ from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
 from prune.replace.registry import Method, MethodOptions, register_method
 from prune.stats import PairMoments
 
-# Architectures whose MLP output goes through a norm before the residual add: no linear fold exists.
-MLP_OUTPUT_NORMED = {"gemma2": "post_feedforward_layernorm"}
-
 
 def mlp_output_projection(model: nn.Module, block: nn.Module) -> nn.Module:
     """The MLP output projection of ``block`` (an ``nn.Linear`` or GPT-2's ``Conv1D``).
@@ -67,9 +64,10 @@ def mlp_output_projection(model: nn.Module, block: nn.Module) -> nn.Module:
 def check_fold_architecture(model: nn.Module) -> None:
     """Fail early when no block of this model can absorb a fold (before any calibration pass)."""
     model_type = model.config.model_type
-    if model_type in MLP_OUTPUT_NORMED:
+    normed = arch_spec(model).mlp_out_norm  # found by structure: gemma2/3, olmo2/3, glm4, ...
+    if normed:
         raise LayercutError(
-            f"--replace fold: '{model_type}' normalises the MLP output ({MLP_OUTPUT_NORMED[model_type]}) before "
+            f"--replace fold: '{model_type}' normalises the MLP output ({normed}) before "
             "the residual add, so no linear map folds into it; use --replace linear or block"
         )
     if getattr(model, "hf_quantizer", None) is not None:

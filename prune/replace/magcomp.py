@@ -33,7 +33,6 @@ from prune.replace.registry import Method, MethodOptions, register_method
 
 # Names of the attention output projection, relative to the attention module (llama-like, OPT, GPT-2, NeoX).
 ATTENTION_OUTPUT_NAMES = ("o_proj", "out_proj", "c_proj", "dense")
-POST_NORMED = {"gemma2": "post_attention_layernorm / post_feedforward_layernorm"}
 
 
 def attention_output_projection(model: nn.Module, block: nn.Module) -> nn.Module:
@@ -59,9 +58,10 @@ def writers(model: nn.Module, block: nn.Module) -> list[nn.Module]:
 def check_magcomp_architecture(model: nn.Module) -> None:
     """Fail before any calibration pass where scaling the output projections would not compensate."""
     model_type = model.config.model_type
-    if model_type in POST_NORMED:
+    normed = arch_spec(model).mlp_out_norm  # sandwich norms (gemma2/3, olmo2/3, ...), found by structure
+    if normed:
         raise LayercutError(f"--replace magcomp: '{model_type}' normalises each sub-layer's output "
-                            f"({POST_NORMED[model_type]}), which undoes the scaling; use --replace linear or none")
+                            f"({normed}), which undoes the scaling; use --replace linear or none")
     if getattr(model.config, "do_layer_norm_before", True) is False:
         raise LayercutError(f"--replace magcomp needs pre-norm blocks; this '{model_type}' normalises after the "
                             "residual add: use --replace linear or none")
