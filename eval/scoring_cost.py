@@ -124,7 +124,8 @@ def measure_time_ratio(loaded, tokens: int, seq_len: int, batch_size: int, repea
                        data: str | None = None) -> dict:
     """Streamed-scoring time over plain-forward time, interleaved (plain, streamed, plain, ...)."""
     ids = _tokens(loaded, tokens, seq_len, data).to(loaded.model.device)
-    run_method("plain", loaded.model, ids[:batch_size], batch_size)  # warm-up: first calls allocate
+    for method in ("plain", "streamed"):  # warm-up, both alike: first calls allocate
+        run_method(method, loaded.model, ids[:batch_size], batch_size)
     times: dict[str, list[float]] = {"plain": [], "streamed": []}
     for _ in tqdm(range(repeats), desc="timing plain vs streamed", unit="round"):
         for method in times:

@@ -286,6 +286,8 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     check_replacement_supported(model, config.replace.method)
     before = num_blocks(model)
     check_against_model(config, model.config)
+    params_before = budget_parameter_count(model)
+    check_budget(config, params_before, before)
     if scored is not None:
         _check_scored(scored, config, before)
         calibration, moments, scores = scored.calibration, scored.moments, scored.scores
@@ -296,7 +298,6 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     if scored is None:
         moments, scores = score_model(model, calibration, config)
     oracle = run_oracle(model, calibration.token_ids, scores, config.batch_size) if config.oracle else None
-    params_before = budget_parameter_count(model)
     budget = resolve_budget(model, calibration, moments, scores, config, params_before)
     if budget is not None:
         config = dataclasses.replace(config, drop=budget["drop"], target_params=None, target_speedup=None)
@@ -323,6 +324,15 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     for folder in (f for result in done.values() for f in result.cleanup):
         shutil.rmtree(folder, ignore_errors=True)
     return PruneResult(loaded, calibration, moments, scores, dropped, report, out)
+
+
+def check_budget(config: PruneConfig, total: int, blocks: int) -> None:
+    """A target the model cannot meet fails now, before any token is scored."""
+    if config.target_params is not None:
+        parse_param_target(config.target_params, total)
+    if config.target_speedup is not None:
+        check_enough_free(blocks_for_speedup(float(config.target_speedup), blocks), blocks,
+                          parse_protect(config.protect, blocks))
 
 
 def resolve_budget(model, calibration, moments, scores, config: PruneConfig, total: int) -> dict | None:

@@ -68,7 +68,7 @@ def test_overwrite(tiny_folder, tmp_path, capsys):
 
 
 def unsupported_folder(tmp_path):
-    config = AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    config = AutoConfig.for_model("bert", hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                                   intermediate_size=64, vocab_size=320, is_decoder=True)
     folder = tmp_path / "bert"
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
