@@ -273,8 +273,8 @@ def plan_domains(args: argparse.Namespace) -> list[Domain]:
                                 f"{name}1=FIRST.txt,{name}2=SECOND.txt")
     for domain in domains:
         path = Path(domain.spec).expanduser()
-        if not path.exists() and (path.suffix in FILE_SUFFIXES or domain.spec.startswith((".", "/", "~"))):
-            load_documents(domain.spec, flag="--heldout")  # its one-line error, before the model loads
+        if path.is_file() or path.suffix in FILE_SUFFIXES or domain.spec.startswith((".", "/", "~")):
+            load_documents(domain.spec, flag="--heldout")  # a bad file's one-line error, before the model loads
     return domains
 
 

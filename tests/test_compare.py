@@ -278,7 +278,8 @@ def test_mixture_calibration_gives_one_domain_per_source(tiny_folder, tmp_path, 
 
 @pytest.mark.parametrize("heldout,message", [("a=x.txt,a=y.txt", "names the domain 'a' twice"),
                                              ("x.txt,,y.txt", "is empty: give FILE or NAME=FILE"),
-                                             ("a.txt,b.txt", "data file 'a.txt' not found")])
+                                             ("a.txt,b.txt", "data file 'a.txt' not found"),
+                                             ("pyproject.toml", "unsupported data file 'pyproject.toml'")])
 def test_bad_heldout_lists_are_one_line_errors(tiny_folder, tmp_path, capsys, heldout, message):
     code, _, err = run(capsys, *small(tiny_folder, tmp_path / "x"), "--drop", "1", "--methods", "shortgpt",
                        "--heldout", heldout)
