@@ -13,16 +13,9 @@ import math
 import re
 from collections.abc import Callable, Sequence
 
-from torch import nn
-
 from prune.errors import LayercutError
 
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
-
-
-def parameter_count(model: nn.Module) -> int:
-    """Every parameter once (tied embeddings count once), buffers excluded."""
-    return sum(p.numel() for p in model.parameters())
 
 
 def parse_param_target(value: str | int, total: int) -> int:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 from prune.adapters import arch_spec, config_layer_count, get_blocks, hidden_size, max_positions, num_blocks
 from prune.budget import blocks_for_params, blocks_for_speedup, parse_param_target
-from prune.budget import parameter_count as budget_parameter_count
 from prune.checkpoint import save
 from prune.data import CalibrationData, DataConfig, calibration_data, check_sources
 from prune.errors import LayercutError
@@ -26,7 +25,7 @@ from prune.heldout import heldout_report, packed_perplexity
 from prune.loading import LoadedModel, load_config
 from prune.options import LoadConfig
 from prune.oracle import Oracle, oracle_table, run_oracle
-from prune.replace import ReplaceConfig, check_replacement_supported, replace_blocks_
+from prune.replace import ReplaceConfig, check_replacement_supported, parameter_count, replace_blocks_
 from prune.score_report import plot_linearity_profile, score_table
 from prune.scores import SCORES, block_scores, check_enough_tokens, get_score
 from prune.selection import (
@@ -158,8 +157,8 @@ def _replace_config(value, batch_size: int) -> ReplaceConfig:
 class Scored:
     """Calibration and its statistics, computed once and shared by several runs on the same model.
 
-    ``eval.compare`` scores a model once and hands this to every method's :func:`run_prune`.
-    ``cosine_pairs`` says which cosine sums the moments hold ("all" serves every selection).
+    ``eval.compare`` scores a model once and hands this to every method's :func:`run_prune`;
+    ``moments.cosine_pairs`` says which cosine sums it holds ("all" serves every selection).
     """
 
     calibration: CalibrationData
@@ -286,7 +285,7 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     check_replacement_supported(model, config.replace.method)
     before = num_blocks(model)
     check_against_model(config, model.config)
-    params_before = budget_parameter_count(model)
+    params_before = parameter_count(model)
     check_budget(config, params_before, before)
     if scored is not None:
         _check_scored(scored, config, before)
@@ -315,7 +314,7 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
         report["oracle"] = oracle.as_dict()
     if budget is not None:
         report["budget"] = {**budget, "params_before": params_before,
-                            "params_after": budget_parameter_count(model)}
+                            "params_after": parameter_count(model)}
     if original is not None and dropped:
         report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout)
     report.update({name: result.report for name, result in done.items()})
@@ -352,13 +351,13 @@ def resolve_budget(model, calibration, moments, scores, config: PruneConfig, tot
         return choose_blocks(model, calibration, moments, scores, dataclasses.replace(config, drop=k,
                              target_params=None))
 
-    drop = blocks_for_params(target, total, [budget_parameter_count(b) for b in blocks], select, free)
+    drop = blocks_for_params(target, total, [parameter_count(b) for b in blocks], select, free)
     return {"target_params": target, "drop": drop}
 
 
 def check_params_budget(model, budget: dict) -> None:
     """Refuse a surgered model whose replacements carried it back above ``--target-params``."""
-    after = budget_parameter_count(model)
+    after = parameter_count(model)
     if after > budget["target_params"]:
         raise LayercutError(f"--target-params {budget['target_params']:,}: removing {budget['drop']} blocks meets "
                             f"it, but the replacements bring the model back to {after:,} parameters; ask for "

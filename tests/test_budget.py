@@ -4,11 +4,12 @@ import json
 
 import pytest
 
-from prune.budget import blocks_for_params, blocks_for_speedup, parameter_count, parse_param_target
+from prune.budget import blocks_for_params, blocks_for_speedup, parse_param_target
 from prune.data import DataConfig
 from prune.errors import LayercutError
 from prune.options import LoadConfig
 from prune.pipeline import PruneConfig, run_prune
+from prune.replace import parameter_count
 
 
 @pytest.mark.parametrize("value,expected", [("110M", 110_000_000), ("0.9B", 900_000_000), ("85%", 850_000_000),
