@@ -57,6 +57,7 @@ from eval.lmeval import primary_metric, run_lm_eval
 from eval.perplexity import perplexity, tokenize_text
 from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, count_parameters, make_prompt, time_decode
 from prune.adapters import num_blocks
+from prune import hf_remote_code
 from prune.checkpoint import REPLACEMENTS_FILE
 from prune.data import FILE_SUFFIXES, load_documents
 from prune.errors import LayercutError, cli_entry
@@ -69,7 +70,7 @@ from prune.options import (
     data_config_from_args,
     load_config_from_args,
 )
-from prune.oracle import oracle_table, run_oracle
+from prune.oracle import oracle_table, removal_cache, run_oracle
 from prune.pipeline import PruneConfig, Scored, preflight, run_prune, score_calibration
 from prune.recipes import config_from_recipe, method_recipes, method_summary, resolve_method
 
@@ -370,6 +371,12 @@ def _has_domains(row: dict | None, domains: list[Domain]) -> bool:
     return row is not None and all(domain.name in row.get("domains", {}) for domain in domains)
 
 
+def is_vanilla(folder: Path) -> bool:
+    """Whether a written checkpoint loads with plain transformers (no maps, no removed sub-layers)."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return not (folder / REPLACEMENTS_FILE).exists() and not hf_remote_code.is_wrapped(config)
+
+
 def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, heldout: Heldout, out: Path,
              dense: dict) -> dict:
     """One method at one drop on a fresh copy of the model; the cell's row."""
@@ -380,13 +387,13 @@ def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, hel
     student = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model))
     copy_seconds = time.perf_counter() - copied
     # the cell measures on its own held-out text: keep run_prune from scoring the dense model again
-    shared = Scored(dataclasses.replace(scored.calibration, heldout_ids=None), scored.moments, scored.scores)
+    shared = dataclasses.replace(scored, calibration=dataclasses.replace(scored.calibration, heldout_ids=None))
     result = run_prune(config, loaded=student, scored=shared)
     prune_seconds = time.perf_counter() - started
     row = {"method": name, "recipe": str(path), "recipe_digest": recipe_digest(path), "drop": drop,
            "dropped": result.dropped, "score": config.score, "select": config.select,
            "replace": config.replace.method, "distill_steps": result.report.get("distill", {}).get("steps", 0),
-           "vanilla": not (cell_dir / REPLACEMENTS_FILE).exists(), "prune_seconds": round(prune_seconds, 2),
+           "vanilla": is_vanilla(cell_dir), "prune_seconds": round(prune_seconds, 2),
            "copy_seconds": round(copy_seconds, 2)}
     row.update(measure(student.model, student.tokenizer, heldout, args))
     row["heldout_ratio"] = row["heldout_ppl"] / dense["heldout_ppl"]
@@ -681,7 +688,8 @@ def compare(args: argparse.Namespace) -> dict:
         measure_domains(loaded.model, heldout, results["dense"], missing)
     refresh_rows(results, heldout.names())
     if need_oracle:
-        oracle = run_oracle(loaded.model, scored.calibration.token_ids, scored.scores, args.batch_size)
+        oracle = run_oracle(loaded.model, scored.calibration.token_ids, scored.scores, args.batch_size,
+                            cache=removal_cache(scored.memo))
         results["oracle"] = {**oracle.as_dict(), "table": oracle_table(oracle, scored.scores)}
         write_text(out / ORACLE_MD, results["oracle"]["table"] + "\n")
     write_reports(results, out, results["dense"]["blocks"], plots=False)

@@ -92,7 +92,8 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
-def _is_dense(module: nn.Module) -> bool:
+def is_dense(module: nn.Module) -> bool:
+    """Whether ``module`` is one dense layer (``nn.Linear`` or GPT-2's ``Conv1D``)."""
     weight = getattr(module, "weight", None)
     return type(module).__name__ in ("Linear", "Conv1D") or (
         isinstance(module, nn.Linear) and weight is not None and weight.ndim == 2
@@ -164,9 +165,9 @@ def _mlp_out(block: nn.Module, mlp: str, hidden: int) -> str:
     module = block.get_submodule(mlp)
     if any(p.ndim >= 3 for p in module.parameters()) or any("expert" in n for n, _ in module.named_modules()):
         return ""  # experts: the output is a routed sum, no single projection
-    if _is_dense(module):
+    if is_dense(module):
         return ""
-    outs = [n for n, m in module.named_modules() if n and _is_dense(m) and _out_features(m) == hidden]
+    outs = [n for n, m in module.named_modules() if n and is_dense(m) and _out_features(m) == hidden]
     return f"{mlp}.{outs[0]}" if len(outs) == 1 else ""
 
 

@@ -28,14 +28,19 @@ def block_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 @contextmanager
-def residual_states(model: nn.Module, callback: StateCallback) -> Iterator[None]:
+def residual_states(model: nn.Module, callback: StateCallback, contribution: str | None = None) -> Iterator[None]:
     """Call ``callback(i, h)`` for every residual state ``h`` [batch, seq, hidden] during forward passes.
 
     Blocks follow each other directly in every supported architecture, so block ``i``'s output is
     block ``i+1``'s input: hooking block 0's input and every block's output sees each state once.
+
+    ``contribution``: the path, inside a block, of the module whose output is the MLP's contribution
+    to the residual (``prune.sublayers.contribution_path``). With it, states interleave with each
+    block's middle state (output minus that contribution): 2i is block i's input, 2i+1 its middle.
     """
     _, blocks = get_blocks(model)
     handles = []
+    step = 1 if contribution is None else 2
     try:
         handles.append(
             blocks[0].register_forward_pre_hook(
@@ -43,11 +48,26 @@ def residual_states(model: nn.Module, callback: StateCallback) -> Iterator[None]
             )
         )
         for index, block in enumerate(blocks):
-            handles.append(block.register_forward_hook(_output_hook(callback, index + 1)))
+            if contribution is None:
+                handles.append(block.register_forward_hook(_output_hook(callback, index + 1)))
+                continue
+            last: dict[str, torch.Tensor] = {}
+            handles.append(block.get_submodule(contribution).register_forward_hook(
+                lambda _m, _a, output, last=last: last.__setitem__("mlp", block_output(output))))
+            handles.append(block.register_forward_hook(_split_hook(callback, step * index + 1, last)))
         yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _split_hook(callback: StateCallback, middle_index: int, last: dict):
+    def hook(_module, _args, output):
+        hidden = block_output(output)
+        callback(middle_index, hidden - last.pop("mlp"))
+        callback(middle_index + 1, hidden)
+
+    return hook
 
 
 def _output_hook(callback: StateCallback, state_index: int):

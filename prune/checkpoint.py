@@ -88,7 +88,7 @@ def _write_maps(maps: dict[str, nn.Module], path: Path) -> None:
 _CARD_NOTE = """
 ## Loading
 
-This checkpoint carries replacement maps for the removed blocks in `{file}`, so it is not a plain
+This checkpoint carries {what}, so it is not a plain
 transformers checkpoint. Load it with layercut:
 
 ```python
@@ -105,7 +105,7 @@ tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)  # r
 ```
 
 Plain `AutoModelForCausalLM.from_pretrained("{name}")` refuses it (model type `{model_type}`): loading
-the kept blocks without their maps would give another model.
+the kept blocks without {without} would give another model.
 """
 
 
@@ -118,11 +118,15 @@ def _write_remote_code(staging: Path, blocks_path: str) -> None:
     shutil.copyfile(hf_remote_code.__file__, staging / hf_remote_code.MODELING_FILE)
 
 
-def _add_card_note(staging: Path, name: str) -> None:
+def _add_card_note(staging: Path, name: str, maps: bool, sublayers: int) -> None:
     card = staging / "README.md"
     text = card.read_text(encoding="utf-8")
-    note = _CARD_NOTE.format(file=REPLACEMENTS_FILE, name=name, code=hf_remote_code.MODELING_FILE,
-                             model_type=hf_remote_code.MODEL_TYPE)
+    what = [f"replacement maps for the removed blocks in `{REPLACEMENTS_FILE}`"] if maps else []
+    what += [f"{sublayers} removed attention/MLP sub-layer(s), listed in its config as "
+             f"`{hf_remote_code.SUBLAYERS_KEY}`"] if sublayers else []
+    without = " and ".join((["their maps"] if maps else []) + (["the sub-layer removals"] if sublayers else []))
+    note = _CARD_NOTE.format(what=" and ".join(what), name=name, code=hf_remote_code.MODELING_FILE,
+                             model_type=hf_remote_code.MODEL_TYPE, without=without)
     card.write_text(text + note, encoding="utf-8")
 
 
@@ -147,17 +151,20 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
     report.setdefault("replacements", replacement_records(model))
     report.setdefault("layout", block_layout(model))
     blocks_path = get_blocks(model)[0]
+    sublayers = len(getattr(model.config, hf_remote_code.SUBLAYERS_KEY, None) or [])
     with vanilla_blocks(model) as maps:
 
         def write_extra(staging: Path) -> None:
             if maps:
                 _write_maps(maps, staging / REPLACEMENTS_FILE)
+            if maps or sublayers:
                 _write_remote_code(staging, blocks_path)
-                _add_card_note(staging, Path(out).name)
+                _add_card_note(staging, Path(out).name, bool(maps), sublayers)
             if extra is not None:
                 extra(staging)
 
-        return export_checkpoint(model, tokenizer, out, report, overwrite, write_extra, plain=not maps)
+        plain = not maps and not sublayers
+        return export_checkpoint(model, tokenizer, out, report, overwrite, write_extra, plain=plain)
 
 
 def attach_maps_(model: nn.Module, path: str | Path) -> int:
@@ -209,6 +216,13 @@ def load(path: str | Path, **load_model_kwargs) -> LoadedModel:
             ``load_in_4bit``, ``load_in_8bit``, ``tokenizer``, ...).
     """
     loaded = load_model(str(path), allow_maps=True, **load_model_kwargs)
+    records = getattr(loaded.model.config, hf_remote_code.SUBLAYERS_KEY, None) or []
+    if records:
+        try:
+            hf_remote_code.remove_sublayers(loaded.model, records, get_blocks(loaded.model)[0])
+        except ValueError as err:
+            raise LayercutError(str(err)) from None
+        logger.info("removed %d attention/MLP sub-layer(s) as the checkpoint records", len(records))
     needing = _maps_needed(loaded.model)
     maps_file = _maps_file(path, loaded.source, fetch=bool(needing))
     if maps_file is not None:

@@ -1,4 +1,4 @@
-"""Modeling code that a layercut checkpoint with replacement maps carries, as ``modeling_layercut.py``.
+"""Modeling code that a layercut checkpoint with maps or removed sub-layers carries, as ``modeling_layercut.py``.
 
 Load such a checkpoint without layercut installed::
 
@@ -6,7 +6,9 @@ Load such a checkpoint without layercut installed::
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
 
 The checkpoint is the kept blocks of a transformers model (``model.safetensors``) plus linear or
-low-rank maps standing in for the removed blocks (``replacements.safetensors``). Its ``config.json``
+low-rank maps standing in for the removed blocks (``replacements.safetensors``), and/or a list of the
+attention and MLP sub-layers removed from kept blocks (``base_config["layercut_removed_sublayers"]``:
+no transformers architecture can leave one out, so each becomes a :class:`ZeroSublayer`). Its ``config.json``
 has ``model_type: "layercut"`` with the wrapped model's config under ``base_config``: plain
 ``from_pretrained`` refuses it instead of loading the kept blocks without their maps (another model).
 ``LayercutForCausalLM.from_pretrained`` builds the wrapped architecture from ``base_config``, loads the
@@ -33,6 +35,8 @@ MODEL_TYPE = "layercut"
 MODELING_FILE = "modeling_layercut.py"
 MAPS_FILE = "replacements.safetensors"
 MAPS_METADATA_KEY = "layercut_maps"  # safetensors metadata: {"<position>.<before|after>": spec}
+# base config entry: the attention / MLP sub-layers removed, [{"block", "kind", "module", "returns"}, ...]
+SUBLAYERS_KEY = "layercut_removed_sublayers"
 SIDES = ("before", "after")
 AUTO_MAP = {
     "AutoConfig": "modeling_layercut.LayercutConfig",
@@ -189,6 +193,46 @@ class ReplacedBlock(nn.Module):
         return self.after(output)
 
 
+class ZeroSublayer(nn.Module):
+    """A removed attention or MLP sub-layer: it adds nothing to the residual stream and costs nothing.
+
+    Returns zeros shaped like its input, as a tensor (``returns`` 0) or as the first entry of a tuple of
+    ``returns`` entries (attention weights, router logits: None), the way the module it stands for did.
+    """
+
+    def __init__(self, kind: str, returns: int = 0):
+        super().__init__()
+        self.kind = kind
+        self.returns = returns
+
+    def extra_repr(self) -> str:
+        """What ``print(model)`` shows of it."""
+        return f"kind={self.kind}, returns={self.returns}"
+
+    def forward(self, *args, **kwargs):
+        """Zeros like the hidden states passed in (positionally or by keyword)."""
+        hidden = args[0] if args else kwargs.get("hidden_states", kwargs.get("x"))
+        if hidden is None:
+            hidden = next(value for value in kwargs.values() if torch.is_tensor(value))
+        zeros = torch.zeros_like(hidden)
+        return zeros if self.returns == 0 else (zeros, *([None] * (self.returns - 1)))
+
+
+def remove_sublayers(model: nn.Module, records: list[dict], blocks_path: str | None = None) -> int:
+    """Put a :class:`ZeroSublayer` in place of each sub-layer ``records`` names; returns how many."""
+    path = _blocks_path(model, blocks_path)
+    blocks = model.get_submodule(path)
+    for record in records:
+        position = int(record["block"])
+        if not 0 <= position < len(blocks):
+            raise ValueError(f"{SUBLAYERS_KEY} names block {position} but the model has {len(blocks)} blocks: "
+                             "mismatched config")
+        parent_path, _, name = record["module"].rpartition(".")
+        parent = blocks[position].get_submodule(parent_path) if parent_path else blocks[position]
+        setattr(parent, name, ZeroSublayer(record["kind"], int(record.get("returns", 0))))
+    return len(records)
+
+
 def _blocks_path(model: nn.Module, blocks_path: str | None) -> str:
     for path in (blocks_path,) if blocks_path else _COMMON_BLOCK_PATHS:
         try:
@@ -267,7 +311,10 @@ class LayercutForCausalLM(PreTrainedModel):
         if not isinstance(config, LayercutConfig):
             config = LayercutConfig.from_pretrained(path, **hub)
         kwargs.pop("_from_auto", None)
+        # removed sub-layers have no weights in the folder: transformers initialises them, then they go
         model = AutoModelForCausalLM.from_pretrained(path, *model_args, config=config.base(), **kwargs)
-        maps_file = cached_file(path, MAPS_FILE, **hub)
-        attach_maps(model, maps_file, config.blocks_path)
+        remove_sublayers(model, config.base_config.get(SUBLAYERS_KEY) or [], config.blocks_path)
+        maps_file = cached_file(path, MAPS_FILE, _raise_exceptions_for_missing_entries=False, **hub)
+        if maps_file is not None:
+            attach_maps(model, maps_file, config.blocks_path)
         return model

@@ -653,6 +653,11 @@ def load_model(
             f"{name} is a checkpoint with replacement maps ({hf_remote_code.MAPS_FILE}): load it with "
             "prune.load(path), which attaches them (without them it is another model)"
         )
+    if not allow_maps and getattr(config, hf_remote_code.SUBLAYERS_KEY, None):
+        raise LayercutError(
+            f"{name} is a checkpoint with removed attention/MLP sub-layers: load it with prune.load(path), which "
+            "removes them again (transformers alone would put random weights in their place)"
+        )
     tokenizer = load_tokenizer(tokenizer or checkpoint)
     with _hub_errors(name, hub_id, weights=True):
         model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs)

@@ -41,15 +41,35 @@ class Oracle:
         return {"dense": self.dense, "removed": self.removed, "spearman": self.spearman, "tokens": self.tokens}
 
 
+def removal_perplexity(model: nn.Module, token_ids: torch.Tensor, removed: list[int], batch_size: int = 4,
+                       cache: dict | None = None) -> float:
+    """Calibration perplexity with the blocks ``removed`` skipped; ``cache`` remembers it by block set.
+
+    The oracle and SLEB's greedy search measure the same sets (the oracle's single removals are SLEB's
+    first step, and a drop of 4 starts with the drop of 2 on the same calibration), so a ``cache`` kept
+    for one model and one calibration saves every repeat. A cache must never outlive either.
+    """
+    key = tuple(sorted(removed))
+    if cache is not None and key in cache:
+        return cache[key]
+    with blocks_removed(model, list(key)):
+        value = packed_perplexity(model, token_ids, batch_size, progress=False)
+    if cache is not None:
+        cache[key] = value
+    return value
+
+
+def removal_cache(memo: dict | None) -> dict | None:
+    """The block-set -> perplexity cache inside a run's memo (``prune.pipeline.Scored.memo``)."""
+    return None if memo is None else memo.setdefault("removal-ppl", {})
+
+
 def single_removal_perplexities(model: nn.Module, token_ids: torch.Tensor, batch_size: int = 4,
-                                progress: bool = True) -> list[float]:
+                                progress: bool = True, cache: dict | None = None) -> list[float]:
     """Calibration perplexity with each block alone removed (one pass per block, the model restored after)."""
-    out = []
-    for block in tqdm(range(num_blocks(model)), desc="oracle: remove each block", unit="block",
-                      disable=not progress):
-        with blocks_removed(model, [block]):
-            out.append(packed_perplexity(model, token_ids, batch_size, progress=False))
-    return out
+    return [removal_perplexity(model, token_ids, [block], batch_size, cache)
+            for block in tqdm(range(num_blocks(model)), desc="oracle: remove each block", unit="block",
+                              disable=not progress)]
 
 
 def _ranks(values: list[float]) -> torch.Tensor:
@@ -82,10 +102,13 @@ def score_agreement(scores: dict[str, list[float]], removed: list[float]) -> dic
 
 
 def run_oracle(model: nn.Module, token_ids: torch.Tensor, scores: dict[str, list[float]], batch_size: int = 4,
-               progress: bool = True) -> Oracle:
-    """Dense and single-removal calibration perplexities, and every score's Spearman with them."""
-    dense = packed_perplexity(model, token_ids, batch_size, progress=False)
-    removed = single_removal_perplexities(model, token_ids, batch_size, progress)
+               progress: bool = True, cache: dict | None = None) -> Oracle:
+    """Dense and single-removal calibration perplexities, and every score's Spearman with them.
+
+    ``cache``: see :func:`removal_perplexity`.
+    """
+    dense = removal_perplexity(model, token_ids, [], batch_size, cache)
+    removed = single_removal_perplexities(model, token_ids, batch_size, progress, cache)
     return Oracle(dense, removed, score_agreement(scores, removed), int(token_ids.numel()))
 
 

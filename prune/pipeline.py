@@ -24,7 +24,7 @@ from prune.export import REPORT_FILE, atomic_directory, check_output_dir, librar
 from prune.heldout import heldout_report, packed_perplexity
 from prune.loading import LoadedModel, load_config
 from prune.options import LoadConfig
-from prune.oracle import Oracle, oracle_table, run_oracle
+from prune.oracle import Oracle, oracle_table, removal_cache, run_oracle
 from prune.replace import ReplaceConfig, check_replacement_supported, parameter_count, replace_blocks_
 from prune.score_report import plot_linearity_profile, score_table
 from prune.scores import SCORES, block_scores, check_enough_tokens, get_score
@@ -40,6 +40,18 @@ from prune.selection import (
 )
 from prune.stats import StateMoments, stream_moments
 from prune.steps import SurgeryStep, build_step
+from prune.sublayers import (
+    Unit,
+    candidate_units,
+    check_unit_count,
+    check_units_supported,
+    contribution_path,
+    is_sublayer,
+    parse_units,
+    rank_units,
+    remove_units_,
+    unit_parameters,
+)
 from prune.surgery import block_layout, replacement_records
 
 logger = logging.getLogger(__name__)
@@ -62,6 +74,8 @@ class PruneConfig:
             in place of ``drop`` (``prune.budget``).
         target_speedup: remove the fewest blocks whose ideal decode speed-up ``L / (L - K)`` reaches this
             (1.25); in place of ``drop``.
+        unit: what is removed: "block" (default), or sub-layers "attention", "mlp" or "attention,mlp"
+            (``prune.sublayers``; ``drop`` then counts sub-layers, ranked by ``score`` with ``select`` topk).
         score: criterion used to rank blocks (all registered scores are reported).
         select: topk | span | greedy.
         protect: blocks never removed ("0,-1" = first and last; "none").
@@ -83,6 +97,7 @@ class PruneConfig:
     drop: str | int | None = None
     target_params: str | int | None = None
     target_speedup: float | None = None
+    unit: str = "block"
     score: str = "linearity"
     select: str = "topk"
     protect: str = DEFAULT_PROTECT
@@ -117,13 +132,25 @@ class PruneConfig:
             flag = "--replace" if self.replace.method != "none" else "--distill-steps"
             raise LayercutError(f"{flag} needs blocks to remove: pass --drop (a count or a share), --target-params "
                                 "or --target-speedup")
+        units = parse_units(self.unit)
+        self.unit = ",".join(units)
+        if is_sublayer(units):
+            for flag, bad, fix in (("--select", self.select != "topk", "ranks sub-layers with --select topk"),
+                                   ("--replace", self.replace.method != "none", "removes them (--replace none)"),
+                                   ("--target-speedup", self.target_speedup is not None,
+                                    "meets --target-params or --drop (a speed-up counts whole blocks)"),
+                                   ("--distill-steps", bool(self.step_sections()), "does not distill yet")):
+                if bad:
+                    raise LayercutError(f"{flag} with --unit {self.unit}: sub-layer removal {fix}; drop {flag} "
+                                        "or use --unit block")
         if self.out is None and self.removes:
             stem = Path(self.load.model.rstrip("/")).name.removesuffix(".gguf")
             method = "" if self.replace.method == "none" else f"-{self.replace.method}"
             amount = (f"drop{str(self.drop).replace('%', 'pct')}" if self.drop is not None else
                       f"params{str(self.target_params).replace('%', 'pct')}" if self.target_params is not None
                       else f"speedup{self.target_speedup}x")
-            self.out = f"{stem}-{amount}{method}"
+            unit = "" if not is_sublayer(units) else "-" + self.unit.replace(",", "-")
+            self.out = f"{stem}-{amount}{unit}{method}"
 
     @property
     def removes(self) -> bool:
@@ -164,6 +191,9 @@ class Scored:
     calibration: CalibrationData
     moments: StateMoments
     scores: dict[str, list[float]]
+    # what selections and the oracle measured on this model and calibration, reused by later runs
+    # (``prune.selection.SelectionInput.memo``); valid only while both are unchanged
+    memo: dict = field(default_factory=dict)
 
 
 def score_calibration(loaded: LoadedModel, config: PruneConfig, cosine_pairs: str | None = None) -> Scored:
@@ -207,7 +237,9 @@ def check_against_model(config: PruneConfig, model_config) -> None:
     blocks = config_layer_count(model_config)
     if blocks is not None:
         protected = parse_protect(config.protect, blocks)
-        if config.drop is not None:
+        if config.drop is not None and is_sublayer(parse_units(config.unit)):
+            parse_drop(config.drop, 2 * blocks)  # sub-layers: counted against the candidates once loaded
+        elif config.drop is not None:
             check_enough_free(parse_drop(config.drop, blocks), blocks, protected)
     limit = max_positions(model_config)
     if limit is not None and config.data.seq_len > limit:
@@ -231,7 +263,8 @@ def score_model(model, calibration: CalibrationData, config: PruneConfig,
     return moments, block_scores(moments, list(SCORES))
 
 
-def selection_input(model, calibration, moments, scores, config: PruneConfig) -> SelectionInput:
+def selection_input(model, calibration, moments, scores, config: PruneConfig,
+                    memo: dict | None = None) -> SelectionInput:
     """What the selection strategy sees for ``config.drop`` / ``score`` / ``protect``."""
     count = num_blocks(model)
     return SelectionInput(
@@ -243,14 +276,15 @@ def selection_input(model, calibration, moments, scores, config: PruneConfig) ->
         model=model,
         token_ids=calibration.token_ids,
         batch_size=config.batch_size,
+        memo=memo,
     )
 
 
-def choose_blocks(model, calibration, moments, scores, config: PruneConfig) -> list[int]:
-    """Apply ``config.drop`` / ``select`` / ``protect`` to the scores."""
+def choose_blocks(model, calibration, moments, scores, config: PruneConfig, memo: dict | None = None) -> list[int]:
+    """Apply ``config.drop`` / ``select`` / ``protect`` to the scores (``memo``: see ``Scored.memo``)."""
     if config.drop is None:
         return []
-    return select_blocks(config.select, selection_input(model, calibration, moments, scores, config))
+    return select_blocks(config.select, selection_input(model, calibration, moments, scores, config, memo))
 
 
 def span_report(model, calibration, moments, scores, config: PruneConfig) -> list[dict]:
@@ -286,21 +320,25 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     before = num_blocks(model)
     check_against_model(config, model.config)
     params_before = parameter_count(model)
+    if is_sublayer(parse_units(config.unit)):
+        return _prune_units(loaded, config, started, before, params_before, scored)
     check_budget(config, params_before, before)
+    memo = {}  # a greedy budget search re-selects with growing drops: each continues the last
     if scored is not None:
         _check_scored(scored, config, before)
-        calibration, moments, scores = scored.calibration, scored.moments, scored.scores
+        calibration, moments, scores, memo = scored.calibration, scored.moments, scored.scores, scored.memo
     else:
         calibration = calibration_data(loaded.tokenizer, config.data, model=loaded.model)
     heldout = calibration.heldout_ids if config.removes else None
     original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
     if scored is None:
         moments, scores = score_model(model, calibration, config)
-    oracle = run_oracle(model, calibration.token_ids, scores, config.batch_size) if config.oracle else None
-    budget = resolve_budget(model, calibration, moments, scores, config, params_before)
+    oracle = (run_oracle(model, calibration.token_ids, scores, config.batch_size, cache=removal_cache(memo))
+              if config.oracle else None)
+    budget = resolve_budget(model, calibration, moments, scores, config, params_before, memo)
     if budget is not None:
         config = dataclasses.replace(config, drop=budget["drop"], target_params=None, target_speedup=None)
-    dropped = choose_blocks(model, calibration, moments, scores, config)
+    dropped = choose_blocks(model, calibration, moments, scores, config, memo)
     spans = span_report(model, calibration, moments, scores, config) if dropped and config.select == "span" else None
     if dropped:
         replace_blocks_(model, dropped, calibration.token_ids, config.replace, moments)
@@ -325,6 +363,52 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     return PruneResult(loaded, calibration, moments, scores, dropped, report, out)
 
 
+def _prune_units(loaded: LoadedModel, config: PruneConfig, started: float, before: int, params_before: int,
+                 scored: Scored | None) -> PruneResult:
+    """``run_prune`` for sub-layer units: one streamed pass with middle states, rank, remove, export."""
+    model = loaded.model
+    kinds = parse_units(config.unit)
+    check_units_supported(model, kinds)
+    protected = parse_protect(config.protect, before)
+    candidates = candidate_units(model, kinds, protected)
+    total = None if config.target_params is None else parse_param_target(config.target_params, params_before)
+    if config.drop is not None:
+        check_unit_count(parse_drop(config.drop, 2 * before), candidates)
+    calibration = scored.calibration if scored is not None else calibration_data(loaded.tokenizer, config.data,
+                                                                                   model=model)
+    check_enough_tokens(calibration.num_tokens, hidden_size(model))
+    heldout = calibration.heldout_ids
+    original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
+    moments = stream_moments(model, calibration.token_ids, batch_size=config.batch_size, cosine_pairs="adjacent",
+                             mlp_contribution=contribution_path(model))
+    scores = block_scores(moments, list(SCORES))  # value u rates sub-layer u (Unit.at)
+    ranked = rank_units(scores[config.score], get_score(config.score).removability, candidates)
+    if total is not None:
+        freed, count = 0, 0
+        while count < len(ranked) and params_before - freed > total:
+            freed += unit_parameters(model, ranked[count])
+            count += 1
+        if params_before - freed > total:
+            raise LayercutError(f"--target-params {total:,} is out of reach: removing every removable sub-layer "
+                                f"leaves {params_before - freed:,} parameters; ask for more or pass --protect none")
+        budget = {"target_params": total, "drop": count}
+    else:
+        count, budget = parse_drop(config.drop, 2 * before), None
+    chosen = ranked[:count]
+    removal = remove_units_(model, chosen, calibration.token_ids[:1, : min(32, calibration.token_ids.shape[1])])
+    dropped = removal["blocks_removed_whole"]
+    report = build_report(loaded, config, calibration, {}, dropped, before, time.perf_counter() - started)
+    labels = [Unit.at(u).label() for u in range(2 * before)]
+    report.update({"unit": list(kinds), "sublayers": removal,
+                   "sublayer_scores": {"units": labels, **scores}})
+    if budget is not None:
+        report["budget"] = {**budget, "params_before": params_before, "params_after": parameter_count(model)}
+    if original is not None:
+        report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout)
+    out = write_outputs(loaded, report, config) if config.out is not None else None
+    return PruneResult(loaded, calibration, moments, scores, dropped, report, out)
+
+
 def check_budget(config: PruneConfig, total: int, blocks: int) -> None:
     """A target the model cannot meet fails now, before any token is scored."""
     if config.target_params is not None:
@@ -334,7 +418,8 @@ def check_budget(config: PruneConfig, total: int, blocks: int) -> None:
                           parse_protect(config.protect, blocks))
 
 
-def resolve_budget(model, calibration, moments, scores, config: PruneConfig, total: int) -> dict | None:
+def resolve_budget(model, calibration, moments, scores, config: PruneConfig, total: int,
+                   memo: dict | None = None) -> dict | None:
     """The block count a ``target_params`` / ``target_speedup`` asks for (None when ``drop`` is given)."""
     if config.target_params is None and config.target_speedup is None:
         return None
@@ -349,7 +434,7 @@ def resolve_budget(model, calibration, moments, scores, config: PruneConfig, tot
 
     def select(k: int) -> list[int]:
         return choose_blocks(model, calibration, moments, scores, dataclasses.replace(config, drop=k,
-                             target_params=None))
+                             target_params=None), memo)
 
     drop = blocks_for_params(target, total, [parameter_count(b) for b in blocks], select, free)
     return {"target_params": target, "drop": drop}
@@ -402,6 +487,9 @@ def write_outputs(loaded: LoadedModel, report: dict, config: PruneConfig, files:
     """Export the checkpoint (if blocks were dropped) or just the profile, atomically; ``files`` are copied in."""
 
     def profile_files(folder: Path) -> None:
+        if "sublayer_scores" in report:
+            unit_files(folder)
+            return
         title = f"{loaded.name}: block linearity ({report['data']['tokens']} tokens)"
         plot_linearity_profile(report["scores"], folder / PROFILE_PNG, title, report["dropped"])
         table = score_table(report["scores"], report["dropped"])
@@ -412,7 +500,16 @@ def write_outputs(loaded: LoadedModel, report: dict, config: PruneConfig, files:
             if path.is_file():
                 shutil.copy2(path, folder / path.name)
 
-    if report["dropped"]:
+    def unit_files(folder: Path) -> None:
+        unit_scores = {k: v for k, v in report["sublayer_scores"].items() if k != "units"}
+        removed = [Unit(int(b), k).index for b, k in (u.split(".") for u in report["sublayers"]["units"])]
+        title = (f"{loaded.name}: sub-layer linearity, attention (even) and MLP (odd) "
+                 f"({report['data']['tokens']} tokens)")
+        plot_linearity_profile(unit_scores, folder / PROFILE_PNG, title, removed, unit="sub-layer (2 x block + mlp)")
+        table = score_table(unit_scores, removed, labels=report["sublayer_scores"]["units"])
+        (folder / SCORES_MD).write_text(table + "\n", encoding="utf-8")
+
+    if report["dropped"] or report.get("sublayers"):
         return save(loaded.model, loaded.tokenizer, config.out, report, config.overwrite, profile_files)
     with atomic_directory(config.out, config.overwrite) as staging:
         write_json(staging / REPORT_FILE, report)

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--target-speedup", type=float, default=None, metavar="X",
                        help="in place of --drop: remove the fewest blocks whose ideal decode speed-up L/(L-K) "
                        "reaches X (1.25)")
+    group.add_argument("--unit", default="block",
+                       help="what goes: block (default), or a block's attention or MLP sub-layer alone: attention, "
+                       "mlp, or attention,mlp (then --drop counts sub-layers, ranked by --score with --select "
+                       "topk; a block losing both goes whole; the export loads with prune.load or "
+                       "trust_remote_code)")
     group.add_argument("--score", default="linearity", choices=list(SCORES),
                        help="ranking criterion (default: linearity)")
     group.add_argument("--select", default="topk", choices=list(SELECTIONS),
@@ -137,6 +142,9 @@ def config_from_args(args: argparse.Namespace, typed: set[str] | None = None) ->
 def print_summary(result) -> None:
     """The score table and one line per thing the run did."""
     report = result.report
+    if "sublayers" in report:
+        print_units_summary(result)
+        return
     print(score_table(result.scores, result.dropped))
     if "oracle" in report:
         rho = ", ".join(f"{name} {value:+.2f}" for name, value in report["oracle"]["spearman"].items())
@@ -163,6 +171,28 @@ def print_summary(result) -> None:
     if "distill" in report:
         print(f"distilled {report['distill']['steps']} steps: loss {report['distill']['first_loss']} -> "
               f"{report['distill']['final_loss']}")
+    if result.out is not None:
+        print(f"wrote {result.out}/")
+
+
+def print_units_summary(result) -> None:
+    """The sub-layer score table and what a ``--unit attention/mlp`` run removed."""
+    report = result.report
+    scores = {k: v for k, v in report["sublayer_scores"].items() if k != "units"}
+    removal = report["sublayers"]
+    removed = [report["sublayer_scores"]["units"].index(u) for u in removal["units"]]
+    print(score_table(scores, removed, labels=report["sublayer_scores"]["units"]))
+    if "budget" in report:
+        b = report["budget"]
+        print(f"\n--target-params {b['target_params']:,}: {b['drop']} sub-layers; parameters {b['params_before']:,} "
+              f"-> {b['params_after']:,}")
+    print(f"\nremoved {len(removal['units'])} sub-layer(s) by {report['score']} over {report['data']['tokens']} "
+          f"tokens: {', '.join(removal['units'])}; blocks removed whole: {removal['blocks_removed_whole'] or 'none'}; "
+          f"{report['num_blocks_before']} blocks -> {report['num_blocks_after']} in {report['seconds']:.1f}s")
+    if "heldout" in report:
+        h = report["heldout"]
+        print(f"held-out perplexity ({h['samples']} x {h['seq_len']} tokens of the calibration source, unseen by "
+              f"scoring): original {h['original']:.3f} -> {h['pruned']:.3f} (x{h['ratio']:.3f})")
     if result.out is not None:
         print(f"wrote {result.out}/")
 

@@ -9,21 +9,25 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def score_table(scores: dict[str, list[float]], dropped: list[int] | None = None) -> str:
-    """Markdown table, one row per block, one column per score, and a mark on dropped blocks."""
+def score_table(scores: dict[str, list[float]], dropped: list[int] | None = None,
+                labels: list[str] | None = None) -> str:
+    """Markdown table, one row per block (or per ``labels`` entry), one column per score, removed ones marked."""
     dropped = set(dropped or [])
     names = list(scores)
-    header = "| block | " + " | ".join(names) + " | dropped |"
+    header = f"| {'block' if labels is None else 'unit'} | " + " | ".join(names) + " | dropped |"
     rule = "|---:|" + "---:|" * len(names) + ":---:|"
+    count = len(next(iter(scores.values())))
+    labels = labels or [str(b) for b in range(count)]
     rows = [
-        f"| {b} | " + " | ".join(f"{scores[n][b]:.4f}" for n in names) + f" | {'x' if b in dropped else ''} |"
-        for b in range(len(next(iter(scores.values()))))
+        f"| {labels[b]} | " + " | ".join(f"{scores[n][b]:.4f}" for n in names) + f" | {'x' if b in dropped else ''} |"
+        for b in range(count)
     ]
     return "\n".join([header, rule, *rows])
 
 
-def plot_linearity_profile(scores: dict[str, list[float]], path: str | Path, title: str, dropped=None) -> Path:
-    """PNG of linearity with and without residual per block; dropped blocks shaded."""
+def plot_linearity_profile(scores: dict[str, list[float]], path: str | Path, title: str, dropped=None,
+                           unit: str = "block") -> Path:
+    """PNG of linearity with and without residual per block (or sub-layer, ``unit``); dropped ones shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -35,7 +39,7 @@ def plot_linearity_profile(scores: dict[str, list[float]], path: str | Path, tit
             ax.plot(range(len(scores[name])), scores[name], marker="o", markersize=3, label=label)
     for block in dropped or []:
         ax.axvspan(block - 0.5, block + 0.5, color="tab:red", alpha=0.15, lw=0)
-    ax.set_xlabel("block")
+    ax.set_xlabel(unit)
     ax.set_ylabel("linearity score")
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -19,7 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from prune.errors import LayercutError
-from prune.heldout import packed_perplexity
+from prune.oracle import removal_cache, removal_perplexity
 from prune.scores import Score
 from prune.stats import StateMoments, stream_moments
 from prune.surgery import blocks_removed
@@ -71,6 +71,9 @@ class SelectionInput:
     model: nn.Module | None = None
     token_ids: torch.Tensor | None = None
     batch_size: int = 4
+    # measurements kept across runs on the same model and calibration (``prune.pipeline.Scored.memo``):
+    # greedy selections reuse the removals a smaller drop already chose
+    memo: dict | None = None
 
 
 SELECTIONS: dict[str, Callable[[SelectionInput], list[int]]] = {}
@@ -150,19 +153,30 @@ def _greedy(inputs: SelectionInput) -> list[int]:
     """Remove the most removable block, re-score the shallower model, repeat."""
     if inputs.model is None or inputs.token_ids is None:
         raise ValueError("greedy selection needs the model and calibration tokens")
-    chosen: list[int] = []
-    values = inputs.values
-    while True:
+    # each step depends only on the steps before it: the order chosen for a smaller drop is this one's prefix
+    order = _memo(inputs, ("greedy", inputs.score.name, tuple(inputs.protected)), list)
+    chosen = order[: inputs.count]
+    while len(chosen) < inputs.count:
+        values = inputs.values
+        if chosen:
+            with blocks_removed(inputs.model, chosen):
+                moments = stream_moments(inputs.model, inputs.token_ids, batch_size=inputs.batch_size,
+                                         progress=False)
+                values = [inputs.score.compute(moments, b) for b in range(moments.num_states - 1)]
         remaining = [b for b in range(len(inputs.values)) if b not in chosen]
         removability = inputs.score.removability(values)
         best = max((p for p, b in enumerate(remaining) if b not in inputs.protected), key=lambda p: removability[p])
         chosen.append(remaining[best])
+        order[:] = chosen
         logger.info("greedy step %d: drop block %d", len(chosen), remaining[best])
-        if len(chosen) == inputs.count:
-            return chosen
-        with blocks_removed(inputs.model, chosen):
-            moments = stream_moments(inputs.model, inputs.token_ids, batch_size=inputs.batch_size, progress=False)
-            values = [inputs.score.compute(moments, b) for b in range(moments.num_states - 1)]
+    return chosen
+
+
+def _memo(inputs: SelectionInput, key: tuple, default):
+    """The memo entry ``key`` (created from ``default()``); a throwaway one without a memo."""
+    if inputs.memo is None:
+        return default()
+    return inputs.memo.setdefault(key, default())
 
 
 @register_selection("greedy-ppl")
@@ -173,6 +187,7 @@ def _greedy_ppl(inputs: SelectionInput) -> list[int]:
     """
     if inputs.model is None or inputs.token_ids is None:
         raise ValueError("greedy-ppl selection needs the model and calibration tokens")
+    cache = removal_cache(inputs.memo)  # shared with the oracle: its single removals are the first step
     chosen: list[int] = []
     blocks = len(inputs.values)
     free = blocks - len(inputs.protected)
@@ -181,9 +196,8 @@ def _greedy_ppl(inputs: SelectionInput) -> list[int]:
         candidates = [b for b in range(blocks) if b not in chosen and b not in inputs.protected]
         perplexities = {}
         for block in candidates:
-            with blocks_removed(inputs.model, chosen + [block]):
-                perplexities[block] = packed_perplexity(inputs.model, inputs.token_ids, inputs.batch_size,
-                                                        progress=False)
+            perplexities[block] = removal_perplexity(inputs.model, inputs.token_ids, chosen + [block],
+                                                     inputs.batch_size, cache)
             bar.update()
         best = min(candidates, key=lambda b: perplexities[b])
         chosen.append(best)

@@ -253,6 +253,7 @@ def stream_moments(
     stats_device: torch.device | str | None = None,
     progress: bool = True,
     precision: str = "float32",
+    mlp_contribution: str | None = None,
 ) -> StateMoments:
     """Run ``model`` over ``token_ids`` [samples, seq] and stream the residual-state moments.
 
@@ -265,13 +266,17 @@ def stream_moments(
         stats_device: where statistics live (default: where each state is produced).
         progress: show a tqdm bar.
         precision: dtype of each batch's products (:class:`StateMoments`).
+        mlp_contribution: with the path in a block of the module whose output is the MLP's contribution
+            (``prune.sublayers.contribution_path``), also each block's middle state (after attention,
+            before the MLP): 2L + 1 states, 2i + 1 between block i's attention and MLP, so every
+            score's value ``u`` rates sub-layer ``u``.
     """
-    count = num_blocks(model)
+    count = num_blocks(model) * (1 if mlp_contribution is None else 2)
     moments = StateMoments(count + 1, adjacent_pairs(count) if pairs is None else pairs, cosine_pairs, stats_device,
                            precision)
     device = input_device(model)
     starts = range(0, token_ids.shape[0], batch_size)
-    with residual_states(model, moments.observe):
+    with residual_states(model, moments.observe, mlp_contribution):
         for start in tqdm(starts, desc="capture", unit="batch", disable=not progress):
             batch = token_ids[start : start + batch_size].to(device)  # [batch, seq]
             moments.begin_batch(None)

@@ -100,3 +100,47 @@ def test_greedy_ppl_removes_the_block_whose_removal_hurts_calibration_perplexity
 def test_last_takes_the_deepest_unprotected_blocks():
     assert select_blocks("last", inputs([0.0] * 8, 3, protected=[0, 7])) == [4, 5, 6]
     assert select_blocks("last", inputs([0.0] * 8, 2, protected=[0])) == [6, 7]
+
+
+def _count_passes(monkeypatch) -> list:
+    import prune.oracle
+    import prune.selection
+
+    calls = []
+    real = prune.oracle.packed_perplexity
+    monkeypatch.setattr(prune.oracle, "packed_perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_stream = prune.selection.stream_moments
+    monkeypatch.setattr(prune.selection, "stream_moments", lambda *a, **k: calls.append(1) or real_stream(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("method", ["greedy-ppl", "greedy"])
+def test_a_memo_continues_a_smaller_drop_and_changes_no_choice(method, monkeypatch):
+    model = make_tiny_model("llama", seed=4)
+    ids = torch.randint(3, 320, (4, 16), generator=torch.Generator().manual_seed(2))
+    moments = stream_moments(model, ids, progress=False)
+    score = get_score("linearity")
+    values = [score.compute(moments, b) for b in range(4)]
+    fresh = {k: select_blocks(method, SelectionInput(score, moments, values, k, [], model, ids)) for k in (2, 3)}
+    calls = _count_passes(monkeypatch)
+    memo = {}
+    shared = {k: select_blocks(method, SelectionInput(score, moments, values, k, [], model, ids, memo=memo))
+              for k in (2, 3)}
+    assert shared == fresh
+    # greedy-ppl: 4 + 3 passes for the drop of 2, then only the third step's 2 (not 4 + 3 + 2 again);
+    # greedy: one re-scoring for the drop of 2, then one more
+    assert len(calls) == (4 + 3 + 2 if method == "greedy-ppl" else 2)
+
+
+def test_the_oracle_fills_the_cache_greedy_ppl_starts_from(monkeypatch):
+    from prune.oracle import removal_cache, run_oracle
+
+    model = make_tiny_model("llama", seed=4)
+    ids = torch.randint(3, 320, (4, 16), generator=torch.Generator().manual_seed(2))
+    score = get_score("linearity")
+    memo = {}
+    oracle = run_oracle(model, ids, {}, progress=False, cache=removal_cache(memo))
+    calls = _count_passes(monkeypatch)
+    chosen = select_blocks("greedy-ppl", SelectionInput(score, StateMoments(5, []), [0.0] * 4, 1, [], model, ids,
+                                                        memo=memo))
+    assert calls == [] and chosen == [min(range(4), key=lambda b: oracle.removed[b])]

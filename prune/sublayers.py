@@ -1,0 +1,276 @@
+"""Finer units: remove a block's attention or its MLP alone (``--unit attention,mlp``).
+
+BlockPruner, FinerCut and NVIDIA's Puzzletron report that removing sub-layers beats removing whole
+blocks at equal parameters: attention is often the more removable half. A unit is one sub-layer,
+numbered ``2 * block`` (attention) and ``2 * block + 1`` (MLP), and its residual states are the block
+input, the *middle* state (input + attention's contribution) and the block output. The middle state
+is the output minus the MLP's contribution (the MLP's output, or its output norm's where the
+architecture has one), so one streamed pass with one extra hook per block scores every sub-layer
+with every registered score (``prune.stats.stream_moments(..., mlp_contribution=)``).
+
+A removed sub-layer becomes a ``ZeroSublayer`` (``prune.hf_remote_code``) that adds nothing and costs
+nothing; a block whose attention and MLP both go is dropped whole. No transformers architecture can
+leave a sub-layer out, so the export is a layercut checkpoint: the list of removed sub-layers sits in
+its config and ``prune.load`` (or ``from_pretrained(..., trust_remote_code=True)``) rebuilds them; plain
+``from_pretrained`` refuses it (it would load random weights in their place). Families:
+
+- every architecture whose blocks have an attention and an MLP sub-module (Llama, Mistral, Qwen2/3,
+  Gemma 1-3, Phi, GPT-2, GPT-NeoX, Falcon, MoE blocks, ...): both units;
+- OPT: attention only (its feed-forward is two bare layers on the block, not one module);
+- blocks without an attention module (Mamba mixers of hybrids): their MLP only.
+
+The first block keeps its attention: transformers' KV cache counts the positions seen at its first
+layer. After surgery one probe pass checks that every block with a removed sub-layer adds exactly the
+other one's contribution; an architecture where it does not (a biased norm on the sub-layer output)
+is refused in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from prune.adapters import arch_spec, get_blocks, is_dense, num_blocks
+from prune.capture import block_input, block_output
+from prune.errors import LayercutError
+from prune.hf_remote_code import SUBLAYERS_KEY, ZeroSublayer, remove_sublayers
+from prune.replace.modules import parameter_count
+from prune.surgery import drop_blocks_
+
+UNITS = ("block", "attention", "mlp")
+KINDS = ("attention", "mlp")
+
+
+def parse_units(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``"attention,mlp"`` -> ``("attention", "mlp")``; ``block`` alone is whole blocks (the default).
+
+    ``block`` beside sub-layers adds nothing: a block whose two sub-layers are chosen is removed whole.
+    """
+    items = [v.strip() for v in (value.split(",") if isinstance(value, str) else value or ["block"]) if v.strip()]
+    unknown = [v for v in items if v not in UNITS]
+    if unknown or not items:
+        raise LayercutError(f"--unit takes block, attention, mlp or a comma list of them, got {value!r}")
+    kinds = tuple(k for k in KINDS if k in items)
+    return kinds or ("block",)
+
+
+def is_sublayer(units: Sequence[str]) -> bool:
+    """Whether ``units`` (from :func:`parse_units`) removes sub-layers rather than whole blocks."""
+    return tuple(units) != ("block",)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One sub-layer: block index (current numbering) and kind."""
+
+    block: int
+    kind: str
+
+    @property
+    def index(self) -> int:
+        """Position in the sub-layer scores: ``2 * block`` for attention, ``2 * block + 1`` for the MLP."""
+        return 2 * self.block + KINDS.index(self.kind)
+
+    @classmethod
+    def at(cls, index: int) -> Unit:
+        """The unit at a sub-layer score position."""
+        return cls(index // 2, KINDS[index % 2])
+
+    def label(self) -> str:
+        """``"12.attention"``."""
+        return f"{self.block}.{self.kind}"
+
+
+def _bare_mlp(model: nn.Module) -> bool:
+    """OPT-like: the feed-forward is dense layers on the block (fc1, fc2), not one module to replace."""
+    spec = arch_spec(model)
+    _, blocks = get_blocks(model)
+    return _has(blocks[0], spec.mlp) and is_dense(blocks[0].get_submodule(spec.mlp))
+
+
+def sublayer_path(model: nn.Module, kind: str) -> str:
+    """Path of the ``kind`` sub-module inside a block ("" when blocks have none to remove whole)."""
+    spec = arch_spec(model)
+    if kind == "attention":
+        return spec.attention
+    return "" if _bare_mlp(model) else spec.mlp
+
+
+def contribution_path(model: nn.Module) -> str:
+    """The sub-module whose output is the MLP's whole contribution to the residual (its output norm, if any)."""
+    spec = arch_spec(model)
+    return spec.mlp_out_norm or (spec.mlp_out if _bare_mlp(model) else spec.mlp)
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    if not path:
+        return False
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+def check_units_supported(model: nn.Module, kinds: Sequence[str]) -> None:
+    """Refuse, in one line, sub-layer units the architecture has no module for."""
+    if not is_sublayer(kinds):
+        return
+    model_type = model.config.model_type
+    if not contribution_path(model):
+        raise LayercutError(f"--unit {','.join(kinds)}: {model_type} blocks have no MLP module to measure the "
+                            "sub-layers by; use --unit block")
+    _, blocks = get_blocks(model)
+    for kind in kinds:
+        path = sublayer_path(model, kind)
+        if not any(_has(block, path) for block in blocks):
+            why = " (its feed-forward is bare layers on the block)" if kind == "mlp" and _bare_mlp(model) else ""
+            raise LayercutError(f"--unit {','.join(kinds)}: {model_type} blocks have no {kind} module to remove "
+                                f"alone{why}; use --unit {'attention' if kind == 'mlp' else 'mlp'} or --unit block")
+
+
+def candidate_units(model: nn.Module, kinds: Sequence[str], protected: Sequence[int]) -> list[Unit]:
+    """Every removable sub-layer of the kinds asked for, outside protected blocks."""
+    _, blocks = get_blocks(model)
+    units = []
+    for index, block in enumerate(blocks):
+        if index in protected:
+            continue
+        for kind in kinds:
+            if kind == "attention" and index == 0:
+                continue  # the KV cache counts positions at its first layer
+            if _has(block, sublayer_path(model, kind)):
+                units.append(Unit(index, kind))
+    return units
+
+
+def unit_parameters(model: nn.Module, unit: Unit) -> int:
+    """Parameters the unit's removal frees."""
+    return parameter_count(get_blocks(model)[1][unit.block].get_submodule(sublayer_path(model, unit.kind)))
+
+
+def rank_units(values: Sequence[float], removability, candidates: Sequence[Unit]) -> list[Unit]:
+    """Candidates, most removable first, by a score's values over every sub-layer."""
+    ranked = removability(list(values))
+    return sorted(candidates, key=lambda u: -ranked[u.index])
+
+
+def check_unit_count(count: int, candidates: Sequence[Unit]) -> None:
+    """``count`` sub-layers can go only if that many are candidates."""
+    if count > len(candidates):
+        raise LayercutError(f"cannot remove {count} sub-layers: only {len(candidates)} can go (the first block's "
+                            "attention and protected blocks stay); lower --drop or pass --protect none")
+
+
+@torch.no_grad()
+def _probe(model: nn.Module, probe_ids: torch.Tensor, hooks: dict[str, tuple[nn.Module, callable]]) -> None:
+    handles = [module.register_forward_hook(fn) for module, fn in hooks.values()]
+    try:
+        model.base_model(input_ids=probe_ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _arities(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tensor) -> dict[Unit, int]:
+    """What each unit's module returns: 0 for a tensor, else the tuple's length (the zero module mimics it)."""
+    _, blocks = get_blocks(model)
+    found: dict[Unit, int] = {}
+
+    def record(unit):
+        def hook(_module, _args, output):
+            found[unit] = len(output) if isinstance(output, (tuple, list)) else 0
+
+        return hook
+
+    _probe(model, probe_ids, {u.label(): (blocks[u.block].get_submodule(sublayer_path(model, u.kind)), record(u))
+                              for u in units})
+    missing = [u.label() for u in units if u not in found]
+    if missing:
+        raise LayercutError(f"--unit: the sub-layers {', '.join(missing)} never ran in a forward pass; "
+                            "use --unit block")
+    return found
+
+
+def _verify(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tensor) -> None:
+    """Each block with a removed sub-layer must add exactly what its other sub-layer contributes."""
+    _, blocks = get_blocks(model)
+    contribution = contribution_path(model)
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(name, output=False):
+        # pre-hooks with kwargs get (module, args, kwargs); forward hooks (module, args[, kwargs], output)
+        def hook(_module, args, kwargs_or_output, *rest):
+            if output:
+                seen[name] = block_output(rest[0] if rest else kwargs_or_output).detach().float()
+            else:
+                seen[name] = block_input(args, kwargs_or_output).detach().float()
+
+        return hook
+
+    handles = []
+    try:
+        for block_index in sorted({u.block for u in units}):
+            block = blocks[block_index]
+            handles.append(block.register_forward_pre_hook(keep(f"{block_index}.in"), with_kwargs=True))
+            handles.append(block.register_forward_hook(keep(f"{block_index}.out", output=True), with_kwargs=True))
+            handles.append(block.get_submodule(contribution).register_forward_hook(keep(f"{block_index}.mlp", True)))
+        with torch.no_grad():
+            model.base_model(input_ids=probe_ids, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    for unit in units:
+        b = unit.block
+        out, mlp = seen[f"{b}.out"], seen.get(f"{b}.mlp")
+        scale = float(out.norm()) or 1.0
+        if unit.kind == "mlp":
+            error = float(mlp.norm()) / scale if mlp is not None else 0.0
+        else:
+            error = float((out - seen[f"{b}.in"] - mlp).norm()) / scale
+        tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 1e-2
+        if not math.isfinite(error) or error > tolerance:
+            raise LayercutError(f"--unit {unit.kind}: in {model.config.model_type}, block {b} still adds something "
+                                f"without its {unit.kind} (relative {error:.1e}; a biased norm on the sub-layer's "
+                                "output?), so it cannot be removed alone; use --unit block")
+
+
+def remove_units_(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tensor) -> dict:
+    """Remove the sub-layers ``units`` in place; a block losing both goes whole. Returns the record.
+
+    ``probe_ids`` [1, seq]: a few tokens for the passes that learn what each module returns and check
+    the surgery. The record (also in ``model.config.layercut_removed_sublayers``) gives current positions.
+    """
+    units = sorted(set(units), key=lambda u: u.index)
+    both = sorted({u.block for u in units if Unit(u.block, "attention") in units and Unit(u.block, "mlp") in units})
+    if both:  # first: the check that the config rebuilds the kept blocks compares them as transformers builds them
+        drop_blocks_(model, both)
+    alone = [Unit(u.block - sum(1 for b in both if b < u.block), u.kind) for u in units if u.block not in both]
+    returns = _arities(model, alone, probe_ids) if alone else {}
+    records = [{"block": u.block, "kind": u.kind, "module": sublayer_path(model, u.kind), "returns": returns[u]}
+               for u in alone]
+    remove_sublayers(model, records, get_blocks(model)[0])
+    if alone:
+        _verify(model, alone, probe_ids)
+    originals = [u.block for u in units if u.block not in both]
+    for record, original in zip(records, originals, strict=True):
+        record["original_block"] = original
+    previous = list(getattr(model.config, SUBLAYERS_KEY, None) or [])
+    setattr(model.config, SUBLAYERS_KEY, previous + [{k: r[k] for k in ("block", "kind", "module", "returns")}
+                                                     for r in records])
+    return {"units": [u.label() for u in units], "blocks_removed_whole": both,
+            "sublayers": records, "num_blocks_after": num_blocks(model)}
+
+
+def removed_sublayers(model: nn.Module) -> list[dict]:
+    """The sub-layers a model has had removed (its config's record)."""
+    return list(getattr(model.config, SUBLAYERS_KEY, None) or [])
+
+
+def zero_modules(model: nn.Module) -> list[str]:
+    """Names of the :class:`ZeroSublayer` modules in ``model`` (what a removal left)."""
+    return [name for name, module in model.named_modules() if isinstance(module, ZeroSublayer)]
