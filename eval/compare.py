@@ -56,8 +56,8 @@ from tqdm.auto import tqdm
 from eval.lmeval import primary_metric, run_lm_eval
 from eval.perplexity import perplexity, tokenize_text
 from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, count_parameters, make_prompt, time_decode
-from prune.adapters import num_blocks
 from prune import hf_remote_code
+from prune.adapters import num_blocks
 from prune.checkpoint import REPLACEMENTS_FILE
 from prune.data import FILE_SUFFIXES, load_documents
 from prune.errors import LayercutError, cli_entry
