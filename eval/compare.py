@@ -57,7 +57,7 @@ from eval.lmeval import primary_metric, run_lm_eval
 from eval.perplexity import perplexity, tokenize_text
 from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, count_parameters, make_prompt, time_decode
 from prune import hf_remote_code
-from prune.adapters import num_blocks
+from prune.adapters import get_blocks, num_blocks
 from prune.checkpoint import REPLACEMENTS_FILE
 from prune.data import FILE_SUFFIXES, load_documents
 from prune.errors import LayercutError, cli_entry
@@ -73,6 +73,8 @@ from prune.options import (
 from prune.oracle import oracle_table, removal_cache, run_oracle
 from prune.pipeline import PruneConfig, Scored, preflight, run_prune, score_calibration
 from prune.recipes import config_from_recipe, method_recipes, method_summary, resolve_method
+from prune.replace import parameter_count
+from prune.sublayers import is_sublayer, parse_units
 
 logger = logging.getLogger(__name__)
 
@@ -161,13 +163,30 @@ def method_list() -> str:
     return "\n".join(f"{name:<{width}}  {method_summary(path)}" for name, path in methods.items())
 
 
-def cell_config(path: Path, drop: int, args: argparse.Namespace, out: Path | None) -> PruneConfig:
-    """The method's recipe with the comparison's model, data, drop and batch size on top."""
+def cell_config(path: Path, drop: int, args: argparse.Namespace, out: Path | None,
+                budget: tuple[int, float] | None = None) -> PruneConfig:
+    """The method's recipe with the comparison's model, data, drop and batch size on top.
+
+    A method that removes sub-layers (``unit: attention,mlp``) meets, at drop K, the parameter count
+    of the model less K blocks (``budget``: the model's parameters and a block's), so its row compares
+    with the whole-block rows at equal parameters; without ``budget`` (checks before the model loads)
+    K stands in as a sub-layer count.
+    """
     load = dataclasses.asdict(load_config_from_args(args))
     data = dataclasses.asdict(data_config_from_args(args))
     overrides = {"load": load, "data": data, "drop": drop, "batch_size": args.batch_size,
                  "out": None if out is None else str(out), "overwrite": True}
-    return config_from_recipe(path, overrides)
+    config = config_from_recipe(path, overrides)
+    if budget is not None and is_sublayer(parse_units(config.unit)):
+        total, block = budget
+        config = dataclasses.replace(config, drop=None, target_params=int(total - drop * block))
+    return config
+
+
+def block_budget(model) -> tuple[int, float]:
+    """The model's parameters and its mean block's: what a drop of K blocks frees, for sub-layer methods."""
+    _, blocks = get_blocks(model)
+    return parameter_count(model), sum(parameter_count(b) for b in blocks) / len(blocks)
 
 
 def recipe_digest(path: Path) -> str:
@@ -382,7 +401,7 @@ def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, hel
     """One method at one drop on a fresh copy of the model; the cell's row."""
     started = time.perf_counter()
     cell_dir = out / CELLS / f"{name}-drop{drop}"
-    config = cell_config(path, drop, args, cell_dir)
+    config = cell_config(path, drop, args, cell_dir, block_budget(loaded.model))
     copied = time.perf_counter()
     student = dataclasses.replace(loaded, model=copy.deepcopy(loaded.model))
     copy_seconds = time.perf_counter() - copied
@@ -395,6 +414,8 @@ def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, hel
            "replace": config.replace.method, "distill_steps": result.report.get("distill", {}).get("steps", 0),
            "vanilla": is_vanilla(cell_dir), "prune_seconds": round(prune_seconds, 2),
            "copy_seconds": round(copy_seconds, 2)}
+    if "sublayers" in result.report:
+        row.update(unit=config.unit, sublayers=result.report["sublayers"]["units"])
     row.update(measure(student.model, student.tokenizer, heldout, args))
     row["heldout_ratio"] = row["heldout_ppl"] / dense["heldout_ppl"]
     row["domain_ratios"] = {name: row["domains"][name] / dense["domains"][name] for name in heldout.names()}
@@ -542,7 +563,7 @@ def leaderboard(results: dict) -> str:
             domain_cells = [f"{row['domains'][n]:.3f} ({100 * (row['domains'][n] / dense['domains'][n] - 1):+.1f}%)"
                             for n in names] if len(names) > 1 else []
             beaten = ", ".join(cells[k]["method"] for k in analysis["better_than"][key]) or "-"
-            lines.append(f"| {rank} | {row['method']} | {row['dropped']} | {row['params']:,} | "
+            lines.append(f"| {rank} | {row['method']} | {_removed(row)} | {row['params']:,} | "
                          f"{row['heldout_ppl']:.3f} | {row['heldout_ppl'] / dense['heldout_ppl']:.3f} | "
                          + "".join(f"{v} | " for v in domain_cells + _task_cells(
                              row, tasks, figures[key], analysis["vs_best_tasks"].get(key, "-")))
@@ -552,6 +573,15 @@ def leaderboard(results: dict) -> str:
     if results.get("oracle"):
         lines += ["## Oracle", "", results["oracle"]["table"], ""]
     return "\n".join(lines)
+
+
+def _removed(row: dict) -> str:
+    """The blocks a cell removed; for a sub-layer method, its sub-layers by kind and the blocks gone whole."""
+    if "sublayers" not in row:
+        return str(row["dropped"])
+    kinds = [u.split(".")[1] for u in row["sublayers"]]
+    return (f"{kinds.count('attention')} attention + {kinds.count('mlp')} MLP sub-layers "
+            f"(whole: {row['dropped'] or 'none'})")
 
 
 def _task_note(analysis: dict) -> list[str]:
@@ -627,11 +657,15 @@ def plot_blocks(results: dict, path: Path, blocks: int) -> None:
     grid = torch.zeros(len(rows), blocks)
     for i, row in enumerate(rows):
         grid[i, row["dropped"]] = 1
+        for unit in row.get("sublayers", []):  # half a block for each sub-layer removed alone
+            block = int(unit.split(".")[0])
+            if block not in row["dropped"]:
+                grid[i, block] += 0.5
     fig, ax = plt.subplots(figsize=(max(5, blocks * 0.3 + 3), max(2, len(rows) * 0.25 + 1)), dpi=120)
     ax.imshow(grid.numpy(), cmap="Greys", aspect="auto", vmin=0, vmax=1)
     ax.set_yticks(range(len(rows)), [f"{r['method']} (drop {r['drop']})" for r in rows], fontsize=7)
     ax.set_xticks(range(blocks), [str(b) for b in range(blocks)], fontsize=7)
-    ax.set_xlabel("block (black: removed)")
+    ax.set_xlabel("block (black: removed; grey: its attention or MLP alone)")
     ax.set_title("blocks each method removed")
     fig.tight_layout()
     _write_atomic(path, fig.savefig)

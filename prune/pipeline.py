@@ -379,9 +379,12 @@ def _prune_units(loaded: LoadedModel, config: PruneConfig, started: float, befor
     check_enough_tokens(calibration.num_tokens, hidden_size(model))
     heldout = calibration.heldout_ids
     original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
-    moments = stream_moments(model, calibration.token_ids, batch_size=config.batch_size, cosine_pairs="adjacent",
-                             mlp_contribution=contribution_path(model))
-    scores = block_scores(moments, list(SCORES))  # value u rates sub-layer u (Unit.at)
+    memo = scored.memo if scored is not None else {}
+    if "sublayer-moments" not in memo:  # one pass serves every sub-layer run on this model and calibration
+        moments = stream_moments(model, calibration.token_ids, batch_size=config.batch_size,
+                                 cosine_pairs="adjacent", mlp_contribution=contribution_path(model))
+        memo["sublayer-moments"] = moments, block_scores(moments, list(SCORES))  # value u rates Unit.at(u)
+    moments, scores = memo["sublayer-moments"]
     ranked = rank_units(scores[config.score], get_score(config.score).removability, candidates)
     if total is not None:
         freed, count = 0, 0

@@ -284,3 +284,16 @@ def test_bad_heldout_lists_are_one_line_errors(tiny_folder, tmp_path, capsys, he
     code, _, err = run(capsys, *small(tiny_folder, tmp_path / "x"), "--drop", "1", "--methods", "shortgpt",
                        "--heldout", heldout)
     assert code == EXIT_BAD_INPUT and message in err and err.count("\n") == 1
+
+
+def test_a_sublayer_method_meets_the_parameters_of_the_blocks_it_stands_for(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "cmp-units"
+    code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt,layercut-sublayer")
+    assert code == 0, err
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    units, blocks = cells["layercut-sublayer@1"], cells["shortgpt@1"]
+    assert units["unit"] == "attention,mlp" and units["sublayers"] and not units["vanilla"]
+    # at most the parameters of the model less one block: the budget a drop of 1 stands for
+    assert units["params"] <= blocks["params"]
+    readme = (out / "README.md").read_text()
+    assert "sub-layers (whole:" in readme

@@ -23,7 +23,7 @@ PEERS = {"shortgpt": "2403.03853", "gromov": "2403.17887", "gromov-heal": "2403.
          "llm-streamline": "2403.19135", "replaceme-ls": "2505.02819", "replaceme-cosine": "2505.02819",
          "linearpatch": "2505.24680", "linearpatch-distill": "2505.24680", "prune-comp": "2507.18212",
          "reassessing": "2411.15558"}
-OURS = ("layercut-linear", "layercut-linear-distill")
+OURS = ("layercut-linear", "layercut-linear-distill", "layercut-sublayer")
 
 
 def small(folder):
