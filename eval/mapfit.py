@@ -1,0 +1,248 @@
+"""Where a linear repair's error comes from: one span's map, fitted on calibration, measured elsewhere.
+
+    python -m eval.mapfit --model smollm2-135m --span 12-15 --out mapfit/
+        --heldout novel=sensesensibility.txt,wiki=wiki.test.jsonl,arc=arc_prompts.jsonl
+
+The span's input X (the state entering its first block) and output Y (leaving its last) are captured
+on the calibration text, on its held-out sequences and on each ``--heldout`` text. Every variant is
+fitted on the calibration tokens alone:
+
+- ``ls``: least squares ``Y ~ X A + b``, what ``--replace linear`` fits;
+- ``ls-skip-N``: the same without the first N positions of each sequence (the attention sinks whose
+  massive norms weigh on a squared loss);
+- ``shrink-R``: ridge R (relative to the mean input variance) on the update ``Y - X``: the map is
+  pulled toward the identity, i.e. toward plain removal.
+
+Each is measured as the *relative* error: the map's squared error over removal's (``X`` standing for
+``Y``), so 1.0 is as bad as removing the span and lower is better; above 1.0 the map hurts. Beside it
+is where the error sits: the share at position 0 and at tokens of massive norm (over 10x the median).
+A ``.txt`` text is cut into windows of ``--seq-len`` tokens; a file of several documents (``.jsonl``)
+gives one sequence per document, so prompts keep their own (short) lengths.
+
+Writes ``results.json`` and ``README.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from prune.adapters import input_device, num_blocks
+from prune.capture import residual_states
+from prune.data import DataConfig, calibration_data, load_documents
+from prune.errors import LayercutError, cli_entry
+from prune.export import atomic_directory, write_json
+from prune.linear_fit import LinearFit, fit_linear_map
+from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
+from prune.replace.capture import PairAccumulator
+
+MASSIVE = 10.0  # a token is "massive" when its input norm exceeds this many times the median
+
+
+@dataclass
+class Captured:
+    """A text's span input and output, token by token, and each token's position in its sequence."""
+
+    x: torch.Tensor  # [n, d] float32
+    y: torch.Tensor  # [n, d] float32
+    position: torch.Tensor  # [n] long
+
+
+def parse_span(text: str, blocks: int) -> tuple[int, int]:
+    """``"12-15"`` or ``"12"`` -> (first, last), inside the model's blocks."""
+    try:
+        first, _, last = text.partition("-")
+        span = (int(first), int(last or first))
+    except ValueError:
+        raise LayercutError(f"--span takes blocks like 12-15 or 12, got '{text}'") from None
+    if not 0 <= span[0] <= span[1] < blocks:
+        raise LayercutError(f"--span {text}: the model has blocks 0..{blocks - 1}")
+    return span
+
+
+@torch.no_grad()
+def capture(model, sequences: list[torch.Tensor], span: tuple[int, int], batch_size: int = 4) -> Captured:
+    """X (input of block ``span[0]``) and Y (output of block ``span[1]``) over ``sequences`` (1-D token ids)."""
+    wanted = {span[0]: "x", span[1] + 1: "y"}
+    kept: dict[str, list[torch.Tensor]] = {"x": [], "y": []}
+
+    def keep(index: int, state: torch.Tensor) -> None:
+        if index in wanted:
+            kept[wanted[index]].append(state.detach().float().reshape(-1, state.shape[-1]).cpu())
+
+    positions = []
+    device = input_device(model)
+    # equal lengths batch together; a file of documents has many lengths, each its own batch
+    groups: dict[int, list[torch.Tensor]] = {}
+    for seq in sequences:
+        groups.setdefault(int(seq.numel()), []).append(seq)
+    with residual_states(model, keep):
+        for length, group in tqdm(groups.items(), desc="capture", unit="length", disable=len(groups) < 8):
+            for start in range(0, len(group), batch_size):
+                batch = torch.stack(group[start : start + batch_size]).to(device)
+                model.base_model(input_ids=batch, use_cache=False)
+                positions.append(torch.arange(length).repeat(batch.shape[0]))
+    return Captured(torch.cat(kept["x"]), torch.cat(kept["y"]), torch.cat(positions))
+
+
+def text_sequences(tokenizer, spec: str, seq_len: int, max_tokens: int) -> tuple[list[torch.Tensor], str]:
+    """One text as sequences: windows of ``seq_len`` (one document) or one per document (several)."""
+    documents, source = load_documents(spec, flag="--heldout")
+    sequences, total = [], 0
+    if len(documents) == 1:
+        ids = torch.tensor(tokenizer(documents[0])["input_ids"], dtype=torch.long)
+        for start in range(0, ids.numel() - seq_len + 1, seq_len):
+            if total >= max_tokens:
+                break
+            sequences.append(ids[start : start + seq_len])
+            total += seq_len
+    else:
+        for document in documents:
+            if total >= max_tokens:
+                break
+            ids = torch.tensor(tokenizer(document)["input_ids"][:seq_len], dtype=torch.long)
+            if ids.numel() >= 2:
+                sequences.append(ids)
+                total += ids.numel()
+    if not sequences:
+        raise LayercutError(f"--heldout {spec} gives no sequence of {seq_len} tokens: lower --seq-len")
+    return sequences, source
+
+
+def fit_variants(calibration: Captured, skips: list[int], shrinks: list[float]) -> dict[str, LinearFit]:
+    """Every variant's map, fitted on the calibration tokens only."""
+    fits = {}
+    for skip in [0, *skips]:
+        keep = calibration.position >= skip
+        moments = PairAccumulator(precision="float64")
+        moments.update(calibration.x[keep], calibration.y[keep])
+        fits["ls" if skip == 0 else f"ls-skip-{skip}"] = fit_linear_map(moments.moments())
+    for ridge in shrinks:
+        moments = PairAccumulator(precision="float64")
+        moments.update(calibration.x, calibration.y - calibration.x)
+        update = fit_linear_map(moments.moments(), ridge)
+        eye = torch.eye(update.weight.shape[0], dtype=update.weight.dtype)
+        fits[f"shrink-{ridge:g}"] = LinearFit(update.weight + eye, update.bias)
+    return fits
+
+
+def error_report(fit: LinearFit | None, data: Captured, massive_norm: float) -> dict:
+    """Relative squared error of ``fit`` (None: removal) on ``data``, and the shares at position 0 / massive tokens."""
+    removal = (data.x - data.y).pow(2).sum(1)
+    error = removal if fit is None else (fit(data.x.double()).float() - data.y).pow(2).sum(1)
+    massive = data.x.norm(dim=1) > massive_norm
+    first = data.position == 0
+    total = float(error.sum())
+    return {"relative": total / float(removal.sum()), "share_position0": float(error[first].sum()) / total,
+            "share_massive": float(error[massive].sum()) / total, "tokens": int(data.x.shape[0]),
+            "massive_tokens": int(massive.sum())}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``eval.mapfit`` argument parser."""
+    parser = argparse.ArgumentParser(prog="python -m eval.mapfit", description=__doc__.split("\n")[0])
+    add_load_arguments(parser)
+    parser.add_argument("--span", required=True, help="the removed blocks, first-last (12-15) or one (12)")
+    parser.add_argument("--data", default=None, help="calibration text, as prune.run's --data (default: built-in)")
+    parser.add_argument("--samples", type=int, default=32, help="calibration sequences (default: 32)")
+    parser.add_argument("--heldout-samples", type=int, default=8,
+                        help="calibration held-out sequences, measured as a text of their own (default: 8)")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: 512)")
+    parser.add_argument("--heldout", default=None,
+                        help="other texts, NAME=FILE comma list (.txt: windows; .jsonl: one sequence per document)")
+    parser.add_argument("--heldout-tokens", type=int, default=4096, help="tokens read per --heldout text")
+    parser.add_argument("--skip", default="1,4", help="ls-skip-N variants, comma list of N (default: 1,4)")
+    parser.add_argument("--shrink", default="0.01,0.1,1", help="shrink-R variants, comma list of R")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
+    parser.add_argument("--out", required=True, help="folder for results.json and README.md")
+    add_threads_argument(parser)
+    return parser
+
+
+def _numbers(text: str, kind, flag: str) -> list:
+    try:
+        return [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise LayercutError(f"{flag} takes a comma list of numbers, got '{text}'") from None
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Capture, fit every variant on calibration, measure on every text; the results."""
+    skips = _numbers(args.skip, int, "--skip")
+    shrinks = _numbers(args.shrink, float, "--shrink")
+    heldout = [item.partition("=") for item in (args.heldout.split(",") if args.heldout else [])]
+    for name, sep, spec in heldout:
+        if not sep or not name or not spec:
+            raise LayercutError("--heldout takes NAME=FILE entries, e.g. novel=emma.txt,arc=arc_prompts.jsonl")
+        load_documents(spec, flag="--heldout")  # a bad file fails before the model loads
+    loaded = load_config_from_args(args).load()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    span = parse_span(args.span, num_blocks(model))
+    data = calibration_data(tokenizer, DataConfig(data=args.data, samples=args.samples, seq_len=args.seq_len,
+                                                  heldout_samples=args.heldout_samples), model=model)
+    texts = {"calibration": list(data.token_ids)}
+    if data.heldout_ids is not None and data.heldout_ids.numel():
+        texts["calibration held-out"] = list(data.heldout_ids)
+    sources = {"calibration": data.source, "calibration held-out": f"{data.source} (held-out sequences)"}
+    for name, _, spec in heldout:
+        texts[name], sources[name] = text_sequences(tokenizer, spec, args.seq_len, args.heldout_tokens)
+    captured = {name: capture(model, seqs, span, args.batch_size) for name, seqs in texts.items()}
+    cal = captured["calibration"]
+    massive_norm = MASSIVE * float(cal.x.norm(dim=1).median())
+    fits = fit_variants(cal, skips, shrinks)
+    table = {name: {"removal": error_report(None, data_, massive_norm),
+                    **{variant: error_report(fit, data_, massive_norm) for variant, fit in fits.items()}}
+             for name, data_ in captured.items()}
+    return {"model": args.model, "span": list(span), "sources": sources, "massive_norm": massive_norm,
+            "errors": table}
+
+
+def markdown(results: dict) -> str:
+    """README.md: relative error per variant and text, then where each text's error sits."""
+    texts = list(results["errors"])
+    variants = list(next(iter(results["errors"].values())))
+    span = results["span"]
+    lines = [f"# Linear map of blocks {span[0]}-{span[1]}: {results['model']}", "",
+             "Relative error = the map's squared error / removal's (1.0: as bad as removing the span; "
+             "lower is better). Every variant is fitted on the calibration tokens only.", "",
+             "| variant | " + " | ".join(texts) + " |", "|---|" + "---:|" * len(texts)]
+    for variant in variants:
+        cells = [f"{results['errors'][t][variant]['relative']:.3f}" for t in texts]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    lines += ["", f"Where the least-squares map's error sits (massive: input norm over {MASSIVE:g}x the "
+              f"calibration median, {results['massive_norm']:.1f}):", "",
+              "| text | tokens | massive tokens | ls error at position 0 | ls error at massive tokens | "
+              "removal error at position 0 |", "|---|---:|---:|---:|---:|---:|"]
+    for t in texts:
+        ls, rm = results["errors"][t]["ls"], results["errors"][t]["removal"]
+        lines.append(f"| {t} | {ls['tokens']} | {ls['massive_tokens']} | {100 * ls['share_position0']:.1f}% | "
+                     f"{100 * ls['share_massive']:.1f}% | {100 * rm['share_position0']:.1f}% |")
+    lines += ["", "Texts: " + "; ".join(f"{t}: {s}" for t, s in results["sources"].items()), ""]
+    return "\n".join(lines)
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    apply_threads(args)
+    results = run(args)
+    with atomic_directory(args.out, overwrite=True) as staging:
+        write_json(staging / "results.json", results)
+        (staging / "README.md").write_text(markdown(results), encoding="utf-8")
+    print(markdown(results))
+    print(f"wrote {Path(args.out)}/")
+    return 0
+
+
+def console_main() -> None:
+    """Console-script entry point."""
+    raise SystemExit(main())
+
+
+if __name__ == "__main__":
+    console_main()

@@ -1,0 +1,76 @@
+"""``python -m eval.mapfit``: a span's map fitted on calibration and measured on other texts."""
+
+import json
+
+import pytest
+import torch
+
+from eval.mapfit import Captured, error_report, fit_variants, main, parse_span
+from prune.errors import LayercutError
+
+
+def test_relative_error_is_one_for_removal_and_zero_for_an_exact_map():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 6, generator=generator)
+    a = torch.randn(6, 6, generator=generator) / 3
+    y = x @ a + 0.5
+    data = Captured(x, y, torch.arange(200) % 10)
+    fits = fit_variants(data, skips=[1], shrinks=[1.0])
+    assert error_report(None, data, 1e9)["relative"] == pytest.approx(1.0)
+    assert error_report(fits["ls"], data, 1e9)["relative"] < 1e-10
+    assert error_report(fits["ls-skip-1"], data, 1e9)["relative"] < 1e-10  # a linear y needs no position 0
+    # a heavy ridge on the update lands between the exact map and removal
+    assert 1e-6 < error_report(fits["shrink-1"], data, 1e9)["relative"] < 1.0
+    share = error_report(None, data, 1e9)
+    assert share["share_position0"] == pytest.approx(float((x - y)[::10].pow(2).sum() / (x - y).pow(2).sum()))
+    assert share["massive_tokens"] == 0
+
+
+def test_a_massive_first_token_carries_the_least_squares_error():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(400, 4, generator=generator)
+    x[::20] *= 50  # position 0 of every sequence: a sink
+    y = torch.tanh(x) + x  # not linear: the fit must trade errors between sinks and the rest
+    data = Captured(x, y, torch.arange(400) % 20)
+    fits = fit_variants(data, skips=[1], shrinks=[])
+    rest = Captured(x[data.position > 0], y[data.position > 0], data.position[data.position > 0])
+    # fitted without the sinks, the map is better on every other token
+    assert error_report(fits["ls-skip-1"], rest, 1e9)["relative"] < error_report(fits["ls"], rest, 1e9)["relative"]
+    assert error_report(None, data, 10.0)["massive_tokens"] == 20
+
+
+def test_parse_span():
+    assert parse_span("12-15", 30) == (12, 15) and parse_span("3", 30) == (3, 3)
+    with pytest.raises(LayercutError, match="blocks 0..29"):
+        parse_span("28-31", 30)
+    with pytest.raises(LayercutError, match="like 12-15"):
+        parse_span("a-b", 30)
+
+
+def test_cli_writes_the_table(tiny_folder, tmp_path, capsys, one_thread):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"text": f"Question {i}: which way is the wind blowing today?"})
+                                 for i in range(6)))
+    novel = tmp_path / "novel.txt"
+    novel.write_text("It is a truth universally acknowledged, that a single man in possession. " * 40)
+    out = tmp_path / "mapfit"
+    code = main(["--model", str(tiny_folder), "--span", "1-2", "--samples", "16", "--seq-len", "32",
+                 "--heldout-samples", "2", "--heldout", f"novel={novel},prompts={prompts}", "--heldout-tokens", "256",
+                 "--out", str(out), "--threads", "1"])
+    assert code == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["errors"]) == {"calibration", "calibration held-out", "novel", "prompts"}
+    for text in results["errors"].values():
+        assert text["removal"]["relative"] == pytest.approx(1.0)
+        assert set(text) == {"removal", "ls", "ls-skip-1", "ls-skip-4", "shrink-0.01", "shrink-0.1", "shrink-1"}
+    # least squares is the best linear map on the tokens it was fitted on
+    calibration = results["errors"]["calibration"]
+    assert calibration["ls"]["relative"] <= min(v["relative"] for v in calibration.values()) + 1e-9
+    assert results["errors"]["prompts"]["ls"]["tokens"] < 6 * 32  # one short sequence per document
+    assert "| variant |" in (out / "README.md").read_text()
+
+
+def test_bad_heldout_is_one_line_exit_2(tiny_folder, tmp_path, capsys):
+    code = main(["--model", str(tiny_folder), "--span", "1-2", "--heldout", "novel.txt", "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and "NAME=FILE" in err and "Traceback" not in err
