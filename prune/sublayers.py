@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prune.adapters import arch_spec, get_blocks, is_dense, num_blocks
+from prune.adapters import arch_spec, get_blocks, input_device, is_dense, num_blocks
 from prune.capture import block_input, block_output
 from prune.errors import LayercutError
 from prune.hf_remote_code import SUBLAYERS_KEY, ZeroSublayer, remove_sublayers
@@ -167,10 +167,10 @@ def check_unit_count(count: int, candidates: Sequence[Unit]) -> None:
 
 
 @torch.no_grad()
-def _probe(model: nn.Module, probe_ids: torch.Tensor, hooks: dict[str, tuple[nn.Module, callable]]) -> None:
-    handles = [module.register_forward_hook(fn) for module, fn in hooks.values()]
+def _probe(model: nn.Module, probe_ids: torch.Tensor, handles: list) -> None:
+    """One forward pass over ``probe_ids`` with hooks whose ``handles`` are removed after, even on error."""
     try:
-        model.base_model(input_ids=probe_ids, use_cache=False)
+        model.base_model(input_ids=probe_ids.to(input_device(model)), use_cache=False)
     finally:
         for handle in handles:
             handle.remove()
@@ -187,8 +187,8 @@ def _arities(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tensor) -
 
         return hook
 
-    _probe(model, probe_ids, {u.label(): (blocks[u.block].get_submodule(sublayer_path(model, u.kind)), record(u))
-                              for u in units})
+    _probe(model, probe_ids, [blocks[u.block].get_submodule(sublayer_path(model, u.kind)).register_forward_hook(
+        record(u)) for u in units])
     missing = [u.label() for u in units if u not in found]
     if missing:
         raise LayercutError(f"--unit: the sub-layers {', '.join(missing)} never ran in a forward pass; "
@@ -213,17 +213,12 @@ def _verify(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tensor) ->
         return hook
 
     handles = []
-    try:
-        for block_index in sorted({u.block for u in units}):
-            block = blocks[block_index]
-            handles.append(block.register_forward_pre_hook(keep(f"{block_index}.in"), with_kwargs=True))
-            handles.append(block.register_forward_hook(keep(f"{block_index}.out", output=True), with_kwargs=True))
-            handles.append(block.get_submodule(contribution).register_forward_hook(keep(f"{block_index}.mlp", True)))
-        with torch.no_grad():
-            model.base_model(input_ids=probe_ids, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    for block_index in sorted({u.block for u in units}):
+        block = blocks[block_index]
+        handles.append(block.register_forward_pre_hook(keep(f"{block_index}.in"), with_kwargs=True))
+        handles.append(block.register_forward_hook(keep(f"{block_index}.out", output=True), with_kwargs=True))
+        handles.append(block.get_submodule(contribution).register_forward_hook(keep(f"{block_index}.mlp", True)))
+    _probe(model, probe_ids, handles)
     for unit in units:
         b = unit.block
         out, mlp = seen[f"{b}.out"], seen.get(f"{b}.mlp")
