@@ -35,7 +35,7 @@ from prune.adapters import input_device, num_blocks
 from prune.capture import residual_states
 from prune.data import DataConfig, calibration_data, load_documents
 from prune.errors import LayercutError, cli_entry
-from prune.export import atomic_directory, write_json
+from prune.export import atomic_directory, check_output_dir, write_json
 from prune.linear_fit import LinearFit, fit_linear_map
 from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
 from prune.replace.capture import PairAccumulator
@@ -159,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shrink", default="0.01,0.1,1", help="shrink-R variants, comma list of R")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
     parser.add_argument("--out", required=True, help="folder for results.json and README.md")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     add_threads_argument(parser)
     return parser
 
@@ -174,10 +175,17 @@ def run(args: argparse.Namespace) -> dict:
     """Capture, fit every variant on calibration, measure on every text; the results."""
     skips = _numbers(args.skip, int, "--skip")
     shrinks = _numbers(args.shrink, float, "--shrink")
+    if any(not 0 < skip < args.seq_len for skip in skips):
+        raise LayercutError(f"--skip takes position counts from 1 to {args.seq_len - 1} (--seq-len), got '{args.skip}'")
+    if any(not ridge > 0 for ridge in shrinks):
+        raise LayercutError(f"--shrink takes ridges above 0 (0 is plain least squares, ls), got '{args.shrink}'")
     heldout = [item.partition("=") for item in (args.heldout.split(",") if args.heldout else [])]
+    names = [name for name, _, _ in heldout]
     for name, sep, spec in heldout:
         if not sep or not name or not spec:
             raise LayercutError("--heldout takes NAME=FILE entries, e.g. novel=emma.txt,arc=arc_prompts.jsonl")
+        if name in ("calibration", "calibration held-out") or names.count(name) > 1:
+            raise LayercutError(f"--heldout names '{name}' twice or as the calibration text: name it apart")
         load_documents(spec, flag="--heldout")  # a bad file fails before the model loads
     loaded = load_config_from_args(args).load()
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -230,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit code."""
     args = build_parser().parse_args(argv)
     apply_threads(args)
+    check_output_dir(args.out, args.overwrite)  # before any work, not after it
     results = run(args)
-    with atomic_directory(args.out, overwrite=True) as staging:
+    with atomic_directory(args.out, overwrite=args.overwrite) as staging:
         write_json(staging / "results.json", results)
         (staging / "README.md").write_text(markdown(results), encoding="utf-8")
     print(markdown(results))

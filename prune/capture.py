@@ -40,7 +40,6 @@ def residual_states(model: nn.Module, callback: StateCallback, contribution: str
     """
     _, blocks = get_blocks(model)
     handles = []
-    step = 1 if contribution is None else 2
     try:
         handles.append(
             blocks[0].register_forward_pre_hook(
@@ -52,9 +51,15 @@ def residual_states(model: nn.Module, callback: StateCallback, contribution: str
                 handles.append(block.register_forward_hook(_output_hook(callback, index + 1)))
                 continue
             last: dict[str, torch.Tensor] = {}
-            handles.append(block.get_submodule(contribution).register_forward_hook(
-                lambda _m, _a, output, last=last: last.__setitem__("mlp", block_output(output))))
-            handles.append(block.register_forward_hook(_split_hook(callback, step * index + 1, last)))
+            try:  # a block without an MLP (attention-only blocks of hybrids) has its output as middle state
+                module = block.get_submodule(contribution)
+            except AttributeError:
+                module = None
+            if module is not None:
+                # a copy: a block may add into the MLP's output in place (Falcon)
+                handles.append(module.register_forward_hook(
+                    lambda _m, _a, output, last=last: last.__setitem__("mlp", block_output(output).clone())))
+            handles.append(block.register_forward_hook(_split_hook(callback, 2 * index + 1, last)))
         yield
     finally:
         for handle in handles:
@@ -64,7 +69,8 @@ def residual_states(model: nn.Module, callback: StateCallback, contribution: str
 def _split_hook(callback: StateCallback, middle_index: int, last: dict):
     def hook(_module, _args, output):
         hidden = block_output(output)
-        callback(middle_index, hidden - last.pop("mlp"))
+        mlp = last.pop("mlp", None)
+        callback(middle_index, hidden if mlp is None else hidden - mlp)
         callback(middle_index + 1, hidden)
 
     return hook

@@ -101,6 +101,11 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
+def _what_removed(report: dict) -> str:
+    units = (report.get("sublayers") or {}).get("units")
+    return f"{len(units)} attention/MLP sub-layers" if units else f"{len(report.get('dropped', []))} blocks"
+
+
 def model_card(report: dict, plain: bool = True) -> str:
     """A Hugging Face model card (README.md) describing what was removed and why.
 
@@ -117,10 +122,12 @@ def model_card(report: dict, plain: bool = True) -> str:
         "- pruned",
         "---",
         "",
-        f"# {Path(str(report.get('source_model', 'model'))).name} with {len(dropped)} blocks removed",
+        f"# {Path(str(report.get('source_model', 'model'))).name} with {_what_removed(report)} removed",
         "",
         f"Made with layercut from `{report.get('source_model')}`: {report.get('num_blocks_before')} decoder blocks "
-        f"-> {report.get('num_blocks_after')}. Removed blocks (0-based, original numbering): {dropped}.",
+        f"-> {report.get('num_blocks_after')}. Removed blocks (0-based, original numbering): {dropped}."
+        + (f" Removed sub-layers (block.kind, original numbering): {', '.join(report['sublayers']['units'])}."
+           if report.get("sublayers") else ""),
         f"Selection: `{report.get('select')}` on score `{report.get('score')}`; "
         f"calibration data: {report.get('data', {}).get('source')} ({report.get('data', {}).get('tokens')} tokens).",
         "",

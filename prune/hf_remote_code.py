@@ -233,6 +233,12 @@ def remove_sublayers(model: nn.Module, records: list[dict], blocks_path: str | N
     return len(records)
 
 
+def _maps_recorded(base_config: dict) -> bool:
+    """Whether the wrapped config's replacement records name a method whose maps live in the maps file."""
+    records = base_config.get("layercut_replacements") or []
+    return any(r.get("method", r.get("kind")) in MAP_TYPES for r in records if isinstance(r, dict))
+
+
 def _blocks_path(model: nn.Module, blocks_path: str | None) -> str:
     for path in (blocks_path,) if blocks_path else _COMMON_BLOCK_PATHS:
         try:
@@ -317,4 +323,7 @@ class LayercutForCausalLM(PreTrainedModel):
         maps_file = cached_file(path, MAPS_FILE, _raise_exceptions_for_missing_entries=False, **hub)
         if maps_file is not None:
             attach_maps(model, maps_file, config.blocks_path)
+        elif _maps_recorded(config.base_config):
+            raise ValueError(f"{path} records replacement maps but has no {MAPS_FILE}: without them it is another "
+                             f"model; copy {MAPS_FILE} next to config.json")
         return model

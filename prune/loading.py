@@ -648,15 +648,15 @@ def load_model(
     hub_id = not Path(checkpoint).exists()
     with _hub_errors(name, hub_id):
         config, wrapped = _read_config(checkpoint)
-    if not allow_maps and (wrapped or _has_maps_file(checkpoint)):
-        raise LayercutError(
-            f"{name} is a checkpoint with replacement maps ({hf_remote_code.MAPS_FILE}): load it with "
-            "prune.load(path), which attaches them (without them it is another model)"
-        )
     if not allow_maps and getattr(config, hf_remote_code.SUBLAYERS_KEY, None):
         raise LayercutError(
             f"{name} is a checkpoint with removed attention/MLP sub-layers: load it with prune.load(path), which "
             "removes them again (transformers alone would put random weights in their place)"
+        )
+    if not allow_maps and (wrapped or _has_maps_file(checkpoint)):
+        raise LayercutError(
+            f"{name} is a checkpoint with replacement maps ({hf_remote_code.MAPS_FILE}): load it with "
+            "prune.load(path), which attaches them (without them it is another model)"
         )
     tokenizer = load_tokenizer(tokenizer or checkpoint)
     with _hub_errors(name, hub_id, weights=True):

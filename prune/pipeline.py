@@ -50,6 +50,7 @@ from prune.sublayers import (
     parse_units,
     rank_units,
     remove_units_,
+    removed_sublayers,
     unit_parameters,
 )
 from prune.surgery import block_layout, replacement_records
@@ -134,12 +135,15 @@ class PruneConfig:
                                 "or --target-speedup")
         units = parse_units(self.unit)
         self.unit = ",".join(units)
+        if is_sublayer(units) and not self.removes:
+            raise LayercutError(f"--unit {self.unit} needs an amount: pass --drop N (sub-layers) or --target-params")
         if is_sublayer(units):
             for flag, bad, fix in (("--select", self.select != "topk", "ranks sub-layers with --select topk"),
                                    ("--replace", self.replace.method != "none", "removes them (--replace none)"),
                                    ("--target-speedup", self.target_speedup is not None,
                                     "meets --target-params or --drop (a speed-up counts whole blocks)"),
-                                   ("--distill-steps", bool(self.step_sections()), "does not distill yet")):
+                                   ("--distill-steps", bool(self.step_sections()), "does not distill yet"),
+                                   ("--oracle", self.oracle, "has no oracle yet (it measures whole blocks)")):
                 if bad:
                     raise LayercutError(f"{flag} with --unit {self.unit}: sub-layer removal {fix}; drop {flag} "
                                         "or use --unit block")
@@ -320,6 +324,9 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     before = num_blocks(model)
     check_against_model(config, model.config)
     params_before = parameter_count(model)
+    if removed_sublayers(model):
+        raise LayercutError(f"{config.load.model} already has attention/MLP sub-layers removed: prune the original "
+                            "model instead")
     if is_sublayer(parse_units(config.unit)):
         return _prune_units(loaded, config, started, before, params_before, scored)
     check_budget(config, params_before, before)

@@ -19,10 +19,12 @@ its config and ``prune.load`` (or ``from_pretrained(..., trust_remote_code=True)
 - OPT: attention only (its feed-forward is two bare layers on the block, not one module);
 - blocks without an attention module (Mamba mixers of hybrids): their MLP only.
 
-The first block keeps its attention: transformers' KV cache counts the positions seen at its first
-layer. After surgery one probe pass checks that every block with a removed sub-layer adds exactly the
-other one's contribution; an architecture where it does not (a biased norm on the sub-layer output)
-is refused in one line.
+The first block with attention of each attention kind keeps it (the first block overall, and on
+sliding-window and hybrid models the first of each ``layer_types`` entry): transformers' KV cache
+reads the positions seen, and each kind's mask size, at those layers. After surgery probe passes
+check that every block with a removed sub-layer adds exactly the other one's contribution (an
+architecture where it does not, such as a biased norm on the sub-layer output, is refused in one
+line) and that decoding through the KV cache still gives the full pass's states.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prune.adapters import arch_spec, get_blocks, input_device, is_dense, num_blocks
+from prune.adapters import arch_spec, get_blocks, input_device, is_dense, num_blocks, text_config
 from prune.capture import block_input, block_output
 from prune.errors import LayercutError
-from prune.hf_remote_code import SUBLAYERS_KEY, ZeroSublayer, remove_sublayers
+from prune.hf_remote_code import SUBLAYERS_KEY, remove_sublayers
 from prune.replace.modules import parameter_count
 from prune.surgery import drop_blocks_
 
@@ -133,16 +135,35 @@ def check_units_supported(model: nn.Module, kinds: Sequence[str]) -> None:
                                 f"alone{why}; use --unit {'attention' if kind == 'mlp' else 'mlp'} or --unit block")
 
 
-def candidate_units(model: nn.Module, kinds: Sequence[str], protected: Sequence[int]) -> list[Unit]:
-    """Every removable sub-layer of the kinds asked for, outside protected blocks."""
+def anchor_attentions(model: nn.Module) -> set[int]:
+    """Blocks whose attention must stay: the first with attention, and the first of each attention kind.
+
+    transformers' KV cache reads the sequence length at its first attention layer and each mask's size
+    at the first layer of that kind (``config.layer_types``: sliding, full, linear, ...); a removed
+    attention there leaves an empty cache layer that the others would be measured by.
+    """
     _, blocks = get_blocks(model)
+    path = sublayer_path(model, "attention")
+    with_attention = [i for i, block in enumerate(blocks) if _has(block, path)]
+    anchors = set(with_attention[:1])
+    types = getattr(text_config(model), "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) == len(blocks):
+        for kind in set(types):
+            anchors.update([i for i in with_attention if types[i] == kind][:1])
+    return anchors
+
+
+def candidate_units(model: nn.Module, kinds: Sequence[str], protected: Sequence[int]) -> list[Unit]:
+    """Every removable sub-layer of the kinds asked for, outside protected blocks and cache anchors."""
+    _, blocks = get_blocks(model)
+    anchors = anchor_attentions(model)
     units = []
     for index, block in enumerate(blocks):
         if index in protected:
             continue
         for kind in kinds:
-            if kind == "attention" and index == 0:
-                continue  # the KV cache counts positions at its first layer
+            if kind == "attention" and index in anchors:
+                continue
             if _has(block, sublayer_path(model, kind)):
                 units.append(Unit(index, kind))
     return units
@@ -162,8 +183,8 @@ def rank_units(values: Sequence[float], removability, candidates: Sequence[Unit]
 def check_unit_count(count: int, candidates: Sequence[Unit]) -> None:
     """``count`` sub-layers can go only if that many are candidates."""
     if count > len(candidates):
-        raise LayercutError(f"cannot remove {count} sub-layers: only {len(candidates)} can go (the first block's "
-                            "attention and protected blocks stay); lower --drop or pass --protect none")
+        raise LayercutError(f"cannot remove {count} sub-layers: only {len(candidates)} can go (the first attention "
+                            "of each kind and protected blocks stay); lower --drop or pass --protect none")
 
 
 @torch.no_grad()
@@ -205,10 +226,11 @@ def _verify(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tensor) ->
     def keep(name, output=False):
         # pre-hooks with kwargs get (module, args, kwargs); forward hooks (module, args[, kwargs], output)
         def hook(_module, args, kwargs_or_output, *rest):
+            # copies: a block may add into a sub-layer's output in place (Falcon)
             if output:
-                seen[name] = block_output(rest[0] if rest else kwargs_or_output).detach().float()
+                seen[name] = block_output(rest[0] if rest else kwargs_or_output).detach().float().clone()
             else:
-                seen[name] = block_input(args, kwargs_or_output).detach().float()
+                seen[name] = block_input(args, kwargs_or_output).detach().float().clone()
 
         return hook
 
@@ -234,6 +256,26 @@ def _verify(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tensor) ->
                                 "output?), so it cannot be removed alone; use --unit block")
 
 
+@torch.no_grad()
+def _verify_cache(model: nn.Module, probe_ids: torch.Tensor) -> None:
+    """Decoding the probe's second half through the KV cache must give the full pass's last states."""
+    ids = probe_ids.to(input_device(model))
+    half = ids.shape[1] // 2
+    full = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
+    try:  # a cache sized at an emptied layer may not even broadcast (eager attention on Gemma 2)
+        prefix = model.base_model(input_ids=ids[:, :half], use_cache=True)
+        step = model.base_model(input_ids=ids[:, half:], past_key_values=prefix.past_key_values,
+                                use_cache=True).last_hidden_state
+        error = float((step.float() - full[:, half:].float()).norm() / full[:, half:].float().norm().clamp_min(1e-12))
+    except (RuntimeError, IndexError, ValueError):
+        error = math.inf
+    tolerance = 1e-4 if next(model.parameters()).dtype == torch.float32 else 3e-2
+    if not math.isfinite(error) or error > tolerance:
+        raise LayercutError(f"--unit attention: in {model.config.model_type}, decoding through the KV cache no longer "
+                            f"matches the full pass once these attentions are gone (relative {error:.1e}); use "
+                            "--unit mlp or --unit block")
+
+
 def remove_units_(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tensor) -> dict:
     """Remove the sub-layers ``units`` in place; a block losing both goes whole. Returns the record.
 
@@ -241,6 +283,12 @@ def remove_units_(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tens
     the surgery. The record (also in ``model.config.layercut_removed_sublayers``) gives current positions.
     """
     units = sorted(set(units), key=lambda u: u.index)
+    if removed_sublayers(model):
+        raise LayercutError("this model already has sub-layers removed: prune the original model instead")
+    anchored = [u.label() for u in units if u.kind == "attention" and u.block in anchor_attentions(model)]
+    if anchored:
+        raise LayercutError(f"--unit attention: {', '.join(anchored)} is the first attention of its kind, which the "
+                            "KV cache reads positions and mask sizes at; choose other sub-layers")
     both = sorted({u.block for u in units if Unit(u.block, "attention") in units and Unit(u.block, "mlp") in units})
     if both:  # first: the check that the config rebuilds the kept blocks compares them as transformers builds them
         drop_blocks_(model, both)
@@ -251,12 +299,13 @@ def remove_units_(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tens
     remove_sublayers(model, records, get_blocks(model)[0])
     if alone:
         _verify(model, alone, probe_ids)
+    if any(u.kind == "attention" for u in alone):
+        _verify_cache(model, probe_ids)
     originals = [u.block for u in units if u.block not in both]
     for record, original in zip(records, originals, strict=True):
         record["original_block"] = original
-    previous = list(getattr(model.config, SUBLAYERS_KEY, None) or [])
-    setattr(model.config, SUBLAYERS_KEY, previous + [{k: r[k] for k in ("block", "kind", "module", "returns")}
-                                                     for r in records])
+    setattr(model.config, SUBLAYERS_KEY, [{k: r[k] for k in ("block", "kind", "module", "returns")}
+                                          for r in records])
     return {"units": [u.label() for u in units], "blocks_removed_whole": both,
             "sublayers": records, "num_blocks_after": num_blocks(model)}
 
@@ -264,8 +313,3 @@ def remove_units_(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tens
 def removed_sublayers(model: nn.Module) -> list[dict]:
     """The sub-layers a model has had removed (its config's record)."""
     return list(getattr(model.config, SUBLAYERS_KEY, None) or [])
-
-
-def zero_modules(model: nn.Module) -> list[str]:
-    """Names of the :class:`ZeroSublayer` modules in ``model`` (what a removal left)."""
-    return [name for name, module in model.named_modules() if isinstance(module, ZeroSublayer)]

@@ -23,6 +23,7 @@ from torch import nn
 
 from prune.adapters import PER_LAYER_CONFIG_LISTS, arch_spec, get_blocks, text_config
 from prune.errors import LayercutError
+from prune.hf_remote_code import SUBLAYERS_KEY
 from prune.tiny import quiet
 
 LAYOUT_ATTR = "layercut_layout"
@@ -109,7 +110,7 @@ def _per_layer_entries(config, count: int) -> dict[str, tuple[str, object]]:
     """Config entries that describe layers: name -> (kind, value); kinds: list, string, index, keys."""
     entries = {}
     for name, value in _config_entries(config).items():
-        if name in _NOT_PER_LAYER or name in (LAYOUT_ATTR, RECORDS_ATTR):
+        if name in _NOT_PER_LAYER or name in (LAYOUT_ATTR, RECORDS_ATTR, SUBLAYERS_KEY):
             continue
         if _is_index_list(name, value, count):
             entries[name] = ("index", list(value))

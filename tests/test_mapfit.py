@@ -70,7 +70,22 @@ def test_cli_writes_the_table(tiny_folder, tmp_path, capsys, one_thread):
     assert "| variant |" in (out / "README.md").read_text()
 
 
-def test_bad_heldout_is_one_line_exit_2(tiny_folder, tmp_path, capsys):
-    code = main(["--model", str(tiny_folder), "--span", "1-2", "--heldout", "novel.txt", "--out", str(tmp_path / "o")])
+@pytest.mark.parametrize("args,message", [
+    (["--heldout", "novel.txt"], "NAME=FILE"),
+    (["--heldout", "calibration=novel.txt"], "as the calibration text"),
+    (["--skip", "0"], "--skip takes position counts from 1"),
+    (["--shrink", "0"], "--shrink takes ridges above 0"),
+])
+def test_bad_input_is_one_line_exit_2(tiny_folder, tmp_path, capsys, args, message):
+    (tmp_path / "novel.txt").write_text("words " * 100)
+    code = main(["--model", str(tiny_folder), "--span", "1-2", *args, "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
-    assert code == 2 and "NAME=FILE" in err and "Traceback" not in err
+    assert code == 2 and message in err and "Traceback" not in err and err.count("error") == 1, err
+
+
+def test_an_existing_out_is_kept_without_overwrite(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep me")
+    code = main(["--model", str(tiny_folder), "--span", "1-2", "--out", str(out)])
+    assert code == 2 and "--overwrite" in capsys.readouterr().err and (out / "mine.txt").exists()

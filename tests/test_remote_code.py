@@ -71,6 +71,13 @@ def test_maps_checkpoint_loads_with_remote_code_and_refuses_without(tmp_path, on
     assert "\n" not in message and "is a checkpoint with replacement maps" in message and "prune.load(path)" in message
 
 
+def test_remote_code_refuses_a_maps_checkpoint_without_its_maps_file(tmp_path, one_thread):
+    _, out = save_replaced(tmp_path, "llama", "linear")
+    (out / "replacements.safetensors").unlink()
+    with pytest.raises(ValueError, match="records replacement maps but has no replacements.safetensors"):
+        AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+
+
 def test_remote_code_needs_no_layercut():
     """The template imports only torch, transformers, safetensors and the standard library."""
     tree = ast.parse(open(hf_remote_code.__file__).read())

@@ -97,7 +97,8 @@ def test_middle_state_is_the_block_output_without_its_mlp(model_type, one_thread
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_removal_matches_zeroed_outputs_and_keeps_the_cache_right(model_type, one_thread):
-    units = [Unit(1, "attention"), Unit(2, "mlp"), Unit(3, "attention"), Unit(3, "mlp")]
+    # block 2's attention: not the first of its kind on gemma2 either (blocks 0 and 1 are those)
+    units = [Unit(1, "mlp"), Unit(2, "attention"), Unit(3, "attention"), Unit(3, "mlp")]
     reference = make_tiny_model(model_type)
     _zeroing_hooks(reference, units[:2])  # on for good
     drop_blocks_(reference, [3])  # both halves of block 3 go: it is removed whole
@@ -106,9 +107,9 @@ def test_removal_matches_zeroed_outputs_and_keeps_the_cache_right(model_type, on
     record = remove_units_(model, units, ids(1, 16))
     assert record["blocks_removed_whole"] == [3] and record["num_blocks_after"] == 3
     _, blocks = get_blocks(model)
-    assert isinstance(blocks[1].get_submodule(sublayer_path(model, "attention")), ZeroSublayer)
-    assert isinstance(blocks[2].get_submodule(sublayer_path(model, "mlp")), ZeroSublayer)
-    assert [(r["block"], r["kind"]) for r in getattr(model.config, SUBLAYERS_KEY)] == [(1, "attention"), (2, "mlp")]
+    assert isinstance(blocks[1].get_submodule(sublayer_path(model, "mlp")), ZeroSublayer)
+    assert isinstance(blocks[2].get_submodule(sublayer_path(model, "attention")), ZeroSublayer)
+    assert [(r["block"], r["kind"]) for r in getattr(model.config, SUBLAYERS_KEY)] == [(1, "mlp"), (2, "attention")]
     with torch.no_grad():
         torch.testing.assert_close(model(ids()).logits, reference(ids()).logits, rtol=1e-5, atol=1e-5)
     fresh = get_blocks(make_tiny_model(model_type))[1]
@@ -116,6 +117,36 @@ def test_removal_matches_zeroed_outputs_and_keeps_the_cache_right(model_type, on
         sublayer_path(model, u.kind))) for u in units[:2])
     assert before - parameter_count(model) == expected
     assert_cache_and_generate(model, ids(2, 16))
+
+
+def test_the_first_attention_of_each_kind_stays(monkeypatch, one_thread):
+    import prune.sublayers
+
+    gemma = make_tiny_model("gemma2")  # sliding, full, sliding, full
+    assert prune.sublayers.anchor_attentions(gemma) == {0, 1}
+    assert Unit(1, "attention") not in candidate_units(gemma, ("attention",), [])
+    with pytest.raises(LayercutError, match="1.attention is the first attention of its kind"):
+        remove_units_(gemma, [Unit(1, "attention")], ids(1, 16))
+    # without that rule the cache check catches it: the full-attention mask is sized at block 1's empty cache
+    monkeypatch.setattr(prune.sublayers, "anchor_attentions", lambda model: {0})
+    with pytest.raises(LayercutError, match="decoding through the KV cache no longer matches"):
+        remove_units_(make_tiny_model("gemma2"), [Unit(1, "attention")], ids(1, 16))
+
+
+def test_falcon_adds_into_the_mlp_output_in_place_and_the_middle_state_is_still_right(one_thread):
+    from prune.tiny import build_tiny
+
+    model = build_tiny("falcon").eval()
+    states = {}
+    with torch.no_grad(), residual_states(model, lambda i, h: states.__setitem__(i, h.clone()),
+                                          contribution_path(model)):
+        model(ids())
+    _zeroing_hooks(model, [Unit(1, "mlp")])
+    zeroed = {}
+    with torch.no_grad(), residual_states(model, lambda i, h: zeroed.__setitem__(i, h.clone())):
+        model(ids())
+    torch.testing.assert_close(zeroed[2], states[3], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(states[3], states[2], atol=1e-4)  # the attention does add something
 
 
 def test_candidates_keep_the_first_attention_and_protected_blocks():
@@ -176,6 +207,19 @@ def test_cli_exports_a_checkpoint_that_only_loads_with_its_removals(tiny_folder,
         load_model(str(out))
 
 
+def test_a_sublayer_checkpoint_is_not_pruned_again_and_says_what_it_is(tiny_folder, tmp_path, capsys, one_thread):
+    out = tmp_path / "once"
+    code, stdout, _ = run_prune_cli(capsys, "--model", tiny_folder, "--unit", "attention", "--drop", 1,
+                                    "--samples", 16, "--seq-len", 32, "--heldout-samples", 0, "--out", out)
+    assert code == 0, stdout
+    assert "1 attention/MLP sub-layers removed" in (out / "README.md").read_text()
+    with pytest.raises(LayercutError, match="removed attention/MLP sub-layers: load it with prune.load"):
+        load_model(str(out))
+    code, _, err = run_prune_cli(capsys, "--model", out, "--drop", 1, "--samples", 16, "--seq-len", 32,
+                                 "--out", tmp_path / "twice")
+    assert code == 2 and "already has attention/MLP sub-layers removed" in err, err
+
+
 def test_target_params_removes_the_fewest_sublayers_that_meet_it(tiny_folder, tmp_path, capsys, one_thread):
     total = parameter_count(make_tiny_model("llama"))
     target = total - parameter_count(make_tiny_model("llama").model.layers[1].self_attn) - 1
@@ -194,9 +238,12 @@ def test_target_params_removes_the_fewest_sublayers_that_meet_it(tiny_folder, tm
     (["--unit", "attention", "--target-speedup", "1.2"], "--target-speedup with --unit attention"),
     (["--unit", "heads"], "--unit takes block, attention, mlp"),
     (["--unit", "attention", "--drop", "7"], "cannot remove 7 sub-layers: only 2 can go"),
+    (["--unit", "attention", "--oracle"], "--oracle with --unit attention"),
 ])
 def test_bad_unit_input_is_one_line_and_exit_2(tiny_folder, tmp_path, capsys, args, message):
     extra = [] if "--target-speedup" in args or "--drop" in args else ["--drop", "2"]
+    assert run_prune_cli(capsys, "--model", tiny_folder, "--unit", "mlp")[2].strip().endswith(
+        "--unit mlp needs an amount: pass --drop N (sub-layers) or --target-params")
     code, _, err = run_prune_cli(capsys, "--model", tiny_folder, *args, *extra, "--samples", 16, "--seq-len", 32,
                                  "--out", tmp_path / "bad")
     errors = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("error")]
