@@ -46,19 +46,20 @@ def blocks_for_speedup(speedup: float, num_blocks: int) -> int:
 
 
 def blocks_for_params(target: int, total: int, block_params: Sequence[int],
-                      select: Callable[[int], list[int]], max_count: int) -> int:
+                      select: Callable[[int], list[int]], max_count: int, what: str = "unprotected block") -> int:
     """Fewest blocks K whose selection (``select(K)``) brings ``total`` parameters to ``target`` or below.
 
     Blocks may differ in size (dense first layers of an MoE), so each K is checked on the blocks the
-    selection picks; K starts at the count that equal-sized blocks would need.
+    selection picks; K starts at the count that equal-sized blocks would need. Sub-layer runs pass
+    their units' sizes and ``what`` names them in the error.
     """
-    largest = max(block_params)
-    start = max(1, math.ceil((total - target) / largest))
+    largest = max(block_params, default=0)
+    start = max(1, math.ceil((total - target) / largest)) if largest else max_count + 1  # nothing can go
     for count in range(start, max_count + 1):
         removed = sum(block_params[b] for b in select(count))
         if total - removed <= target:
             return count
     smallest = total - sum(sorted(block_params, reverse=True)[:max_count])
-    raise LayercutError(f"--target-params {target:,} is out of reach: removing every unprotected block leaves "
+    raise LayercutError(f"--target-params {target:,} is out of reach: removing every {what} leaves "
                         f"about {smallest:,} parameters (embeddings and head stay); ask for more or pass "
                         "--protect none")

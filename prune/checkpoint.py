@@ -151,7 +151,7 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
     report.setdefault("replacements", replacement_records(model))
     report.setdefault("layout", block_layout(model))
     blocks_path = get_blocks(model)[0]
-    sublayers = len(getattr(model.config, hf_remote_code.SUBLAYERS_KEY, None) or [])
+    sublayers = len(hf_remote_code.sublayer_records(model.config))
     with vanilla_blocks(model) as maps:
 
         def write_extra(staging: Path) -> None:
@@ -216,7 +216,7 @@ def load(path: str | Path, **load_model_kwargs) -> LoadedModel:
             ``load_in_4bit``, ``load_in_8bit``, ``tokenizer``, ...).
     """
     loaded = load_model(str(path), allow_maps=True, **load_model_kwargs)
-    records = getattr(loaded.model.config, hf_remote_code.SUBLAYERS_KEY, None) or []
+    records = hf_remote_code.sublayer_records(loaded.model.config)
     if records:
         try:
             hf_remote_code.remove_sublayers(loaded.model, records, get_blocks(loaded.model)[0])

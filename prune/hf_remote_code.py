@@ -37,6 +37,7 @@ MAPS_FILE = "replacements.safetensors"
 MAPS_METADATA_KEY = "layercut_maps"  # safetensors metadata: {"<position>.<before|after>": spec}
 # base config entry: the attention / MLP sub-layers removed, [{"block", "kind", "module", "returns"}, ...]
 SUBLAYERS_KEY = "layercut_removed_sublayers"
+RECORDS_KEY = "layercut_replacements"  # base config entry: what replaced each removed span
 SIDES = ("before", "after")
 AUTO_MAP = {
     "AutoConfig": "modeling_layercut.LayercutConfig",
@@ -218,6 +219,12 @@ class ZeroSublayer(nn.Module):
         return zeros if self.returns == 0 else (zeros, *([None] * (self.returns - 1)))
 
 
+def sublayer_records(config) -> list[dict]:
+    """The removed sub-layers a config (object or ``config.json`` dict) records; [] when none."""
+    value = config.get(SUBLAYERS_KEY) if isinstance(config, dict) else getattr(config, SUBLAYERS_KEY, None)
+    return list(value or [])
+
+
 def remove_sublayers(model: nn.Module, records: list[dict], blocks_path: str | None = None) -> int:
     """Put a :class:`ZeroSublayer` in place of each sub-layer ``records`` names; returns how many."""
     path = _blocks_path(model, blocks_path)
@@ -235,7 +242,7 @@ def remove_sublayers(model: nn.Module, records: list[dict], blocks_path: str | N
 
 def _maps_recorded(base_config: dict) -> bool:
     """Whether the wrapped config's replacement records name a method whose maps live in the maps file."""
-    records = base_config.get("layercut_replacements") or []
+    records = base_config.get(RECORDS_KEY) or []
     return any(r.get("method", r.get("kind")) in MAP_TYPES for r in records if isinstance(r, dict))
 
 
@@ -319,7 +326,7 @@ class LayercutForCausalLM(PreTrainedModel):
         kwargs.pop("_from_auto", None)
         # removed sub-layers have no weights in the folder: transformers initialises them, then they go
         model = AutoModelForCausalLM.from_pretrained(path, *model_args, config=config.base(), **kwargs)
-        remove_sublayers(model, config.base_config.get(SUBLAYERS_KEY) or [], config.blocks_path)
+        remove_sublayers(model, sublayer_records(config.base_config), config.blocks_path)
         maps_file = cached_file(path, MAPS_FILE, _raise_exceptions_for_missing_entries=False, **hub)
         if maps_file is not None:
             attach_maps(model, maps_file, config.blocks_path)

@@ -648,7 +648,7 @@ def load_model(
     hub_id = not Path(checkpoint).exists()
     with _hub_errors(name, hub_id):
         config, wrapped = _read_config(checkpoint)
-    if not allow_maps and getattr(config, hf_remote_code.SUBLAYERS_KEY, None):
+    if not allow_maps and hf_remote_code.sublayer_records(config):
         raise LayercutError(
             f"{name} is a checkpoint with removed attention/MLP sub-layers: load it with prune.load(path), which "
             "removes them again (transformers alone would put random weights in their place)"

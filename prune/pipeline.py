@@ -22,6 +22,7 @@ from prune.data import CalibrationData, DataConfig, calibration_data, check_sour
 from prune.errors import LayercutError
 from prune.export import REPORT_FILE, atomic_directory, check_output_dir, library_versions, write_json
 from prune.heldout import heldout_report, packed_perplexity
+from prune.hf_remote_code import sublayer_records
 from prune.loading import LoadedModel, load_config
 from prune.options import LoadConfig
 from prune.oracle import Oracle, oracle_table, removal_cache, run_oracle
@@ -50,7 +51,6 @@ from prune.sublayers import (
     parse_units,
     rank_units,
     remove_units_,
-    removed_sublayers,
     unit_parameters,
 )
 from prune.surgery import block_layout, replacement_records
@@ -324,7 +324,7 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     before = num_blocks(model)
     check_against_model(config, model.config)
     params_before = parameter_count(model)
-    if removed_sublayers(model):
+    if sublayer_records(model.config):
         raise LayercutError(f"{config.load.model} already has attention/MLP sub-layers removed: prune the original "
                             "model instead")
     if is_sublayer(parse_units(config.unit)):
@@ -393,14 +393,10 @@ def _prune_units(loaded: LoadedModel, config: PruneConfig, started: float, befor
         memo["sublayer-moments"] = moments, block_scores(moments, list(SCORES))  # value u rates Unit.at(u)
     moments, scores = memo["sublayer-moments"]
     ranked = rank_units(scores[config.score], get_score(config.score).removability, candidates)
-    if total is not None:
-        freed, count = 0, 0
-        while count < len(ranked) and params_before - freed > total:
-            freed += unit_parameters(model, ranked[count])
-            count += 1
-        if params_before - freed > total:
-            raise LayercutError(f"--target-params {total:,} is out of reach: removing every removable sub-layer "
-                                f"leaves {params_before - freed:,} parameters; ask for more or pass --protect none")
+    if total is not None:  # ranked order: the K most removable units are positions 0..K-1
+        sizes = [unit_parameters(model, unit) for unit in ranked]
+        count = blocks_for_params(total, params_before, sizes, lambda k: list(range(k)), len(ranked),
+                                  what="removable sub-layer")
         budget = {"target_params": total, "drop": count}
     else:
         count, budget = parse_drop(config.drop, 2 * before), None

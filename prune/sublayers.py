@@ -39,7 +39,7 @@ from torch import nn
 from prune.adapters import arch_spec, get_blocks, input_device, is_dense, num_blocks, text_config
 from prune.capture import block_input, block_output
 from prune.errors import LayercutError
-from prune.hf_remote_code import SUBLAYERS_KEY, remove_sublayers
+from prune.hf_remote_code import SUBLAYERS_KEY, remove_sublayers, sublayer_records
 from prune.replace.modules import parameter_count
 from prune.surgery import drop_blocks_
 
@@ -283,7 +283,7 @@ def remove_units_(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tens
     the surgery. The record (also in ``model.config.layercut_removed_sublayers``) gives current positions.
     """
     units = sorted(set(units), key=lambda u: u.index)
-    if removed_sublayers(model):
+    if sublayer_records(model.config):
         raise LayercutError("this model already has sub-layers removed: prune the original model instead")
     anchored = [u.label() for u in units if u.kind == "attention" and u.block in anchor_attentions(model)]
     if anchored:
@@ -309,7 +309,3 @@ def remove_units_(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tens
     return {"units": [u.label() for u in units], "blocks_removed_whole": both,
             "sublayers": records, "num_blocks_after": num_blocks(model)}
 
-
-def removed_sublayers(model: nn.Module) -> list[dict]:
-    """The sub-layers a model has had removed (its config's record)."""
-    return list(getattr(model.config, SUBLAYERS_KEY, None) or [])

@@ -23,11 +23,11 @@ from torch import nn
 
 from prune.adapters import PER_LAYER_CONFIG_LISTS, arch_spec, get_blocks, text_config
 from prune.errors import LayercutError
-from prune.hf_remote_code import SUBLAYERS_KEY
+from prune.hf_remote_code import RECORDS_KEY, SUBLAYERS_KEY
 from prune.tiny import quiet
 
 LAYOUT_ATTR = "layercut_layout"
-RECORDS_ATTR = "layercut_replacements"
+RECORDS_ATTR = RECORDS_KEY
 _ABSENT = object()
 
 

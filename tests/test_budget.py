@@ -43,6 +43,9 @@ def test_params_checks_the_selected_blocks_of_unequal_size():
     assert blocks_for_params(190, 230, sizes, lambda k: order[:k], 5) == 4
     with pytest.raises(LayercutError, match="out of reach"):
         blocks_for_params(50, 230, sizes, lambda k: order[:k], 3)
+    # nothing removable (every sub-layer protected): the same one-line error, named for the unit
+    with pytest.raises(LayercutError, match="removing every removable sub-layer leaves about 230 parameters"):
+        blocks_for_params(200, 230, [], lambda k: [], 0, what="removable sub-layer")
 
 
 def run(tiny_folder, tmp_path, **kw):
