@@ -23,8 +23,10 @@ model, wall time and whether its export is a vanilla transformers checkpoint.
 Task retention: the sum over tasks of (accuracy - chance) divided by the same sum for the dense
 model, over the tasks where the dense model is clearly above chance (by more than two standard
 errors); chance is 1 / the choices a row offers (0 for LAMBADA's open next word). A task difference
-under two standard errors is a tie. Method A is *better* than B at a drop only when A has the lower
-perplexity on every domain and, with ``--tasks``, a retention higher by two standard errors or more.
+under two standard errors is a tie; the standard error of a difference is paired, from the two models'
+row-by-row scores on the same rows (kept in ``results.json``), so a real gap of a point or two shows.
+Method A is *better* than B at a drop only when A has the lower perplexity on every domain and, with
+``--tasks``, a retention higher by two standard errors or more.
 Rerunning with more ``--heldout`` domains measures the dense model on the new ones and reruns the
 cells that lack one (the pruned weights are not kept to complete them). ``--oracle`` adds SLEB's oracle (calibration
 perplexity with each block alone removed) and every score's Spearman correlation with it.
@@ -366,8 +368,11 @@ def measure(model, tokenizer, heldout: Heldout, args: argparse.Namespace) -> dic
     measure_domains(model, heldout, row)
     if args.tasks:
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        raw = run_lm_eval(model, tokenizer, tasks, data_dir=args.data_dir, limit=args.limit)
+        rows: dict[str, list[float]] = {}
+        raw = run_lm_eval(model, tokenizer, tasks, data_dir=args.data_dir, limit=args.limit, rows=rows)
         row["tasks"] = {task: raw[task].get(primary_metric(task)) for task in tasks if task in raw}
+        row["task_rows"] = {task: [int(v) if v in (0.0, 1.0) else v for v in rows[task]] for task in tasks
+                            if task in rows}
         row["task_stderr"] = {task: raw[task].get(f"{primary_metric(task)}_stderr") for task in tasks if task in raw}
     if args.speed_tokens:
         options = SpeedOptions(prompt_len=min(64, args.seq_len), new_tokens=args.speed_tokens)
@@ -474,7 +479,24 @@ def _task_figures(row: dict, tasks: list[str], counted: list[str], dense: dict) 
     return figures
 
 
-def _beats(a: dict, b: dict, fa: dict, fb: dict, names: list[str], quality: str | None) -> bool:
+def gap_stderr(a: dict, b: dict, fa: dict, fb: dict, quality: str, tasks: list[str], dense: dict) -> float:
+    """Standard error of ``fa[quality] - fb[quality]``: paired over rows where both rows have them.
+
+    Both models answer the same questions, and most answers they share: the spread of the row-by-row
+    difference is the noise of the gap, far less than the two separate standard errors combined.
+    """
+    rows_a, rows_b = a.get("task_rows", {}), b.get("task_rows", {})
+    if not all(t in rows_a and t in rows_b and len(rows_a[t]) == len(rows_b[t]) > 1 for t in tasks):
+        return math.hypot(fa[f"{quality}_stderr"], fb[f"{quality}_stderr"])
+    variance = 0.0
+    for task in tasks:
+        diff = torch.tensor(rows_a[task], dtype=torch.float64) - torch.tensor(rows_b[task], dtype=torch.float64)
+        variance += float(diff.var()) / diff.numel()
+    scale = len(tasks) if quality == "task_mean" else sum(dense["tasks"][t] - CHANCE[t] for t in tasks)
+    return math.sqrt(variance) / scale
+
+
+def _beats(a: dict, b: dict, fa: dict, fb: dict, names: list[str], quality: str | None, stderr) -> bool:
     """Lower perplexity on every domain and, when tasks ran, the task figure higher by two standard errors."""
     if not all(a["domains"][n] < b["domains"][n] for n in names):
         return False
@@ -482,8 +504,7 @@ def _beats(a: dict, b: dict, fa: dict, fb: dict, names: list[str], quality: str 
         return True
     if quality not in fa or quality not in fb:
         return False
-    margin = TIE_SE * math.hypot(fa[f"{quality}_stderr"], fb[f"{quality}_stderr"])
-    return fa[quality] - fb[quality] >= margin and fa[quality] > fb[quality]
+    return fa[quality] - fb[quality] >= TIE_SE * stderr() and fa[quality] > fb[quality]
 
 
 def analyse(results: dict) -> dict:
@@ -506,14 +527,20 @@ def analyse(results: dict) -> dict:
     figures = {key: _task_figures(row, tasks, counted, dense) for key, row in rows.items()}
     figures["dense"] = _task_figures(dense, tasks, counted, dense) if dense else {}
     quality = None if not tasks else ("retention" if counted else "task_mean")
+    used = counted if quality == "retention" else [t for t in tasks if t in dense.get("tasks", {})]
+
+    def stderr(a: str, b: str) -> float:
+        return gap_stderr(rows[a], rows[b], figures[a], figures[b], quality, used, dense)
+
     better, ties = {}, {}
     for key, row in rows.items():
         same = [(k, r) for k, r in rows.items() if r["drop"] == row["drop"] and k != key]
-        better[key] = sorted(k for k, r in same if _beats(row, r, figures[key], figures[k], names, quality))
+        better[key] = sorted(k for k, r in same if _beats(row, r, figures[key], figures[k], names, quality,
+                                                          lambda k=k, key=key: stderr(key, k)))
         if quality is not None and quality in figures[key]:
             best = max((k for k, _ in [(key, row), *same] if quality in figures[k]), key=lambda k: figures[k][quality])
             gap = figures[best][quality] - figures[key][quality]
-            tie = gap < TIE_SE * math.hypot(figures[best][f"{quality}_stderr"], figures[key][f"{quality}_stderr"])
+            tie = best == key or gap < TIE_SE * stderr(best, key)
             ties[key] = "best" if best == key else ("tie" if tie else f"-{100 * gap:.1f}")
     return {"domains": names, "tasks": tasks, "chance": {t: CHANCE[t] for t in tasks if t in CHANCE},
             "retention_tasks": counted, "excluded_tasks": excluded, "task_quality": quality, "rows": figures,
@@ -595,7 +622,8 @@ def _task_note(analysis: dict) -> list[str]:
                  if counted else "Retention: none, no task has the dense model clearly above chance")
     return [f"Tasks: accuracy ± lm-eval's standard error, in %. {retention} (chance: {chance})"
             + (f"; left out: {excluded}" if excluded else "") + f". \"Tasks vs best\" compares the {quality} with "
-            f"the best at the same drop: tie when the gap is under {TIE_SE:g} standard errors. \"Better than\": "
+            f"the best at the same drop: tie when the gap is under {TIE_SE:g} standard errors of the paired "
+            f"difference (row by row on the same rows). \"Better than\": "
             f"lower perplexity on every domain and a {quality} higher by {TIE_SE:g} standard errors or more.", ""]
 
 

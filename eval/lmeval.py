@@ -374,19 +374,26 @@ def _quiet_lm_eval() -> Iterator[None]:
         task_logger.removeFilter(notice)
 
 
-def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed) -> dict[str, dict[str, float]]:
+def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed,
+              rows: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
     from lm_eval import evaluator
 
     start = time.perf_counter()
     with _quiet_lm_eval():
         out = evaluator.simple_evaluate(
             model=lm, tasks=names, task_manager=task_manager, limit=limit, num_fewshot=num_fewshot,
-            log_samples=False, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+            log_samples=rows is not None, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
             fewshot_random_seed=seed,
         )
     logger.info("lm-eval %s done in %.1f s", ",".join(names), time.perf_counter() - start)
     if out is None:  # non-zero rank of a distributed run: rank 0 reports
         return {}
+    if rows is not None:
+        for task, samples in (out.get("samples") or {}).items():
+            metric = primary_metric(task)
+            kept = sorted((s for s in samples if s.get("filter", "none") == "none" and metric in s),
+                          key=lambda s: s["doc_id"])
+            rows[task] = [float(s[metric]) for s in kept]
     return {task: clean_metrics(raw) for task, raw in out["results"].items()}
 
 
@@ -400,6 +407,7 @@ def run_lm_eval(
     batch_size: int = 8,
     num_fewshot: int | None = None,
     seed: int = 1234,
+    rows: dict[str, list[float]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Evaluate ``model`` on lm-eval tasks, from local files when a data folder is given.
 
@@ -414,6 +422,9 @@ def run_lm_eval(
         num_fewshot: Few-shot examples (``None``: each task's default, 0 for these). Offline there is
             no train split, so they are drawn from the evaluated split (never the row itself).
         seed: Seed for Python, NumPy, torch and the few-shot sampler.
+        rows: A dict to fill with each task's primary metric row by row (in row order), for paired
+            comparisons: two models scored on the same rows differ by far less noise than their
+            separate standard errors suggest.
 
     Returns:
         ``{task: {metric: value}}`` with lm-eval's metric names without the ``,none`` suffix, e.g.
@@ -430,7 +441,7 @@ def run_lm_eval(
     if root is not None and num_fewshot:
         logger.warning("offline tasks have no train split: few-shot examples come from the evaluated split")
     lm = wrap_model(model, tokenizer, batch_size)
-    kwargs = dict(limit=limit, num_fewshot=num_fewshot, seed=seed)
+    kwargs = dict(limit=limit, num_fewshot=num_fewshot, seed=seed, rows=rows)
     results: dict[str, dict[str, float]] = {}
     if local:
         logger.info("running %s from local files in %s", ", ".join(local), root)

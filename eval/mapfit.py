@@ -19,20 +19,27 @@ is where the error sits: the share at position 0 and at tokens of massive norm (
 A ``.txt`` text is cut into windows of ``--seq-len`` tokens; a file of several documents (``.jsonl``)
 gives one sequence per document, so prompts keep their own (short) lengths.
 
+With ``--logits`` each variant (and removal) is also put in the span's place and the whole model run on
+every text: the mean KL divergence of its next-token distribution from the original model's, relative
+to removal's, the share of positions where its top-1 token is the original's, and its perplexity. A map
+that halves the hidden-state error need not halve the error the later blocks and the head see.
+
 Writes ``results.json`` and ``README.md`` to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from prune.adapters import input_device, num_blocks
-from prune.capture import residual_states
+from prune.adapters import get_blocks, input_device, num_blocks
+from prune.capture import block_input, residual_states
 from prune.data import DataConfig, calibration_data, load_documents
 from prune.errors import LayercutError, cli_entry
 from prune.export import atomic_directory, check_output_dir, write_json
@@ -75,18 +82,81 @@ def capture(model, sequences: list[torch.Tensor], span: tuple[int, int], batch_s
             kept[wanted[index]].append(state.detach().float().reshape(-1, state.shape[-1]).cpu())
 
     positions = []
+    with residual_states(model, keep):
+        for batch in batches(model, sequences, batch_size):
+            model.base_model(input_ids=batch, use_cache=False)
+            positions.append(torch.arange(batch.shape[1]).repeat(batch.shape[0]))
+    return Captured(torch.cat(kept["x"]), torch.cat(kept["y"]), torch.cat(positions))
+
+
+def batches(model, sequences: list[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
+    """``sequences`` stacked ``batch_size`` at a time on the model's input device; equal lengths only.
+
+    A file of documents has many lengths, each its own batch: no padding, so no mask to get wrong.
+    """
     device = input_device(model)
-    # equal lengths batch together; a file of documents has many lengths, each its own batch
     groups: dict[int, list[torch.Tensor]] = {}
     for seq in sequences:
         groups.setdefault(int(seq.numel()), []).append(seq)
-    with residual_states(model, keep):
-        for length, group in tqdm(groups.items(), desc="capture", unit="length", disable=len(groups) < 8):
-            for start in range(0, len(group), batch_size):
-                batch = torch.stack(group[start : start + batch_size]).to(device)
-                model.base_model(input_ids=batch, use_cache=False)
-                positions.append(torch.arange(length).repeat(batch.shape[0]))
-    return Captured(torch.cat(kept["x"]), torch.cat(kept["y"]), torch.cat(positions))
+    for group in tqdm(list(groups.values()), desc="batches", unit="length", disable=len(groups) < 8):
+        for start in range(0, len(group), batch_size):
+            yield torch.stack(group[start : start + batch_size]).to(device)
+
+
+@contextmanager
+def span_replaced(model, span: tuple[int, int], fit: LinearFit | None) -> Iterator[None]:
+    """Within the block, the span's output is ``fit(input)`` (None: the input itself, i.e. removal).
+
+    Hooks rather than surgery: the span's blocks still run, so nothing about the model changes but the
+    one state handed on, which is the quantity being measured.
+    """
+    _, blocks = get_blocks(model)
+    entering: dict[str, torch.Tensor] = {}
+
+    def keep(_module, args, kwargs):
+        entering["x"] = block_input(args, kwargs)
+
+    def replace(_module, _args, output):
+        x = entering.pop("x")
+        new = x if fit is None else fit(x.double()).to(x.dtype)
+        return (new, *output[1:]) if isinstance(output, (tuple, list)) else new
+
+    handles = [blocks[span[0]].register_forward_pre_hook(keep, with_kwargs=True),
+               blocks[span[1]].register_forward_hook(replace)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def logit_report(model, sequences: list[torch.Tensor], span: tuple[int, int], fits: dict[str, LinearFit | None],
+                 batch_size: int = 4) -> dict[str, dict]:
+    """Per variant: mean KL(original || variant) per predicted token, top-1 agreement with the original, ppl.
+
+    ``fits`` maps variant names to maps, None for removal; KL is also given relative to removal's
+    (present under the name ``removal``), so 1.0 reads as in the hidden-state table.
+    """
+    sums = {name: {"kl": 0.0, "agree": 0, "nll": 0.0} for name in fits}
+    tokens = 0
+    for batch in batches(model, sequences, batch_size):
+        reference = torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
+        target = batch[:, 1:].to(reference.device)
+        tokens += target.numel()
+        for name, fit in fits.items():
+            with span_replaced(model, span, fit):
+                logp = torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
+            sums[name]["kl"] += float((reference.exp() * (reference - logp)).sum())
+            sums[name]["agree"] += int((logp.argmax(-1) == reference.argmax(-1)).sum())
+            sums[name]["nll"] -= float(logp.gather(-1, target.unsqueeze(-1)).sum())
+    report = {name: {"kl": s["kl"] / tokens, "top1_agreement": s["agree"] / tokens,
+                     "ppl": float(torch.tensor(s["nll"] / tokens).exp()), "tokens": tokens}
+              for name, s in sums.items()}
+    removal_kl = report.get("removal", {}).get("kl")
+    for entry in report.values():
+        entry["kl_relative"] = entry["kl"] / removal_kl if removal_kl else None
+    return report
 
 
 def text_sequences(tokenizer, spec: str, seq_len: int, max_tokens: int) -> tuple[list[torch.Tensor], str]:
@@ -157,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heldout-tokens", type=int, default=4096, help="tokens read per --heldout text")
     parser.add_argument("--skip", default="1,4", help="ls-skip-N variants, comma list of N (default: 1,4)")
     parser.add_argument("--shrink", default="0.01,0.1,1", help="shrink-R variants, comma list of R")
+    parser.add_argument("--logits", action="store_true",
+                        help="also run the whole model with each variant in the span's place: KL from the "
+                             "original's next-token distribution, top-1 agreement and perplexity per text")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
     parser.add_argument("--out", required=True, help="folder for results.json and README.md")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
@@ -205,8 +278,13 @@ def run(args: argparse.Namespace) -> dict:
     table = {name: {"removal": error_report(None, data_, massive_norm),
                     **{variant: error_report(fit, data_, massive_norm) for variant, fit in fits.items()}}
              for name, data_ in captured.items()}
-    return {"model": args.model, "span": list(span), "sources": sources, "massive_norm": massive_norm,
-            "errors": table}
+    results = {"model": args.model, "span": list(span), "sources": sources, "massive_norm": massive_norm,
+               "errors": table}
+    if args.logits:
+        variants = {"removal": None, **fits}
+        results["logits"] = {name: logit_report(model, seqs, span, variants, args.batch_size)
+                             for name, seqs in tqdm(texts.items(), desc="logits", unit="text")}
+    return results
 
 
 def markdown(results: dict) -> str:
@@ -229,6 +307,19 @@ def markdown(results: dict) -> str:
         ls, rm = results["errors"][t]["ls"], results["errors"][t]["removal"]
         lines.append(f"| {t} | {ls['tokens']} | {ls['massive_tokens']} | {100 * ls['share_position0']:.1f}% | "
                      f"{100 * ls['share_massive']:.1f}% | {100 * rm['share_position0']:.1f}% |")
+    if "logits" in results:
+        lines += ["", "The whole model with each variant in the span's place: mean KL(original || variant) per "
+                  "predicted token relative to removal's (lower is better), then top-1 agreement with the original "
+                  "and perplexity:", "",
+                  "| variant | " + " | ".join(texts) + " |", "|---|" + "---:|" * len(texts)]
+        logits = results["logits"]
+        for variant in logits[texts[0]]:
+            cells = [f"{logits[t][variant]['kl_relative']:.3f} ({logits[t][variant]['kl']:.3f} nats)" for t in texts]
+            lines.append(f"| KL {variant} | " + " | ".join(cells) + " |")
+        for variant in logits[texts[0]]:
+            cells = [f"{100 * logits[t][variant]['top1_agreement']:.1f}% / {logits[t][variant]['ppl']:.2f}"
+                     for t in texts]
+            lines.append(f"| top-1 / ppl {variant} | " + " | ".join(cells) + " |")
     lines += ["", "Texts: " + "; ".join(f"{t}: {s}" for t, s in results["sources"].items()), ""]
     return "\n".join(lines)
 

@@ -1,8 +1,10 @@
 """``python -m eval.compare`` on a tiny saved model: cells, leaderboard, plots, resume, oracle, bad input."""
 
 import json
+import math
 
 import pytest
+import torch
 from conftest import make_tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -297,3 +299,40 @@ def test_a_sublayer_method_meets_the_parameters_of_the_blocks_it_stands_for(tiny
     assert units["params"] <= blocks["params"]
     readme = (out / "README.md").read_text()
     assert "sub-layers (whole:" in readme
+
+
+def test_row_by_row_scores_make_a_small_shared_gap_a_win():
+    """Two models answer the same rows alike but for 16 of 400: separately a tie, paired a clear gap."""
+    generator = torch.Generator().manual_seed(0)
+    base = {t: (torch.rand(400, generator=generator) < p).int().tolist() for t, p in (("arc_easy", 0.5), ("piqa", 0.6))}
+    better = {t: list(r) for t, r in base.items()}
+    for rows in better.values():
+        wrong = [i for i, v in enumerate(rows) if v == 0][:16]
+        for i in wrong:
+            rows[i] = 1
+
+    def scored(method, rows, domains):
+        tasks = {t: sum(r) / len(r) for t, r in rows.items()}
+        stderr = {t: (v * (1 - v) / (len(rows[t]) - 1)) ** 0.5 for t, v in tasks.items()}
+        row = _row(method, 4 if method != "dense" else 0, domains, tasks)
+        row["task_stderr"], row["task_rows"] = stderr, rows
+        return row
+
+    dense = scored("dense", {"arc_easy": [1] * 300 + [0] * 100, "piqa": [1] * 320 + [0] * 80}, {"a": 10.0})
+    cells = {"a@4": scored("a", better, {"a": 11.0}), "b@4": scored("b", base, {"a": 12.0})}
+    results = {"dense": dense, "cells": cells, "domains": ["a"]}
+    analysis = compare_module.analyse(results)
+    rows = analysis["rows"]
+    gap = rows["a@4"]["retention"] - rows["b@4"]["retention"]
+    assert gap == pytest.approx(32 / 400 / (0.5 + 0.3))
+    assert gap < 2 * math.hypot(rows["a@4"]["retention_stderr"], rows["b@4"]["retention_stderr"])  # unpaired: a tie
+    paired = compare_module.gap_stderr(cells["a@4"], cells["b@4"], rows["a@4"], rows["b@4"], "retention",
+                                       ["arc_easy", "piqa"], dense)
+    one_task = torch.tensor([1.0] * 16 + [0.0] * 384).var().item() / 400
+    assert paired == pytest.approx((2 * one_task) ** 0.5 / 0.8)
+    assert analysis["vs_best_tasks"] == {"a@4": "best", "b@4": f"-{100 * gap:.1f}"}
+    assert analysis["better_than"]["a@4"] == ["b@4"]
+    # without the rows, the same figures are a tie
+    for row in cells.values():
+        del row["task_rows"]
+    assert compare_module.analyse(results)["vs_best_tasks"]["b@4"] == "tie"

@@ -198,8 +198,12 @@ def test_local_task_reproduces_standard_task(task, yaml, split, hub_rows, data, 
 def test_run_lm_eval_gives_the_standard_score(data, model, tokenizer, lm, tmp_path):
     standard = standard_task("arc/arc_easy.yaml", "test", _hub_rows_arc_easy(data, tmp_path), tmp_path / "cache")
     std_metrics, _ = scored_rows(lm, standard, ROWS)
-    ours = run_lm_eval(model, tokenizer, ["arc_easy"], data_dir=data, limit=ROWS, batch_size=8)
+    rows = {}
+    ours = run_lm_eval(model, tokenizer, ["arc_easy"], data_dir=data, limit=ROWS, batch_size=8, rows=rows)
     assert set(ours) == {"arc_easy"}
+    # the per-row scores (acc_norm, the quoted metric) are the ones averaged
+    assert len(rows["arc_easy"]) == ROWS and set(rows["arc_easy"]) <= {0.0, 1.0}
+    assert sum(rows["arc_easy"]) / ROWS == pytest.approx(ours["arc_easy"]["acc_norm"])
     assert {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} <= set(ours["arc_easy"])
     assert ours["arc_easy"]["acc"] == std_metrics["acc"]
     assert ours["arc_easy"]["acc_norm"] == std_metrics["acc_norm"]

@@ -4,9 +4,12 @@ import json
 
 import pytest
 import torch
+from conftest import make_tiny_model
 
-from eval.mapfit import Captured, error_report, fit_variants, main, parse_span
+from eval.mapfit import Captured, error_report, fit_variants, logit_report, main, parse_span, span_replaced
 from prune.errors import LayercutError
+from prune.linear_fit import LinearFit
+from prune.surgery import blocks_removed
 
 
 def test_relative_error_is_one_for_removal_and_zero_for_an_exact_map():
@@ -39,6 +42,28 @@ def test_a_massive_first_token_carries_the_least_squares_error():
     assert error_report(None, data, 10.0)["massive_tokens"] == 20
 
 
+@torch.no_grad()
+def test_hooked_removal_is_the_model_without_the_blocks_and_kl_is_relative_to_it(one_thread):
+    model = make_tiny_model("llama").eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with span_replaced(model, (1, 2), None):
+        hooked = model(input_ids=ids).logits
+    with blocks_removed(model, [1, 2]):
+        removed = model(input_ids=ids).logits
+    assert torch.allclose(hooked, removed, atol=1e-5)
+    assert not torch.allclose(model(input_ids=ids).logits, removed, atol=1e-3)  # the hooks are gone again
+    hidden = model.config.hidden_size
+    identity = LinearFit(torch.eye(hidden, dtype=torch.float64), torch.zeros(hidden, dtype=torch.float64))
+    doubled = LinearFit(2 * torch.eye(hidden, dtype=torch.float64), torch.zeros(hidden, dtype=torch.float64))
+    report = logit_report(model, list(ids), (1, 2), {"removal": None, "identity": identity, "doubled": doubled})
+    assert report["removal"]["kl_relative"] == pytest.approx(1.0)
+    assert report["identity"]["kl"] == pytest.approx(report["removal"]["kl"], rel=1e-5)  # the identity map is removal
+    assert report["removal"]["kl"] > 0 and report["doubled"]["kl"] != pytest.approx(report["removal"]["kl"])
+    assert report["removal"]["tokens"] == 2 * 11 and 0 <= report["removal"]["top1_agreement"] <= 1
+    log_probs = torch.log_softmax(removed[:, :-1], -1).gather(-1, ids[:, 1:, None])
+    assert report["removal"]["ppl"] == pytest.approx(float((-log_probs.mean()).exp()), rel=1e-4)
+
+
 def test_parse_span():
     assert parse_span("12-15", 30) == (12, 15) and parse_span("3", 30) == (3, 3)
     with pytest.raises(LayercutError, match="blocks 0..29"):
@@ -56,7 +81,7 @@ def test_cli_writes_the_table(tiny_folder, tmp_path, capsys, one_thread):
     out = tmp_path / "mapfit"
     code = main(["--model", str(tiny_folder), "--span", "1-2", "--samples", "16", "--seq-len", "32",
                  "--heldout-samples", "2", "--heldout", f"novel={novel},prompts={prompts}", "--heldout-tokens", "256",
-                 "--out", str(out), "--threads", "1"])
+                 "--logits", "--out", str(out), "--threads", "1"])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["errors"]) == {"calibration", "calibration held-out", "novel", "prompts"}
@@ -67,7 +92,12 @@ def test_cli_writes_the_table(tiny_folder, tmp_path, capsys, one_thread):
     calibration = results["errors"]["calibration"]
     assert calibration["ls"]["relative"] <= min(v["relative"] for v in calibration.values()) + 1e-9
     assert results["errors"]["prompts"]["ls"]["tokens"] < 6 * 32  # one short sequence per document
-    assert "| variant |" in (out / "README.md").read_text()
+    assert set(results["logits"]) == set(results["errors"])
+    for text in results["logits"].values():
+        assert text["removal"]["kl_relative"] == pytest.approx(1.0) and set(text) == set(results["errors"]["novel"])
+        assert all(v["kl"] >= 0 for v in text.values())
+    readme = (out / "README.md").read_text()
+    assert "| variant |" in readme and "| KL ls |" in readme
 
 
 @pytest.mark.parametrize("args,message", [
