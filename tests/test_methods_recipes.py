@@ -90,3 +90,15 @@ def test_resolve_method_by_name_or_path_and_unknown_lists_the_known(tmp_path):
     assert resolve_method(str(path)) == path
     with pytest.raises(LayercutError, match="unknown method 'squash': choose one of gromov, gromov-heal, "):
         resolve_method("squash")
+
+
+def test_repair_baselines_are_method_recipes_outside_the_all_grid():
+    repairs = method_recipes(METHODS_DIR.parent / "repairs")
+    assert set(repairs) == {"remove", "fold"} and not set(repairs) & set(method_recipes())
+    linear = config_from_recipe(METHODS_DIR / "layercut-linear.yaml", {"drop": 4, "load": {"model": "tiny"}})
+    remove = config_from_recipe(repairs["remove"], {"drop": 4, "load": {"model": "tiny"}})
+    # the baseline removes what layercut-linear replaces: same score, same selection, no map
+    assert (remove.score, remove.select) == (linear.score, linear.select)
+    assert remove.replace.method == "none" and linear.replace.method == "linear"
+    fold = config_from_recipe(repairs["fold"], {"drop": 4, "load": {"model": "tiny"}})
+    assert fold.replace.method == "fold" and fold.select == "span"
