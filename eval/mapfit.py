@@ -11,7 +11,9 @@ fitted on the calibration tokens alone:
 - ``ls-skip-N``: the same without the first N positions of each sequence (the attention sinks whose
   massive norms weigh on a squared loss);
 - ``shrink-R``: ridge R (relative to the mean input variance) on the update ``Y - X``: the map is
-  pulled toward the identity, i.e. toward plain removal.
+  pulled toward the identity, i.e. toward plain removal;
+- with ``--short N``, ``ls-short-N``: least squares on the same calibration tokens cut into N-token
+  sequences (early positions only, as in short task prompts), and ``ls-mixed-N``: both cuts pooled.
 
 Each is measured as the *relative* error: the map's squared error over removal's (``X`` standing for
 ``Y``), so 1.0 is as bad as removing the span and lower is better; above 1.0 the map hurts. Beside it
@@ -48,6 +50,7 @@ from prune.options import add_load_arguments, add_threads_argument, apply_thread
 from prune.replace.capture import PairAccumulator
 
 MASSIVE = 10.0  # a token is "massive" when its input norm exceeds this many times the median
+EARLY = 32  # predictions from positions below this are "early": most of a short prompt's, few of a long text's
 
 
 @dataclass
@@ -138,24 +141,32 @@ def logit_report(model, sequences: list[torch.Tensor], span: tuple[int, int], fi
     ``fits`` maps variant names to maps, None for removal; KL is also given relative to removal's
     (present under the name ``removal``), so 1.0 reads as in the hidden-state table.
     """
-    sums = {name: {"kl": 0.0, "agree": 0, "nll": 0.0} for name in fits}
-    tokens = 0
+    sums = {name: {"kl": 0.0, "agree": 0, "nll": 0.0, "kl_early": 0.0} for name in fits}
+    tokens = early = 0
     for batch in batches(model, sequences, batch_size):
         reference = torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
         target = batch[:, 1:].to(reference.device)
         tokens += target.numel()
+        early += target[:, :EARLY].numel()
         for name, fit in fits.items():
             with span_replaced(model, span, fit):
                 logp = torch.log_softmax(model(input_ids=batch, use_cache=False).logits[:, :-1].float(), dim=-1)
-            sums[name]["kl"] += float((reference.exp() * (reference - logp)).sum())
+            kl = (reference.exp() * (reference - logp)).sum(-1)
+            sums[name]["kl"] += float(kl.sum())
+            sums[name]["kl_early"] += float(kl[:, :EARLY].sum())
             sums[name]["agree"] += int((logp.argmax(-1) == reference.argmax(-1)).sum())
             sums[name]["nll"] -= float(logp.gather(-1, target.unsqueeze(-1)).sum())
+    late = tokens - early
     report = {name: {"kl": s["kl"] / tokens, "top1_agreement": s["agree"] / tokens,
-                     "ppl": float(torch.tensor(s["nll"] / tokens).exp()), "tokens": tokens}
+                     "ppl": float(torch.tensor(s["nll"] / tokens).exp()), "tokens": tokens,
+                     "kl_early": s["kl_early"] / early, "kl_late": (s["kl"] - s["kl_early"]) / late if late else None,
+                     "early_tokens": early}
               for name, s in sums.items()}
-    removal_kl = report.get("removal", {}).get("kl")
+    removal = report.get("removal")
     for entry in report.values():
-        entry["kl_relative"] = entry["kl"] / removal_kl if removal_kl else None
+        for key in ("kl", "kl_early", "kl_late"):
+            base = removal[key] if removal else None
+            entry[f"{key}_relative"] = entry[key] / base if base and entry[key] is not None else None
     return report
 
 
@@ -183,8 +194,9 @@ def text_sequences(tokenizer, spec: str, seq_len: int, max_tokens: int) -> tuple
     return sequences, source
 
 
-def fit_variants(calibration: Captured, skips: list[int], shrinks: list[float]) -> dict[str, LinearFit]:
-    """Every variant's map, fitted on the calibration tokens only."""
+def fit_variants(calibration: Captured, skips: list[int], shrinks: list[float],
+                 short: tuple[int, Captured] | None = None) -> dict[str, LinearFit]:
+    """Every variant's map, fitted on the calibration tokens only (``short``: the same tokens re-cut)."""
     fits = {}
     for skip in [0, *skips]:
         keep = calibration.position >= skip
@@ -197,6 +209,13 @@ def fit_variants(calibration: Captured, skips: list[int], shrinks: list[float]) 
         update = fit_linear_map(moments.moments(), ridge)
         eye = torch.eye(update.weight.shape[0], dtype=update.weight.dtype)
         fits[f"shrink-{ridge:g}"] = LinearFit(update.weight + eye, update.bias)
+    if short is not None:
+        length, recut = short
+        moments = PairAccumulator(precision="float64")
+        moments.update(recut.x, recut.y)
+        fits[f"ls-short-{length}"] = fit_linear_map(moments.moments())
+        moments.update(calibration.x, calibration.y)
+        fits[f"ls-mixed-{length}"] = fit_linear_map(moments.moments())
     return fits
 
 
@@ -227,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heldout-tokens", type=int, default=4096, help="tokens read per --heldout text")
     parser.add_argument("--skip", default="1,4", help="ls-skip-N variants, comma list of N (default: 1,4)")
     parser.add_argument("--shrink", default="0.01,0.1,1", help="shrink-R variants, comma list of R")
+    parser.add_argument("--short", type=int, default=0,
+                        help="also fit ls-short-N (the calibration cut into N-token sequences) and ls-mixed-N "
+                             "(both cuts pooled); 0: off")
     parser.add_argument("--logits", action="store_true",
                         help="also run the whole model with each variant in the span's place: KL from the "
                              "original's next-token distribution, top-1 agreement and perplexity per text")
@@ -250,6 +272,9 @@ def run(args: argparse.Namespace) -> dict:
     shrinks = _numbers(args.shrink, float, "--shrink")
     if any(not 0 < skip < args.seq_len for skip in skips):
         raise LayercutError(f"--skip takes position counts from 1 to {args.seq_len - 1} (--seq-len), got '{args.skip}'")
+    if args.short and not 2 <= args.short < args.seq_len:
+        raise LayercutError(f"--short takes a sequence length from 2 to {args.seq_len - 1} (below --seq-len), "
+                            f"got {args.short}")
     if any(not ridge > 0 for ridge in shrinks):
         raise LayercutError(f"--shrink takes ridges above 0 (0 is plain least squares, ls), got '{args.shrink}'")
     heldout = [item.partition("=") for item in (args.heldout.split(",") if args.heldout else [])]
@@ -274,7 +299,13 @@ def run(args: argparse.Namespace) -> dict:
     captured = {name: capture(model, seqs, span, args.batch_size) for name, seqs in texts.items()}
     cal = captured["calibration"]
     massive_norm = MASSIVE * float(cal.x.norm(dim=1).median())
-    fits = fit_variants(cal, skips, shrinks)
+    short = None
+    if args.short:
+        ids = data.token_ids.reshape(-1)
+        windows = [ids[i : i + args.short] for i in range(0, ids.numel() - args.short + 1, args.short)]
+        short = (args.short, capture(model, windows, span, max(args.batch_size, args.batch_size * args.seq_len
+                                                                // args.short)))
+    fits = fit_variants(cal, skips, shrinks, short)
     table = {name: {"removal": error_report(None, data_, massive_norm),
                     **{variant: error_report(fit, data_, massive_norm) for variant, fit in fits.items()}}
              for name, data_ in captured.items()}
@@ -320,6 +351,17 @@ def markdown(results: dict) -> str:
             cells = [f"{100 * logits[t][variant]['top1_agreement']:.1f}% / {logits[t][variant]['ppl']:.2f}"
                      for t in texts]
             lines.append(f"| top-1 / ppl {variant} | " + " | ".join(cells) + " |")
+        def ratio(value: float | None) -> str:
+            return "-" if value is None else f"{value:.3f}"
+
+        for variant in logits[texts[0]]:
+            cells = [f"{ratio(logits[t][variant]['kl_early_relative'])} / "
+                     f"{ratio(logits[t][variant]['kl_late_relative'])}" for t in texts]
+            lines.append(f"| KL early / late {variant} | " + " | ".join(cells) + " |")
+        lines += ["", f"KL early / late: relative KL of the predictions from positions below {EARLY} / from the rest "
+                  "(share of early predictions: " + ", ".join(
+                      f"{t} {100 * logits[t]['removal']['early_tokens'] / logits[t]['removal']['tokens']:.0f}%"
+                      for t in texts) + ")."]
     lines += ["", "Texts: " + "; ".join(f"{t}: {s}" for t, s in results["sources"].items()), ""]
     return "\n".join(lines)
 

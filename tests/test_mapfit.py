@@ -60,6 +60,9 @@ def test_hooked_removal_is_the_model_without_the_blocks_and_kl_is_relative_to_it
     assert report["identity"]["kl"] == pytest.approx(report["removal"]["kl"], rel=1e-5)  # the identity map is removal
     assert report["removal"]["kl"] > 0 and report["doubled"]["kl"] != pytest.approx(report["removal"]["kl"])
     assert report["removal"]["tokens"] == 2 * 11 and 0 <= report["removal"]["top1_agreement"] <= 1
+    # 11 predictions per sequence, all of them "early" (positions below 32)
+    assert report["removal"]["early_tokens"] == 22 and report["removal"]["kl_late"] is None
+    assert report["removal"]["kl_early"] == pytest.approx(report["removal"]["kl"])
     log_probs = torch.log_softmax(removed[:, :-1], -1).gather(-1, ids[:, 1:, None])
     assert report["removal"]["ppl"] == pytest.approx(float((-log_probs.mean()).exp()), rel=1e-4)
 
@@ -81,16 +84,19 @@ def test_cli_writes_the_table(tiny_folder, tmp_path, capsys, one_thread):
     out = tmp_path / "mapfit"
     code = main(["--model", str(tiny_folder), "--span", "1-2", "--samples", "16", "--seq-len", "32",
                  "--heldout-samples", "2", "--heldout", f"novel={novel},prompts={prompts}", "--heldout-tokens", "256",
-                 "--logits", "--out", str(out), "--threads", "1"])
+                 "--logits", "--short", "8", "--out", str(out), "--threads", "1"])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["errors"]) == {"calibration", "calibration held-out", "novel", "prompts"}
     for text in results["errors"].values():
         assert text["removal"]["relative"] == pytest.approx(1.0)
-        assert set(text) == {"removal", "ls", "ls-skip-1", "ls-skip-4", "shrink-0.01", "shrink-0.1", "shrink-1"}
+        assert set(text) == {"removal", "ls", "ls-skip-1", "ls-skip-4", "shrink-0.01", "shrink-0.1", "shrink-1",
+                             "ls-short-8", "ls-mixed-8"}
     # least squares is the best linear map on the tokens it was fitted on
     calibration = results["errors"]["calibration"]
     assert calibration["ls"]["relative"] <= min(v["relative"] for v in calibration.values()) + 1e-9
+    novel = results["logits"]["novel"]["removal"]  # 32-token windows: positions 0-30 predict, all early
+    assert novel["early_tokens"] == novel["tokens"] and novel["kl_late_relative"] is None
     assert results["errors"]["prompts"]["ls"]["tokens"] < 6 * 32  # one short sequence per document
     assert set(results["logits"]) == set(results["errors"])
     for text in results["logits"].values():
@@ -105,6 +111,7 @@ def test_cli_writes_the_table(tiny_folder, tmp_path, capsys, one_thread):
     (["--heldout", "calibration=novel.txt"], "as the calibration text"),
     (["--skip", "0"], "--skip takes position counts from 1"),
     (["--shrink", "0"], "--shrink takes ridges above 0"),
+    (["--short", "512"], "--short takes a sequence length from 2 to 511"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny_folder, tmp_path, capsys, args, message):
     (tmp_path / "novel.txt").write_text("words " * 100)
