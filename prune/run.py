@@ -45,7 +45,7 @@ FLAG_PATHS = {
     "data": ("data", "data"), "samples": ("data", "samples"), "seq_len": ("data", "seq_len"),
     "seed": ("data", "seed"), "text_field": ("data", "text_field"), "heldout_samples": ("data", "heldout_samples"),
     "replace": ("replace", "method"), "fit": ("replace", "fit"), "rank": ("replace", "rank"),
-    "ridge": ("replace", "ridge"), "replace_steps": ("replace", "steps"),
+    "ridge": ("replace", "ridge"), "replace_steps": ("replace", "steps"), "fit_short": ("replace", "short"),
     "distill_steps": ("distill", "steps"),
 }  # fmt: skip
 NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures"}
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rank of --replace lowrank maps (default: max(1, hidden // 100))")
     group.add_argument("--ridge", type=float, default=None,
                        help="ridge of the closed-form fits, relative to the mean input variance (default: 0)")
+    group.add_argument("--fit-short", type=int, default=None,
+                       help="also fit the replacements on the calibration cut into N-token sequences, as short "
+                       "as task prompts (0: off; default: the method's recipe, else 0)")
     group.add_argument("--replace-steps", type=int, default=None,
                        help="Adam steps for lowrank (default 100) and block (default 200) replacements")
     group.add_argument("--distill-steps", type=int, default=0,
@@ -120,7 +123,7 @@ def config_values(args: argparse.Namespace, only: set[str] | None = None) -> dic
     for dest, value in vars(args).items():
         if dest in NOT_CONFIG or (only is not None and dest not in only):
             continue
-        if value is None and dest in ("rank", "ridge", "replace_steps", "tokenizer"):
+        if value is None and dest in ("rank", "ridge", "replace_steps", "fit_short", "tokenizer"):
             continue  # unset: the method's / loader's own default
         section, key = FLAG_PATHS.get(dest, (None, dest))
         if section is None:

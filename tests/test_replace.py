@@ -8,6 +8,7 @@ from torch import nn
 from prune.adapters import arch_spec, get_blocks
 from prune.capture import residual_states
 from prune.errors import LayercutError
+from prune.linear_fit import fit_linear_map
 from prune.replace import (
     LinearMap,
     LowRankMap,
@@ -108,6 +109,33 @@ def test_linear_replacement_of_an_exactly_linear_block_is_exact():
     assert model.config.num_hidden_layers == 3 and block_layout(model) == [[0], [1, 2], [3]]
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fit_short_adds_the_calibration_cut_into_short_sequences():
+    """``short``: the least squares over the long sequences and the same tokens cut short, pooled."""
+    model = make_tiny_model("llama")
+    ids = calibration(8, 32)
+    captured = {"x": [], "y": []}
+
+    def keep(index, state):
+        if index in (1, 3):
+            captured["x" if index == 1 else "y"].append(state.detach().reshape(-1, HIDDEN))
+
+    with torch.no_grad(), residual_states(model, keep):
+        model.base_model(input_ids=ids, use_cache=False)
+        model.base_model(input_ids=ids.reshape(-1, 8), use_cache=False)  # the 8-token cut: other states
+    acc = PairAccumulator()
+    acc.update(torch.cat(captured["x"]), torch.cat(captured["y"]))
+    expected = fit_linear_map(acc.moments())
+    short = fit_replacements(model, [1, 2], ids, quick("linear", short=8))[0].module
+    long = fit_replacements(model, [1, 2], ids, quick("linear"))[0].module
+    torch.testing.assert_close(short.proj.weight.T.double(), expected.weight, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(long.proj.weight, short.proj.weight, atol=1e-3)
+    # as long as the calibration sequences or longer, there is nothing to cut
+    same = fit_replacements(model, [1, 2], ids, quick("linear", short=32))[0].module
+    torch.testing.assert_close(same.proj.weight, long.proj.weight)
+    with pytest.raises(LayercutError, match="--fit-short takes a sequence length of at least 2"):
+        quick("linear", short=1)
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))

@@ -86,9 +86,23 @@ def _surgered_view(model: nn.Module, original: Sequence[nn.Module], done: Sequen
 
 
 def _batches(token_ids: torch.Tensor, config: ReplaceConfig, desc: str):
-    starts = range(0, token_ids.shape[0], config.batch_size)
-    for start in tqdm(starts, desc=desc, unit="batch", disable=not config.progress):
-        yield token_ids[start : start + config.batch_size]  # [batch, seq]
+    """[batch, seq] calibration batches; with ``config.short``, then the same tokens cut short."""
+    cuts = [(token_ids, config.batch_size)]
+    if short_cut(token_ids, config):
+        tokens = token_ids.shape[1] // config.short * config.short  # whole short sequences from each long one
+        recut = token_ids[:, :tokens].reshape(-1, config.short)
+        cuts.append((recut, config.batch_size * (token_ids.shape[1] // config.short)))  # as many tokens a batch
+    total = sum(-(-ids.shape[0] // size) for ids, size in cuts)
+    with tqdm(total=total, desc=desc, unit="batch", disable=not config.progress) as bar:
+        for ids, size in cuts:
+            for start in range(0, ids.shape[0], size):
+                yield ids[start : start + size]
+                bar.update()
+
+
+def short_cut(token_ids: torch.Tensor, config: ReplaceConfig) -> bool:
+    """Whether ``config.short`` adds a second, shorter cut of ``token_ids``."""
+    return 0 < config.short < token_ids.shape[1]
 
 
 def _hook_both(fitter: SpanFitter, recorder: Recorder) -> None:
@@ -168,6 +182,8 @@ def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.
     fitters = [spec.fitter(model, original, span, config) for span in spans]
     if config.fit == "sequential":
         return _fit_sequential(model, fitters, token_ids, config)
+    if short_cut(token_ids, config):
+        moments = None  # the scoring pass saw the long sequences only
     given = [f for f in fitters if moments is not None and _feed_from(moments, f)]
     captured = _fit_independent(model, [f for f in fitters if f not in given], token_ids, config)
     done = {r.span: r for r in captured}
