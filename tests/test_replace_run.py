@@ -44,12 +44,22 @@ def test_linear_replacement_cli_round_trip(tiny_folder, tmp_path, capsys):
     assert covered == report["dropped"]
     for record in report["replacements"]:
         assert record["method"] == "linear" and record["params"] == 32 * 32 + 32 and record["fit_seconds"] >= 0
+        assert "fit_short" not in record
     assert sorted(i for group in report["layout"] for i in group) == [0, 1, 2, 3]
     # the same run in memory gives the logits prune.load reproduces
     config = PruneConfig(load=LoadConfig(str(tiny_folder)), data={"samples": 8, "seq_len": 32}, drop=2,
                          protect="0", replace="linear")
     result = run_prune(in_memory(config))
     assert_loads_with_the_same_logits(out, result.loaded.model)
+
+
+def test_fit_short_is_recorded(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "slim-short"
+    code, _, err = run(capsys, *small(tiny_folder), "--drop", "2", "--replace", "linear", "--fit-short", "8",
+                       "--out", out)
+    assert code == 0, err
+    report = json.loads((out / "layercut.json").read_text())
+    assert [r["fit_short"] for r in report["replacements"]] == [8] * len(report["replacements"])
 
 
 def test_fold_cli_writes_a_vanilla_checkpoint(tiny_folder, tmp_path, capsys):
@@ -83,6 +93,7 @@ def test_default_out_names_the_replacement(tiny_folder):
         (["--replace", "linear"], "--replace needs blocks to remove: pass --drop"),
         (["--drop", "1", "--distill-steps", "-1"], "--distill-steps (distill.steps) must be an integer >= 0"),
         (["--drop", "1", "--replace", "linear", "--replace-steps", "3"], "--replace-steps applies to --replace"),
+        (["--drop", "1", "--replace", "linear", "--fit-short", "1"], "--fit-short takes a sequence length of at least"),
         (["--drop", "1", "--replace", "fold", "--protect", "none", "--select", "span", "--score", "bi", "--drop",
           "3"], "span starting at block 0"),
     ],

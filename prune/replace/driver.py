@@ -181,7 +181,7 @@ def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.
         spec.check_spans(model, spans)
     fitters = [spec.fitter(model, original, span, config) for span in spans]
     if config.fit == "sequential":
-        return _fit_sequential(model, fitters, token_ids, config)
+        return _noted(_fit_sequential(model, fitters, token_ids, config), token_ids, config)
     if short_cut(token_ids, config):
         moments = None  # the scoring pass saw the long sequences only
     given = [f for f in fitters if moments is not None and _feed_from(moments, f)]
@@ -192,7 +192,15 @@ def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.
         done[fitter.span] = fitter.finish()
         done[fitter.span].record["fit_seconds"] = round(time.perf_counter() - begun, 2)
     logger.info("%d of %d span(s) fitted from the scoring pass's statistics", len(given), len(fitters))
-    return [done[span] for span in spans]
+    return _noted([done[span] for span in spans], token_ids, config)
+
+
+def _noted(replacements: list[Replacement], token_ids: torch.Tensor, config: ReplaceConfig) -> list[Replacement]:
+    """Each record says whether the short cut fed the fit (``layercut.json`` carries it)."""
+    if short_cut(token_ids, config):
+        for replacement in replacements:
+            replacement.record["fit_short"] = config.short
+    return replacements
 
 
 def _feed_from(moments: StateMoments, fitter: SpanFitter) -> bool:
