@@ -191,9 +191,19 @@ def block_budget(model) -> tuple[int, float]:
     return parameter_count(model), sum(parameter_count(b) for b in blocks) / len(blocks)
 
 
+RUN_KEYS = ("load", "data", "drop", "target_params", "target_speedup", "out", "overwrite")
+
+
 def recipe_digest(path: Path) -> str:
-    """Changes when the recipe does: a finished cell of an edited recipe is run again."""
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    """Changes when the method does: a finished cell is run again after its recipe changed.
+
+    The resolved method configuration is hashed with the file, so a changed default that the recipe
+    leaves unset (``replace.short`` of ``linear``, say) reruns the cell too.
+    """
+    resolved = dataclasses.asdict(config_from_recipe(path, {"drop": 1, "load": {"model": "digest"}}))
+    method = {key: value for key, value in resolved.items() if key not in RUN_KEYS}
+    text = json.dumps(method, sort_keys=True, default=str).encode()
+    return hashlib.sha256(path.read_bytes() + text).hexdigest()[:16]
 
 
 def _write_atomic(path: Path, write) -> None:

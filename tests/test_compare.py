@@ -13,7 +13,7 @@ from eval.compare import main
 from prune.data import DataConfig, calibration_data
 from prune.errors import EXIT_BAD_INPUT
 from prune.heldout import packed_perplexity
-from prune.recipes import method_recipes
+from prune.recipes import METHODS_DIR, method_recipes
 from prune.surgery import drop_blocks_
 
 
@@ -336,3 +336,13 @@ def test_row_by_row_scores_make_a_small_shared_gap_a_win():
     for row in cells.values():
         del row["task_rows"]
     assert compare_module.analyse(results)["vs_best_tasks"]["b@4"] == "tie"
+
+
+def test_a_changed_default_reruns_the_cells_of_the_methods_it_changes(monkeypatch):
+    from prune.replace.linear import LinearOptions
+
+    linear, shortgpt = METHODS_DIR / "layercut-linear.yaml", METHODS_DIR / "shortgpt.yaml"
+    before = compare_module.recipe_digest(linear), compare_module.recipe_digest(shortgpt)
+    monkeypatch.setattr(LinearOptions, "default_short", 0)  # the recipe leaves replace.short unset
+    after = compare_module.recipe_digest(linear), compare_module.recipe_digest(shortgpt)
+    assert after[0] != before[0] and after[1] == before[1]

@@ -136,6 +136,9 @@ def test_fit_short_adds_the_calibration_cut_into_short_sequences():
     torch.testing.assert_close(same.proj.weight, long.proj.weight)
     with pytest.raises(LayercutError, match="--fit-short takes a sequence length of at least 2"):
         quick("linear", short=1)
+    # linear is fitted on 64-token sequences too unless told otherwise; the other methods are not
+    assert quick("linear").short == 64 and quick("linear", short=0).short == 0
+    assert quick("lowrank").short == 0 and quick("block").short == 0 and quick("none").short == 0
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))

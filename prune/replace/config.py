@@ -23,7 +23,8 @@ class ReplaceConfig:
         steps: Adam steps for ``lowrank`` (after its closed-form start) and ``block``; 0 skips training;
             None = the method's default.
         lr: Adam learning rate for those steps; None = the method's default.
-        short: also fit on the calibration tokens cut into sequences of this many tokens (0: off). Task
+        short: also fit on the calibration tokens cut into sequences of this many tokens (0: off; None:
+            the method's default, 64 for ``linear``, else 0). Task
             prompts are short: their states are those of early positions, which long calibration
             sequences hold few of (on SmolLM2 a least-squares map fitted on 512-token sequences had a
             higher KL at the logits than removal on ARC prompts; fitted on both cuts, a lower one).
@@ -39,7 +40,7 @@ class ReplaceConfig:
     ridge: float = 0.0
     steps: int | None = None
     lr: float | None = None
-    short: int = 0
+    short: int | None = None
     batch_size: int = 4
     cache_bytes: int = DEFAULT_CACHE_BYTES
     seed: int = 0
@@ -55,6 +56,8 @@ class ReplaceConfig:
         options = spec.options(self.method, rank=self.rank, ridge=self.ridge, steps=self.steps, lr=self.lr)
         for name, value in options.values().items():
             setattr(self, name, value)
+        if self.short is None:
+            self.short = spec.options.default_short
         if not isinstance(self.short, int) or self.short < 0 or self.short == 1:
             raise LayercutError(f"--fit-short takes a sequence length of at least 2 (0: off), got {self.short}")
         if self.batch_size <= 0:

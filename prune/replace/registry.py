@@ -32,7 +32,7 @@ class MethodOptions:
 
     Subclasses set the class variables: ``accepts`` (the options the method reads; any other one must
     stay unset), ``default_steps`` and ``default_lr`` (filled in when ``steps`` / ``lr`` are accepted
-    and not given).
+    and not given), ``default_short`` (the ``--fit-short`` length when none is given; 0: off).
 
     Attributes:
         method: the method's name (for the messages).
@@ -49,6 +49,7 @@ class MethodOptions:
     lr: float | None = None
 
     accepts: ClassVar[tuple[str, ...]] = ()
+    default_short: ClassVar[int] = 0
     default_steps: ClassVar[int] = 0
     default_lr: ClassVar[float] = 1e-3
 
