@@ -24,10 +24,10 @@ class ReplaceConfig:
             None = the method's default.
         lr: Adam learning rate for those steps; None = the method's default.
         short: also fit on the calibration tokens cut into sequences of this many tokens (0: off; None:
-            the method's default, 64 for ``linear``, else 0). Task
-            prompts are short: their states are those of early positions, which long calibration
-            sequences hold few of (on SmolLM2 a least-squares map fitted on 512-token sequences had a
-            higher KL at the logits than removal on ARC prompts; fitted on both cuts, a lower one).
+            the method's default, 64 for ``linear``, else 0). Task prompts are short: their states are
+            those of early positions, which long calibration sequences hold few of (on SmolLM2 a
+            least-squares map fitted on 512-token sequences had a higher KL at the logits than removal
+            on ARC prompts; fitted on both cuts, a lower one).
         batch_size: sequences per forward pass while capturing.
         cache_bytes: most bytes of captured activations kept for the Adam steps.
         seed: seeds the Adam batch order.
