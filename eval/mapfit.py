@@ -48,6 +48,7 @@ from prune.export import atomic_directory, check_output_dir, write_json
 from prune.linear_fit import LinearFit, fit_linear_map
 from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
 from prune.replace.capture import PairAccumulator
+from prune.replace.driver import short_windows
 
 MASSIVE = 10.0  # a token is "massive" when its input norm exceeds this many times the median
 EARLY = 32  # predictions from positions below this are "early": most of a short prompt's, few of a long text's
@@ -301,8 +302,7 @@ def run(args: argparse.Namespace) -> dict:
     massive_norm = MASSIVE * float(cal.x.norm(dim=1).median())
     short = None
     if args.short:
-        ids = data.token_ids.reshape(-1)
-        windows = [ids[i : i + args.short] for i in range(0, ids.numel() - args.short + 1, args.short)]
+        windows = list(short_windows(data.token_ids, args.short))  # the cut --fit-short feeds the fit
         short = (args.short, capture(model, windows, span, max(args.batch_size, args.batch_size * args.seq_len
                                                                 // args.short)))
     fits = fit_variants(cal, skips, shrinks, short)

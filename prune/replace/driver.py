@@ -89,15 +89,20 @@ def _batches(token_ids: torch.Tensor, config: ReplaceConfig, desc: str):
     """[batch, seq] calibration batches; with ``config.short``, then the same tokens cut short."""
     cuts = [(token_ids, config.batch_size)]
     if short_cut(token_ids, config):
-        tokens = token_ids.shape[1] // config.short * config.short  # whole short sequences from each long one
-        recut = token_ids[:, :tokens].reshape(-1, config.short)
-        cuts.append((recut, config.batch_size * (token_ids.shape[1] // config.short)))  # as many tokens a batch
+        per_sequence = token_ids.shape[1] // config.short
+        cuts.append((short_windows(token_ids, config.short), config.batch_size * per_sequence))  # as many tokens
     total = sum(-(-ids.shape[0] // size) for ids, size in cuts)
     with tqdm(total=total, desc=desc, unit="batch", disable=not config.progress) as bar:
         for ids, size in cuts:
             for start in range(0, ids.shape[0], size):
                 yield ids[start : start + size]
                 bar.update()
+
+
+def short_windows(token_ids: torch.Tensor, short: int) -> torch.Tensor:
+    """[samples, seq] tokens as [n, short]: whole short sequences from each long one, none straddling two."""
+    tokens = token_ids.shape[1] // short * short
+    return token_ids[:, :tokens].reshape(-1, short)
 
 
 def short_cut(token_ids: torch.Tensor, config: ReplaceConfig) -> bool:
