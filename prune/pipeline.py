@@ -42,13 +42,17 @@ from prune.selection import (
 from prune.stats import StateMoments, stream_moments
 from prune.steps import SurgeryStep, build_step
 from prune.sublayers import (
+    MEASURE_SEQUENCES,
+    UNIT_SELECTIONS,
     Unit,
     candidate_units,
     check_unit_count,
     check_units_supported,
     contribution_path,
     is_sublayer,
+    measured_costs,
     parse_units,
+    rank_measured,
     rank_units,
     remove_units_,
     unit_parameters,
@@ -76,9 +80,11 @@ class PruneConfig:
         target_speedup: remove the fewest blocks whose ideal decode speed-up ``L / (L - K)`` reaches this
             (1.25); in place of ``drop``.
         unit: what is removed: "block" (default), or sub-layers "attention", "mlp" or "attention,mlp"
-            (``prune.sublayers``; ``drop`` then counts sub-layers, ranked by ``score`` with ``select`` topk).
+            (``prune.sublayers``; ``drop`` then counts sub-layers, ranked by ``score`` with ``select`` topk,
+            or by the measured cost of skipping each with ``select`` measured).
         score: criterion used to rank blocks (all registered scores are reported).
-        select: topk | span | greedy.
+        select: a registered selection (``prune.selection.SELECTIONS``): topk, span, greedy, greedy-ppl,
+            measured, last.
         protect: blocks never removed ("0,-1" = first and last; "none").
         batch_size: sequences per forward pass while streaming statistics and fitting.
         replace: what takes the removed blocks' place (:class:`prune.replace.ReplaceConfig`); a method
@@ -138,7 +144,8 @@ class PruneConfig:
         if is_sublayer(units) and not self.removes:
             raise LayercutError(f"--unit {self.unit} needs an amount: pass --drop N (sub-layers) or --target-params")
         if is_sublayer(units):
-            for flag, bad, fix in (("--select", self.select != "topk", "ranks sub-layers with --select topk"),
+            for flag, bad, fix in (("--select", self.select not in UNIT_SELECTIONS,
+                                    "ranks sub-layers with --select topk (a score) or measured"),
                                    ("--replace", self.replace.method != "none", "removes them (--replace none)"),
                                    ("--target-speedup", self.target_speedup is not None,
                                     "meets --target-params or --drop (a speed-up counts whole blocks)"),
@@ -392,7 +399,12 @@ def _prune_units(loaded: LoadedModel, config: PruneConfig, started: float, befor
                                  cosine_pairs="adjacent", mlp_contribution=contribution_path(model))
         memo["sublayer-moments"] = moments, block_scores(moments, list(SCORES))  # value u rates Unit.at(u)
     moments, scores = memo["sublayer-moments"]
-    ranked = rank_units(scores[config.score], get_score(config.score).removability, candidates)
+    if config.select == "measured":
+        costs = measured_costs(model, calibration.token_ids, candidates, config.batch_size,
+                               memo.setdefault("sublayer-removal-ppl", {}))
+        ranked = rank_measured(costs, {u: unit_parameters(model, u) for u in candidates}, candidates)
+    else:
+        ranked = rank_units(scores[config.score], get_score(config.score).removability, candidates)
     if total is not None:  # ranked order: the K most removable units are positions 0..K-1
         sizes = [unit_parameters(model, unit) for unit in ranked]
         count = blocks_for_params(total, params_before, sizes, lambda k: list(range(k)), len(ranked),
@@ -407,6 +419,10 @@ def _prune_units(loaded: LoadedModel, config: PruneConfig, started: float, befor
     labels = [Unit.at(u).label() for u in range(2 * before)]
     report.update({"unit": list(kinds), "sublayers": removal,
                    "sublayer_scores": {"units": labels, **scores}})
+    if config.select == "measured":
+        report["sublayer_measured"] = {"sequences": min(MEASURE_SEQUENCES, calibration.token_ids.shape[0]),
+                                       "perplexity": dict(costs),
+                                       "ranked": [u.label() for u in ranked]}
     if budget is not None:
         report["budget"] = {**budget, "params_before": params_before, "params_after": parameter_count(model)}
     if original is not None:

@@ -68,14 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--unit", default="block",
                        help="what goes: block (default), or a block's attention or MLP sub-layer alone: attention, "
                        "mlp, or attention,mlp (then --drop counts sub-layers, ranked by --score with --select "
-                       "topk; a block losing both goes whole; the export loads with prune.load or "
+                       "topk or by the measured cost of skipping each with --select measured; a block losing both goes "
+                       "whole; the export loads with prune.load or "
                        "trust_remote_code)")
     group.add_argument("--score", default="linearity", choices=list(SCORES),
                        help="ranking criterion (default: linearity)")
     group.add_argument("--select", default="topk", choices=list(SELECTIONS),
                        help="topk: the K most removable blocks; span: best contiguous K; greedy: drop one, "
                        "re-score, repeat; greedy-ppl: drop the block whose removal costs the least calibration "
-                       "perplexity, repeat (SLEB); last: the deepest blocks (default: topk)")
+                       "perplexity, repeat (SLEB); measured: the K whose removal alone costs the least calibration "
+                       "perplexity (one pass each); last: the deepest blocks (default: topk)")
     group.add_argument("--oracle", action="store_true",
                        help="also measure the calibration perplexity with each block alone removed (one pass per "
                        "block) and each score's Spearman correlation with it, into scores.md")
@@ -189,7 +191,9 @@ def print_units_summary(result) -> None:
         b = report["budget"]
         print(f"\n--target-params {b['target_params']:,}: {b['drop']} sub-layers; parameters {b['params_before']:,} "
               f"-> {b['params_after']:,}")
-    print(f"\nremoved {len(removal['units'])} sub-layer(s) by {report['score']} over {report['data']['tokens']} "
+    by = (f"measured cost per parameter ({report['sublayer_measured']['sequences']} sequences)"
+          if "sublayer_measured" in report else report["score"])
+    print(f"\nremoved {len(removal['units'])} sub-layer(s) by {by} over {report['data']['tokens']} "
           f"tokens: {', '.join(removal['units'])}; blocks removed whole: {removal['blocks_removed_whole'] or 'none'}; "
           f"{report['num_blocks_before']} blocks -> {report['num_blocks_after']} in {report['seconds']:.1f}s")
     if "heldout" in report:

@@ -1,7 +1,8 @@
 """Which blocks go: the K most removable, the best contiguous span, greedy re-scoring, or measured perplexity.
 
 ``topk``, ``span`` and ``greedy`` rank by a score; ``greedy-ppl`` (SLEB) measures the calibration
-perplexity of every candidate removal; ``last`` takes the deepest blocks (reverse-order pruning).
+perplexity of every candidate removal; ``measured`` ranks once by what removing each block alone
+costs (SLEB's first step); ``last`` takes the deepest blocks (reverse-order pruning).
 
 Selections are registered by name. By default the first and the last block are protected: the first
 turns token embeddings into the working representation and the last prepares the state for the
@@ -205,6 +206,22 @@ def _greedy_ppl(inputs: SelectionInput) -> list[int]:
                     perplexities[best])
     bar.close()
     return chosen
+
+
+@register_selection("measured")
+def _measured(inputs: SelectionInput) -> list[int]:
+    """The ``count`` blocks whose removal alone leaves the lowest calibration perplexity.
+
+    One pass per candidate block (N, against greedy-ppl's K x N); the score is unused. Interactions
+    between removals are not measured: that is what greedy-ppl pays its extra passes for.
+    """
+    if inputs.model is None or inputs.token_ids is None:
+        raise ValueError("measured selection needs the model and calibration tokens")
+    cache = removal_cache(inputs.memo)  # the oracle's and greedy-ppl's first step measure the same sets
+    candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
+    perplexities = {b: removal_perplexity(inputs.model, inputs.token_ids, [b], inputs.batch_size, cache)
+                    for b in tqdm(candidates, desc="measured: remove each block", unit="block")}
+    return sorted(candidates, key=lambda b: perplexities[b])[: inputs.count]
 
 
 @register_selection("last")

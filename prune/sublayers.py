@@ -30,21 +30,26 @@ line) and that decoding through the KV cache still gives the full pass's states.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from prune.adapters import arch_spec, get_blocks, input_device, is_dense, num_blocks, text_config
 from prune.capture import block_input, block_output
 from prune.errors import LayercutError
+from prune.heldout import packed_perplexity
 from prune.hf_remote_code import SUBLAYERS_KEY, remove_sublayers, sublayer_records
 from prune.replace.modules import parameter_count
 from prune.surgery import drop_blocks_
 
 UNITS = ("block", "attention", "mlp")
 KINDS = ("attention", "mlp")
+# topk ranks sub-layers by a score from the streamed pass; measured skips each one and measures
+UNIT_SELECTIONS = ("topk", "measured")
 
 
 def parse_units(value: str | Sequence[str] | None) -> tuple[str, ...]:
@@ -178,6 +183,64 @@ def rank_units(values: Sequence[float], removability, candidates: Sequence[Unit]
     """Candidates, most removable first, by a score's values over every sub-layer."""
     ranked = removability(list(values))
     return sorted(candidates, key=lambda u: -ranked[u.index])
+
+
+# ``--select measured`` reads this many calibration sequences per sub-layer: a model has twice as
+# many sub-layers as blocks, and a full calibration pass for each would cost twice the whole of
+# SLEB's first step.
+MEASURE_SEQUENCES = 8
+
+
+def _zero_output(_module, _args, output):
+    if isinstance(output, (tuple, list)):
+        return (torch.zeros_like(output[0]), *output[1:])
+    return torch.zeros_like(output)
+
+
+@contextmanager
+def units_skipped(model: nn.Module, units: Sequence[Unit]) -> Iterator[None]:
+    """The sub-layers ``units`` add nothing inside the block (their output is zeroed) until exit.
+
+    The same function as their removal (``remove_units_``) without any surgery: a zero output adds
+    nothing to the residual, and a norm on a sub-layer's output maps zero to zero.
+    """
+    _, blocks = get_blocks(model)
+    handles = [blocks[u.block].get_submodule(sublayer_path(model, u.kind)).register_forward_hook(_zero_output)
+               for u in units]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def measured_costs(model: nn.Module, token_ids: torch.Tensor, candidates: Sequence[Unit], batch_size: int = 4,
+                   cache: dict | None = None) -> dict[str, float]:
+    """Calibration perplexity of the whole model (``"dense"``) and with each candidate alone skipped.
+
+    Reads the first :data:`MEASURE_SEQUENCES` sequences of ``token_ids``; ``cache`` (one model, one
+    calibration) keeps the figures by unit label so later drops measure nothing again.
+    """
+    ids = token_ids[:MEASURE_SEQUENCES]
+    cache = {} if cache is None else cache
+    if "dense" not in cache:
+        cache["dense"] = packed_perplexity(model, ids, batch_size, progress=False)
+    for unit in tqdm([u for u in candidates if u.label() not in cache], desc="measured: skip each sub-layer",
+                     unit="sub-layer"):
+        with units_skipped(model, [unit]):
+            cache[unit.label()] = packed_perplexity(model, ids, batch_size, progress=False)
+    return cache
+
+
+def rank_measured(costs: dict[str, float], sizes: dict[Unit, int], candidates: Sequence[Unit]) -> list[Unit]:
+    """Candidates, cheapest first: calibration log-perplexity added per parameter freed.
+
+    Per parameter because the budget counts parameters, and the units differ in size: in SmolLM2-135M
+    an attention holds a third of an MLP's parameters.
+    """
+    dense = math.log(costs["dense"])
+    return sorted(candidates, key=lambda u: (math.log(costs[u.label()]) - dense) / max(sizes[u], 1))
 
 
 def check_unit_count(count: int, candidates: Sequence[Unit]) -> None:

@@ -144,3 +144,18 @@ def test_the_oracle_fills_the_cache_greedy_ppl_starts_from(monkeypatch):
     chosen = select_blocks("greedy-ppl", SelectionInput(score, StateMoments(5, []), [0.0] * 4, 1, [], model, ids,
                                                         memo=memo))
     assert calls == [] and chosen == [min(range(4), key=lambda b: oracle.removed[b])]
+
+
+def test_measured_takes_the_blocks_whose_removal_alone_costs_least_and_reuses_the_oracle(monkeypatch):
+    from prune.oracle import removal_cache, run_oracle
+
+    model = make_tiny_model("llama", seed=4)
+    ids = torch.randint(3, 320, (4, 16), generator=torch.Generator().manual_seed(2))
+    memo = {}
+    oracle = run_oracle(model, ids, {}, progress=False, cache=removal_cache(memo))
+    calls = _count_passes(monkeypatch)
+    inputs = SelectionInput(get_score("linearity"), StateMoments(5, []), [0.0] * 4, 2, [0], model, ids, memo=memo)
+    chosen = select_blocks("measured", inputs)
+    assert calls == []  # the oracle measured every single removal already
+    assert chosen == sorted(sorted((1, 2, 3), key=lambda b: oracle.removed[b])[:2])
+    assert len(set(oracle.removed[1:])) == 3  # distinct costs: the order is not a tie broken by position

@@ -261,3 +261,53 @@ def test_unit_on_opt_mlp_is_refused_from_the_cli(tmp_path, capsys):
                                  "--seq-len", 32, "--out", tmp_path / "x")
     errors = [line for line in err.replace("\r", "\n").splitlines() if line.startswith("error")]
     assert code == 2 and len(errors) == 1 and "opt blocks have no mlp module" in errors[0], err
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_skipped_units_give_the_removed_model_and_measured_costs_are_its_perplexity(model_type, one_thread):
+    from prune.heldout import packed_perplexity
+    from prune.sublayers import MEASURE_SEQUENCES, measured_costs, units_skipped
+
+    units = [Unit(1, "mlp"), Unit(2, "attention")]
+    model = make_tiny_model(model_type)
+    removed = make_tiny_model(model_type)
+    remove_units_(removed, units, ids(1, 16))
+    with torch.no_grad():
+        dense = model(ids()).logits
+        with units_skipped(model, units):
+            skipped = model(ids()).logits
+        torch.testing.assert_close(skipped, removed(ids()).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids()).logits, dense, rtol=0, atol=0)  # hooks gone on exit
+    calibration = ids(MEASURE_SEQUENCES + 2, 16, seed=5)
+    cache = measured_costs(model, calibration, units)
+    alone = make_tiny_model(model_type)
+    remove_units_(alone, units[1:], ids(1, 16))
+    # the later sequences are not read: the cost is the perplexity of the first ones
+    assert cache[units[1].label()] == pytest.approx(packed_perplexity(alone, calibration[:MEASURE_SEQUENCES],
+                                                                      progress=False), rel=1e-5)
+    assert cache["dense"] == pytest.approx(packed_perplexity(model, calibration[:MEASURE_SEQUENCES],
+                                                             progress=False), rel=1e-6)
+    assert cache[units[0].label()] != cache["dense"]
+
+
+def test_measured_ranking_is_cost_per_parameter():
+    from prune.sublayers import rank_measured
+
+    attention, mlp, helps = Unit(1, "attention"), Unit(1, "mlp"), Unit(2, "attention")
+    costs = {"dense": 10.0, attention.label(): 11.0, mlp.label(): 12.0, helps.label(): 9.5}
+    sizes = {attention: 100, mlp: 300, helps: 100}
+    # log(1.2) / 300 = 6.1e-4 per parameter beats log(1.1) / 100 = 9.5e-4; a removal that lowers it leads
+    assert rank_measured(costs, sizes, [attention, mlp, helps]) == [helps, mlp, attention]
+
+
+def test_cli_measured_removes_the_cheapest_per_parameter(tiny_folder, tmp_path, capsys, one_thread):
+    out = tmp_path / "measured"
+    code, stdout, _ = run_prune_cli(capsys, "--model", tiny_folder, "--unit", "attention,mlp", "--select", "measured",
+                                    "--drop", 2, "--samples", 16, "--seq-len", 32, "--heldout-samples", 0,
+                                    "--out", out)
+    assert code == 0, stdout
+    assert "by measured cost per parameter (8 sequences)" in stdout
+    report = json.loads((out / "layercut.json").read_text())
+    measured = report["sublayer_measured"]
+    assert set(report["sublayers"]["units"]) == set(measured["ranked"][:2])
+    assert len(measured["perplexity"]) == len(measured["ranked"]) + 1  # every candidate and the dense model
