@@ -14,6 +14,7 @@ import shutil
 from distill.checkpoints import default_work_folder
 from distill.config import DistillConfig
 from distill.train import distill
+from prune.data import DEFAULT_DATA
 from prune.loading import LoadedModel
 from prune.steps import StepResult
 
@@ -24,10 +25,10 @@ def step_config(options: dict, prune_config) -> DistillConfig:
     """The :class:`DistillConfig` of a prune run's ``distill`` section.
 
     Without its own ``data``, distillation reads the run's calibration source (``--data``) at its own
-    sequence length and count.
+    sequence length and count; without ``--data`` either, its own default (``distill.config``).
     """
     config = DistillConfig.from_dict(options)
-    if "data" not in options and prune_config.data.data is not None:
+    if "data" not in options and prune_config.data.data not in (None, DEFAULT_DATA):
         data = dataclasses.replace(config.data, data=prune_config.data.data, text_field=prune_config.data.text_field)
         config = dataclasses.replace(config, data=data)
     return config

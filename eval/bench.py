@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from eval.report import speed_markdown, write_speed_report
 from eval.speed import SpeedOptions, benchmark_speed, noise_warnings
+from prune.data import BUILTIN
 from prune.errors import LayercutError, cli_entry
 from prune.options import (
     add_data_arguments,
@@ -104,7 +105,8 @@ register_subcommand("speed", "prefill/decode speed and peak memory against a bas
 def _add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model name or folder (default: smollm2-135m)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    add_data_arguments(parser, samples=None, seq_len=512)
+    add_data_arguments(parser, samples=None, seq_len=512, data=BUILTIN,
+                       data_help="builtin, the novel alone: the text does not change what scoring it costs")
     add_threads_argument(parser)
     parser.add_argument("--tokens", default="8192,32768", help="token counts for the memory rows (default: 8192,32768)")
     parser.add_argument("--time-tokens", type=int, default=8192, help="tokens per timed pass (default: 8192)")

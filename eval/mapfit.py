@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.mapfit", description=__doc__.split("\n")[0])
     add_load_arguments(parser)
     parser.add_argument("--span", required=True, help="the removed blocks, first-last (12-15) or one (12)")
-    parser.add_argument("--data", default=None, help="calibration text, as prune.run's --data (default: built-in)")
+    parser.add_argument("--data", default=None, help="calibration text, as prune.run's --data (default: prune.run's)")
     parser.add_argument("--samples", type=int, default=32, help="calibration sequences (default: 32)")
     parser.add_argument("--heldout-samples", type=int, default=8,
                         help="calibration held-out sequences, measured as a text of their own (default: 8)")

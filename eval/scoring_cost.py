@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from prune.capture import residual_states
 from prune.checkpoint import load
-from prune.data import DataConfig, calibration_data
+from prune.data import BUILTIN, DataConfig, calibration_data
 from prune.memory import peak_rss_bytes
 from prune.options import LoadConfig
 from prune.pipeline import PruneConfig, run_prune
@@ -84,7 +84,9 @@ def _stored_linearity(model, token_ids, batch_size) -> list[float]:
 
 def _tokens(loaded, tokens: int, seq_len: int, data: str | None) -> torch.Tensor:
     samples = max(1, tokens // seq_len)
-    return calibration_data(loaded.tokenizer, DataConfig(data=data, samples=samples, seq_len=seq_len)).token_ids
+    # which text is scored does not change what scoring it costs; sampling it would only lengthen the run
+    config = DataConfig(data=data or BUILTIN, samples=samples, seq_len=seq_len)
+    return calibration_data(loaded.tokenizer, config, model=loaded.model).token_ids
 
 
 def _memory_worker(model_name, device, method, tokens, seq_len, batch_size, data, queue) -> None:

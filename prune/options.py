@@ -113,14 +113,20 @@ def load_config_from_args(args: argparse.Namespace, prefix: str = "", model: str
 
 def add_data_arguments(parser: argparse.ArgumentParser, *, samples: int | None = 64, seq_len: int = 512,
                        title: str = "calibration data", what: str = "sequence",
-                       heldout_samples: int | None = None) -> None:
-    """Calibration flags: ``--data --text-field --samples`` (unless None) ``--seq-len --seed [--heldout-samples]``."""
+                       heldout_samples: int | None = None, data: str | None = None,
+                       data_help: str = "builtin@0.5,self@0.5, chosen on texts no reported figure uses; see the "
+                       "README") -> None:
+    """Calibration flags: ``--data --text-field --samples`` (unless None) ``--seq-len --seed [--heldout-samples]``.
+
+    ``data`` / ``data_help``: the default of ``--data`` (None: :data:`prune.data.DEFAULT_DATA`) and how
+    ``--help`` names it.
+    """
     group = parser.add_argument_group(title)
-    group.add_argument("--data", default=None,
+    group.add_argument("--data", default=data,
                        help=".txt/.jsonl/.parquet file, datasets spec name[:config[:split]], self (text sampled "
                        "from the model; self:temperature=1.0:top_p=0.95), or a weighted mixture of these: "
                        "'emma.txt@0.5,wikitext:wikitext-2-raw-v1:train@0.3,self@0.2' (no weights: equal shares; "
-                       "builtin names the default corpus) (default: the built-in Austen corpus)")
+                       f"builtin names the built-in Austen novel) (default: {data_help})")
     group.add_argument("--text-field", default="text",
                        help="text column of jsonl/parquet/datasets rows (default: text)")
     if samples is not None:

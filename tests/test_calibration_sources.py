@@ -186,3 +186,25 @@ def test_prune_run_self_calibration(tiny_folder, tmp_path, capsys, one_thread):
     assert code == 0, err
     data = json.loads((tmp_path / "s" / "layercut.json").read_text())["data"]
     assert data["source"].startswith("self(") and data["tokens"] == 8 * 32
+
+
+def test_the_default_calibration_is_half_the_novel_half_the_models_own_text():
+    from prune.data import DEFAULT_DATA, SELF, _source_seed
+
+    config = DataConfig(samples=6, seq_len=32, heldout_samples=2)
+    assert config.data == DEFAULT_DATA  # spelled out: reports and resumed comparisons name it
+    assert [(s.spec, s.weight) for s in config.sources] == [(None, 0.5), (SELF, 0.5)]
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    data = calibration_data(tok, config, model=model)
+    assert [(p["samples"], p["heldout"]) for p in data.mixture] == [(3, 1), (3, 1)]
+    # the second half is the model's own text: the 3 + 1 sequences it samples with the source's seed
+    sampled = sample_sequences(model, tok, 4, 32, seed=_source_seed(0, 1, mixed=True))
+    rows = {tuple(r.tolist()) for r in data.token_ids}
+    assert {tuple(r.tolist()) for r in sampled[:3]} <= rows and len(rows) == 6
+    assert torch.equal(data.heldout_by_source[data.mixture[1]["source"]], sampled[3:])
+    with pytest.raises(LayercutError, match=r"default calibration \(builtin@0.5,self@0.5\) samples half its text "
+                                            r"from the model.*pass --data builtin"):
+        calibration_data(tok, config)
+    with pytest.raises(LayercutError, match=r"--samples 1: the default calibration .* raise --samples to at least 2 "
+                                            r"or pass --data builtin"):
+        DataConfig(samples=1)

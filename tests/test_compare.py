@@ -62,8 +62,9 @@ def test_compare_cells_leaderboard_plots_and_resume(tiny_folder, tmp_path, capsy
     assert cells["shortgpt@1"]["params"] < cells["layercut-linear@1"]["params"] < dense["params"]
     # the held-out perplexity of a cell is the perplexity of that model on the held-out sequences
     data = DataConfig(samples=8, seq_len=32)
-    heldout = calibration_data(make_tiny_tokenizer(), data).heldout_ids
     model = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
+    # the default calibration samples half its sequences from the model: same model and seed, same text
+    heldout = calibration_data(make_tiny_tokenizer(), data, model=model).heldout_ids
     assert dense["heldout_ppl"] == pytest.approx(packed_perplexity(model, heldout, progress=False), rel=1e-5)
     drop_blocks_(model, cells["shortgpt@2"]["dropped"])
     assert cells["shortgpt@2"]["heldout_ppl"] == pytest.approx(packed_perplexity(model, heldout, progress=False),

@@ -15,9 +15,9 @@ def test_builtin_corpus_is_real_english_text():
 
 def test_same_seed_same_tokens_other_seed_other_tokens():
     tok = make_tiny_tokenizer()
-    a = calibration_data(tok, DataConfig(samples=6, seq_len=64, seed=3)).token_ids
-    b = calibration_data(tok, DataConfig(samples=6, seq_len=64, seed=3)).token_ids
-    c = calibration_data(tok, DataConfig(samples=6, seq_len=64, seed=4)).token_ids
+    a = calibration_data(tok, DataConfig("builtin", samples=6, seq_len=64, seed=3)).token_ids
+    b = calibration_data(tok, DataConfig("builtin", samples=6, seq_len=64, seed=3)).token_ids
+    c = calibration_data(tok, DataConfig("builtin", samples=6, seq_len=64, seed=4)).token_ids
     assert a.shape == (6, 64) and a.dtype == torch.long
     assert torch.equal(a, b)
     assert not torch.equal(a, c)

@@ -122,7 +122,7 @@ def test_linearity_equals_least_squares_on_real_smollm2_states():
     from prune.loading import load_model
 
     loaded = load_model("smollm2-135m")
-    ids = calibration_data(loaded.tokenizer, DataConfig(samples=5, seq_len=512)).token_ids  # 2560 > 4 x 576
+    ids = calibration_data(loaded.tokenizer, DataConfig("builtin", samples=5, seq_len=512)).token_ids  # 2560 > 4 x 576
     moments = stream_moments(loaded.model, ids, batch_size=5, progress=False)
     scores = block_scores(moments, ["linearity", "linearity-nores"])
     states = stacked_states(loaded.model, ids, batch_size=5)

@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``eval.lens`` argument parser."""
     parser = argparse.ArgumentParser(prog="python -m eval.lens", description=__doc__.split("\n")[0])
     add_load_arguments(parser)
-    add_data_arguments(parser, samples=None, seq_len=512, title="fit data", what="window")
+    add_data_arguments(parser, samples=None, seq_len=512, title="fit data", what="window",
+                       data_help="the built-in Austen novel")
     group = parser.add_argument_group("held-out data and batching")
     group.add_argument("--eval-data", default=None, help="held-out text (default: the last 20%% of --data's windows)")
     group.add_argument("--tokens", type=int, default=16384, help="fit tokens, >= 4 x hidden size (default: 16384)")
