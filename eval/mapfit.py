@@ -41,7 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from prune.adapters import get_blocks, input_device, num_blocks
-from prune.capture import block_input, residual_states
+from prune.capture import block_input, hooks_held, residual_states
 from prune.data import DataConfig, calibration_data, load_documents
 from prune.errors import LayercutError, cli_entry
 from prune.export import atomic_directory, check_output_dir, write_json
@@ -125,13 +125,9 @@ def span_replaced(model, span: tuple[int, int], fit: LinearFit | None) -> Iterat
         new = x if fit is None else fit(x.double()).to(x.dtype)
         return (new, *output[1:]) if isinstance(output, (tuple, list)) else new
 
-    handles = [blocks[span[0]].register_forward_pre_hook(keep, with_kwargs=True),
-               blocks[span[1]].register_forward_hook(replace)]
-    try:
+    with hooks_held([blocks[span[0]].register_forward_pre_hook(keep, with_kwargs=True),
+                     blocks[span[1]].register_forward_hook(replace)]):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @torch.no_grad()

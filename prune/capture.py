@@ -28,6 +28,16 @@ def block_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 @contextmanager
+def hooks_held(handles: list) -> Iterator[None]:
+    """The hooks behind ``handles`` stay registered inside the ``with`` and go on exit, even on error."""
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
 def residual_states(model: nn.Module, callback: StateCallback, contribution: str | None = None) -> Iterator[None]:
     """Call ``callback(i, h)`` for every residual state ``h`` [batch, seq, hidden] during forward passes.
 

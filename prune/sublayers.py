@@ -39,7 +39,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from prune.adapters import arch_spec, get_blocks, input_device, is_dense, num_blocks, text_config
-from prune.capture import block_input, block_output
+from prune.capture import block_input, block_output, hooks_held
 from prune.errors import LayercutError
 from prune.heldout import packed_perplexity
 from prune.hf_remote_code import SUBLAYERS_KEY, remove_sublayers, sublayer_records
@@ -205,13 +205,9 @@ def units_skipped(model: nn.Module, units: Sequence[Unit]) -> Iterator[None]:
     nothing to the residual, and a norm on a sub-layer's output maps zero to zero.
     """
     _, blocks = get_blocks(model)
-    handles = [blocks[u.block].get_submodule(sublayer_path(model, u.kind)).register_forward_hook(_zero_output)
-               for u in units]
-    try:
+    with hooks_held([blocks[u.block].get_submodule(sublayer_path(model, u.kind)).register_forward_hook(_zero_output)
+                     for u in units]):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @torch.no_grad()
@@ -253,11 +249,8 @@ def check_unit_count(count: int, candidates: Sequence[Unit]) -> None:
 @torch.no_grad()
 def _probe(model: nn.Module, probe_ids: torch.Tensor, handles: list) -> None:
     """One forward pass over ``probe_ids`` with hooks whose ``handles`` are removed after, even on error."""
-    try:
+    with hooks_held(handles):
         model.base_model(input_ids=probe_ids.to(input_device(model)), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _arities(model: nn.Module, units: Sequence[Unit], probe_ids: torch.Tensor) -> dict[Unit, int]:
