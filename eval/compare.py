@@ -33,8 +33,11 @@ perplexity with each block alone removed) and every score's Spearman correlation
 
 Writes to ``--out``: ``results.json`` (after every cell: rerunning skips finished cells, so a crash or
 Ctrl-C loses at most one), ``README.md`` (a leaderboard per drop, dense row on top, best first),
-``perplexity_vs_blocks.png``, ``chosen_blocks.png``, ``oracle.md`` with ``--oracle``, and each cell's
-reports under ``cells/<method>-drop<K>/`` (weights too with ``--keep-checkpoints``).
+``perplexity_vs_blocks.png``, ``chosen_blocks.png``, ``oracle.md`` with ``--oracle``, ``measurements.json``
+(every calibration perplexity measured with blocks or sub-layers removed, for SLEB, the oracle and the
+measured sub-layer ranking, written as each is taken and read back by a resumed run on the same model
+and calibration: ``eval.measurements``), and each cell's reports under ``cells/<method>-drop<K>/``
+(weights too with ``--keep-checkpoints``).
 """
 
 from __future__ import annotations
@@ -46,7 +49,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ import torch
 from tqdm.auto import tqdm
 
 from eval.lmeval import primary_metric, run_lm_eval
+from eval.measurements import MeasurementStore, calibration_digest
 from eval.perplexity import perplexity, tokenize_text
 from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, count_parameters, make_prompt, time_decode
 from prune import hf_remote_code
@@ -63,6 +66,7 @@ from prune.adapters import get_blocks, num_blocks
 from prune.checkpoint import REPLACEMENTS_FILE
 from prune.data import FILE_SUFFIXES, load_documents
 from prune.errors import LayercutError, cli_entry
+from prune.export import write_file_atomic
 from prune.heldout import packed_perplexity
 from prune.options import (
     add_data_arguments,
@@ -206,18 +210,9 @@ def recipe_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes() + text).hexdigest()[:16]
 
 
-def _write_atomic(path: Path, write) -> None:
-    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
-    try:
-        write(staging)
-        os.replace(staging, path)
-    finally:
-        staging.unlink(missing_ok=True)
-
-
 def write_text(path: Path, text: str) -> None:
     """Write ``text`` so a reader never sees half a file."""
-    _write_atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
+    write_file_atomic(path, lambda p: p.write_text(text, encoding="utf-8"))
 
 
 def setup_of(args: argparse.Namespace) -> dict:
@@ -680,7 +675,7 @@ def plot_perplexity(results: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    _write_atomic(path, fig.savefig)
+    write_file_atomic(path, fig.savefig)
     plt.close(fig)
 
 
@@ -706,7 +701,7 @@ def plot_blocks(results: dict, path: Path, blocks: int) -> None:
     ax.set_xlabel("block (black: removed; grey: its attention or MLP alone)")
     ax.set_title("blocks each method removed")
     fig.tight_layout()
-    _write_atomic(path, fig.savefig)
+    write_file_atomic(path, fig.savefig)
     plt.close(fig)
 
 
@@ -751,6 +746,12 @@ def compare(args: argparse.Namespace) -> dict:
     scored = score_calibration(loaded, base, cosine_pairs="all")  # serves every score and selection
     results["timing"]["score_seconds"] = round(time.perf_counter() - started, 2)
     results["calibration"] = scored.calibration.describe()
+    # SLEB's passes, the oracle's and the sub-layer costs outlive this process: a resumed run measures no set twice
+    store = MeasurementStore(out, calibration_digest(args.model, scored.calibration.token_ids,
+                                                     {"load": setup_of(args)["load"], "batch_size": args.batch_size}))
+    reused = store.attach(scored.memo)
+    if reused:
+        logger.info("%d removal measurements read back from %s", reused, store.path)
     heldout = Heldout(args, scored, loaded.tokenizer, domains)
     results["heldout"] = heldout.describe
     if results["dense"] is None:

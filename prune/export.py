@@ -83,6 +83,16 @@ def atomic_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]
             shutil.rmtree(staging)
 
 
+def write_file_atomic(path: Path, write) -> None:
+    """Call ``write(staging)`` on a sibling path, then rename it onto ``path``: a reader never sees half a file."""
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        write(staging)
+        os.replace(staging, path)
+    finally:
+        staging.unlink(missing_ok=True)
+
+
 def library_versions() -> dict[str, str]:
     """Versions of the libraries that shape a checkpoint, for the report."""
     import importlib.metadata as metadata

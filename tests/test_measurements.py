@@ -1,0 +1,64 @@
+"""Removal measurements kept on disk: read back on resume for the same model and calibration only."""
+
+import json
+
+import torch
+
+import prune.oracle as oracle_module
+from eval.compare import main
+from eval.measurements import MEASUREMENTS, MeasurementStore, calibration_digest
+
+
+def test_store_round_trips_both_kinds_and_ignores_another_calibration(tmp_path):
+    ids = torch.arange(64).reshape(4, 16)
+    digest = calibration_digest("m", ids)
+    memo = {"removal-ppl": {(3,): 9.5}}  # measured in this process before the store was attached
+    store = MeasurementStore(tmp_path, digest)
+    assert store.attach(memo) == 0
+    memo["removal-ppl"][(1, 4)] = 12.25  # every new measurement is written at once
+    memo["sublayer-removal-ppl"]["2.attention"] = 7.0
+    saved = json.loads((tmp_path / MEASUREMENTS).read_text())
+    assert saved["removal-ppl"] == {"3": 9.5, "1,4": 12.25} and saved["sublayer-removal-ppl"] == {"2.attention": 7.0}
+
+    again = {}
+    assert MeasurementStore(tmp_path, digest).attach(again) == 3
+    assert again["removal-ppl"] == {(3,): 9.5, (1, 4): 12.25}
+    assert again["sublayer-removal-ppl"] == {"2.attention": 7.0}
+    # one token changed, another model, or another batch size: nothing is reused
+    other = ids.clone()
+    other[2, 5] += 1
+    for digest_other in (calibration_digest("m", other), calibration_digest("n", ids),
+                         calibration_digest("m", ids, {"batch_size": 8}), calibration_digest("m", ids.reshape(8, 8))):
+        assert digest_other != digest
+        fresh = {}
+        assert MeasurementStore(tmp_path, digest_other).attach(fresh) == 0 and fresh["removal-ppl"] == {}
+
+
+def test_a_resumed_sleb_measures_only_the_sets_it_has_not(tiny_folder, tmp_path, capsys, monkeypatch):
+    passes = []
+    real = oracle_module.packed_perplexity
+
+    def counted(model, ids, *args, **kwargs):
+        passes.append(1)
+        return real(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(oracle_module, "packed_perplexity", counted)
+    common = ["--model", tiny_folder, "--samples", "8", "--seq-len", "32", "--speed-tokens", "0", "--threads", "1",
+              "--methods", "sleb"]
+    out = tmp_path / "cmp"
+    assert main([str(a) for a in [*common, "--drop", "1", "--out", out]]) == 0
+    assert len(passes) == 4  # SLEB's first step: each of the tiny model's 4 blocks alone (no block protected)
+    passes.clear()
+    # a later process (the same folder, one drop more): the first step is read back, only the second is measured
+    assert main([str(a) for a in [*common, "--drop", "1,2", "--out", out]]) == 0
+    capsys.readouterr()
+    assert len(passes) == 3
+    saved = json.loads((out / MEASUREMENTS).read_text())
+    assert len(saved["removal-ppl"]) == 7
+    resumed = json.loads((out / "results.json").read_text())["cells"]["sleb@2"]["dropped"]
+    # the same choice as a run that measured everything afresh
+    passes.clear()
+    fresh = tmp_path / "fresh"
+    assert main([str(a) for a in [*common, "--drop", "2", "--out", fresh]]) == 0
+    assert len(passes) == 7
+    assert json.loads((fresh / "results.json").read_text())["cells"]["sleb@2"]["dropped"] == resumed
