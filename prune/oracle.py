@@ -8,16 +8,22 @@ oracle's ranking (+1: the score orders blocks exactly as removing them hurts; 0:
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from prune.adapters import num_blocks
+from prune.adapters import get_blocks, input_device, num_blocks
+from prune.capture import block_input, hooks_held
 from prune.heldout import packed_perplexity
 from prune.scores import get_score
 from prune.surgery import blocks_removed
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,6 +65,108 @@ def removal_perplexity(model: nn.Module, token_ids: torch.Tensor, removed: list[
     return value
 
 
+class _Captured(Exception):
+    """Ends a forward pass once every block input it was run for is kept."""
+
+
+def _block_inputs(model: nn.Module, batch: torch.Tensor) -> list[torch.Tensor]:
+    """The hidden state entering each block on ``batch`` (a copy; on the CPU when the model is on a GPU)."""
+    _, blocks = get_blocks(model)
+    states: list[torch.Tensor] = []
+
+    def keep(_module, args, kwargs):
+        state = block_input(args, kwargs).detach()
+        # a copy: some blocks add into their input in place; off the GPU: 80 states of a 70B model are ~10 GB
+        states.append(state.to("cpu", copy=True) if state.device.type == "cuda" else state.clone())
+        if len(states) == len(blocks):
+            raise _Captured  # the last block's input is all we need: skip it and the LM head
+
+    with hooks_held([block.register_forward_pre_hook(keep, with_kwargs=True) for block in blocks]):
+        try:
+            model(input_ids=batch, use_cache=False)
+        except _Captured:
+            pass
+    return states
+
+
+def _batch_loss(model: nn.Module, batch: torch.Tensor) -> float:
+    return float(model(input_ids=batch, labels=batch, use_cache=False).loss.float())
+
+
+def _loss_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.Tensor) -> float:
+    """The loss of ``model`` on ``batch`` when ``state`` enters block ``start`` (blocks before it skipped)."""
+
+    def enter(_module, args, kwargs):
+        if args:
+            return (state.to(args[0].device), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": state.to(kwargs["hidden_states"].device)}
+
+    with blocks_removed(model, list(range(start))):
+        _, blocks = get_blocks(model)
+        with hooks_held([blocks[0].register_forward_pre_hook(enter, with_kwargs=True)]):
+            return _batch_loss(model, batch)
+
+
+def removal_perplexities(model: nn.Module, token_ids: torch.Tensor, base: Sequence[int], candidates: Sequence[int],
+                         batch_size: int = 4, cache: dict | None = None, bar=None) -> dict[int, float]:
+    """Calibration perplexity with the blocks ``base`` and one of ``candidates`` removed: candidate -> perplexity.
+
+    Every block in front of a candidate computes what it computes with ``base`` alone removed. So each
+    batch runs that model once, keeping the state entering every block, and each candidate's pass starts
+    at the block after it from the state that entered the candidate: transformers' own forward with the
+    blocks in front skipped, so masks and positions are its own. A candidate costs the blocks behind it
+    and the LM head, on average about half a pass. The first such pass is checked against a plain one;
+    where they differ (a block that passes on more than its hidden state), every pass is a plain one.
+
+    ``cache``: see :func:`removal_perplexity`; sets in it are not measured again. ``bar``: a tqdm advanced
+    by one per candidate measured.
+    """
+    base = sorted(set(base))
+    keys = {block: tuple(sorted([*base, block])) for block in candidates}
+    found = {block: cache[keys[block]] for block in candidates if cache is not None and keys[block] in cache}
+    todo = [block for block in candidates if block not in found]
+    if bar is not None:
+        bar.update(len(found))
+    if not todo:
+        return found
+    nll, count, plain, checked = dict.fromkeys(todo, 0.0), 0, False, False
+    batches = range(0, token_ids.shape[0], batch_size)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), blocks_removed(model, base) as kept:
+            position = {block: i for i, block in enumerate(kept)}
+            for start in batches:
+                batch = token_ids[start : start + batch_size].to(input_device(model))  # [batch, seq_len]
+                states = None if plain else _block_inputs(model, batch)
+                for block in todo:
+                    at = position[block]
+                    if plain or at + 1 == len(kept):  # the last kept block: nothing behind it to start from
+                        with blocks_removed(model, [at]):
+                            loss = _batch_loss(model, batch)
+                    else:
+                        loss = _loss_from(model, batch, at + 1, states[at])
+                        if not checked:
+                            checked = True
+                            with blocks_removed(model, [at]):
+                                reference = _batch_loss(model, batch)
+                            if not math.isclose(loss, reference, rel_tol=1e-4, abs_tol=1e-6):
+                                logger.warning("removal passes: starting at a later block gives loss %.6f, the whole "
+                                               "model %.6f; measuring every set with whole passes", loss, reference)
+                                plain, loss = True, reference
+                    nll[block] += loss * batch.shape[0] * (batch.shape[1] - 1)
+                    if bar is not None:
+                        bar.update(1 / len(batches))
+                count += batch.shape[0] * (batch.shape[1] - 1)  # every position but the first is a target
+    finally:
+        model.train(was_training)
+    for block in todo:
+        found[block] = math.exp(nll[block] / count)
+        if cache is not None:
+            cache[keys[block]] = found[block]
+    return {block: found[block] for block in candidates}
+
+
 def removal_cache(memo: dict | None) -> dict | None:
     """The block-set -> perplexity cache inside a run's memo (``prune.pipeline.Scored.memo``)."""
     return None if memo is None else memo.setdefault("removal-ppl", {})
@@ -66,10 +174,11 @@ def removal_cache(memo: dict | None) -> dict | None:
 
 def single_removal_perplexities(model: nn.Module, token_ids: torch.Tensor, batch_size: int = 4,
                                 progress: bool = True, cache: dict | None = None) -> list[float]:
-    """Calibration perplexity with each block alone removed (one pass per block, the model restored after)."""
-    return [removal_perplexity(model, token_ids, [block], batch_size, cache)
-            for block in tqdm(range(num_blocks(model)), desc="oracle: remove each block", unit="block",
-                              disable=not progress)]
+    """Calibration perplexity with each block alone removed (the model restored after)."""
+    blocks = range(num_blocks(model))
+    with tqdm(total=len(blocks), desc="oracle: remove each block", unit="block", disable=not progress) as bar:
+        found = removal_perplexities(model, token_ids, [], blocks, batch_size, cache, bar)
+    return [found[block] for block in blocks]
 
 
 def _ranks(values: list[float]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from prune.errors import LayercutError
-from prune.oracle import removal_cache, removal_perplexity
+from prune.oracle import removal_cache, removal_perplexities
 from prune.scores import Score
 from prune.stats import StateMoments, stream_moments
 from prune.surgery import blocks_removed
@@ -195,11 +195,8 @@ def _greedy_ppl(inputs: SelectionInput) -> list[int]:
     bar = tqdm(total=sum(free - k for k in range(inputs.count)), desc="greedy-ppl", unit="pass")
     while len(chosen) < inputs.count:
         candidates = [b for b in range(blocks) if b not in chosen and b not in inputs.protected]
-        perplexities = {}
-        for block in candidates:
-            perplexities[block] = removal_perplexity(inputs.model, inputs.token_ids, chosen + [block],
-                                                     inputs.batch_size, cache)
-            bar.update()
+        perplexities = removal_perplexities(inputs.model, inputs.token_ids, chosen, candidates, inputs.batch_size,
+                                            cache, bar)
         best = min(candidates, key=lambda b: perplexities[b])
         chosen.append(best)
         logger.info("greedy-ppl step %d: drop block %d (calibration perplexity %.3f)", len(chosen), best,
@@ -219,8 +216,9 @@ def _measured(inputs: SelectionInput) -> list[int]:
         raise ValueError("measured selection needs the model and calibration tokens")
     cache = removal_cache(inputs.memo)  # the oracle's and greedy-ppl's first step measure the same sets
     candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
-    perplexities = {b: removal_perplexity(inputs.model, inputs.token_ids, [b], inputs.batch_size, cache)
-                    for b in tqdm(candidates, desc="measured: remove each block", unit="block")}
+    with tqdm(total=len(candidates), desc="measured: remove each block", unit="block") as bar:
+        perplexities = removal_perplexities(inputs.model, inputs.token_ids, [], candidates, inputs.batch_size, cache,
+                                            bar)
     return sorted(candidates, key=lambda b: perplexities[b])[: inputs.count]
 
 

@@ -7,8 +7,16 @@ import torch
 from conftest import make_tiny_model
 from scipy.stats import spearmanr
 
+import prune.oracle as oracle_module
 from prune.heldout import packed_perplexity
-from prune.oracle import oracle_table, run_oracle, score_agreement, spearman
+from prune.oracle import (
+    oracle_table,
+    removal_perplexities,
+    removal_perplexity,
+    run_oracle,
+    score_agreement,
+    spearman,
+)
 from prune.scores import SCORES, block_scores
 from prune.stats import stream_moments
 from prune.surgery import drop_blocks_
@@ -59,3 +67,37 @@ def test_prune_run_with_oracle_reports_it_beside_the_scores(tiny_folder, tmp_pat
     assert all(ppl > 0 for ppl in oracle["removed"]) and set(oracle["spearman"]) == set(result.scores)
     table = (tmp_path / "slim" / "scores.md").read_text()
     assert "Spearman" in table and f"{oracle['removed'][2]:.3f}" in table
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "gemma2", "opt", "gpt2", "gpt_neox"])
+def test_removal_passes_started_behind_the_candidate_equal_whole_passes(model_type, one_thread, caplog):
+    model = make_tiny_model(model_type, seed=3)
+    ids = torch.randint(3, 250, (6, 24), generator=torch.Generator().manual_seed(1))
+    reference = {b: removal_perplexity(model, ids, [1, b], batch_size=4) for b in (0, 2, 3)}
+    cache = {}
+    found = removal_perplexities(model, ids, [1], [0, 2, 3], batch_size=4, cache=cache)
+    assert found == pytest.approx(reference, rel=1e-5)
+    assert "whole passes" not in caplog.text  # the shortcut held: no fallback
+    assert cache.keys() == {(0, 1), (1, 2), (1, 3)} and model.config.num_hidden_layers == 4  # restored
+    single = removal_perplexities(model, ids, [], range(4), batch_size=4)
+    assert single == pytest.approx({b: removal_perplexity(model, ids, [b], batch_size=4) for b in range(4)}, rel=1e-5)
+
+
+def test_removal_passes_fall_back_to_whole_passes_when_the_shortcut_disagrees(monkeypatch, caplog, one_thread):
+    model = make_tiny_model("llama", seed=3)
+    ids = torch.randint(3, 250, (4, 24), generator=torch.Generator().manual_seed(1))
+    reference = {b: removal_perplexity(model, ids, [b]) for b in range(4)}
+    monkeypatch.setattr(oracle_module, "_loss_from", lambda *args: 99.0)  # a block that passes on more than h
+    assert removal_perplexities(model, ids, [], range(4)) == pytest.approx(reference, rel=1e-6)
+    assert "measuring every set with whole passes" in caplog.text
+
+
+def test_cached_sets_are_not_measured_again(monkeypatch, one_thread):
+    model = make_tiny_model("llama", seed=3)
+    ids = torch.randint(3, 250, (4, 24), generator=torch.Generator().manual_seed(1))
+    cache = {(0, 2): 5.0}
+    calls = []
+    real = oracle_module._batch_loss
+    monkeypatch.setattr(oracle_module, "_batch_loss", lambda *a: calls.append(1) or real(*a))
+    found = removal_perplexities(model, ids, [2], [0], cache=cache)
+    assert found == {0: 5.0} and not calls

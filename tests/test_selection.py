@@ -106,9 +106,16 @@ def _count_passes(monkeypatch) -> list:
     import prune.oracle
     import prune.selection
 
-    calls = []
+    calls = []  # one per block set measured (a cached set is not), one per re-scoring
     real = prune.oracle.packed_perplexity
     monkeypatch.setattr(prune.oracle, "packed_perplexity", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real_sets = prune.oracle.removal_perplexities
+
+    def sets(model, ids, base, candidates, batch_size=4, cache=None, bar=None):
+        calls.extend(1 for c in candidates if cache is None or tuple(sorted([*base, c])) not in cache)
+        return real_sets(model, ids, base, candidates, batch_size, cache, bar)
+
+    monkeypatch.setattr(prune.selection, "removal_perplexities", sets)
     real_stream = prune.selection.stream_moments
     monkeypatch.setattr(prune.selection, "stream_moments", lambda *a, **k: calls.append(1) or real_stream(*a, **k))
     return calls
