@@ -240,7 +240,10 @@ def open_results(out: Path, setup: dict, overwrite: bool) -> dict:
                                 "--overwrite")
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
-    return {"setup": setup, "dense": None, "cells": {}, "oracle": None, "timing": {}}
+    results = {"setup": setup, "dense": None, "cells": {}, "oracle": None, "timing": {}}
+    # at once: a run stopped before its first cell (in the oracle, say) is still a comparison to resume
+    write_text(path, json.dumps(results, indent=2) + "\n")
+    return results
 
 
 @dataclass(frozen=True)
@@ -747,7 +750,7 @@ def compare(args: argparse.Namespace) -> dict:
     results["timing"]["score_seconds"] = round(time.perf_counter() - started, 2)
     results["calibration"] = scored.calibration.describe()
     # SLEB's passes, the oracle's and the sub-layer costs outlive this process: a resumed run measures no set twice
-    store = MeasurementStore(out, calibration_digest(args.model, scored.calibration.token_ids,
+    store = MeasurementStore(out, calibration_digest(loaded.model, scored.calibration.token_ids,
                                                      {"load": setup_of(args)["load"], "batch_size": args.batch_size}))
     reused = store.attach(scored.memo)
     if reused:

@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from prune.export import write_file_atomic
 
@@ -42,10 +43,30 @@ def _same(text):
 KINDS = {"removal-ppl": (_block_set, _parse_block_set), "sublayer-removal-ppl": (_same, _same)}
 
 
-def calibration_digest(model_id: str, token_ids: torch.Tensor, extra: object = None) -> str:
-    """What a measurement depends on: the model, the calibration tokens (shape and values) and ``extra``."""
+FORMAT = 1  # bumped when what a measurement means changes
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """A cheap stamp of the weights: every tensor's name, shape, dtype and first values.
+
+    A checkpoint re-exported to the same path, or a hub model updated since, differs in them.
+    """
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            head = tensor.detach().reshape(-1)[:16].to("cpu", torch.float64)
+            digest.update(f"{name}{list(tensor.shape)}{tensor.dtype}".encode() + head.numpy().tobytes())
+    return digest.hexdigest()[:32]
+
+
+def calibration_digest(model: nn.Module | str, token_ids: torch.Tensor, extra: object = None) -> str:
+    """A digest of what a measurement depends on.
+
+    The model (its weights' fingerprint, or a name), the calibration tokens (shape and values) and ``extra``.
+    """
     ids = token_ids.detach().to("cpu", torch.int64).contiguous()
-    digest = hashlib.sha256(json.dumps([model_id, list(ids.shape), extra], default=str).encode())
+    stamp = model if isinstance(model, str) else weights_fingerprint(model)
+    digest = hashlib.sha256(json.dumps([FORMAT, stamp, list(ids.shape), extra], default=str).encode())
     digest.update(ids.numpy().tobytes())
     return digest.hexdigest()[:32]
 
@@ -73,24 +94,25 @@ class MeasurementStore:
     def attach(self, memo: dict) -> int:
         """Put the saved caches into ``memo`` (entries measured in this process are kept); how many were read."""
         saved = self._read()
-        for kind, (_, parse) in KINDS.items():
-            items = {parse(key): float(value) for key, value in saved.get(kind, {}).items()}
-            items.update(memo.get(kind, {}))
+        for kind in KINDS:
+            items = {**saved.get(kind, {}), **memo.get(kind, {})}
             self.caches[kind] = memo[kind] = _SavedCache(self, items)
         return sum(len(saved.get(kind, {})) for kind in KINDS)
 
     def _read(self) -> dict:
+        """The saved measurements by kind, keys parsed; empty when there are none for this digest."""
         if not self.path.is_file():
             return {}
         try:
             data = json.loads(self.path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            logger.warning("%s is not valid JSON: measuring again", self.path)
+            if data.get("digest") != self.digest:
+                logger.info("%s was measured on another model or calibration: not reused", self.path)
+                return {}
+            return {kind: {parse(key): float(value) for key, value in data.get(kind, {}).items()}
+                    for kind, (_, parse) in KINDS.items()}
+        except (ValueError, TypeError, AttributeError) as err:
+            logger.warning("%s cannot be read (%s): measuring again", self.path, err)
             return {}
-        if data.get("digest") != self.digest:
-            logger.info("%s was measured on another model or calibration: not reused", self.path)
-            return {}
-        return data
 
     def save(self) -> None:
         """Write every cache, atomically."""

@@ -65,32 +65,48 @@ def removal_perplexity(model: nn.Module, token_ids: torch.Tensor, removed: list[
     return value
 
 
-class _Captured(Exception):
-    """Ends a forward pass once every block input it was run for is kept."""
+# Sets measured together: one pass per batch keeps the block inputs they share, and their results are
+# in the cache (and on disk, see eval.measurements) as soon as the chunk ends; a crash loses one chunk.
+CHUNK = 8
 
 
-def _block_inputs(model: nn.Module, batch: torch.Tensor) -> list[torch.Tensor]:
-    """The hidden state entering each block on ``batch`` (a copy; on the CPU when the model is on a GPU)."""
+class _Captured(BaseException):
+    """Ends a forward pass once the block inputs it was run for are kept (no model code catches it)."""
+
+
+def _block_inputs(model: nn.Module, batch: torch.Tensor, upto: int) -> list[torch.Tensor] | None:
+    """The hidden state entering blocks ``0..upto`` on ``batch`` (copies; on the CPU when the model is on a GPU).
+
+    None when a block did not run exactly once (the state could not be told apart).
+    """
     _, blocks = get_blocks(model)
-    states: list[torch.Tensor] = []
+    states: list[list[torch.Tensor]] = [[] for _ in range(upto + 1)]
 
-    def keep(_module, args, kwargs):
-        state = block_input(args, kwargs).detach()
-        # a copy: some blocks add into their input in place; off the GPU: 80 states of a 70B model are ~10 GB
-        states.append(state.to("cpu", copy=True) if state.device.type == "cuda" else state.clone())
-        if len(states) == len(blocks):
-            raise _Captured  # the last block's input is all we need: skip it and the LM head
+    def keeper(position: int):
+        def keep(_module, args, kwargs):
+            state = block_input(args, kwargs).detach()
+            # a copy: some blocks add into their input in place; off the GPU: 80 states of a 70B model are ~10 GB
+            states[position].append(state.to("cpu", copy=True) if state.device.type == "cuda" else state.clone())
+            if position == upto:
+                raise _Captured  # nothing behind it is needed: skip the rest and the LM head
+        return keep
 
-    with hooks_held([block.register_forward_pre_hook(keep, with_kwargs=True) for block in blocks]):
+    handles = [blocks[i].register_forward_pre_hook(keeper(i), with_kwargs=True) for i in range(upto + 1)]
+    with hooks_held(handles):
         try:
             model(input_ids=batch, use_cache=False)
         except _Captured:
             pass
-    return states
+    return [kept[0] for kept in states] if all(len(kept) == 1 for kept in states) else None
 
 
 def _batch_loss(model: nn.Module, batch: torch.Tensor) -> float:
     return float(model(input_ids=batch, labels=batch, use_cache=False).loss.float())
+
+
+def _loss_without(model: nn.Module, batch: torch.Tensor, position: int) -> float:
+    with blocks_removed(model, [position]):
+        return _batch_loss(model, batch)
 
 
 def _loss_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.Tensor) -> float:
@@ -107,63 +123,99 @@ def _loss_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.T
             return _batch_loss(model, batch)
 
 
+def _shortcut_holds(model: nn.Module, batch: torch.Tensor, position: int, state: torch.Tensor) -> bool:
+    """Whether starting behind ``position`` gives the whole pass's loss (a block may pass on more than h)."""
+    reference = _loss_without(model, batch, position)
+    try:
+        loss = _loss_from(model, batch, position + 1, state)
+    except Exception as err:  # any failure of the shortcut means: use whole passes
+        logger.warning("removal passes: starting behind block %d failed (%s); measuring every set with whole "
+                       "passes", position, err)
+        return False
+    if math.isclose(loss, reference, rel_tol=1e-4, abs_tol=1e-6):
+        return True
+    logger.warning("removal passes: starting behind block %d gives loss %.6f, the whole model %.6f; measuring "
+                   "every set with whole passes", position, loss, reference)
+    return False
+
+
+def _measure(model: nn.Module, token_ids: torch.Tensor, positions: list[int], batch_size: int,
+             state: dict) -> list[float]:
+    """Perplexity of ``model`` with each block ``positions[i]`` removed, measured together (see removal_perplexities).
+
+    ``state["plain"]``: whole passes only (set once a check fails); ``state["checked"]``: the check ran.
+    """
+    last = len(get_blocks(model)[1]) - 1
+    behind = [p for p in positions if p < last]  # the last block has nothing behind it to start from
+    nll, count = [0.0] * len(positions), 0
+    for start in range(0, token_ids.shape[0], batch_size):
+        batch = token_ids[start : start + batch_size].to(input_device(model))  # [batch, seq_len]
+        states = None
+        if not state["plain"] and len(behind) > 1:  # one candidate alone: a whole pass costs less than a capture
+            states = _block_inputs(model, batch, max(behind))
+            if states is None:
+                logger.warning("removal passes: a block ran more than once; measuring every set with whole passes")
+                state["plain"] = True
+            elif not state["checked"]:
+                state["checked"] = True  # the deepest candidate: the most blocks skipped, the strictest check
+                state["plain"] = not _shortcut_holds(model, batch, max(behind), states[max(behind)])
+            if state["plain"]:
+                states = None
+        for i, position in enumerate(positions):
+            if states is None or position == last:
+                loss = _loss_without(model, batch, position)
+            else:
+                loss = _loss_from(model, batch, position + 1, states[position])
+            nll[i] += loss * batch.shape[0] * (batch.shape[1] - 1)
+        count += batch.shape[0] * (batch.shape[1] - 1)  # every position but the first is a target
+    return [math.exp(total / count) for total in nll]
+
+
 def removal_perplexities(model: nn.Module, token_ids: torch.Tensor, base: Sequence[int], candidates: Sequence[int],
                          batch_size: int = 4, cache: dict | None = None, bar=None) -> dict[int, float]:
     """Calibration perplexity with the blocks ``base`` and one of ``candidates`` removed: candidate -> perplexity.
 
     Every block in front of a candidate computes what it computes with ``base`` alone removed. So each
-    batch runs that model once, keeping the state entering every block, and each candidate's pass starts
-    at the block after it from the state that entered the candidate: transformers' own forward with the
-    blocks in front skipped, so masks and positions are its own. A candidate costs the blocks behind it
-    and the LM head, on average about half a pass. The first such pass is checked against a plain one;
-    where they differ (a block that passes on more than its hidden state), every pass is a plain one.
+    batch runs that model once, keeping the state entering every block up to the deepest candidate, and
+    each candidate's pass starts at the block after it from the state that entered the candidate:
+    transformers' own forward with the blocks in front skipped, so masks and positions are its own. A
+    candidate costs the blocks behind it and the LM head, on average about half a pass. The first such
+    pass, at the deepest candidate (the most blocks skipped), is checked against a whole pass; where they
+    differ or it fails (a block that passes on more than its hidden state), every pass is a whole one.
 
-    ``cache``: see :func:`removal_perplexity`; sets in it are not measured again. ``bar``: a tqdm advanced
-    by one per candidate measured.
+    ``cache``: see :func:`removal_perplexity`; sets in it are not measured again, and new ones are added
+    every ``CHUNK`` candidates. ``bar``: a tqdm advanced by one per candidate.
     """
+    blocks = num_blocks(model)
     base = sorted(set(base))
+    candidates = list(dict.fromkeys(candidates))
+    wrong = [b for b in candidates if b in base or not 0 <= b < blocks]
+    if wrong or any(not 0 <= b < blocks for b in base):
+        raise ValueError(f"removal candidates {wrong} must be blocks of 0..{blocks - 1} outside the base {base}")
     keys = {block: tuple(sorted([*base, block])) for block in candidates}
     found = {block: cache[keys[block]] for block in candidates if cache is not None and keys[block] in cache}
     todo = [block for block in candidates if block not in found]
     if bar is not None:
         bar.update(len(found))
-    if not todo:
-        return found
-    nll, count, plain, checked = dict.fromkeys(todo, 0.0), 0, False, False
-    batches = range(0, token_ids.shape[0], batch_size)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), blocks_removed(model, base) as kept:
-            position = {block: i for i, block in enumerate(kept)}
-            for start in batches:
-                batch = token_ids[start : start + batch_size].to(input_device(model))  # [batch, seq_len]
-                states = None if plain else _block_inputs(model, batch)
-                for block in todo:
-                    at = position[block]
-                    if plain or at + 1 == len(kept):  # the last kept block: nothing behind it to start from
-                        with blocks_removed(model, [at]):
-                            loss = _batch_loss(model, batch)
-                    else:
-                        loss = _loss_from(model, batch, at + 1, states[at])
-                        if not checked:
-                            checked = True
-                            with blocks_removed(model, [at]):
-                                reference = _batch_loss(model, batch)
-                            if not math.isclose(loss, reference, rel_tol=1e-4, abs_tol=1e-6):
-                                logger.warning("removal passes: starting at a later block gives loss %.6f, the whole "
-                                               "model %.6f; measuring every set with whole passes", loss, reference)
-                                plain, loss = True, reference
-                    nll[block] += loss * batch.shape[0] * (batch.shape[1] - 1)
+    if todo:
+        state = {"plain": False, "checked": False}
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad(), blocks_removed(model, base) as kept:
+                position = {block: i for i, block in enumerate(kept)}
+                order = sorted(todo, key=lambda b: -position[b])  # deepest first: the check skips the most blocks
+                for first in range(0, len(order), CHUNK):
+                    chunk = order[first : first + CHUNK]
+                    measured = _measure(model, token_ids, [position[b] for b in chunk], batch_size, state)
+                    for block, ppl in zip(chunk, measured, strict=True):
+                        found[block] = ppl
+                        if cache is not None:
+                            cache[keys[block]] = ppl
                     if bar is not None:
-                        bar.update(1 / len(batches))
-                count += batch.shape[0] * (batch.shape[1] - 1)  # every position but the first is a target
-    finally:
-        model.train(was_training)
-    for block in todo:
-        found[block] = math.exp(nll[block] / count)
-        if cache is not None:
-            cache[keys[block]] = found[block]
+                        bar.update(len(chunk))
+        finally:
+            model.train(was_training)
     return {block: found[block] for block in candidates}
 
 

@@ -58,3 +58,36 @@ def test_a_resumed_sleb_measures_only_the_sets_it_has_not(tiny_folder, tmp_path,
     assert main([str(a) for a in [*common, "--drop", "2", "--out", fresh]]) == 0
     assert 0 < second < first and len(passes) == first + second
     assert json.loads((fresh / "results.json").read_text())["cells"]["sleb@2"]["dropped"] == resumed
+
+
+def test_an_unreadable_file_is_measured_again_and_weights_change_the_digest(tmp_path):
+    from conftest import make_tiny_model
+
+    ids = torch.arange(64).reshape(4, 16)
+    model = make_tiny_model("llama", seed=0)
+    digest = calibration_digest(model, ids)
+    assert digest == calibration_digest(make_tiny_model("llama", seed=0), ids)
+    assert digest != calibration_digest(make_tiny_model("llama", seed=1), ids)
+    for text in ("[1, 2]", "{not json", json.dumps({"digest": digest, "removal-ppl": {"a,b": 3.0}})):
+        (tmp_path / MEASUREMENTS).write_text(text)
+        memo = {}
+        assert MeasurementStore(tmp_path, digest).attach(memo) == 0 and memo["removal-ppl"] == {}
+
+
+def test_a_comparison_stopped_in_the_oracle_resumes_with_its_measurements(tiny_folder, tmp_path, capsys, monkeypatch):
+    import eval.compare as compare_module
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    common = ["--model", tiny_folder, "--samples", "8", "--seq-len", "32", "--speed-tokens", "0", "--threads", "1",
+              "--methods", "shortgpt", "--drop", "1", "--oracle", "--out", tmp_path / "cmp"]
+    monkeypatch.setattr(compare_module, "oracle_table", stop)  # after every removal is measured
+    assert main([str(a) for a in common]) == 130
+    assert len(json.loads((tmp_path / "cmp" / MEASUREMENTS).read_text())["removal-ppl"]) == 5  # dense + 4 blocks
+    monkeypatch.undo()
+    passes = []
+    real = oracle_module._measure
+    monkeypatch.setattr(oracle_module, "_measure", lambda *a: passes.append(1) or real(*a))
+    assert main([str(a) for a in common]) == 0, capsys.readouterr().err
+    assert not passes and json.loads((tmp_path / "cmp" / "results.json").read_text())["oracle"]["removed"]

@@ -8,6 +8,7 @@ from conftest import make_tiny_model
 from scipy.stats import spearmanr
 
 import prune.oracle as oracle_module
+from prune.adapters import get_blocks
 from prune.heldout import packed_perplexity
 from prune.oracle import (
     oracle_table,
@@ -83,21 +84,56 @@ def test_removal_passes_started_behind_the_candidate_equal_whole_passes(model_ty
     assert single == pytest.approx({b: removal_perplexity(model, ids, [b], batch_size=4) for b in range(4)}, rel=1e-5)
 
 
-def test_removal_passes_fall_back_to_whole_passes_when_the_shortcut_disagrees(monkeypatch, caplog, one_thread):
+def _carry_between_blocks(model):
+    """Block 0 leaves a value that block 3 adds to its input: state passed on beside the hidden state."""
+    _, blocks = get_blocks(model)
+    carried = {}
+    blocks[0].register_forward_hook(lambda _m, _a, _o: carried.__setitem__("x", 0.5))
+
+    def add(_m, args, kwargs):
+        bonus = carried.pop("x", 0.0)
+        if args:
+            return (args[0] + bonus, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] + bonus}
+
+    blocks[3].register_forward_pre_hook(add, with_kwargs=True)
+
+
+def test_removal_passes_fall_back_to_whole_passes_when_the_shortcut_disagrees(caplog, one_thread):
     model = make_tiny_model("llama", seed=3)
+    _carry_between_blocks(model)
     ids = torch.randint(3, 250, (4, 24), generator=torch.Generator().manual_seed(1))
     reference = {b: removal_perplexity(model, ids, [b]) for b in range(4)}
-    monkeypatch.setattr(oracle_module, "_loss_from", lambda *args: 99.0)  # a block that passes on more than h
     assert removal_perplexities(model, ids, [], range(4)) == pytest.approx(reference, rel=1e-6)
     assert "measuring every set with whole passes" in caplog.text
 
 
-def test_cached_sets_are_not_measured_again(monkeypatch, one_thread):
+def test_a_shortcut_that_fails_falls_back_too(monkeypatch, caplog, one_thread):
     model = make_tiny_model("llama", seed=3)
     ids = torch.randint(3, 250, (4, 24), generator=torch.Generator().manual_seed(1))
+    reference = {b: removal_perplexity(model, ids, [b]) for b in range(4)}
+
+    def broken(*args):
+        raise RuntimeError("needs the previous layer's top-k indices")
+
+    monkeypatch.setattr(oracle_module, "_loss_from", broken)
+    assert removal_perplexities(model, ids, [], range(4)) == pytest.approx(reference, rel=1e-6)
+    assert "top-k indices" in caplog.text
+
+
+def test_cached_sets_are_not_measured_again_and_bad_candidates_are_refused(monkeypatch, one_thread):
+    model = make_tiny_model("llama", seed=3)
+    ids = torch.randint(3, 250, (8, 24), generator=torch.Generator().manual_seed(1))
     cache = {(0, 2): 5.0}
-    calls = []
-    real = oracle_module._batch_loss
-    monkeypatch.setattr(oracle_module, "_batch_loss", lambda *a: calls.append(1) or real(*a))
-    found = removal_perplexities(model, ids, [2], [0], cache=cache)
-    assert found == {0: 5.0} and not calls
+    measured = []
+    real = oracle_module._measure
+    monkeypatch.setattr(oracle_module, "_measure", lambda m, i, positions, *r: measured.append(positions)
+                        or real(m, i, positions, *r))
+    monkeypatch.setattr(oracle_module, "CHUNK", 1)
+    found = removal_perplexities(model, ids, [2], [0, 1, 1, 3], cache=cache)
+    assert found[0] == 5.0 and set(found) == {0, 1, 3}
+    # deepest first, one chunk each (each in the cache as soon as it is measured); the duplicate measured once
+    assert measured == [[2], [1]] and set(cache) == {(0, 2), (1, 2), (2, 3)}
+    for bad in ([2], [4], [-1]):
+        with pytest.raises(ValueError, match="outside the base"):
+            removal_perplexities(model, ids, [2], bad)
