@@ -578,6 +578,7 @@ def leaderboard(results: dict) -> str:
              "with the KV cache, median of 3, against the dense model. Wall time: the cell's prune, fit, "
              "distillation and measurements.", ""]
     lines += _task_note(analysis)
+    lines += _wall_time_note(timing)
     copies = sorted(row["copy_seconds"] for row in cells.values())
     if copies and "load_seconds" in timing:
         lines += [f"Each cell starts from a copy of the loaded model: {copies[len(copies) // 2]:.2f} s (median) "
@@ -608,6 +609,19 @@ def leaderboard(results: dict) -> str:
     if results.get("oracle"):
         lines += ["## Oracle", "", results["oracle"]["table"], ""]
     return "\n".join(lines)
+
+
+def _wall_time_note(timing: dict) -> list[str]:
+    runs = timing.get("runs", [])
+    if not runs:
+        return []
+    total = sum(run.get("seconds", 0.0) for run in runs)
+    measured = sum(run.get("removal_sets_measured", 0) for run in runs)
+    return [f"Wall time so far: {total / 3600:.2f} h over {len(runs)} invocation(s) and "
+            f"{sum(run.get('cells', 0) for run in runs)} cell(s) (each invocation loads the model, draws and "
+            f"scores the calibration once: {', '.join(str(run.get('setup_seconds', '?')) for run in runs)} s). "
+            f"Calibration passes with blocks or sub-layers removed (SLEB, the oracle, measured rankings): "
+            f"{measured} set(s) measured, each once; every later use reads it back (`measurements.json`).", ""]
 
 
 def _removed(row: dict) -> str:
@@ -741,7 +755,10 @@ def compare(args: argparse.Namespace) -> dict:
         refresh_rows(results, [domain.name for domain in domains])
         write_reports(results, out, results["dense"]["blocks"])
         return results
-    started = time.perf_counter()
+    begun = started = time.perf_counter()
+    # one entry per invocation: a comparison resumed over several processes sums them for its wall time
+    run = {"cells": 0, "seconds": 0.0}
+    results["timing"].setdefault("runs", []).append(run)
     loaded = load_config_from_args(args).load()
     results["timing"]["load_seconds"] = round(time.perf_counter() - started, 2)
     base = cell_config(next(iter(methods.values())), drops[-1], args, None)
@@ -752,9 +769,10 @@ def compare(args: argparse.Namespace) -> dict:
     # SLEB's passes, the oracle's and the sub-layer costs outlive this process: a resumed run measures no set twice
     store = MeasurementStore(out, calibration_digest(loaded.model, scored.calibration.token_ids,
                                                      {"load": setup_of(args)["load"], "batch_size": args.batch_size}))
-    reused = store.attach(scored.memo)
+    reused = run["removal_sets_read_back"] = store.attach(scored.memo)
     if reused:
         logger.info("%d removal measurements read back from %s", reused, store.path)
+    run["setup_seconds"] = round(time.perf_counter() - begun, 2)
     heldout = Heldout(args, scored, loaded.tokenizer, domains)
     results["heldout"] = heldout.describe
     if results["dense"] is None:
@@ -764,10 +782,12 @@ def compare(args: argparse.Namespace) -> dict:
         measure_domains(loaded.model, heldout, results["dense"], missing)
     refresh_rows(results, heldout.names())
     if need_oracle:
+        started = time.perf_counter()
         oracle = run_oracle(loaded.model, scored.calibration.token_ids, scored.scores, args.batch_size,
                             cache=removal_cache(scored.memo))
         results["oracle"] = {**oracle.as_dict(), "table": oracle_table(oracle, scored.scores)}
         write_text(out / ORACLE_MD, results["oracle"]["table"] + "\n")
+        run["oracle_seconds"] = round(time.perf_counter() - started, 2)
     write_reports(results, out, results["dense"]["blocks"], plots=False)
     done = len(methods) * len(drops) - len(todo)
     try:
@@ -776,9 +796,13 @@ def compare(args: argparse.Namespace) -> dict:
                 bar.set_postfix_str(f"{name} drop {drop}")
                 results["cells"][cell_key(name, drop)] = run_cell(name, path, drop, args, loaded, scored, heldout,
                                                                   out, results["dense"])
+                run["cells"] += 1
+                run["seconds"] = round(time.perf_counter() - begun, 2)
                 write_reports(results, out, results["dense"]["blocks"], plots=False)  # a crash keeps the cell
                 bar.update()
     finally:  # also after Ctrl-C: the plots show the cells finished so far
+        run["seconds"] = round(time.perf_counter() - begun, 2)
+        run["removal_sets_measured"] = sum(len(cache) for cache in store.caches.values()) - reused
         write_reports(results, out, results["dense"]["blocks"])
     return results
 
