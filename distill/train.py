@@ -298,6 +298,23 @@ class _Run:
         self.accelerator.wait_for_everyone()
 
 
+# the terms that pull the student towards the teacher (the cosine term only regularises)
+_MATCHING = ("layerwise_mse", "teacher_student_kl")
+
+
+def _check_something_to_learn(terms: dict[str, float]) -> None:
+    """Refuse a run whose matching terms are all exactly 0 at the first step: it would train nothing.
+
+    This is the case when the removed blocks are the last ones: every kept block is the teacher's own and
+    meets its layerwise target, so a report of "distilled" would describe plain removal.
+    """
+    matching = [name for name in _MATCHING if name in terms]
+    if matching and all(terms[name] == 0.0 for name in matching):
+        raise LayercutError("distillation has nothing to learn: the student already reproduces every teacher "
+                            f"state its loss compares ({', '.join(matching)} = 0 at the first step; were the last "
+                            "blocks removed?): distil the logits with --kl-weight 1 (and --mse-weight 0)")
+
+
 def _should_save(config: DistillConfig, done: int) -> bool:
     return done == config.steps or (config.save_every > 0 and done % config.save_every == 0)
 
@@ -313,6 +330,8 @@ def _train_loop(run: _Run, start: int, log: _JsonLog) -> float:
     try:
         for step in range(start, config.steps):
             loss, terms, grad_norm, lr = run.step(step)
+            if step == 0:
+                _check_something_to_learn(terms)
             run.losses.append(loss)
             run.last = (loss, terms)
             done = step + 1

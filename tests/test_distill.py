@@ -338,6 +338,15 @@ def test_gradient_accumulation_matches_one_big_batch():
         torch.testing.assert_close(runs[1][name], runs[0][name], rtol=1e-4, atol=1e-6)
 
 
+def test_a_student_that_already_meets_every_layerwise_target_is_refused_and_kl_trains_it():
+    student, teacher = _dropped_pair([3])  # the last block: every kept block is the teacher's own
+    with pytest.raises(LayercutError, match="nothing to learn.*--kl-weight 1"):
+        distill(student, teacher, None, _config(steps=2), token_ids=_ids())
+    before = _params(student)
+    result = distill(student, teacher, None, _config(steps=2, kl_weight=1.0, mse_weight=0.0), token_ids=_ids())
+    assert result.final_terms["teacher_student_kl"] > 0 and _changed(before, student)
+
+
 def test_kl_and_cosine_terms_train_and_are_logged(tmp_path):
     student, teacher = _dropped_pair([1])
     config = _config(steps=2, kl_weight=1.0, cosine_reg=0.1)

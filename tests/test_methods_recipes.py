@@ -102,3 +102,13 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert remove.replace.method == "none" and linear.replace.method == "linear"
     fold = config_from_recipe(repairs["fold"], {"drop": 4, "load": {"model": "tiny"}})
     assert fold.replace.method == "fold" and fold.select == "span"
+
+
+@pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])
+def test_every_distilling_recipe_has_something_to_learn_where_its_selection_cuts(name, tiny_folder, tmp_path, capsys):
+    out = tmp_path / "slim"
+    code, _, err = run(capsys, "--recipe", METHODS_DIR / f"{name}.yaml", *small(tiny_folder), "--drop", "1",
+                       "--distill-steps", "2", "--out", out)
+    assert code == 0, err
+    report = json.loads((out / "layercut.json").read_text())["distill"]
+    assert report["steps"] == 2 and report["first_loss"] > 0
