@@ -413,6 +413,8 @@ def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, hel
              dense: dict) -> dict:
     """One method at one drop on a fresh copy of the model; the cell's row."""
     started = time.perf_counter()
+    # before the recipe is read: a recipe edited while the cell runs must not lend the row its new digest
+    digest = recipe_digest(path)
     cell_dir = out / CELLS / f"{name}-drop{drop}"
     config = cell_config(path, drop, args, cell_dir, block_budget(loaded.model))
     copied = time.perf_counter()
@@ -422,7 +424,7 @@ def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, hel
     shared = dataclasses.replace(scored, calibration=dataclasses.replace(scored.calibration, heldout_ids=None))
     result = run_prune(config, loaded=student, scored=shared)
     prune_seconds = time.perf_counter() - started
-    row = {"method": name, "recipe": str(path), "recipe_digest": recipe_digest(path), "drop": drop,
+    row = {"method": name, "recipe": str(path), "recipe_digest": digest, "drop": drop,
            "dropped": result.dropped, "score": config.score, "select": config.select,
            "replace": config.replace.method, "distill_steps": result.report.get("distill", {}).get("steps", 0),
            "vanilla": is_vanilla(cell_dir), "prune_seconds": round(prune_seconds, 2),

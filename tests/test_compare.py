@@ -353,3 +353,25 @@ def test_a_changed_default_reruns_the_cells_of_the_methods_it_changes(monkeypatc
     monkeypatch.setattr(LinearOptions, "default_short", 0)  # the recipe leaves replace.short unset
     after = compare_module.recipe_digest(linear), compare_module.recipe_digest(shortgpt)
     assert after[0] != before[0] and after[1] == before[1]
+
+
+def test_a_recipe_edited_while_its_cell_runs_keeps_the_digest_it_ran_with(tiny_folder, tmp_path, capsys, counted,
+                                                                         monkeypatch):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text((METHODS_DIR / "shortgpt.yaml").read_text())
+    before = compare_module.recipe_digest(recipe)
+    real = compare_module.run_prune
+
+    def edit_meanwhile(*args, **kwargs):
+        recipe.write_text(recipe.read_text().replace("select: topk", "select: span"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compare_module, "run_prune", edit_meanwhile)
+    out = tmp_path / "cmp"
+    code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", recipe, "--speed-tokens", "0")
+    assert code == 0, err
+    assert json.loads((out / "results.json").read_text())["cells"]["mine@1"]["recipe_digest"] == before
+    monkeypatch.setattr(compare_module, "run_prune", real)
+    counted.clear()  # the recipe as it is now was never run: resuming runs it
+    code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", recipe, "--speed-tokens", "0")
+    assert code == 0 and counted == [("mine", 1)]
