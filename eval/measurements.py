@@ -35,12 +35,8 @@ def _parse_block_set(text: str) -> tuple[int, ...]:
     return tuple(int(block) for block in text.split(",")) if text else ()
 
 
-def _same(text):
-    return text
-
-
 # memo entry -> how its keys are written and read back (prune.oracle.removal_cache, prune.pipeline's sub-layers)
-KINDS = {"removal-ppl": (_block_set, _parse_block_set), "sublayer-removal-ppl": (_same, _same)}
+KINDS = {"removal-ppl": (_block_set, _parse_block_set), "sublayer-removal-ppl": (str, str)}
 
 
 FORMAT = 1  # bumped when what a measurement means changes

@@ -16,6 +16,11 @@ from prune.adapters import input_device
 
 
 @torch.no_grad()
+def batch_loss(model: torch.nn.Module, batch: torch.Tensor) -> float:
+    """Mean next-token NLL of ``batch`` [batch, seq_len] (transformers' own loss: every position but the first)."""
+    return float(model(input_ids=batch, labels=batch, use_cache=False).loss.float())
+
+
 def packed_perplexity(model: torch.nn.Module, token_ids: torch.Tensor, batch_size: int = 4,
                       progress: bool = True) -> float:
     """``exp`` of the mean next-token NLL over packed sequences ``[n, seq_len]`` (transformers' own loss)."""
@@ -27,7 +32,7 @@ def packed_perplexity(model: torch.nn.Module, token_ids: torch.Tensor, batch_siz
                           disable=not progress):
             batch = token_ids[start : start + batch_size].to(input_device(model))  # [batch, seq_len]
             scored = batch.shape[0] * (batch.shape[1] - 1)  # every position but the first is a target
-            total += float(model(input_ids=batch, labels=batch, use_cache=False).loss.float()) * scored
+            total += batch_loss(model, batch) * scored
             count += scored
     finally:
         model.train(was_training)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from prune.adapters import get_blocks, input_device, num_blocks
 from prune.capture import block_input, hooks_held
-from prune.heldout import packed_perplexity
+from prune.heldout import batch_loss, packed_perplexity
 from prune.scores import get_score
 from prune.surgery import blocks_removed
 
@@ -100,13 +100,9 @@ def _block_inputs(model: nn.Module, batch: torch.Tensor, upto: int) -> list[torc
     return [kept[0] for kept in states] if all(len(kept) == 1 for kept in states) else None
 
 
-def _batch_loss(model: nn.Module, batch: torch.Tensor) -> float:
-    return float(model(input_ids=batch, labels=batch, use_cache=False).loss.float())
-
-
 def _loss_without(model: nn.Module, batch: torch.Tensor, position: int) -> float:
     with blocks_removed(model, [position]):
-        return _batch_loss(model, batch)
+        return batch_loss(model, batch)
 
 
 def _loss_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.Tensor) -> float:
@@ -120,7 +116,7 @@ def _loss_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.T
     with blocks_removed(model, list(range(start))):
         _, blocks = get_blocks(model)
         with hooks_held([blocks[0].register_forward_pre_hook(enter, with_kwargs=True)]):
-            return _batch_loss(model, batch)
+            return batch_loss(model, batch)
 
 
 def _shortcut_holds(model: nn.Module, batch: torch.Tensor, position: int, state: torch.Tensor) -> bool:

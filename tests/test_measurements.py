@@ -36,7 +36,7 @@ def test_store_round_trips_both_kinds_and_ignores_another_calibration(tmp_path):
 
 def test_a_resumed_sleb_measures_only_the_sets_it_has_not(tiny_folder, tmp_path, capsys, monkeypatch):
     passes = []  # model forwards that measure a loss (whole ones, and ones started behind a candidate)
-    for name in ("_batch_loss", "_loss_from"):
+    for name in ("batch_loss", "_loss_from"):
         real = getattr(oracle_module, name)
         monkeypatch.setattr(oracle_module, name, lambda *a, _real=real: passes.append(1) or _real(*a))
     common = ["--model", tiny_folder, "--samples", "8", "--seq-len", "32", "--speed-tokens", "0", "--threads", "1",
