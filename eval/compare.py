@@ -27,9 +27,13 @@ under two standard errors is a tie; the standard error of a difference is paired
 row-by-row scores on the same rows (kept in ``results.json``), so a real gap of a point or two shows.
 Method A is *better* than B at a drop only when A has the lower perplexity on every domain and, with
 ``--tasks``, a retention higher by two standard errors or more.
-Rerunning with more ``--heldout`` domains measures the dense model on the new ones and reruns the
-cells that lack one (the pruned weights are not kept to complete them). ``--oracle`` adds SLEB's oracle (calibration
-perplexity with each block alone removed) and every score's Spearman correlation with it.
+Rerunning with more ``--heldout`` domains or ``--tasks`` measures only what is missing: the dense model on
+the new ones, and each finished cell of the ``--methods`` x ``--drop`` asked for on its own weights when
+``--keep-checkpoints`` kept them under ``cells/``. Those weights are first checked to give the row's own
+perplexity on a domain it already has; when they do not, or were not kept, the cell runs again, so a
+figure is never one of another model. Every task figure of one comparison is taken at one ``--limit``.
+``--oracle`` adds SLEB's oracle (calibration perplexity with each block alone removed) and every
+score's Spearman correlation with it.
 
 Writes to ``--out``: ``results.json`` (after every cell: rerunning skips finished cells, so a crash or
 Ctrl-C loses at most one), ``README.md`` (a leaderboard per drop, dense row on top, best first),
@@ -217,11 +221,10 @@ def write_text(path: Path, text: str) -> None:
 
 def setup_of(args: argparse.Namespace) -> dict:
     """What every cell of one comparison shares; a --out written for another setup is refused."""
-    # --heldout is not here: domains can be added to a comparison (see reconcile_domains)
+    # --heldout and --tasks are not here: domains and tasks can be added to a comparison
     return {"model": args.model, "load": dataclasses.asdict(load_config_from_args(args)),
             "data": dataclasses.asdict(data_config_from_args(args)),
-            "heldout_tokens": args.heldout_tokens, "tasks": args.tasks, "limit": args.limit,
-            "batch_size": args.batch_size, "speed_tokens": args.speed_tokens}
+            "heldout_tokens": args.heldout_tokens, "batch_size": args.batch_size, "speed_tokens": args.speed_tokens}
 
 
 def open_results(out: Path, setup: dict, overwrite: bool) -> dict:
@@ -229,6 +232,7 @@ def open_results(out: Path, setup: dict, overwrite: bool) -> dict:
     path = out / RESULTS
     if path.is_file() and not overwrite:
         results = json.loads(path.read_text(encoding="utf-8"))
+        _migrate_task_setup(results)
         differs = sorted(k for k in setup if results.get("setup", {}).get(k) != setup[k])
         if differs:
             raise LayercutError(f"{out} holds a comparison with another {', '.join(differs)}: pass another --out, "
@@ -244,6 +248,37 @@ def open_results(out: Path, setup: dict, overwrite: bool) -> dict:
     # at once: a run stopped before its first cell (in the oracle, say) is still a comparison to resume
     write_text(path, json.dumps(results, indent=2) + "\n")
     return results
+
+
+def _migrate_task_setup(results: dict) -> None:
+    """Comparisons written when --tasks and --limit were part of the setup: the limit their figures have."""
+    legacy = results.get("setup", {})
+    if "tasks" in legacy or "limit" in legacy:
+        tasks, limit = legacy.pop("tasks", None), legacy.pop("limit", None)
+        if tasks:
+            results.setdefault("task_limit", limit)
+
+
+def requested_tasks(args: argparse.Namespace) -> list[str]:
+    """The lm-eval tasks ``--tasks`` names, in order."""
+    return [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+
+
+def check_task_limit(results: dict, args: argparse.Namespace) -> None:
+    """One ``--limit`` for every task figure of a comparison: a gap between rows is then one of models."""
+    if not requested_tasks(args):
+        return
+    rows = [results["dense"] or {}, *results["cells"].values()]
+    if "task_limit" in results and results["task_limit"] != args.limit and any(row.get("tasks") for row in rows):
+        had = results["task_limit"]
+        taken, fix = (("on whole splits", "no --limit") if had is None else (f"at --limit {had}", f"--limit {had}"))
+        raise LayercutError(f"{args.out} holds task figures taken {taken}: pass {fix} to add tasks to it, or another "
+                            "--out")
+    results["task_limit"] = args.limit
+
+
+def _has_tasks(row: dict | None, tasks: list[str]) -> bool:
+    return row is not None and all(task in row.get("tasks", {}) for task in tasks)
 
 
 @dataclass(frozen=True)
@@ -374,19 +409,58 @@ def measure(model, tokenizer, heldout: Heldout, args: argparse.Namespace) -> dic
     """Parameters, held-out perplexity per domain, lm-eval tasks and decode seconds of one model."""
     row = {"params": count_parameters(model), "blocks": num_blocks(model)}
     measure_domains(model, heldout, row)
-    if args.tasks:
-        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        rows: dict[str, list[float]] = {}
-        raw = run_lm_eval(model, tokenizer, tasks, data_dir=args.data_dir, limit=args.limit, rows=rows)
-        row["tasks"] = {task: raw[task].get(primary_metric(task)) for task in tasks if task in raw}
-        row["task_rows"] = {task: [int(v) if v in (0.0, 1.0) else v for v in rows[task]] for task in tasks
-                            if task in rows}
-        row["task_stderr"] = {task: raw[task].get(f"{primary_metric(task)}_stderr") for task in tasks if task in raw}
+    measure_tasks(model, tokenizer, args, row)
     if args.speed_tokens:
         options = SpeedOptions(prompt_len=min(64, args.seq_len), new_tokens=args.speed_tokens)
         prompt = make_prompt(model.config.vocab_size, options)
         time_decode(model, prompt, 2)  # warm-up
         row["decode_s"] = sorted(time_decode(model, prompt, options.new_tokens) for _ in range(3))[1]
+    return row
+
+
+def measure_tasks(model, tokenizer, args: argparse.Namespace, row: dict) -> None:
+    """Put the ``--tasks`` that ``row`` lacks into it: score, standard error and the row-by-row scores."""
+    tasks = [task for task in requested_tasks(args) if task not in row.get("tasks", {})]
+    if not tasks:
+        return
+    rows: dict[str, list[float]] = {}
+    raw = run_lm_eval(model, tokenizer, tasks, data_dir=args.data_dir, limit=args.limit, rows=rows)
+    row.setdefault("tasks", {}).update({task: raw[task].get(primary_metric(task)) for task in tasks if task in raw})
+    row.setdefault("task_rows", {}).update({task: [int(v) if v in (0.0, 1.0) else v for v in rows[task]]
+                                            for task in tasks if task in rows})
+    row.setdefault("task_stderr", {}).update({task: raw[task].get(f"{primary_metric(task)}_stderr")
+                                              for task in tasks if task in raw})
+
+
+def kept_weights(folder: Path) -> bool:
+    """Whether a cell's folder still holds its checkpoint's weights (``--keep-checkpoints``)."""
+    return (folder / "config.json").is_file() and any(f.suffix in WEIGHT_SUFFIXES for f in folder.iterdir())
+
+
+# A cell's weights read back must give its row's perplexity to this relative tolerance (the same
+# float32 arithmetic agrees to ~1e-6; a checkpoint without its maps or from another run is off by far more)
+REPRODUCE_RTOL = 1e-4
+
+
+def complete_cell(row: dict, folder: Path, args: argparse.Namespace, heldout: Heldout) -> dict | None:
+    """``row`` with the domains and tasks it lacks, measured on the cell's kept weights.
+
+    None, and the cell runs again, when no weights were kept or they do not give the row's own
+    perplexity on a domain it has: the figures added must be those of the model the row describes.
+    """
+    known = [name for name in heldout.names() if name in row.get("domains", {})]
+    if not known or not kept_weights(folder):
+        return None
+    loaded = load_config_from_args(args, model=str(folder)).load()
+    again = heldout.perplexity(loaded.model, known[0])
+    if not math.isclose(again, row["domains"][known[0]], rel_tol=REPRODUCE_RTOL):
+        logger.warning("%s gives %s perplexity %.5f where its row says %.5f: running the cell again", folder,
+                       known[0], again, row["domains"][known[0]])
+        return None
+    row = copy.deepcopy(row)
+    measure_domains(loaded.model, heldout, row, [name for name in heldout.names() if name not in known])
+    measure_tasks(loaded.model, loaded.tokenizer, args, row)
+    row["completed_from_checkpoint"] = True
     return row
 
 
@@ -510,7 +584,7 @@ def _beats(a: dict, b: dict, fa: dict, fb: dict, names: list[str], quality: str 
     """Lower perplexity on every domain and, when tasks ran, the task figure higher by two standard errors."""
     if not all(a["domains"][n] < b["domains"][n] for n in names):
         return False
-    if quality is None:
+    if quality is None or (quality not in fa and quality not in fb):  # neither row ran the tasks: perplexity alone
         return True
     if quality not in fa or quality not in fb:
         return False
@@ -648,7 +722,8 @@ def _task_note(analysis: dict) -> list[str]:
             + (f"; left out: {excluded}" if excluded else "") + f". \"Tasks vs best\" compares the {quality} with "
             f"the best at the same drop: tie when the gap is under {TIE_SE:g} standard errors of the paired "
             f"difference (row by row on the same rows). \"Better than\": "
-            f"lower perplexity on every domain and a {quality} higher by {TIE_SE:g} standard errors or more.", ""]
+            f"lower perplexity on every domain and a {quality} higher by {TIE_SE:g} standard errors or more; "
+            "rows without task figures are compared with each other on perplexity alone.", ""]
 
 
 def _task_cells(row: dict, tasks: list[str], figures: dict, vs_best: str) -> list[str]:
@@ -747,12 +822,18 @@ def compare(args: argparse.Namespace) -> dict:
     domains = plan_domains(args)
     out = Path(args.out)
     results = open_results(out, setup_of(args), args.overwrite)
+    check_task_limit(results, args)
     reconcile_domains(results, domains)
-    todo = [(name, path, drop) for drop in drops for name, path in methods.items()
-            if results["cells"].get(cell_key(name, drop), {}).get("recipe_digest") != recipe_digest(path)
-            or not _has_domains(results["cells"].get(cell_key(name, drop)), domains)]
+    tasks = requested_tasks(args)
+
+    def unfinished(name: str, path: Path, drop: int) -> bool:
+        row = results["cells"].get(cell_key(name, drop))
+        stale = row is None or row.get("recipe_digest") != recipe_digest(path)
+        return stale or not _has_domains(row, domains) or not _has_tasks(row, tasks)
+
+    todo = [(name, path, drop) for drop in drops for name, path in methods.items() if unfinished(name, path, drop)]
     need_oracle = args.oracle and not results.get("oracle")
-    if not todo and not need_oracle and _has_domains(results["dense"], domains):
+    if not todo and not need_oracle and _has_domains(results["dense"], domains) and _has_tasks(results["dense"], tasks):
         logger.info("every cell of %s is finished", out)
         refresh_rows(results, [domain.name for domain in domains])
         write_reports(results, out, results["dense"]["blocks"])
@@ -782,6 +863,7 @@ def compare(args: argparse.Namespace) -> dict:
     else:  # a domain added since: measure the dense model on it alone
         missing = [name for name in heldout.names() if name not in results["dense"].get("domains", {})]
         measure_domains(loaded.model, heldout, results["dense"], missing)
+        measure_tasks(loaded.model, loaded.tokenizer, args, results["dense"])
     refresh_rows(results, heldout.names())
     if need_oracle:
         started = time.perf_counter()
@@ -796,9 +878,19 @@ def compare(args: argparse.Namespace) -> dict:
         with tqdm(total=len(methods) * len(drops), initial=done, desc="compare", unit="cell") as bar:
             for name, path, drop in todo:
                 bar.set_postfix_str(f"{name} drop {drop}")
-                results["cells"][cell_key(name, drop)] = run_cell(name, path, drop, args, loaded, scored, heldout,
-                                                                  out, results["dense"])
-                run["cells"] += 1
+                key = cell_key(name, drop)
+                row = results["cells"].get(key)
+                completed = None
+                if row is not None and row.get("recipe_digest") == recipe_digest(path):
+                    completed = complete_cell(row, out / CELLS / f"{name}-drop{drop}", args, heldout)
+                if completed is not None:
+                    results["cells"][key] = completed
+                    run["cells_completed"] = run.get("cells_completed", 0) + 1
+                else:
+                    results["cells"][key] = run_cell(name, path, drop, args, loaded, scored, heldout, out,
+                                                     results["dense"])
+                    run["cells"] += 1
+                refresh_rows(results, heldout.names())
                 run["seconds"] = round(time.perf_counter() - begun, 2)
                 write_reports(results, out, results["dense"]["blocks"], plots=False)  # a crash keeps the cell
                 bar.update()

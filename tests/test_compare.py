@@ -375,3 +375,71 @@ def test_a_recipe_edited_while_its_cell_runs_keeps_the_digest_it_ran_with(tiny_f
     counted.clear()  # the recipe as it is now was never run: resuming runs it
     code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", recipe, "--speed-tokens", "0")
     assert code == 0 and counted == [("mine", 1)]
+
+
+def test_tasks_are_added_from_kept_weights_checked_against_the_row(tiny_folder, tmp_path, capsys, counted,
+                                                                   shared_data):
+    out = tmp_path / "cmp"
+    def base(methods="shortgpt,layercut-linear"):
+        return [*small(tiny_folder, out), "--drop", "1", "--methods", methods, "--speed-tokens", "0",
+                "--keep-checkpoints"]
+
+    assert run(capsys, *base())[0] == 0
+    first = json.loads((out / "results.json").read_text())
+    assert "tasks" not in first["cells"]["shortgpt@1"] and "limit" not in first["setup"]
+    # tasks for one method: only its cell is completed, from its weights (layercut-linear's carry maps)
+    counted.clear()
+    tasks = ["--tasks", "piqa", "--limit", "4", "--data-dir", shared_data]
+    code, _, err = run(capsys, *base("layercut-linear"), *tasks)
+    assert code == 0, err
+    assert counted == []  # nothing ran again
+    second = json.loads((out / "results.json").read_text())
+    linear, shortgpt = second["cells"]["layercut-linear@1"], second["cells"]["shortgpt@1"]
+    assert linear["completed_from_checkpoint"] and len(linear["task_rows"]["piqa"]) == 4
+    assert linear["domains"] == first["cells"]["layercut-linear@1"]["domains"] and "tasks" not in shortgpt
+    assert len(second["dense"]["task_rows"]["piqa"]) == 4 and second["task_limit"] == 4
+    # the same tasks on all rows read from another model than the row's: that cell runs again instead
+    row = second["cells"]["shortgpt@1"]
+    row["domains"] = {name: value * 1.01 for name, value in row["domains"].items()}
+    (out / "results.json").write_text(json.dumps(second))
+    code, _, err = run(capsys, *base(), *tasks)
+    assert code == 0, err
+    assert counted == [("shortgpt", 1)]
+    third = json.loads((out / "results.json").read_text())
+    assert third["cells"]["shortgpt@1"]["domains"] == first["cells"]["shortgpt@1"]["domains"]
+    assert "completed_from_checkpoint" not in third["cells"]["shortgpt@1"]
+    # task figures of one comparison share one --limit
+    code, _, err = run(capsys, *base(), "--tasks", "piqa", "--limit", "8", "--data-dir", shared_data)
+    assert code == EXIT_BAD_INPUT and "holds task figures taken at --limit 4: pass --limit 4" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_without_kept_weights_adding_tasks_runs_the_cell_again(tiny_folder, tmp_path, capsys, counted, shared_data):
+    out = tmp_path / "cmp"
+    base = [*small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt", "--speed-tokens", "0"]
+    assert run(capsys, *base)[0] == 0
+    counted.clear()
+    code, _, err = run(capsys, *base, "--tasks", "piqa", "--limit", "4", "--data-dir", shared_data)
+    assert code == 0, err
+    assert counted == [("shortgpt", 1)]
+    assert len(json.loads((out / "results.json").read_text())["cells"]["shortgpt@1"]["task_rows"]["piqa"]) == 4
+
+
+def test_a_comparison_written_with_tasks_in_its_setup_resumes():
+    results = {"setup": {"model": "m", "tasks": "piqa", "limit": 200, "batch_size": 4}, "dense": None, "cells": {}}
+    compare_module._migrate_task_setup(results)
+    assert results["setup"] == {"model": "m", "batch_size": 4} and results["task_limit"] == 200
+    untouched = {"setup": {"model": "m", "tasks": None, "limit": None}, "dense": None, "cells": {}}
+    compare_module._migrate_task_setup(untouched)
+    assert "task_limit" not in untouched and untouched["setup"] == {"model": "m"}
+
+
+def test_rows_without_tasks_are_compared_on_perplexity_alone():
+    dense = _row("dense", 0, {"a": 10.0}, tasks={"arc_easy": 0.6}, stderr=0.01)
+    results = {"dense": dense, "domains": ["a"], "cells": {
+        "x@2": _row("x", 2, {"a": 11.0}), "y@2": _row("y", 2, {"a": 12.0}),
+        "z@2": _row("z", 2, {"a": 13.0}, tasks={"arc_easy": 0.59}, stderr=0.01)}}
+    analysis = compare_module.analyse(results)
+    assert analysis["task_quality"] == "retention"
+    # x beats y on perplexity, neither ran the tasks; z has task figures, x and y cannot be weighed against it
+    assert analysis["better_than"] == {"x@2": ["y@2"], "y@2": [], "z@2": []}
