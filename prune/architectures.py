@@ -58,6 +58,8 @@ REFUSED = {
     "gemma4_unified_text": "per-layer input embeddings are one table sized by the layer count "
                            "(embed_tokens_per_layer)",
 }
+REFUSED["dory"] = ("its config splits the layer count into input, recurrent and output groups "
+                   "(n_input_layers + n_recurrent_layers + n_output_layers); removing a block needs them re-split")
 REFUSED["youtu"] = ("after pruning, the logits of token 0 (its padding id) differ from the original's with "
                     "that block skipped; not yet explained, so refused")
 # Architectures whose checkpoints transformers itself cannot reload through AutoModelForCausalLM.
