@@ -12,8 +12,9 @@ from functools import lru_cache
 
 import torch
 
-from prune.adapters import ArchSpec, arch_spec
+from prune.adapters import ArchSpec, arch_spec, text_config
 from prune.errors import LayercutError
+from prune.surgery import check_config_rules, remapped_config_entries
 from prune.tiny import TINY_VOCAB, build_tiny, quiet, tiny_config
 
 __all__ = ["TINY_VOCAB", "ArchStatus", "architecture_markdown", "architecture_status", "architecture_table",
@@ -58,8 +59,6 @@ REFUSED = {
     "gemma4_unified_text": "per-layer input embeddings are one table sized by the layer count "
                            "(embed_tokens_per_layer)",
 }
-REFUSED["dory"] = ("its config splits the layer count into input, recurrent and output groups "
-                   "(n_input_layers + n_recurrent_layers + n_output_layers); removing a block needs them re-split")
 REFUSED["youtu"] = ("after pruning, the logits of token 0 (its padding id) differ from the original's with "
                     "that block skipped; not yet explained, so refused")
 # Architectures whose checkpoints transformers itself cannot reload through AutoModelForCausalLM.
@@ -119,12 +118,29 @@ def architecture_status(model_type: str, run: bool = True) -> ArchStatus:
     if model_type in REFUSED:
         return ArchStatus(model_type, model_class, False, REFUSED[model_type], spec)
     blocks = model.get_submodule(spec.blocks)
+    refused = _config_rules_refusal(model, len(blocks))
+    if refused is not None:
+        return ArchStatus(model_type, model_class, False, refused, spec)
     if not any(k in type(m).__name__.lower() for m in blocks.modules() for k in ("attention", "attn")):
         return ArchStatus(model_type, model_class, False, _REFUSED_FAMILIES["recurrent"], spec, family="recurrent")
     failure = _runs(model_type) if run else None
     if failure is not None:
         return ArchStatus(model_type, model_class, False, failure, spec, checked=False)
     return ArchStatus(model_type, model_class, True, _notes(spec), spec)
+
+
+def _config_rules_refusal(model, count: int) -> str | None:
+    """Why transformers' own config rules refuse the model with its first block removed, or None."""
+    kept = list(range(1, count))
+    try:
+        entries = remapped_config_entries(text_config(model), kept, count)
+    except LayercutError:  # a per-layer pattern this removal breaks and others keep: not a refusal
+        return None
+    try:
+        check_config_rules(model, len(kept), entries)
+    except LayercutError as exc:
+        return str(exc)
+    return None
 
 
 def _notes(spec: ArchSpec) -> str:

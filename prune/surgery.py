@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
+from huggingface_hub.errors import StrictDataclassClassValidationError
 from torch import nn
 
 from prune.adapters import PER_LAYER_CONFIG_LISTS, arch_spec, get_blocks, text_config
@@ -214,6 +215,7 @@ def set_blocks_(model: nn.Module, blocks: Sequence[nn.Module], sources: Sequence
         raise ValueError("blocks, sources and layout must have the same length")
     config = text_config(model)
     entries = remapped_config_entries(config, sources, len(current))
+    check_config_rules(model, len(blocks), entries)
     model.set_submodule(path, nn.ModuleList(blocks))
     for position, block in enumerate(blocks):
         for owner in _layer_index_owners(block):
@@ -228,6 +230,30 @@ def set_blocks_(model: nn.Module, blocks: Sequence[nn.Module], sources: Sequence
     setattr(model.config, RECORDS_ATTR, records)
 
 
+def check_config_rules(model: nn.Module, count: int, entries: dict) -> None:
+    """Raise a one-line ``LayercutError`` when transformers' own rules refuse the config with ``count`` blocks.
+
+    Checked on a copy, before anything changes: some configs tie the layer count to fields no rule here
+    rewrites (transformers 5.24's ``dory`` splits it into input, recurrent and output groups), and
+    ``save_pretrained`` would refuse them only at export, after every measurement and distillation step.
+    """
+    config = copy.deepcopy(model.config)
+    text = text_config(config)
+    setattr(text, arch_spec(model).layer_count, count)
+    for name, value in entries.items():
+        setattr(text, name, value)
+    for part in {id(config): config, id(text): text}.values():
+        validate = getattr(part, "validate", None)
+        if validate is None:
+            continue
+        try:
+            validate()
+        except StrictDataclassClassValidationError as err:
+            cause = str(err.__cause__ or err).strip().splitlines()[0]
+            raise LayercutError(f"transformers refuses the {text.model_type} config with {count} blocks ({cause}): "
+                                "this architecture cannot lose blocks with layercut yet") from None
+
+
 def check_removable(model: nn.Module, indices: Sequence[int]) -> None:
     """Raise the one-line ``LayercutError`` that ``drop_blocks_(model, indices)`` would, changing nothing.
 
@@ -237,7 +263,7 @@ def check_removable(model: nn.Module, indices: Sequence[int]) -> None:
     _, blocks = get_blocks(model)
     dropped = check_block_indices(indices, len(blocks))
     kept = [i for i in range(len(blocks)) if i not in dropped]
-    remapped_config_entries(text_config(model), kept, len(blocks))
+    check_config_rules(model, len(kept), remapped_config_entries(text_config(model), kept, len(blocks)))
 
 
 def _signature(block: nn.Module) -> list[tuple[str, str]]:

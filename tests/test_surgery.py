@@ -136,3 +136,49 @@ def test_an_unknown_layer_counter_is_caught_by_rebuilding(monkeypatch):
     with pytest.raises(LayercutError, match="block 2 would reload as a different block.*choose other blocks"):
         drop_blocks_(model, [1])
     assert len(get_blocks(model)[1]) == 4
+
+
+RULE = "n_input_layers + n_recurrent_layers + n_output_layers must equal num_hidden_layers"
+
+
+@pytest.fixture
+def layer_count_tied(monkeypatch):
+    """A config whose own rules refuse any layer count but its original one (as transformers 5.24's dory does)."""
+    from huggingface_hub.errors import StrictDataclassClassValidationError
+    from transformers import LlamaConfig
+
+    real = LlamaConfig.validate
+
+    def validate(self):
+        if self.num_hidden_layers != 4:
+            cause = ValueError(RULE)
+            raise StrictDataclassClassValidationError(validator="validate_architecture", cause=cause) from cause
+        return real(self)
+
+    monkeypatch.setattr(LlamaConfig, "validate", validate)
+
+
+def test_a_layer_count_the_config_rules_refuse_is_one_line_before_anything_changes(layer_count_tied):
+    from prune.surgery import check_removable
+
+    model = make_tiny_model("llama")
+    assert model.config.num_hidden_layers == 4
+    for attempt in (lambda: drop_blocks_(model, [1]), lambda: check_removable(model, [1]),
+                    lambda: blocks_removed(model, [1]).__enter__()):
+        with pytest.raises(LayercutError) as err:
+            attempt()
+        assert "\n" not in str(err.value) and RULE in str(err.value) and "llama config with 3 blocks" in str(err.value)
+        assert len(get_blocks(model)[1]) == 4 and model.config.num_hidden_layers == 4
+
+
+def test_prune_run_refuses_such_a_model_with_exit_2_and_writes_nothing(layer_count_tied, tiny_folder, tmp_path,
+                                                                       capsys):
+    from conftest import run_prune_cli
+
+    from prune.errors import EXIT_BAD_INPUT
+
+    out = tmp_path / "slim"
+    code, _, err = run_prune_cli(capsys, "--model", tiny_folder, "--drop", "1", "--samples", "8", "--seq-len", "32",
+                                 "--threads", "1", "--out", out)
+    assert code == EXIT_BAD_INPUT and RULE in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert not out.exists()
