@@ -826,12 +826,15 @@ def compare(args: argparse.Namespace) -> dict:
     reconcile_domains(results, domains)
     tasks = requested_tasks(args)
 
-    def unfinished(name: str, path: Path, drop: int) -> bool:
+    def unfinished(name: str, path: Path, drop: int) -> str | None:
+        """"run" (no row, or one of another recipe), "complete" (a row lacking domains or tasks) or None."""
         row = results["cells"].get(cell_key(name, drop))
-        stale = row is None or row.get("recipe_digest") != recipe_digest(path)
-        return stale or not _has_domains(row, domains) or not _has_tasks(row, tasks)
+        if row is None or row.get("recipe_digest") != recipe_digest(path):
+            return "run"
+        return None if _has_domains(row, domains) and _has_tasks(row, tasks) else "complete"
 
-    todo = [(name, path, drop) for drop in drops for name, path in methods.items() if unfinished(name, path, drop)]
+    todo = [(name, path, drop, need) for drop in drops for name, path in methods.items()
+            if (need := unfinished(name, path, drop))]
     need_oracle = args.oracle and not results.get("oracle")
     if not todo and not need_oracle and _has_domains(results["dense"], domains) and _has_tasks(results["dense"], tasks):
         logger.info("every cell of %s is finished", out)
@@ -876,13 +879,12 @@ def compare(args: argparse.Namespace) -> dict:
     done = len(methods) * len(drops) - len(todo)
     try:
         with tqdm(total=len(methods) * len(drops), initial=done, desc="compare", unit="cell") as bar:
-            for name, path, drop in todo:
+            for name, path, drop, need in todo:
                 bar.set_postfix_str(f"{name} drop {drop}")
                 key = cell_key(name, drop)
-                row = results["cells"].get(key)
                 completed = None
-                if row is not None and row.get("recipe_digest") == recipe_digest(path):
-                    completed = complete_cell(row, out / CELLS / f"{name}-drop{drop}", args, heldout)
+                if need == "complete":
+                    completed = complete_cell(results["cells"][key], out / CELLS / f"{name}-drop{drop}", args, heldout)
                 if completed is not None:
                     results["cells"][key] = completed
                     run["cells_completed"] = run.get("cells_completed", 0) + 1
