@@ -98,8 +98,14 @@ class DistillResult:
         }
 
 
-def make_accelerator(config: DistillConfig):
-    """An ``Accelerator`` for the run: bf16 autocast on a bf16-capable GPU unless told otherwise."""
+def make_accelerator(config: DistillConfig, on_cpu: bool = False):
+    """An ``Accelerator`` for the run: bf16 autocast on a bf16-capable GPU unless told otherwise.
+
+    ``on_cpu``: the student was loaded on the CPU (``--device cpu``), so it stays there (in float32: a CUDA
+    autocast leaves CPU arithmetic alone) even where a GPU is visible; accelerate would otherwise move it
+    to the GPU, away from its teacher. Placement, not ``cpu=True``: accelerate's state is one per process,
+    and a later GPU run in the same process could not change it back.
+    """
     import os
 
     from accelerate import Accelerator
@@ -112,7 +118,8 @@ def make_accelerator(config: DistillConfig):
             precision = "bf16"
         else:
             precision = "no"
-    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=config.grad_accum)
+    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=config.grad_accum,
+                       device_placement=not on_cpu)
 
 
 def _logits_kwargs(model: nn.Module, want_logits: bool) -> dict:
@@ -224,7 +231,8 @@ class _Run:
         # decided before accelerate may wrap the student's forward (and hide its signature)
         self.call_kwargs = (_logits_kwargs(teacher, self.want_logits), _logits_kwargs(student, self.want_logits))
         self.requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
-        self.accelerator = make_accelerator(config)
+        on_cpu = all(p.device.type == "cpu" for p in student.parameters())
+        self.accelerator = make_accelerator(config, on_cpu)
         self.trainable: Trainable = select_trainable(student, config)
         self.student, self.teacher = student, teacher
         optimizer = torch.optim.AdamW(self.trainable.parameters, lr=config.lr, weight_decay=config.weight_decay)

@@ -257,6 +257,15 @@ def _blocks_path(model: nn.Module, blocks_path: str | None) -> str:
     raise ValueError(f"cannot find the decoder blocks of {type(model).__name__} (tried {tried})")
 
 
+def float_param(module: nn.Module) -> torch.Tensor:
+    """The first floating-point parameter of ``module``: the dtype and device its computations run in.
+
+    bitsandbytes stores 4/8-bit weights as integer tensors, so a block's first parameter may be ``uint8``
+    while its norms and activations are bf16; a map must take the activations' dtype.
+    """
+    return next(p for p in module.parameters() if p.is_floating_point())
+
+
 def attach_maps(model: nn.Module, maps_file: str, blocks_path: str | None = None, build=None) -> int:
     """Wrap the blocks named in a ``replacements.safetensors`` file with their maps; returns how many maps.
 
@@ -274,7 +283,7 @@ def attach_maps(model: nn.Module, maps_file: str, blocks_path: str | None = None
         if not 0 <= position < len(blocks) or side not in SIDES:
             raise ValueError(f"{maps_file} names block {name} but the model has {len(blocks)} blocks: mismatched files")
         host = blocks[position]
-        param = next(host.parameters())
+        param = float_param(host)
         module = build(spec)
         module.load_state_dict({key[len(name) + 1 :]: value for key, value in tensors.items()
                                 if key.startswith(name + ".")})  # fmt: skip

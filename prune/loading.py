@@ -604,6 +604,22 @@ def load_config(name: str) -> PretrainedConfig | None:
     return config.get_text_config()
 
 
+def check_resident(model: PreTrainedModel, name: str) -> None:
+    """Refuse a model that accelerate offloaded to CPU RAM or disk because the GPUs could not hold it.
+
+    Offloaded weights sit on the ``meta`` device and are fetched for each call; layercut removes blocks,
+    fits maps beside them and trains them, which needs every weight where it computes. Loading would
+    succeed and the first map would be built on ``meta``, deep inside torch.
+    """
+    offloaded = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if offloaded:
+        raise LayercutError(
+            f"{name} does not fit on the visible GPU(s): accelerate offloaded {len(offloaded)} weight tensor(s) "
+            "to CPU or disk, and layercut needs every weight in memory: add GPUs, pass --load-in-4bit or "
+            "--load-in-8bit, or use --device cpu"
+        )
+
+
 def load_model(
     name: str,
     *,
@@ -661,6 +677,7 @@ def load_model(
     tokenizer = load_tokenizer(tokenizer or checkpoint)
     with _hub_errors(name, hub_id, weights=True):
         model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs)
+    check_resident(model, name)
     _finish_model(model, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     via = "" if checkpoint == resolved else f" (via {checkpoint})"

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from prune.capture import block_output
+from prune.hf_remote_code import float_param
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement
 from prune.replace.modules import parameter_count
@@ -38,7 +39,7 @@ class BlockFitter(CachingFitter):
     def __init__(self, *args):
         super().__init__(*args)
         self.where, self.host = "block", None
-        param = next(self.original[self.span[0]].parameters())
+        param = float_param(self.original[self.span[0]])
         self.dtype, self.device = param.dtype, param.device
 
     def observe(self, batch: SpanBatch) -> None:

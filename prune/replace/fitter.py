@@ -16,6 +16,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from prune.adapters import hidden_size
+from prune.hf_remote_code import float_param
 from prune.replace.capture import Recorder, SpanBatch, move
 from prune.replace.config import ReplaceConfig
 from prune.stats import PairMoments
@@ -88,7 +89,7 @@ class SpanFitter:
         self.dim = hidden_size(model)
         self.where = "before" if span[0] == 0 else "after"
         self.host = span[-1] + 1 if self.where == "before" else span[0] - 1
-        param = next(original[self.host].parameters())  # a span never covers every block
+        param = float_param(original[self.host])  # a span never covers every block
         self.dtype, self.device = param.dtype, param.device
 
     def hook_inputs(self, recorder: Recorder) -> None:
