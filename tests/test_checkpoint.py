@@ -170,4 +170,3 @@ def test_load_fetches_the_maps_of_a_hub_checkpoint(tmp_path, monkeypatch):
     loaded = prune.load("org/lin")
     assert asked == [("org/lin", "replacements.safetensors")]
     torch.testing.assert_close(logits(loaded.model), logits(model), rtol=0, atol=1e-6)
-
