@@ -94,7 +94,7 @@ def test_resolve_method_by_name_or_path_and_unknown_lists_the_known(tmp_path):
 
 def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     repairs = method_recipes(METHODS_DIR.parent / "repairs")
-    assert set(repairs) == {"remove", "fold"} and not set(repairs) & set(method_recipes())
+    assert set(repairs) == {"remove", "fold", "linear-long"} and not set(repairs) & set(method_recipes())
     linear = config_from_recipe(METHODS_DIR / "layercut-linear.yaml", {"drop": 4, "load": {"model": "tiny"}})
     remove = config_from_recipe(repairs["remove"], {"drop": 4, "load": {"model": "tiny"}})
     # the baseline removes what layercut-linear replaces: same score, same selection, no map
@@ -102,6 +102,10 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert remove.replace.method == "none" and linear.replace.method == "linear"
     fold = config_from_recipe(repairs["fold"], {"drop": 4, "load": {"model": "tiny"}})
     assert fold.replace.method == "fold" and fold.select == "span"
+    # issue 17's "before": layercut-linear's blocks and map, without the short-sequence fit
+    long = config_from_recipe(repairs["linear-long"], {"drop": 4, "load": {"model": "tiny"}})
+    assert (long.score, long.select, long.replace.method) == (linear.score, linear.select, "linear")
+    assert long.replace.short == 0 and linear.replace.short != 0
 
 
 @pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])
