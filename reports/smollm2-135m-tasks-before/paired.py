@@ -4,7 +4,8 @@
         reports/smollm2-135m-tasks-gpu/results.json::remove@4 \
         reports/smollm2-135m-tasks-before/results.json::linear-long@4
 
-Each row is FILE::CELL; the first is the baseline, and its file's dense model counts retention.
+Each row is FILE::CELL; the first is the baseline. The rows pair only when every file's dense model answered
+each task row alike (the same model, tasks and --limit): otherwise the script stops.
 """
 
 import json
@@ -15,16 +16,16 @@ from eval.compare import _task_figures, gap_stderr
 
 TASK_SETS = (["arc_easy", "hellaswag", "piqa", "lambada_openai"], ["arc_easy", "hellaswag", "piqa"])
 
-
-def load(spec: str) -> tuple[dict, dict]:
-    """The dense row and the named cell of one results.json."""
+files, rows = {}, {}
+for spec in sys.argv[1:]:
     path, key = spec.split("::")
-    results = json.loads(Path(path).read_text())
-    return results["dense"], results["cells"][key]
-
-
-dense, _ = load(sys.argv[1])
-rows = {f"{spec.split('::')[1]} ({Path(spec.split('::')[0]).parent.name})": load(spec)[1] for spec in sys.argv[1:]}
+    if path not in files:
+        files[path] = json.loads(Path(path).read_text())
+    rows[f"{key} ({Path(path).parent.name})"] = files[path]["cells"][key]
+dense = next(iter(files.values()))["dense"]
+for path, results in files.items():
+    if results["dense"]["task_rows"] != dense["task_rows"]:
+        sys.exit(f"{path}: its dense model answered the task rows otherwise; its rows do not pair with the first's")
 base = next(iter(rows))
 for tasks in TASK_SETS:
     print(f"{len(tasks)} tasks")
