@@ -299,8 +299,14 @@ class Domain:
     def key(self) -> str:
         """What the domain's figures were measured on; a name whose key changed is measured again."""
         if self.spec is not None:
-            return self.spec
+            return _source_key(self.spec)
         return f"calibration held-out {'all' if self.part is None else self.part}"
+
+
+def _source_key(spec: str) -> str:
+    """A file by its absolute path, so one text named from another folder, or by a relative path, is one text."""
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.is_file() else spec
 
 
 def _domain_name(spec: str) -> str:
@@ -468,7 +474,8 @@ def reconcile_domains(results: dict, domains: list[Domain]) -> None:
     """Forget every figure of a domain whose name now means another text, so it is measured again."""
     measured = results.get("heldout", {}).get("domains", {})
     for domain in domains:
-        if domain.name in measured and measured[domain.name].get("key") != domain.key:
+        # keys of comparisons written before keys were absolute paths compare by the file they name
+        if domain.name in measured and _source_key(measured[domain.name].get("key", "")) != domain.key:
             for row in [results["dense"] or {}, *results["cells"].values()]:
                 row.get("domains", {}).pop(domain.name, None)
 

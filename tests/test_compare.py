@@ -224,7 +224,8 @@ def test_without_tasks_better_means_every_domain():
     assert analysis["tasks"] == [] and analysis["vs_best_tasks"] == {}
 
 
-def test_heldout_domains_resume_when_a_domain_is_added(tiny_folder, tmp_path, capsys, counted, sample_text):
+def test_heldout_domains_resume_when_a_domain_is_added(tiny_folder, tmp_path, capsys, counted, sample_text,
+                                                        monkeypatch):
     from eval.perplexity import perplexity, tokenize_text
 
     novel, speech, news = tmp_path / "novel.txt", tmp_path / "speech.txt", tmp_path / "news.txt"
@@ -257,8 +258,13 @@ def test_heldout_domains_resume_when_a_domain_is_added(tiny_folder, tmp_path, ca
     assert again["dense"]["domains"]["novel"] == dense["domains"]["novel"]  # kept, not measured again
     assert set(again["cells"]["shortgpt@1"]["domains"]) == {"novel", "talk", "news"}
     assert again["cells"]["shortgpt@1"]["domains"]["talk"] == pytest.approx(cell["domains"]["talk"])
-    # a domain name that now means another text is measured again
+    # the same files named by relative paths from elsewhere are the same texts: nothing is measured again
     counted.clear()
+    monkeypatch.chdir(news.parent)
+    code, _, err = run(capsys, *base, "--heldout", f"{novel.name},talk={speech.name},{news.name}")
+    assert code == 0, err
+    assert counted == [] and json.loads((out / "results.json").read_text())["cells"] == again["cells"]
+    # a domain name that now means another text is measured again
     code, _, err = run(capsys, *base, "--heldout", f"{novel},talk={news},{news}")
     assert code == 0, err
     third = json.loads((out / "results.json").read_text())

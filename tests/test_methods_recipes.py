@@ -94,7 +94,8 @@ def test_resolve_method_by_name_or_path_and_unknown_lists_the_known(tmp_path):
 
 def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     repairs = method_recipes(METHODS_DIR.parent / "repairs")
-    assert set(repairs) == {"remove", "fold", "linear-long"} and not set(repairs) & set(method_recipes())
+    assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000"}
+    assert not set(repairs) & set(method_recipes())
     linear = config_from_recipe(METHODS_DIR / "layercut-linear.yaml", {"drop": 4, "load": {"model": "tiny"}})
     remove = config_from_recipe(repairs["remove"], {"drop": 4, "load": {"model": "tiny"}})
     # the baseline removes what layercut-linear replaces: same score, same selection, no map
@@ -106,6 +107,12 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     long = config_from_recipe(repairs["linear-long"], {"drop": 4, "load": {"model": "tiny"}})
     assert (long.score, long.select, long.replace.method) == (linear.score, linear.select, "linear")
     assert long.replace.short == 0 and linear.replace.short != 0
+    # the distillation budget the issue allows, on layercut-linear-distill's blocks and maps
+    short = config_from_recipe(METHODS_DIR / "layercut-linear-distill.yaml", {"drop": 4, "load": {"model": "tiny"}})
+    budget = config_from_recipe(repairs["linear-distill-2000"], {"drop": 4, "load": {"model": "tiny"}})
+    assert budget.distill["steps"] == 2000 and short.distill["steps"] == 200
+    assert (budget.score, budget.select, budget.replace, budget.distill["train"]) == \
+        (short.score, short.select, short.replace, short.distill["train"])
 
 
 @pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])
