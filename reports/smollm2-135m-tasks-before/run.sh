@@ -11,3 +11,11 @@ python -m eval.compare --data builtin --drop 4,8 \
 python -m eval.compare --data builtin --drop 4,8 --methods recipes/repairs/linear-long.yaml \
   --heldout $HELDOUT --heldout-tokens 8192 --keep-checkpoints --speed-tokens 0 \
   --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 1000 --data-dir $D --out reports/smollm2-135m-tasks-before
+# 3. the isolation row: layercut-linear as it is now (--fit-short 64) on the old calibration, drop 4
+python -m eval.compare --data builtin --drop 4 --methods layercut-linear \
+  --heldout $HELDOUT --heldout-tokens 8192 --keep-checkpoints --speed-tokens 0 \
+  --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 1000 --data-dir $D --out reports/smollm2-135m-tasks-before
+# 4. fold's tasks, on its kept weights
+python -m eval.compare --data builtin --drop 4,8 --methods recipes/repairs/fold.yaml \
+  --heldout $HELDOUT --heldout-tokens 8192 --keep-checkpoints --speed-tokens 0 \
+  --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 1000 --data-dir $D --out reports/smollm2-135m-tasks-before
