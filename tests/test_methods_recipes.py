@@ -96,20 +96,24 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     repairs = method_recipes(METHODS_DIR.parent / "repairs")
     assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000"}
     assert not set(repairs) & set(method_recipes())
-    linear = config_from_recipe(METHODS_DIR / "layercut-linear.yaml", {"drop": 4, "load": {"model": "tiny"}})
-    remove = config_from_recipe(repairs["remove"], {"drop": 4, "load": {"model": "tiny"}})
+
+    def config(path):
+        return config_from_recipe(path, {"drop": 4, "load": {"model": "tiny"}})
+
+    linear = config(METHODS_DIR / "layercut-linear.yaml")
+    remove = config(repairs["remove"])
     # the baseline removes what layercut-linear replaces: same score, same selection, no map
     assert (remove.score, remove.select) == (linear.score, linear.select)
     assert remove.replace.method == "none" and linear.replace.method == "linear"
-    fold = config_from_recipe(repairs["fold"], {"drop": 4, "load": {"model": "tiny"}})
+    fold = config(repairs["fold"])
     assert fold.replace.method == "fold" and fold.select == "span"
     # issue 17's "before": layercut-linear's blocks and map, without the short-sequence fit
-    long = config_from_recipe(repairs["linear-long"], {"drop": 4, "load": {"model": "tiny"}})
+    long = config(repairs["linear-long"])
     assert (long.score, long.select, long.replace.method) == (linear.score, linear.select, "linear")
     assert long.replace.short == 0 and linear.replace.short != 0
     # the distillation budget the issue allows, on layercut-linear-distill's blocks and maps
-    short = config_from_recipe(METHODS_DIR / "layercut-linear-distill.yaml", {"drop": 4, "load": {"model": "tiny"}})
-    budget = config_from_recipe(repairs["linear-distill-2000"], {"drop": 4, "load": {"model": "tiny"}})
+    short = config(METHODS_DIR / "layercut-linear-distill.yaml")
+    budget = config(repairs["linear-distill-2000"])
     assert budget.distill["steps"] == 2000 and short.distill["steps"] == 200
     assert (budget.score, budget.select, budget.replace, budget.distill["train"]) == \
         (short.score, short.select, short.replace, short.distill["train"])
