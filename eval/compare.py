@@ -206,10 +206,15 @@ def recipe_digest(path: Path) -> str:
     """Changes when the method does: a finished cell is run again after its recipe changed.
 
     The resolved method configuration is hashed with the file, so a changed default that the recipe
-    leaves unset (``replace.short`` of ``linear``, say) reruns the cell too.
+    leaves unset (``replace.short`` of ``linear``, say, or the text ``distill`` reads) reruns the cell too.
     """
-    resolved = dataclasses.asdict(config_from_recipe(path, {"drop": 1, "load": {"model": "digest"}}))
+    config = config_from_recipe(path, {"drop": 1, "load": {"model": "digest"}})
+    resolved = dataclasses.asdict(config)
     method = {key: value for key, value in resolved.items() if key not in RUN_KEYS}
+    for step in config.build_steps():  # a step's section is a raw mapping until its step fills in the defaults
+        options = getattr(step, "config", None)
+        if dataclasses.is_dataclass(options):
+            method[step.name] = dataclasses.asdict(options)
     text = json.dumps(method, sort_keys=True, default=str).encode()
     return hashlib.sha256(path.read_bytes() + text).hexdigest()[:16]
 
@@ -555,7 +560,7 @@ def _stderr(row: dict, task: str) -> float:
     return float(value) if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
 
 
-def _task_figures(row: dict, tasks: list[str], counted: list[str], dense: dict) -> dict:
+def task_figures(row: dict, tasks: list[str], counted: list[str], dense: dict) -> dict:
     """Task mean, retention above chance and their standard errors for one row."""
     figures = {}
     present = [t for t in tasks if row.get("tasks", {}).get(t) is not None]
@@ -615,8 +620,8 @@ def analyse(results: dict) -> dict:
             excluded[task] = f"dense {value:.3f} is within {TIE_SE:g} standard errors of chance {CHANCE[task]:g}"
         else:
             counted.append(task)
-    figures = {key: _task_figures(row, tasks, counted, dense) for key, row in rows.items()}
-    figures["dense"] = _task_figures(dense, tasks, counted, dense) if dense else {}
+    figures = {key: task_figures(row, tasks, counted, dense) for key, row in rows.items()}
+    figures["dense"] = task_figures(dense, tasks, counted, dense) if dense else {}
     quality = None if not tasks else ("retention" if counted else "task_mean")
     used = counted if quality == "retention" else [t for t in tasks if t in dense.get("tasks", {})]
 

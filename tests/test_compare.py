@@ -361,6 +361,17 @@ def test_a_changed_default_reruns_the_cells_of_the_methods_it_changes(monkeypatc
     assert after[0] != before[0] and after[1] == before[1]
 
 
+def test_a_changed_distillation_default_reruns_the_distilling_cells(monkeypatch):
+    import distill.config
+
+    distilled, linear = METHODS_DIR / "layercut-linear-distill.yaml", METHODS_DIR / "layercut-linear.yaml"
+    before = compare_module.recipe_digest(distilled), compare_module.recipe_digest(linear)
+    # the recipe names no distillation text: the default is part of what its cell ran
+    monkeypatch.setattr(distill.config, "DEFAULT_SAMPLES", 2 * distill.config.DEFAULT_SAMPLES)
+    after = compare_module.recipe_digest(distilled), compare_module.recipe_digest(linear)
+    assert after[0] != before[0] and after[1] == before[1]
+
+
 def test_a_recipe_edited_while_its_cell_runs_keeps_the_digest_it_ran_with(tiny_folder, tmp_path, capsys, counted,
                                                                          monkeypatch):
     recipe = tmp_path / "mine.yaml"

@@ -7,6 +7,7 @@ import pytest
 import yaml
 from conftest import run_prune_cli as run
 
+from distill.config import DistillConfig
 from prune.errors import EXIT_BAD_INPUT, LayercutError
 from prune.recipes import (
     METHOD_KEYS,
@@ -94,7 +95,7 @@ def test_resolve_method_by_name_or_path_and_unknown_lists_the_known(tmp_path):
 
 def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     repairs = method_recipes(METHODS_DIR.parent / "repairs")
-    assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000"}
+    assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000", "linear-distill-mixed"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
@@ -117,6 +118,10 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert budget.distill["steps"] == 2000 and short.distill["steps"] == 200
     assert (budget.score, budget.select, budget.replace, budget.distill["train"]) == \
         (short.score, short.select, short.replace, short.distill["train"])
+    # the same run with its distillation text pinned: the novel and text sampled from the model, today's default
+    mixed = DistillConfig.from_dict(config(repairs["linear-distill-mixed"]).distill)
+    assert [s.spec for s in mixed.data.sources] == [None, "self"] and mixed.data.samples == 512
+    assert mixed == DistillConfig.from_dict(short.distill)
 
 
 @pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])

@@ -10,6 +10,7 @@ from conftest import run_prune_cli as run
 from transformers import AutoModelForCausalLM
 
 import prune
+from prune.data import DEFAULT_DATA
 from prune.errors import EXIT_BAD_INPUT, LayercutError
 from prune.pipeline import LoadConfig, PruneConfig, run_prune
 from prune.recipes import config_from_recipe
@@ -130,7 +131,7 @@ def test_linear_distill_recipe():
     (step,) = config.build_steps()
     distill = step.config
     assert (distill.steps, distill.batch_size, distill.data.seq_len, distill.train) == (100, 4, 128, "replacements")
-    assert distill.data.samples == 1024  # the distillation default, not the calibration's 64
+    assert (distill.data.samples, distill.data.data) == (512, DEFAULT_DATA)  # distillation's own count, not the 64
 
 
 def test_bad_distill_keys():

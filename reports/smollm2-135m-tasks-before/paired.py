@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from eval.compare import _task_figures, gap_stderr
+from eval.compare import gap_stderr, task_figures
 
 TASK_SETS = (["arc_easy", "hellaswag", "piqa", "lambada_openai"], ["arc_easy", "hellaswag", "piqa"])
 
@@ -29,9 +29,9 @@ for path, results in files.items():
 base = next(iter(rows))
 for tasks in TASK_SETS:
     print(f"{len(tasks)} tasks")
-    fb = _task_figures(rows[base], tasks, tasks, dense)
+    fb = task_figures(rows[base], tasks, tasks, dense)
     for name, row in rows.items():
-        fa = _task_figures(row, tasks, tasks, dense)
+        fa = task_figures(row, tasks, tasks, dense)
         gap, se = fa["retention"] - fb["retention"], gap_stderr(row, rows[base], fa, fb, "retention", tasks, dense)
         print(f"  {name}: {100 * fa['retention']:.1f} ± {100 * fa['retention_stderr']:.1f}; "
               f"minus {base}: {100 * gap:+.1f} ± {100 * se:.1f}")

@@ -1,0 +1,9 @@
+# Which text to distil on: the novel alone (the distillation default) or novel + self-sampled text (the
+# calibration default), chosen on the selection split (selection.py), drop 8, 200 steps each.
+# Run from the repository root with ../shared/data beside it; 2-core CPU, about 40 minutes.
+D=../shared/data; S=/tmp/layercut-selection
+PYTHONPATH=. python reports/smollm2-135m-distill-data/selection.py $D $S
+python -m eval.compare --drop 8 \
+  --methods layercut-linear,layercut-linear-distill,recipes/repairs/linear-distill-mixed.yaml \
+  --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
+  --heldout-tokens 8192 --speed-tokens 0 --threads 2 --out reports/smollm2-135m-distill-data/selection

@@ -1,0 +1,35 @@
+"""The selection split: texts and task prompts that no reported figure reads, for choosing defaults.
+
+Writes, under OUT: the last fifth of Tiny Shakespeare (the reported "plays" domain reads its start) and
+the last 500 rows of ARC-Easy, HellaSwag and PIQA as lm-eval builds them (the reported task figures read
+the first 1,000; each split has more than 1,500 rows, so the two never meet), one prompt plus its right
+answer per line. The other selection texts are whole files of ../shared/data: Northanger Abbey, PTB
+valid, WikiText-2 validation.
+
+    PYTHONPATH=. python reports/smollm2-135m-distill-data/selection.py ../shared/data /tmp/layercut-selection
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from eval.lmeval import local_tasks
+
+TASKS = ("arc_easy", "hellaswag", "piqa")
+ROWS = 500
+REPORTED_ROWS = 1000
+
+data, out = sys.argv[1], Path(sys.argv[2])
+out.mkdir(parents=True, exist_ok=True)
+plays = (Path(data) / "tinyshakespeare/input.txt").read_text()
+(out / "plays_last_fifth.txt").write_text(plays[len(plays) * 4 // 5:])
+for name, task in local_tasks(TASKS, data).items():
+    docs = list(task.test_docs() if task.has_test_docs() else task.validation_docs())
+    if len(docs) < REPORTED_ROWS + ROWS:
+        raise SystemExit(f"{name} has {len(docs)} rows: its last {ROWS} would meet the reported first {REPORTED_ROWS}")
+    with open(out / f"{name}.jsonl", "w") as f:
+        for doc in docs[-ROWS:]:
+            text, target = task.doc_to_text(doc), task.doc_to_target(doc)
+            if task.OUTPUT_TYPE == "multiple_choice":  # lm-eval joins a choice with the delimiter, a target as is
+                target = task.config.target_delimiter + task.doc_to_choice(doc)[target]
+            f.write(json.dumps({"text": text + target}) + "\n")
