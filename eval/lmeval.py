@@ -363,6 +363,22 @@ def local_tasks(names: Sequence[str], data_dir: str | Path | None) -> dict[str, 
         return dict(manager.load(list(names))["tasks"])
 
 
+def answered_prompts(task) -> list[str]:
+    """Every evaluation row of an lm-eval ``task``: its prompt followed by its right answer, as one text.
+
+    The answer is joined the way lm-eval scores it: a multiple-choice option after the task's target
+    delimiter, any other target as it is. Rows come in the task's order (test split, else validation).
+    """
+    docs = task.test_docs() if task.has_test_docs() else task.validation_docs()
+    texts = []
+    for doc in docs:
+        target = task.doc_to_target(doc)
+        if task.OUTPUT_TYPE == "multiple_choice":
+            target = task.config.target_delimiter + task.doc_to_choice(doc)[target]
+        texts.append(task.doc_to_text(doc) + target)
+    return texts
+
+
 @contextmanager
 def _quiet_lm_eval() -> Iterator[None]:
     task_logger = logging.getLogger("lm_eval.api.task")

@@ -41,7 +41,11 @@ class StepResult:
 
 
 class SurgeryStep(Protocol):
-    """A step run on the surgered model, before export."""
+    """A step run on the surgered model, before export.
+
+    A step with defaults of its own keeps its resolved settings as a dataclass in ``config``:
+    ``eval.compare`` hashes them into a cell's digest, so a changed default reruns the cells it changes.
+    """
 
     name: str
 

@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 from eval import lmeval
 from eval.lmeval import (
     OFFLINE_TASKS,
+    answered_prompts,
     clean_metrics,
     hub_offline,
     local_data_files,
@@ -262,6 +263,24 @@ def test_hellaswag_from_text_file_reproduces_standard_task(lm, tmp_path):
     first_context = our_scores[1][0][1][0][0]
     assert first_context == "Roof shingle removal: A man is sitting on a roof. He"
     assert our_scores[1][1][1][0][0].endswith("grabs the pole. The lady in a nike shirt")
+
+
+def test_answered_prompts_join_each_prompt_to_its_right_answer_as_lm_eval_scores_it(tmp_path):
+    (tmp_path / "hellaswag").mkdir()
+    (tmp_path / "hellaswag" / "hellaswag_val_full.txt").write_text(_as_text_file(_HELLASWAG_HUB_ROWS))
+    texts = answered_prompts(local_tasks(["hellaswag"], tmp_path)["hellaswag"])
+    assert len(texts) == len(_HELLASWAG_HUB_ROWS)
+    # the gold ending (label 3) after lm-eval's " " delimiter
+    assert texts[0] == "Roof shingle removal: A man is sitting on a roof. He starts pulling up roofing on a roof."
+
+
+def test_answered_prompts_of_the_real_arc_and_lambada_files(data):
+    tasks = local_tasks(["arc_easy", "lambada_openai"], data)
+    arc = answered_prompts(tasks["arc_easy"])
+    assert arc[0] == ("Question: Which statement best explains why photosynthesis is the foundation of most food webs?"
+                      "\nAnswer: Sunlight is the source of energy for nearly all ecosystems.")
+    lambada = answered_prompts(tasks["lambada_openai"])  # not multiple choice: the target follows as it is
+    assert len(lambada) == 5153 and not lambada[0].endswith(" ") and " " in lambada[0]
 
 
 def test_hellaswag_real_file_first_item_is_lm_evals_prompt(data):

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from eval.lmeval import local_tasks
+from eval.lmeval import answered_prompts, local_tasks
 
 TASKS = ("arc_easy", "hellaswag", "piqa")
 ROWS = 500
@@ -24,12 +24,9 @@ out.mkdir(parents=True, exist_ok=True)
 plays = (Path(data) / "tinyshakespeare/input.txt").read_text()
 (out / "plays_last_fifth.txt").write_text(plays[len(plays) * 4 // 5:])
 for name, task in local_tasks(TASKS, data).items():
-    docs = list(task.test_docs() if task.has_test_docs() else task.validation_docs())
-    if len(docs) < REPORTED_ROWS + ROWS:
-        raise SystemExit(f"{name} has {len(docs)} rows: its last {ROWS} would meet the reported first {REPORTED_ROWS}")
+    texts = answered_prompts(task)
+    if len(texts) < REPORTED_ROWS + ROWS:
+        raise SystemExit(f"{name} has {len(texts)} rows: its last {ROWS} would meet the reported first {REPORTED_ROWS}")
     with open(out / f"{name}.jsonl", "w") as f:
-        for doc in docs[-ROWS:]:
-            text, target = task.doc_to_text(doc), task.doc_to_target(doc)
-            if task.OUTPUT_TYPE == "multiple_choice":  # lm-eval joins a choice with the delimiter, a target as is
-                target = task.config.target_delimiter + task.doc_to_choice(doc)[target]
-            f.write(json.dumps({"text": text + target}) + "\n")
+        for text in texts[-ROWS:]:
+            f.write(json.dumps({"text": text}) + "\n")

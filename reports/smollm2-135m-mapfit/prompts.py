@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from eval.lmeval import local_tasks
+from eval.lmeval import answered_prompts, local_tasks
 
 TASKS = ("arc_easy", "hellaswag", "piqa", "lambada_openai")
 ROWS = 1000
@@ -19,10 +19,6 @@ ROWS = 1000
 data, out = sys.argv[1], Path(sys.argv[2])
 out.mkdir(parents=True, exist_ok=True)
 for name, task in local_tasks(TASKS, data).items():
-    docs = task.test_docs() if task.has_test_docs() else task.validation_docs()
     with open(out / f"{name}.jsonl", "w") as f:
-        for doc in list(docs)[:ROWS]:
-            text, target = task.doc_to_text(doc), task.doc_to_target(doc)
-            if task.OUTPUT_TYPE == "multiple_choice":  # lm-eval joins a choice with the delimiter, a target as is
-                target = task.config.target_delimiter + task.doc_to_choice(doc)[target]
-            f.write(json.dumps({"text": text + target}) + "\n")
+        for text in answered_prompts(task)[:ROWS]:
+            f.write(json.dumps({"text": text}) + "\n")

@@ -1,16 +1,14 @@
 # Issue 17 at drop 8 on this CPU (2 cores): the command of ../smollm2-135m-tasks-gpu/run.sh with --drop 8 and the
 # 2,000-step distillation recipe, run from the repository root with ../shared/data beside it. The same command
 # resumes: cells already in results.json (same recipe digest) are not run again. linearpatch is listed last and
-# was stopped each time before it ran (Ctrl-C once the cell before it was recorded): the CPU time went elsewhere.
+# was stopped each time before its tasks (SIGTERM once the cell before it was recorded): the CPU time went elsewhere.
 D=../shared/data
+SHARED="--heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt
+  --heldout-tokens 8192 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 1000 --data-dir $D --threads 2
+  --out reports/smollm2-135m-tasks-drop8"
 python -m eval.compare --drop 8 \
   --methods recipes/repairs/remove.yaml,layercut-linear,recipes/repairs/fold.yaml,layercut-linear-distill,recipes/repairs/linear-distill-2000.yaml,recipes/repairs/linear-distill-mixed.yaml,linearpatch \
-  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
-  --heldout-tokens 8192 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 1000 --data-dir $D --threads 2 \
-  --out reports/smollm2-135m-tasks-drop8
+  $SHARED
 # Drop 4 on this CPU, in the same --out so the dense row and its task answers are shared (stop 28): the 200-step
 # distillation as it is now, on the default mixture (recipes/repairs/linear-distill-mixed.yaml's text), and removal.
-python -m eval.compare --drop 4 --methods layercut-linear-distill,recipes/repairs/remove.yaml \
-  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
-  --heldout-tokens 8192 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 1000 --data-dir $D --threads 2 \
-  --out reports/smollm2-135m-tasks-drop8
+python -m eval.compare --drop 4 --methods layercut-linear-distill,recipes/repairs/remove.yaml $SHARED
