@@ -1,1 +1,1 @@
-"""Layerwise distillation of surgered students back to their teacher."""
+"""Distillation of surgered students back to their teacher (logits by default, block outputs on request)."""

@@ -1,7 +1,10 @@
-r"""Distill a layercut student back towards its teacher, block by block, and export it.
+r"""Distill a layercut student back towards its teacher and export it.
+
+The student learns the teacher's next-token distribution (KL on the logits); ``--mse-weight`` adds the
+layerwise MSE of the block outputs (``--mse-weight 1 --kl-weight 0`` is Secretly Linear's objective).
 
     python -m distill.run --student slim-lin/ --teacher smollm2-135m --steps 500 --out slim-lin-distilled/
-    python -m distill.run --student slim/ --steps 200 --train lora --kl-weight 1 --out slim-healed/
+    python -m distill.run --student slim/ --steps 200 --train lora --out slim-healed/
     accelerate launch -m distill.run --student opt-slim/ --teacher opt-1.3b --teacher-load-in-4bit \
         --batch-size 16 --seq-len 512 --steps 2000 --out opt-slim-distilled/
 
@@ -58,9 +61,10 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        "and LM head; lora: LoRA on the blocks' Linear layers + the replacements, merged at the "
                        f"end (default: {d.train})")
     group.add_argument("--mse-weight", type=float, default=d.mse_weight,
-                       help=f"weight of the layerwise block-output MSE (default: {d.mse_weight})")
+                       help="weight of the layerwise block-output MSE, Secretly Linear's objective "
+                       f"(default: {d.mse_weight})")
     group.add_argument("--kl-weight", type=float, default=d.kl_weight,
-                       help="weight of KL(teacher || student) on the logits, float32 (default: 0 = off)")
+                       help=f"weight of KL(teacher || student) on the logits, float32 (default: {d.kl_weight})")
     group.add_argument("--cosine-reg", type=float, default=d.cosine_reg,
                        help="weight of the sum of 1 - cos(h_i, h_{i-1}) over consecutive student states (default: 0)")
     group.add_argument("--lora-r", type=int, default=d.lora_r, help=f"LoRA rank (default: {d.lora_r})")

@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from distill.config import DistillConfig
 from eval.lmeval import primary_metric, run_lm_eval
 from eval.measurements import MeasurementStore, calibration_digest
 from eval.perplexity import perplexity, tokenize_text
@@ -517,6 +518,8 @@ def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, hel
            "copy_seconds": round(copy_seconds, 2)}
     if "sublayers" in result.report:
         row.update(unit=config.unit, sublayers=result.report["sublayers"]["units"])
+    if "distill" in result.report:
+        row["distill"] = distill_summary(result.report["distill"]["config"])
     row.update(measure(student.model, student.tokenizer, heldout, args))
     row["heldout_ratio"] = row["heldout_ppl"] / dense["heldout_ppl"]
     row["domain_ratios"] = {name: row["domains"][name] / dense["domains"][name] for name in heldout.names()}
@@ -530,6 +533,17 @@ def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, hel
                 file.unlink()
     del student
     return row
+
+
+def distill_summary(config: dict) -> dict:
+    """What a cell's distillation read and optimised, from its resolved settings (``layercut.json``).
+
+    Two rows of one recipe can differ here when a default moved between runs: the row says so itself, not
+    only its cell folder.
+    """
+    resolved = DistillConfig.from_dict(config)
+    return {"data": resolved.data.data, "samples": resolved.data.samples, "seq_len": resolved.data.seq_len,
+            "train": resolved.train, "losses": resolved.loss_weights()}
 
 
 # Accuracy of a random guess on each task: 1 / the choices a row offers (ARC: 4 on almost every row,

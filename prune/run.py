@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--replace-steps", type=int, default=None,
                        help="Adam steps for lowrank (default 100) and block (default 200) replacements")
     group.add_argument("--distill-steps", type=int, default=0,
-                       help="after surgery, distil layerwise against the original model for N steps "
+                       help="after surgery, distil against the original model's logits for N steps "
                        "(distill.config.DistillConfig defaults; default: 0 = no distillation)")
     group = parser.add_argument_group("recipe")
     group.add_argument("--recipe", default=None,

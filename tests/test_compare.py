@@ -372,6 +372,23 @@ def test_a_changed_distillation_default_reruns_the_distilling_cells(monkeypatch)
     assert after[0] != before[0] and after[1] == before[1]
 
 
+def test_a_distilled_row_names_the_text_and_loss_it_was_distilled_with(tiny_folder, tmp_path, capsys, sample_text):
+    text = tmp_path / "text.txt"
+    text.write_text(sample_text)
+    recipe = tmp_path / "kl.yaml"
+    recipe.write_text("score: linearity\nselect: topk\nreplace: linear\n"
+                      "distill: {steps: 2, mse_weight: 0.0, kl_weight: 1.0, batch_size: 2,\n"
+                      f"          data: {{data: '{text}', samples: 4, seq_len: 16}}}}\n")
+    out = tmp_path / "cmp"
+    code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", f"layercut-linear,{recipe}",
+                       "--speed-tokens", "0")
+    assert code == 0, err
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert cells["kl@1"]["distill"] == {"data": str(text), "samples": 4, "seq_len": 16, "train": "replacements",
+                                        "losses": {"teacher_student_kl": 1.0}}
+    assert cells["kl@1"]["distill_steps"] == 2 and "distill" not in cells["layercut-linear@1"]
+
+
 def test_a_recipe_edited_while_its_cell_runs_keeps_the_digest_it_ran_with(tiny_folder, tmp_path, capsys, counted,
                                                                          monkeypatch):
     recipe = tmp_path / "mine.yaml"

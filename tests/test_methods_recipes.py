@@ -95,7 +95,8 @@ def test_resolve_method_by_name_or_path_and_unknown_lists_the_known(tmp_path):
 
 def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     repairs = method_recipes(METHODS_DIR.parent / "repairs")
-    assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000", "linear-distill-mixed"}
+    assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000", "linear-distill-mixed",
+                            "linear-distill-kl", "linear-distill-kl-lora"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):

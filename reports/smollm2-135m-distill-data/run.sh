@@ -1,9 +1,16 @@
 # Which text to distil on: the novel alone (the distillation default) or novel + self-sampled text (the
 # calibration default), chosen on the selection split (selection.py), drop 8, 200 steps each.
-# Run from the repository root with ../shared/data beside it; 2-core CPU, about 40 minutes.
+# Run from the repository root with ../shared/data beside it; 2-core CPU, about 40 minutes each.
 D=../shared/data; S=/tmp/layercut-selection
 PYTHONPATH=. python reports/smollm2-135m-distill-data/selection.py $D $S
+# layercut-linear-distill ran with the distillation defaults of the time (builtin, 1,024 x 128, layerwise MSE);
+# run again, it runs today's defaults.
 python -m eval.compare --drop 8 \
   --methods layercut-linear,layercut-linear-distill,recipes/repairs/linear-distill-mixed.yaml \
   --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
   --heldout-tokens 8192 --speed-tokens 0 --threads 2 --out reports/smollm2-135m-distill-data/selection
+# Stop 29: what distillation matches, on the same split and text: KL on the logits (maps alone, and maps + LoRA).
+python -m eval.compare --drop 8 \
+  --methods recipes/repairs/linear-distill-kl.yaml,recipes/repairs/linear-distill-kl-lora.yaml \
+  --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
+  --heldout-tokens 8192 --speed-tokens 0 --threads 2 --out reports/smollm2-135m-distill-data/selection-loss

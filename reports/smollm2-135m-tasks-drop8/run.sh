@@ -12,3 +12,5 @@ python -m eval.compare --drop 8 \
 # Drop 4 on this CPU, in the same --out so the dense row and its task answers are shared (stop 28): the 200-step
 # distillation as it is now, on the default mixture (recipes/repairs/linear-distill-mixed.yaml's text), and removal.
 python -m eval.compare --drop 4 --methods layercut-linear-distill,recipes/repairs/remove.yaml $SHARED
+# Stop 29: the distillation objective, KL on the logits (recipes/repairs/linear-distill-kl.yaml), at both drops.
+python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-distill-kl.yaml $SHARED
