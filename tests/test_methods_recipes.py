@@ -1,5 +1,6 @@
 """The peer methods as recipes (``recipes/methods/``): each names a method only, the command line the rest."""
 
+import dataclasses
 import json
 import re
 
@@ -119,10 +120,15 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert budget.distill["steps"] == 2000 and short.distill["steps"] == 200
     assert (budget.score, budget.select, budget.replace, budget.distill["train"]) == \
         (short.score, short.select, short.replace, short.distill["train"])
-    # the same run with its distillation text pinned: the novel and text sampled from the model, today's default
+    # the same run with its text and objective pinned: today's default (KL) and stop 28's (layerwise MSE)
+    default = DistillConfig.from_dict(short.distill)
+    kl = DistillConfig.from_dict(config(repairs["linear-distill-kl"]).distill)
+    assert [s.spec for s in kl.data.sources] == [None, "self"] and kl.data.samples == 512 and kl == default
     mixed = DistillConfig.from_dict(config(repairs["linear-distill-mixed"]).distill)
-    assert [s.spec for s in mixed.data.sources] == [None, "self"] and mixed.data.samples == 512
-    assert mixed == DistillConfig.from_dict(short.distill)
+    assert mixed.loss_weights() == {"layerwise_mse": 1.0}
+    assert dataclasses.replace(mixed, mse_weight=0.0, kl_weight=1.0) == default
+    lora = DistillConfig.from_dict(config(repairs["linear-distill-kl-lora"]).distill)
+    assert lora.train == "lora" and dataclasses.replace(lora, train="replacements") == default
 
 
 @pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])
