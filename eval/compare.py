@@ -62,6 +62,7 @@ import torch
 from tqdm.auto import tqdm
 
 from distill.config import DistillConfig
+from eval.evaluate import parse_limit
 from eval.lmeval import primary_metric, run_lm_eval
 from eval.measurements import MeasurementStore, calibration_digest
 from eval.perplexity import perplexity, tokenize_text
@@ -119,7 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--heldout-tokens", type=int, default=None,
                        help="score only the first this many tokens of each --heldout text (default: all)")
     group.add_argument("--tasks", default=None, help="lm-eval tasks, comma list (arc_easy,piqa; default: none)")
-    group.add_argument("--limit", type=int, default=None, help="rows per lm-eval task (default: all)")
+    group.add_argument("--limit", type=parse_limit, default=None,
+                       help="rows per lm-eval task: a count (the first N), a fraction, or START:END (--limit=-500: is "
+                       "the last 500, rows a report on the first ones never reads: choose defaults there) "
+                       "(default: all)")
     group.add_argument("--data-dir", default=None,
                        help="local lm-eval data laid out like shared/data (default: $LAYERCUT_DATA, else the hub)")
     group.add_argument("--batch-size", type=int, default=4,
@@ -277,7 +281,9 @@ def check_task_limit(results: dict, args: argparse.Namespace) -> None:
     rows = [results["dense"] or {}, *results["cells"].values()]
     if "task_limit" in results and results["task_limit"] != args.limit and any(row.get("tasks") for row in rows):
         had = results["task_limit"]
-        taken, fix = (("on whole splits", "no --limit") if had is None else (f"at --limit {had}", f"--limit {had}"))
+        # a range starting with "-" reaches argparse only glued to its flag
+        taken, fix = (("on whole splits", "no --limit") if had is None
+                      else (f"at --limit {had}", f"--limit={had}" if isinstance(had, str) else f"--limit {had}"))
         raise LayercutError(f"{args.out} holds task figures taken {taken}: pass {fix} to add tasks to it, or another "
                             "--out")
     results["task_limit"] = args.limit
@@ -679,7 +685,7 @@ def leaderboard(results: dict) -> str:
              f"({timing.get('score_seconds', '?')} s). Decode speed-up: {setup['speed_tokens']} greedy steps "
              "with the KV cache, median of 3, against the dense model. Wall time: the cell's prune, fit, "
              "distillation and measurements.", ""]
-    lines += _task_note(analysis)
+    lines += _task_note(analysis, results)
     lines += _wall_time_note(timing)
     copies = sorted(row["copy_seconds"] for row in cells.values())
     if copies and "load_seconds" in timing:
@@ -735,7 +741,19 @@ def _removed(row: dict) -> str:
             f"(whole: {row['dropped'] or 'none'})")
 
 
-def _task_note(analysis: dict) -> list[str]:
+def _task_rows(results: dict) -> str:
+    """Which rows of each task the figures read: they differ between a selection run and a report."""
+    if "task_limit" not in results:
+        return ""
+    limit = results["task_limit"]
+    if limit is None:
+        return " (every row of each task)"
+    if isinstance(limit, str):
+        return f" (rows {limit} of each task, as Python slices them)"
+    return f" (the first {limit:,} rows of each task)" if limit >= 1 else f" (the first {limit:.0%} of each task)"
+
+
+def _task_note(analysis: dict, results: dict) -> list[str]:
     if not analysis["tasks"]:
         return ["\"Better than\": lower perplexity on every held-out domain.", ""]
     counted = ", ".join(analysis["retention_tasks"])
@@ -744,7 +762,7 @@ def _task_note(analysis: dict) -> list[str]:
     chance = ", ".join(f"{t} {c:g}" for t, c in analysis["chance"].items())
     retention = (f"Retention = sum over {counted} of (accuracy - chance) / the same sum for the dense model"
                  if counted else "Retention: none, no task has the dense model clearly above chance")
-    return [f"Tasks: accuracy ± lm-eval's standard error, in %. {retention} (chance: {chance})"
+    return [f"Tasks{_task_rows(results)}: accuracy ± lm-eval's standard error, in %. {retention} (chance: {chance})"
             + (f"; left out: {excluded}" if excluded else "") + f". \"Tasks vs best\" compares the {quality} with "
             f"the best at the same drop: tie when the gap is under {TIE_SE:g} standard errors of the paired "
             f"difference (row by row on the same rows). \"Better than\": "

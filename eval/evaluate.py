@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from eval.lmeval import check_registry_data, plan_tasks, primary_metric, resolve_data_dir, run_lm_eval
+from eval.lmeval import check_registry_data, plan_tasks, primary_metric, resolve_data_dir, row_range, run_lm_eval
 from eval.perplexity import DEFAULT_MAX_SEQ_LEN, default_seq_len, load_wikitext2_test, text_perplexity
 from eval.report import write_report
 from eval.speed import block_count, count_parameters
@@ -46,7 +46,7 @@ class EvalOptions:
         tasks: ``wikitext``, ``ppl:PATH`` and/or lm-eval task names.
         out: Report folder.
         data_dir: Local data folder (``$LAYERCUT_DATA`` when None); None for both means the hub.
-        limit: Rows per lm-eval task (None: all).
+        limit: Rows per lm-eval task: a count, a fraction, or a range ``"START:END"`` (None: all).
         seq_len: Perplexity window (None: min(2048, model maximum)).
         stride: Perplexity stride (None: seq_len, non-overlapping windows).
         batch_size: lm-eval requests per forward pass.
@@ -63,7 +63,7 @@ class EvalOptions:
     tasks: list[str] = field(default_factory=lambda: [PERPLEXITY_TASK])
     out: str = "report"
     data_dir: str | None = None
-    limit: int | float | None = None
+    limit: int | float | str | None = None
     seq_len: int | None = None
     stride: int | None = None
     batch_size: int = 8
@@ -224,9 +224,21 @@ def run(options: EvalOptions) -> dict:
     return results
 
 
-def parse_limit(text: str) -> int | float:
-    """Parse ``--limit`` as lm-eval does: below 1 a fraction of each task, else a row count."""
-    value = float(text)
+def parse_limit(text: str) -> int | float | str:
+    """Parse ``--limit`` as lm-eval does (below 1 a fraction of each task, else a row count), or a range of rows.
+
+    A range (``START:END``, ``-500:``) comes back as its text: results files keep it as typed.
+    """
+    if ":" in text:
+        try:
+            row_range(text)
+        except LayercutError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a row count, a fraction in (0, 1) or a range START:END: {text}") from None
     if value < 1:
         return value
     if not value.is_integer():

@@ -226,18 +226,59 @@ def check_registry_data(names: Sequence[str]) -> None:
         ) from None
 
 
-def _check_options(limit: int | float | None, batch_size: int, num_fewshot: int | None) -> int | float | None:
-    """Validate the options; return ``limit`` as lm-eval reads it (a float below 1 is a fraction, else rows)."""
-    if limit is not None:
+def row_range(limit: Any) -> slice | None:
+    """``limit`` as a slice when it names a range of rows (``"START:END"``, Python's slice bounds), else ``None``.
+
+    A range scores rows a count cannot reach: ``"-500:"`` is each task's last 500 rows, so defaults can be
+    chosen on rows that a report on ``--limit 1000`` (the first 1,000) never reads.
+    """
+    if not isinstance(limit, str) or ":" not in limit:
+        return None
+    bounds = limit.split(":")
+    try:
+        if len(bounds) != 2:
+            raise ValueError
+        start, stop = (int(b) if b.strip() else None for b in bounds)
+    except ValueError:
+        raise LayercutError(
+            f"a range of rows is START:END in whole numbers (-500: is the last 500), got {limit!r}"
+        ) from None
+    return slice(start, stop)
+
+
+def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot: int | None) -> Any:
+    """Validate the options; return ``limit`` as lm-eval reads it (a float below 1 is a fraction, else rows).
+
+    A range of rows (``"START:END"``) is returned as it came: :func:`_evaluate` turns it into each task's row
+    indices once it knows how many rows the task has.
+    """
+    if limit is not None and row_range(limit) is None:
         whole = isinstance(limit, int) or (isinstance(limit, float) and limit.is_integer())
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0 or (limit >= 1 and not whole):
-            raise LayercutError(f"limit must be a number of rows or a fraction in (0, 1), got {limit!r}")
+            raise LayercutError(f"limit must be a number of rows, a fraction in (0, 1) or a range of rows START:END, "
+                                f"got {limit!r}")
         limit = limit if limit < 1 else int(limit)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise LayercutError(f"batch_size must be a positive integer, got {batch_size!r}")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise LayercutError(f"num_fewshot must be a non-negative integer, got {num_fewshot!r}")
     return limit
+
+
+def _rows_of(names: list[str], task_manager, rows: slice) -> dict[str, list[int]]:
+    """Each task's row indices in ``rows``, counted on the rows the task evaluates (test split, else validation)."""
+    with _quiet_lm_eval():
+        tasks = dict(task_manager.load(list(names))["tasks"])
+    picked = {}
+    for name, task in tasks.items():
+        total = len(task.eval_docs)
+        picked[name] = list(range(total))[rows]
+        if not picked[name]:
+            start = "" if rows.start is None else rows.start
+            stop = "" if rows.stop is None else rows.stop
+            raise LayercutError(f"rows {start}:{stop} of {name} are none of its {total} rows: pick a range inside "
+                                f"0:{total}")
+    return picked
 
 
 def _check_lm_eval_version() -> None:
@@ -394,10 +435,13 @@ def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed,
               rows: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
     from lm_eval import evaluator
 
+    indices = None
+    if (picked := row_range(limit)) is not None:
+        indices, limit = _rows_of(names, task_manager, picked), None
     start = time.perf_counter()
     with _quiet_lm_eval():
         out = evaluator.simple_evaluate(
-            model=lm, tasks=names, task_manager=task_manager, limit=limit, num_fewshot=num_fewshot,
+            model=lm, tasks=names, task_manager=task_manager, limit=limit, samples=indices, num_fewshot=num_fewshot,
             log_samples=rows is not None, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
             fewshot_random_seed=seed,
         )
@@ -419,7 +463,7 @@ def run_lm_eval(
     tasks: Sequence[str],
     *,
     data_dir: str | Path | None = None,
-    limit: int | float | None = None,
+    limit: int | float | str | None = None,
     batch_size: int = 8,
     num_fewshot: int | None = None,
     seed: int = 1234,
@@ -433,7 +477,8 @@ def run_lm_eval(
         tasks: Standard lm-eval task names (``lambada`` runs ``lambada_openai`` offline).
         data_dir: Folder laid out like ``shared/data``; ``None`` falls back to ``$LAYERCUT_DATA``, and
             without either the tasks come from lm-eval's registry and the hub.
-        limit: Rows per task (a whole number), or a fraction of each task (a float in (0, 1)); ``None``: all.
+        limit: Rows per task (a whole number), a fraction of each task (a float in (0, 1)), or a range of
+            rows (``"START:END"``, Python's slice bounds: ``"-500:"`` is each task's last 500); ``None``: all.
         batch_size: Requests per forward pass.
         num_fewshot: Few-shot examples (``None``: each task's default, 0 for these). Offline there is
             no train split, so they are drawn from the evaluated split (never the row itself).

@@ -448,6 +448,21 @@ def test_tasks_are_added_from_kept_weights_checked_against_the_row(tiny_folder, 
     assert len(err.strip().splitlines()) == 1
 
 
+def test_tasks_on_a_range_of_rows_say_which_rows_and_keep_them(tiny_folder, tmp_path, capsys, shared_data):
+    # the last rows: a default chosen there never reads the first rows a report reads
+    out = tmp_path / "cmp"
+    base = [*small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt", "--speed-tokens", "0",
+            "--tasks", "piqa", "--data-dir", shared_data]
+    code, _, err = run(capsys, *base, "--limit=-3:")
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert results["task_limit"] == "-3:"
+    assert len(results["dense"]["task_rows"]["piqa"]) == 3 == len(results["cells"]["shortgpt@1"]["task_rows"]["piqa"])
+    assert "Tasks (rows -3: of each task, as Python slices them):" in (out / "README.md").read_text()
+    code, _, err = run(capsys, *base, "--limit", "3")
+    assert code == EXIT_BAD_INPUT and "taken at --limit -3:: pass --limit=-3: to add tasks" in err
+
+
 def test_without_kept_weights_adding_tasks_runs_the_cell_again(tiny_folder, tmp_path, capsys, counted, shared_data):
     out = tmp_path / "cmp"
     base = [*small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt", "--speed-tokens", "0"]

@@ -203,3 +203,22 @@ def test_limit_caps_perplexity_windows_and_the_report_says_how_many_tokens(setup
     expected = text_perplexity(model, tokenizer, text, seq_len=16, max_tokens=32, progress=False)
     assert metrics["wikitext/perplexity"] == pytest.approx(expected.perplexity, rel=1e-9)
     assert "wikitext/tokens_scored" in capsys.readouterr().out
+
+
+def test_limit_takes_a_count_a_fraction_or_a_range_of_rows():
+    from eval.run import build_parser
+
+    parse = build_parser().parse_args
+    base = ["--model", "m", "--out", "o"]
+    assert parse([*base, "--limit", "200"]).limit == 200
+    assert parse([*base, "--limit", "0.25"]).limit == 0.25
+    assert parse([*base, "--limit=-500:"]).limit == "-500:"
+    assert parse([*base, "--limit", "500:1000"]).limit == "500:1000"
+
+
+@pytest.mark.parametrize("limit", ["2.5", "abc", "1:x"])
+def test_a_bad_limit_is_a_usage_error(limit, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "m", "--out", "o", f"--limit={limit}"])
+    assert exit_.value.code == 2
+    assert "--limit" in capsys.readouterr().err

@@ -436,6 +436,37 @@ def test_limit_is_read_like_lm_eval():
     assert lmeval._check_options(None, 1, None) is None
 
 
+def test_a_range_of_rows_scores_those_rows(data, model, tokenizer):
+    first, middle = {}, {}
+    run_lm_eval(model, tokenizer, ["piqa"], data_dir=data, limit=6, rows=first)
+    run_lm_eval(model, tokenizer, ["piqa"], data_dir=data, limit="2:6", rows=middle)
+    assert len(middle["piqa"]) == 4 and middle["piqa"] == first["piqa"][2:6]
+
+
+def test_a_range_counts_from_the_end_of_the_rows_the_task_evaluates(data):
+    manager = lmeval._local_task_manager(data)
+    # ARC-Easy's test split has 2,376 rows, PIQA's validation split 1,838
+    picked = lmeval._rows_of(["arc_easy", "piqa"], manager, slice(-3, None))
+    assert picked == {"arc_easy": [2373, 2374, 2375], "piqa": [1835, 1836, 1837]}
+    assert lmeval._rows_of(["piqa"], manager, slice(1830, 1900)) == {"piqa": list(range(1830, 1838))}
+    with pytest.raises(LayercutError) as err:
+        lmeval._rows_of(["piqa"], manager, slice(5000, None))
+    assert _one_line(err) == "rows 5000: of piqa are none of its 1838 rows: pick a range inside 0:1838"
+
+
+@pytest.mark.parametrize("limit", ["1:2:3", "a:", ":x", "1.5:"])
+def test_a_malformed_range_is_one_line(limit):
+    with pytest.raises(LayercutError, match="START:END") as err:
+        lmeval._check_options(limit, 8, None)
+    _one_line(err)
+
+
+def test_ranges_are_kept_as_typed():
+    assert lmeval._check_options("-500:", 8, None) == "-500:"
+    assert lmeval.row_range("-500:") == slice(-500, None) and lmeval.row_range(":10") == slice(None, 10)
+    assert lmeval.row_range(200) is None and lmeval.row_range("200") is None
+
+
 def test_in_memory_model_needs_tokenizer(data, model):
     with pytest.raises(LayercutError, match="tokenizer"):
         run_lm_eval(model, None, ["piqa"], data_dir=data, limit=1)

@@ -14,3 +14,10 @@ python -m eval.compare --drop 8 \
   --methods recipes/repairs/linear-distill-kl.yaml,recipes/repairs/linear-distill-kl-lora.yaml \
   --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
   --heldout-tokens 8192 --speed-tokens 0 --threads 2 --out reports/smollm2-135m-distill-data/selection-loss
+# Stop 30: task accuracy on the selection split itself: the last 500 rows of each task (--limit=-500:), which the
+# reported first 1,000 never reach. Does it order removal, the map and the distilled map as the reported rows do?
+python -m eval.compare --drop 8 \
+  --methods recipes/repairs/remove.yaml,layercut-linear,recipes/repairs/linear-distill-kl.yaml \
+  --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt \
+  --heldout-tokens 8192 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit=-500: --data-dir $D \
+  --speed-tokens 0 --threads 2 --out reports/smollm2-135m-distill-data/selection-tasks

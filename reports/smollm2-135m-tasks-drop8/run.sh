@@ -14,3 +14,6 @@ python -m eval.compare --drop 8 \
 python -m eval.compare --drop 4 --methods layercut-linear-distill,recipes/repairs/remove.yaml $SHARED
 # Stop 29: the distillation objective, KL on the logits (recipes/repairs/linear-distill-kl.yaml), at both drops.
 python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-distill-kl.yaml $SHARED
+# Stop 30: KL with LoRA (rank 8) on the kept blocks as well as the maps (recipes/repairs/linear-distill-kl-lora.yaml),
+# best on the selection split (1.744x dense against 1.832x for the maps alone), at both drops.
+python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-distill-kl-lora.yaml $SHARED
