@@ -265,19 +265,14 @@ def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot
     return limit
 
 
-def _rows_of(names: list[str], task_manager, rows: slice) -> dict[str, list[int]]:
-    """Each task's row indices in ``rows``, counted on the rows the task evaluates (test split, else validation)."""
-    with _quiet_lm_eval():
-        tasks = dict(task_manager.load(list(names))["tasks"])
+def _rows_of(names: list[str], task_manager, rows: str) -> dict[str, list[int]]:
+    """Each task's row indices in the range ``rows``, counted on the rows it evaluates (test split, else validation)."""
     picked = {}
-    for name, task in tasks.items():
+    for name, task in _load_tasks(task_manager, names).items():
         total = len(task.eval_docs)
-        picked[name] = list(range(total))[rows]
+        picked[name] = list(range(total))[row_range(rows)]
         if not picked[name]:
-            start = "" if rows.start is None else rows.start
-            stop = "" if rows.stop is None else rows.stop
-            raise LayercutError(f"rows {start}:{stop} of {name} are none of its {total} rows: pick a range inside "
-                                f"0:{total}")
+            raise LayercutError(f"rows {rows} of {name} are none of its {total} rows: pick a range inside 0:{total}")
     return picked
 
 
@@ -399,9 +394,12 @@ def local_tasks(names: Sequence[str], data_dir: str | Path | None) -> dict[str, 
         if name not in OFFLINE_TASKS:
             raise _unknown_task(name)
         local_data_files(name, data_dir)
-    manager = _local_task_manager(resolve_data_dir(data_dir))
+    return _load_tasks(_local_task_manager(resolve_data_dir(data_dir)), names)
+
+
+def _load_tasks(task_manager, names: Sequence[str]) -> dict[str, Any]:
     with _quiet_lm_eval():
-        return dict(manager.load(list(names))["tasks"])
+        return dict(task_manager.load(list(names))["tasks"])
 
 
 def answered_prompts(task) -> list[str]:
@@ -436,8 +434,8 @@ def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed,
     from lm_eval import evaluator
 
     indices = None
-    if (picked := row_range(limit)) is not None:
-        indices, limit = _rows_of(names, task_manager, picked), None
+    if row_range(limit) is not None:
+        indices, limit = _rows_of(names, task_manager, limit), None
     start = time.perf_counter()
     with _quiet_lm_eval():
         out = evaluator.simple_evaluate(
