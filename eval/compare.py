@@ -63,7 +63,7 @@ from tqdm.auto import tqdm
 
 from distill.config import DistillConfig
 from eval.evaluate import parse_limit
-from eval.lmeval import primary_metric, run_lm_eval
+from eval.lmeval import TASK_SEED, primary_metric, run_lm_eval
 from eval.measurements import MeasurementStore, calibration_digest
 from eval.perplexity import perplexity, tokenize_text
 from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, count_parameters, make_prompt, time_decode
@@ -121,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="score only the first this many tokens of each --heldout text (default: all)")
     group.add_argument("--tasks", default=None, help="lm-eval tasks, comma list (arc_easy,piqa; default: none)")
     group.add_argument("--limit", type=parse_limit, default=None,
-                       help="rows per lm-eval task: a count (the first N), a fraction, or START:END (--limit=-500: is "
-                       "the last 500, rows a report on the first ones never reads: choose defaults there) "
-                       "(default: all)")
+                       help="rows per lm-eval task: a count (the first N), a fraction, START:END (--limit=-500: is "
+                       "the last 500), or N rows drawn at random from a range, N~START:END (1000~1000: draws 1,000 "
+                       "from the rows a report on --limit 1000 never reads: choose defaults there) (default: all)")
     group.add_argument("--data-dir", default=None,
                        help="local lm-eval data laid out like shared/data (default: $LAYERCUT_DATA, else the hub)")
     group.add_argument("--batch-size", type=int, default=4,
@@ -748,6 +748,10 @@ def _task_rows(results: dict) -> str:
     limit = results["task_limit"]
     if limit is None:
         return " (every row of each task)"
+    if isinstance(limit, str) and "~" in limit:
+        count, _, rows = limit.partition("~")
+        return (f" ({int(count):,} rows of each task drawn at random, seed {TASK_SEED}, from its rows {rows} as Python "
+                "slices them)")
     if isinstance(limit, str):
         return f" (rows {limit} of each task, as Python slices them)"
     return f" (the first {limit:,} rows of each task)" if limit >= 1 else f" (the first {limit:.0%} of each task)"

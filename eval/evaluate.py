@@ -20,7 +20,15 @@ from pathlib import Path
 
 import torch
 
-from eval.lmeval import check_registry_data, plan_tasks, primary_metric, resolve_data_dir, row_range, run_lm_eval
+from eval.lmeval import (
+    check_registry_data,
+    plan_tasks,
+    primary_metric,
+    resolve_data_dir,
+    row_draw,
+    row_range,
+    run_lm_eval,
+)
 from eval.perplexity import DEFAULT_MAX_SEQ_LEN, default_seq_len, load_wikitext2_test, text_perplexity
 from eval.report import write_report
 from eval.speed import block_count, count_parameters
@@ -46,7 +54,8 @@ class EvalOptions:
         tasks: ``wikitext``, ``ppl:PATH`` and/or lm-eval task names.
         out: Report folder.
         data_dir: Local data folder (``$LAYERCUT_DATA`` when None); None for both means the hub.
-        limit: Rows per lm-eval task: a count, a fraction, or a range ``"START:END"`` (None: all).
+        limit: Rows per lm-eval task: a count, a fraction, a range ``"START:END"`` or a draw ``"N~START:END"``
+            (None: all).
         seq_len: Perplexity window (None: min(2048, model maximum)).
         stride: Perplexity stride (None: seq_len, non-overlapping windows).
         batch_size: lm-eval requests per forward pass.
@@ -225,20 +234,23 @@ def run(options: EvalOptions) -> dict:
 
 
 def parse_limit(text: str) -> int | float | str:
-    """Parse ``--limit`` as lm-eval does (below 1 a fraction of each task, else a row count), or a range of rows.
+    """Parse ``--limit``: a row count or fraction as lm-eval reads them, a range of rows, or a draw from a range.
 
-    A range (``START:END``, ``-500:``) comes back as its text: results files keep it as typed.
+    Below 1 a fraction of each task, else a row count. A range (``START:END``, ``-500:``) or a draw
+    (``1000~1000:``) comes back as its text: results files keep it as typed.
     """
-    if ":" in text:
+    if ":" in text or "~" in text:
         try:
             row_range(text)
+            row_draw(text)
         except LayercutError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
         return text
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a row count, a fraction in (0, 1) or a range START:END: {text}") from None
+        raise argparse.ArgumentTypeError(f"a row count, a fraction in (0, 1), a range START:END or a draw "
+                                         f"N~START:END: {text}") from None
     if value < 1:
         return value
     if not value.is_integer():

@@ -28,6 +28,7 @@ import functools
 import logging
 import math
 import os
+import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -73,6 +74,10 @@ _PRIMARY_METRIC = {
     "boolq": "acc",
 }
 _OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+# Seeds lm-eval's samplers and which rows a draw N~START:END picks: a draw is the same rows every run.
+TASK_SEED = 1234
 
 
 def primary_metric(task: str) -> str:
@@ -226,15 +231,26 @@ def check_registry_data(names: Sequence[str]) -> None:
         ) from None
 
 
+def _split_draw(limit: Any) -> tuple[str, str | None] | None:
+    """``limit``'s range and its draw (``"N~START:END"``: N of those rows at random), or ``None`` for a count."""
+    if not isinstance(limit, str) or (":" not in limit and "~" not in limit):
+        return None
+    draw, _, rows = limit.rpartition("~")
+    return rows, (draw if "~" in limit else None)
+
+
 def row_range(limit: Any) -> slice | None:
-    """``limit`` as a slice when it names a range of rows (``"START:END"``, Python's slice bounds), else ``None``.
+    """``limit``'s range of rows as a slice, else ``None`` (a count or fraction).
+
+    ``"START:END"`` has Python's slice bounds; a draw ``"N~START:END"`` is taken from that range.
 
     A range scores rows a count cannot reach: ``"-500:"`` is each task's last 500 rows, so defaults can be
     chosen on rows that a report on ``--limit 1000`` (the first 1,000) never reads.
     """
-    if not isinstance(limit, str) or ":" not in limit:
+    split = _split_draw(limit)
+    if split is None:
         return None
-    bounds = limit.split(":")
+    bounds = split[0].split(":")
     try:
         if len(bounds) != 2:
             raise ValueError
@@ -246,17 +262,38 @@ def row_range(limit: Any) -> slice | None:
     return slice(start, stop)
 
 
+def row_draw(limit: Any) -> int | None:
+    """How many rows ``"N~START:END"`` draws at random from its range; ``None`` for a plain range or count.
+
+    The tail of a task is not a sample of it (HellaSwag's last rows are all WikiHow, its first none), so a
+    split to choose defaults on is drawn across the rows a report does not read: ``"1000~1000:"``.
+    """
+    split = _split_draw(limit)
+    if split is None or split[1] is None:
+        return None
+    row_range(limit)
+    try:
+        count = int(split[1])
+        if count < 1:
+            raise ValueError
+    except ValueError:
+        raise LayercutError(f"a draw of rows is N~START:END with N a positive whole number (1000~1000: is 1,000 "
+                            f"rows drawn at random from row 1000 on), got {limit!r}") from None
+    return count
+
+
 def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot: int | None) -> Any:
     """Validate the options; return ``limit`` as lm-eval reads it (a float below 1 is a fraction, else rows).
 
-    A range of rows (``"START:END"``) is returned as it came: :func:`_evaluate` turns it into each task's row
-    indices once it knows how many rows the task has.
+    A range of rows (``"START:END"``) or a draw (``"N~START:END"``) is returned as it came: :func:`_evaluate`
+    turns it into each task's row indices once it knows how many rows the task has.
     """
+    row_draw(limit)
     if limit is not None and row_range(limit) is None:
         whole = isinstance(limit, int) or (isinstance(limit, float) and limit.is_integer())
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0 or (limit >= 1 and not whole):
-            raise LayercutError(f"limit must be a number of rows, a fraction in (0, 1) or a range of rows START:END, "
-                                f"got {limit!r}")
+            raise LayercutError(f"limit must be a number of rows, a fraction in (0, 1), a range of rows START:END "
+                                f"or a draw N~START:END, got {limit!r}")
         limit = limit if limit < 1 else int(limit)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise LayercutError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -265,14 +302,23 @@ def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot
     return limit
 
 
-def _rows_of(names: list[str], task_manager, rows: str) -> dict[str, list[int]]:
-    """Each task's row indices in the range ``rows``, counted on the rows it evaluates (test split, else validation)."""
-    picked = {}
+def _rows_of(names: list[str], task_manager, rows: str, seed: int) -> dict[str, list[int]]:
+    """Each task's row indices in ``rows``, counted on the rows it evaluates (test split, else validation).
+
+    A draw ``N~START:END`` is ``sorted(random.Random(seed).sample(range(total)[START:END], N))``.
+    """
+    picked, draw = {}, row_draw(rows)
     for name, task in _load_tasks(task_manager, names).items():
         total = len(task.eval_docs)
         picked[name] = list(range(total))[row_range(rows)]
         if not picked[name]:
-            raise LayercutError(f"rows {rows} of {name} are none of its {total} rows: pick a range inside 0:{total}")
+            raise LayercutError(f"rows {rows.rpartition('~')[2]} of {name} are none of its {total} rows: pick a "
+                                f"range inside 0:{total}")
+        if draw is not None:
+            if draw > len(picked[name]):
+                raise LayercutError(f"{rows} draws {draw} rows from {len(picked[name])} of {name}: draw fewer or "
+                                    "widen the range")
+            picked[name] = sorted(random.Random(seed).sample(picked[name], draw))
     return picked
 
 
@@ -435,7 +481,7 @@ def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed,
 
     indices = None
     if row_range(limit) is not None:
-        indices, limit = _rows_of(names, task_manager, limit), None
+        indices, limit = _rows_of(names, task_manager, limit, seed), None
     start = time.perf_counter()
     with _quiet_lm_eval():
         out = evaluator.simple_evaluate(
@@ -464,7 +510,7 @@ def run_lm_eval(
     limit: int | float | str | None = None,
     batch_size: int = 8,
     num_fewshot: int | None = None,
-    seed: int = 1234,
+    seed: int = TASK_SEED,
     rows: dict[str, list[float]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Evaluate ``model`` on lm-eval tasks, from local files when a data folder is given.
@@ -476,7 +522,9 @@ def run_lm_eval(
         data_dir: Folder laid out like ``shared/data``; ``None`` falls back to ``$LAYERCUT_DATA``, and
             without either the tasks come from lm-eval's registry and the hub.
         limit: Rows per task (a whole number), a fraction of each task (a float in (0, 1)), or a range of
-            rows (``"START:END"``, Python's slice bounds: ``"-500:"`` is each task's last 500); ``None``: all.
+            rows (``"START:END"``, Python's slice bounds: ``"-500:"`` is each task's last 500), or a draw of N
+            rows at random from a range (``"1000~1000:"``: 1,000 rows drawn with ``seed`` from row 1000 on);
+            ``None``: all.
         batch_size: Requests per forward pass.
         num_fewshot: Few-shot examples (``None``: each task's default, 0 for these). Offline there is
             no train split, so they are drawn from the evaluated split (never the row itself).

@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "task names, e.g. wikitext,ppl:heldout.txt,arc_easy,piqa (default: wikitext)")
     tasks.add_argument("--data-dir", help="local data folder laid out like shared/data (default: $LAYERCUT_DATA)")
     tasks.add_argument("--limit", type=parse_limit,
-                       help="rows per lm-eval task: a count (the first N), a fraction in (0, 1), or a range "
-                       "START:END (--limit=-500: is the last 500); a count also caps each perplexity text at that many "
+                       help="rows per lm-eval task: a count (the first N), a fraction in (0, 1), a range "
+                       "START:END (--limit=-500: is the last 500), or N rows drawn at random from a range, "
+                       "N~START:END (1000~1000:); a count also caps each perplexity text at that many "
                        "windows (see --ppl-tokens)")
     tasks.add_argument("--num-fewshot", type=int, help="lm-eval few-shot examples (default: each task's)")
     tasks.add_argument("--batch-size", type=int, default=8, help="lm-eval requests per forward pass (default: 8)")

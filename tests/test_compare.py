@@ -463,6 +463,16 @@ def test_tasks_on_a_range_of_rows_say_which_rows_and_keep_them(tiny_folder, tmp_
     assert code == EXIT_BAD_INPUT and "taken at --limit -3:: pass --limit=-3: to add tasks" in err
 
 
+def test_the_leaderboard_says_which_rows_its_tasks_read():
+    limits = (None, 1000, 0.5, "-500:", "100~1000:")
+    said = {limit: compare_module._task_rows({"task_limit": limit}) for limit in limits}
+    assert said == {None: " (every row of each task)", 1000: " (the first 1,000 rows of each task)",
+                    0.5: " (the first 50% of each task)", "-500:": " (rows -500: of each task, as Python slices them)",
+                    "100~1000:": " (100 rows of each task drawn at random, seed 1234, from its rows 1000: as Python "
+                                 "slices them)"}
+    assert compare_module._task_rows({}) == ""
+
+
 def test_without_kept_weights_adding_tasks_runs_the_cell_again(tiny_folder, tmp_path, capsys, counted, shared_data):
     out = tmp_path / "cmp"
     base = [*small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt", "--speed-tokens", "0"]

@@ -214,9 +214,10 @@ def test_limit_takes_a_count_a_fraction_or_a_range_of_rows():
     assert parse([*base, "--limit", "0.25"]).limit == 0.25
     assert parse([*base, "--limit=-500:"]).limit == "-500:"
     assert parse([*base, "--limit", "500:1000"]).limit == "500:1000"
+    assert parse([*base, "--limit", "1000~1000:"]).limit == "1000~1000:"
 
 
-@pytest.mark.parametrize("limit", ["2.5", "abc", "1:x"])
+@pytest.mark.parametrize("limit", ["2.5", "abc", "1:x", "0~1:", "5~"])
 def test_a_bad_limit_is_a_usage_error(limit, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--model", "m", "--out", "o", f"--limit={limit}"])

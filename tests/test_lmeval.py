@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import random
 import re
 from pathlib import Path
 
@@ -446,11 +447,11 @@ def test_a_range_of_rows_scores_those_rows(data, model, tokenizer):
 def test_a_range_counts_from_the_end_of_the_rows_the_task_evaluates(data):
     manager = lmeval._local_task_manager(data)
     # ARC-Easy's test split has 2,376 rows, PIQA's validation split 1,838
-    picked = lmeval._rows_of(["arc_easy", "piqa"], manager, "-3:")
+    picked = lmeval._rows_of(["arc_easy", "piqa"], manager, "-3:", seed=1)
     assert picked == {"arc_easy": [2373, 2374, 2375], "piqa": [1835, 1836, 1837]}
-    assert lmeval._rows_of(["piqa"], manager, "1830:1900") == {"piqa": list(range(1830, 1838))}
+    assert lmeval._rows_of(["piqa"], manager, "1830:1900", seed=1) == {"piqa": list(range(1830, 1838))}
     with pytest.raises(LayercutError) as err:
-        lmeval._rows_of(["piqa"], manager, "5000:")
+        lmeval._rows_of(["piqa"], manager, "5000:", seed=1)
     assert _one_line(err) == "rows 5000: of piqa are none of its 1838 rows: pick a range inside 0:1838"
 
 
@@ -465,6 +466,48 @@ def test_ranges_are_kept_as_typed():
     assert lmeval._check_options("-500:", 8, None) == "-500:"
     assert lmeval.row_range("-500:") == slice(-500, None) and lmeval.row_range(":10") == slice(None, 10)
     assert lmeval.row_range(200) is None and lmeval.row_range("200") is None
+
+
+def test_a_draw_scores_the_rows_it_names(data, model, tokenizer):
+    first, drawn = {}, {}
+    run_lm_eval(model, tokenizer, ["piqa"], data_dir=data, limit=8, rows=first)
+    run_lm_eval(model, tokenizer, ["piqa"], data_dir=data, limit="3~2:8", rows=drawn)
+    picked = sorted(random.Random(lmeval.TASK_SEED).sample(range(2, 8), 3))
+    assert len(drawn["piqa"]) == 3 and drawn["piqa"] == [first["piqa"][i] for i in picked]
+    assert picked == [2, 5, 6] and drawn["piqa"] != first["piqa"][2:5]  # not the range's first three
+
+
+def test_a_draw_is_the_same_rows_every_time_and_stays_in_its_range(data):
+    manager = lmeval._local_task_manager(data)
+    picked = lmeval._rows_of(["arc_easy", "piqa"], manager, "5~1000:", seed=1234)
+    # the one-liner a reader can rerun: random.Random(1234).sample(range(1000, 1838), 5), sorted
+    assert picked["piqa"] == sorted(random.Random(1234).sample(range(1000, 1838), 5))
+    assert picked["arc_easy"] == sorted(random.Random(1234).sample(range(1000, 2376), 5))
+    assert all(1000 <= i for rows in picked.values() for i in rows) and picked["piqa"] != list(range(1000, 1005))
+    assert lmeval._rows_of(["piqa"], manager, "5~1000:", seed=1234) == {"piqa": picked["piqa"]}
+    assert lmeval._rows_of(["piqa"], manager, "5~1000:", seed=7) != {"piqa": picked["piqa"]}
+    assert lmeval._rows_of(["piqa"], manager, "8~1830:", seed=1) == {"piqa": list(range(1830, 1838))}
+    with pytest.raises(LayercutError) as err:
+        lmeval._rows_of(["piqa"], manager, "9~1830:", seed=1)
+    assert _one_line(err) == "9~1830: draws 9 rows from 8 of piqa: draw fewer or widen the range"
+    with pytest.raises(LayercutError) as err:
+        lmeval._rows_of(["piqa"], manager, "9~5000:", seed=1)
+    assert _one_line(err) == "rows 5000: of piqa are none of its 1838 rows: pick a range inside 0:1838"
+
+
+@pytest.mark.parametrize("limit", ["0~1:", "x~1:", "~1:", "1.5~:", "1~2~3:"])
+def test_a_malformed_draw_is_one_line(limit):
+    with pytest.raises(LayercutError, match="N~START:END") as err:
+        lmeval._check_options(limit, 8, None)
+    _one_line(err)
+
+
+def test_draws_are_kept_as_typed():
+    assert lmeval._check_options("1000~1000:", 8, None) == "1000~1000:"
+    assert lmeval.row_range("1000~1000:") == slice(1000, None) and lmeval.row_draw("1000~1000:") == 1000
+    assert lmeval.row_draw("-500:") is None and lmeval.row_draw(200) is None
+    with pytest.raises(LayercutError, match="START:END"):
+        lmeval._check_options("5~", 8, None)
 
 
 def test_in_memory_model_needs_tokenizer(data, model):
