@@ -15,12 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import uuid
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from prune.export import write_file_atomic
+from prune.stamps import weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +44,6 @@ KINDS = {"removal-ppl": (_block_set, _parse_block_set), "sublayer-removal-ppl": 
 FORMAT = 1  # bumped when what a measurement means changes
 
 
-def weights_fingerprint(model: nn.Module) -> str:
-    """A cheap stamp of the weights: every tensor's name, shape, dtype and first values.
-
-    A checkpoint re-exported to the same path, or a hub model updated since, differs in them.
-    """
-    digest = hashlib.sha256()
-    with torch.no_grad():
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            head = tensor.detach().reshape(-1)[:16].to("cpu", torch.float64)
-            digest.update(f"{name}{list(tensor.shape)}{tensor.dtype}".encode() + head.numpy().tobytes())
-    return digest.hexdigest()[:32]
-
-
 def calibration_digest(model: nn.Module | str, token_ids: torch.Tensor, extra: object = None) -> str:
     """A digest of what a measurement depends on.
 
@@ -62,6 +51,8 @@ def calibration_digest(model: nn.Module | str, token_ids: torch.Tensor, extra: o
     """
     ids = token_ids.detach().to("cpu", torch.int64).contiguous()
     stamp = model if isinstance(model, str) else weights_fingerprint(model)
+    if stamp is None:  # weights offloaded to meta: nothing to tell two models apart, so nothing is reused
+        stamp = uuid.uuid4().hex
     digest = hashlib.sha256(json.dumps([FORMAT, stamp, list(ids.shape), extra], default=str).encode())
     digest.update(ids.numpy().tobytes())
     return digest.hexdigest()[:32]

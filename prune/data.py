@@ -5,7 +5,8 @@ a ``datasets`` spec ``name[:config[:split]]``, the built-in public-domain corpus
 package (Jane Austen's *Pride and Prejudice*; ``builtin`` names it in a mixture), or ``self``: text
 sampled from the model being pruned (the self-generated calibration of Ji et al., "Beware of
 Calibration Data for Pruning Large Language Models", ICLR 2025), spelled ``self`` or
-``self:temperature=0.8:top_p=0.9``.
+``self:temperature=0.8:top_p=0.9``. Sampled text is kept on disk (:func:`cached_samples`): the same
+model, seed and options sample once.
 
 A mixture is a comma list of sources, each with an optional ``@weight``::
 
@@ -27,6 +28,7 @@ sequences never overlap its calibration ones. A single source is read exactly as
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import random
@@ -35,9 +37,13 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from prune.errors import LayercutError
+from prune.export import write_file_atomic
+from prune.loading import cache_dir
+from prune.stamps import weights_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -388,6 +394,54 @@ def sample_sequences(model, tokenizer, count: int, seq_len: int, seed: int, temp
     return torch.cat(rows)  # [count, seq_len]
 
 
+SELF_CACHE_FORMAT = 1  # bumped when what a cached sample means changes
+
+
+def self_cache_dir() -> Path:
+    """Where sampled text is kept: ``self-text`` in the converted-checkpoint cache (``$LAYERCUT_CACHE``)."""
+    return cache_dir() / "self-text"
+
+
+def _sample_key(model, tokenizer, count: int, seq_len: int, seed: int, options: dict) -> str | None:
+    """What the sampled tokens depend on, hashed; ``None`` when the weights cannot be stamped."""
+    stamp = weights_fingerprint(model, sums=True)
+    if stamp is None:
+        return None
+    weight = model.get_input_embeddings().weight
+    fields = [SELF_CACHE_FORMAT, stamp, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, count,
+              seq_len, seed, {**SELF_DEFAULTS, **options}, SELF_BATCH, weight.device.type, str(weight.dtype)]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, **options: float) -> torch.Tensor:
+    """:func:`sample_sequences`, kept on disk: the same model, tokenizer, seed and options sample once.
+
+    Sampling is the slow part of the default calibration on a CPU (256 x 128 tokens of SmolLM2-135M take
+    about 9 minutes on 2 cores), and every distillation and comparison cell of one model asks for the same
+    tokens. The file is named by a digest of everything the tokens depend on, the weights' values
+    included (:func:`prune.stamps.weights_fingerprint` with sums); anything else, an unreadable file or
+    weights that cannot be stamped, samples again.
+    """
+    key = _sample_key(model, tokenizer, count, seq_len, seed, options)
+    path = self_cache_dir() / f"{key}.safetensors"
+    if key is not None and path.is_file():
+        try:
+            ids = load_file(path)["ids"]
+            if tuple(ids.shape) == (count, seq_len) and ids.dtype == torch.long:
+                logger.info("sampled text read from %s (%d x %d tokens)", path, count, seq_len)
+                return ids
+        except Exception as err:  # a truncated or foreign file is only a missed cache entry
+            logger.warning("ignoring the unreadable sample cache %s (%s): sampling again", path, err)
+    ids = sample_sequences(model, tokenizer, count, seq_len, seed, **options)
+    if key is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_file_atomic(path, lambda staging: save_file({"ids": ids.contiguous()}, str(staging)))
+        except OSError as err:
+            logger.warning("could not keep the sampled text in %s (%s): the next run samples again", path, err)
+    return ids
+
+
 def _source_seed(seed: int, index: int, mixed: bool) -> int:
     """The seed of a mixture's ``index``-th source; a lone source keeps ``seed`` (its tokens stay as before)."""
     if not mixed:
@@ -406,8 +460,7 @@ def _draw_source(source: Source, tokenizer, config: DataConfig, samples: int, he
         if model is None:
             raise LayercutError("--data self samples text from the model, and this command does not pass the model "
                                 "to the calibration step: use a text source for --data")
-        options = dict(source.sampling)
-        ids = sample_sequences(model, tokenizer, samples + heldout, config.seq_len, seed, **options)
+        ids = cached_samples(model, tokenizer, samples + heldout, config.seq_len, seed, **dict(source.sampling))
         return ids[:samples], ids[samples:], source.label()
     documents, described = load_documents(source.spec, config.text_field)
     what = "calibration text" if source.weight == 1.0 else f"calibration text {described}"

@@ -80,6 +80,17 @@ def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _sample_cache(tmp_path_factory):
+    """Sampled calibration text is kept for this session only, never in the user's ~/.cache/layercut."""
+    import prune.data
+
+    folder = tmp_path_factory.mktemp("self-text")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prune.data, "self_cache_dir", lambda: folder)
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return make_tiny_tokenizer()

@@ -208,3 +208,73 @@ def test_the_default_calibration_is_half_the_novel_half_the_models_own_text():
     with pytest.raises(LayercutError, match=r"--samples 1: the default calibration .* raise --samples to at least 2 "
                                             r"or pass --data builtin"):
         DataConfig(samples=1)
+
+
+@pytest.fixture
+def sample_cache(tmp_path, monkeypatch):
+    """An empty sample cache, and a count of the sampling passes that miss it."""
+    import prune.data
+
+    monkeypatch.setattr(prune.data, "self_cache_dir", lambda: tmp_path / "self-text")
+    passes = []
+    sample = prune.data.sample_sequences
+
+    def counted(*args, **kwargs):
+        passes.append(args[2:4])
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(prune.data, "sample_sequences", counted)
+    return tmp_path / "self-text", passes
+
+
+def test_sampled_text_is_kept_for_the_same_model_and_options(sample_cache, one_thread):
+    folder, passes = sample_cache
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    config = DataConfig(data="self", samples=4, seq_len=16, heldout_samples=1)
+    first = calibration_data(tok, config, model=model)
+    again = calibration_data(tok, config, model=model)
+    assert passes == [(5, 16)] and len(list(folder.glob("*.safetensors"))) == 1
+    assert torch.equal(again.token_ids, first.token_ids) and torch.equal(again.heldout_ids, first.heldout_ids)
+    # the kept tokens are the ones sampling gives
+    assert torch.equal(torch.cat([first.token_ids, first.heldout_ids]), sample_sequences(model, tok, 5, 16, seed=0))
+    calibration_data(tok, DataConfig(data="self", samples=4, seq_len=16, heldout_samples=1, seed=1), model=model)
+    calibration_data(tok, DataConfig(data="self:temperature=0.8", samples=4, seq_len=16, heldout_samples=1),
+                     model=model)
+    assert len(passes) == 3 and len(list(folder.glob("*.safetensors"))) == 3
+
+
+def test_weights_changed_past_their_first_values_sample_again(sample_cache, one_thread):
+    _, passes = sample_cache
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    config = DataConfig(data="self", samples=4, seq_len=16, heldout_samples=0)
+    calibration_data(tok, config, model=model)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.view(-1)[-1] += 0.5  # not among the first 16 values
+    calibration_data(tok, config, model=model)
+    assert len(passes) == 2
+
+
+def test_an_unreadable_sample_cache_is_sampled_again_and_mended(sample_cache, one_thread, caplog):
+    folder, passes = sample_cache
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    config = DataConfig(data="self", samples=4, seq_len=16, heldout_samples=0)
+    first = calibration_data(tok, config, model=model).token_ids
+    (kept,) = folder.glob("*.safetensors")
+    kept.write_bytes(kept.read_bytes()[:40])  # a copy cut short
+    assert torch.equal(calibration_data(tok, config, model=model).token_ids, first)
+    assert len(passes) == 2 and "ignoring the unreadable sample cache" in caplog.text
+    assert torch.equal(calibration_data(tok, config, model=model).token_ids, first) and len(passes) == 2
+
+
+def test_weights_on_the_meta_device_have_no_stamp():
+    from prune.stamps import weights_fingerprint
+
+    with torch.device("meta"):
+        offloaded = torch.nn.Linear(4, 4)
+    real = torch.nn.Linear(8, 8)  # 64 weights: the last is past the first 16
+    assert weights_fingerprint(offloaded) is None and weights_fingerprint(real, sums=True) is not None
+    stamp, summed = weights_fingerprint(real), weights_fingerprint(real, sums=True)
+    with torch.no_grad():
+        real.weight.view(-1)[-1] += 1.0
+    assert weights_fingerprint(real) == stamp  # only the first values: the cheap stamp measurements use
+    assert weights_fingerprint(real, sums=True) != summed
