@@ -17,3 +17,5 @@ python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-distill-kl.ya
 # Stop 30: KL with LoRA (rank 8) on the kept blocks as well as the maps (recipes/repairs/linear-distill-kl-lora.yaml),
 # best on the selection split (1.744x dense against 1.832x for the maps alone), at both drops.
 python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-distill-kl-lora.yaml $SHARED
+# Stop 31: five times the steps (1,000) of the stop-30 recipe at drop 4, nothing else changed.
+python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-kl-lora-1000.yaml $SHARED
