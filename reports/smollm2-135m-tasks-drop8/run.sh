@@ -19,3 +19,5 @@ python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-distill-kl.ya
 python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-distill-kl-lora.yaml $SHARED
 # Stop 31: five times the steps (1,000) of the stop-30 recipe at drop 4, nothing else changed.
 python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-kl-lora-1000.yaml $SHARED
+# Stop 31: linearpatch at drop 8 alone (listed in the first command, it was stopped before its tasks twice).
+python -m eval.compare --drop 8 --methods linearpatch $SHARED
