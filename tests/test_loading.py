@@ -447,11 +447,9 @@ def test_publish_keeps_the_first_finished_copy(tmp_path):
 
 
 @pytest.mark.slow
-def test_embedded_smollm2_converts_and_reloads():
+def test_embedded_smollm2_converts_and_reloads(monkeypatch):
     gguf_path = Path(resolve_model_name(EMBEDDED_MODEL))
-    start = time.perf_counter()
     first = load_model(EMBEDDED_MODEL)
-    first_s = time.perf_counter() - start
     config = first.model.config
     assert config.model_type == "llama" and config.num_hidden_layers == 30 and config.hidden_size == 576
     assert len(first.model.model.layers) == 30
@@ -460,10 +458,14 @@ def test_embedded_smollm2_converts_and_reloads():
 
     folder = embedded_model_dir()
     assert folder == cache_dir() / EMBEDDED_MODEL
-    start = time.perf_counter()
-    second = load_model(EMBEDDED_MODEL)
-    second_s = time.perf_counter() - start
-    assert second_s < 10 and second_s < first_s
+
+    def no_second_conversion(*args):
+        raise AssertionError("converted twice")
+
+    # the second load reads the converted folder (a wall-time check here failed under load: it proved nothing)
+    with monkeypatch.context() as patch:
+        patch.setattr(loading, "_convert_gguf", no_second_conversion)
+        second = load_model(EMBEDDED_MODEL)
     assert second.source == first.source
 
     plain = AutoModelForCausalLM.from_pretrained(folder).eval()
