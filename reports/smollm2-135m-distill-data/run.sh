@@ -29,3 +29,9 @@ python -m eval.compare --drop 8 \
   --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt \
   --heldout-tokens 8192 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 800~1000: --data-dir $D \
   --speed-tokens 0 --threads 2 --out reports/smollm2-135m-distill-data/selection-draw
+# Stop 31, second invocation: the distilled default added on the same draw (the cells above are not run again).
+python -m eval.compare --drop 8 \
+  --methods recipes/repairs/remove.yaml,layercut-linear,recipes/repairs/linear-distill-kl.yaml \
+  --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt \
+  --heldout-tokens 8192 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 800~1000: --data-dir $D \
+  --speed-tokens 0 --threads 2 --out reports/smollm2-135m-distill-data/selection-draw
