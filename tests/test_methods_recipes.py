@@ -97,7 +97,7 @@ def test_resolve_method_by_name_or_path_and_unknown_lists_the_known(tmp_path):
 def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     repairs = method_recipes(METHODS_DIR.parent / "repairs")
     assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000", "linear-distill-mixed",
-                            "linear-distill-kl", "linear-distill-kl-lora"}
+                            "linear-distill-kl", "linear-distill-kl-lora", "linear-distill-kl-lora-1000"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
@@ -129,6 +129,9 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert dataclasses.replace(mixed, mse_weight=0.0, kl_weight=1.0) == default
     lora = DistillConfig.from_dict(config(repairs["linear-distill-kl-lora"]).distill)
     assert lora.train == "lora" and dataclasses.replace(lora, train="replacements") == default
+    # five times the steps and nothing else
+    longer = DistillConfig.from_dict(config(repairs["linear-distill-kl-lora-1000"]).distill)
+    assert longer.steps == 1000 and lora.steps == 200 and dataclasses.replace(longer, steps=200) == lora
 
 
 @pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])
