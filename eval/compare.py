@@ -63,7 +63,7 @@ from tqdm.auto import tqdm
 
 from distill.config import DistillConfig
 from eval.evaluate import parse_limit
-from eval.lmeval import TASK_SEED, primary_metric, run_lm_eval
+from eval.lmeval import describe_rows, primary_metric, run_lm_eval
 from eval.measurements import MeasurementStore, calibration_digest
 from eval.perplexity import perplexity, tokenize_text
 from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, count_parameters, make_prompt, time_decode
@@ -743,18 +743,7 @@ def _removed(row: dict) -> str:
 
 def _task_rows(results: dict) -> str:
     """Which rows of each task the figures read: they differ between a selection run and a report."""
-    if "task_limit" not in results:
-        return ""
-    limit = results["task_limit"]
-    if limit is None:
-        return " (every row of each task)"
-    if isinstance(limit, str) and "~" in limit:
-        count, _, rows = limit.partition("~")
-        return (f" ({int(count):,} rows of each task drawn at random, seed {TASK_SEED}, from its rows {rows} as Python "
-                "slices them)")
-    if isinstance(limit, str):
-        return f" (rows {limit} of each task, as Python slices them)"
-    return f" (the first {limit:,} rows of each task)" if limit >= 1 else f" (the first {limit:.0%} of each task)"
+    return f" ({describe_rows(results['task_limit'])})" if "task_limit" in results else ""
 
 
 def _task_note(analysis: dict, results: dict) -> list[str]:

@@ -282,6 +282,19 @@ def row_draw(limit: Any) -> int | None:
     return count
 
 
+def describe_rows(limit: Any) -> str:
+    """Which rows of each task ``limit`` reads, in words: a selection run and a report read different rows."""
+    if limit is None:
+        return "every row of each task"
+    draw = row_draw(limit)
+    if draw is not None:
+        return (f"{draw:,} rows of each task drawn at random, seed {TASK_SEED}, from its rows {_split_draw(limit)[0]} "
+                "as Python slices them")
+    if row_range(limit) is not None:
+        return f"rows {limit} of each task, as Python slices them"
+    return f"the first {limit:,} rows of each task" if limit >= 1 else f"the first {limit:.0%} of each task"
+
+
 def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot: int | None) -> Any:
     """Validate the options; return ``limit`` as lm-eval reads it (a float below 1 is a fraction, else rows).
 
@@ -312,7 +325,7 @@ def _rows_of(names: list[str], task_manager, rows: str, seed: int) -> dict[str, 
         total = len(task.eval_docs)
         picked[name] = list(range(total))[row_range(rows)]
         if not picked[name]:
-            raise LayercutError(f"rows {rows.rpartition('~')[2]} of {name} are none of its {total} rows: pick a "
+            raise LayercutError(f"rows {_split_draw(rows)[0]} of {name} are none of its {total} rows: pick a "
                                 f"range inside 0:{total}")
         if draw is not None:
             if draw > len(picked[name]):

@@ -423,8 +423,10 @@ def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, **opti
     weights that cannot be stamped, samples again.
     """
     key = _sample_key(model, tokenizer, count, seq_len, seed, options)
+    if key is None:
+        return sample_sequences(model, tokenizer, count, seq_len, seed, **options)
     path = self_cache_dir() / f"{key}.safetensors"
-    if key is not None and path.is_file():
+    if path.is_file():
         try:
             ids = load_file(path)["ids"]
             if tuple(ids.shape) == (count, seq_len) and ids.dtype == torch.long:
@@ -433,12 +435,11 @@ def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, **opti
         except Exception as err:  # a truncated or foreign file is only a missed cache entry
             logger.warning("ignoring the unreadable sample cache %s (%s): sampling again", path, err)
     ids = sample_sequences(model, tokenizer, count, seq_len, seed, **options)
-    if key is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_file_atomic(path, lambda staging: save_file({"ids": ids.contiguous()}, str(staging)))
-        except OSError as err:
-            logger.warning("could not keep the sampled text in %s (%s): the next run samples again", path, err)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(path, lambda staging: save_file({"ids": ids.contiguous()}, str(staging)))
+    except OSError as err:
+        logger.warning("could not keep the sampled text in %s (%s): the next run samples again", path, err)
     return ids
 
 

@@ -455,9 +455,12 @@ def test_a_range_counts_from_the_end_of_the_rows_the_task_evaluates(data):
     assert _one_line(err) == "rows 5000: of piqa are none of its 1838 rows: pick a range inside 0:1838"
 
 
-@pytest.mark.parametrize("limit", ["1:2:3", "a:", ":x", "1.5:"])
-def test_a_malformed_range_is_one_line(limit):
-    with pytest.raises(LayercutError, match="START:END") as err:
+@pytest.mark.parametrize("limit, form", [
+    *[(limit, "START:END") for limit in ("1:2:3", "a:", ":x", "1.5:")],
+    *[(limit, "N~START:END") for limit in ("0~1:", "x~1:", "~1:", "1.5~:", "1~2~3:")],
+])
+def test_a_malformed_range_or_draw_is_one_line(limit, form):
+    with pytest.raises(LayercutError, match=form) as err:
         lmeval._check_options(limit, 8, None)
     _one_line(err)
 
@@ -493,13 +496,6 @@ def test_a_draw_is_the_same_rows_every_time_and_stays_in_its_range(data):
     with pytest.raises(LayercutError) as err:
         lmeval._rows_of(["piqa"], manager, "9~5000:", seed=1)
     assert _one_line(err) == "rows 5000: of piqa are none of its 1838 rows: pick a range inside 0:1838"
-
-
-@pytest.mark.parametrize("limit", ["0~1:", "x~1:", "~1:", "1.5~:", "1~2~3:"])
-def test_a_malformed_draw_is_one_line(limit):
-    with pytest.raises(LayercutError, match="N~START:END") as err:
-        lmeval._check_options(limit, 8, None)
-    _one_line(err)
 
 
 def test_draws_are_kept_as_typed():
