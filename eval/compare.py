@@ -746,6 +746,16 @@ def _task_rows(results: dict) -> str:
     return f" ({describe_rows(results['task_limit'])})" if "task_limit" in results else ""
 
 
+def _head_caveat(results: dict) -> str:
+    """A warning for figures read from the head of each task: a file's order is not a sample of the task."""
+    limit = results.get("task_limit")
+    if limit is None or isinstance(limit, str):
+        return ""
+    return (" The first rows of a task need not be a sample of it (HellaSwag's first 2,565 of 10,042 rows are all "
+            "ActivityNet captions, and two thirds of the task is WikiHow): for figures that speak for whole tasks, "
+            "draw the rows across each (`--limit 1000~:`).")
+
+
 def _task_note(analysis: dict, results: dict) -> list[str]:
     if not analysis["tasks"]:
         return ["\"Better than\": lower perplexity on every held-out domain.", ""]
@@ -760,7 +770,7 @@ def _task_note(analysis: dict, results: dict) -> list[str]:
             f"the best at the same drop: tie when the gap is under {TIE_SE:g} standard errors of the paired "
             f"difference (row by row on the same rows). \"Better than\": "
             f"lower perplexity on every domain and a {quality} higher by {TIE_SE:g} standard errors or more; "
-            "rows without task figures are compared with each other on perplexity alone.", ""]
+            "rows without task figures are compared with each other on perplexity alone." + _head_caveat(results), ""]
 
 
 def _task_cells(row: dict, tasks: list[str], figures: dict, vs_best: str) -> list[str]:

@@ -471,6 +471,8 @@ def test_the_leaderboard_says_which_rows_its_tasks_read():
                     "100~1000:": " (100 rows of each task drawn at random, seed 1234, from its rows 1000: as Python "
                                  "slices them)"}
     assert compare_module._task_rows({}) == ""
+    warned = {limit: "--limit 1000~:" in compare_module._head_caveat({"task_limit": limit}) for limit in limits}
+    assert warned == {None: False, 1000: True, 0.5: True, "-500:": False, "100~1000:": False}
 
 
 def test_without_kept_weights_adding_tasks_runs_the_cell_again(tiny_folder, tmp_path, capsys, counted, shared_data):
