@@ -1,0 +1,14 @@
+# Issue 17's Table 1 again, with each task's rows a random draw across the whole task instead of its first 1,000
+# (stop 31 found HellaSwag's first 1,000 rows are all ActivityNet; 68 % of the task is WikiHow): 1,000 rows drawn
+# at random from all but each task's last 500, which are the selection split's task prompts (selection.py in
+# ../smollm2-135m-distill-data). Same held-out texts, recipes and calibration as ../smollm2-135m-tasks-drop8; run
+# from the repository root with ../shared/data beside it. The same command resumes: cells already in results.json
+# (same recipe digest) are not run again.
+D=../shared/data
+SHARED="--heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt
+  --heldout-tokens 8192 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 1000~:-500 --data-dir $D --threads 2
+  --speed-tokens 0 --out reports/smollm2-135m-tasks-draw"
+python -m eval.compare --drop 4,8 --methods recipes/repairs/remove.yaml,layercut-linear,layercut-linear-distill $SHARED
+# Then the fold (cosine span) at both drops, and the best drop-4 repair (KL, maps + LoRA, 200 steps).
+python -m eval.compare --drop 4,8 --methods recipes/repairs/fold.yaml $SHARED
+python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-kl-lora.yaml $SHARED
