@@ -315,24 +315,35 @@ def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot
     return limit
 
 
-def _rows_of(names: list[str], task_manager, rows: str, seed: int) -> dict[str, list[int]]:
-    """Each task's row indices in ``rows``, counted on the rows it evaluates (test split, else validation).
+def task_rows(limit: Any, total: int, name: str = "the task", seed: int = TASK_SEED) -> list[int]:
+    """The indices of the rows ``limit`` reads from a task of ``total`` rows, as :func:`evaluate` reads them.
 
-    A draw ``N~START:END`` is ``sorted(random.Random(seed).sample(range(total)[START:END], N))``.
+    ``None`` is every row, a count the first rows, a fraction that share of the first rows (rounded up, as
+    lm-eval does), a range ``START:END`` Python's slice of them and a draw ``N~START:END``
+    ``sorted(random.Random(seed).sample(range(total)[START:END], N))``. Scripts that pair a results file's
+    per-row answers with the task's rows call this rather than rebuild the rule.
     """
-    picked, draw = {}, row_draw(rows)
-    for name, task in _load_tasks(task_manager, names).items():
-        total = len(task.eval_docs)
-        picked[name] = list(range(total))[row_range(rows)]
-        if not picked[name]:
-            raise LayercutError(f"rows {_split_draw(rows)[0]} of {name} are none of its {total} rows: pick a "
-                                f"range inside 0:{total}")
-        if draw is not None:
-            if draw > len(picked[name]):
-                raise LayercutError(f"{rows} draws {draw} rows from {len(picked[name])} of {name}: draw fewer or "
-                                    "widen the range")
-            picked[name] = sorted(random.Random(seed).sample(picked[name], draw))
-    return picked
+    rows = list(range(total))
+    if row_range(limit) is None:
+        limit = _check_options(limit, 1, None)
+        if limit is None:
+            return rows
+        return rows[:math.ceil(total * limit) if limit < 1 else limit]
+    picked, draw = rows[row_range(limit)], row_draw(limit)
+    if not picked:
+        raise LayercutError(f"rows {_split_draw(limit)[0]} of {name} are none of its {total} rows: pick a range "
+                            f"inside 0:{total}")
+    if draw is None:
+        return picked
+    if draw > len(picked):
+        raise LayercutError(f"{limit} draws {draw} rows from {len(picked)} of {name}: draw fewer or widen the range")
+    return sorted(random.Random(seed).sample(picked, draw))
+
+
+def _rows_of(names: list[str], task_manager, rows: str, seed: int) -> dict[str, list[int]]:
+    """Each task's row indices in ``rows`` (:func:`task_rows`), on the split it evaluates (test, else validation)."""
+    return {name: task_rows(rows, len(task.eval_docs), name, seed)
+            for name, task in _load_tasks(task_manager, names).items()}
 
 
 def _check_lm_eval_version() -> None:

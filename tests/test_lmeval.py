@@ -545,3 +545,25 @@ def test_registry_task_data_unreadable_is_one_line_before_any_model(monkeypatch)
     assert "\n" not in message and message.startswith("lm-eval task(s) mmlu: their data could not be read")
     assert "ConnectionError: Couldn't reach 'cais/mmlu'" in message and "arc_easy" in message
     lmeval.check_registry_data([])  # nothing to check, nothing built
+
+
+def test_task_rows_names_the_rows_each_limit_reads():
+    assert lmeval.task_rows(None, 5) == [0, 1, 2, 3, 4]
+    assert lmeval.task_rows(3, 10) == [0, 1, 2] and lmeval.task_rows(30, 10) == list(range(10))
+    assert lmeval.task_rows(0.25, 10) == [0, 1, 2]  # 2.5 rows round up, as lm-eval counts a fraction
+    assert lmeval.task_rows("2:5", 10) == [2, 3, 4] and lmeval.task_rows("-2:", 10) == [8, 9]
+    assert lmeval.task_rows("3~2:8", 10) == [2, 5, 6]  # the rows test_a_draw_scores_the_rows_it_names scores
+    assert lmeval.task_rows("3~2:8", 10, seed=7) != [2, 5, 6]
+    with pytest.raises(LayercutError) as err:
+        lmeval.task_rows("4~-3:", 10, "piqa")
+    assert _one_line(err) == "4~-3: draws 4 rows from 3 of piqa: draw fewer or widen the range"
+    with pytest.raises(LayercutError, match="limit must be"):
+        lmeval.task_rows(-1, 10)
+
+
+def test_a_fraction_scores_the_rows_task_rows_names(data, model, tokenizer):
+    first, share = {}, {}
+    run_lm_eval(model, tokenizer, ["piqa"], data_dir=data, limit=8, rows=first)
+    run_lm_eval(model, tokenizer, ["piqa"], data_dir=data, limit=0.0035, rows=share)  # 6.4 of 1,838 rows
+    assert lmeval.task_rows(0.0035, 1838) == list(range(7))
+    assert share["piqa"] == first["piqa"][:7]

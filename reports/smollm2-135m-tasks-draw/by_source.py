@@ -8,23 +8,17 @@ rows, none of the first 2,565. The rows are the ones eval.lmeval reads for the r
 """
 
 import json
-import random
 import sys
 from pathlib import Path
 
-from eval.lmeval import TASK_SEED, row_draw, row_range
+from eval.lmeval import task_rows
 
 results = json.loads(Path(sys.argv[1]).read_text())
 lines = Path(sys.argv[2]).read_text().split("\n")
 total = len(lines) // 6
 wikihow = {i for i in range(total) if lines[6 * i].split(": ", 1)[-1].startswith("How to")}
 limit = results["task_limit"]
-if isinstance(limit, str):
-    rows = list(range(total))[row_range(limit)]
-    if row_draw(limit) is not None:
-        rows = sorted(random.Random(TASK_SEED).sample(rows, row_draw(limit)))
-else:
-    rows = list(range(total))[:limit]
+rows = task_rows(limit, total, "hellaswag")
 print(f"--limit {limit}: {len(rows)} rows, {sum(r in wikihow for r in rows)} WikiHow")
 print("| cell | ActivityNet (rows) | WikiHow (rows) | all |")
 print("|---|---|---|---|")
