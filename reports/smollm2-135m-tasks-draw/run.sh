@@ -12,3 +12,8 @@ python -m eval.compare --drop 4,8 --methods recipes/repairs/remove.yaml,layercut
 # Then the fold (cosine span) at both drops, and the best drop-4 repair (KL, maps + LoRA, 200 steps).
 python -m eval.compare --drop 4,8 --methods recipes/repairs/fold.yaml $SHARED
 python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-kl-lora.yaml $SHARED
+# Stop 33: ten times the distillation steps at drop 8 (67 min), LinearPatch at both drops (22 min), and KL with
+# maps + LoRA at drop 8 (the best drop-4 row).
+python -m eval.compare --drop 8 --methods recipes/repairs/linear-distill-2000.yaml $SHARED
+python -m eval.compare --drop 4,8 --methods linearpatch $SHARED
+python -m eval.compare --drop 8 --methods recipes/repairs/linear-distill-kl-lora.yaml $SHARED
