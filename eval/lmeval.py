@@ -316,7 +316,7 @@ def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot
 
 
 def task_rows(limit: Any, total: int, name: str = "the task", seed: int = TASK_SEED) -> list[int]:
-    """The indices of the rows ``limit`` reads from a task of ``total`` rows, as :func:`evaluate` reads them.
+    """The indices of the rows ``limit`` reads from a task of ``total`` rows, as :func:`run_lm_eval` reads them.
 
     ``None`` is every row, a count the first rows, a fraction that share of the first rows (rounded up, as
     lm-eval does), a range ``START:END`` Python's slice of them and a draw ``N~START:END``
