@@ -17,3 +17,5 @@ python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-kl-lora
 python -m eval.compare --drop 8 --methods recipes/repairs/linear-distill-2000.yaml $SHARED
 python -m eval.compare --drop 4,8 --methods linearpatch $SHARED
 python -m eval.compare --drop 8 --methods recipes/repairs/linear-distill-kl-lora.yaml $SHARED
+# Removal of LinearPatch's own blocks (ShortGPT's Block Influence top-k), its fair baseline (22 min).
+python -m eval.compare --drop 4,8 --methods shortgpt $SHARED
