@@ -4,7 +4,8 @@
         ../shared/data/hellaswag/hellaswag_val_full.txt
 
 A row is WikiHow when its context (after the activity label) starts "How to": 6,800 of the 10,042 validation
-rows, none of the first 2,565. The rows are the ones eval.lmeval reads for the results' --limit.
+rows, none of the first 2,565. The file is read by the parser the local hellaswag task uses, and the rows are the
+ones eval.lmeval reads for the results' --limit.
 """
 
 import json
@@ -12,13 +13,13 @@ import sys
 from pathlib import Path
 
 from eval.lmeval import task_rows
+from eval.tasks.local_docs import hellaswag_items
 
 results = json.loads(Path(sys.argv[1]).read_text())
-lines = Path(sys.argv[2]).read_text().split("\n")
-total = len(lines) // 6
-wikihow = {i for i in range(total) if lines[6 * i].split(": ", 1)[-1].startswith("How to")}
+items = hellaswag_items(Path(sys.argv[2]).read_text(encoding="utf-8"))
+wikihow = {i for i, item in enumerate(items) if item["ctx"].startswith("How to")}
 limit = results["task_limit"]
-rows = task_rows(limit, total, "hellaswag")
+rows = task_rows(limit, len(items), "hellaswag")
 print(f"--limit {limit}: {len(rows)} rows, {sum(r in wikihow for r in rows)} WikiHow")
 print("| cell | ActivityNet (rows) | WikiHow (rows) | all |")
 print("|---|---|---|---|")
