@@ -323,13 +323,13 @@ def task_rows(limit: Any, total: int, name: str = "the task", seed: int = TASK_S
     ``sorted(random.Random(seed).sample(range(total)[START:END], N))``. Scripts that pair a results file's
     per-row answers with the task's rows call this rather than rebuild the rule.
     """
-    rows = list(range(total))
-    if row_range(limit) is None:
+    rows, span = list(range(total)), row_range(limit)
+    if span is None:
         limit = _check_options(limit, 1, None)
         if limit is None:
             return rows
         return rows[:math.ceil(total * limit) if limit < 1 else limit]
-    picked, draw = rows[row_range(limit)], row_draw(limit)
+    picked, draw = rows[span], row_draw(limit)
     if not picked:
         raise LayercutError(f"rows {_split_draw(limit)[0]} of {name} are none of its {total} rows: pick a range "
                             f"inside 0:{total}")
