@@ -58,6 +58,8 @@ def test_weights_are_normalised_and_default_to_equal_shares(two_texts):
     ("a.txt@0.5,a.txt@0.5", "names 'a.txt' twice"),
     ("self:temp=0.5", "unknown sampling option 'temp'"),
     ("self:top_p=2", "top_p in (0, 1]"),
+    ("self:batch=0", "batch must be a whole number of sequences"),
+    ("self:batch=2.5", "batch must be a whole number of sequences"),
     ("  ", "--data is empty"),
 ])
 def test_bad_spellings_are_one_line_errors(spec, message):
@@ -241,6 +243,33 @@ def test_sampled_text_is_kept_for_the_same_model_and_options(sample_cache, one_t
     calibration_data(tok, DataConfig(data="self:temperature=0.8", samples=4, seq_len=16, heldout_samples=1),
                      model=model)
     assert len(passes) == 3 and len(list(folder.glob("*.safetensors"))) == 3
+
+
+def test_a_sampling_batch_is_its_own_draw_and_its_own_cache_entry(sample_cache, one_thread):
+    folder, passes = sample_cache
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    default = calibration_data(tok, DataConfig(data="self", samples=6, seq_len=16, heldout_samples=0), model=model)
+    batched = calibration_data(tok, DataConfig(data="self:batch=3", samples=6, seq_len=16, heldout_samples=0),
+                               model=model)
+    assert default.source == "self(temperature=1, top_p=0.95)" and batched.source.endswith("batch=3)")
+    # the generator is drawn in another order, so the tokens differ from the default batch's
+    assert torch.equal(batched.token_ids, sample_sequences(model, tok, 6, 16, seed=0, batch_size=3))
+    assert not torch.equal(batched.token_ids, default.token_ids)
+    assert len(passes) == 2 and len(list(folder.glob("*.safetensors"))) == 2
+    calibration_data(tok, DataConfig(data="self:batch=3", samples=6, seq_len=16, heldout_samples=0), model=model)
+    assert len(passes) == 2
+    # the default's key is spelled as before the option existed, so earlier runs' sampled text is read back
+    import hashlib
+    import json
+
+    from prune.data import SELF_BATCH, SELF_CACHE_FORMAT, SELF_DEFAULTS, _sample_key
+    from prune.stamps import weights_fingerprint
+
+    weight = model.get_input_embeddings().weight
+    before = [SELF_CACHE_FORMAT, weights_fingerprint(model, sums=True), len(tok), tok.bos_token_id, tok.eos_token_id,
+              6, 16, 0, dict(SELF_DEFAULTS), SELF_BATCH, weight.device.type, str(weight.dtype)]
+    assert _sample_key(model, tok, 6, 16, 0, dict(SELF_DEFAULTS)) == \
+        hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def test_weights_changed_past_their_first_values_sample_again(sample_cache, one_thread):
