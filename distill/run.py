@@ -24,6 +24,7 @@ from distill.config import DEFAULT_LR, TRAIN_MODES, DistillConfig
 from distill.job import DistillJob, run_job
 from distill.train import DistillResult
 from prune.errors import cli_entry
+from prune.export import describe_generalisation
 from prune.options import (
     add_data_arguments,
     add_load_arguments,
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_arguments(parser)
     d = _DEFAULTS.data
     add_data_arguments(parser, samples=d.samples, seq_len=d.seq_len, title="data", data=d.data,
+                       heldout_samples=d.heldout_samples,
+                       heldout_help="sequences of the same text training never draws; the loss on them and on as "
+                       "many training sequences, before and after training, shows whether the steps overfit",
                        data_help=f"{d.data}, chosen on texts no reported figure uses; sampling half of "
                        "--samples from the model takes minutes on a CPU, where --data builtin skips it")
     _add_output_arguments(parser)
@@ -125,7 +129,8 @@ def _summary(result: DistillResult, out: Path) -> str:
     first = f"{result.losses[0]:.5g} -> " if result.losses else ""
     return (f"distilled {result.steps} steps (from step {result.start_step}): loss {first}{result.final_loss:.5g}; "
             f"{result.steps_per_second:.3f} steps/s; peak RSS {result.peak_memory_bytes / 2**20:.0f} MiB\n"
-            f"wrote {out}/")
+            + (f"{fit}\n" if (fit := describe_generalisation(result.generalisation)) else "")
+            + f"wrote {out}/")
 
 
 @cli_entry

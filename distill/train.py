@@ -66,6 +66,10 @@ class DistillResult:
         seconds: wall time of the training loop in this call.
         trainable_parameters: number of trained scalars.
         peak_gpu_memory_bytes: peak CUDA memory allocated, or None on the CPU.
+        generalisation: the loss on held-out sequences of the training text and on as many sequences
+            training drew (as many of each source), before the first step (or the step a resumed run's
+            first checkpointed measurement was taken, ``before_step``) and after the last; None without
+            held-out sequences.
     """
 
     steps: int
@@ -79,6 +83,7 @@ class DistillResult:
     seconds: float = 0.0
     trainable_parameters: int = 0
     peak_gpu_memory_bytes: int | None = None
+    generalisation: dict | None = None
 
     def report(self, config: DistillConfig) -> dict:
         """The ``distill`` section of ``layercut.json``."""
@@ -95,6 +100,7 @@ class DistillResult:
             "trainable_parameters": self.trainable_parameters,
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_gpu_memory_bytes": self.peak_gpu_memory_bytes,
+            "generalisation": self.generalisation,
         }
 
 
@@ -168,8 +174,9 @@ def evaluate_losses(student: nn.Module, teacher: nn.Module, token_ids: torch.Ten
     targets = teacher_targets(layout)
     weights = config.loss_weights()
     want_logits = bool(NEEDS_LOGITS & set(weights))
-    was_training = student.training
+    was_training, teacher_was_training = student.training, teacher.training
     student.eval()
+    teacher.eval()
     sums: dict[str, float] = {}
     try:
         for rows in torch.split(token_ids, config.batch_size):
@@ -183,7 +190,93 @@ def evaluate_losses(student: nn.Module, teacher: nn.Module, token_ids: torch.Ten
                 sums[name] = sums.get(name, 0.0) + value * rows.shape[0]
     finally:
         student.train(was_training)
+        teacher.train(teacher_was_training)
     return {name: value / token_ids.shape[0] for name, value in sums.items()}
+
+
+def _weighted(terms: dict[str, float], weights: dict[str, float]) -> float:
+    return sum(weights[name] * value for name, value in terms.items() if name in weights)
+
+
+def _seen_rows(order: BatchOrder, quotas: list[int], row_sources: torch.Tensor | None, batches: int) -> torch.Tensor:
+    """Distinct rows from the first ``batches`` micro-batches training draws: ``quotas[i]`` of source ``i``.
+
+    ``row_sources`` gives each row's source (None: one source, ``quotas`` of one entry).
+    """
+    wanted = list(quotas)
+    rows: list[int] = []
+    for index in range(batches):
+        for row in order.rows(index).tolist():
+            source = 0 if row_sources is None else int(row_sources[row])
+            if row not in rows and wanted[source] > 0:
+                rows.append(row)
+                wanted[source] -= 1
+        if not any(wanted):
+            break
+    return torch.tensor(rows, dtype=torch.long)
+
+
+class _Generalisation:
+    """The loss on held-out sequences beside the loss on training sequences, before and after training.
+
+    The per-step loss in the log is measured on the batch being fitted, so it keeps falling while the model
+    memorises a small text; the same loss on sequences training never draws shows whether the steps still
+    pay. Both sets are scored the same way (eval mode, :func:`evaluate_losses`) and, for a mixture, hold as
+    many sequences of each source (self-sampled text and a novel sit at different loss levels), so the gap
+    between them is the overfit. A resumed run keeps the first measurement in its checkpoints.
+    """
+
+    def __init__(self, run: _Run, heldout_ids: torch.Tensor | None, layout: Layout,
+                 sources: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.run, self.layout, self.sets = run, layout, {}
+        self.measured: dict[str, dict] = {}
+        self.first_step = 0
+        if heldout_ids is None or heldout_ids.shape[0] == 0:
+            return
+        row_sources, heldout_sources = sources if sources is not None else (None, None)
+        if row_sources is None or heldout_sources is None:
+            row_sources, quotas = None, [heldout_ids.shape[0]]
+        else:
+            quotas = torch.bincount(heldout_sources, minlength=int(row_sources.max()) + 1).tolist()
+        config = run.config
+        drawn = config.steps * config.grad_accum * run.accelerator.num_processes
+        # within one pass over the sequences every row comes up once, so every quota a source can fill is filled
+        batches = min(drawn, math.ceil(run.token_ids.shape[0] / config.batch_size) + 1)
+        seen = run.token_ids[_seen_rows(run.order, quotas, row_sources, batches)]
+        self.sets = {"training": seen, "held_out": heldout_ids.long()}
+        self.measured = {name: {} for name in self.sets}
+
+    def measure(self, when: str) -> None:
+        weights = self.run.config.loss_weights()
+        for name, ids in self.sets.items():
+            with self.run.accelerator.autocast():
+                terms = evaluate_losses(self.run.student, self.run.teacher, ids, self.run.config, self.layout)
+            self.measured[name][when] = {"loss": _weighted(terms, weights), **terms}
+
+    def start(self, step: int, kept: dict | None) -> None:
+        """Measure "before" at step 0; a resumed run takes it from its checkpoint, else measures it at ``step``."""
+        if not self.sets:
+            return
+        if step > 0 and kept and all(name in kept and "before" in kept[name] for name in self.sets):
+            self.first_step = int(kept.get("first_step", 0))
+            for name in self.sets:
+                self.measured[name]["before"] = kept[name]["before"]
+            return
+        self.first_step = step
+        self.measure("before")
+
+    def kept(self) -> dict | None:
+        """What a checkpoint keeps: the first measurement, so a resumed run reports from where it began."""
+        if not self.sets:
+            return None
+        return {"first_step": self.first_step, **{name: {"before": self.measured[name]["before"]}
+                                                  for name in self.sets}}
+
+    def summary(self) -> dict | None:
+        if not self.sets:
+            return None
+        return {"sequences": {name: int(ids.shape[0]) for name, ids in self.sets.items()},
+                "before_step": self.first_step, **self.measured}
 
 
 class _JsonLog:
@@ -241,6 +334,8 @@ class _Run:
         self.order = BatchOrder(token_ids.shape[0], config.batch_size, config.seed)
         self.losses: list[float] = []
         self.last: tuple[float, dict[str, float]] = (math.nan, {})
+        self.restored_generalisation: dict | None = None  # the first measurement, from a checkpoint
+        self.kept_generalisation: dict | None = None  # the first measurement, for the checkpoints
 
     def restore(self, path: Path) -> int:
         """Load a checkpoint; returns its step."""
@@ -249,8 +344,11 @@ class _Run:
         self.optimizer.load_state_dict(payload["optimizer"])
         self.scheduler.load_state_dict(payload["scheduler"])
         set_rng_state(payload["rng"])
-        self.last = (payload.get("loss", math.nan), payload.get("terms", {}))
-        changed = sorted(k for k, v in self.config.to_dict().items() if payload["config"].get(k) != v)
+        info = payload.get("config", {})  # what save() handed save_checkpoint: the options, the last loss and more
+        self.last = (info.get("loss", math.nan), info.get("terms", {}))
+        self.restored_generalisation = info.get("generalisation")
+        saved = info.get("config", {})
+        changed = sorted(k for k, v in self.config.to_dict().items() if saved.get(k) != v)
         if changed:
             logger.warning("resuming with other options than the checkpoint's: %s", ", ".join(changed))
         logger.info("resumed from %s (step %d)", path, payload["step"])
@@ -301,7 +399,8 @@ class _Run:
             return
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            info = {"config": self.config.to_dict(), "loss": self.last[0], "terms": self.last[1]}
+            info = {"config": self.config.to_dict(), "loss": self.last[0], "terms": self.last[1],
+                    "generalisation": self.kept_generalisation}
             save_checkpoint(self.work, step, self.student, self.trainable.names, self.optimizer, self.scheduler, info)
         self.accelerator.wait_for_everyone()
 
@@ -382,6 +481,7 @@ def distill(
     out: str | Path | None = None,
     resume: bool = False,
     token_ids: torch.Tensor | None = None,
+    heldout_ids: torch.Tensor | None = None,
     layout: Layout | None = None,
 ) -> DistillResult:
     """Train ``student`` in place to match ``teacher`` block by block.
@@ -395,6 +495,9 @@ def distill(
         out: work folder for ``train_log.jsonl`` and ``checkpoints/``; None writes nothing.
         resume: continue from the latest checkpoint in ``out``.
         token_ids: pre-packed sequences [samples, seq_len] to draw batches from instead of ``config.data``.
+        heldout_ids: sequences [n, seq_len] training never draws, scored before and after training beside
+            as many training sequences (``DistillResult.generalisation``). With ``token_ids`` None they
+            are ``config.data``'s held-out sequences (``--heldout-samples``).
         layout: the student's layout, overriding what it records.
 
     Returns:
@@ -409,21 +512,42 @@ def distill(
     work, checkpoint = _prepare_work(out, resume)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
+    sources = None
     if token_ids is None:
-        token_ids = calibration_data(tokenizer, config.data, model=teacher).token_ids  # [samples, seq_len] int64
+        data = calibration_data(tokenizer, config.data, model=teacher)
+        token_ids = data.token_ids  # [samples, seq_len] int64
+        if heldout_ids is None:
+            heldout_ids = data.heldout_ids
+            sources = _heldout_strata(data)
     if token_ids.dim() != 2 or token_ids.shape[1] < 2:
         raise LayercutError(f"token_ids must be [samples, seq_len >= 2], got shape {tuple(token_ids.shape)}")
+    if heldout_ids is not None and (heldout_ids.dim() != 2 or heldout_ids.shape[1] != token_ids.shape[1]):
+        raise LayercutError(f"heldout_ids must be [n, {token_ids.shape[1]}] like token_ids, got shape "
+                            f"{tuple(heldout_ids.shape)}")
     teacher_was_training = teacher.training
     run = _Run(student, teacher, token_ids.long(), config, layout, work)
     start = run.restore(checkpoint) if checkpoint is not None else 0
     log = _JsonLog(work / LOG_FILE if work is not None and run.accelerator.is_main_process else None, start)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    check = _Generalisation(run, heldout_ids, layout, sources)
+    check.start(start, run.restored_generalisation)
+    run.kept_generalisation = check.kept()
     seconds = _train_loop(run, start, log)
-    return _finish(run, start, seconds, teacher_was_training, log)
+    check.measure("after")
+    return _finish(run, start, seconds, teacher_was_training, log, check.summary())
 
 
-def _finish(run: _Run, start: int, seconds: float, teacher_was_training: bool, log: _JsonLog) -> DistillResult:
+def _heldout_strata(data) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each calibration row's source and each held-out row's, for a mixture; None for one source."""
+    if data.row_sources is None or data.heldout_ids is None:
+        return None
+    counts = torch.tensor([ids.shape[0] for ids in data.heldout_by_source.values()])
+    return data.row_sources, torch.repeat_interleave(torch.arange(len(counts)), counts)
+
+
+def _finish(run: _Run, start: int, seconds: float, teacher_was_training: bool, log: _JsonLog,
+            generalisation: dict | None) -> DistillResult:
     """Merge LoRA, drop accelerate's wrappers, restore modes, and summarise."""
     run.accelerator.unwrap_model(run.model, keep_fp32_wrapper=False)  # removes the autocast forward wrapper
     if run.trainable.peft_model is not None:
@@ -447,4 +571,5 @@ def _finish(run: _Run, start: int, seconds: float, teacher_was_training: bool, l
         seconds=seconds,
         trainable_parameters=run.trainable.count,
         peak_gpu_memory_bytes=gpu_peak,
+        generalisation=generalisation,
     )

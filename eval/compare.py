@@ -526,6 +526,8 @@ def run_cell(name: str, path: Path, drop: int, args, loaded, scored: Scored, hel
         row.update(unit=config.unit, sublayers=result.report["sublayers"]["units"])
     if "distill" in result.report:
         row["distill"] = distill_summary(result.report["distill"]["config"])
+        if result.report["distill"].get("generalisation"):
+            row["distill"]["generalisation"] = result.report["distill"]["generalisation"]
     row.update(measure(student.model, student.tokenizer, heldout, args))
     row["heldout_ratio"] = row["heldout_ppl"] / dense["heldout_ppl"]
     row["domain_ratios"] = {name: row["domains"][name] / dense["domains"][name] for name in heldout.names()}

@@ -162,8 +162,22 @@ def _distill_section(distill: dict | None) -> list[str]:
         "## Distillation", "",
         f"Trained layerwise towards `{distill.get('teacher', 'the original model')}` for {distill.get('steps')} steps "
         f"(`--train {config.get('train', '?')}`, lr {config.get('lr', '?')}): loss {distill.get('first_loss')} -> "
-        f"{distill.get('final_loss')}. Every setting is under `distill` in `{REPORT_FILE}`.", "",
+        f"{distill.get('final_loss')}"
+        + (f"; {fit}" if (fit := describe_generalisation(distill.get("generalisation"))) else "")
+        + f". Every setting is under `distill` in `{REPORT_FILE}`.", "",
     ]  # fmt: skip
+
+
+def describe_generalisation(summary: dict | None) -> str | None:
+    """``held-out loss 0.61 -> 0.42 (training sequences 0.60 -> 0.30)`` from a report's ``generalisation``."""
+    if not summary:
+        return None
+    held, seen = summary["held_out"], summary["training"]
+    if "before" not in held or "after" not in held:
+        return None
+    since = f" from step {summary['before_step']}" if summary.get("before_step") else ""
+    return (f"held-out loss{since} {held['before']['loss']:.4g} -> {held['after']['loss']:.4g} "
+            f"(training sequences {seen['before']['loss']:.4g} -> {seen['after']['loss']:.4g})")
 
 
 def _heldout_section(heldout: dict | None) -> list[str]:

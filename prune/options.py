@@ -113,7 +113,8 @@ def load_config_from_args(args: argparse.Namespace, prefix: str = "", model: str
 
 def add_data_arguments(parser: argparse.ArgumentParser, *, samples: int | None = 64, seq_len: int = 512,
                        title: str = "calibration data", what: str = "sequence",
-                       heldout_samples: int | None = None, data: str | None = None,
+                       heldout_samples: int | None = None, heldout_help: str | None = None,
+                       data: str | None = None,
                        data_help: str = "builtin@0.5,self@0.5, chosen on texts no reported figure uses; see the "
                        "README") -> None:
     """Calibration flags: ``--data --text-field --samples`` (unless None) ``--seq-len --seed [--heldout-samples]``.
@@ -134,9 +135,10 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, samples: int | None =
     group.add_argument("--seq-len", type=int, default=seq_len, help=f"tokens per {what} (default: {seq_len})")
     group.add_argument("--seed", type=int, default=0, help="which sequences are drawn, and in what order (default: 0)")
     if heldout_samples is not None:
+        heldout_help = heldout_help or ("sequences of the same text kept out of scoring and fitting; the original "
+                                        "and the slimmed model's perplexity on them ends the run")
         group.add_argument("--heldout-samples", type=int, default=heldout_samples,
-                           help="sequences of the same text kept out of scoring and fitting; the original and the "
-                           f"slimmed model's perplexity on them ends the run (default: {heldout_samples}; 0: skip)")
+                           help=f"{heldout_help} (default: {heldout_samples}; 0: skip)")
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:

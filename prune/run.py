@@ -22,6 +22,7 @@ import argparse
 from prune.architectures import architecture_markdown
 from prune.catalog import model_table
 from prune.errors import cli_entry
+from prune.export import describe_generalisation
 from prune.options import (
     add_data_arguments,
     add_load_arguments,
@@ -174,8 +175,9 @@ def print_summary(result) -> None:
               f"scoring and fitting): original {h['original']:.3f} -> {h['pruned']:.3f} (x{h['ratio']:.3f})"
               + ("; distillation drew its own sequences from the same text" if "distill" in report else ""))
     if "distill" in report:
+        fit = describe_generalisation(report["distill"].get("generalisation"))
         print(f"distilled {report['distill']['steps']} steps: loss {report['distill']['first_loss']} -> "
-              f"{report['distill']['final_loss']}")
+              f"{report['distill']['final_loss']}" + (f"; {fit}" if fit else ""))
     if result.out is not None:
         print(f"wrote {result.out}/")
 

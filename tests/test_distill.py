@@ -449,3 +449,78 @@ def test_lora_on_a_student_with_replacement_wrappers_merges_to_the_original_name
     assert set(dict(student.named_parameters())) == names
     changed = _changed(s_before, student)
     assert "model.layers.0.after.proj.weight" in changed and "model.layers.0.block.mlp.up_proj.weight" in changed
+
+
+def test_the_loss_on_held_out_sequences_shows_what_training_sequences_hide():
+    from prune.export import describe_generalisation
+
+    student, teacher = _dropped_pair([1])
+    ids, held = _ids(4, seed=1), _ids(4, seed=2)
+    config = _config(steps=60, lr=3e-3, batch_size=4, warmup_steps=2, log_every=60)
+    first = {name: evaluate_losses(student, teacher, rows, config)["layerwise_mse"]
+             for name, rows in (("training", ids), ("held_out", held))}
+    result = distill(student, teacher, None, config, token_ids=ids, heldout_ids=held)
+    fit = result.generalisation
+    assert fit["sequences"] == {"training": 4, "held_out": 4}
+    for name in ("training", "held_out"):
+        assert fit[name]["before"]["layerwise_mse"] == pytest.approx(first[name], rel=1e-5)
+        assert fit[name]["before"]["loss"] == fit[name]["before"]["layerwise_mse"]  # weight 1, the only term
+        final = evaluate_losses(student, teacher, ids if name == "training" else held, config)["layerwise_mse"]
+        assert fit[name]["after"]["layerwise_mse"] == pytest.approx(final, rel=1e-5)
+    seen, unseen = (fit[name]["after"]["loss"] / fit[name]["before"]["loss"] for name in ("training", "held_out"))
+    assert seen < 0.5 and unseen > seen + 0.1  # four sequences memorised: the held-out loss falls far less
+    assert describe_generalisation(fit) == (
+        f"held-out loss {fit['held_out']['before']['loss']:.4g} -> {fit['held_out']['after']['loss']:.4g} "
+        f"(training sequences {fit['training']['before']['loss']:.4g} -> {fit['training']['after']['loss']:.4g})")
+    assert result.report(config)["generalisation"] == fit
+    assert distill(student, teacher, None, _config(steps=1), token_ids=ids).generalisation is None
+
+
+def test_the_training_sequences_scored_are_ones_training_drew_as_many_of_each_source():
+    from distill.train import _seen_rows
+
+    student, teacher = _dropped_pair([1])
+    ids, held = _ids(16, seed=1), _ids(4, seed=2)
+    config = _config(steps=1, batch_size=4)
+    drawn = ids[BatchOrder(16, 4, config.seed).rows(0)]  # the one batch one step draws
+    expected = evaluate_losses(student, teacher, drawn, config)["layerwise_mse"]
+    fit = distill(student, teacher, None, config, token_ids=ids, heldout_ids=held).generalisation
+    assert fit["training"]["before"]["layerwise_mse"] == pytest.approx(expected, rel=1e-5)
+    assert not torch.equal(drawn, ids[:4])  # so the first rows would give another figure
+    # a mixture: the training sequences hold as many of each source as the held-out ones do
+    order = BatchOrder(10, 2, 0)
+    sources = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 1, 1])
+    rows = _seen_rows(order, [1, 2], sources, batches=6)
+    assert sorted(sources[rows].tolist()) == [0, 1, 1]
+    walked = [r for i in range(6) for r in order.rows(i).tolist()]
+    assert rows[0].item() == next(r for r in walked if sources[r] == 0)  # the first of source 0 training drew
+    assert len(_seen_rows(order, [3], None, batches=1)) == 2  # one batch of 2 cannot give 3
+
+
+def test_a_resumed_run_reports_from_its_first_measurement(tmp_path, caplog):
+    student, teacher = _dropped_pair([1])
+    ids, held = _ids(8, seed=1), _ids(4, seed=2)
+    first = distill(student, teacher, None, _config(steps=4, save_every=2), out=tmp_path, token_ids=ids,
+                    heldout_ids=held).generalisation
+    with caplog.at_level("WARNING"):
+        again = distill(student, teacher, None, _config(steps=6, save_every=2), out=tmp_path, resume=True,
+                        token_ids=ids, heldout_ids=held).generalisation
+    assert again["before_step"] == 0 and again["held_out"]["before"] == first["held_out"]["before"]
+    assert again["held_out"]["after"] != first["held_out"]["after"]
+    # the checkpoint's options are read back: only what changed is named
+    assert "resuming with other options than the checkpoint's: steps" in caplog.text
+
+
+def test_a_mixtures_strata_name_each_rows_source(tmp_path):
+    from distill.train import _heldout_strata
+    from prune.data import DataConfig, calibration_data
+
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text(" ".join(str(i) for i in range(3000)))
+    b.write_text(" ".join(f"x{i}" for i in range(3000)))  # only b holds the letter x
+    tok = make_tiny_tokenizer()
+    data = calibration_data(tok, DataConfig(data=f"{a}@0.75,{b}@0.25", samples=8, seq_len=SEQ, heldout_samples=4))
+    rows, held = _heldout_strata(data)
+    assert rows.tolist() == [int("x" in tok.decode(r)) for r in data.token_ids] and sum(rows.tolist()) == 2
+    assert held.tolist() == [int("x" in tok.decode(r)) for r in data.heldout_ids] == [0, 0, 0, 1]
+    assert _heldout_strata(calibration_data(tok, DataConfig(data=str(a), samples=4, seq_len=SEQ))) is None

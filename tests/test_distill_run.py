@@ -44,8 +44,9 @@ def _args(pair: dict, out: Path, *extra: str) -> list[str]:
 
 def test_cli_distills_and_exports_a_checkpoint(pair, tmp_path, capsys):
     out = tmp_path / "distilled"
-    assert main(_args(pair, out, "--save-every", "2", "--log-every", "1")) == 0
-    assert "wrote" in capsys.readouterr().out
+    assert main(_args(pair, out, "--save-every", "2", "--log-every", "1", "--heldout-samples", "3")) == 0
+    printed = capsys.readouterr().out
+    assert "wrote" in printed
     for name in ("config.json", "model.safetensors", "tokenizer.json", "layercut.json", "README.md", "train_log.jsonl"):
         assert (out / name).is_file(), name
     assert not (tmp_path / "distilled.work").exists()  # checkpoints removed after a successful export
@@ -55,6 +56,12 @@ def test_cli_distills_and_exports_a_checkpoint(pair, tmp_path, capsys):
     assert section["steps"] == 4 and section["layout"] == [[0], [3]] and section["teacher"] == str(pair["teacher"])
     assert section["config"]["train"] == "all" and section["peak_memory_bytes"] > 0
     assert section["final_loss"] > 0 and section["steps_per_second"] > 0
+    # the loss on 3 sequences training never drew, beside 3 it did, before and after the 4 steps
+    fit = section["generalisation"]
+    assert fit["sequences"] == {"training": 3, "held_out": 3}
+    assert fit["training"]["after"]["loss"] < fit["training"]["before"]["loss"]
+    line = f"held-out loss {fit['held_out']['before']['loss']:.4g} -> {fit['held_out']['after']['loss']:.4g}"
+    assert line in printed and line in (out / "README.md").read_text()
     assert json.loads((out / "config.json").read_text())["layercut_layout"] == [[0], [3]]
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 2

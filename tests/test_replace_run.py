@@ -155,6 +155,10 @@ def test_distill_steps_wiring(tiny_folder, tmp_path):
     assert (out / "train_log.jsonl").is_file() and not (tmp_path / "lin-distilled.work").exists()
     card = (out / "README.md").read_text()
     assert "## Distillation" in card and f"towards `{tiny_folder}` for 3 steps (`--train replacements`" in card
+    # 8 held-out sequences of the distillation text (4 of each half); 3 steps of 2 draw at most 6 to set beside them
+    fit = report["distill"]["generalisation"]
+    assert fit["sequences"]["held_out"] == 8 and 0 < fit["sequences"]["training"] <= 6
+    assert f"held-out loss {fit['held_out']['before']['loss']:.4g} -> " in card
     maps_before = [m.proj.weight for m in prune.replace.replacement_modules(before)]
     maps_after = [m.proj.weight for m in prune.replace.replacement_modules(result.loaded.model)]
     assert any(not torch.allclose(a, b) for a, b in zip(maps_before, maps_after, strict=True))
