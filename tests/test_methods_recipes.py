@@ -97,7 +97,8 @@ def test_resolve_method_by_name_or_path_and_unknown_lists_the_known(tmp_path):
 def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     repairs = method_recipes(METHODS_DIR.parent / "repairs")
     assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000", "linear-distill-mixed",
-                            "linear-distill-kl", "linear-distill-kl-lora", "linear-distill-kl-lora-1000"}
+                            "linear-distill-kl", "linear-distill-kl-lora", "linear-distill-kl-lora-1000",
+                            "linear-distill-2000-wide"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
@@ -132,6 +133,11 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     # five times the steps and nothing else
     longer = DistillConfig.from_dict(config(repairs["linear-distill-kl-lora-1000"]).distill)
     assert longer.steps == 1000 and lora.steps == 200 and dataclasses.replace(longer, steps=200) == lora
+    # the full budget on four times the distinct text, sampled in larger batches, and nothing else
+    wide = DistillConfig.from_dict(config(repairs["linear-distill-2000-wide"]).distill)
+    assert wide.data.samples == 2048 and dict(wide.data.sources[1].sampling)["batch"] == 64
+    full = DistillConfig.from_dict(budget.distill)
+    assert dataclasses.replace(wide, data=full.data) == full and full.data.samples == 512
 
 
 @pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])
