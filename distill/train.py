@@ -222,8 +222,9 @@ class _Generalisation:
     The per-step loss in the log is measured on the batch being fitted, so it keeps falling while the model
     memorises a small text; the same loss on sequences training never draws shows whether the steps still
     pay. Both sets are scored the same way (eval mode, :func:`evaluate_losses`) and, for a mixture, hold as
-    many sequences of each source (self-sampled text and a novel sit at different loss levels), so the gap
-    between them is the overfit. A resumed run keeps the first measurement in its checkpoints.
+    many sequences of each source (self-sampled text and a novel sit at different loss levels). Before
+    training neither set has been fitted, so their levels differ only by which sequences they hold; how far
+    each falls is what to compare. A resumed run keeps the first measurement in its checkpoints.
     """
 
     def __init__(self, run: _Run, heldout_ids: torch.Tensor | None, layout: Layout,

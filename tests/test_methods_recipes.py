@@ -98,7 +98,7 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     repairs = method_recipes(METHODS_DIR.parent / "repairs")
     assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000", "linear-distill-mixed",
                             "linear-distill-kl", "linear-distill-kl-lora", "linear-distill-kl-lora-1000",
-                            "linear-distill-2000-wide"}
+                            "linear-distill-2000-wide", "linear-distill-wide"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
@@ -138,6 +138,10 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert wide.data.samples == 2048 and dict(wide.data.sources[1].sampling)["batch"] == 64
     full = DistillConfig.from_dict(budget.distill)
     assert dataclasses.replace(wide, data=full.data) == full and full.data.samples == 512
+    # and at the default's 200 steps
+    wide_200 = DistillConfig.from_dict(config(repairs["linear-distill-wide"]).distill)
+    assert dataclasses.replace(wide_200, steps=2000) == wide
+    assert dataclasses.replace(wide_200, data=default.data) == default
 
 
 @pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])
