@@ -19,3 +19,7 @@ python -m eval.compare --drop 4,8 --methods linearpatch $SHARED
 python -m eval.compare --drop 8 --methods recipes/repairs/linear-distill-kl-lora.yaml $SHARED
 # Removal of LinearPatch's own blocks (ShortGPT's Block Influence top-k), its fair baseline (22 min).
 python -m eval.compare --drop 4,8 --methods shortgpt $SHARED
+# Stop 34: the full budget on four times the distinct distillation text (2,048 sequences instead of 512).
+python -m eval.compare --drop 8 --methods recipes/repairs/linear-distill-2000-wide.yaml $SHARED
+# The same 2,048 sequences at the default 200 steps (the sampled half is read from the cache the run above wrote).
+python -m eval.compare --drop 8 --methods recipes/repairs/linear-distill-wide.yaml $SHARED
