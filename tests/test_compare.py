@@ -384,8 +384,12 @@ def test_a_distilled_row_names_the_text_and_loss_it_was_distilled_with(tiny_fold
                        "--speed-tokens", "0")
     assert code == 0, err
     cells = json.loads((out / "results.json").read_text())["cells"]
+    fit = cells["kl@1"]["distill"].pop("generalisation")
     assert cells["kl@1"]["distill"] == {"data": str(text), "samples": 4, "seq_len": 16, "train": "replacements",
                                         "losses": {"teacher_student_kl": 1.0}}
+    # the held-out check of the cell's distillation: the text's 8 held-out sequences, beside 4 that 2 steps of 2 drew
+    assert fit["sequences"] == {"training": 4, "held_out": 8} and fit["before_step"] == 0
+    assert set(fit["held_out"]) == {"before", "after"} and fit["held_out"]["after"]["teacher_student_kl"] > 0
     assert cells["kl@1"]["distill_steps"] == 2 and "distill" not in cells["layercut-linear@1"]
 
 
