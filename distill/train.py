@@ -166,8 +166,9 @@ def forward_states(call, hooked: nn.Module, input_ids, mask, keep: set[int] | No
 @torch.no_grad()
 def evaluate_losses(student: nn.Module, teacher: nn.Module, token_ids: torch.Tensor, config: DistillConfig,
                     layout: Layout | None = None) -> dict[str, float]:
-    """Each loss term of ``config`` (unweighted) averaged over all of ``token_ids`` [samples, seq_len], no training.
+    """Each loss term of ``config`` (unweighted) and their weighted total ``loss``, averaged over ``token_ids``.
 
+    ``token_ids`` is [samples, seq_len]; nothing is trained. ``loss`` is what training minimises.
     Runs both models in eval mode in batches of ``config.batch_size``; for before/after comparisons.
     """
     layout = layout or resolve_layout(student, teacher)
@@ -185,17 +186,14 @@ def evaluate_losses(student: nn.Module, teacher: nn.Module, token_ids: torch.Ten
             t_states, t_logits = forward_states(teacher, teacher, rows.to(t_dev), mask.to(t_dev), set(targets),
                                                 want_logits)
             s_states, s_logits = forward_states(student, student, rows.to(s_dev), mask.to(s_dev), None, want_logits)
-            _, terms = total_loss(LossInputs(s_states, t_states, targets, mask.to(s_dev), s_logits, t_logits), weights)
-            for name, value in terms.items():
+            total, terms = total_loss(LossInputs(s_states, t_states, targets, mask.to(s_dev), s_logits, t_logits),
+                                      weights)
+            for name, value in {"loss": float(total), **terms}.items():
                 sums[name] = sums.get(name, 0.0) + value * rows.shape[0]
     finally:
         student.train(was_training)
         teacher.train(teacher_was_training)
     return {name: value / token_ids.shape[0] for name, value in sums.items()}
-
-
-def _weighted(terms: dict[str, float], weights: dict[str, float]) -> float:
-    return sum(weights[name] * value for name, value in terms.items() if name in weights)
 
 
 def _seen_rows(order: BatchOrder, quotas: list[int], row_sources: torch.Tensor | None, batches: int) -> torch.Tensor:
@@ -248,11 +246,10 @@ class _Generalisation:
         self.measured = {name: {} for name in self.sets}
 
     def measure(self, when: str) -> None:
-        weights = self.run.config.loss_weights()
         for name, ids in self.sets.items():
             with self.run.accelerator.autocast():
-                terms = evaluate_losses(self.run.student, self.run.teacher, ids, self.run.config, self.layout)
-            self.measured[name][when] = {"loss": _weighted(terms, weights), **terms}
+                self.measured[name][when] = evaluate_losses(self.run.student, self.run.teacher, ids, self.run.config,
+                                                            self.layout)
 
     def start(self, step: int, kept: dict | None) -> None:
         """Measure "before" at step 0; a resumed run takes it from its checkpoint, else measures it at ``step``."""
