@@ -24,11 +24,13 @@ logger = logging.getLogger(__name__)
 def step_config(options: dict, prune_config) -> DistillConfig:
     """The :class:`DistillConfig` of a prune run's ``distill`` section.
 
-    Without its own ``data``, distillation reads the run's calibration source (``--data``) at its own
-    sequence length and count; without ``--data`` either, its own default (``distill.config``).
+    Without its own text (``data: {data: ...}``), distillation reads the run's calibration source (``--data``)
+    at its own sequence length and count (``--distill-samples``); without ``--data`` either, its own default
+    (``distill.config``).
     """
     config = DistillConfig.from_dict(options)
-    if "data" not in options and prune_config.data.data not in (None, DEFAULT_DATA):
+    own = options.get("data") or {}
+    if isinstance(own, dict) and "data" not in own and prune_config.data.data not in (None, DEFAULT_DATA):
         data = dataclasses.replace(config.data, data=prune_config.data.data, text_field=prune_config.data.text_field)
         config = dataclasses.replace(config, data=data)
     return config

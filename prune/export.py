@@ -169,15 +169,19 @@ def _distill_section(distill: dict | None) -> list[str]:
 
 
 def describe_generalisation(summary: dict | None) -> str | None:
-    """``held-out loss 0.61 -> 0.42 (training sequences 0.60 -> 0.30)`` from a report's ``generalisation``."""
+    """The one-line summary of a report's ``generalisation``.
+
+    ``held-out loss 0.61 -> 0.42 (training sequences 0.60 -> 0.30; each read 16 times)``.
+    """
     if not summary:
         return None
     held, seen = summary["held_out"], summary["training"]
     if "before" not in held or "after" not in held:
         return None
     since = f" from step {summary['before_step']}" if summary.get("before_step") else ""
+    reads = f"; each read {summary['reads']:.3g} times" if summary.get("reads") else ""
     return (f"held-out loss{since} {held['before']['loss']:.4g} -> {held['after']['loss']:.4g} "
-            f"(training sequences {seen['before']['loss']:.4g} -> {seen['after']['loss']:.4g})")
+            f"(training sequences {seen['before']['loss']:.4g} -> {seen['after']['loss']:.4g}{reads})")
 
 
 def _heldout_section(heldout: dict | None) -> list[str]:

@@ -21,7 +21,7 @@ import argparse
 
 from prune.architectures import architecture_markdown
 from prune.catalog import model_table
-from prune.errors import cli_entry
+from prune.errors import LayercutError, cli_entry
 from prune.export import describe_generalisation
 from prune.options import (
     add_data_arguments,
@@ -38,7 +38,7 @@ from prune.score_report import score_table
 from prune.scores import SCORES
 from prune.selection import DEFAULT_PROTECT, SELECTIONS
 
-# Where each flag lands in a PruneConfig (section, key); the rest map to top-level keys of the same name.
+# Where each flag lands in a PruneConfig (its path of keys); the rest map to top-level keys of the same name.
 FLAG_PATHS = {
     "model": ("load", "model"), "dtype": ("load", "dtype"), "device": ("load", "device"),
     "load_in_4bit": ("load", "load_in_4bit"), "load_in_8bit": ("load", "load_in_8bit"),
@@ -47,7 +47,7 @@ FLAG_PATHS = {
     "seed": ("data", "seed"), "text_field": ("data", "text_field"), "heldout_samples": ("data", "heldout_samples"),
     "replace": ("replace", "method"), "fit": ("replace", "fit"), "rank": ("replace", "rank"),
     "ridge": ("replace", "ridge"), "replace_steps": ("replace", "steps"), "fit_short": ("replace", "short"),
-    "distill_steps": ("distill", "steps"),
+    "distill_steps": ("distill", "steps"), "distill_samples": ("distill", "data", "samples"),
 }  # fmt: skip
 NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures"}
 
@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--distill-steps", type=int, default=0,
                        help="after surgery, distil against the original model's logits for N steps "
                        "(distill.config.DistillConfig defaults; default: 0 = no distillation)")
+    group.add_argument("--distill-samples", type=int, default=None,
+                       help="sequences of distillation text (default: 512, enough for 200 steps of 4; give more "
+                       "with more steps: each sequence read more than a few times is memorised)")
     group = parser.add_argument_group("recipe")
     group.add_argument("--recipe", default=None,
                        help="YAML recipe (see recipes/); flags typed on the command line win over its values")
@@ -126,13 +129,13 @@ def config_values(args: argparse.Namespace, only: set[str] | None = None) -> dic
     for dest, value in vars(args).items():
         if dest in NOT_CONFIG or (only is not None and dest not in only):
             continue
-        if value is None and dest in ("rank", "ridge", "replace_steps", "fit_short", "tokenizer"):
+        if value is None and dest in ("rank", "ridge", "replace_steps", "fit_short", "tokenizer", "distill_samples"):
             continue  # unset: the method's / loader's own default
-        section, key = FLAG_PATHS.get(dest, (None, dest))
-        if section is None:
-            values[key] = value
-        else:
-            values.setdefault(section, {})[key] = value
+        *sections, key = FLAG_PATHS.get(dest, (dest,))
+        node = values
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[key] = value
     if values.get("distill", {}).get("steps") == 0 and only is None:
         del values["distill"]
     return values
@@ -140,9 +143,15 @@ def config_values(args: argparse.Namespace, only: set[str] | None = None) -> dic
 
 def config_from_args(args: argparse.Namespace, typed: set[str] | None = None) -> PruneConfig:
     """Map parsed flags (over ``--recipe`` when given: ``typed`` flags win) onto :class:`PruneConfig`."""
+    if args.distill_samples is not None and args.distill_samples <= 0:
+        raise LayercutError(f"--distill-samples must be a positive integer, got {args.distill_samples}")
     if args.recipe:
-        return config_from_recipe(args.recipe, config_values(args, typed or set()))
-    return PruneConfig(**config_values(args))
+        config = config_from_recipe(args.recipe, config_values(args, typed or set()))
+    else:
+        config = PruneConfig(**config_values(args))
+    if args.distill_samples is not None and not config.step_sections():
+        raise LayercutError("--distill-samples sizes the distillation text: pass --distill-steps N (> 0) too")
+    return config
 
 
 def print_summary(result) -> None:

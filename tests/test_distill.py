@@ -451,7 +451,7 @@ def test_lora_on_a_student_with_replacement_wrappers_merges_to_the_original_name
     assert "model.layers.0.after.proj.weight" in changed and "model.layers.0.block.mlp.up_proj.weight" in changed
 
 
-def test_the_loss_on_held_out_sequences_shows_what_training_sequences_hide():
+def test_the_loss_on_held_out_sequences_shows_what_training_sequences_hide(caplog):
     from prune.export import describe_generalisation
 
     student, teacher = _dropped_pair([1])
@@ -459,9 +459,12 @@ def test_the_loss_on_held_out_sequences_shows_what_training_sequences_hide():
     config = _config(steps=60, lr=3e-3, batch_size=4, warmup_steps=2, log_every=60)
     first = {name: evaluate_losses(student, teacher, rows, config)["layerwise_mse"]
              for name, rows in (("training", ids), ("held_out", held))}
-    result = distill(student, teacher, None, config, token_ids=ids, heldout_ids=held)
+    with caplog.at_level("WARNING", logger="distill.train"):
+        result = distill(student, teacher, None, config, token_ids=ids, heldout_ids=held)
     fit = result.generalisation
-    assert fit["sequences"] == {"training": 4, "held_out": 4}
+    assert fit["sequences"] == {"training": 4, "held_out": 4} and fit["reads"] == 60  # 60 steps of all 4
+    assert "60 steps read each of the 4 distillation sequences 60 times" in caplog.text
+    assert "give about 60 sequences" in caplog.text  # for 4 reads each
     for name in ("training", "held_out"):
         assert fit[name]["before"]["layerwise_mse"] == pytest.approx(first[name], rel=1e-5)
         assert fit[name]["before"]["loss"] == fit[name]["before"]["layerwise_mse"]  # weight 1, the only term
@@ -471,9 +474,13 @@ def test_the_loss_on_held_out_sequences_shows_what_training_sequences_hide():
     assert seen < 0.5 and unseen > seen + 0.1  # four sequences memorised: the held-out loss falls far less
     assert describe_generalisation(fit) == (
         f"held-out loss {fit['held_out']['before']['loss']:.4g} -> {fit['held_out']['after']['loss']:.4g} "
-        f"(training sequences {fit['training']['before']['loss']:.4g} -> {fit['training']['after']['loss']:.4g})")
+        f"(training sequences {fit['training']['before']['loss']:.4g} -> {fit['training']['after']['loss']:.4g}; "
+        "each read 60 times)")
     assert result.report(config)["generalisation"] == fit
-    assert distill(student, teacher, None, _config(steps=1), token_ids=ids).generalisation is None
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distill.train"):
+        assert distill(student, teacher, None, _config(steps=1), token_ids=ids).generalisation is None
+    assert "distillation sequences" not in caplog.text  # one step reads each sequence at most once
 
 
 def test_the_training_sequences_scored_are_ones_training_drew_as_many_of_each_source():

@@ -93,6 +93,10 @@ def test_default_out_names_the_replacement(tiny_folder):
         (["--drop", "1", "--fit", "sequential"], "--fit sequential applies to replacements"),
         (["--replace", "linear"], "--replace needs blocks to remove: pass --drop"),
         (["--drop", "1", "--distill-steps", "-1"], "--distill-steps (distill.steps) must be an integer >= 0"),
+        (["--drop", "1", "--replace", "linear", "--distill-samples", "64"], "--distill-samples sizes the "
+         "distillation text: pass --distill-steps N (> 0) too"),
+        (["--drop", "1", "--distill-steps", "2", "--distill-samples", "0"],
+         "--distill-samples must be a positive integer, got 0"),
         (["--drop", "1", "--replace", "linear", "--replace-steps", "3"], "--replace-steps applies to --replace"),
         (["--drop", "1", "--replace", "linear", "--fit-short", "1"], "--fit-short takes a sequence length of at least"),
         (["--drop", "1", "--replace", "fold", "--protect", "none", "--select", "span", "--score", "bi", "--drop",
@@ -115,6 +119,31 @@ def test_fold_without_mlp_projection_fails_before_scoring(tiny_folder, tmp_path,
     monkeypatch.setattr("prune.pipeline.score_model", lambda *a: pytest.fail("scored before the check"))
     code, _, err = run(capsys, *small(tiny_folder), "--drop", "1", "--replace", "fold", "--out", tmp_path / "o")
     assert code == EXIT_BAD_INPUT and "MLP output projection, which is unknown for 'llama'" in err
+
+
+def test_distill_samples_sizes_the_distillation_text_and_keeps_the_runs_source(tiny_folder, tmp_path):
+    from distill.step import step_config
+    from prune.run import build_parser, config_from_args
+
+    text = tmp_path / "text.txt"
+    text.write_text("calibration words. " * 50)
+    parser = build_parser()
+    base = ["--model", str(tiny_folder), "--drop", "1", "--replace", "linear", "--distill-steps", "3"]
+    config = config_from_args(parser.parse_args([*base, "--distill-samples", "24", "--data", str(text)]))
+    assert config.distill == {"steps": 3, "data": {"samples": 24}}
+    resolved = step_config(config.distill, config)
+    assert (resolved.data.data, resolved.data.samples, resolved.data.seq_len) == (str(text), 24, 128)
+    # without the flag the count is distillation's own, and so is the text without --data
+    resolved = step_config(config_from_args(parser.parse_args(base)).distill, config_from_args(parser.parse_args(base)))
+    assert (resolved.data.data, resolved.data.samples) == ("builtin@0.5,self@0.5", 512)
+    # a recipe's distillation text wins over the run's --data; the flag still sizes it
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("replace: linear\ndistill: {steps: 5, data: {data: builtin, samples: 8}}\n")
+    argv = ["--recipe", str(recipe), "--model", str(tiny_folder), "--drop", "1", "--data", str(text),
+            "--distill-samples", "40"]
+    config = config_from_args(parser.parse_args(argv), {"recipe", "model", "drop", "data", "distill_samples"})
+    resolved = step_config(config.distill, config)
+    assert (resolved.steps, resolved.data.data, resolved.data.samples) == (5, "builtin", 40)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
