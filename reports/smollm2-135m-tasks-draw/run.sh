@@ -23,3 +23,8 @@ python -m eval.compare --drop 4,8 --methods shortgpt $SHARED
 python -m eval.compare --drop 8 --methods recipes/repairs/linear-distill-2000-wide.yaml $SHARED
 # The same 2,048 sequences at the default 200 steps (the sampled half is read from the cache the run above wrote).
 python -m eval.compare --drop 8 --methods recipes/repairs/linear-distill-wide.yaml $SHARED
+# Stop 35: the same two recipes at drop 4 (65 and 17 min; the sampled half read from the cache stop 34 wrote), and
+# LLM-Streamline (one trained block in place of the span) at both drops (about 25 min).
+python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-2000-wide.yaml $SHARED
+python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-wide.yaml $SHARED
+python -m eval.compare --drop 4,8 --methods llm-streamline $SHARED
