@@ -98,7 +98,7 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     repairs = method_recipes(METHODS_DIR.parent / "repairs")
     assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000", "linear-distill-mixed",
                             "linear-distill-kl", "linear-distill-kl-lora", "linear-distill-kl-lora-1000",
-                            "linear-distill-2000-wide", "linear-distill-wide"}
+                            "linear-distill-2000-wide", "linear-distill-wide", "streamline-distill"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
@@ -142,6 +142,11 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     wide_200 = DistillConfig.from_dict(config(repairs["linear-distill-wide"]).distill)
     assert dataclasses.replace(wide_200, steps=2000) == wide
     assert dataclasses.replace(wide_200, data=default.data) == default
+    # LLM-Streamline's span and trained block, then the default distillation of that block
+    streamline = config(METHODS_DIR / "llm-streamline.yaml")
+    both = config(repairs["streamline-distill"])
+    assert (both.score, both.select, both.replace) == (streamline.score, streamline.select, streamline.replace)
+    assert not streamline.distill and DistillConfig.from_dict(both.distill) == default
 
 
 @pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])
