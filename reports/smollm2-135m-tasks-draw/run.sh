@@ -28,3 +28,5 @@ python -m eval.compare --drop 8 --methods recipes/repairs/linear-distill-wide.ya
 python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-2000-wide.yaml $SHARED
 python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-wide.yaml $SHARED
 python -m eval.compare --drop 4,8 --methods llm-streamline $SHARED
+# LLM-Streamline's block, then the default distillation of it (15 min).
+python -m eval.compare --drop 8 --methods recipes/repairs/streamline-distill.yaml $SHARED
