@@ -237,10 +237,8 @@ class _Generalisation:
             row_sources, quotas = None, [heldout_ids.shape[0]]
         else:
             quotas = torch.bincount(heldout_sources, minlength=int(row_sources.max()) + 1).tolist()
-        config = run.config
-        drawn = config.steps * config.grad_accum * run.accelerator.num_processes
         # within one pass over the sequences every row comes up once, so every quota a source can fill is filled
-        batches = min(drawn, math.ceil(run.token_ids.shape[0] / config.batch_size) + 1)
+        batches = min(run.micro_batches(), math.ceil(run.token_ids.shape[0] / run.config.batch_size) + 1)
         seen = run.token_ids[_seen_rows(run.order, quotas, row_sources, batches)]
         self.sets = {"training": seen, "held_out": heldout_ids.long()}
         self.measured = {name: {} for name in self.sets}
@@ -286,9 +284,7 @@ FEW_READS = 4
 
 def reads_per_sequence(run: _Run) -> float:
     """How many times the run's steps draw each training sequence, over every step of ``run.config``."""
-    config = run.config
-    drawn = config.steps * config.grad_accum * config.batch_size * run.accelerator.num_processes
-    return drawn / run.token_ids.shape[0]
+    return run.micro_batches() * run.config.batch_size / run.token_ids.shape[0]
 
 
 def _warn_many_reads(run: _Run) -> None:
@@ -361,6 +357,10 @@ class _Run:
         self.last: tuple[float, dict[str, float]] = (math.nan, {})
         self.restored_generalisation: dict | None = None  # the first measurement, from a checkpoint
         self.kept_generalisation: dict | None = None  # the first measurement, for the checkpoints
+
+    def micro_batches(self) -> int:
+        """Micro-batches of ``config.batch_size`` sequences drawn over every step, across processes."""
+        return self.config.steps * self.config.grad_accum * self.accelerator.num_processes
 
     def restore(self, path: Path) -> int:
         """Load a checkpoint; returns its step."""
