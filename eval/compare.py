@@ -85,7 +85,7 @@ from prune.options import (
 from prune.oracle import oracle_table, removal_cache, run_oracle
 from prune.pipeline import PruneConfig, Scored, preflight, run_prune, score_calibration
 from prune.recipes import config_from_recipe, method_recipes, method_summary, resolve_method
-from prune.replace import parameter_count
+from prune.replace import check_drop_for_method, parameter_count
 from prune.sublayers import is_sublayer, parse_units
 
 logger = logging.getLogger(__name__)
@@ -865,8 +865,14 @@ def compare(args: argparse.Namespace) -> dict:
         raise LayercutError("--out is required: the folder for results.json, README.md and the plots")
     drops = parse_drops(args.drop)
     methods = parse_methods(args.methods)
-    for path in methods.values():  # every recipe checked before the model loads
-        cell_config(path, drops[-1], args, None).build_steps()
+    for name, path in methods.items():  # every recipe checked before the model loads
+        config = cell_config(path, drops[-1], args, None)
+        config.build_steps()
+        for drop in drops:
+            try:
+                check_drop_for_method(config.replace.method, drop)
+            except LayercutError as error:
+                raise LayercutError(f"{name} at --drop {drop}: {error}; or leave {name} out of --methods") from None
     preflight(cell_config(next(iter(methods.values())), drops[-1], args, None))
     domains = plan_domains(args)
     out = Path(args.out)

@@ -26,7 +26,13 @@ from prune.hf_remote_code import sublayer_records
 from prune.loading import LoadedModel, load_config
 from prune.options import LoadConfig
 from prune.oracle import Oracle, oracle_table, removal_cache, run_oracle
-from prune.replace import ReplaceConfig, check_replacement_supported, parameter_count, replace_blocks_
+from prune.replace import (
+    ReplaceConfig,
+    check_drop_for_method,
+    check_replacement_supported,
+    parameter_count,
+    replace_blocks_,
+)
 from prune.score_report import plot_linearity_profile, score_table
 from prune.scores import SCORES, block_scores, check_enough_tokens, get_score
 from prune.selection import (
@@ -251,7 +257,9 @@ def check_against_model(config: PruneConfig, model_config) -> None:
         if config.drop is not None and is_sublayer(parse_units(config.unit)):
             parse_drop(config.drop, 2 * blocks)  # sub-layers: counted against the candidates once loaded
         elif config.drop is not None:
-            check_enough_free(parse_drop(config.drop, blocks), blocks, protected)
+            count = parse_drop(config.drop, blocks)
+            check_enough_free(count, blocks, protected)
+            check_drop_for_method(config.replace.method, count)
     limit = max_positions(model_config)
     if limit is not None and config.data.seq_len > limit:
         raise LayercutError(

@@ -118,6 +118,15 @@ def test_heldout_file_and_sleb_agrees_with_the_oracle(tiny_folder, tmp_path, cap
     assert results["cells"]["sleb@1"]["dropped"] == [removed.index(min(removed))]
 
 
+def test_a_method_that_cannot_take_a_drop_fails_before_the_model_loads(tiny_folder, tmp_path, capsys):
+    code, _, err = run(capsys, *small(tiny_folder, tmp_path / "x"), "--drop", "1,2", "--methods",
+                       "shortgpt,llm-streamline")
+    assert code == EXIT_BAD_INPUT and err.count("\n") == 1
+    assert "llm-streamline at --drop 1: --replace block puts one block in place of a span of 2 or more" in err
+    assert err.rstrip().endswith("or leave llm-streamline out of --methods")
+    assert not (tmp_path / "x").exists()
+
+
 def test_unknown_method_lists_the_known_ones(tiny_folder, tmp_path, capsys):
     code, _, err = run(capsys, *small(tiny_folder, tmp_path / "x"), "--drop", "1", "--methods", "shortgpt,squash")
     assert code == EXIT_BAD_INPUT and err.count("\n") == 1

@@ -27,6 +27,8 @@ def no_weights(monkeypatch):
     (["--drop", "1", "--protect", "0,50"], "--protect 0,50: the model has blocks 0..3"),
     (["--drop", "4"], "--drop 4 asks for 4 of the model's 4 blocks"),
     (["--drop", "1", "--seq-len", "1000", "--samples", "2"], "--seq-len 1000 exceeds the model's 256 positions"),
+    (["--drop", "1", "--replace", "block"], "--replace block puts one block in place of a span of 2 or more blocks, "
+     "and --drop 1 makes a span of 1: drop 2 or more blocks, or use --replace linear"),
 ])  # fmt: skip
 def test_block_and_length_checks_come_before_any_weight(tiny_folder, tmp_path, capsys, no_weights, extra, message):
     code, _, err = run(capsys, *small(tiny_folder, "--out", tmp_path / "o", *extra))

@@ -35,6 +35,7 @@ import pkgutil
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.config import DEFAULT_CACHE_BYTES, ReplaceConfig
 from prune.replace.driver import (
+    check_drop_for_method,
     check_replacement_supported,
     fit_replacements,
     install_replacements_,
@@ -88,6 +89,7 @@ __all__ = [
     "SpanBatch",
     "SpanFitter",
     "block_layout",
+    "check_drop_for_method",
     "check_replacement_supported",
     "default_rank",
     "describe_replacement",

@@ -61,5 +61,5 @@ class BlockFitter(CachingFitter):
 
 register_method(Method(
     "block", "one trained block of the architecture per span", vanilla=True, options=BlockOptions,
-    fitter=BlockFitter, trained_module=lambda _model, block, _record: block,
+    fitter=BlockFitter, trained_module=lambda _model, block, _record: block, min_span=2,
 ))

@@ -18,6 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from prune.adapters import get_blocks
+from prune.errors import LayercutError
 from prune.replace.capture import Recorder, record
 from prune.replace.config import ReplaceConfig
 from prune.replace.fitter import Replacement, SpanFitter
@@ -164,6 +165,27 @@ def check_replacement_supported(model: nn.Module, method: str) -> None:
         spec.check_model(model)
 
 
+def check_drop_for_method(method: str, count: int) -> None:
+    """Refuse ``--drop`` below the span length ``method`` needs, before any weight is loaded."""
+    spec = get_method(method)
+    if count < spec.min_span:
+        raise LayercutError(
+            f"--replace {method} puts one block in place of a span of {spec.min_span} or more blocks, and --drop "
+            f"{count} makes a span of {count}: drop {spec.min_span} or more blocks, or use --replace linear"
+        )
+
+
+def check_span_lengths(method: str, spans: Sequence[tuple[int, ...]]) -> None:
+    """Refuse spans shorter than ``method`` needs (a top-k selection can leave blocks standing alone)."""
+    spec = get_method(method)
+    short = [list(span) for span in spans if len(span) < spec.min_span]
+    if short:
+        raise LayercutError(
+            f"--replace {method} puts one block in place of a span of {spec.min_span} or more blocks, and the "
+            f"selection left {short} shorter: select contiguous blocks (--select span), or use --replace linear"
+        )
+
+
 def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor,
                      config: ReplaceConfig, moments: StateMoments | None = None) -> list[Replacement]:
     """Fit one replacement per span of ``dropped`` (current positions) without changing the model.
@@ -182,6 +204,7 @@ def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.
         raise ValueError(f"--replace {config.method} fits nothing: use replace_blocks_")
     original = list(get_blocks(model)[1])
     spans = spans_of(check_block_indices(dropped, len(original)))
+    check_span_lengths(config.method, spans)
     if spec.check_spans is not None:
         spec.check_spans(model, spans)
     fitters = [spec.fitter(model, original, span, config) for span in spans]

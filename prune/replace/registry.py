@@ -99,6 +99,8 @@ class Method:
         check_model: ``(model) -> None``, raises when the architecture cannot take the method (no
             calibration pass needed, so it runs before scoring).
         check_spans: ``(model, spans) -> None``, raises when these spans cannot be replaced (before fitting).
+        min_span: the fewest contiguous blocks one replacement may stand for (a method that puts a whole
+            block in a span's place needs 2: a span of one would get a copy of itself).
         module: the ``nn.Module`` type it puts on a kept block, saved in ``replacements.safetensors``.
         spec: ``(module) -> dict``, JSON-ready constructor arguments of such a module.
         build: ``(spec) -> module``, a module of that shape (its weights are loaded after).
@@ -115,6 +117,7 @@ class Method:
     fits: tuple[str, ...] = FITS
     check_model: Callable[[nn.Module], None] | None = None
     check_spans: Callable[[nn.Module, Sequence[tuple[int, ...]]], None] | None = None
+    min_span: int = 1
     module: type[nn.Module] | None = None
     spec: Callable[[nn.Module], dict] | None = None
     build: Callable[[dict], nn.Module] | None = None
