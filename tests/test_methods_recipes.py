@@ -98,7 +98,8 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     repairs = method_recipes(METHODS_DIR.parent / "repairs")
     assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000", "linear-distill-mixed",
                             "linear-distill-kl", "linear-distill-kl-lora", "linear-distill-kl-lora-1000",
-                            "linear-distill-2000-wide", "linear-distill-wide", "streamline-distill"}
+                            "linear-distill-2000-wide", "linear-distill-wide", "streamline-distill",
+                            "linear-distill-kl-lora-2000-wide"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
@@ -142,6 +143,9 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     wide_200 = DistillConfig.from_dict(config(repairs["linear-distill-wide"]).distill)
     assert dataclasses.replace(wide_200, steps=2000) == wide
     assert dataclasses.replace(wide_200, data=default.data) == default
+    # that budget and text with the maps + LoRA set, and nothing else
+    lora_wide = DistillConfig.from_dict(config(repairs["linear-distill-kl-lora-2000-wide"]).distill)
+    assert lora_wide.train == "lora" and dataclasses.replace(lora_wide, train="replacements") == wide
     # LLM-Streamline's span and trained block, then the default distillation of that block
     streamline = config(METHODS_DIR / "llm-streamline.yaml")
     both = config(repairs["streamline-distill"])
