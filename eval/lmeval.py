@@ -342,8 +342,23 @@ def task_rows(limit: Any, total: int, name: str = "the task", seed: int = TASK_S
 
 def _rows_of(names: list[str], task_manager, rows: str, seed: int) -> dict[str, list[int]]:
     """Each task's row indices in ``rows`` (:func:`task_rows`), on the split it evaluates (test, else validation)."""
-    return {name: task_rows(rows, len(task.eval_docs), name, seed)
-            for name, task in _load_tasks(task_manager, names).items()}
+    return _rows_in(_load_tasks(task_manager, names), rows, seed)
+
+
+def _rows_in(tasks: dict[str, Any], rows: str, seed: int) -> dict[str, list[int]]:
+    return {name: task_rows(rows, len(task.eval_docs), name, seed) for name, task in tasks.items()}
+
+
+def _load_once(task_manager, names: Sequence[str]) -> tuple[dict[str, Any], list]:
+    """The leaf tasks of ``names``, and what to hand ``simple_evaluate`` so that it does not load them again.
+
+    ``simple_evaluate`` takes built tasks and groups as well as names; a name that is neither (a tag) is
+    handed on as it is, and loaded again there.
+    """
+    with _quiet_lm_eval():
+        loaded = task_manager.load(list(names))
+    built = [loaded["groups"].get(name) or loaded["tasks"].get(name) for name in names]
+    return dict(loaded["tasks"]), built if all(item is not None for item in built) else list(names)
 
 
 def _check_lm_eval_version() -> None:
@@ -503,13 +518,14 @@ def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed,
               rows: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
     from lm_eval import evaluator
 
-    indices = None
-    if row_range(limit) is not None:
-        indices, limit = _rows_of(names, task_manager, limit, seed), None
+    indices, specs = None, list(names)
+    if row_range(limit) is not None:  # the rows are counted on the tasks simple_evaluate then runs
+        leaves, specs = _load_once(task_manager, names)
+        indices, limit = _rows_in(leaves, limit, seed), None
     start = time.perf_counter()
     with _quiet_lm_eval():
         out = evaluator.simple_evaluate(
-            model=lm, tasks=names, task_manager=task_manager, limit=limit, samples=indices, num_fewshot=num_fewshot,
+            model=lm, tasks=specs, task_manager=task_manager, limit=limit, samples=indices, num_fewshot=num_fewshot,
             log_samples=rows is not None, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
             fewshot_random_seed=seed,
         )

@@ -266,6 +266,28 @@ def test_hellaswag_from_text_file_reproduces_standard_task(lm, tmp_path):
     assert our_scores[1][1][1][0][0].endswith("grabs the pole. The lady in a nike shirt")
 
 
+def test_a_range_loads_each_task_once_and_scores_its_rows(model, tokenizer, tmp_path, monkeypatch):
+    from lm_eval.tasks import TaskManager
+
+    (tmp_path / "hellaswag").mkdir()
+    (tmp_path / "hellaswag" / "hellaswag_val_full.txt").write_text(_as_text_file(_HELLASWAG_HUB_ROWS))
+    built = []  # the tasks built from their names (a built task handed back to load() is not built again)
+    load = TaskManager.load
+
+    def counted(self, specs):
+        built.extend(spec for spec in specs if isinstance(spec, str))
+        return load(self, specs)
+
+    monkeypatch.setattr(TaskManager, "load", counted)
+    every, middle = {}, {}
+    run_lm_eval(model, tokenizer, ["hellaswag"], data_dir=tmp_path, rows=every)
+    assert built == ["hellaswag"] and len(every["hellaswag"]) == 5
+    built.clear()
+    run_lm_eval(model, tokenizer, ["hellaswag"], data_dir=tmp_path, limit="1:4", rows=middle)
+    # the rows are counted on the tasks lm-eval then runs: built once (it was twice, about 3 s a task on real files)
+    assert built == ["hellaswag"] and middle["hellaswag"] == every["hellaswag"][1:4]
+
+
 def test_answered_prompts_join_each_prompt_to_its_right_answer_as_lm_eval_scores_it(tmp_path):
     (tmp_path / "hellaswag").mkdir()
     (tmp_path / "hellaswag" / "hellaswag_val_full.txt").write_text(_as_text_file(_HELLASWAG_HUB_ROWS))
