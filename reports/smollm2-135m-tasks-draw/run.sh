@@ -30,3 +30,7 @@ python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-wide.ya
 python -m eval.compare --drop 4,8 --methods llm-streamline $SHARED
 # LLM-Streamline's block, then the default distillation of it (15 min).
 python -m eval.compare --drop 8 --methods recipes/repairs/streamline-distill.yaml $SHARED
+# Stop 36: maps + LoRA on the full budget (2,000 steps on 2,048 sequences) at drop 4 (86 min), and removal at
+# LLM-Streamline's size, 3 and 7 blocks (24 min).
+python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-kl-lora-2000-wide.yaml $SHARED
+python -m eval.compare --drop 3,7 --methods recipes/repairs/remove.yaml $SHARED
