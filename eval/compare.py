@@ -869,10 +869,8 @@ def compare(args: argparse.Namespace) -> dict:
         config = cell_config(path, drops[-1], args, None)
         config.build_steps()
         for drop in drops:
-            try:
-                check_drop_for_method(config.replace.method, drop)
-            except LayercutError as error:
-                raise LayercutError(f"{name} at --drop {drop}: {error}; or leave {name} out of --methods") from None
+            check_drop_for_method(config.replace.method, drop, fix=f"{name} cannot run at this drop; take {drop} out "
+                                  f"of --drop, or leave {name} out of --methods")
     preflight(cell_config(next(iter(methods.values())), drops[-1], args, None))
     domains = plan_domains(args)
     out = Path(args.out)

@@ -122,8 +122,9 @@ def test_a_method_that_cannot_take_a_drop_fails_before_the_model_loads(tiny_fold
     code, _, err = run(capsys, *small(tiny_folder, tmp_path / "x"), "--drop", "1,2", "--methods",
                        "shortgpt,llm-streamline")
     assert code == EXIT_BAD_INPUT and err.count("\n") == 1
-    assert "llm-streamline at --drop 1: --replace block puts one block in place of a span of 2 or more" in err
-    assert err.rstrip().endswith("or leave llm-streamline out of --methods")
+    assert err.strip() == ("error: --replace block puts one block in place of a span of 2 or more blocks, and --drop 1 "
+                           "makes a span of 1: llm-streamline cannot run at this drop; take 1 out of --drop, or leave "
+                           "llm-streamline out of --methods")
     assert not (tmp_path / "x").exists()
 
 

@@ -165,14 +165,16 @@ def check_replacement_supported(model: nn.Module, method: str) -> None:
         spec.check_model(model)
 
 
-def check_drop_for_method(method: str, count: int) -> None:
-    """Refuse ``--drop`` below the span length ``method`` needs, before any weight is loaded."""
+def check_drop_for_method(method: str, count: int, fix: str | None = None) -> None:
+    """Refuse ``--drop`` below the span length ``method`` needs, before any weight is loaded.
+
+    ``fix`` replaces the error's advice (a comparison has no ``--replace`` to change).
+    """
     spec = get_method(method)
     if count < spec.min_span:
-        raise LayercutError(
-            f"--replace {method} puts one block in place of a span of {spec.min_span} or more blocks, and --drop "
-            f"{count} makes a span of {count}: drop {spec.min_span} or more blocks, or use --replace linear"
-        )
+        fix = fix or f"drop {spec.min_span} or more blocks, or use --replace linear"
+        raise LayercutError(f"--replace {method} puts one block in place of a span of {spec.min_span} or more "
+                            f"blocks, and --drop {count} makes a span of {count}: {fix}")
 
 
 def check_span_lengths(method: str, spans: Sequence[tuple[int, ...]]) -> None:
