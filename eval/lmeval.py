@@ -357,7 +357,7 @@ def _load_once(task_manager, names: Sequence[str]) -> tuple[dict[str, Any], list
     """
     with _quiet_lm_eval():
         loaded = task_manager.load(list(names))
-    built = [loaded["groups"].get(name) or loaded["tasks"].get(name) for name in names]
+    built = [loaded["groups"][name] if name in loaded["groups"] else loaded["tasks"].get(name) for name in names]
     return dict(loaded["tasks"]), built if all(item is not None for item in built) else list(names)
 
 
