@@ -286,7 +286,9 @@ def test_block_replacement_refuses_a_block_standing_alone():
     # a span of one would be replaced by a copy of itself: training starts at zero loss and nothing shrinks
     with pytest.raises(LayercutError, match=r"span of 2 or more blocks, and the selection left \[\[1\], \[3\]\] sh"):
         replace_blocks_(make_tiny_model("llama"), [1, 3], calibration(), quick("block"))
-    replace_blocks_(make_tiny_model("llama"), [1, 2], calibration(), quick("block", steps=1))
+    model = make_tiny_model("llama")
+    assert len(replace_blocks_(model, [1, 2], calibration(), quick("block", steps=1))) == 1
+    assert len(get_blocks(model)[1]) == 3
 
 
 def test_replacement_modules_for_each_method():
