@@ -26,7 +26,7 @@ from prune.data import CalibrationData, calibration_data, load_documents
 from prune.errors import LayercutError
 from prune.loading import LoadedModel
 from prune.pipeline import PruneConfig, choose_blocks, score_model
-from prune.replace import METHODS, ReplaceConfig, replace_blocks_
+from prune.replace import METHODS, ReplaceConfig, check_span_lengths, replace_blocks_, spans_of
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +149,16 @@ def compare_replacements(loaded: LoadedModel, calibration: CalibrationData, held
     dense = perplexity(model, heldout, seq_len=options.seq_len, progress=False)
     logger.info("dense perplexity %.3f over %d tokens", dense.perplexity, dense.tokens_scored)
     moments, scores = score_model(model, calibration, options.prune)
-    rows = []
+    chosen = {}
     for drop in options.drops:
         config = copy.copy(options.prune)
         config.drop = drop
-        dropped = choose_blocks(model, calibration, moments, scores, config)
+        chosen[drop] = choose_blocks(model, calibration, moments, scores, config)
+        for name in options.variants:  # every pair checked before the first variant runs
+            check_span_lengths(variant(name).method, spans_of(chosen[drop]), fix=f"{name} cannot replace them at "
+                               f"drop {drop}; pass --select span, or leave {name} out of --variants")
+    rows = []
+    for drop, dropped in chosen.items():
         for name in options.variants:
             rows.append(_run_variant(loaded, calibration, heldout, dropped, name, options))
             logger.info("drop %d %s: perplexity %.3f", drop, name, rows[-1]["perplexity"])

@@ -7,6 +7,7 @@ import torch
 from conftest import make_tiny_model
 
 from distill.config import DistillConfig
+from eval import replace_compare
 from eval.bench import main
 from eval.perplexity import perplexity, tokenize_text
 from eval.replace_compare import (
@@ -72,11 +73,18 @@ def test_distilled_variant_reports_its_training(setup, sample_text):
     assert row["distill"]["trainable_parameters"] == row["params"] == 32 * 32 + 32
 
 
-def test_unknown_variant_and_missing_distill_config(setup, sample_text, capsys):
+def test_unknown_variant_and_missing_distill_config(setup, sample_text, capsys, monkeypatch):
     with pytest.raises(LayercutError, match="unknown variant"):
         parse_variants("linear,magic")
     with pytest.raises(LayercutError, match="DistillConfig"):
-        compare(setup, sample_text, ["block+distill"], drops=(1,))
+        compare(setup, sample_text, ["linear+distill"], drops=(1,))
+    # a lone block would get a copy of itself: refused before the first variant runs, not half-way
+    ran = []
+    monkeypatch.setattr(replace_compare, "_run_variant", lambda *args: ran.append(args))
+    with pytest.raises(LayercutError, match=r"left \[\[\d+\]\] shorter: block\+distill cannot replace them at drop 1; "
+                                            r"pass --select span, or leave block\+distill out of --variants"):
+        compare(setup, sample_text, ["remove", "block+distill"], drops=(1,))
+    assert ran == []
     code = main(["replace", "--heldout", "x.txt", "--variants", "nope"])
     assert code == EXIT_BAD_INPUT and "unknown variant(s) nope" in capsys.readouterr().err
     code = main(["replace", "--heldout", "x.txt", "--variants", "linear,linear+distill", "--distill-steps", "0"])

@@ -37,6 +37,7 @@ from prune.replace.config import DEFAULT_CACHE_BYTES, ReplaceConfig
 from prune.replace.driver import (
     check_drop_for_method,
     check_replacement_supported,
+    check_span_lengths,
     fit_replacements,
     install_replacements_,
     replace_blocks_,
@@ -91,6 +92,7 @@ __all__ = [
     "block_layout",
     "check_drop_for_method",
     "check_replacement_supported",
+    "check_span_lengths",
     "default_rank",
     "describe_replacement",
     "fit_replacements",

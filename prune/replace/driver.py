@@ -177,15 +177,17 @@ def check_drop_for_method(method: str, count: int, fix: str | None = None) -> No
                             f"blocks, and --drop {count} makes a span of {count}: {fix}")
 
 
-def check_span_lengths(method: str, spans: Sequence[tuple[int, ...]]) -> None:
-    """Refuse spans shorter than ``method`` needs (a top-k selection can leave blocks standing alone)."""
+def check_span_lengths(method: str, spans: Sequence[tuple[int, ...]], fix: str | None = None) -> None:
+    """Refuse spans shorter than ``method`` needs (a top-k selection can leave blocks standing alone).
+
+    ``fix`` replaces the error's advice, as in :func:`check_drop_for_method`.
+    """
     spec = get_method(method)
     short = [list(span) for span in spans if len(span) < spec.min_span]
     if short:
-        raise LayercutError(
-            f"--replace {method} puts one block in place of a span of {spec.min_span} or more blocks, and the "
-            f"selection left {short} shorter: select contiguous blocks (--select span), or use --replace linear"
-        )
+        fix = fix or "select contiguous blocks (--select span), or use --replace linear"
+        raise LayercutError(f"--replace {method} puts one block in place of a span of {spec.min_span} or more "
+                            f"blocks, and the selection left {short} shorter: {fix}")
 
 
 def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor,
