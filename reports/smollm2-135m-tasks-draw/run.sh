@@ -34,3 +34,5 @@ python -m eval.compare --drop 8 --methods recipes/repairs/streamline-distill.yam
 # LLM-Streamline's size, 3 and 7 blocks (24 min).
 python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-kl-lora-2000-wide.yaml $SHARED
 python -m eval.compare --drop 3,7 --methods recipes/repairs/remove.yaml $SHARED
+# The closed-form map of the same 7 blocks (10 min).
+python -m eval.compare --drop 7 --methods layercut-linear $SHARED
