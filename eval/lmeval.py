@@ -483,8 +483,7 @@ def local_tasks(names: Sequence[str], data_dir: str | Path | None) -> dict[str, 
 
 
 def _load_tasks(task_manager, names: Sequence[str]) -> dict[str, Any]:
-    with _quiet_lm_eval():
-        return dict(task_manager.load(list(names))["tasks"])
+    return _load_once(task_manager, names)[0]
 
 
 def answered_prompts(task) -> list[str]:

@@ -170,11 +170,10 @@ def check_drop_for_method(method: str, count: int, fix: str | None = None) -> No
 
     ``fix`` replaces the error's advice (a comparison has no ``--replace`` to change).
     """
-    spec = get_method(method)
-    if count < spec.min_span:
-        fix = fix or f"drop {spec.min_span} or more blocks, or use --replace linear"
-        raise LayercutError(f"--replace {method} puts one block in place of a span of {spec.min_span} or more "
-                            f"blocks, and --drop {count} makes a span of {count}: {fix}")
+    least = get_method(method).min_span
+    if count < least:
+        raise _short_spans(method, least, f"--drop {count} makes a span of {count}",
+                           fix or f"drop {least} or more blocks, or use --replace linear")
 
 
 def check_span_lengths(method: str, spans: Sequence[tuple[int, ...]], fix: str | None = None) -> None:
@@ -182,12 +181,16 @@ def check_span_lengths(method: str, spans: Sequence[tuple[int, ...]], fix: str |
 
     ``fix`` replaces the error's advice, as in :func:`check_drop_for_method`.
     """
-    spec = get_method(method)
-    short = [list(span) for span in spans if len(span) < spec.min_span]
+    least = get_method(method).min_span
+    short = [list(span) for span in spans if len(span) < least]
     if short:
-        fix = fix or "select contiguous blocks (--select span), or use --replace linear"
-        raise LayercutError(f"--replace {method} puts one block in place of a span of {spec.min_span} or more "
-                            f"blocks, and the selection left {short} shorter: {fix}")
+        raise _short_spans(method, least, f"the selection left {short} shorter",
+                           fix or "select contiguous blocks (--select span), or use --replace linear")
+
+
+def _short_spans(method: str, least: int, found: str, fix: str) -> LayercutError:
+    return LayercutError(f"--replace {method} puts one block in place of a span of {least} or more blocks, and "
+                         f"{found}: {fix}")
 
 
 def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor,
