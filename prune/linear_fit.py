@@ -66,6 +66,20 @@ def fit_linear_map(moments: PairMoments, ridge: float = 0.0) -> LinearFit:
     return LinearFit(weight, bias)
 
 
+def scale_update(fit: LinearFit, scale: float, start: LinearFit | None = None) -> LinearFit:
+    """The map ``start + scale * (fit - start)``: a share of the way from ``start`` (default: the identity) to ``fit``.
+
+    From the identity, ``h -> h + scale * (fit(h) - h)`` applies that share of the fitted update; 1 returns ``fit``.
+    """
+    if scale == 1:
+        return fit
+    if start is None:
+        eye = torch.eye(fit.weight.shape[0], dtype=fit.weight.dtype, device=fit.weight.device)
+        start = LinearFit(eye, torch.zeros_like(fit.bias))
+    return LinearFit(start.weight.to(fit.weight) + scale * (fit.weight - start.weight.to(fit.weight)),
+                     start.bias.to(fit.bias) + scale * (fit.bias - start.bias.to(fit.bias)))
+
+
 def r_squared(fit: LinearFit, moments: PairMoments) -> float:
     """Coordinate-averaged ``1 - SSE_j / SST_j`` of ``fit`` on the tokens summarised by ``moments``.
 

@@ -47,6 +47,7 @@ FLAG_PATHS = {
     "seed": ("data", "seed"), "text_field": ("data", "text_field"), "heldout_samples": ("data", "heldout_samples"),
     "replace": ("replace", "method"), "fit": ("replace", "fit"), "rank": ("replace", "rank"),
     "ridge": ("replace", "ridge"), "replace_steps": ("replace", "steps"), "fit_short": ("replace", "short"),
+    "update_scale": ("replace", "update_scale"),
     "distill_steps": ("distill", "steps"), "distill_samples": ("distill", "data", "samples"),
 }  # fmt: skip
 NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures"}
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="rank of --replace lowrank maps (default: max(1, hidden // 100))")
     group.add_argument("--ridge", type=float, default=None,
                        help="ridge of the closed-form fits, relative to the mean input variance (default: 0)")
+    group.add_argument("--update-scale", type=float, default=None, metavar="S",
+                       help="share of the fitted update f(h) - h that --replace linear / fold maps apply, in (0, 1]: "
+                       "1 is least squares, towards 0 removal (default: 1)")
     group.add_argument("--fit-short", type=int, default=None,
                        help="also fit the replacements on the calibration cut into N-token sequences, as short "
                        "as task prompts (0: off; default: the method's recipe, else 0)")
@@ -129,7 +133,8 @@ def config_values(args: argparse.Namespace, only: set[str] | None = None) -> dic
     for dest, value in vars(args).items():
         if dest in NOT_CONFIG or (only is not None and dest not in only):
             continue
-        if value is None and dest in ("rank", "ridge", "replace_steps", "fit_short", "tokenizer", "distill_samples"):
+        if value is None and dest in ("rank", "ridge", "replace_steps", "fit_short", "update_scale", "tokenizer",
+                                      "distill_samples"):
             continue  # unset: the method's / loader's own default
         *sections, key = FLAG_PATHS.get(dest, (dest,))
         node = values

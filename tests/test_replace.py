@@ -141,6 +141,35 @@ def test_fit_short_adds_the_calibration_cut_into_short_sequences():
     assert quick("lowrank").short == 0 and quick("block").short == 0 and quick("none").short == 0
 
 
+@pytest.mark.parametrize("method", ["linear", "fold"])
+def test_update_scale_applies_that_share_of_the_fitted_update(method):
+    """A share s of the update: the state handed on is h + s (f(h) - h), h the span's input (the removal's)."""
+    ids, heldout = calibration(), calibration(4, 24, seed=3)
+    span_input = {}
+    whole, half, removed = (make_tiny_model("llama") for _ in range(3))
+    with torch.no_grad(), residual_states(whole, lambda i, h: span_input.__setitem__(i, h)):
+        whole.base_model(input_ids=heldout, use_cache=False)
+    replace_blocks_(whole, [1, 2], ids, quick(method))
+    replace_blocks_(half, [1, 2], ids, quick(method, update_scale=0.5))
+    drop_blocks_(removed, [1, 2])
+
+    def handed_on(model):  # the state entering the first block after the span
+        states = {}
+        with torch.no_grad(), residual_states(model, lambda i, h: states.__setitem__(i, h)):
+            model.base_model(input_ids=heldout, use_cache=False)
+        return states[1]  # the span's blocks are gone: block 1 is the one after it
+
+    h = span_input[1]
+    fitted = handed_on(whole)
+    assert float((fitted - h).abs().max()) > 1e-2  # the map does move the state
+    torch.testing.assert_close(handed_on(half), h + 0.5 * (fitted - h), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(handed_on(removed), h)
+    record = replacement_records(half)[0]
+    assert record["update_scale"] == 0.5
+    if method == "linear":  # the same map module, so the checkpoint layout does not change
+        assert isinstance(replacement_modules(half)[0], LinearMap)
+
+
 @pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
 def test_linear_beats_removal_on_the_final_state(model_type):
     ids, heldout = calibration(), calibration(4, 32, seed=7)
@@ -330,6 +359,9 @@ def test_wrapper_exposes_the_block_parts():
         (dict(method="fold", lr=1e-3), "replacement lr applies to --replace lowrank, block, cosine only"),
         (dict(method="block", lr=0.0), "replacement lr must be a positive number, got 0.0"),
         (dict(method="linear", batch_size=0), "--batch-size must be positive, got 0"),
+        (dict(method="linear", update_scale=0.0), "--update-scale takes a share in (0, 1]"),
+        (dict(method="fold", update_scale=1.5), "--update-scale takes a share in (0, 1]"),
+        (dict(method="block", update_scale=0.5), "--update-scale applies to --replace linear, fold only"),
     ],
 )
 def test_bad_options(options, message):

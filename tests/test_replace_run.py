@@ -54,13 +54,14 @@ def test_linear_replacement_cli_round_trip(tiny_folder, tmp_path, capsys):
     assert_loads_with_the_same_logits(out, result.loaded.model)
 
 
-def test_fit_short_is_recorded(tiny_folder, tmp_path, capsys):
+def test_fit_short_and_update_scale_are_recorded(tiny_folder, tmp_path, capsys):
     out = tmp_path / "slim-short"
     code, _, err = run(capsys, *small(tiny_folder), "--drop", "2", "--replace", "linear", "--fit-short", "8",
-                       "--out", out)
+                       "--update-scale", "0.5", "--out", out)
     assert code == 0, err
     report = json.loads((out / "layercut.json").read_text())
-    assert [r["fit_short"] for r in report["replacements"]] == [8] * len(report["replacements"])
+    assert [(r["fit_short"], r["update_scale"]) for r in report["replacements"]] == \
+        [(8, 0.5)] * len(report["replacements"])
 
 
 def test_fold_cli_writes_a_vanilla_checkpoint(tiny_folder, tmp_path, capsys):
@@ -99,6 +100,8 @@ def test_default_out_names_the_replacement(tiny_folder):
          "--distill-samples must be a positive integer, got 0"),
         (["--drop", "1", "--replace", "linear", "--replace-steps", "3"], "--replace-steps applies to --replace"),
         (["--drop", "1", "--replace", "linear", "--fit-short", "1"], "--fit-short takes a sequence length of at least"),
+        (["--drop", "1", "--update-scale", "0.5"], "--update-scale applies to --replace linear, fold only"),
+        (["--drop", "1", "--replace", "linear", "--update-scale", "0"], "--update-scale takes a share in (0, 1]"),
         (["--drop", "1", "--replace", "fold", "--protect", "none", "--select", "span", "--score", "bi", "--drop",
           "3"], "span starting at block 0"),
     ],

@@ -26,7 +26,7 @@ from transformers.pytorch_utils import Conv1D
 
 from prune.adapters import arch_spec, get_blocks, get_submodule
 from prune.errors import LayercutError
-from prune.linear_fit import fit_linear_map
+from prune.linear_fit import LinearFit, fit_linear_map, scale_update
 from prune.replace.capture import PairAccumulator, Recorder, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
 from prune.replace.registry import Method, MethodOptions, register_method
@@ -91,9 +91,9 @@ def check_foldable(model: nn.Module, spans: Sequence[tuple[int, ...]]) -> None:
 
 @dataclass
 class FoldOptions(MethodOptions):
-    """``fold`` reads ``ridge`` only."""
+    """``fold`` reads ``ridge`` and ``update_scale``."""
 
-    accepts: ClassVar[tuple[str, ...]] = ("ridge",)
+    accepts: ClassVar[tuple[str, ...]] = ("ridge", "update_scale")
 
 
 class FoldFitter(SpanFitter):
@@ -124,8 +124,17 @@ class FoldFitter(SpanFitter):
         if not self.intercept:
             moments = _uncentred(moments)
         fit = fit_linear_map(moments, self.config.ridge)  # weight [intermediate, d]
-        weight = fit.weight if isinstance(self.projection, Conv1D) else fit.weight.T  # Conv1D stores [in, out]
+        conv = isinstance(self.projection, Conv1D)  # Conv1D stores [in, out], Linear [out, in]
         param = self.projection.weight
+        if self.config.update_scale != 1:
+            # the projection's own weights give the span's input: a share of the way from them is a share
+            # of the fitted update, as with ``linear``
+            own = param.detach().to(device=fit.weight.device, dtype=fit.weight.dtype)
+            bias = self.projection.bias
+            fit = scale_update(fit, self.config.update_scale, LinearFit(
+                own if conv else own.T,
+                bias.detach().to(fit.bias) if bias is not None else torch.zeros_like(fit.bias)))
+        weight = fit.weight if conv else fit.weight.T
         patch = WeightPatch(
             self.projection,
             weight.to(device=param.device, dtype=param.dtype).contiguous(),
@@ -133,7 +142,8 @@ class FoldFitter(SpanFitter):
         )
         return Replacement(self.config.method, self.span, "fold", self.host, None, patch, record={
             "params": 0, "rewrites": arch_spec(self.model).mlp_out,
-            "intercept": self.intercept, "ridge": self.config.ridge, "tokens": moments.n})
+            "intercept": self.intercept, "ridge": self.config.ridge, "update_scale": self.config.update_scale,
+            "tokens": moments.n})
 
 
 def _uncentred(moments: PairMoments) -> PairMoments:

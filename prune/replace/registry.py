@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
 FITS = ("independent", "sequential")
 # How each generic option is spelled where the user sets it, for the error messages.
-OPTION_FLAGS = {"rank": "--rank", "ridge": "--ridge", "steps": "--replace-steps", "lr": "replacement lr"}
+OPTION_FLAGS = {"rank": "--rank", "ridge": "--ridge", "steps": "--replace-steps", "lr": "replacement lr",
+                "update_scale": "--update-scale"}
 # The value of each generic option that means "not given": a method that does not take the option accepts it.
-UNSET = {"rank": None, "ridge": 0.0, "steps": None, "lr": None}
+UNSET = {"rank": None, "ridge": 0.0, "steps": None, "lr": None, "update_scale": 1.0}
 
 
 @dataclass
@@ -40,6 +41,8 @@ class MethodOptions:
         ridge: ridge of a closed-form fit, relative to the mean diagonal of the input Gram.
         steps: Adam steps; None = ``default_steps``.
         lr: Adam learning rate; None = ``default_lr``.
+        update_scale: the share of a closed-form map's fitted update ``f(h) - h`` that it applies: 1 is
+            the least-squares map, towards 0 it approaches removal of the span.
     """
 
     method: str
@@ -47,6 +50,7 @@ class MethodOptions:
     ridge: float = 0.0
     steps: int | None = None
     lr: float | None = None
+    update_scale: float = 1.0
 
     accepts: ClassVar[tuple[str, ...]] = ()
     default_short: ClassVar[int] = 0
@@ -62,6 +66,9 @@ class MethodOptions:
             raise LayercutError(f"--replace-steps must be >= 0, got {self.steps}")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise LayercutError(f"replacement lr must be a positive number, got {self.lr}")
+        if not (isinstance(self.update_scale, (int, float)) and 0 < self.update_scale <= 1):
+            raise LayercutError(f"--update-scale takes a share in (0, 1] (1: the fitted map; for 0 remove the blocks, "
+                                f"--replace none), got {self.update_scale}")
         for name, unset in UNSET.items():
             if name not in self.accepts and getattr(self, name) != unset:
                 takers = ", ".join(m.name for m in METHODS.values() if name in m.options.accepts)
