@@ -13,7 +13,10 @@ fitted on the calibration tokens alone:
 - ``shrink-R``: ridge R (relative to the mean input variance) on the update ``Y - X``: the map is
   pulled toward the identity, i.e. toward plain removal;
 - with ``--short N``, ``ls-short-N``: least squares on the same calibration tokens cut into N-token
-  sequences (early positions only, as in short task prompts), and ``ls-mixed-N``: both cuts pooled.
+  sequences (early positions only, as in short task prompts), and ``ls-mixed-N``: both cuts pooled;
+- with ``--update-scale S``, ``<fit>*S``: ``h + S (f(h) - h)``, a share S of the update of ``ls-mixed-N``
+  (``ls`` without ``--short``), what ``--replace linear --update-scale S`` fits. Least squares is the best
+  map in the residual stream's squared error; the logits need not agree.
 
 Each is measured as the *relative* error: the map's squared error over removal's (``X`` standing for
 ``Y``), so 1.0 is as bad as removing the span and lower is better; above 1.0 the map hurts. Beside it
@@ -32,7 +35,7 @@ Writes ``results.json`` and ``README.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +48,7 @@ from prune.capture import block_input, hooks_held, residual_states
 from prune.data import DataConfig, calibration_data, load_documents
 from prune.errors import LayercutError, cli_entry
 from prune.export import atomic_directory, check_output_dir, write_json
-from prune.linear_fit import LinearFit, fit_linear_map
+from prune.linear_fit import LinearFit, fit_linear_map, scale_update
 from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
 from prune.replace.capture import PairAccumulator
 from prune.replace.driver import short_windows
@@ -192,7 +195,7 @@ def text_sequences(tokenizer, spec: str, seq_len: int, max_tokens: int) -> tuple
 
 
 def fit_variants(calibration: Captured, skips: list[int], shrinks: list[float],
-                 short: tuple[int, Captured] | None = None) -> dict[str, LinearFit]:
+                 short: tuple[int, Captured] | None = None, scales: Sequence[float] = ()) -> dict[str, LinearFit]:
     """Every variant's map, fitted on the calibration tokens only (``short``: the same tokens re-cut)."""
     fits = {}
     for skip in [0, *skips]:
@@ -213,6 +216,9 @@ def fit_variants(calibration: Captured, skips: list[int], shrinks: list[float],
         fits[f"ls-short-{length}"] = fit_linear_map(moments.moments())
         moments.update(calibration.x, calibration.y)
         fits[f"ls-mixed-{length}"] = fit_linear_map(moments.moments())
+    base = f"ls-mixed-{short[0]}" if short is not None else "ls"
+    for scale in scales:
+        fits[f"{base}*{scale:g}"] = scale_update(fits[base], scale)
     return fits
 
 
@@ -243,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--heldout-tokens", type=int, default=4096, help="tokens read per --heldout text")
     parser.add_argument("--skip", default="1,4", help="ls-skip-N variants, comma list of N (default: 1,4)")
     parser.add_argument("--shrink", default="0.01,0.1,1", help="shrink-R variants, comma list of R")
+    parser.add_argument("--update-scale", default="",
+                        help="<fit>*S variants: a share S of the least-squares map's update, comma list of S in (0, 1) "
+                             "(as --replace linear --update-scale S; default: none)")
     parser.add_argument("--short", type=int, default=0,
                         help="also fit ls-short-N (the calibration cut into N-token sequences) and ls-mixed-N "
                              "(both cuts pooled); 0: off")
@@ -267,11 +276,15 @@ def run(args: argparse.Namespace) -> dict:
     """Capture, fit every variant on calibration, measure on every text; the results."""
     skips = _numbers(args.skip, int, "--skip")
     shrinks = _numbers(args.shrink, float, "--shrink")
+    scales = _numbers(args.update_scale, float, "--update-scale")
     if any(not 0 < skip < args.seq_len for skip in skips):
         raise LayercutError(f"--skip takes position counts from 1 to {args.seq_len - 1} (--seq-len), got '{args.skip}'")
     if args.short and not 2 <= args.short < args.seq_len:
         raise LayercutError(f"--short takes a sequence length from 2 to {args.seq_len - 1} (below --seq-len), "
                             f"got {args.short}")
+    if any(not 0 < scale < 1 for scale in scales):
+        raise LayercutError(f"--update-scale takes shares between 0 and 1 (1 is the fit itself), "
+                            f"got '{args.update_scale}'")
     if any(not ridge > 0 for ridge in shrinks):
         raise LayercutError(f"--shrink takes ridges above 0 (0 is plain least squares, ls), got '{args.shrink}'")
     heldout = [item.partition("=") for item in (args.heldout.split(",") if args.heldout else [])]
@@ -301,7 +314,7 @@ def run(args: argparse.Namespace) -> dict:
         windows = list(short_windows(data.token_ids, args.short))  # the cut --fit-short feeds the fit
         short = (args.short, capture(model, windows, span, max(args.batch_size, args.batch_size * args.seq_len
                                                                 // args.short)))
-    fits = fit_variants(cal, skips, shrinks, short)
+    fits = fit_variants(cal, skips, shrinks, short, scales)
     table = {name: {"removal": error_report(None, data_, massive_norm),
                     **{variant: error_report(fit, data_, massive_norm) for variant, fit in fits.items()}}
              for name, data_ in captured.items()}

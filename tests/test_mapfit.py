@@ -18,8 +18,10 @@ def test_relative_error_is_one_for_removal_and_zero_for_an_exact_map():
     a = torch.randn(6, 6, generator=generator) / 3
     y = x @ a + 0.5
     data = Captured(x, y, torch.arange(200) % 10)
-    fits = fit_variants(data, skips=[1], shrinks=[1.0])
+    fits = fit_variants(data, skips=[1], shrinks=[1.0], scales=[0.5])
     assert error_report(None, data, 1e9)["relative"] == pytest.approx(1.0)
+    # half the update of an exact map leaves half the update's error: a quarter of removal's squared error
+    assert error_report(fits["ls*0.5"], data, 1e9)["relative"] == pytest.approx(0.25, rel=1e-6)
     assert error_report(fits["ls"], data, 1e9)["relative"] < 1e-10
     assert error_report(fits["ls-skip-1"], data, 1e9)["relative"] < 1e-10  # a linear y needs no position 0
     # a heavy ridge on the update lands between the exact map and removal
@@ -84,14 +86,14 @@ def test_cli_writes_the_table(tiny_folder, tmp_path, capsys, one_thread):
     out = tmp_path / "mapfit"
     code = main(["--model", str(tiny_folder), "--span", "1-2", "--samples", "16", "--seq-len", "32",
                  "--heldout-samples", "2", "--heldout", f"novel={novel},prompts={prompts}", "--heldout-tokens", "256",
-                 "--logits", "--short", "8", "--out", str(out), "--threads", "1"])
+                 "--logits", "--short", "8", "--update-scale", "0.5", "--out", str(out), "--threads", "1"])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["errors"]) == {"calibration", "calibration held-out", "novel", "prompts"}
     for text in results["errors"].values():
         assert text["removal"]["relative"] == pytest.approx(1.0)
         assert set(text) == {"removal", "ls", "ls-skip-1", "ls-skip-4", "shrink-0.01", "shrink-0.1", "shrink-1",
-                             "ls-short-8", "ls-mixed-8"}
+                             "ls-short-8", "ls-mixed-8", "ls-mixed-8*0.5"}
     # least squares is the best linear map on the tokens it was fitted on
     calibration = results["errors"]["calibration"]
     assert calibration["ls"]["relative"] <= min(v["relative"] for v in calibration.values()) + 1e-9
@@ -112,6 +114,7 @@ def test_cli_writes_the_table(tiny_folder, tmp_path, capsys, one_thread):
     (["--skip", "0"], "--skip takes position counts from 1"),
     (["--shrink", "0"], "--shrink takes ridges above 0"),
     (["--short", "512"], "--short takes a sequence length from 2 to 511"),
+    (["--update-scale", "0.5,1"], "--update-scale takes shares between 0 and 1"),
 ])
 def test_bad_input_is_one_line_exit_2(tiny_folder, tmp_path, capsys, args, message):
     (tmp_path / "novel.txt").write_text("words " * 100)
