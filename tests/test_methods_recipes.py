@@ -99,7 +99,7 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000", "linear-distill-mixed",
                             "linear-distill-kl", "linear-distill-kl-lora", "linear-distill-kl-lora-1000",
                             "linear-distill-2000-wide", "linear-distill-wide", "streamline-distill",
-                            "linear-distill-kl-lora-2000-wide"}
+                            "linear-distill-kl-lora-2000-wide", "linear-scaled"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
@@ -116,6 +116,10 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     long = config(repairs["linear-long"])
     assert (long.score, long.select, long.replace.method) == (linear.score, linear.select, "linear")
     assert long.replace.short == 0 and linear.replace.short != 0
+    # the same blocks and least-squares map, 0.7 of its update applied
+    scaled = config(repairs["linear-scaled"])
+    assert dataclasses.replace(scaled.replace, update_scale=1.0) == linear.replace
+    assert scaled.replace.update_scale == 0.7 and (scaled.score, scaled.select) == (linear.score, linear.select)
     # the distillation budget the issue allows, on layercut-linear-distill's blocks and maps
     short = config(METHODS_DIR / "layercut-linear-distill.yaml")
     budget = config(repairs["linear-distill-2000"])
