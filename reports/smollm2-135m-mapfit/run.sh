@@ -7,3 +7,16 @@ PYTHONPATH=. python reports/smollm2-135m-mapfit/prompts.py $D $P
 python -m eval.mapfit --span 12-15 --data builtin --short 64 \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt,arc_easy=$P/arc_easy.jsonl,hellaswag=$P/hellaswag.jsonl,piqa=$P/piqa.jsonl,lambada=$P/lambada_openai.jsonl \
   --heldout-tokens 8192 --out reports/smollm2-135m-mapfit
+# Stop 37: a share of the map's update (--update-scale), blocks 12-15 and 12-19, on the selection split only (the
+# texts and task prompts no reported figure reads; selection.py writes the prompts): today's calibration and fit
+# (--short 64, the default), the KL at the logits per variant (--logits). About 14 minutes a span.
+S=/tmp/layercut-selection
+PYTHONPATH=. python reports/smollm2-135m-distill-data/selection.py $D $S
+for span in 12-15 12-19; do
+python -m eval.mapfit --span $span --short 64 --update-scale 0.3,0.5,0.7 --skip "" --shrink "" --logits \
+  --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
+  --heldout-tokens 4096 --threads 2 --out reports/smollm2-135m-mapfit/selection-scale-$span
+done
+# Task accuracy on the selection split's rows with each share in place (about 7 minutes a share).
+PYTHONPATH=. python reports/smollm2-135m-mapfit/selection_tasks.py 12-15 removal,ls,0.5,0.75,0.7 \
+  reports/smollm2-135m-mapfit/selection-scale-tasks.json

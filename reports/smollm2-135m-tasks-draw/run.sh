@@ -36,3 +36,6 @@ python -m eval.compare --drop 4 --methods recipes/repairs/linear-distill-kl-lora
 python -m eval.compare --drop 3,7 --methods recipes/repairs/remove.yaml $SHARED
 # The closed-form map of the same 7 blocks (10 min).
 python -m eval.compare --drop 7 --methods layercut-linear $SHARED
+# Stop 37: layercut-linear applying 0.7 of each map's update (--update-scale 0.7, chosen on the selection split in
+# ../smollm2-135m-mapfit/selection-scale-*), training-free, at both drops (24 min).
+python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-scaled.yaml $SHARED
