@@ -57,6 +57,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -207,12 +208,23 @@ def block_budget(model) -> tuple[int, float]:
 RUN_KEYS = ("load", "data", "drop", "target_params", "target_speedup", "out", "overwrite")
 
 
-def recipe_digest(path: Path) -> str:
-    """Changes when the method does: a finished cell is run again after its recipe changed.
+# Options added after results were written, with the value that does what was done before them. At that
+# value they are left out of the digest: adding an option must not make every finished cell look stale and
+# run again. Set to anything else, they are hashed like every other option.
+ADDED_OPTIONS = {"update_scale": 1.0}
 
-    The resolved method configuration is hashed with the file, so a changed default that the recipe
-    leaves unset (``replace.short`` of ``linear``, say, or the text ``distill`` reads) reruns the cell too.
-    """
+
+def _without_added_options(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {key: _without_added_options(value) for key, value in node.items()
+                if not (key in ADDED_OPTIONS and value == ADDED_OPTIONS[key])}
+    if isinstance(node, list):
+        return [_without_added_options(value) for value in node]
+    return node
+
+
+def resolved_method(path: Path) -> dict:
+    """The recipe's method as it runs, defaults filled in, without the run's own keys (model, data, amount)."""
     config = config_from_recipe(path, {"drop": 1, "load": {"model": "digest"}})
     resolved = dataclasses.asdict(config)
     method = {key: value for key, value in resolved.items() if key not in RUN_KEYS}
@@ -220,7 +232,16 @@ def recipe_digest(path: Path) -> str:
         options = getattr(step, "config", None)
         if dataclasses.is_dataclass(options):
             method[step.name] = dataclasses.asdict(options)
-    text = json.dumps(method, sort_keys=True, default=str).encode()
+    return _without_added_options(method)
+
+
+def recipe_digest(path: Path) -> str:
+    """Changes when the method does: a finished cell is run again after its recipe changed.
+
+    The resolved method configuration is hashed with the file, so a changed default that the recipe
+    leaves unset (``replace.short`` of ``linear``, say, or the text ``distill`` reads) reruns the cell too.
+    """
+    text = json.dumps(resolved_method(path), sort_keys=True, default=str).encode()
     return hashlib.sha256(path.read_bytes() + text).hexdigest()[:16]
 
 

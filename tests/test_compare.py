@@ -371,6 +371,18 @@ def test_a_changed_default_reruns_the_cells_of_the_methods_it_changes(monkeypatc
     assert after[0] != before[0] and after[1] == before[1]
 
 
+def test_an_added_option_at_its_old_value_keeps_every_finished_cell(monkeypatch):
+    """A new option that does what was done before it must not make every cell look changed and run again."""
+    linear, remove = METHODS_DIR / "layercut-linear.yaml", METHODS_DIR.parent / "repairs" / "remove.yaml"
+    scaled = METHODS_DIR.parent / "repairs" / "linear-scaled.yaml"
+    assert "update_scale" not in json.dumps(compare_module.resolved_method(linear))
+    assert compare_module.resolved_method(scaled)["replace"]["update_scale"] == 0.7  # set: part of the method
+    before = compare_module.recipe_digest(linear), compare_module.recipe_digest(remove)
+    monkeypatch.setattr(compare_module, "ADDED_OPTIONS", {})  # hashed at its old value too: every digest moves
+    after = compare_module.recipe_digest(linear), compare_module.recipe_digest(remove)
+    assert after[0] != before[0] and after[1] != before[1]
+
+
 def test_a_changed_distillation_default_reruns_the_distilling_cells(monkeypatch):
     import distill.config
 
