@@ -87,6 +87,7 @@ from prune.oracle import oracle_table, removal_cache, run_oracle
 from prune.pipeline import PruneConfig, Scored, preflight, run_prune, score_calibration
 from prune.recipes import config_from_recipe, method_recipes, method_summary, resolve_method
 from prune.replace import check_drop_for_method, parameter_count
+from prune.replace.registry import UNSET
 from prune.sublayers import is_sublayer, parse_units
 
 logger = logging.getLogger(__name__)
@@ -208,10 +209,10 @@ def block_budget(model) -> tuple[int, float]:
 RUN_KEYS = ("load", "data", "drop", "target_params", "target_speedup", "out", "overwrite")
 
 
-# Options added after results were written, with the value that does what was done before them. At that
-# value they are left out of the digest: adding an option must not make every finished cell look stale and
-# run again. Set to anything else, they are hashed like every other option.
-ADDED_OPTIONS = {"update_scale": 1.0}
+# Options added after results were written. At their unset value (the registry's, which does what was done
+# before them) they are left out of the digest: adding an option must not make every finished cell look stale
+# and run again. Set to anything else, they are hashed like every other option.
+ADDED_OPTIONS = {name: UNSET[name] for name in ("update_scale",)}
 
 
 def _without_added_options(node: Any) -> Any:

@@ -76,8 +76,8 @@ def scale_update(fit: LinearFit, scale: float, start: LinearFit | None = None) -
     if start is None:
         eye = torch.eye(fit.weight.shape[0], dtype=fit.weight.dtype, device=fit.weight.device)
         start = LinearFit(eye, torch.zeros_like(fit.bias))
-    return LinearFit(start.weight.to(fit.weight) + scale * (fit.weight - start.weight.to(fit.weight)),
-                     start.bias.to(fit.bias) + scale * (fit.bias - start.bias.to(fit.bias)))
+    return LinearFit(torch.lerp(start.weight.to(fit.weight), fit.weight, scale),
+                     torch.lerp(start.bias.to(fit.bias), fit.bias, scale))
 
 
 def r_squared(fit: LinearFit, moments: PairMoments) -> float:
