@@ -99,7 +99,8 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert set(repairs) == {"remove", "fold", "linear-long", "linear-distill-2000", "linear-distill-mixed",
                             "linear-distill-kl", "linear-distill-kl-lora", "linear-distill-kl-lora-1000",
                             "linear-distill-2000-wide", "linear-distill-wide", "streamline-distill",
-                            "linear-distill-kl-lora-2000-wide", "linear-scaled"}
+                            "linear-distill-kl-lora-2000-wide", "linear-scaled",
+                            "linear-scaled-distill", "fold-scaled", "fold-scaled-0.3"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
@@ -112,6 +113,12 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert remove.replace.method == "none" and linear.replace.method == "linear"
     fold = config(repairs["fold"])
     assert fold.replace.method == "fold" and fold.select == "span"
+    fold_scaled = config(repairs["fold-scaled"])
+    assert dataclasses.replace(fold_scaled.replace, update_scale=1.0) == fold.replace
+    assert fold_scaled.replace.update_scale == 0.7
+    assert (fold_scaled.score, fold_scaled.select) == (fold.score, fold.select)
+    # drop 8's share: the same fold, 0.3 of its update
+    assert dataclasses.replace(config(repairs["fold-scaled-0.3"]).replace, update_scale=0.7) == fold_scaled.replace
     # issue 17's "before": layercut-linear's blocks and map, without the short-sequence fit
     long = config(repairs["linear-long"])
     assert (long.score, long.select, long.replace.method) == (linear.score, linear.select, "linear")
@@ -155,6 +162,10 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     both = config(repairs["streamline-distill"])
     assert (both.score, both.select, both.replace) == (streamline.score, streamline.select, streamline.replace)
     assert not streamline.distill and DistillConfig.from_dict(both.distill) == default
+    # the default distillation started from linear-scaled's maps, and nothing else
+    scaled_distill = config(repairs["linear-scaled-distill"])
+    assert scaled_distill.replace == scaled.replace and scaled_distill.distill == short.distill
+    assert (scaled_distill.score, scaled_distill.select) == (short.score, short.select)
 
 
 @pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])

@@ -35,3 +35,13 @@ python -m eval.compare --drop 8 \
   --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt \
   --heldout-tokens 8192 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 800~1000: --data-dir $D \
   --speed-tokens 0 --threads 2 --out reports/smollm2-135m-distill-data/selection-draw
+# Stop 38: the same distillation started from linear-scaled's maps (0.7 of each least-squares update) against the
+# default start (least squares): drop 8 adds one cell beside stop 29's KL row (9 min), drop 4 runs both (18 min).
+python -m eval.compare --drop 8 \
+  --methods recipes/repairs/linear-scaled-distill.yaml \
+  --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
+  --heldout-tokens 8192 --speed-tokens 0 --threads 2 --out reports/smollm2-135m-distill-data/selection-loss
+python -m eval.compare --drop 4 \
+  --methods recipes/repairs/linear-distill-kl.yaml,recipes/repairs/linear-scaled-distill.yaml \
+  --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
+  --heldout-tokens 8192 --speed-tokens 0 --threads 2 --out reports/smollm2-135m-distill-data/selection-loss

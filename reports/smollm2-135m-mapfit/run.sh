@@ -20,3 +20,18 @@ done
 # Task accuracy on the selection split's rows with each share in place (about 7 minutes a share).
 PYTHONPATH=. python reports/smollm2-135m-mapfit/selection_tasks.py 12-15 removal,ls,0.5,0.75,0.7 \
   reports/smollm2-135m-mapfit/selection-scale-tasks.json
+# Stop 38: the same shares for fold (the least-squares fit into block 11's down_proj, a vanilla checkpoint), on the
+# same selection texts, by eval.compare (8 minutes). The shares are recipes written here, outside recipes/ (the
+# same bytes as those run, so the same command resumes them).
+for s in 0.1 0.2 0.3 0.5 0.7; do cat > /tmp/fold-$s.yaml <<RECIPE
+# fold applying $s of its fitted update (selection split only)
+method: "cosine span, linear map folded into the previous block's MLP, $s of the update"
+score: cosine
+select: span
+replace: {method: fold, update_scale: $s}
+RECIPE
+done
+python -m eval.compare --drop 4,8 --threads 2 --speed-tokens 0 \
+  --methods recipes/repairs/remove.yaml,recipes/repairs/fold.yaml,/tmp/fold-0.7.yaml,/tmp/fold-0.5.yaml,/tmp/fold-0.3.yaml,/tmp/fold-0.2.yaml,/tmp/fold-0.1.yaml \
+  --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
+  --heldout-tokens 4096 --out reports/smollm2-135m-mapfit/selection-fold-scale

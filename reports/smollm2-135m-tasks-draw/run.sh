@@ -39,3 +39,8 @@ python -m eval.compare --drop 7 --methods layercut-linear $SHARED
 # Stop 37: layercut-linear applying 0.7 of each map's update (--update-scale 0.7, chosen on the selection split in
 # ../smollm2-135m-mapfit/selection-scale-*), training-free, at both drops (24 min).
 python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-scaled.yaml $SHARED
+# Stop 38: fold applying 0.7 of its update (a vanilla checkpoint; the share chosen on the selection split in
+# ../smollm2-135m-mapfit/selection-fold-scale) at drop 4 (13 min), and the default distillation (200 steps of KL,
+# the maps trained) started from linear-scaled's maps instead of least squares, at both drops (32 min).
+python -m eval.compare --drop 4 --methods recipes/repairs/fold-scaled.yaml $SHARED
+python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-scaled-distill.yaml $SHARED
