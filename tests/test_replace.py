@@ -145,21 +145,18 @@ def test_fit_short_adds_the_calibration_cut_into_short_sequences():
 def test_update_scale_applies_that_share_of_the_fitted_update(method):
     """A share s of the update: the state handed on is h + s (f(h) - h), h the span's input (the removal's)."""
     ids, heldout = calibration(), calibration(4, 24, seed=3)
-    span_input = {}
     whole, half, removed = (make_tiny_model("llama") for _ in range(3))
-    with torch.no_grad(), residual_states(whole, lambda i, h: span_input.__setitem__(i, h)):
-        whole.base_model(input_ids=heldout, use_cache=False)
-    replace_blocks_(whole, [1, 2], ids, quick(method))
-    replace_blocks_(half, [1, 2], ids, quick(method, update_scale=0.5))
-    drop_blocks_(removed, [1, 2])
 
-    def handed_on(model):  # the state entering the first block after the span
+    def handed_on(model):  # block 1's input: the span's input before surgery, the state after it once the span is gone
         states = {}
         with torch.no_grad(), residual_states(model, lambda i, h: states.__setitem__(i, h)):
             model.base_model(input_ids=heldout, use_cache=False)
-        return states[1]  # the span's blocks are gone: block 1 is the one after it
+        return states[1]
 
-    h = span_input[1]
+    h = handed_on(whole)
+    replace_blocks_(whole, [1, 2], ids, quick(method))
+    replace_blocks_(half, [1, 2], ids, quick(method, update_scale=0.5))
+    drop_blocks_(removed, [1, 2])
     fitted = handed_on(whole)
     assert float((fitted - h).abs().max()) > 1e-2  # the map does move the state
     torch.testing.assert_close(handed_on(half), h + 0.5 * (fitted - h), rtol=1e-4, atol=1e-4)
