@@ -209,16 +209,18 @@ def block_budget(model) -> tuple[int, float]:
 RUN_KEYS = ("load", "data", "drop", "target_params", "target_speedup", "out", "overwrite")
 
 
-# Options added after results were written. At their unset value (the registry's, which does what was done
-# before them) they are left out of the digest: adding an option must not make every finished cell look stale
-# and run again. Set to anything else, they are hashed like every other option.
-ADDED_OPTIONS = {name: UNSET[name] for name in ("update_scale",)}
+# Options added after results were written, with the values that do what was done before them: the
+# registry's "not given" (a method that does not read the option) and the value every method applied before
+# it existed. At those values they are left out of the digest: adding an option must not make every finished
+# cell look stale and run again. Anything else, a changed method default included, is hashed like every
+# other option.
+ADDED_OPTIONS = {"update_scale": (UNSET["update_scale"], 1.0)}
 
 
 def _without_added_options(node: Any) -> Any:
     if isinstance(node, dict):
         return {key: _without_added_options(value) for key, value in node.items()
-                if not (key in ADDED_OPTIONS and value == ADDED_OPTIONS[key])}
+                if not (key in ADDED_OPTIONS and value in ADDED_OPTIONS[key])}
     if isinstance(node, list):
         return [_without_added_options(value) for value in node]
     return node
@@ -244,6 +246,36 @@ def recipe_digest(path: Path) -> str:
     """
     text = json.dumps(resolved_method(path), sort_keys=True, default=str).encode()
     return hashlib.sha256(path.read_bytes() + text).hexdigest()[:16]
+
+
+STALE_MARKS = {"changed": "†", "missing": "‡"}
+
+
+def recipe_state(row: dict) -> str | None:
+    """Whether a row's figures are still its recipe's: None (they are), "changed" or "missing".
+
+    "changed": the recipe, or a default it leaves unset, has changed since the row ran; "missing": there is no
+    recipe at the row's path, so it cannot be checked.
+    """
+    path = Path(row.get("recipe") or "")
+    if not row.get("recipe") or not path.is_file():
+        return "missing"
+    try:
+        return None if recipe_digest(path) == row.get("recipe_digest") else "changed"
+    except LayercutError:  # the recipe no longer reads: not the method the row ran
+        return "changed"
+
+
+def _stale_note(states: dict[str, str | None]) -> list[str]:
+    found = set(states.values()) - {None}
+    if not found:
+        return []
+    notes = {"changed": f"{STALE_MARKS['changed']}: its recipe, or a default the recipe leaves unset, has changed "
+                        "since this row ran; its figures are the method's as it was, not as the recipe runs now "
+                        "(the same command runs the cell again)",
+             "missing": f"{STALE_MARKS['missing']}: its recipe is not at the path it ran from, so whether it has "
+                        "changed cannot be checked"}
+    return ["; ".join(notes[state] for state in ("changed", "missing") if state in found) + ".", ""]
 
 
 def write_text(path: Path, text: str) -> None:
@@ -710,6 +742,8 @@ def leaderboard(results: dict) -> str:
              "with the KV cache, median of 3, against the dense model. Wall time: the cell's prune, fit, "
              "distillation and measurements.", ""]
     lines += _task_note(analysis, results)
+    states = {key: recipe_state(row) for key, row in cells.items()}
+    lines += _stale_note(states)
     lines += _wall_time_note(timing)
     copies = sorted(row["copy_seconds"] for row in cells.values())
     if copies and "load_seconds" in timing:
@@ -731,7 +765,8 @@ def leaderboard(results: dict) -> str:
             domain_cells = [f"{row['domains'][n]:.3f} ({100 * (row['domains'][n] / dense['domains'][n] - 1):+.1f}%)"
                             for n in names] if len(names) > 1 else []
             beaten = ", ".join(cells[k]["method"] for k in analysis["better_than"][key]) or "-"
-            lines.append(f"| {rank} | {row['method']} | {_removed(row)} | {row['params']:,} | "
+            mark = STALE_MARKS.get(states[key], "")
+            lines.append(f"| {rank} | {row['method']}{mark} | {_removed(row)} | {row['params']:,} | "
                          f"{row['heldout_ppl']:.3f} | {row['heldout_ppl'] / dense['heldout_ppl']:.3f} | "
                          + "".join(f"{v} | " for v in domain_cells + _task_cells(
                              row, tasks, figures[key], analysis["vs_best_tasks"].get(key, "-")))
@@ -996,6 +1031,8 @@ def print_summary(results: dict) -> None:
         if beaten is not None and len(rows) > 1:
             line += f", better than {len(beaten)} of {len(rows) - 1} on every domain" + (
                 " and the tasks" if analysis.get("tasks") else "")
+        if recipe_state(best) == "changed":
+            line += f"; {best['method']} ran before its recipe or a default it uses changed: rerun to refresh"
         print(line)
 
 

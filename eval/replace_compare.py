@@ -176,6 +176,9 @@ def _run_variant(loaded: LoadedModel, calibration: CalibrationData, heldout: tor
     records = replace_blocks_(student, dropped, calibration.token_ids, replace)
     row = {"drop": len(dropped), "variant": name, "dropped": dropped,
            "params": sum(r["params"] for r in records), "fit_seconds": round(time.perf_counter() - started, 1)}
+    scales = {r["update_scale"] for r in records if "update_scale" in r}
+    if scales:  # the method's default share of its update: the row says which map it measured
+        (row["update_scale"],) = scales
     if chosen.distill:
         if options.distill is None:
             raise LayercutError(f"variant {name} distils: pass a DistillConfig in CompareOptions.distill")
@@ -199,7 +202,8 @@ def compare_markdown(results: dict) -> str:
     ]
     for row in results["rows"]:
         rate = row["distill"]["steps_per_second"] if "distill" in row else "-"
-        lines.append(f"| {row['drop']} | {row['variant']} | {row['dropped']} | {row['params']:,} | "
+        name = row["variant"] + (f" ({row['update_scale']:g} of the update)" if row.get("update_scale", 1) != 1 else "")
+        lines.append(f"| {row['drop']} | {name} | {row['dropped']} | {row['params']:,} | "
                      f"{row['perplexity']:.2f} | {row['perplexity'] / dense:.3f} | {rate} |")
     return "\n".join(lines)
 

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ridge of the closed-form fits, relative to the mean input variance (default: 0)")
     group.add_argument("--update-scale", type=float, default=None, metavar="S",
                        help="share of the fitted update f(h) - h that --replace linear / fold maps apply, in (0, 1]: "
-                       "1 is least squares, towards 0 removal (default: 1)")
+                       "1 is least squares, towards 0 removal (default: 0.7)")
     group.add_argument("--fit-short", type=int, default=None,
                        help="also fit the replacements on the calibration cut into N-token sequences, as short "
                        "as task prompts (0: off; default: the method's recipe, else 0)")

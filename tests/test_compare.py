@@ -373,13 +373,18 @@ def test_a_changed_default_reruns_the_cells_of_the_methods_it_changes(monkeypatc
 
 def test_an_added_option_at_its_old_value_keeps_every_finished_cell(monkeypatch):
     """A new option that does what was done before it must not make every cell look changed and run again."""
-    linear, remove = METHODS_DIR / "layercut-linear.yaml", METHODS_DIR.parent / "repairs" / "remove.yaml"
-    scaled = METHODS_DIR.parent / "repairs" / "linear-scaled.yaml"
-    assert "update_scale" not in json.dumps(compare_module.resolved_method(linear))
-    assert compare_module.resolved_method(scaled)["replace"]["update_scale"] == 0.7  # set: part of the method
-    before = compare_module.recipe_digest(linear), compare_module.recipe_digest(remove)
+    repairs = METHODS_DIR.parent / "repairs"
+    least_squares, remove = repairs / "linear-ls.yaml", repairs / "remove.yaml"
+    # the whole update (every method before the option) and a method that does not read it: as before it existed
+    assert "update_scale" not in json.dumps(compare_module.resolved_method(least_squares))
+    assert "update_scale" not in json.dumps(compare_module.resolved_method(remove))
+    # linear's default of 0.7 is not what was done before: part of the method, so its old cells run again
+    default = compare_module.resolved_method(METHODS_DIR / "layercut-linear.yaml")
+    assert default["replace"]["update_scale"] == 0.7
+    assert default == compare_module.resolved_method(repairs / "linear-scaled.yaml")
+    before = compare_module.recipe_digest(least_squares), compare_module.recipe_digest(remove)
     monkeypatch.setattr(compare_module, "ADDED_OPTIONS", {})  # hashed at its old value too: every digest moves
-    after = compare_module.recipe_digest(linear), compare_module.recipe_digest(remove)
+    after = compare_module.recipe_digest(least_squares), compare_module.recipe_digest(remove)
     assert after[0] != before[0] and after[1] != before[1]
 
 
@@ -530,3 +535,26 @@ def test_rows_without_tasks_are_compared_on_perplexity_alone():
     assert analysis["task_quality"] == "retention"
     # x beats y on perplexity, neither ran the tasks; z has task figures, x and y cannot be weighed against it
     assert analysis["better_than"] == {"x@2": ["y@2"], "y@2": [], "z@2": []}
+
+
+def test_a_row_whose_recipe_changed_since_is_marked_not_passed_off_as_the_recipe(tiny_folder, tmp_path, capsys):
+    """A leaderboard re-rendered after a recipe (or a default it leaves unset) changed names the row's method as it
+    ran, not as the recipe runs now."""
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text((METHODS_DIR / "shortgpt.yaml").read_text())
+    out = tmp_path / "cmp"
+    code, stdout, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", recipe, "--speed-tokens", "0")
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert "| mine |" in compare_module.leaderboard(results) and "†" not in compare_module.leaderboard(results)
+    assert "rerun" not in stdout
+
+    recipe.write_text(recipe.read_text().replace("select: topk", "select: span"))
+    table = compare_module.leaderboard(results)
+    assert "| mine† |" in table and "has changed since this row ran" in table and "‡" not in table
+    compare_module.print_summary(results)
+    assert "ran before its recipe or a default it uses changed: rerun to refresh" in capsys.readouterr().out
+
+    recipe.unlink()
+    table = compare_module.leaderboard(results)
+    assert "| mine‡ |" in table and "cannot be checked" in table and "†" not in table

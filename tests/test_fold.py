@@ -58,7 +58,7 @@ def test_fold_is_the_least_squares_solution(model_type):
     with_bias = proj.bias is not None
     design = torch.cat([z, torch.ones(len(z), 1, dtype=z.dtype)], 1) if with_bias else z
     solution = torch.linalg.lstsq(design, t, driver="gelsd").solution  # [intermediate (+1), d]
-    records = fold(model, [2, 3], ids)
+    records = fold(model, [2, 3], ids, update_scale=1)  # the whole update: least squares itself
     assert records[0]["params"] == 0 and records[0]["intercept"] == with_bias
     weight = proj.weight if isinstance(proj, Conv1D) else proj.weight.T  # [intermediate, d]
     assert block_part(get_blocks(model)[1][1], model, "mlp_out") is proj

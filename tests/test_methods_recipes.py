@@ -100,7 +100,7 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
                             "linear-distill-kl", "linear-distill-kl-lora", "linear-distill-kl-lora-1000",
                             "linear-distill-2000-wide", "linear-distill-wide", "streamline-distill",
                             "linear-distill-kl-lora-2000-wide", "linear-scaled",
-                            "linear-scaled-distill", "fold-scaled", "fold-scaled-0.3"}
+                            "linear-scaled-distill", "fold-scaled", "fold-scaled-0.3", "linear-ls", "fold-ls"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
@@ -113,20 +113,23 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert remove.replace.method == "none" and linear.replace.method == "linear"
     fold = config(repairs["fold"])
     assert fold.replace.method == "fold" and fold.select == "span"
-    fold_scaled = config(repairs["fold-scaled"])
-    assert dataclasses.replace(fold_scaled.replace, update_scale=1.0) == fold.replace
-    assert fold_scaled.replace.update_scale == 0.7
-    assert (fold_scaled.score, fold_scaled.select) == (fold.score, fold.select)
+    # stop 38's share is the default since stop 39; fold-ls is the fold of before, the whole update
+    fold_scaled, fold_ls = config(repairs["fold-scaled"]), config(repairs["fold-ls"])
+    assert fold_scaled.replace == fold.replace and fold.replace.update_scale == 0.7
+    assert dataclasses.replace(fold_ls.replace, update_scale=0.7) == fold.replace and fold_ls.replace.update_scale == 1
+    assert (fold_scaled.score, fold_scaled.select) == (fold_ls.score, fold_ls.select) == (fold.score, fold.select)
     # drop 8's share: the same fold, 0.3 of its update
-    assert dataclasses.replace(config(repairs["fold-scaled-0.3"]).replace, update_scale=0.7) == fold_scaled.replace
+    assert dataclasses.replace(config(repairs["fold-scaled-0.3"]).replace, update_scale=0.7) == fold.replace
     # issue 17's "before": layercut-linear's blocks and map, without the short-sequence fit
     long = config(repairs["linear-long"])
     assert (long.score, long.select, long.replace.method) == (linear.score, linear.select, "linear")
-    assert long.replace.short == 0 and linear.replace.short != 0
-    # the same blocks and least-squares map, 0.7 of its update applied
-    scaled = config(repairs["linear-scaled"])
-    assert dataclasses.replace(scaled.replace, update_scale=1.0) == linear.replace
-    assert scaled.replace.update_scale == 0.7 and (scaled.score, scaled.select) == (linear.score, linear.select)
+    assert long.replace.short == 0 and linear.replace.short != 0 and long.replace.update_scale == 1
+    # stop 37's 0.7 of the update is linear's default since stop 39; linear-ls is the map of before
+    scaled, least_squares = config(repairs["linear-scaled"]), config(repairs["linear-ls"])
+    assert scaled.replace == linear.replace and linear.replace.update_scale == 0.7
+    assert dataclasses.replace(least_squares.replace, update_scale=0.7) == linear.replace
+    assert least_squares.replace.update_scale == 1
+    assert (scaled.score, scaled.select) == (least_squares.score, least_squares.select) == (linear.score, linear.select)
     # the distillation budget the issue allows, on layercut-linear-distill's blocks and maps
     short = config(METHODS_DIR / "layercut-linear-distill.yaml")
     budget = config(repairs["linear-distill-2000"])

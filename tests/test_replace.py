@@ -84,7 +84,7 @@ def test_linear_fitter_recovers_an_exact_map():
     torch.manual_seed(0)
     a, b = torch.randn(HIDDEN, HIDDEN), torch.randn(HIDDEN)
     model = make_tiny_model("llama")
-    fitter = LinearFitter(model, list(get_blocks(model)[1]), (1, 2), quick("linear"))
+    fitter = LinearFitter(model, list(get_blocks(model)[1]), (1, 2), quick("linear", update_scale=1))
     for _ in range(4):
         x = torch.randn(2, 64, HIDDEN, dtype=torch.float64)
         fitter.observe(SpanBatch(x, x @ a.double() + b.double()))
@@ -103,7 +103,7 @@ def test_linear_replacement_of_an_exactly_linear_block_is_exact():
     ids = calibration(4, 24, seed=1)
     with torch.no_grad():
         expected = model(ids).logits
-    records = replace_blocks_(model, [2], calibration(), quick("linear"))
+    records = replace_blocks_(model, [2], calibration(), quick("linear", update_scale=1))
     assert records[0]["replaces"] == [2] and records[0]["method"] == "linear" and records[0]["fit"] == "independent"
     assert records[0]["params"] == HIDDEN * HIDDEN + HIDDEN and records[0]["fit_seconds"] >= 0
     assert model.config.num_hidden_layers == 3 and block_layout(model) == [[0], [1, 2], [3]]
@@ -127,12 +127,12 @@ def test_fit_short_adds_the_calibration_cut_into_short_sequences():
     acc = PairAccumulator()
     acc.update(torch.cat(captured["x"]), torch.cat(captured["y"]))
     expected = fit_linear_map(acc.moments())
-    short = fit_replacements(model, [1, 2], ids, quick("linear", short=8))[0].module
-    long = fit_replacements(model, [1, 2], ids, quick("linear"))[0].module
+    short = fit_replacements(model, [1, 2], ids, quick("linear", short=8, update_scale=1))[0].module
+    long = fit_replacements(model, [1, 2], ids, quick("linear", update_scale=1))[0].module
     torch.testing.assert_close(short.proj.weight.T.double(), expected.weight, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(long.proj.weight, short.proj.weight, atol=1e-3)
     # as long as the calibration sequences or longer, there is nothing to cut
-    same = fit_replacements(model, [1, 2], ids, quick("linear", short=32))[0].module
+    same = fit_replacements(model, [1, 2], ids, quick("linear", short=32, update_scale=1))[0].module
     torch.testing.assert_close(same.proj.weight, long.proj.weight)
     with pytest.raises(LayercutError, match="--fit-short takes a sequence length of at least 2"):
         quick("linear", short=1)
@@ -145,7 +145,7 @@ def test_fit_short_adds_the_calibration_cut_into_short_sequences():
 def test_update_scale_applies_that_share_of_the_fitted_update(method):
     """A share s of the update: the state handed on is h + s (f(h) - h), h the span's input (the removal's)."""
     ids, heldout = calibration(), calibration(4, 24, seed=3)
-    whole, half, removed = (make_tiny_model("llama") for _ in range(3))
+    whole, half, default, removed = (make_tiny_model("llama") for _ in range(4))
 
     def handed_on(model):  # block 1's input: the span's input before surgery, the state after it once the span is gone
         states = {}
@@ -154,12 +154,15 @@ def test_update_scale_applies_that_share_of_the_fitted_update(method):
         return states[1]
 
     h = handed_on(whole)
-    replace_blocks_(whole, [1, 2], ids, quick(method))
+    replace_blocks_(whole, [1, 2], ids, quick(method, update_scale=1))
     replace_blocks_(half, [1, 2], ids, quick(method, update_scale=0.5))
+    replace_blocks_(default, [1, 2], ids, quick(method))
     drop_blocks_(removed, [1, 2])
     fitted = handed_on(whole)
     assert float((fitted - h).abs().max()) > 1e-2  # the map does move the state
     torch.testing.assert_close(handed_on(half), h + 0.5 * (fitted - h), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(handed_on(default), h + 0.7 * (fitted - h), rtol=1e-4, atol=1e-4)
+    assert replacement_records(default)[0]["update_scale"] == 0.7
     torch.testing.assert_close(handed_on(removed), h)
     record = replacement_records(half)[0]
     assert record["update_scale"] == 0.5
@@ -275,7 +278,7 @@ def test_lowrank_map_parameters_and_full_rank_equals_linear():
     ids = calibration()
     lowrank, linear = make_tiny_model("llama"), make_tiny_model("llama")
     records = replace_blocks_(lowrank, [1, 2], ids, quick("lowrank", steps=0, rank=HIDDEN))
-    replace_blocks_(linear, [1, 2], ids, quick("linear"))
+    replace_blocks_(linear, [1, 2], ids, quick("linear", update_scale=1))  # lowrank starts from least squares
     rank = HIDDEN
     assert records[0]["params"] == 2 * rank * HIDDEN + 3 * HIDDEN and records[0]["rank"] == rank
     assert records[0]["linear_params"] == HIDDEN * HIDDEN + HIDDEN
@@ -359,6 +362,7 @@ def test_wrapper_exposes_the_block_parts():
         (dict(method="linear", update_scale=0.0), "--update-scale takes a share in (0, 1]"),
         (dict(method="fold", update_scale=1.5), "--update-scale takes a share in (0, 1]"),
         (dict(method="block", update_scale=0.5), "--update-scale applies to --replace linear, fold only"),
+        (dict(method="none", update_scale=1.0), "--update-scale applies to --replace linear, fold only"),
     ],
 )
 def test_bad_options(options, message):

@@ -60,8 +60,12 @@ def test_rows_equal_separate_surgery_and_leave_the_original_untouched(setup, sam
         assert row["perplexity"] == pytest.approx(expected, rel=1e-6)
     linear = [r for r in results["rows"] if r["variant"] == "linear"]
     assert all(r["params"] > 0 and r["params"] % (32 * 32 + 32) == 0 for r in linear)  # one map per span
+    # the closed-form rows name the share of the update they applied (the methods' default), removal none
+    assert {r["variant"]: r.get("update_scale") for r in results["rows"]} == {"remove": None, "linear": 0.7,
+                                                                              "fold": 0.7}
     table = compare_markdown(results)
     assert table.count("\n| ") == 2 + 6 and "| 0 | dense |" in table
+    assert table.count("| linear (0.7 of the update) |") == 2 and "| remove |" in table
     assert plot_compare(results, tmp_path / "replace.png").read_bytes()[:4] == b"\x89PNG"
 
 

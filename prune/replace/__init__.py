@@ -4,11 +4,12 @@ Each maximal run (span) of removed blocks gets one replacement, fitted to reprod
 from its input on calibration text. The methods (``METHODS``, in this order):
 
 * ``none`` (``none.py``): the blocks are only removed.
-* ``linear`` (``linear.py``): ``h -> h A + b``, closed-form least squares (float64) from streamed moments.
+* ``linear`` (``linear.py``): ``h -> h A + b``, closed-form least squares (float64) from streamed moments,
+  of which 0.7 of the update ``h A + b - h`` is applied unless ``update_scale`` says otherwise.
 * ``lowrank`` (``lowrank.py``): ``h -> h + up(down(BatchNorm(h)))``, rank ``max(1, d // 100)``, from
   the closed-form reduced-rank solution, then Adam steps on the MSE.
 * ``fold`` (``fold.py``): the linear map folded into the previous kept block's MLP output
-  projection; the checkpoint stays a vanilla architecture.
+  projection (0.7 of its update by default, as ``linear``); the checkpoint stays a vanilla architecture.
 * ``block`` (``block.py``): one standard block of the architecture per span, a copy of the span's
   first block, trained with Adam on the MSE to the span's output; a vanilla checkpoint.
 

@@ -21,9 +21,9 @@ class ReplaceConfig:
         rank: rank of ``lowrank`` maps; None = ``max(1, d // 100)``.
         ridge: ridge of the closed-form fits, relative to the mean diagonal of the input Gram (0 = pseudo-inverse).
         update_scale: the share of the fitted update ``f(h) - h`` that a ``linear`` or ``fold`` map applies
-            (1: least squares; towards 0: removal). The least-squares map is the best in the residual
-            stream's own squared error, not at the logits: on SmolLM2 0.7 of its update gave a lower KL from the
-            original model on task prompts than the whole of it (``recipes/repairs/linear-scaled.yaml``).
+            (1: least squares; towards 0: removal); None = the method's default, 0.7 for both. The
+            least-squares map is the best in the residual stream's own squared error, not at the logits (see
+            :class:`~prune.replace.linear.LinearOptions`).
         steps: Adam steps for ``lowrank`` (after its closed-form start) and ``block``; 0 skips training;
             None = the method's default.
         lr: Adam learning rate for those steps; None = the method's default.
@@ -44,7 +44,7 @@ class ReplaceConfig:
     ridge: float = 0.0
     steps: int | None = None
     lr: float | None = None
-    update_scale: float = 1.0
+    update_scale: float | None = None
     short: int | None = None
     batch_size: int = 4
     cache_bytes: int = DEFAULT_CACHE_BYTES

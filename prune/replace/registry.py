@@ -24,7 +24,7 @@ FITS = ("independent", "sequential")
 OPTION_FLAGS = {"rank": "--rank", "ridge": "--ridge", "steps": "--replace-steps", "lr": "replacement lr",
                 "update_scale": "--update-scale"}
 # The value of each generic option that means "not given": a method that does not take the option accepts it.
-UNSET = {"rank": None, "ridge": 0.0, "steps": None, "lr": None, "update_scale": 1.0}
+UNSET = {"rank": None, "ridge": 0.0, "steps": None, "lr": None, "update_scale": None}
 
 
 @dataclass
@@ -32,8 +32,8 @@ class MethodOptions:
     """The generic replacement options as one method takes them; a method subclasses it.
 
     Subclasses set the class variables: ``accepts`` (the options the method reads; any other one must
-    stay unset), ``default_steps`` and ``default_lr`` (filled in when ``steps`` / ``lr`` are accepted
-    and not given), ``default_short`` (the ``--fit-short`` length when none is given; 0: off).
+    stay unset), ``default_steps``, ``default_lr`` and ``default_update_scale`` (filled in when the option
+    is accepted and not given), ``default_short`` (the ``--fit-short`` length when none is given; 0: off).
 
     Attributes:
         method: the method's name (for the messages).
@@ -42,7 +42,7 @@ class MethodOptions:
         steps: Adam steps; None = ``default_steps``.
         lr: Adam learning rate; None = ``default_lr``.
         update_scale: the share of a closed-form map's fitted update ``f(h) - h`` that it applies: 1 is
-            the least-squares map, towards 0 it approaches removal of the span.
+            the least-squares map, towards 0 it approaches removal of the span; None = ``default_update_scale``.
     """
 
     method: str
@@ -50,12 +50,13 @@ class MethodOptions:
     ridge: float = 0.0
     steps: int | None = None
     lr: float | None = None
-    update_scale: float = 1.0
+    update_scale: float | None = None
 
     accepts: ClassVar[tuple[str, ...]] = ()
     default_short: ClassVar[int] = 0
     default_steps: ClassVar[int] = 0
     default_lr: ClassVar[float] = 1e-3
+    default_update_scale: ClassVar[float] = 1.0
 
     def __post_init__(self):
         if self.rank is not None and (not isinstance(self.rank, int) or self.rank <= 0):
@@ -66,7 +67,8 @@ class MethodOptions:
             raise LayercutError(f"--replace-steps must be >= 0, got {self.steps}")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise LayercutError(f"replacement lr must be a positive number, got {self.lr}")
-        if not (isinstance(self.update_scale, (int, float)) and 0 < self.update_scale <= 1):
+        if self.update_scale is not None and not (isinstance(self.update_scale, (int, float))
+                                                  and 0 < self.update_scale <= 1):
             raise LayercutError(f"--update-scale takes a share in (0, 1] (1: the fitted map; for 0 remove the blocks, "
                                 f"--replace none), got {self.update_scale}")
         for name, unset in UNSET.items():
@@ -80,6 +82,8 @@ class MethodOptions:
             self.steps = self.default_steps
         if "lr" in self.accepts and self.lr is None:
             self.lr = self.default_lr
+        if "update_scale" in self.accepts and self.update_scale is None:
+            self.update_scale = self.default_update_scale
 
     def values(self) -> dict:
         """The generic options (without ``method``)."""
