@@ -340,12 +340,8 @@ def task_rows(limit: Any, total: int, name: str = "the task", seed: int = TASK_S
     return sorted(random.Random(seed).sample(picked, draw))
 
 
-def _rows_of(names: list[str], task_manager, rows: str, seed: int) -> dict[str, list[int]]:
-    """Each task's row indices in ``rows`` (:func:`task_rows`), on the split it evaluates (test, else validation)."""
-    return _rows_in(_load_tasks(task_manager, names), rows, seed)
-
-
 def _rows_in(tasks: dict[str, Any], rows: str, seed: int) -> dict[str, list[int]]:
+    """Each task's row indices in ``rows`` (:func:`task_rows`), on the split it evaluates (test, else validation)."""
     return {name: task_rows(rows, len(task.eval_docs), name, seed) for name, task in tasks.items()}
 
 

@@ -17,6 +17,10 @@ fitted on the calibration tokens alone:
 - with ``--update-scale S``, ``<fit>*S``: ``h + S (f(h) - h)``, a share S of the update of ``ls-mixed-N``
   (``ls`` without ``--short``), what ``--replace linear --update-scale S`` fits. Least squares is the best
   map in the residual stream's squared error; the logits need not agree.
+- with ``--grad-weight``, ``<fit>-grad`` and ``<fit>-grad-sqrt``: the least squares of ``ls-mixed-N`` (``ls``)
+  with each calibration token weighted by the squared norm (``-sqrt``: the norm) of the gradient of the
+  original model's next-token loss at the span's output. A squared error that weighs every token alike is
+  the best fit in the residual stream; this one weighs the tokens whose state the predictions read most.
 
 Each is measured as the *relative* error: the map's squared error over removal's (``X`` standing for
 ``Y``), so 1.0 is as bad as removing the span and lower is better; above 1.0 the map hurts. Beside it
@@ -52,6 +56,7 @@ from prune.linear_fit import LinearFit, fit_linear_map, scale_update
 from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
 from prune.replace.capture import PairAccumulator
 from prune.replace.driver import short_windows
+from prune.stats import PairMoments
 
 MASSIVE = 10.0  # a token is "massive" when its input norm exceeds this many times the median
 EARLY = 32  # predictions from positions below this are "early": most of a short prompt's, few of a long text's
@@ -94,6 +99,49 @@ def capture(model, sequences: list[torch.Tensor], span: tuple[int, int], batch_s
             model.base_model(input_ids=batch, use_cache=False)
             positions.append(torch.arange(batch.shape[1]).repeat(batch.shape[0]))
     return Captured(torch.cat(kept["x"]), torch.cat(kept["y"]), torch.cat(positions))
+
+
+def token_sensitivity(model, sequences: list[torch.Tensor], span: tuple[int, int], batch_size: int = 4) -> torch.Tensor:
+    """Per token of ``sequences`` (in :func:`capture`'s order): how far the original model's loss moves with its state.
+
+    That is the squared norm of the gradient of the summed next-token loss at the span's output. A sequence's
+    last token predicts nothing and no later token reads it: 0.
+    """
+    _, blocks = get_blocks(model)
+    held: dict[str, torch.Tensor] = {}
+
+    def leaf(_module, _args, output):  # the gradient stops here: only the later blocks and the head are traced
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        held["state"] = hidden.detach().requires_grad_(True)
+        return (held["state"], *output[1:]) if isinstance(output, (tuple, list)) else held["state"]
+
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for param in trained:
+        param.requires_grad_(False)
+    weights = []
+    try:
+        with hooks_held([blocks[span[1]].register_forward_hook(leaf)]), torch.enable_grad():
+            for batch in batches(model, sequences, batch_size):
+                logits = model(input_ids=batch, use_cache=False).logits[:, :-1]
+                logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                         batch[:, 1:].reshape(-1).to(logits.device), reduction="sum")
+                (grad,) = torch.autograd.grad(loss, held.pop("state"))
+                weights.append(grad.float().pow(2).sum(-1).reshape(-1).cpu())
+    finally:
+        for param in trained:
+            param.requires_grad_(True)
+    return torch.cat(weights)
+
+
+def weighted_moments(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor) -> PairMoments:
+    """The centred moments of (x, y) with token ``i`` counted ``weight[i]`` times (float64)."""
+    w = weight.double() / weight.double().mean()  # the scale cancels in the fit; near 1 keeps the sums readable
+    xd, yd = x.double(), y.double()
+    mean_x, mean_y = (w @ xd) / w.sum(), (w @ yd) / w.sum()
+    xc, yc = xd - mean_x, yd - mean_y
+    weighted = xc * w[:, None]
+    return PairMoments(int(x.shape[0]), mean_x, mean_y, weighted.T @ xc, weighted.T @ yc, (yc * w[:, None]).T @ yc)
 
 
 def batches(model, sequences: list[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
@@ -195,8 +243,13 @@ def text_sequences(tokenizer, spec: str, seq_len: int, max_tokens: int) -> tuple
 
 
 def fit_variants(calibration: Captured, skips: list[int], shrinks: list[float],
-                 short: tuple[int, Captured] | None = None, scales: Sequence[float] = ()) -> dict[str, LinearFit]:
-    """Every variant's map, fitted on the calibration tokens only (``short``: the same tokens re-cut)."""
+                 short: tuple[int, Captured] | None = None, scales: Sequence[float] = (),
+                 sensitivity: torch.Tensor | None = None) -> dict[str, LinearFit]:
+    """Every variant's map, fitted on the calibration tokens only (``short``: the same tokens re-cut).
+
+    ``sensitivity``: per token of the calibration (then of the re-cut, when given), the weight of the
+    ``-grad`` variants (:func:`token_sensitivity`).
+    """
     fits = {}
     for skip in [0, *skips]:
         keep = calibration.position >= skip
@@ -219,6 +272,11 @@ def fit_variants(calibration: Captured, skips: list[int], shrinks: list[float],
     base = f"ls-mixed-{short[0]}" if short is not None else "ls"
     for scale in scales:
         fits[f"{base}*{scale:g}"] = scale_update(fits[base], scale)
+    if sensitivity is not None:
+        pooled = [calibration] if short is None else [calibration, short[1]]
+        x, y = torch.cat([c.x for c in pooled]), torch.cat([c.y for c in pooled])
+        for suffix, weight in (("grad", sensitivity), ("grad-sqrt", sensitivity.sqrt())):
+            fits[f"{base}-{suffix}"] = fit_linear_map(weighted_moments(x, y, weight))
     return fits
 
 
@@ -255,6 +313,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--short", type=int, default=0,
                         help="also fit ls-short-N (the calibration cut into N-token sequences) and ls-mixed-N "
                              "(both cuts pooled); 0: off")
+    parser.add_argument("--grad-weight", action="store_true",
+                        help="also fit <fit>-grad and <fit>-grad-sqrt: least squares with each calibration token "
+                             "weighted by how much the original model's next-token loss moves with the span's "
+                             "output (squared gradient norm; -sqrt: its norm)")
     parser.add_argument("--logits", action="store_true",
                         help="also run the whole model with each variant in the span's place: KL from the "
                              "original's next-token distribution, top-1 agreement and perplexity per text")
@@ -314,7 +376,14 @@ def run(args: argparse.Namespace) -> dict:
         windows = list(short_windows(data.token_ids, args.short))  # the cut --fit-short feeds the fit
         short = (args.short, capture(model, windows, span, max(args.batch_size, args.batch_size * args.seq_len
                                                                 // args.short)))
-    fits = fit_variants(cal, skips, shrinks, short, scales)
+    sensitivity = None
+    if args.grad_weight:
+        parts = [token_sensitivity(model, texts["calibration"], span, args.batch_size)]
+        if short is not None:
+            parts.append(token_sensitivity(model, windows, span, max(args.batch_size, args.batch_size * args.seq_len
+                                                                      // args.short)))
+        sensitivity = torch.cat(parts)
+    fits = fit_variants(cal, skips, shrinks, short, scales, sensitivity)
     table = {name: {"removal": error_report(None, data_, massive_norm),
                     **{variant: error_report(fit, data_, massive_norm) for variant, fit in fits.items()}}
              for name, data_ in captured.items()}

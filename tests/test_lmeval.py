@@ -466,14 +466,19 @@ def test_a_range_of_rows_scores_those_rows(data, model, tokenizer):
     assert len(middle["piqa"]) == 4 and middle["piqa"] == first["piqa"][2:6]
 
 
+def rows_of(names, manager, rows, seed):
+    """The rows ``run_lm_eval`` reads of each task, as it picks them (the split it evaluates, then the rule)."""
+    return lmeval._rows_in(lmeval._load_tasks(manager, names), rows, seed)
+
+
 def test_a_range_counts_from_the_end_of_the_rows_the_task_evaluates(data):
     manager = lmeval._local_task_manager(data)
     # ARC-Easy's test split has 2,376 rows, PIQA's validation split 1,838
-    picked = lmeval._rows_of(["arc_easy", "piqa"], manager, "-3:", seed=1)
+    picked = rows_of(["arc_easy", "piqa"], manager, "-3:", seed=1)
     assert picked == {"arc_easy": [2373, 2374, 2375], "piqa": [1835, 1836, 1837]}
-    assert lmeval._rows_of(["piqa"], manager, "1830:1900", seed=1) == {"piqa": list(range(1830, 1838))}
+    assert rows_of(["piqa"], manager, "1830:1900", seed=1) == {"piqa": list(range(1830, 1838))}
     with pytest.raises(LayercutError) as err:
-        lmeval._rows_of(["piqa"], manager, "5000:", seed=1)
+        rows_of(["piqa"], manager, "5000:", seed=1)
     assert _one_line(err) == "rows 5000: of piqa are none of its 1838 rows: pick a range inside 0:1838"
 
 
@@ -504,19 +509,19 @@ def test_a_draw_scores_the_rows_it_names(data, model, tokenizer):
 
 def test_a_draw_is_the_same_rows_every_time_and_stays_in_its_range(data):
     manager = lmeval._local_task_manager(data)
-    picked = lmeval._rows_of(["arc_easy", "piqa"], manager, "5~1000:", seed=1234)
+    picked = rows_of(["arc_easy", "piqa"], manager, "5~1000:", seed=1234)
     # the one-liner a reader can rerun: random.Random(1234).sample(range(1000, 1838), 5), sorted
     assert picked["piqa"] == sorted(random.Random(1234).sample(range(1000, 1838), 5))
     assert picked["arc_easy"] == sorted(random.Random(1234).sample(range(1000, 2376), 5))
     assert all(1000 <= i for rows in picked.values() for i in rows) and picked["piqa"] != list(range(1000, 1005))
-    assert lmeval._rows_of(["piqa"], manager, "5~1000:", seed=1234) == {"piqa": picked["piqa"]}
-    assert lmeval._rows_of(["piqa"], manager, "5~1000:", seed=7) != {"piqa": picked["piqa"]}
-    assert lmeval._rows_of(["piqa"], manager, "8~1830:", seed=1) == {"piqa": list(range(1830, 1838))}
+    assert rows_of(["piqa"], manager, "5~1000:", seed=1234) == {"piqa": picked["piqa"]}
+    assert rows_of(["piqa"], manager, "5~1000:", seed=7) != {"piqa": picked["piqa"]}
+    assert rows_of(["piqa"], manager, "8~1830:", seed=1) == {"piqa": list(range(1830, 1838))}
     with pytest.raises(LayercutError) as err:
-        lmeval._rows_of(["piqa"], manager, "9~1830:", seed=1)
+        rows_of(["piqa"], manager, "9~1830:", seed=1)
     assert _one_line(err) == "9~1830: draws 9 rows from 8 of piqa: draw fewer or widen the range"
     with pytest.raises(LayercutError) as err:
-        lmeval._rows_of(["piqa"], manager, "9~5000:", seed=1)
+        rows_of(["piqa"], manager, "9~5000:", seed=1)
     assert _one_line(err) == "rows 5000: of piqa are none of its 1838 rows: pick a range inside 0:1838"
 
 

@@ -6,9 +6,22 @@ import pytest
 import torch
 from conftest import make_tiny_model
 
-from eval.mapfit import Captured, error_report, fit_variants, logit_report, main, parse_span, span_replaced
+from eval.mapfit import (
+    Captured,
+    error_report,
+    fit_variants,
+    logit_report,
+    main,
+    parse_span,
+    span_replaced,
+    token_sensitivity,
+    weighted_moments,
+)
+from prune.adapters import get_blocks
+from prune.capture import hooks_held
 from prune.errors import LayercutError
-from prune.linear_fit import LinearFit
+from prune.linear_fit import LinearFit, fit_linear_map
+from prune.replace.capture import PairAccumulator
 from prune.surgery import blocks_removed
 
 
@@ -69,6 +82,52 @@ def test_hooked_removal_is_the_model_without_the_blocks_and_kl_is_relative_to_it
     assert report["removal"]["ppl"] == pytest.approx(float((-log_probs.mean()).exp()), rel=1e-4)
 
 
+def test_a_token_weighted_fit_counts_each_token_its_weight_times():
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(60, 5, generator=generator)
+    y = torch.tanh(x @ torch.randn(5, 5, generator=generator)) + 0.3  # not linear: the weights change the fit
+    counts = torch.randint(1, 4, (60,), generator=generator)
+    repeated = PairAccumulator(precision="float64")
+    repeated.update(x.repeat_interleave(counts, 0), y.repeat_interleave(counts, 0))
+    expected, weighted = fit_linear_map(repeated.moments()), fit_linear_map(weighted_moments(x, y, counts.float()))
+    torch.testing.assert_close(weighted.weight, expected.weight, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(weighted.bias, expected.bias, rtol=1e-8, atol=1e-10)
+    plain = PairAccumulator(precision="float64")
+    plain.update(x, y)
+    assert not torch.allclose(weighted.weight, fit_linear_map(plain.moments()).weight, atol=1e-3)
+    data = Captured(x, y, torch.arange(60) % 10)
+    fits = fit_variants(data, skips=[], shrinks=[], sensitivity=counts.float())
+    torch.testing.assert_close(fits["ls-grad"].weight, expected.weight, rtol=1e-8, atol=1e-10)
+    assert not torch.allclose(fits["ls-grad-sqrt"].weight, expected.weight, atol=1e-3)
+
+
+def test_token_sensitivity_is_the_squared_gradient_of_the_loss_at_the_span_output(one_thread):
+    model = make_tiny_model("llama").double().eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
+    weights = token_sensitivity(model, list(ids), (1, 2), batch_size=2)
+    assert weights.shape == (20,) and weights[9] == 0 and weights[19] == 0 and bool((weights[:9] > 0).all())
+    assert all(p.requires_grad for p in model.parameters())  # handed back as it was
+    _, blocks = get_blocks(model)
+
+    def loss_with(delta, row, position):  # the loss with block 2's output moved by delta at one token
+        def shift(_module, _args, output):
+            hidden = (output[0] if isinstance(output, (tuple, list)) else output).clone()
+            hidden[row, position] += delta
+            return (hidden, *output[1:]) if isinstance(output, (tuple, list)) else hidden
+
+        with hooks_held([blocks[2].register_forward_hook(shift)]), torch.no_grad():
+            logits = model(input_ids=ids).logits[:, :-1]
+            return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                                           reduction="sum"))
+
+    hidden, step = model.config.hidden_size, 1e-5
+    # central differences, one coordinate at a time (to 1e-3: Llama's RMSNorm computes in float32 even here)
+    for row, position in ((0, 3), (1, 0)):
+        grad = [(loss_with(step * e, row, position) - loss_with(-step * e, row, position)) / (2 * step)
+                for e in torch.eye(hidden, dtype=torch.float64)]
+        assert float(weights[10 * row + position]) == pytest.approx(sum(g * g for g in grad), rel=1e-3)
+
+
 def test_parse_span():
     assert parse_span("12-15", 30) == (12, 15) and parse_span("3", 30) == (3, 3)
     with pytest.raises(LayercutError, match="blocks 0..29"):
@@ -86,14 +145,15 @@ def test_cli_writes_the_table(tiny_folder, tmp_path, capsys, one_thread):
     out = tmp_path / "mapfit"
     code = main(["--model", str(tiny_folder), "--span", "1-2", "--samples", "16", "--seq-len", "32",
                  "--heldout-samples", "2", "--heldout", f"novel={novel},prompts={prompts}", "--heldout-tokens", "256",
-                 "--logits", "--short", "8", "--update-scale", "0.5", "--out", str(out), "--threads", "1"])
+                 "--logits", "--short", "8", "--update-scale", "0.5", "--grad-weight", "--out", str(out),
+                 "--threads", "1"])
     assert code == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["errors"]) == {"calibration", "calibration held-out", "novel", "prompts"}
     for text in results["errors"].values():
         assert text["removal"]["relative"] == pytest.approx(1.0)
         assert set(text) == {"removal", "ls", "ls-skip-1", "ls-skip-4", "shrink-0.01", "shrink-0.1", "shrink-1",
-                             "ls-short-8", "ls-mixed-8", "ls-mixed-8*0.5"}
+                             "ls-short-8", "ls-mixed-8", "ls-mixed-8*0.5", "ls-mixed-8-grad", "ls-mixed-8-grad-sqrt"}
     # least squares is the best linear map on the tokens it was fitted on
     calibration = results["errors"]["calibration"]
     assert calibration["ls"]["relative"] <= min(v["relative"] for v in calibration.values()) + 1e-9

@@ -35,3 +35,12 @@ python -m eval.compare --drop 4,8 --threads 2 --speed-tokens 0 \
   --methods recipes/repairs/remove.yaml,recipes/repairs/fold.yaml,/tmp/fold-0.7.yaml,/tmp/fold-0.5.yaml,/tmp/fold-0.3.yaml,/tmp/fold-0.2.yaml,/tmp/fold-0.1.yaml \
   --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
   --heldout-tokens 4096 --out reports/smollm2-135m-mapfit/selection-fold-scale
+# Stop 39: why the update overshoots. The per-text optimum of the share from the two selection-scale runs above,
+# then the same fits with each calibration token weighted by the loss gradient's norm at the span's output.
+python reports/smollm2-135m-mapfit/optimum.py reports/smollm2-135m-mapfit/selection-scale-12-15 \
+  reports/smollm2-135m-mapfit/selection-scale-12-19
+for span in 12-15 12-19; do
+python -m eval.mapfit --span $span --short 64 --update-scale 0.7 --grad-weight --skip "" --shrink "" --logits \
+  --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
+  --heldout-tokens 4096 --threads 2 --out reports/smollm2-135m-mapfit/selection-grad-$span
+done
