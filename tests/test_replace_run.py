@@ -37,7 +37,8 @@ def test_linear_replacement_cli_round_trip(tiny_folder, tmp_path, capsys):
     out = tmp_path / "slim-lin"
     code, stdout, err = run(capsys, *small(tiny_folder), "--drop", "2", "--replace", "linear", "--out", out)
     assert code == 0, err
-    assert "replaced blocks" in stdout and "by linear (1056 parameters, independent fit" in stdout
+    assert "replaced blocks" in stdout and "by linear (1056 parameters, 0.7 of the fitted update, independent fit" \
+        in stdout
     assert (out / "replacements.safetensors").is_file() and (out / "linearity_profile.png").is_file()
     report = json.loads((out / "layercut.json").read_text())
     assert report["replace"] == "linear" and report["fit"] == "independent"
@@ -45,7 +46,7 @@ def test_linear_replacement_cli_round_trip(tiny_folder, tmp_path, capsys):
     assert covered == report["dropped"]
     for record in report["replacements"]:
         assert record["method"] == "linear" and record["params"] == 32 * 32 + 32 and record["fit_seconds"] >= 0
-        assert "fit_short" not in record
+        assert "fit_short" not in record and record["update_scale"] == 0.7  # the default share
     assert sorted(i for group in report["layout"] for i in group) == [0, 1, 2, 3]
     # the same run in memory gives the logits prune.load reproduces
     config = PruneConfig(load=LoadConfig(str(tiny_folder)), data={"samples": 8, "seq_len": 32}, drop=2,
@@ -69,7 +70,7 @@ def test_fold_cli_writes_a_vanilla_checkpoint(tiny_folder, tmp_path, capsys):
     code, stdout, err = run(capsys, *small(tiny_folder), "--drop", "1", "--replace", "fold", "--fit", "sequential",
                             "--out", out)
     assert code == 0, err
-    assert "by fold (folded into the previous block's mlp.down_proj, sequential fit" in stdout
+    assert "by fold (folded into the previous block's mlp.down_proj, 0.7 of the fitted update, sequential fit" in stdout
     assert not (out / "replacements.safetensors").exists()
     report = json.loads((out / "layercut.json").read_text())
     assert report["replacements"][0]["method"] == "fold" and report["replacements"][0]["fit"] == "sequential"

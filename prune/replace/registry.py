@@ -195,9 +195,11 @@ def method_for_module(module: nn.Module) -> Method:
 def describe_replacement(record: dict) -> str:
     """The CLI's line for one replacement record.
 
-    Example: ``replaced blocks [1, 2] by linear (1056 parameters, independent fit, 0.1s)``.
+    Example: ``replaced blocks [1, 2] by linear (1056 parameters, 0.7 of the fitted update, independent fit, 0.1s)``.
     """
     name = record_method(record)
     added = get_method(name).describe(record)
+    if record.get("update_scale", 1) != 1:  # the default is not least squares: say which map was built
+        added += f", {record['update_scale']:g} of the fitted update"
     return (f"replaced blocks {record['replaces']} by {name} "
             f"({added}, {record['fit']} fit, {record['fit_seconds']:.1f}s)")
