@@ -48,7 +48,7 @@ import torch
 from tqdm.auto import tqdm
 
 from prune.adapters import get_blocks, input_device, num_blocks
-from prune.capture import block_input, hooks_held, residual_states
+from prune.capture import block_input, block_output, hooks_held, residual_states, with_block_output
 from prune.data import DataConfig, calibration_data, load_documents
 from prune.errors import LayercutError, cli_entry
 from prune.export import atomic_directory, check_output_dir, write_json
@@ -111,9 +111,8 @@ def token_sensitivity(model, sequences: list[torch.Tensor], span: tuple[int, int
     held: dict[str, torch.Tensor] = {}
 
     def leaf(_module, _args, output):  # the gradient stops here: only the later blocks and the head are traced
-        hidden = output[0] if isinstance(output, (tuple, list)) else output
-        held["state"] = hidden.detach().requires_grad_(True)
-        return (held["state"], *output[1:]) if isinstance(output, (tuple, list)) else held["state"]
+        held["state"] = block_output(output).detach().requires_grad_(True)
+        return with_block_output(output, held["state"])
 
     trained = [p for p in model.parameters() if p.requires_grad]
     for param in trained:
@@ -174,7 +173,7 @@ def span_replaced(model, span: tuple[int, int], fit: LinearFit | None) -> Iterat
     def replace(_module, _args, output):
         x = entering.pop("x")
         new = x if fit is None else fit(x.double()).to(x.dtype)
-        return (new, *output[1:]) if isinstance(output, (tuple, list)) else new
+        return with_block_output(output, new)
 
     with hooks_held([blocks[span[0]].register_forward_pre_hook(keep, with_kwargs=True),
                      blocks[span[1]].register_forward_hook(replace)]):
@@ -374,14 +373,13 @@ def run(args: argparse.Namespace) -> dict:
     short = None
     if args.short:
         windows = list(short_windows(data.token_ids, args.short))  # the cut --fit-short feeds the fit
-        short = (args.short, capture(model, windows, span, max(args.batch_size, args.batch_size * args.seq_len
-                                                                // args.short)))
+        short_batch = max(args.batch_size, args.batch_size * args.seq_len // args.short)
+        short = (args.short, capture(model, windows, span, short_batch))
     sensitivity = None
     if args.grad_weight:
         parts = [token_sensitivity(model, texts["calibration"], span, args.batch_size)]
         if short is not None:
-            parts.append(token_sensitivity(model, windows, span, max(args.batch_size, args.batch_size * args.seq_len
-                                                                      // args.short)))
+            parts.append(token_sensitivity(model, windows, span, short_batch))
         sensitivity = torch.cat(parts)
     fits = fit_variants(cal, skips, shrinks, short, scales, sensitivity)
     table = {name: {"removal": error_report(None, data_, massive_norm),

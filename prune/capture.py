@@ -22,6 +22,11 @@ def block_output(output) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
+def with_block_output(output, hidden: torch.Tensor):
+    """``output`` with its hidden state (:func:`block_output`) swapped for ``hidden``, for a forward hook to return."""
+    return (hidden, *output[1:]) if isinstance(output, (tuple, list)) else hidden
+
+
 def block_input(args: tuple, kwargs: dict) -> torch.Tensor:
     """The hidden state passed to a block, positionally or as ``hidden_states=``."""
     return args[0] if args else kwargs["hidden_states"]

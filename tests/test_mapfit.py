@@ -18,7 +18,7 @@ from eval.mapfit import (
     weighted_moments,
 )
 from prune.adapters import get_blocks
-from prune.capture import hooks_held
+from prune.capture import block_output, hooks_held, with_block_output
 from prune.errors import LayercutError
 from prune.linear_fit import LinearFit, fit_linear_map
 from prune.replace.capture import PairAccumulator
@@ -111,9 +111,9 @@ def test_token_sensitivity_is_the_squared_gradient_of_the_loss_at_the_span_outpu
 
     def loss_with(delta, row, position):  # the loss with block 2's output moved by delta at one token
         def shift(_module, _args, output):
-            hidden = (output[0] if isinstance(output, (tuple, list)) else output).clone()
+            hidden = block_output(output).clone()
             hidden[row, position] += delta
-            return (hidden, *output[1:]) if isinstance(output, (tuple, list)) else hidden
+            return with_block_output(output, hidden)
 
         with hooks_held([blocks[2].register_forward_hook(shift)]), torch.no_grad():
             logits = model(input_ids=ids).logits[:, :-1]

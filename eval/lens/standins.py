@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from eval.lens.metrics import score_states
 from prune.adapters import arch_spec, get_blocks, get_submodule, input_device, lm_head, num_blocks
-from prune.capture import block_input, block_output, residual_states
+from prune.capture import block_input, block_output, residual_states, with_block_output
 from prune.errors import LayercutError
 from prune.linear_fit import LinearFit, fit_linear_map
 from prune.stats import StateMoments
@@ -148,7 +148,7 @@ def stand_in(model: nn.Module, block: int, part: str, fits: Sequence[LinearFit])
     def replace(k, entry_input, output):
         original = block_output(output)
         mapped = fits[k](entry_input).reshape(original.shape).to(original.dtype)
-        return (mapped, *output[1:]) if isinstance(output, (tuple, list)) else mapped
+        return with_block_output(output, mapped)
 
     with _span_hooks(spans, replace):
         yield
