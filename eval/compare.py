@@ -26,12 +26,16 @@ errors); chance is 1 / the choices a row offers (0 for LAMBADA's open next word)
 under two standard errors is a tie; the standard error of a difference is paired, from the two models'
 row-by-row scores on the same rows (kept in ``results.json``), so a real gap of a point or two shows.
 Method A is *better* than B at a drop only when A has the lower perplexity on every domain and, with
-``--tasks``, a retention higher by two standard errors or more.
+``--tasks``, a retention higher by two standard errors or more. A repair (a replacement, or training after
+removal) is also set against the plain removal of exactly its blocks when that row ran ("vs removal of its
+blocks"): removal of other blocks is no baseline for it.
 Rerunning with more ``--heldout`` domains or ``--tasks`` measures only what is missing: the dense model on
 the new ones, and each finished cell of the ``--methods`` x ``--drop`` asked for on its own weights when
 ``--keep-checkpoints`` kept them under ``cells/``. Those weights are first checked to give the row's own
 perplexity on a domain it already has; when they do not, or were not kept, the cell runs again, so a
-figure is never one of another model. Every task figure of one comparison is taken at one ``--limit``.
+figure is never one of another model. Every task figure of one comparison is taken at one ``--limit``, and
+every cell is fitted on one calibration: ``results.json`` keeps a digest of its tokens and the weights, and a
+resumed run whose calibration differs (text sampled again differently) is refused.
 ``--oracle`` adds SLEB's oracle (calibration perplexity with each block alone removed) and every
 score's Spearman correlation with it.
 
@@ -88,6 +92,7 @@ from prune.pipeline import PruneConfig, Scored, preflight, run_prune, score_cali
 from prune.recipes import config_from_recipe, method_recipes, method_summary, resolve_method
 from prune.replace import check_drop_for_method, parameter_count
 from prune.replace.registry import UNSET
+from prune.stamps import weights_fingerprint
 from prune.sublayers import is_sublayer, parse_units
 
 logger = logging.getLogger(__name__)
@@ -312,6 +317,24 @@ def open_results(out: Path, setup: dict, overwrite: bool) -> dict:
     # at once: a run stopped before its first cell (in the oracle, say) is still a comparison to resume
     write_text(path, json.dumps(results, indent=2) + "\n")
     return results
+
+
+def check_calibration(results: dict, digest: str, out: Path) -> None:
+    """Refuse to add cells fitted on other calibration tokens (or weights) to the ones already in ``out``.
+
+    The options can match while the tokens do not: text sampled from the model (``--data self``) is drawn
+    again on a machine without the sample cache, and another torch or model build can draw other text.
+    A leaderboard mixing the two would pass one calibration's figures off as the other's.
+    """
+    stored = (results.get("calibration") or {}).get("digest")
+    if stored is not None and stored != digest:
+        raise LayercutError(f"{out} holds cells fitted on other calibration tokens or weights (digest {stored}, "
+                            f"now {digest}: sampled text drawn again differently, or another model build): pass "
+                            "another --out, or --overwrite to start afresh")
+    if stored is None and results["cells"]:
+        logger.warning("%s has no calibration digest: recording this run's; its %d earlier cell(s) cannot be "
+                       "checked against it", out, len(results["cells"]))
+    results["calibration"] = {**(results.get("calibration") or {}), "digest": digest}
 
 
 def _migrate_task_setup(results: dict) -> None:
@@ -714,9 +737,39 @@ def analyse(results: dict) -> dict:
             gap = figures[best][quality] - figures[key][quality]
             tie = best == key or gap < TIE_SE * stderr(best, key)
             ties[key] = "best" if best == key else ("tie" if tie else f"-{100 * gap:.1f}")
+    versus = {key: vs_removal(rows, key, figures, names, quality, stderr) for key, row in rows.items()
+              if not is_plain_removal(row) and "replace" in row and "sublayers" not in row}
     return {"domains": names, "tasks": tasks, "chance": {t: CHANCE[t] for t in tasks if t in CHANCE},
             "retention_tasks": counted, "excluded_tasks": excluded, "task_quality": quality, "rows": figures,
-            "better_than": better, "vs_best_tasks": ties}
+            "better_than": better, "vs_best_tasks": ties, "vs_removal": versus}
+
+
+def is_plain_removal(row: dict) -> bool:
+    """Blocks removed whole, nothing in their place and no training after: the baseline of every repair."""
+    return row.get("replace") == "none" and not row.get("distill_steps") and "sublayers" not in row
+
+
+def vs_removal(rows: dict, key: str, figures: dict, names: list[str], quality: str | None, stderr) -> dict | None:
+    """A repaired row against plain removal of exactly its blocks at the same drop, where that row ran.
+
+    Issue 17's test of a repair: it must keep the task figure of removing the same blocks and beat it in
+    perplexity on every domain. Removal of other blocks says nothing about the repair (fold and LinearPatch
+    choose their own), so without that row there is no verdict, rather than one against the wrong baseline.
+    """
+    row = rows[key]
+    base = next((k for k, r in sorted(rows.items()) if is_plain_removal(r) and r["drop"] == row["drop"]
+                 and list(r["dropped"]) == list(row["dropped"])), None)
+    if base is None:
+        return None
+    higher = [n for n in names if row["domains"][n] >= rows[base]["domains"][n]]
+    entry = {"baseline": base, "perplexity_higher_on": higher}
+    if quality is not None and quality in figures[key] and quality in figures[base]:
+        gap, se = figures[key][quality] - figures[base][quality], stderr(key, base)
+        entry.update(gap=gap, gap_stderr=se,
+                     verdict="tie" if abs(gap) < TIE_SE * se else ("win" if gap > 0 else "loss"))
+    elif quality is not None and (quality in figures[key] or quality in figures[base]):
+        entry["verdict"] = "tasks on one row only"  # perplexity alone would read as a verdict on both
+    return entry
 
 
 def cell_key(name: str, drop: int) -> str:
@@ -744,6 +797,7 @@ def leaderboard(results: dict) -> str:
     lines += _task_note(analysis, results)
     states = {key: recipe_state(row) for key, row in cells.items()}
     lines += _stale_note(states)
+    lines += _versus_note(analysis)
     lines += _wall_time_note(timing)
     copies = sorted(row["copy_seconds"] for row in cells.values())
     if copies and "load_seconds" in timing:
@@ -752,14 +806,14 @@ def leaderboard(results: dict) -> str:
     domain_heads = [f"{name} ppl" for name in names] if len(names) > 1 else []
     task_heads = [*tasks, "task mean", "retention", "tasks vs best"] if tasks else []
     head = ["rank", "method", "blocks removed", "params", "held-out ppl", "vs dense", *domain_heads, *task_heads,
-            "better than", "decode speed-up", "wall s", "vanilla"]
+            "better than", "vs removal of its blocks", "decode speed-up", "wall s", "vanilla"]
     for drop in sorted({row["drop"] for row in cells.values()}):
         rows = sorted(((k, r) for k, r in cells.items() if r["drop"] == drop), key=lambda kr: kr[1]["heldout_ppl"])
         lines += [f"## Drop {drop}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         domain_cells = [f"{dense['domains'][n]:.3f}" for n in names] if len(names) > 1 else []
         lines.append(f"| - | dense | - | {dense['params']:,} | {dense['heldout_ppl']:.3f} | 1.000 | "
                      + "".join(f"{v} | " for v in domain_cells + _task_cells(dense, tasks, figures["dense"], "-"))
-                     + "- | " + ("1.00" if "decode_s" in dense else "-") + " | - | yes |")
+                     + "- | - | " + ("1.00" if "decode_s" in dense else "-") + " | - | yes |")
         for rank, (key, row) in enumerate(rows, 1):
             speed = f"{row['decode_speedup']:.2f}" if "decode_speedup" in row else "-"
             domain_cells = [f"{row['domains'][n]:.3f} ({100 * (row['domains'][n] / dense['domains'][n] - 1):+.1f}%)"
@@ -770,12 +824,38 @@ def leaderboard(results: dict) -> str:
                          f"{row['heldout_ppl']:.3f} | {row['heldout_ppl'] / dense['heldout_ppl']:.3f} | "
                          + "".join(f"{v} | " for v in domain_cells + _task_cells(
                              row, tasks, figures[key], analysis["vs_best_tasks"].get(key, "-")))
-                         + f"{beaten} | {speed} | {row['seconds']:.1f} | {'yes' if row['vanilla'] else 'no'} |")
+                         + f"{beaten} | {_versus(analysis, key)} | {speed} | {row['seconds']:.1f} | "
+                         f"{'yes' if row['vanilla'] else 'no'} |")
         lines.append("")
     lines += [f"![held-out perplexity vs blocks removed]({PPL_PNG})", "", f"![chosen blocks]({BLOCKS_PNG})", ""]
     if results.get("oracle"):
         lines += ["## Oracle", "", results["oracle"]["table"], ""]
     return "\n".join(lines)
+
+
+def _versus(analysis: dict, key: str) -> str:
+    versus = analysis.get("vs_removal", {})
+    if key not in versus:
+        return "-"
+    entry = versus[key]
+    if entry is None:
+        return "no removal row"
+    higher = entry["perplexity_higher_on"]
+    ppl = "ppl lower on all" if not higher else f"ppl higher on {', '.join(higher)}"
+    if "gap" not in entry:
+        return ppl if "verdict" not in entry else f"{entry['verdict']}; {ppl}"
+    return f"{100 * entry['gap']:+.1f} ± {100 * entry['gap_stderr']:.1f} ({entry['verdict']}); {ppl}"
+
+
+def _versus_note(analysis: dict) -> list[str]:
+    if not analysis.get("vs_removal"):
+        return []
+    quality = "retention" if analysis["task_quality"] == "retention" else "task mean"
+    return [f"\"vs removal of its blocks\": a repaired row against the plain removal of exactly the blocks it "
+            f"removed, at the same drop: the paired gap in {quality} (points; tie under {TIE_SE:g} standard errors) "
+            "and the domains where its perplexity is not lower. \"no removal row\": that removal did not run "
+            "here, so the repair has no baseline (a recipe with the same score and selection and `replace: none` "
+            "gives it).", ""]
 
 
 def _wall_time_note(timing: dict) -> list[str]:
@@ -961,10 +1041,12 @@ def compare(args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     scored = score_calibration(loaded, base, cosine_pairs="all")  # serves every score and selection
     results["timing"]["score_seconds"] = round(time.perf_counter() - started, 2)
-    results["calibration"] = scored.calibration.describe()
+    extra = {"load": setup_of(args)["load"], "batch_size": args.batch_size}
+    check_calibration(results, calibration_digest(weights_fingerprint(loaded.model) or args.model,
+                                                  scored.calibration.token_ids, extra), out)
+    results["calibration"] = {**scored.calibration.describe(), "digest": results["calibration"]["digest"]}
     # SLEB's passes, the oracle's and the sub-layer costs outlive this process: a resumed run measures no set twice
-    store = MeasurementStore(out, calibration_digest(loaded.model, scored.calibration.token_ids,
-                                                     {"load": setup_of(args)["load"], "batch_size": args.batch_size}))
+    store = MeasurementStore(out, calibration_digest(loaded.model, scored.calibration.token_ids, extra))
     reused = run["removal_sets_read_back"] = store.attach(scored.memo)
     if reused:
         logger.info("%d removal measurements read back from %s", reused, store.path)

@@ -1,6 +1,7 @@
 """``python -m eval.compare`` on a tiny saved model: cells, leaderboard, plots, resume, oracle, bad input."""
 
 import json
+import logging
 import math
 
 import pytest
@@ -10,8 +11,9 @@ from transformers import AutoModelForCausalLM
 
 import eval.compare as compare_module
 from eval.compare import main
+from eval.measurements import calibration_digest
 from prune.data import DataConfig, calibration_data
-from prune.errors import EXIT_BAD_INPUT
+from prune.errors import EXIT_BAD_INPUT, LayercutError
 from prune.heldout import packed_perplexity
 from prune.recipes import METHODS_DIR, method_recipes
 from prune.surgery import drop_blocks_
@@ -558,3 +560,59 @@ def test_a_row_whose_recipe_changed_since_is_marked_not_passed_off_as_the_recipe
     recipe.unlink()
     table = compare_module.leaderboard(results)
     assert "| mine‡ |" in table and "cannot be checked" in table and "†" not in table
+
+
+def test_a_repair_is_judged_against_removal_of_its_own_blocks_only():
+    tasks = lambda arc, lam: {"arc_easy": arc, "lambada_openai": lam}  # noqa: E731
+    dense = _row("dense", 0, {"novel": 10.0, "news": 20.0}, tasks(0.65, 0.40))
+
+    def row(method, blocks, replace, domains, arc, lam, steps=0):
+        r = _row(method, 8, domains, tasks(arc, lam))
+        r.update(dropped=blocks, replace=replace, distill_steps=steps)
+        return r
+
+    span, top = list(range(11, 19)), list(range(12, 20))
+    cells = {"remove@8": row("remove", top, "none", {"novel": 30.0, "news": 80.0}, 0.45, 0.04),
+             "linear@8": row("linear", top, "linear", {"novel": 20.0, "news": 60.0}, 0.50, 0.11),
+             "heal@8": row("heal", top, "none", {"novel": 25.0, "news": 90.0}, 0.45, 0.06, steps=200),
+             "fold@8": row("fold", span, "fold", {"novel": 22.0, "news": 70.0}, 0.38, 0.06)}
+    results = {"setup": {"model": "m", "speed_tokens": 0}, "dense": dense, "cells": cells,
+               "domains": ["novel", "news"]}
+    versus = compare_module.analyse(results)["vs_removal"]
+    # fold removed other blocks than the removal row: no verdict against the wrong baseline
+    assert set(versus) == {"linear@8", "heal@8", "fold@8"} and versus["fold@8"] is None
+    # (0.25 + 0.11) / 0.80 against (0.20 + 0.04) / 0.80, unpaired standard error 0.02 x 2 / 0.80
+    assert versus["linear@8"]["gap"] == pytest.approx(0.12 / 0.80)
+    assert versus["linear@8"]["gap_stderr"] == pytest.approx(0.04 / 0.80)
+    assert versus["linear@8"]["verdict"] == "win" and versus["linear@8"]["perplexity_higher_on"] == []
+    # trained after removal is a repair too; 0.02 / 0.80 is well inside two standard errors
+    assert versus["heal@8"]["verdict"] == "tie" and versus["heal@8"]["perplexity_higher_on"] == ["news"]
+    readme = compare_module.leaderboard(results)
+    assert "| +15.0 ± 5.0 (win); ppl lower on all |" in readme and "| no removal row |" in readme
+    assert "+2.5 ± 5.0 (tie); ppl higher on news" in readme
+    cells["remove-span@8"] = row("remove-span", span, "none", {"novel": 28.0, "news": 65.0}, 0.48, 0.05)
+    versus = compare_module.analyse(results)["vs_removal"]
+    assert versus["fold@8"]["baseline"] == "remove-span@8" and versus["fold@8"]["verdict"] == "loss"
+    assert versus["fold@8"]["perplexity_higher_on"] == ["news"]
+    assert versus["linear@8"]["baseline"] == "remove@8"
+    # a removal row without tasks: perplexity is compared, the tasks are not passed off as compared
+    del cells["remove@8"]["tasks"], cells["remove@8"]["task_stderr"]
+    versus = compare_module.analyse(results)["vs_removal"]
+    assert versus["linear@8"]["verdict"] == "tasks on one row only" and "gap" not in versus["linear@8"]
+    assert "| tasks on one row only; ppl lower on all |" in compare_module.leaderboard(results)
+
+
+def test_cells_fitted_on_other_calibration_tokens_are_not_mixed(tmp_path, caplog):
+    ids = torch.arange(12).reshape(3, 4)
+    digest = calibration_digest("m", ids)
+    results = {"cells": {"remove@4": {}}, "calibration": {"source": "self"}}
+    with caplog.at_level(logging.WARNING):
+        compare_module.check_calibration(results, digest, tmp_path)
+    assert "no calibration digest" in caplog.text and results["calibration"] == {"source": "self", "digest": digest}
+    compare_module.check_calibration(results, calibration_digest("m", ids.clone()), tmp_path)  # the same tokens
+    resampled = ids.clone()
+    resampled[2, 3] = 99  # one token drawn differently
+    with pytest.raises(LayercutError, match="other calibration tokens.*another --out"):
+        compare_module.check_calibration(results, calibration_digest("m", resampled), tmp_path)
+    with pytest.raises(LayercutError):
+        compare_module.check_calibration(results, calibration_digest("another build", ids), tmp_path)

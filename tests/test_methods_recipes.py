@@ -100,7 +100,8 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
                             "linear-distill-kl", "linear-distill-kl-lora", "linear-distill-kl-lora-1000",
                             "linear-distill-2000-wide", "linear-distill-wide", "streamline-distill",
                             "linear-distill-kl-lora-2000-wide", "linear-scaled",
-                            "linear-scaled-distill", "fold-scaled", "fold-scaled-0.3", "linear-ls", "fold-ls"}
+                            "linear-scaled-distill", "fold-scaled", "fold-scaled-0.3", "linear-ls", "fold-ls",
+                            "remove-span", "fold-topk"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
@@ -113,6 +114,13 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert remove.replace.method == "none" and linear.replace.method == "linear"
     fold = config(repairs["fold"])
     assert fold.replace.method == "fold" and fold.select == "span"
+    # fold's baseline removes what fold replaces
+    remove_span = config(repairs["remove-span"])
+    assert (remove_span.score, remove_span.select) == (fold.score, fold.select)
+    assert remove_span.replace.method == "none"
+    # the same fold on layercut-linear's blocks
+    fold_topk = config(repairs["fold-topk"])
+    assert (fold_topk.score, fold_topk.select, fold_topk.replace) == (linear.score, linear.select, fold.replace)
     # stop 38's share is the default since stop 39; fold-ls is the fold of before, the whole update
     fold_scaled, fold_ls = config(repairs["fold-scaled"]), config(repairs["fold-ls"])
     assert fold_scaled.replace == fold.replace and fold.replace.update_scale == 0.7

@@ -47,3 +47,7 @@ python -m eval.compare --drop 4,8 --methods recipes/repairs/linear-scaled-distil
 # Stop 39: fold at 0.7 of its update at drop 8 too, fold's default since stop 39 (fold-scaled.yaml sets 0.7, so
 # its digest did not move with the default; 10 min).
 python -m eval.compare --drop 8 --methods recipes/repairs/fold-scaled.yaml $SHARED
+# Stop 40: removal of fold's own blocks at drop 8 (the cosine span 11-18; removal.yaml's are 12-19), fold's and
+# LLM-Streamline's baseline (16 min), and fold on layercut-linear's blocks (linearity top-k, 12-19).
+python -m eval.compare --drop 8 --methods recipes/repairs/remove-span.yaml $SHARED
+python -m eval.compare --drop 8 --methods recipes/repairs/fold-topk.yaml $SHARED
