@@ -334,7 +334,6 @@ def check_calibration(results: dict, digest: str, out: Path) -> None:
     if stored is None and results["cells"]:
         logger.warning("%s has no calibration digest: recording this run's; its %d earlier cell(s) cannot be "
                        "checked against it", out, len(results["cells"]))
-    results["calibration"] = {**(results.get("calibration") or {}), "digest": digest}
 
 
 def _migrate_task_setup(results: dict) -> None:
@@ -1042,9 +1041,9 @@ def compare(args: argparse.Namespace) -> dict:
     scored = score_calibration(loaded, base, cosine_pairs="all")  # serves every score and selection
     results["timing"]["score_seconds"] = round(time.perf_counter() - started, 2)
     extra = {"load": setup_of(args)["load"], "batch_size": args.batch_size}
-    check_calibration(results, calibration_digest(weights_fingerprint(loaded.model) or args.model,
-                                                  scored.calibration.token_ids, extra), out)
-    results["calibration"] = {**scored.calibration.describe(), "digest": results["calibration"]["digest"]}
+    digest = calibration_digest(weights_fingerprint(loaded.model) or args.model, scored.calibration.token_ids, extra)
+    check_calibration(results, digest, out)
+    results["calibration"] = {**scored.calibration.describe(), "digest": digest}
     # SLEB's passes, the oracle's and the sub-layer costs outlive this process: a resumed run measures no set twice
     store = MeasurementStore(out, calibration_digest(loaded.model, scored.calibration.token_ids, extra))
     reused = run["removal_sets_read_back"] = store.attach(scored.memo)
