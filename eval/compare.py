@@ -751,8 +751,8 @@ def is_plain_removal(row: dict) -> bool:
 def vs_removal(rows: dict, key: str, figures: dict, names: list[str], quality: str | None, stderr) -> dict | None:
     """A repaired row against plain removal of exactly its blocks at the same drop, where that row ran.
 
-    Issue 17's test of a repair: it must keep the task figure of removing the same blocks and beat it in
-    perplexity on every domain. Removal of other blocks says nothing about the repair (fold and LinearPatch
+    A repair earns its parameters only if it keeps the task figure of removing the same blocks and beats it
+    in perplexity on every domain. Removal of other blocks says nothing about the repair (fold and LinearPatch
     choose their own), so without that row there is no verdict, rather than one against the wrong baseline.
     """
     row = rows[key]
