@@ -1114,6 +1114,11 @@ def print_summary(results: dict) -> None:
                 " and the tasks" if analysis.get("tasks") else "")
         if recipe_state(best) == "changed":
             line += f"; {best['method']} ran before its recipe or a default it uses changed: rerun to refresh"
+        unpaired = [results["cells"][k]["method"] for k, v in sorted(analysis.get("vs_removal", {}).items())
+                    if v is None and results["cells"][k]["drop"] == drop]
+        if unpaired:
+            line += (f"; no removal of the blocks of {', '.join(unpaired)} ran (a recipe with their score and "
+                     "selection and replace: none gives it)")
         print(line)
 
 

@@ -562,7 +562,7 @@ def test_a_row_whose_recipe_changed_since_is_marked_not_passed_off_as_the_recipe
     assert "| mine‡ |" in table and "cannot be checked" in table and "†" not in table
 
 
-def test_a_repair_is_judged_against_removal_of_its_own_blocks_only():
+def test_a_repair_is_judged_against_removal_of_its_own_blocks_only(capsys):
     tasks = lambda arc, lam: {"arc_easy": arc, "lambada_openai": lam}  # noqa: E731
     dense = _row("dense", 0, {"novel": 10.0, "news": 20.0}, tasks(0.65, 0.40))
 
@@ -589,6 +589,10 @@ def test_a_repair_is_judged_against_removal_of_its_own_blocks_only():
     assert versus["heal@8"]["verdict"] == "tie" and versus["heal@8"]["perplexity_higher_on"] == ["news"]
     readme = compare_module.leaderboard(results)
     assert "| +15.0 ± 5.0 (win); ppl lower on all |" in readme and "| no removal row |" in readme
+    results["analysis"] = compare_module.analyse(results)
+    compare_module.print_summary(results)
+    assert "; no removal of the blocks of fold ran (a recipe with their score" in capsys.readouterr().out
+    del results["analysis"]  # the leaderboard reads a stored analysis first
     assert "+2.5 ± 5.0 (tie); ppl higher on news" in readme
     cells["remove-span@8"] = row("remove-span", span, "none", {"novel": 28.0, "news": 65.0}, 0.48, 0.05)
     versus = compare_module.analyse(results)["vs_removal"]
