@@ -17,6 +17,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from distill.losses import LOSSES, legacy_keys
 from prune.data import DEFAULT_DATA, DataConfig
 from prune.errors import LayercutError
 
@@ -27,6 +28,11 @@ DEFAULT_LR = {"replacements": 3e-4, "lora": 3e-4, "all": 2e-5}
 DEFAULT_SEQ_LEN = 128
 DEFAULT_SAMPLES = 512  # 512 x 128 = 65k tokens; 200 steps of 4 sequences pass over them 1.6 times
 DEFAULT_WARMUP_SHARE = 0.1
+# KL on the logits, not the layerwise MSE of Secretly Linear: on the selection split (SmolLM2-135M, drop 8,
+# 200 steps) the MSE fell only from 587 to 424, and KL left the model at 1.832x dense perplexity (geometric
+# mean, seven texts) against 1.965x with the MSE, lower on every text (reports/smollm2-135m-distill-data/).
+# {layerwise_mse: 1} is the paper's objective.
+DEFAULT_LOSSES = {"teacher_student_kl": 1.0}
 
 
 def _default_data() -> DataConfig:
@@ -48,9 +54,11 @@ class DistillConfig:
         batch_size: sequences per micro-batch.
         grad_accum: micro-batches per optimizer step (tokens per step = grad_accum x batch_size x seq_len).
         warmup_steps: linear warm-up steps; None means 10% of ``steps``.
-        mse_weight: weight of the layerwise MSE between student and teacher block outputs (0 by default).
-        kl_weight: weight of KL(teacher || student) on the logits (0 skips the LM head; the default objective).
-        cosine_reg: weight of the consecutive-state cosine regulariser (Secretly Linear).
+        losses: registered loss name (``distill.losses.LOSSES``) -> weight; the objective is their weighted
+            sum. Weights of 0 are dropped; the rest are kept in registration order (the order the terms
+            are summed in). Default: ``{teacher_student_kl: 1.0}``. A recipe may still give the older
+            weight keys (``mse_weight``, ``kl_weight``, ``cosine_reg``, :meth:`from_dict`), each setting
+            its loss's weight over the default.
         train: what is trained: "replacements" (replacement modules only), "all" (every student
             parameter except the token/position embeddings and the LM head) or "lora" (LoRA adapters
             on every Linear of the kept blocks, plus the replacement modules; merged at the end).
@@ -72,13 +80,7 @@ class DistillConfig:
     batch_size: int = 4
     grad_accum: int = 1
     warmup_steps: int | None = None
-    # KL on the logits, not the layerwise MSE of Secretly Linear: on the selection split (SmolLM2-135M, drop 8,
-    # 200 steps) the MSE fell only from 587 to 424, and KL left the model at 1.832x dense perplexity (geometric
-    # mean, seven texts) against 1.965x with the MSE, lower on every text (reports/smollm2-135m-distill-data/).
-    # --mse-weight 1 --kl-weight 0 is the paper's objective.
-    mse_weight: float = 0.0
-    kl_weight: float = 1.0
-    cosine_reg: float = 0.0
+    losses: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_LOSSES))
     train: str = "replacements"
     lora_r: int = 8
     lora_alpha: float = 16.0
@@ -117,14 +119,12 @@ class DistillConfig:
     def _check_weights(self) -> None:
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise LayercutError(f"--lr must be a positive number, got {self.lr}")
-        nonnegative = {"mse-weight": self.mse_weight, "kl-weight": self.kl_weight, "cosine-reg": self.cosine_reg,
-                       "weight-decay": self.weight_decay, "max-grad-norm": self.max_grad_norm,
+        self.losses = checked_losses(self.losses)
+        nonnegative = {"weight-decay": self.weight_decay, "max-grad-norm": self.max_grad_norm,
                        "lora-dropout": self.lora_dropout, "lora-alpha": self.lora_alpha}
         for name, value in nonnegative.items():
             if not (math.isfinite(value) and value >= 0):
                 raise LayercutError(f"--{name} must be a finite number >= 0, got {value}")
-        if self.mse_weight == 0 and self.kl_weight == 0:
-            raise LayercutError("--mse-weight and --kl-weight are both 0: nothing to distill; set one above 0")
         if self.lora_dropout >= 1:
             raise LayercutError(f"--lora-dropout must be below 1, got {self.lora_dropout}")
 
@@ -141,23 +141,69 @@ class DistillConfig:
         return self.grad_accum * self.batch_size * self.data.seq_len
 
     def loss_weights(self) -> dict[str, float]:
-        """Registered loss name -> weight, for the terms with a non-zero weight."""
-        weights = {"layerwise_mse": self.mse_weight, "teacher_student_kl": self.kl_weight,
-                   "consecutive_cosine_distance": self.cosine_reg}
-        return {name: weight for name, weight in weights.items() if weight > 0}
+        """Registered loss name -> weight, for the terms with a non-zero weight, in registration order."""
+        return dict(self.losses)
 
     @classmethod
     def from_dict(cls, values: dict) -> DistillConfig:
-        """Build from a recipe / ``prune.run`` section; unknown or moved keys give a one-line error."""
+        """Build from a recipe / ``prune.run`` section; unknown or moved keys give a one-line error.
+
+        The older weight keys (``kl_weight: 0.0``, ...) set their loss's weight in ``losses`` (given, or
+        the default).
+        """
         values = dict(values)
         if "seq_len" in values:
             raise LayercutError("distill: 'seq_len' moved; write it as distill: {data: {seq_len: ...}}")
+        legacy = {key: values.pop(key) for key in legacy_keys() if key in values}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
+        known |= set(legacy_keys())
         if unknown:
             raise LayercutError(f"distill: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if legacy:
+            values["losses"] = with_legacy_weights(values.get("losses", DEFAULT_LOSSES), legacy)
         return cls(**values)
 
     def to_dict(self) -> dict:
         """JSON-ready copy (for reports and checkpoints)."""
         return dataclasses.asdict(self)
+
+    def legacy_dict(self) -> dict:
+        """:meth:`to_dict` in the layout before ``losses``: each loss with an older key at it (0.0 if unused).
+
+        Losses registered without a key stay in ``losses`` (left out when none is used). ``eval.compare``
+        hashes this, so the cells distilled before the change keep their digests.
+        """
+        values = self.to_dict()
+        keys = {name: key for key, name in legacy_keys().items()}
+        losses = values.pop("losses")
+        values.update({key: losses.get(name, 0.0) for name, key in keys.items()})
+        rest = {name: weight for name, weight in losses.items() if name not in keys}
+        return {**values, **({"losses": rest} if rest else {})}
+
+
+def with_legacy_weights(losses: dict, legacy: dict[str, float]) -> dict:
+    """``losses`` with the weights the older keys give (``{"mse_weight": 1.0}``) set on their losses."""
+    names = legacy_keys()
+    return {**losses, **{names[key]: weight for key, weight in legacy.items()}}
+
+
+def checked_losses(losses: dict) -> dict[str, float]:
+    """The positive weights of ``losses``, in registration order.
+
+    Raises:
+        LayercutError: not a mapping, an unknown loss, a weight that is not a finite number >= 0, or no
+            weight above 0.
+    """
+    if not isinstance(losses, dict):
+        raise LayercutError(f"distill: losses must map loss names to weights ({{teacher_student_kl: 1.0}}), got "
+                            f"{losses!r}")
+    for name, weight in losses.items():
+        LOSSES.get(name)  # an unknown name lists the known ones
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight)
+                                                                                     and weight >= 0):
+            raise LayercutError(f"loss weight {name}={weight} must be a finite number >= 0")
+    if not any(weight > 0 for weight in losses.values()):
+        raise LayercutError("no loss has a weight above 0: nothing to distill; give one, e.g. "
+                            "--loss teacher_student_kl=1")
+    return {name: float(losses[name]) for name in LOSSES if losses.get(name, 0) > 0}

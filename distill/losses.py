@@ -1,8 +1,9 @@
 """Distillation losses, registered by name and computed in float32.
 
 Every loss takes one :class:`LossInputs` (the residual states and logits of one micro-batch) and
-returns a scalar. ``DistillConfig.loss_weights()`` names the terms a run uses; new terms are added
-with :func:`register_loss`.
+returns a scalar. A run's losses are ``DistillConfig.losses``, ``{name: weight}`` (a recipe's
+``distill: {losses: {...}}``, ``distill.run --loss NAME=WEIGHT``): a new loss is one function here
+decorated with :func:`register_loss`, which is all that the config, the recipes and the flags read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from prune.errors import LayercutError
+from prune.registry import Registry
 
 
 @dataclass
@@ -40,18 +42,51 @@ class LossInputs:
 
 
 LossFn = Callable[[LossInputs], torch.Tensor]
-LOSSES: dict[str, LossFn] = {}
-# Losses that need the logits of both models (the others skip the LM head).
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A registered loss.
+
+    Attributes:
+        fn: ``(LossInputs) -> scalar tensor``.
+        needs_logits: it reads the logits of both models (the others skip the LM heads).
+        help: what it computes, for ``--help``.
+        key: the older recipe key of its weight (``mse_weight``), also a ``distill.run`` flag
+            (``--mse-weight``), for the losses that had a weight field of their own before ``losses``
+            became a mapping; a new loss needs none (``losses:`` / ``--loss`` name it).
+    """
+
+    fn: LossFn
+    needs_logits: bool = False
+    help: str = ""
+    key: str | None = None
+
+    def __call__(self, inputs: LossInputs) -> torch.Tensor:
+        """The loss of one micro-batch."""
+        return self.fn(inputs)
+
+
+LOSSES: Registry[Loss] = Registry("loss", flag="--loss")
+# Losses that need the logits of both models (the others skip the LM head); kept by register_loss.
 NEEDS_LOGITS: set[str] = set()
 
 
-def register_loss(name: str, *, needs_logits: bool = False) -> Callable[[LossFn], LossFn]:
-    """Decorator adding a loss to :data:`LOSSES` under ``name``."""
+def register_loss(name: str, *, needs_logits: bool = False, help: str | None = None,
+                  key: str | None = None) -> Callable[[LossFn], LossFn]:
+    """Decorator adding a loss to :data:`LOSSES` under ``name`` (see :class:`Loss` for the arguments).
+
+    ``help`` defaults to the first line of the function's docstring.
+
+    Raises:
+        ValueError: ``name``, or ``key`` as another loss's key, is already registered.
+    """
 
     def add(fn: LossFn) -> LossFn:
-        if name in LOSSES:
-            raise ValueError(f"loss '{name}' is already registered")
-        LOSSES[name] = fn
+        if key is not None and key in legacy_keys():
+            raise ValueError(f"loss key '{key}' is already the key of loss '{legacy_keys()[key]}'")
+        summary = help or (fn.__doc__ or name).strip().splitlines()[0]
+        LOSSES.register(name, Loss(fn, needs_logits, summary, key))
         if needs_logits:
             NEEDS_LOGITS.add(name)
         return fn
@@ -59,12 +94,20 @@ def register_loss(name: str, *, needs_logits: bool = False) -> Callable[[LossFn]
     return add
 
 
-def get_loss(name: str) -> LossFn:
+def unregister_loss(name: str) -> None:
+    """Undo :func:`register_loss` (tests)."""
+    LOSSES.unregister(name)
+    NEEDS_LOGITS.discard(name)
+
+
+def get_loss(name: str) -> Loss:
     """The registered loss ``name``; an unknown name lists the known ones."""
-    try:
-        return LOSSES[name]
-    except KeyError:
-        raise LayercutError(f"unknown loss '{name}': choose one of {', '.join(sorted(LOSSES))}") from None
+    return LOSSES.get(name)
+
+
+def legacy_keys() -> dict[str, str]:
+    """The older weight keys (recipe keys, and ``distill.run`` flags spelled with dashes) -> loss name."""
+    return {loss.key: name for name, loss in LOSSES.items() if loss.key is not None}
 
 
 def masked_token_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -79,7 +122,8 @@ def state_mse(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) 
     return masked_token_mean(diff.pow(2).mean(dim=-1), mask.to(student.device))
 
 
-@register_loss("layerwise_mse")
+@register_loss("layerwise_mse", key="mse_weight",
+               help="the layerwise block-output MSE, Secretly Linear's objective")
 def layerwise_mse(inputs: LossInputs) -> torch.Tensor:
     """Sum over student blocks ``j`` of the MSE between their output and teacher state ``targets[j]``."""
     terms = [
@@ -89,7 +133,8 @@ def layerwise_mse(inputs: LossInputs) -> torch.Tensor:
     return torch.stack(terms).sum()
 
 
-@register_loss("teacher_student_kl", needs_logits=True)
+@register_loss("teacher_student_kl", needs_logits=True, key="kl_weight",
+               help="KL(teacher || student) on the logits, float32")
 def teacher_student_kl(inputs: LossInputs) -> torch.Tensor:
     """KL(teacher || student) of the next-token distributions, summed over the vocabulary, averaged over tokens.
 
@@ -103,7 +148,8 @@ def teacher_student_kl(inputs: LossInputs) -> torch.Tensor:
     return masked_token_mean(per_token, inputs.mask.to(student.device))
 
 
-@register_loss("consecutive_cosine_distance")
+@register_loss("consecutive_cosine_distance", key="cosine_reg",
+               help="the sum of 1 - cos(h_i, h_{i-1}) over consecutive student states")
 def consecutive_cosine_distance(inputs: LossInputs) -> torch.Tensor:
     """Secretly Linear's regulariser: sum over consecutive student states of ``1 - cos(h_i, h_{i-1})``.
 
@@ -131,5 +177,5 @@ def total_loss(inputs: LossInputs, weights: dict[str, float]) -> tuple[torch.Ten
         terms[name] = float(value.detach())
         total = weight * value if total is None else total + weight * value
     if total is None:
-        raise LayercutError("no loss term has a positive weight: set --mse-weight or --kl-weight above 0")
+        raise LayercutError("no loss term has a positive weight: give one, e.g. --loss teacher_student_kl=1")
     return total, terms

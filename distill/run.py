@@ -1,10 +1,12 @@
 r"""Distill a layercut student back towards its teacher and export it.
 
-The student learns the teacher's next-token distribution (KL on the logits); ``--mse-weight`` adds the
-layerwise MSE of the block outputs (``--mse-weight 1 --kl-weight 0`` is Secretly Linear's objective).
+The student learns the teacher's next-token distribution (KL on the logits); ``--loss NAME=WEIGHT``
+chooses the registered losses (``distill.losses``) and their weights instead:
+``--loss layerwise_mse=1`` is Secretly Linear's objective (``--mse-weight 1 --kl-weight 0`` still works).
 
     python -m distill.run --student slim-lin/ --teacher smollm2-135m --steps 500 --out slim-lin-distilled/
     python -m distill.run --student slim/ --steps 200 --train lora --out slim-healed/
+    python -m distill.run --student slim/ --loss teacher_student_kl=1 --loss layerwise_mse=0.1 --out slim-d/
     accelerate launch -m distill.run --student opt-slim/ --teacher opt-1.3b --teacher-load-in-4bit \
         --batch-size 16 --seq-len 512 --steps 2000 --out opt-slim-distilled/
 
@@ -20,10 +22,11 @@ import argparse
 import logging
 from pathlib import Path
 
-from distill.config import DEFAULT_LR, TRAIN_MODES, DistillConfig
+from distill.config import DEFAULT_LOSSES, DEFAULT_LR, TRAIN_MODES, DistillConfig
 from distill.job import DistillJob, run_job
+from distill.losses import LOSSES
 from distill.train import DistillResult
-from prune.errors import cli_entry
+from prune.errors import LayercutError, cli_entry
 from prune.export import describe_generalisation
 from prune.options import (
     add_data_arguments,
@@ -61,13 +64,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help="replacements: only the replacement modules; all: every parameter but the embeddings "
                        "and LM head; lora: LoRA on the blocks' Linear layers + the replacements, merged at the "
                        f"end (default: {d.train})")
-    group.add_argument("--mse-weight", type=float, default=d.mse_weight,
-                       help="weight of the layerwise block-output MSE, Secretly Linear's objective "
-                       f"(default: {d.mse_weight})")
-    group.add_argument("--kl-weight", type=float, default=d.kl_weight,
-                       help=f"weight of KL(teacher || student) on the logits, float32 (default: {d.kl_weight})")
-    group.add_argument("--cosine-reg", type=float, default=d.cosine_reg,
-                       help="weight of the sum of 1 - cos(h_i, h_{i-1}) over consecutive student states (default: 0)")
+    _add_loss_arguments(group)
     group.add_argument("--lora-r", type=int, default=d.lora_r, help=f"LoRA rank (default: {d.lora_r})")
     group.add_argument("--lora-alpha", type=float, default=d.lora_alpha, help=f"LoRA alpha (default: {d.lora_alpha})")
     group.add_argument("--lora-dropout", type=float, default=d.lora_dropout,
@@ -78,6 +75,35 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"gradient clipping L2 norm, 0 = off (default: {d.max_grad_norm})")
     group.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
                        help="auto: bf16 autocast on a bf16 GPU, float32 on the CPU (default: auto)")
+
+
+def _add_loss_arguments(group: argparse._ArgumentGroup) -> None:
+    """``--loss NAME=WEIGHT``, and the older weight flag of each loss registered with a key (``--mse-weight``)."""
+    default = ", ".join(f"{name}={weight:g}" for name, weight in DEFAULT_LOSSES.items())
+    group.add_argument("--loss", action="append", default=None, metavar="NAME=WEIGHT",
+                       help="a loss of the objective and its weight, repeated for each: "
+                       + "; ".join(f"{name}: {loss.help}" for name, loss in LOSSES.items())
+                       + f" (default: {default}; any --loss replaces the default)")
+    for name, loss in LOSSES.items():
+        if loss.key is not None:
+            group.add_argument("--" + loss.key.replace("_", "-"), dest=loss.key, type=float, default=None,
+                               help=f"weight of {loss.help}: sets --loss {name}=WEIGHT (default: "
+                               f"{DEFAULT_LOSSES.get(name, 0.0):g})")
+
+
+def parse_losses(entries: list[str]) -> dict[str, float]:
+    """``["teacher_student_kl=1", ...]`` (the ``--loss`` values) as ``{name: weight}``."""
+    losses: dict[str, float] = {}
+    for entry in entries:
+        name, sep, weight = entry.partition("=")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = None
+        if not sep or not name.strip() or value is None:
+            raise LayercutError(f"--loss takes NAME=WEIGHT (teacher_student_kl=1), got '{entry}'")
+        losses[name.strip()] = value
+    return losses
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,15 +140,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> DistillConfig:
-    """Map parsed flags onto :class:`DistillConfig`."""
-    return DistillConfig(
+    """Map parsed flags onto :class:`DistillConfig` (the older weight flags set their loss over ``--loss``)."""
+    losses = {} if args.loss is None else {"losses": parse_losses(args.loss)}
+    legacy = {loss.key: getattr(args, loss.key) for loss in LOSSES.values()
+              if loss.key is not None and getattr(args, loss.key) is not None}
+    return DistillConfig.from_dict(dict(
         steps=args.steps, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
-        warmup_steps=args.warmup_steps, mse_weight=args.mse_weight, kl_weight=args.kl_weight,
-        cosine_reg=args.cosine_reg, train=args.train, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
+        warmup_steps=args.warmup_steps, train=args.train, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         log_every=args.log_every, save_every=args.save_every, seed=args.seed, mixed_precision=args.mixed_precision,
-        data=data_config_from_args(args),
-    )
+        data=data_config_from_args(args), **losses, **legacy,
+    ))
 
 
 def _summary(result: DistillResult, out: Path) -> str:

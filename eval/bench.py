@@ -27,6 +27,7 @@ from prune.options import (
     data_config_from_args,
     load_config_from_args,
 )
+from prune.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +41,12 @@ class Subcommand:
     run: Callable[[argparse.Namespace], int]
 
 
-SUBCOMMANDS: dict[str, Subcommand] = {}
+SUBCOMMANDS: Registry[Subcommand] = Registry("eval.bench subcommand")
 
 
 def register_subcommand(name: str, help: str, add_arguments, run) -> None:
     """Add a subcommand to ``python -m eval.bench``."""
-    SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
+    SUBCOMMANDS.register(name, Subcommand(help, add_arguments, run))
 
 
 # ---- speed ----

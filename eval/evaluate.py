@@ -31,12 +31,13 @@ from eval.lmeval import (
 )
 from eval.perplexity import DEFAULT_MAX_SEQ_LEN, default_seq_len, load_wikitext2_test, text_perplexity
 from eval.report import write_report
-from eval.speed import block_count, count_parameters
+from eval.speed import block_count
 from prune.data import check_seq_len, load_documents
 from prune.errors import LayercutError
 from prune.export import read_report
 from prune.loading import check_tokenizer
 from prune.options import LoadConfig
+from prune.replace import parameter_count
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def evaluate_model(name: str, role: str, options: EvalOptions, data_dir: Path | 
     loaded = options.load.load(name)
     model, tokenizer = loaded.model, loaded.tokenizer
     entry = {"name": name, "role": role, "source": loaded.source, "num_blocks": block_count(model),
-             "params": count_parameters(model), "metrics": {}, "details": {}}  # fmt: skip
+             "params": parameter_count(model), "metrics": {}, "details": {}}  # fmt: skip
     try:
         for task, text in texts.items():
             logger.info("%s: %s perplexity", name, task)

@@ -8,15 +8,20 @@ Two ways to get the data, same task names:
 
 * No data folder (``data_dir=None`` and ``$LAYERCUT_DATA`` unset): every name goes to lm-eval's own
   registry untouched, and its datasets come from the Hugging Face hub.
-* A data folder laid out like layercut's ``shared/data``: the standard names in :data:`OFFLINE_TASKS`
-  run from those files through the task YAMLs in ``eval/tasks/``. They keep the standard names, prompts,
-  targets, choices and metrics (the readers rebuild the hub's rows, then lm-eval's own templates and
-  functions make the requests), and nothing touches the network. ``lambada`` (in lm-eval, lambada_openai
-  plus lambada_standard) runs as ``lambada_openai``, the only version we have on disk. Any other name
-  still goes to lm-eval's registry.
+* A data folder laid out like layercut's ``shared/data``: the standard names in :func:`offline_tasks`
+  run from those files through the task YAMLs in ``eval/tasks/`` (and the folders in ``$LAYERCUT_TASKS``).
+  They keep the standard names, prompts, targets, choices and metrics (the readers rebuild the hub's rows,
+  then lm-eval's own templates and functions make the requests), and nothing touches the network.
+  ``lambada`` (in lm-eval, lambada_openai plus lambada_standard) runs as ``lambada_openai``, the only
+  version we have on disk. Any other name still goes to lm-eval's registry.
 
 The same YAMLs work with lm-eval's own command line:
 ``lm-eval run --include_path eval/tasks --metadata '{"data_dir": "../shared/data"}' --tasks piqa ...``.
+
+What layercut knows of a task besides lm-eval's config (the files it reads, the metric to quote, the
+accuracy of a random guess) is one :class:`TaskSpec` in :func:`task_table`, read from the
+``metadata: {layercut: ...}`` block of its YAML; tasks with no YAML here are :data:`HUB_TASKS`. Adding an
+offline task is adding its YAML.
 
 Tested with lm-eval :data:`LM_EVAL_TESTED` (the task registry and ``custom_dataset`` hooks change
 between minor versions).
@@ -32,13 +37,16 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from prune.errors import LayercutError
+from prune.registry import Registry
 
 logger = logging.getLogger(__name__)
 
@@ -48,31 +56,178 @@ _LM_EVAL_TESTED_BELOW = (0, 5)
 DATA_DIR_ENV = "LAYERCUT_DATA"
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
-# standard lm-eval task name -> the files it reads, relative to the data folder
-OFFLINE_TASKS: dict[str, tuple[str, ...]] = {
-    "arc_easy": ("arc/hf_format/ARC-Easy-test.jsonl",),
-    "arc_challenge": ("arc/hf_format/ARC-Challenge-test.jsonl",),
-    "hellaswag": ("hellaswag/hellaswag_val_full.txt",),
-    "piqa": ("piqa/valid.jsonl", "piqa/valid-labels.lst"),
-    "lambada_openai": ("lambada/lambada_test.jsonl",),
-    "winogrande": ("winogrande/winogrande_dev_llmfoundry.jsonl", "winogrande/dev-labels.lst"),
-    "boolq": ("boolq/val.jsonl",),
-}
+TASK_DIRS_ENV = "LAYERCUT_TASKS"  # more folders of offline task YAMLs, separated like $PATH
 # names users type that mean a different task offline
 OFFLINE_ALIASES: dict[str, str] = {"lambada": "lambada_openai"}
 
-# the metric papers quote for each task (acc_norm where the length-normalised score is the convention)
-_PRIMARY_METRIC = {
-    "arc_easy": "acc_norm",
-    "arc_challenge": "acc_norm",
-    "hellaswag": "acc_norm",
-    "piqa": "acc",
-    "lambada": "acc",
-    "lambada_openai": "acc",
-    "lambada_standard": "acc",
-    "winogrande": "acc",
-    "boolq": "acc",
-}
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What layercut knows of one lm-eval task beyond what lm-eval computes.
+
+    An offline task's spec is the ``metadata: {layercut: ...}`` block of its YAML in :data:`TASKS_DIR`
+    (lm-eval passes the metadata on to the ``custom_dataset`` loader and otherwise only reads its
+    ``version``, so the block changes no number lm-eval computes).
+
+    Attributes:
+        name: lm-eval's task name.
+        primary_metric: The metric to quote, a key of :func:`run_lm_eval`'s per-task dicts (``acc_norm``
+            where the length-normalised score is the convention).
+        chance: Accuracy of a random guess: 1 / the choices a row offers, 0 for an open answer.
+        files: The files the task reads, relative to the data folder; empty for a task only lm-eval's
+            registry runs (its data from the hub).
+        source: The YAML the spec was read from; ``None`` for :data:`HUB_TASKS`.
+    """
+
+    name: str
+    primary_metric: str
+    chance: float
+    files: tuple[str, ...] = ()
+    source: Path | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.primary_metric, str) or not self.primary_metric:
+            raise ValueError(f"primary_metric must name a metric of the task (acc, acc_norm), "
+                             f"got {self.primary_metric!r}")
+        if isinstance(self.chance, bool) or not isinstance(self.chance, (int, float)) or not 0 <= self.chance < 1:
+            raise ValueError(f"chance must be a number in [0, 1), 1 / the choices a row offers (0 for an open "
+                             f"answer), got {self.chance!r}")
+        if not isinstance(self.files, tuple) or not all(isinstance(f, str) and f and not Path(f).is_absolute()
+                                                        for f in self.files):
+            raise ValueError(f"files must be paths relative to the data folder, e.g. [piqa/valid.jsonl], got "
+                             f"{self.files!r}")
+
+    @property
+    def offline(self) -> bool:
+        """Whether the task runs from local files (it has a YAML here)."""
+        return bool(self.files)
+
+
+# Tasks that only lm-eval's registry runs (their data from the hub): no YAML here says what layercut needs.
+HUB_TASKS: tuple[TaskSpec, ...] = (
+    TaskSpec("openbookqa", "acc", 0.25),
+    TaskSpec("sciq", "acc", 0.25),
+    TaskSpec("copa", "acc", 0.5),
+    TaskSpec("mmlu", "acc", 0.25),
+    TaskSpec("lambada_standard", "acc", 0.0),
+    TaskSpec("lambada", "acc", 0.0),  # lm-eval's group: lambada_openai + lambada_standard
+)
+
+
+class _TaskYamlLoader(yaml.SafeLoader):
+    """lm-eval's task YAML read as data: a ``!function`` tag stays the name it gives, nothing is imported."""
+
+
+_TaskYamlLoader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+
+
+def _read_task_yaml(path: Path, seen: frozenset[Path] = frozenset()) -> dict[str, Any]:
+    """One task YAML with its ``include`` merged as lm-eval merges it: shallowly, the including file's keys win."""
+    if path in seen:
+        raise LayercutError(f"{path}: includes itself; remove the include cycle")
+    try:
+        config = yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskYamlLoader)  # a SafeLoader: data only
+    except yaml.YAMLError as err:
+        raise LayercutError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(config, dict):
+        raise LayercutError(f"{path}: a task YAML is a mapping (task: ..., metadata: ...)")
+    includes = config.pop("include", [])
+    merged: dict[str, Any] = {}
+    for include in includes if isinstance(includes, list) else [includes]:
+        merged.update(_read_task_yaml((path.parent / include).resolve(), seen | {path}))
+    return merged | config
+
+
+def read_task_spec(path: str | Path) -> TaskSpec | None:
+    """The :class:`TaskSpec` that an offline task's YAML carries under ``metadata: {layercut: ...}``.
+
+    Args:
+        path: A YAML in lm-eval's task format.
+
+    Returns:
+        The spec, or ``None`` for a YAML that defines no task (a group).
+
+    Raises:
+        LayercutError: the block is missing or malformed, or names a metric the task does not compute.
+    """
+    path = Path(path).resolve()
+    config = _read_task_yaml(path)
+    if "task" not in config:
+        return None
+    metadata = config.get("metadata")
+    block = metadata.get("layercut") if isinstance(metadata, dict) else None
+    if not isinstance(block, dict) or not {"files", "primary_metric", "chance"} <= set(block):
+        raise LayercutError(f"{path}: an offline task says what layercut needs under metadata: {{layercut: {{files: "
+                            f"[...], primary_metric: acc, chance: 0.25}}}} (see {TASKS_DIR / 'README.md'})")
+    files = block["files"]
+    try:
+        spec = TaskSpec(str(config["task"]), block["primary_metric"], block["chance"],
+                        tuple(files) if isinstance(files, list) else files, path)
+    except ValueError as err:
+        raise LayercutError(f"{path}: metadata.layercut.{err}") from None
+    metrics = [m.get("metric") for m in config.get("metric_list") or [] if isinstance(m, dict)]
+    if metrics and spec.primary_metric not in metrics:
+        raise LayercutError(f"{path}: primary_metric {spec.primary_metric!r} is not in the task's metric_list "
+                            f"({', '.join(map(str, metrics))}); name one of them")
+    return spec
+
+
+def task_dirs() -> tuple[Path, ...]:
+    """The folders of offline task YAMLs: :data:`TASKS_DIR`, then those in ``$LAYERCUT_TASKS``.
+
+    Raises:
+        LayercutError: a folder in ``$LAYERCUT_TASKS`` does not exist.
+    """
+    extra = [Path(p).expanduser().resolve() for p in os.environ.get(TASK_DIRS_ENV, "").split(os.pathsep) if p.strip()]
+    for folder in extra:
+        if not folder.is_dir():
+            raise LayercutError(f"task folder {folder} (${TASK_DIRS_ENV}) does not exist; list folders of task YAMLs "
+                                f"separated by {os.pathsep!r}")
+    return tuple(dict.fromkeys([TASKS_DIR, *extra]))
+
+
+def task_table(dirs: Sequence[str | Path] | None = None) -> Registry[TaskSpec]:
+    """Every task layercut knows: the offline tasks of ``dirs``' YAMLs, then :data:`HUB_TASKS`.
+
+    Args:
+        dirs: Folders of task YAMLs; ``None``: :func:`task_dirs`.
+
+    Returns:
+        The table (read once per set of folders): ``task_table()["piqa"].chance``.
+
+    Raises:
+        LayercutError: a YAML without its layercut block, or two YAMLs for one task.
+    """
+    folders = task_dirs() if dirs is None else tuple(Path(d).expanduser().resolve() for d in dirs)
+    return _build_table(folders)
+
+
+@functools.lru_cache(maxsize=8)
+def _build_table(dirs: tuple[Path, ...]) -> Registry[TaskSpec]:
+    table: Registry[TaskSpec] = Registry("task", "--tasks")
+    specs = [read_task_spec(path) for folder in dirs for path in sorted(folder.rglob("*.yaml"))]
+    for spec in filter(None, specs):
+        if spec.name in table:
+            raise LayercutError(f"task {spec.name!r} is defined twice, in {table[spec.name].source} and {spec.source}; "
+                                f"rename or remove one")
+        table.register(spec.name, spec)
+    for spec in HUB_TASKS:
+        if spec.name not in table:  # a YAML that runs a hub task offline says what layercut needs itself
+            table.register(spec.name, spec)
+    return table
+
+
+def offline_tasks() -> list[str]:
+    """The names of the tasks that run from local files (those with a YAML in :func:`task_dirs`)."""
+    return [name for name, spec in task_table().items() if spec.offline]
+
+
+def chance_level(task: str) -> float | None:
+    """Accuracy of a random guess on ``task`` (1 / its choices, 0 for an open answer); ``None`` when unknown."""
+    table = task_table()
+    return table[task].chance if task in table else None
+
+
 _OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
 
 
@@ -81,15 +236,16 @@ TASK_SEED = 1234
 
 
 def primary_metric(task: str) -> str:
-    """Return the metric to quote for ``task``: ``acc_norm`` for ARC and HellaSwag, ``acc`` otherwise.
+    """Return the metric to quote for ``task``: its :class:`TaskSpec`'s, ``acc`` for a task not in :func:`task_table`.
 
     Args:
         task: A standard lm-eval task name.
 
     Returns:
-        A key of the per-task dicts that :func:`run_lm_eval` returns.
+        A key of the per-task dicts that :func:`run_lm_eval` returns (``acc_norm`` for ARC and HellaSwag).
     """
-    return _PRIMARY_METRIC.get(task, "acc")
+    table = task_table()
+    return table[task].primary_metric if task in table else "acc"
 
 
 def resolve_data_dir(data_dir: str | Path | None) -> Path | None:
@@ -116,27 +272,32 @@ def resolve_data_dir(data_dir: str | Path | None) -> Path | None:
     return path.resolve()
 
 
-def local_data_files(task: str, data_dir: str | Path | None) -> list[Path]:
+def local_data_files(task: str, data_dir: str | Path | None, files: Sequence[str] | None = None) -> list[Path]:
     """Return the local files ``task`` reads, checked to exist.
 
     Args:
-        task: A key of :data:`OFFLINE_TASKS`.
+        task: An offline task (:func:`offline_tasks`).
         data_dir: The data folder; ``None`` falls back to ``$LAYERCUT_DATA``.
+        files: The task's files relative to the folder, when the caller has them (a loader in
+            ``local_docs.py`` gets them from the task's metadata); ``None`` reads them from :func:`task_table`.
 
     Returns:
-        Absolute paths in the order of ``OFFLINE_TASKS[task]``.
+        Absolute paths in the order of the task's ``files``.
 
     Raises:
-        LayercutError: no folder given, or a file is missing (the message names the file and the folder).
+        LayercutError: not an offline task, no folder given, or a file is missing (the message names the file
+            and the folder).
     """
+    if files is None:
+        files = _offline_spec(task).files
     root = resolve_data_dir(data_dir)
     if root is None:
         raise LayercutError(
             f"{task}: no local data folder given; pass --data-dir or set {DATA_DIR_ENV} "
             f"(lm-eval command line: --metadata '{{\"data_dir\": \"/path\"}}')"
         )
-    paths = [root / rel for rel in OFFLINE_TASKS[task]]
-    for rel, path in zip(OFFLINE_TASKS[task], paths, strict=True):
+    paths = [root / rel for rel in files]
+    for rel, path in zip(files, paths, strict=True):
         if not path.is_file():
             raise LayercutError(
                 f"{task}: local data file {rel} not found in {root}; point --data-dir or "
@@ -157,11 +318,23 @@ def _local_task_manager(root: Path):
     """Index our YAMLs only, so they do not clash with lm-eval's built-in tasks of the same names."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False, metadata={"data_dir": str(root)})
+    return TaskManager(include_path=[str(d) for d in task_dirs()], include_defaults=False,
+                       metadata={"data_dir": str(root)})
+
+
+def _offline_names() -> str:
+    return ", ".join([*sorted(offline_tasks()), *sorted(OFFLINE_ALIASES)])
+
+
+def _offline_spec(name: str) -> TaskSpec:
+    table = task_table()
+    if name not in table or not table[name].offline:
+        raise _unknown_task(name)
+    return table[name]
 
 
 def _unknown_task(name: str) -> LayercutError:
-    known = ", ".join([*sorted(OFFLINE_TASKS), *sorted(OFFLINE_ALIASES)])
+    known = _offline_names()
     return LayercutError(
         f"unknown task {name!r}: not an offline task ({known}) nor in lm-eval's registry; "
         f"`lm-eval ls tasks` lists lm-eval's tasks (`lm-eval --tasks list` before 0.4.10)"
@@ -199,7 +372,7 @@ def plan_tasks(tasks: Sequence[str] | str, data_dir: Path | None) -> tuple[list[
                 name, OFFLINE_ALIASES[name], name,
             )
             name = OFFLINE_ALIASES[name]
-        if data_dir is not None and name in OFFLINE_TASKS:
+        if data_dir is not None and name in offline_tasks():
             local_data_files(name, data_dir)
             local.append(name)
         elif name in _registry().all_tasks:
@@ -223,7 +396,7 @@ def check_registry_data(names: Sequence[str]) -> None:
             _registry().load_task_or_group(list(names))
     except Exception as err:  # datasets / hub raise many types (ConnectionError, OSError, ValueError, ...)
         cause = str(err).splitlines()[0][:160] if str(err) else type(err).__name__
-        offline = ", ".join([*sorted(OFFLINE_TASKS), *sorted(OFFLINE_ALIASES)])
+        offline = _offline_names()
         raise LayercutError(
             f"lm-eval task(s) {', '.join(names)}: their data could not be read ({type(err).__name__}: {cause}); "
             f"they come from the Hugging Face hub: run once online (then they are cached), or use the tasks "
@@ -462,7 +635,7 @@ def local_tasks(names: Sequence[str], data_dir: str | Path | None) -> dict[str, 
     """Build lm-eval ``Task`` objects for offline tasks, reading their rows from ``data_dir``.
 
     Args:
-        names: Keys of :data:`OFFLINE_TASKS`.
+        names: Offline tasks (:func:`offline_tasks`).
         data_dir: The data folder (``None``: ``$LAYERCUT_DATA``).
 
     Returns:
@@ -472,8 +645,6 @@ def local_tasks(names: Sequence[str], data_dir: str | Path | None) -> dict[str, 
         LayercutError: an unknown offline task, or a missing folder or file.
     """
     for name in names:
-        if name not in OFFLINE_TASKS:
-            raise _unknown_task(name)
         local_data_files(name, data_dir)
     return _load_tasks(_local_task_manager(resolve_data_dir(data_dir)), names)
 

@@ -41,6 +41,7 @@ from prune.adapters import input_device, max_positions, num_blocks
 from prune.errors import LayercutError
 from prune.loading import check_tokenizer
 from prune.memory import vm_hwm_bytes
+from prune.replace import parameter_count
 
 logger = logging.getLogger(__name__)
 
@@ -155,11 +156,6 @@ class SpeedComparison:
     def to_dict(self) -> dict:
         """Return a JSON-ready dict."""
         return asdict(self)
-
-
-def count_parameters(model: torch.nn.Module) -> int:
-    """Return the number of parameters (tied weights counted once)."""
-    return sum(p.numel() for p in model.parameters())
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
@@ -310,7 +306,7 @@ def _model_speed(name, model, prefill_s, decode_s, options, folder) -> ModelSpee
     return ModelSpeed(
         name=name,
         num_blocks=block_count(model),
-        params=count_parameters(model),
+        params=parameter_count(model),
         weights_bytes=weights_bytes(model),
         checkpoint_bytes=checkpoint_bytes(folder),
         prefill_tokens_per_s=Spread.of([prefill_tokens / s for s in prefill_s]),

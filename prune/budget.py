@@ -63,3 +63,11 @@ def blocks_for_params(target: int, total: int, block_params: Sequence[int],
     raise LayercutError(f"--target-params {target:,} is out of reach: removing every {what} leaves "
                         f"about {smallest:,} parameters (embeddings and head stay); ask for more or pass "
                         "--protect none")
+
+
+def check_params_budget(after: int, budget: dict) -> None:
+    """Refuse a surgered model of ``after`` parameters that its replacements carried back above the target."""
+    if after > budget["target_params"]:
+        raise LayercutError(f"--target-params {budget['target_params']:,}: removing {budget['drop']} blocks meets "
+                            f"it, but the replacements bring the model back to {after:,} parameters; ask for "
+                            f"{after - budget['target_params']:,} fewer or use --replace none / fold")

@@ -49,7 +49,7 @@ def _map_spec(module: nn.Module) -> dict:
 
 def _build_map(spec: dict) -> nn.Module:
     """An untrained map of the shape ``spec`` records (its weights are loaded after)."""
-    method = METHODS.get(spec["type"])
+    method = METHODS[spec["type"]] if spec["type"] in METHODS else None
     if method is None or method.build is None:
         raise LayercutError(f"{REPLACEMENTS_FILE} holds a map of unknown type '{spec['type']}': update layercut")
     return method.build(spec)

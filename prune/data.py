@@ -9,7 +9,7 @@ Calibration Data for Pruning Large Language Models", ICLR 2025), spelled ``self`
 and other tokens than the default batch of :data:`SELF_BATCH`). Sampled text is kept on disk
 (:func:`cached_samples`): the same model, seed and options sample once.
 
-A mixture is a comma list of sources, each with an optional ``@weight``::
+A mixture is a comma list of sources, each with an optional ``@weight`` (parsed by :mod:`prune.sources`)::
 
     --data "emma.txt@0.5,ptb.txt@0.25,wikitext:wikitext-2-raw-v1:train@0.25"
     --data "self@0.5,emma.txt@0.5"
@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import random
 from dataclasses import dataclass, field
 from importlib import resources
@@ -44,18 +43,15 @@ from tqdm.auto import tqdm
 from prune.errors import LayercutError
 from prune.export import write_file_atomic
 from prune.loading import cache_dir
+from prune.sources import BUILTIN, SELF, SELF_DEFAULTS, Source, parse_sources, shares
 from prune.stamps import weights_fingerprint
+from prune.windows import cut_windows, token_stream
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CORPUS = "austen_pride_and_prejudice.txt"
 FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
-BUILTIN = "builtin"
-SELF = "self"
-# sampling for ``--data self``: the model's own distribution, its long unlikely tail cut off
-SELF_DEFAULTS = {"temperature": 1.0, "top_p": 0.95}
 SELF_BATCH = 8
-MIXTURE_EXAMPLE = "emma.txt@0.5,wikitext:wikitext-2-raw-v1:train@0.5"
 DEFAULT_DATA = f"{BUILTIN}@0.5,{SELF}@0.5"
 
 
@@ -144,116 +140,6 @@ class CalibrationData:
         return summary
 
 
-@dataclass(frozen=True)
-class Source:
-    """One calibration source and its share of the sequences.
-
-    Attributes:
-        spec: what ``load_documents`` reads (None: the built-in corpus), or ``self``.
-        weight: share of the sequences, the weights of a mixture summing to one.
-        sampling: temperature, top_p and (when given) batch of a ``self`` source (empty for text sources).
-    """
-
-    spec: str | None
-    weight: float = 1.0
-    sampling: tuple[tuple[str, float | int], ...] = ()
-
-    @property
-    def is_self(self) -> bool:
-        """Text sampled from the model rather than read."""
-        return self.spec == SELF
-
-    def label(self) -> str:
-        """How reports name the source before it is read."""
-        if self.is_self:
-            return "self(" + ", ".join(f"{k}={v:g}" for k, v in self.sampling) + ")"
-        return BUILTIN if self.spec is None else self.spec
-
-
-def parse_sources(spec: str | None) -> list[Source]:
-    """``--data`` -> its sources with weights summing to one; a bad spelling is a one-line error.
-
-    A path that exists is one source even if its name holds ``,`` or ``@``.
-    """
-    if spec is None:
-        return [Source(None)]
-    if not isinstance(spec, str) or not spec.strip():
-        raise LayercutError(f"--data is empty: pass a file, a datasets spec, self, or a mixture like {MIXTURE_EXAMPLE}")
-    if Path(spec).expanduser().exists():
-        return [Source(spec)]
-    items = [item.strip() for item in spec.split(",")]
-    if any(not item for item in items):
-        raise LayercutError(f"--data '{spec}' has an empty entry: separate sources by single commas, e.g. "
-                            f"{MIXTURE_EXAMPLE}")
-    parsed = [_split_weight(item) for item in items]
-    given = [weight is not None for _, weight in parsed]
-    if any(given) and not all(given):
-        raise LayercutError(f"--data '{spec}' weights some sources and not others: give every source a weight "
-                            f"({MIXTURE_EXAMPLE}) or none (equal shares)")
-    weights = [weight if weight is not None else 1.0 for _, weight in parsed]
-    total = sum(weights)
-    sources = [_source(name, weight / total) for (name, _), weight in zip(parsed, weights, strict=True)]
-    labels = [source.label() for source in sources]
-    for label in labels:
-        if labels.count(label) > 1:
-            raise LayercutError(f"--data names '{label}' twice: give it once with the sum of its weights")
-    return sources
-
-
-def _split_weight(item: str) -> tuple[str, float | None]:
-    """``"emma.txt@0.5"`` -> ``("emma.txt", 0.5)``; ``"emma.txt"`` -> ``("emma.txt", None)``."""
-    if "@" not in item or Path(item).expanduser().exists():
-        return item, None
-    name, text = item.rsplit("@", 1)
-    try:
-        weight = float(text)
-    except ValueError:
-        raise LayercutError(f"--data entry '{item}' has weight '{text}': write SOURCE@WEIGHT with a positive "
-                            "number, e.g. emma.txt@0.5") from None
-    if not name.strip():
-        raise LayercutError(f"--data entry '{item}' names no source before '@': write SOURCE@WEIGHT, e.g. emma.txt@0.5")
-    if not math.isfinite(weight) or weight <= 0:
-        raise LayercutError(f"--data entry '{item}' has weight {text}: weights must be positive numbers; leave a "
-                            "source out rather than weigh it 0")
-    return name.strip(), weight
-
-
-def _source(name: str, weight: float) -> Source:
-    if name == BUILTIN:
-        return Source(None, weight)
-    if name != SELF and not name.startswith(SELF + ":"):
-        return Source(name, weight)
-    options: dict[str, float | int] = dict(SELF_DEFAULTS)
-    for part in name.split(":")[1:]:
-        key, _, text = part.partition("=")
-        if key == "batch":
-            # only when given: the default's cache key and tokens stay those of every earlier run
-            if not text.isdecimal() or int(text) < 1:
-                raise LayercutError(f"--data '{name}': batch must be a whole number of sequences, e.g. self:batch=64")
-            options[key] = int(text)
-            continue
-        if key not in SELF_DEFAULTS:
-            raise LayercutError(f"--data '{name}': unknown sampling option '{key}'; write self or "
-                                "self:temperature=1.0:top_p=0.95:batch=8")
-        try:
-            options[key] = float(text)
-        except ValueError:
-            raise LayercutError(f"--data '{name}': {key} must be a number, e.g. self:{key}=0.9") from None
-    if not options["temperature"] > 0 or not 0 < options["top_p"] <= 1:
-        raise LayercutError(f"--data '{name}': temperature must be > 0 and top_p in (0, 1], e.g. "
-                            "self:temperature=1.0:top_p=0.95")
-    return Source(SELF, weight, tuple(options.items()))
-
-
-def shares(total: int, weights: list[float]) -> list[int]:
-    """``total`` split in proportion to ``weights`` (largest remainders, ties to the earlier source)."""
-    exact = [total * w for w in weights]
-    counts = [math.floor(x) for x in exact]
-    by_remainder = sorted(range(len(weights)), key=lambda i: (-(exact[i] - counts[i]), i))
-    for i in by_remainder[: total - sum(counts)]:
-        counts[i] += 1
-    return counts
-
 
 def check_sources(config: DataConfig) -> None:
     """Read every local file of ``config.data`` now, so a bad one fails before the model loads."""
@@ -322,34 +208,25 @@ def _column(rows, text_field: str, where: str) -> list[str]:
     return [t for t in rows[text_field] if t and t.strip()]
 
 
-def pack_with_heldout(documents: list[str], tokenizer, config: DataConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokenize, join with EOS, and cut ``config.samples`` windows of ``config.seq_len`` tokens, plus held-out ones.
-
-    Documents are read in a seeded order and only as many as needed; the windows do not overlap and
-    are drawn with the same seed, so the same config always gives the same tokens. Up to
-    ``config.heldout_samples`` more windows are drawn afterwards from the ones calibration left, so
-    asking for them never changes the calibration tokens.
-    """
-    return _pack(documents, tokenizer, config.samples, config.heldout_samples, config.seq_len, config.seed,
-                 "calibration text")
-
-
 def _pack(documents: list[str], tokenizer, samples: int, heldout_samples: int, seq_len: int, seed: int | str,
           what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``samples`` windows of ``seq_len`` tokens, and up to ``heldout_samples`` others, from ``documents``.
+
+    Documents are read in a seeded order and only as many as needed, as packed text
+    (:mod:`prune.windows`: no special tokens, EOS after each). The windows do not overlap and are
+    drawn with the same seed, so the same arguments always give the same tokens. The held-out windows
+    are drawn afterwards from the ones calibration left, so asking for them never changes the
+    calibration tokens.
+    """
     rng = random.Random(seed)
     order = list(range(len(documents)))
     rng.shuffle(order)
-    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    stream: list[int] = []
-    for index in order:
-        # verbose=False: a whole book is longer than model_max_length by design; windows are cut below
-        stream += tokenizer(documents[index], add_special_tokens=False, verbose=False)["input_ids"] + separator
-        if len(stream) >= 2 * samples * seq_len:  # enough to choose from without reading everything
-            break
-    windows = len(stream) // seq_len
+    stream = token_stream(tokenizer, (documents[index] for index in order), limit=2 * samples * seq_len)
+    ids = cut_windows(stream, seq_len)  # [windows, seq_len]
+    windows = ids.shape[0]
     if windows < samples:
         raise LayercutError(
-            f"{what} has {len(stream)} tokens, {windows} sequences of {seq_len}; "
+            f"{what} has {stream.numel()} tokens, {windows} sequences of {seq_len}; "
             f"{samples} were asked for: give more text with --data or lower --samples / --seq-len"
         )
     chosen = sorted(rng.sample(range(windows), samples))
@@ -357,7 +234,6 @@ def _pack(documents: list[str], tokenizer, samples: int, heldout_samples: int, s
     heldout = sorted(rng.sample(rest, min(heldout_samples, len(rest))))
     if len(heldout) < heldout_samples:
         logger.warning("the %s leaves %d held-out sequences of the %d asked for", what, len(heldout), heldout_samples)
-    ids = torch.tensor(stream[: windows * seq_len], dtype=torch.long).view(windows, seq_len)
     return ids[chosen], ids[heldout]  # [samples, seq_len], [heldout, seq_len]
 
 

@@ -5,9 +5,9 @@ follows surgery and lives above ``prune`` (distillation) joins by composition: t
 post-surgery steps (``prune.steps``), and prune never imports the package that provides them.
 """
 
+
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 import time
@@ -15,54 +15,25 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prune.adapters import arch_spec, config_layer_count, get_blocks, hidden_size, max_positions, num_blocks
-from prune.budget import blocks_for_params, blocks_for_speedup, parse_param_target
+from prune.adapters import hidden_size, num_blocks
+from prune.budget import check_params_budget
 from prune.checkpoint import save
 from prune.data import CalibrationData, DataConfig, calibration_data, check_sources
 from prune.errors import LayercutError
 from prune.export import REPORT_FILE, atomic_directory, check_output_dir, library_versions, write_json
 from prune.heldout import heldout_report, packed_perplexity
-from prune.hf_remote_code import sublayer_records
 from prune.loading import LoadedModel, load_config
 from prune.options import LoadConfig
-from prune.oracle import Oracle, oracle_table, removal_cache, run_oracle
-from prune.replace import (
-    ReplaceConfig,
-    check_drop_for_method,
-    check_replacement_supported,
-    parameter_count,
-    replace_blocks_,
-)
+from prune.oracle import Oracle, oracle_table
+from prune.plan import Plan, check_against_model, resolve_plan
+from prune.removal import Removal, planned_blocks, remove_blocks, remove_units
+from prune.replace import ReplaceConfig, parameter_count
 from prune.score_report import plot_linearity_profile, score_table
 from prune.scores import SCORES, block_scores, check_enough_tokens, get_score
-from prune.selection import (
-    DEFAULT_PROTECT,
-    SELECTIONS,
-    SelectionInput,
-    check_enough_free,
-    parse_drop,
-    parse_protect,
-    select_blocks,
-    span_candidates,
-)
+from prune.selection import DEFAULT_PROTECT, SELECTIONS
 from prune.stats import StateMoments, stream_moments
 from prune.steps import SurgeryStep, build_step
-from prune.sublayers import (
-    MEASURE_SEQUENCES,
-    UNIT_SELECTIONS,
-    Unit,
-    candidate_units,
-    check_unit_count,
-    check_units_supported,
-    contribution_path,
-    is_sublayer,
-    measured_costs,
-    parse_units,
-    rank_measured,
-    rank_units,
-    remove_units_,
-    unit_parameters,
-)
+from prune.sublayers import UNIT_SELECTIONS, Unit, is_sublayer, parse_units, unit_moments
 from prune.surgery import block_layout, replacement_records
 
 logger = logging.getLogger(__name__)
@@ -121,14 +92,14 @@ class PruneConfig:
     out: str | None = None
     overwrite: bool = False
 
+
     def __post_init__(self):
         if isinstance(self.load, dict):
             self.load = LoadConfig(**self.load)
         if isinstance(self.data, dict):
             self.data = DataConfig(**self.data)
         get_score(self.score)
-        if self.select not in SELECTIONS:
-            raise LayercutError(f"unknown selection '{self.select}': choose one of {', '.join(SELECTIONS)}")
+        SELECTIONS.get(self.select)
         if self.batch_size <= 0:
             raise LayercutError(f"--batch-size must be positive, got {self.batch_size}")
         self.replace = _replace_config(self.replace, self.batch_size)
@@ -147,27 +118,35 @@ class PruneConfig:
                                 "or --target-speedup")
         units = parse_units(self.unit)
         self.unit = ",".join(units)
-        if is_sublayer(units) and not self.removes:
-            raise LayercutError(f"--unit {self.unit} needs an amount: pass --drop N (sub-layers) or --target-params")
         if is_sublayer(units):
-            for flag, bad, fix in (("--select", self.select not in UNIT_SELECTIONS,
-                                    "ranks sub-layers with --select topk (a score) or measured"),
-                                   ("--replace", self.replace.method != "none", "removes them (--replace none)"),
-                                   ("--target-speedup", self.target_speedup is not None,
-                                    "meets --target-params or --drop (a speed-up counts whole blocks)"),
-                                   ("--distill-steps", bool(self.step_sections()), "does not distill yet"),
-                                   ("--oracle", self.oracle, "has no oracle yet (it measures whole blocks)")):
-                if bad:
-                    raise LayercutError(f"{flag} with --unit {self.unit}: sub-layer removal {fix}; drop {flag} "
-                                        "or use --unit block")
+            self._check_sublayer_options()
         if self.out is None and self.removes:
-            stem = Path(self.load.model.rstrip("/")).name.removesuffix(".gguf")
-            method = "" if self.replace.method == "none" else f"-{self.replace.method}"
-            amount = (f"drop{str(self.drop).replace('%', 'pct')}" if self.drop is not None else
-                      f"params{str(self.target_params).replace('%', 'pct')}" if self.target_params is not None
-                      else f"speedup{self.target_speedup}x")
-            unit = "" if not is_sublayer(units) else "-" + self.unit.replace(",", "-")
-            self.out = f"{stem}-{amount}{unit}{method}"
+            self.out = self._default_out(units)
+
+    def _check_sublayer_options(self) -> None:
+        """Refuse, in one line, what sub-layer removal does not do (yet)."""
+        if not self.removes:
+            raise LayercutError(f"--unit {self.unit} needs an amount: pass --drop N (sub-layers) or --target-params")
+        for flag, bad, fix in (("--select", self.select not in UNIT_SELECTIONS,
+                                "ranks sub-layers with --select topk (a score) or measured"),
+                               ("--replace", self.replace.method != "none", "removes them (--replace none)"),
+                               ("--target-speedup", self.target_speedup is not None,
+                                "meets --target-params or --drop (a speed-up counts whole blocks)"),
+                               ("--distill-steps", bool(self.step_sections()), "does not distill yet"),
+                               ("--oracle", self.oracle, "has no oracle yet (it measures whole blocks)")):
+            if bad:
+                raise LayercutError(f"{flag} with --unit {self.unit}: sub-layer removal {fix}; drop {flag} "
+                                    "or use --unit block")
+
+    def _default_out(self, units: tuple[str, ...]) -> str:
+        """``<model>-drop<K>[-<units>][-<method>]``: the first command a user types keeps its result."""
+        stem = Path(self.load.model.rstrip("/")).name.removesuffix(".gguf")
+        method = "" if self.replace.method == "none" else f"-{self.replace.method}"
+        amount = (f"drop{str(self.drop).replace('%', 'pct')}" if self.drop is not None else
+                  f"params{str(self.target_params).replace('%', 'pct')}" if self.target_params is not None
+                  else f"speedup{self.target_speedup}x")
+        unit = "" if not is_sublayer(units) else "-" + self.unit.replace(",", "-")
+        return f"{stem}-{amount}{unit}{method}"
 
     @property
     def removes(self) -> bool:
@@ -181,6 +160,10 @@ class PruneConfig:
     def build_steps(self) -> list[SurgeryStep]:
         """The post-surgery steps this config asks for, built (and so validated) before any heavy work."""
         return [build_step(name, dict(getattr(self, name)), self) for name in self.step_sections()]
+
+    def resolve(self, model) -> Plan:
+        """Amounts, protected blocks and units read against ``model`` once, every one checked (:class:`Plan`)."""
+        return resolve_plan(self, model)
 
 
 def _replace_config(value, batch_size: int) -> ReplaceConfig:
@@ -211,7 +194,6 @@ class Scored:
     # what selections and the oracle measured on this model and calibration, reused by later runs
     # (``prune.selection.SelectionInput.memo``); valid only while both are unchanged
     memo: dict = field(default_factory=dict)
-
 
 def score_calibration(loaded: LoadedModel, config: PruneConfig, cosine_pairs: str | None = None) -> Scored:
     """Calibration text of ``config.data`` and one streamed pass over it.
@@ -249,28 +231,9 @@ def preflight(config: PruneConfig) -> None:
         check_against_model(config, model_config)
 
 
-def check_against_model(config: PruneConfig, model_config) -> None:
-    """``--drop`` and ``--protect`` against the block count, ``--seq-len`` against the positions of a model config."""
-    blocks = config_layer_count(model_config)
-    if blocks is not None:
-        protected = parse_protect(config.protect, blocks)
-        if config.drop is not None and is_sublayer(parse_units(config.unit)):
-            parse_drop(config.drop, 2 * blocks)  # sub-layers: counted against the candidates once loaded
-        elif config.drop is not None:
-            count = parse_drop(config.drop, blocks)
-            check_enough_free(count, blocks, protected)
-            check_drop_for_method(config.replace.method, count)
-    limit = max_positions(model_config)
-    if limit is not None and config.data.seq_len > limit:
-        raise LayercutError(
-            f"--seq-len {config.data.seq_len} exceeds the model's {limit} positions: lower --seq-len (and raise "
-            "--samples to keep the tokens)"
-        )
-
-
 def needed_cosine_pairs(config: PruneConfig) -> str:
-    """The cosine sums ``config``'s selection reads: every pair for a span ranked by a cosine score."""
-    return "all" if config.select == "span" and config.score in ("angular", "bi", "cosine") else "adjacent"
+    """The cosine sums ``config``'s selection reads: every pair for a span ranked by a score of states."""
+    return "all" if config.select == "span" and get_score(config.score).span is not None else "adjacent"
 
 
 def score_model(model, calibration: CalibrationData, config: PruneConfig,
@@ -282,41 +245,19 @@ def score_model(model, calibration: CalibrationData, config: PruneConfig,
     return moments, block_scores(moments, list(SCORES))
 
 
-def selection_input(model, calibration, moments, scores, config: PruneConfig,
-                    memo: dict | None = None) -> SelectionInput:
-    """What the selection strategy sees for ``config.drop`` / ``score`` / ``protect``."""
-    count = num_blocks(model)
-    return SelectionInput(
-        score=get_score(config.score),
-        moments=moments,
-        values=scores[config.score],
-        count=parse_drop(config.drop, count),
-        protected=parse_protect(config.protect, count),
-        model=model,
-        token_ids=calibration.token_ids,
-        batch_size=config.batch_size,
-        memo=memo,
-    )
-
-
 def choose_blocks(model, calibration, moments, scores, config: PruneConfig, memo: dict | None = None) -> list[int]:
     """Apply ``config.drop`` / ``select`` / ``protect`` to the scores (``memo``: see ``Scored.memo``)."""
     if config.drop is None:
         return []
-    return select_blocks(config.select, selection_input(model, calibration, moments, scores, config, memo))
-
-
-def span_report(model, calibration, moments, scores, config: PruneConfig) -> list[dict]:
-    """For ``--select span``: every candidate span with the score it was ranked by, best first."""
-    inputs = selection_input(model, calibration, moments, scores, config)
-    score = get_score(config.score)
-    return [{"blocks": [start, start + inputs.count - 1], config.score: score.removability([value])[0]}
-            for start, value in span_candidates(inputs)]  # removability is its own inverse: the raw score
+    return planned_blocks(model, calibration, moments, scores, config, config.resolve(model), memo)
 
 
 def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
               steps: Sequence[SurgeryStep] | None = None, scored: Scored | None = None) -> PruneResult:
     """Load (unless given), score, select, remove or replace, run ``steps``, export according to ``config``.
+
+    Whole blocks and sub-layers share these stages; what differs is how they are scored
+    (:func:`score_model`, ``prune.sublayers.unit_moments``) and removed (``prune.removal``).
 
     Args:
         config: the run.
@@ -334,149 +275,63 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
         preflight(config)
         loaded = config.load.load()
     model = loaded.model
-    arch_spec(model)
-    check_replacement_supported(model, config.replace.method)
-    before = num_blocks(model)
-    check_against_model(config, model.config)
-    params_before = parameter_count(model)
-    if sublayer_records(model.config):
-        raise LayercutError(f"{config.load.model} already has attention/MLP sub-layers removed: prune the original "
-                            "model instead")
-    if is_sublayer(parse_units(config.unit)):
-        return _prune_units(loaded, config, started, before, params_before, scored)
-    check_budget(config, params_before, before)
-    memo = {}  # a greedy budget search re-selects with growing drops: each continues the last
-    if scored is not None:
-        _check_scored(scored, config, before)
-        calibration, moments, scores, memo = scored.calibration, scored.moments, scored.scores, scored.memo
-    else:
-        calibration = calibration_data(loaded.tokenizer, config.data, model=loaded.model)
-    heldout = calibration.heldout_ids if config.removes else None
+    plan = config.resolve(model)
+    calibration, memo = _calibrate(loaded, config, plan, scored)
+    heldout = calibration.heldout_ids if plan.removes else None
     original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
-    if scored is None:
-        moments, scores = score_model(model, calibration, config)
-    oracle = (run_oracle(model, calibration.token_ids, scores, config.batch_size, cache=removal_cache(memo))
-              if config.oracle else None)
-    budget = resolve_budget(model, calibration, moments, scores, config, params_before, memo)
-    if budget is not None:
-        config = dataclasses.replace(config, drop=budget["drop"], target_params=None, target_speedup=None)
-    dropped = choose_blocks(model, calibration, moments, scores, config, memo)
-    spans = span_report(model, calibration, moments, scores, config) if dropped and config.select == "span" else None
-    if dropped:
-        replace_blocks_(model, dropped, calibration.token_ids, config.replace, moments)
-    if budget is not None and budget.get("target_params") is not None:
-        check_params_budget(model, budget)
-    done = {step.name: step(loaded, config) for step in steps} if dropped else {}
-    report = build_report(loaded, config, calibration, scores, dropped, before, time.perf_counter() - started)
-    if spans is not None:
-        report["span_scores"] = spans
-    if oracle is not None:
-        report["oracle"] = oracle.as_dict()
-    if budget is not None:
-        report["budget"] = {**budget, "params_before": params_before,
-                            "params_after": parameter_count(model)}
-    if original is not None and dropped:
+    score, remove = (_score_units, remove_units) if plan.is_sublayer else (_score_blocks, remove_blocks)
+    moments, scores = score(model, calibration, config, scored, memo)
+    removal = remove(model, calibration, moments, scores, config, plan, memo)
+    if removal.budget is not None and removal.budget.get("target_params") is not None:
+        check_params_budget(parameter_count(model), removal.budget)
+    # sub-layer runs take no steps yet (PruneConfig refuses distillation with them)
+    done = {step.name: step(loaded, removal.config) for step in steps} if removal.dropped and not plan.is_sublayer \
+        else {}
+    report = build_report(loaded, removal.config, calibration, scores, removal.dropped, plan,
+                          time.perf_counter() - started)
+    report.update(removal.sections)
+    if removal.budget is not None:
+        report["budget"] = {**removal.budget, "params_before": plan.params, "params_after": parameter_count(model)}
+    if original is not None and removal.changed:
         report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout)
+    return _finish(loaded, removal, report, done, calibration, moments, scores)
+
+
+def _calibrate(loaded: LoadedModel, config: PruneConfig, plan: Plan,
+               scored: Scored | None) -> tuple[CalibrationData, dict]:
+    """The calibration tokens (shared ones if ``scored``) and the memo of what is measured on them."""
+    if scored is None:
+        calibration, memo = calibration_data(loaded.tokenizer, config.data, model=loaded.model), {}
+    else:
+        _check_scored(scored, config, plan.num_blocks)
+        calibration, memo = scored.calibration, scored.memo
+    # every score is a fit over these tokens: too few fail before the held-out pass, not after it
+    check_enough_tokens(calibration.num_tokens, hidden_size(loaded.model))
+    return calibration, memo
+
+
+def _score_blocks(model, calibration: CalibrationData, config: PruneConfig, scored: Scored | None,
+                  _memo: dict) -> tuple[StateMoments, dict]:
+    """Every registered score for every block (the shared ones when ``scored``)."""
+    return (scored.moments, scored.scores) if scored is not None else score_model(model, calibration, config)
+
+
+def _score_units(model, calibration: CalibrationData, config: PruneConfig, _scored: Scored | None,
+                 memo: dict) -> tuple[StateMoments, dict]:
+    """Every registered score for every sub-layer, from one pass kept in ``memo``."""
+    return unit_moments(model, calibration.token_ids, config.batch_size, memo)
+
+
+def _finish(loaded: LoadedModel, removal: Removal, report: dict, done: dict, calibration: CalibrationData,
+            moments: StateMoments, scores: dict) -> PruneResult:
+    """Add the steps' reports, export, and delete the steps' work folders."""
     report.update({name: result.report for name, result in done.items()})
     files = [f for result in done.values() for f in result.files]
+    config = removal.config
     out = write_outputs(loaded, report, config, files) if config.out is not None else None
     for folder in (f for result in done.values() for f in result.cleanup):
         shutil.rmtree(folder, ignore_errors=True)
-    return PruneResult(loaded, calibration, moments, scores, dropped, report, out)
-
-
-def _prune_units(loaded: LoadedModel, config: PruneConfig, started: float, before: int, params_before: int,
-                 scored: Scored | None) -> PruneResult:
-    """``run_prune`` for sub-layer units: one streamed pass with middle states, rank, remove, export."""
-    model = loaded.model
-    kinds = parse_units(config.unit)
-    check_units_supported(model, kinds)
-    protected = parse_protect(config.protect, before)
-    candidates = candidate_units(model, kinds, protected)
-    total = None if config.target_params is None else parse_param_target(config.target_params, params_before)
-    if config.drop is not None:
-        check_unit_count(parse_drop(config.drop, 2 * before), candidates)
-    calibration = scored.calibration if scored is not None else calibration_data(loaded.tokenizer, config.data,
-                                                                                   model=model)
-    check_enough_tokens(calibration.num_tokens, hidden_size(model))
-    heldout = calibration.heldout_ids
-    original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
-    memo = scored.memo if scored is not None else {}
-    if "sublayer-moments" not in memo:  # one pass serves every sub-layer run on this model and calibration
-        moments = stream_moments(model, calibration.token_ids, batch_size=config.batch_size,
-                                 cosine_pairs="adjacent", mlp_contribution=contribution_path(model))
-        memo["sublayer-moments"] = moments, block_scores(moments, list(SCORES))  # value u rates Unit.at(u)
-    moments, scores = memo["sublayer-moments"]
-    if config.select == "measured":
-        costs = measured_costs(model, calibration.token_ids, candidates, config.batch_size,
-                               memo.setdefault("sublayer-removal-ppl", {}))
-        ranked = rank_measured(costs, {u: unit_parameters(model, u) for u in candidates}, candidates)
-    else:
-        ranked = rank_units(scores[config.score], get_score(config.score).removability, candidates)
-    if total is not None:  # ranked order: the K most removable units are positions 0..K-1
-        sizes = [unit_parameters(model, unit) for unit in ranked]
-        count = blocks_for_params(total, params_before, sizes, lambda k: list(range(k)), len(ranked),
-                                  what="removable sub-layer")
-        budget = {"target_params": total, "drop": count}
-    else:
-        count, budget = parse_drop(config.drop, 2 * before), None
-    chosen = ranked[:count]
-    removal = remove_units_(model, chosen, calibration.token_ids[:1, : min(32, calibration.token_ids.shape[1])])
-    dropped = removal["blocks_removed_whole"]
-    report = build_report(loaded, config, calibration, {}, dropped, before, time.perf_counter() - started)
-    labels = [Unit.at(u).label() for u in range(2 * before)]
-    report.update({"unit": list(kinds), "sublayers": removal,
-                   "sublayer_scores": {"units": labels, **scores}})
-    if config.select == "measured":
-        report["sublayer_measured"] = {"sequences": min(MEASURE_SEQUENCES, calibration.token_ids.shape[0]),
-                                       "perplexity": dict(costs),
-                                       "ranked": [u.label() for u in ranked]}
-    if budget is not None:
-        report["budget"] = {**budget, "params_before": params_before, "params_after": parameter_count(model)}
-    if original is not None:
-        report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout)
-    out = write_outputs(loaded, report, config) if config.out is not None else None
-    return PruneResult(loaded, calibration, moments, scores, dropped, report, out)
-
-
-def check_budget(config: PruneConfig, total: int, blocks: int) -> None:
-    """A target the model cannot meet fails now, before any token is scored."""
-    if config.target_params is not None:
-        parse_param_target(config.target_params, total)
-    if config.target_speedup is not None:
-        check_enough_free(blocks_for_speedup(float(config.target_speedup), blocks), blocks,
-                          parse_protect(config.protect, blocks))
-
-
-def resolve_budget(model, calibration, moments, scores, config: PruneConfig, total: int,
-                   memo: dict | None = None) -> dict | None:
-    """The block count a ``target_params`` / ``target_speedup`` asks for (None when ``drop`` is given)."""
-    if config.target_params is None and config.target_speedup is None:
-        return None
-    count = num_blocks(model)
-    if config.target_speedup is not None:
-        drop = blocks_for_speedup(float(config.target_speedup), count)
-        check_enough_free(drop, count, parse_protect(config.protect, count))
-        return {"target_speedup": float(config.target_speedup), "drop": drop, "ideal_speedup": count / (count - drop)}
-    target = parse_param_target(config.target_params, total)
-    free = count - len(parse_protect(config.protect, count))
-    _, blocks = get_blocks(model)
-
-    def select(k: int) -> list[int]:
-        return choose_blocks(model, calibration, moments, scores, dataclasses.replace(config, drop=k,
-                             target_params=None), memo)
-
-    drop = blocks_for_params(target, total, [parameter_count(b) for b in blocks], select, free)
-    return {"target_params": target, "drop": drop}
-
-
-def check_params_budget(model, budget: dict) -> None:
-    """Refuse a surgered model whose replacements carried it back above ``--target-params``."""
-    after = parameter_count(model)
-    if after > budget["target_params"]:
-        raise LayercutError(f"--target-params {budget['target_params']:,}: removing {budget['drop']} blocks meets "
-                            f"it, but the replacements bring the model back to {after:,} parameters; ask for "
-                            f"{after - budget['target_params']:,} fewer or use --replace none / fold")
+    return PruneResult(loaded, calibration, moments, scores, removal.dropped, report, out)
 
 
 def _check_scored(scored: Scored, config: PruneConfig, blocks: int) -> None:
@@ -489,18 +344,19 @@ def _check_scored(scored: Scored, config: PruneConfig, blocks: int) -> None:
                             "score with cosine_pairs='all'")
 
 
-def build_report(loaded, config, calibration, scores, dropped, before, seconds) -> dict:
+def build_report(loaded: LoadedModel, config: PruneConfig, calibration: CalibrationData, scores: dict,
+                 dropped: list[int], plan: Plan, seconds: float) -> dict:
     """The content of ``layercut.json``."""
     return {
         "source_model": loaded.source,
         "model_name": loaded.name,
         "architecture": loaded.model.config.model_type,
-        "num_blocks_before": before,
+        "num_blocks_before": plan.num_blocks,
         "num_blocks_after": num_blocks(loaded.model),
         "dropped": sorted(dropped),
         "score": config.score,
         "select": config.select,
-        "protect": parse_protect(config.protect, before),
+        "protect": list(plan.protected),
         "replace": config.replace.method,
         "fit": config.replace.fit if config.replace.method != "none" else None,
         "replacements": replacement_records(loaded.model) if dropped else [],
@@ -509,7 +365,7 @@ def build_report(loaded, config, calibration, scores, dropped, before, seconds) 
         "data": calibration.describe(),
         "versions": library_versions(),
         "seconds": round(seconds, 2),
-        "config": asdict(config),
+        "config": {**asdict(config), "replace": config.replace.to_dict()},  # the flat layout of replace:
     }
 
 

@@ -16,6 +16,7 @@ command line, so the same file runs on any model at any drop.
 from __future__ import annotations
 
 import dataclasses
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -32,7 +33,9 @@ NESTED_SECTIONS = {"load": LoadConfig, "data": DataConfig, "replace": ReplaceCon
 METHOD_KEYS = ("method", "score", "select", "protect", "unit", "replace", "distill", "batch_size")
 # Keys that say how much to remove; a method recipe needs one of them from the command line.
 AMOUNT_KEYS = ("drop", "target_params", "target_speedup")
-METHODS_DIR = Path(__file__).resolve().parents[1] / "recipes" / "methods"
+# The recipes ship as the data package ``recipes``: found the same from a checkout and from an installed wheel.
+RECIPES_DIR = Path(str(resources.files("recipes")))
+METHODS_DIR = RECIPES_DIR / "methods"
 # Keys of the earlier flat recipe layout, with their spelling now.
 RENAMED_KEYS = {
     "fit": "replace: {fit: ...}",
@@ -61,7 +64,8 @@ def _check_keys(cls, values: dict, where: str) -> None:
     for key, spelling in RENAMED_KEYS.items():
         if key in values and cls is PruneConfig:
             raise LayercutError(f"{where}: '{key}' moved; write it as {spelling}")
-    known = {f.name for f in dataclasses.fields(cls)}
+    # a replace: section also takes the registered methods' option fields
+    known = set(cls.recipe_keys()) if hasattr(cls, "recipe_keys") else {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise LayercutError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")

@@ -18,12 +18,15 @@ load them with ``prune.load(path)``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from prune.architectures import architecture_markdown
 from prune.catalog import model_table
+from prune.data import DataConfig
 from prune.errors import LayercutError, cli_entry
 from prune.export import describe_generalisation
 from prune.options import (
+    LoadConfig,
     add_data_arguments,
     add_load_arguments,
     add_output_arguments,
@@ -33,23 +36,15 @@ from prune.options import (
 )
 from prune.pipeline import PruneConfig, run_prune
 from prune.recipes import config_from_recipe
-from prune.replace import REPLACEMENTS, describe_replacement
+from prune.replace import METHODS, describe_replacement
+from prune.replace.registry import describe_option, option_specs
 from prune.score_report import score_table
 from prune.scores import SCORES
 from prune.selection import DEFAULT_PROTECT, SELECTIONS
 
-# Where each flag lands in a PruneConfig (its path of keys); the rest map to top-level keys of the same name.
-FLAG_PATHS = {
-    "model": ("load", "model"), "dtype": ("load", "dtype"), "device": ("load", "device"),
-    "load_in_4bit": ("load", "load_in_4bit"), "load_in_8bit": ("load", "load_in_8bit"),
-    "tokenizer": ("load", "tokenizer"),
-    "data": ("data", "data"), "samples": ("data", "samples"), "seq_len": ("data", "seq_len"),
-    "seed": ("data", "seed"), "text_field": ("data", "text_field"), "heldout_samples": ("data", "heldout_samples"),
-    "replace": ("replace", "method"), "fit": ("replace", "fit"), "rank": ("replace", "rank"),
-    "ridge": ("replace", "ridge"), "replace_steps": ("replace", "steps"), "fit_short": ("replace", "short"),
-    "update_scale": ("replace", "update_scale"),
-    "distill_steps": ("distill", "steps"), "distill_samples": ("distill", "data", "samples"),
-}  # fmt: skip
+# Flags defined with a shared dataclass land in its section; the others' dest is their path in a PruneConfig
+# ("replace.update_scale"), or the top-level key of the same name.
+SHARED_SECTIONS = {"load": LoadConfig, "data": DataConfig}
 NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures"}
 
 
@@ -87,32 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="blocks never dropped, negative from the end, or 'none' (default: 0,-1 = first and last)")
     group.add_argument("--batch-size", type=int, default=4,
                        help="sequences per forward pass while scoring and fitting (default: 4)")
-    group = parser.add_argument_group("replacement")
-    group.add_argument("--replace", default="none", metavar="METHOD",
-                       help="what takes the removed blocks' place: " + "; ".join(
-                           f"{name}: {spec.description}" for name, spec in REPLACEMENTS.items()) + " (default: none)")
-    group.add_argument("--fit", default="independent",
-                       help="independent: fit each span on the original model's states; sequential: on the states "
-                       "of the model with the earlier spans already replaced (two passes per later span) "
-                       "(default: independent)")
-    group.add_argument("--rank", type=int, default=None,
-                       help="rank of --replace lowrank maps (default: max(1, hidden // 100))")
-    group.add_argument("--ridge", type=float, default=None,
-                       help="ridge of the closed-form fits, relative to the mean input variance (default: 0)")
-    group.add_argument("--update-scale", type=float, default=None, metavar="S",
-                       help="share of the fitted update f(h) - h that --replace linear / fold maps apply, in (0, 1]: "
-                       "1 is least squares, towards 0 removal (default: 0.7)")
-    group.add_argument("--fit-short", type=int, default=None,
-                       help="also fit the replacements on the calibration cut into N-token sequences, as short "
-                       "as task prompts (0: off; default: the method's recipe, else 0)")
-    group.add_argument("--replace-steps", type=int, default=None,
-                       help="Adam steps for lowrank (default 100) and block (default 200) replacements")
-    group.add_argument("--distill-steps", type=int, default=0,
-                       help="after surgery, distil against the original model's logits for N steps "
-                       "(distill.config.DistillConfig defaults; default: 0 = no distillation)")
-    group.add_argument("--distill-samples", type=int, default=None,
-                       help="sequences of distillation text (default: 512, enough for 200 steps of 4; give more "
-                       "with more steps: each sequence read more than a few times is memorised)")
+    _add_replacement_arguments(parser)
     group = parser.add_argument_group("recipe")
     group.add_argument("--recipe", default=None,
                        help="YAML recipe (see recipes/); flags typed on the command line win over its values")
@@ -127,16 +97,50 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_replacement_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--replace``, ``--fit``, every option of the registered methods, ``--fit-short`` and distillation."""
+    group = parser.add_argument_group("replacement")
+    group.add_argument("--replace", dest="replace.method", default="none", metavar="METHOD",
+                       help="what takes the removed blocks' place: " + "; ".join(
+                           f"{name}: {spec.description}" for name, spec in METHODS.items()) + " (default: none)")
+    group.add_argument("--fit", dest="replace.fit", default="independent", metavar="FIT",
+                       help="independent: fit each span on the original model's states; sequential: on the states "
+                       "of the model with the earlier spans already replaced (two passes per later span) "
+                       "(default: independent)")
+    for name, spec in option_specs().items():  # the fields of the methods' options (prune.replace.options)
+        if spec.flag is not None:
+            group.add_argument(spec.flag, dest=f"replace.{name}", type=spec.type, default=None,
+                               metavar=spec.metavar or name.upper(), help=describe_option(name))
+    group.add_argument("--fit-short", dest="replace.short", type=int, default=None, metavar="N",
+                       help="also fit the replacements on the calibration cut into N-token sequences, as short "
+                       "as task prompts (0: off; default: the method's recipe, else 0)")
+    group.add_argument("--distill-steps", dest="distill.steps", type=int, default=0, metavar="N",
+                       help="after surgery, distil against the original model's logits for N steps "
+                       "(distill.config.DistillConfig defaults; default: 0 = no distillation)")
+    group.add_argument("--distill-samples", dest="distill.data.samples", type=int, default=None, metavar="N",
+                       help="sequences of distillation text (default: 512, enough for 200 steps of 4; give more "
+                       "with more steps: each sequence read more than a few times is memorised)")
+
+
+def _config_path(dest: str) -> tuple[str, ...]:
+    """Where the flag of ``dest`` lands in a :class:`PruneConfig`: its path of keys."""
+    if "." in dest:
+        return tuple(dest.split("."))
+    for section, cls in SHARED_SECTIONS.items():
+        if dest in {item.name for item in dataclasses.fields(cls)}:
+            return section, dest
+    return (dest,)
+
+
 def config_values(args: argparse.Namespace, only: set[str] | None = None) -> dict:
     """The flags as nested :class:`PruneConfig` keys; ``only`` keeps just those flags (the ones typed)."""
     values: dict = {}
     for dest, value in vars(args).items():
         if dest in NOT_CONFIG or (only is not None and dest not in only):
             continue
-        if value is None and dest in ("rank", "ridge", "replace_steps", "fit_short", "update_scale", "tokenizer",
-                                      "distill_samples"):
-            continue  # unset: the method's / loader's own default
-        *sections, key = FLAG_PATHS.get(dest, (dest,))
+        if value is None:
+            continue  # not given: the config's own default (a method's, the loader's)
+        *sections, key = _config_path(dest)
         node = values
         for section in sections:
             node = node.setdefault(section, {})
@@ -148,13 +152,14 @@ def config_values(args: argparse.Namespace, only: set[str] | None = None) -> dic
 
 def config_from_args(args: argparse.Namespace, typed: set[str] | None = None) -> PruneConfig:
     """Map parsed flags (over ``--recipe`` when given: ``typed`` flags win) onto :class:`PruneConfig`."""
-    if args.distill_samples is not None and args.distill_samples <= 0:
-        raise LayercutError(f"--distill-samples must be a positive integer, got {args.distill_samples}")
+    samples = getattr(args, "distill.data.samples")
+    if samples is not None and samples <= 0:
+        raise LayercutError(f"--distill-samples must be a positive integer, got {samples}")
     if args.recipe:
         config = config_from_recipe(args.recipe, config_values(args, typed or set()))
     else:
         config = PruneConfig(**config_values(args))
-    if args.distill_samples is not None and not config.step_sections():
+    if samples is not None and not config.step_sections():
         raise LayercutError("--distill-samples sizes the distillation text: pass --distill-steps N (> 0) too")
     return config
 

@@ -1,7 +1,9 @@
 """Per-block scores from streamed moments, registered by name.
 
 Every score here comes from the same single pass (``prune.stats.stream_moments``). Each one says
-whether a high value marks a block as safe to remove, so selection can rank any of them.
+whether a high value marks a block as safe to remove, so selection can rank any of them. A score that
+compares two residual states (``register_pair_score``) also rates a whole span by its endpoints, and
+says so in :attr:`Score.span`: span selection and the pipeline ask the score, never its name.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 
 from prune.errors import LayercutError
 from prune.linear_fit import explained_sum_of_squares
+from prune.registry import Registry
 from prune.stats import PairMoments, StateMoments
 
 
@@ -25,12 +28,16 @@ class Score:
         description: one line for tables and help.
         higher_is_removable: True when a high value means the block does little.
         compute: (moments, block index) -> value.
+        span: (moments, first state, last state) -> value: the score of the span of blocks between two
+            residual states, read from the cosines of every pair of states (``cosine_pairs="all"``);
+            None for scores that only rate one block (span selection then sums the blocks' values).
     """
 
     name: str
     description: str
     higher_is_removable: bool
     compute: Callable[[StateMoments, int], float]
+    span: Callable[[StateMoments, int, int], float] | None = None
 
     def removability(self, values: list[float]) -> list[float]:
         """Values oriented so that larger always means "safer to remove"."""
@@ -52,25 +59,31 @@ def check_enough_tokens(tokens: int, dim: int, fix: str = "raise --samples or --
         )
 
 
-SCORES: dict[str, Score] = {}
+SCORES: Registry[Score] = Registry("score")
 
 
 def register_score(name: str, description: str, higher_is_removable: bool):
-    """Decorator adding a ``(moments, block) -> float`` function to :data:`SCORES`."""
+    """Decorator registering a ``(moments, block) -> float`` function in :data:`SCORES` as ``name``."""
+    return SCORES.decorator(name, lambda fn: Score(name, description, higher_is_removable, fn))
 
-    def wrap(fn: Callable[[StateMoments, int], float]) -> Callable[[StateMoments, int], float]:
-        SCORES[name] = Score(name, description, higher_is_removable, fn)
+
+def register_pair_score(name: str, description: str, higher_is_removable: bool):
+    """Decorator registering a ``(moments, i, j) -> float`` comparison of residual states ``i < j``.
+
+    A block is rated by its input and output (``i = block``, ``j = block + 1``), and a span of blocks by
+    the states around it (:attr:`Score.span`), which needs the cosines of every pair of states.
+    """
+
+    def add(fn: Callable[[StateMoments, int, int], float]) -> Callable[[StateMoments, int, int], float]:
+        SCORES.register(name, Score(name, description, higher_is_removable, lambda m, b: fn(m, b, b + 1), span=fn))
         return fn
 
-    return wrap
+    return add
 
 
 def get_score(name: str) -> Score:
     """Look up a score by name; the error lists the known ones."""
-    try:
-        return SCORES[name]
-    except KeyError:
-        raise LayercutError(f"unknown score '{name}': choose one of {', '.join(SCORES)}") from None
+    return SCORES.get(name)
 
 
 def linearity(moments: PairMoments, residual: bool = True) -> float:
@@ -96,19 +109,20 @@ def _linearity_nores(moments: StateMoments, block: int) -> float:
     return linearity(moments.pair(block, block + 1), residual=False)
 
 
-@register_score("cosine", "mean cosine similarity of block input and output", higher_is_removable=True)
-def _cosine(moments: StateMoments, block: int) -> float:
-    return moments.mean_cosine(block, block + 1)
+@register_pair_score("cosine", "mean cosine similarity of block input and output", higher_is_removable=True)
+def _cosine(moments: StateMoments, first: int, last: int) -> float:
+    return moments.mean_cosine(first, last)
 
 
-@register_score("angular", "mean angular distance arccos(cos)/pi of input and output", higher_is_removable=False)
-def _angular(moments: StateMoments, block: int) -> float:
-    return moments.mean_angular_distance(block, block + 1)
+@register_pair_score("angular", "mean angular distance arccos(cos)/pi of input and output",
+                     higher_is_removable=False)
+def _angular(moments: StateMoments, first: int, last: int) -> float:
+    return moments.mean_angular_distance(first, last)
 
 
-@register_score("bi", "Block Influence 1 - mean cosine (ShortGPT)", higher_is_removable=False)
-def _block_influence(moments: StateMoments, block: int) -> float:
-    return 1.0 - moments.mean_cosine(block, block + 1)
+@register_pair_score("bi", "Block Influence 1 - mean cosine (ShortGPT)", higher_is_removable=False)
+def _block_influence(moments: StateMoments, first: int, last: int) -> float:
+    return 1.0 - moments.mean_cosine(first, last)
 
 
 def block_scores(moments: StateMoments, names: list[str] | None = None) -> dict[str, list[float]]:

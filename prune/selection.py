@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from prune.errors import LayercutError
 from prune.oracle import removal_cache, removal_perplexities
+from prune.registry import Registry
 from prune.scores import Score
 from prune.stats import StateMoments, stream_moments
 from prune.surgery import blocks_removed
@@ -77,25 +78,19 @@ class SelectionInput:
     memo: dict | None = None
 
 
-SELECTIONS: dict[str, Callable[[SelectionInput], list[int]]] = {}
+SELECTIONS: Registry[Callable[[SelectionInput], list[int]]] = Registry("selection")
 
 
 def register_selection(name: str):
-    """Decorator adding a selection strategy to :data:`SELECTIONS`."""
-
-    def wrap(fn):
-        SELECTIONS[name] = fn
-        return fn
-
-    return wrap
+    """Decorator registering a selection strategy in :data:`SELECTIONS` as ``name``."""
+    return SELECTIONS.decorator(name)
 
 
 def select_blocks(method: str, inputs: SelectionInput) -> list[int]:
     """Run the named strategy; checks there are enough unprotected blocks first."""
-    if method not in SELECTIONS:
-        raise LayercutError(f"unknown selection '{method}': choose one of {', '.join(SELECTIONS)}")
+    strategy = SELECTIONS.get(method)
     check_enough_free(inputs.count, len(inputs.values), inputs.protected)
-    return sorted(SELECTIONS[method](inputs))
+    return sorted(strategy(inputs))
 
 
 def check_enough_free(count: int, num_blocks: int, protected: Sequence[int]) -> None:
@@ -117,15 +112,13 @@ def _topk(inputs: SelectionInput) -> list[int]:
 def span_removability(inputs: SelectionInput, start: int) -> float:
     """How removable the span ``start .. start + count - 1`` is.
 
-    Distance scores compare the span's endpoints directly (Gromov et al.) when all pairwise cosines
-    were streamed; otherwise the per-block values are summed.
+    A score that compares states (:attr:`prune.scores.Score.span`) compares the span's endpoints
+    directly (Gromov et al.) when all pairwise cosines were streamed; otherwise the per-block values
+    are summed.
     """
     end = start + inputs.count
-    pairwise = inputs.moments.cosine_pairs == "all"
-    if pairwise and inputs.score.name in ("angular", "bi", "cosine"):
-        cos = inputs.moments.mean_cosine(start, end)
-        value = {"angular": inputs.moments.mean_angular_distance(start, end), "bi": 1 - cos, "cosine": cos}
-        return inputs.score.removability([value[inputs.score.name]])[0]
+    if inputs.score.span is not None and inputs.moments.cosine_pairs == "all":
+        return inputs.score.removability([inputs.score.span(inputs.moments, start, end)])[0]
     return sum(inputs.score.removability(inputs.values)[start:end])
 
 

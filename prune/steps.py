@@ -21,6 +21,7 @@ from typing import Protocol
 
 from prune.errors import LayercutError
 from prune.loading import LoadedModel
+from prune.registry import Registry
 
 ENTRY_POINT_GROUP = "layercut.steps"
 
@@ -54,23 +55,24 @@ class SurgeryStep(Protocol):
 
 
 StepFactory = Callable[[dict, object], SurgeryStep]
-_REGISTERED: dict[str, StepFactory] = {}
+# steps added in this process (tests); the installed ones are found through the entry points
+STEPS: Registry[StepFactory] = Registry("step")
 
 
 def register_step(name: str, factory: StepFactory) -> None:
     """Make ``factory(options, prune_config)`` available as step ``name`` in this process."""
-    _REGISTERED[name] = factory
+    STEPS.register(name, factory)
 
 
 def unregister_step(name: str) -> None:
     """Undo :func:`register_step`."""
-    _REGISTERED.pop(name, None)
+    STEPS.unregister(name)
 
 
 def step_factory(name: str) -> StepFactory:
     """The factory registered as ``name`` (in process first, then the installed entry points)."""
-    if name in _REGISTERED:
-        return _REGISTERED[name]
+    if name in STEPS:
+        return STEPS[name]
     found = {ep.name: ep for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)}
     if name not in found:
         raise LayercutError(

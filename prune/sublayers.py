@@ -44,6 +44,8 @@ from prune.errors import LayercutError
 from prune.heldout import packed_perplexity
 from prune.hf_remote_code import SUBLAYERS_KEY, remove_sublayers, sublayer_records
 from prune.replace.modules import parameter_count
+from prune.scores import SCORES, block_scores
+from prune.stats import StateMoments, stream_moments
 from prune.surgery import drop_blocks_
 
 UNITS = ("block", "attention", "mlp")
@@ -183,6 +185,20 @@ def rank_units(values: Sequence[float], removability, candidates: Sequence[Unit]
     """Candidates, most removable first, by a score's values over every sub-layer."""
     ranked = removability(list(values))
     return sorted(candidates, key=lambda u: -ranked[u.index])
+
+
+def unit_moments(model: nn.Module, token_ids: torch.Tensor, batch_size: int,
+                 memo: dict) -> tuple[StateMoments, dict[str, list[float]]]:
+    """One streamed pass with the middle states, and every registered score of every sub-layer.
+
+    Value ``u`` of a score rates ``Unit.at(u)``. The pass is kept in ``memo`` (one model, one calibration):
+    it serves every sub-layer run on them.
+    """
+    if "sublayer-moments" not in memo:
+        moments = stream_moments(model, token_ids, batch_size=batch_size, cosine_pairs="adjacent",
+                                 mlp_contribution=contribution_path(model))
+        memo["sublayer-moments"] = moments, block_scores(moments, list(SCORES))
+    return memo["sublayer-moments"]
 
 
 # ``--select measured`` reads this many calibration sequences per sub-layer: a model has twice as

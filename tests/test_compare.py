@@ -9,14 +9,36 @@ import torch
 from conftest import make_tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
-import eval.compare as compare_module
-from eval.compare import main
+from eval.compare import cells as cells_module
+from eval.compare import digest as digest_module
+from eval.compare import grid
+from eval.compare.cli import main
+from eval.compare.digest import recipe_digest, resolved_method
+from eval.compare.grid import summary_lines
+from eval.compare.heldout import mean_perplexity
+from eval.compare.leaderboard import head_caveat, task_rows_note
+from eval.compare.leaderboard import leaderboard as render_leaderboard
+from eval.compare.results import Results, check_calibration, migrate
+from eval.compare.stats import analyse as analyse_results
+from eval.compare.stats import gap_stderr
 from eval.measurements import calibration_digest
 from prune.data import DataConfig, calibration_data
 from prune.errors import EXIT_BAD_INPUT, LayercutError
 from prune.heldout import packed_perplexity
 from prune.recipes import METHODS_DIR, method_recipes
 from prune.surgery import drop_blocks_
+
+
+def analyse(results: dict) -> dict:
+    return analyse_results(Results.from_dict(results))
+
+
+def leaderboard(results: dict) -> str:
+    return render_leaderboard(Results.from_dict(results))
+
+
+def print_summary(results: dict) -> None:
+    print("\n".join(summary_lines(Results.from_dict(results))))
 
 
 def run(capsys, *args):
@@ -34,13 +56,13 @@ def small(folder, out):
 def counted(monkeypatch):
     """Count the cells that really run."""
     calls = []
-    real = compare_module.run_cell
+    real = grid.run_cell
 
     def wrapped(name, path, drop, *rest):
         calls.append((name, drop))
         return real(name, path, drop, *rest)
 
-    monkeypatch.setattr(compare_module, "run_cell", wrapped)
+    monkeypatch.setattr(grid, "run_cell", wrapped)
     return calls
 
 
@@ -113,7 +135,8 @@ def test_heldout_file_and_sleb_agrees_with_the_oracle(tiny_folder, tmp_path, cap
                        text, "--speed-tokens", "0", "--oracle")
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
-    assert results["heldout"]["source"] == str(text.resolve()) and results["heldout"]["tokens"] > 100
+    domain = results["heldout"]["domains"]["other"]
+    assert domain["source"] == str(text.resolve()) and domain["tokens"] > 100 and results["format"] == 2
     assert "decode_speedup" not in results["cells"]["shortgpt@1"]
     # SLEB's first removal is the oracle's best single removal (both on the shared calibration tokens)
     removed = results["oracle"]["removed"]
@@ -173,7 +196,7 @@ def test_lm_eval_tasks_per_cell_and_for_dense(tiny_folder, tmp_path, capsys, sha
 
 def _row(method, drop, domains, tasks=None, stderr=0.02):
     row = {"method": method, "drop": drop, "domains": domains, "dropped": list(range(drop)), "params": 10,
-           "heldout_ppl": compare_module.mean_perplexity(domains, list(domains)), "heldout_ratio": 1.0,
+           "heldout_ppl": mean_perplexity(domains, list(domains)), "heldout_ratio": 1.0,
            "domain_ratios": {n: 1.0 for n in domains}, "seconds": 1.0, "vanilla": True, "copy_seconds": 0.1}
     if tasks is not None:
         row["tasks"] = tasks
@@ -195,7 +218,7 @@ def test_retention_above_chance_ties_and_better_than():
     heldout = {"domains": {"novel": {"source": "a.txt", "tokens": 100}, "news": {"source": "b", "tokens": 9}}}
     results = {"setup": {"model": "m", "speed_tokens": 0}, "dense": dense, "cells": cells,
                "domains": ["novel", "news"], "heldout": heldout}
-    analysis = compare_module.analyse(results)
+    analysis = analyse(results)
     # winogrande: 0.51 is within two standard errors (0.04) of chance 0.5; "mystery" has no known chance level
     assert analysis["retention_tasks"] == ["arc_easy", "lambada_openai", "piqa"]
     assert set(analysis["excluded_tasks"]) == {"winogrande", "mystery"}
@@ -213,13 +236,13 @@ def test_retention_above_chance_ties_and_better_than():
     assert analysis["vs_best_tasks"] == {"remove@4": "best", "linear@4": "-16.5", "fold@4": "-38.8"}
     # within two standard errors of the best (0.69 vs 0.78): a tie, and a tie is no win
     cells["linear@4"]["tasks"]["arc_easy"] = 0.52
-    analysis = compare_module.analyse(results)
+    analysis = analyse(results)
     assert analysis["vs_best_tasks"]["linear@4"] == "tie" and analysis["better_than"]["linear@4"] == ["fold@4"]
     cells["linear@4"]["tasks"].update(arc_easy=0.60, lambada_openai=0.30, piqa=0.70)
-    assert compare_module.analyse(results)["better_than"]["linear@4"] == ["fold@4", "remove@4"]
+    assert analyse(results)["better_than"]["linear@4"] == ["fold@4", "remove@4"]
     cells["linear@4"]["tasks"].update(arc_easy=0.52, lambada_openai=0.22, piqa=0.60)
     results["analysis"] = analysis
-    readme = compare_module.leaderboard(results)
+    readme = leaderboard(results)
     header = next(line for line in readme.splitlines() if line.startswith("| rank"))
     assert "| novel ppl | news ppl |" in header and "| retention | tasks vs best | better than |" in header
     linear = next(line for line in readme.splitlines() if line.startswith("| 1 | linear"))
@@ -231,7 +254,7 @@ def test_without_tasks_better_means_every_domain():
     dense = _row("dense", 0, {"a": 10.0, "b": 10.0})
     cells = {"x@1": _row("x", 1, {"a": 11.0, "b": 12.0}), "y@1": _row("y", 1, {"a": 12.0, "b": 11.5}),
              "z@1": _row("z", 1, {"a": 13.0, "b": 13.0})}
-    analysis = compare_module.analyse({"dense": dense, "cells": cells, "domains": ["a", "b"]})
+    analysis = analyse({"dense": dense, "cells": cells, "domains": ["a", "b"]})
     assert analysis["better_than"] == {"x@1": ["z@1"], "y@1": ["z@1"], "z@1": []}
     assert analysis["tasks"] == [] and analysis["vs_best_tasks"] == {}
 
@@ -346,12 +369,12 @@ def test_row_by_row_scores_make_a_small_shared_gap_a_win():
     dense = scored("dense", {"arc_easy": [1] * 300 + [0] * 100, "piqa": [1] * 320 + [0] * 80}, {"a": 10.0})
     cells = {"a@4": scored("a", better, {"a": 11.0}), "b@4": scored("b", base, {"a": 12.0})}
     results = {"dense": dense, "cells": cells, "domains": ["a"]}
-    analysis = compare_module.analyse(results)
+    analysis = analyse(results)
     rows = analysis["rows"]
     gap = rows["a@4"]["retention"] - rows["b@4"]["retention"]
     assert gap == pytest.approx(32 / 400 / (0.5 + 0.3))
     assert gap < 2 * math.hypot(rows["a@4"]["retention_stderr"], rows["b@4"]["retention_stderr"])  # unpaired: a tie
-    paired = compare_module.gap_stderr(cells["a@4"], cells["b@4"], rows["a@4"], rows["b@4"], "retention",
+    paired = gap_stderr(cells["a@4"], cells["b@4"], rows["a@4"], rows["b@4"], "retention",
                                        ["arc_easy", "piqa"], dense)
     one_task = torch.tensor([1.0] * 16 + [0.0] * 384).var().item() / 400
     assert paired == pytest.approx((2 * one_task) ** 0.5 / 0.8)
@@ -360,16 +383,16 @@ def test_row_by_row_scores_make_a_small_shared_gap_a_win():
     # without the rows, the same figures are a tie
     for row in cells.values():
         del row["task_rows"]
-    assert compare_module.analyse(results)["vs_best_tasks"]["b@4"] == "tie"
+    assert analyse(results)["vs_best_tasks"]["b@4"] == "tie"
 
 
 def test_a_changed_default_reruns_the_cells_of_the_methods_it_changes(monkeypatch):
     from prune.replace.linear import LinearOptions
 
     linear, shortgpt = METHODS_DIR / "layercut-linear.yaml", METHODS_DIR / "shortgpt.yaml"
-    before = compare_module.recipe_digest(linear), compare_module.recipe_digest(shortgpt)
+    before = recipe_digest(linear), recipe_digest(shortgpt)
     monkeypatch.setattr(LinearOptions, "default_short", 0)  # the recipe leaves replace.short unset
-    after = compare_module.recipe_digest(linear), compare_module.recipe_digest(shortgpt)
+    after = recipe_digest(linear), recipe_digest(shortgpt)
     assert after[0] != before[0] and after[1] == before[1]
 
 
@@ -378,15 +401,15 @@ def test_an_added_option_at_its_old_value_keeps_every_finished_cell(monkeypatch)
     repairs = METHODS_DIR.parent / "repairs"
     least_squares, remove = repairs / "linear-ls.yaml", repairs / "remove.yaml"
     # the whole update (every method before the option) and a method that does not read it: as before it existed
-    assert "update_scale" not in json.dumps(compare_module.resolved_method(least_squares))
-    assert "update_scale" not in json.dumps(compare_module.resolved_method(remove))
+    assert "update_scale" not in json.dumps(resolved_method(least_squares))
+    assert "update_scale" not in json.dumps(resolved_method(remove))
     # linear's default of 0.7 is not what was done before: part of the method, so its old cells run again
-    default = compare_module.resolved_method(METHODS_DIR / "layercut-linear.yaml")
+    default = resolved_method(METHODS_DIR / "layercut-linear.yaml")
     assert default["replace"]["update_scale"] == 0.7
-    assert default == compare_module.resolved_method(repairs / "linear-scaled.yaml")
-    before = compare_module.recipe_digest(least_squares), compare_module.recipe_digest(remove)
-    monkeypatch.setattr(compare_module, "ADDED_OPTIONS", {})  # hashed at its old value too: every digest moves
-    after = compare_module.recipe_digest(least_squares), compare_module.recipe_digest(remove)
+    assert default == resolved_method(repairs / "linear-scaled.yaml")
+    before = recipe_digest(least_squares), recipe_digest(remove)
+    monkeypatch.setattr(digest_module, "neutral_options", dict)  # hashed at its old value too: every digest moves
+    after = recipe_digest(least_squares), recipe_digest(remove)
     assert after[0] != before[0] and after[1] != before[1]
 
 
@@ -394,10 +417,10 @@ def test_a_changed_distillation_default_reruns_the_distilling_cells(monkeypatch)
     import distill.config
 
     distilled, linear = METHODS_DIR / "layercut-linear-distill.yaml", METHODS_DIR / "layercut-linear.yaml"
-    before = compare_module.recipe_digest(distilled), compare_module.recipe_digest(linear)
+    before = recipe_digest(distilled), recipe_digest(linear)
     # the recipe names no distillation text: the default is part of what its cell ran
     monkeypatch.setattr(distill.config, "DEFAULT_SAMPLES", 2 * distill.config.DEFAULT_SAMPLES)
-    after = compare_module.recipe_digest(distilled), compare_module.recipe_digest(linear)
+    after = recipe_digest(distilled), recipe_digest(linear)
     assert after[0] != before[0] and after[1] == before[1]
 
 
@@ -426,19 +449,19 @@ def test_a_recipe_edited_while_its_cell_runs_keeps_the_digest_it_ran_with(tiny_f
                                                                          monkeypatch):
     recipe = tmp_path / "mine.yaml"
     recipe.write_text((METHODS_DIR / "shortgpt.yaml").read_text())
-    before = compare_module.recipe_digest(recipe)
-    real = compare_module.run_prune
+    before = recipe_digest(recipe)
+    real = cells_module.run_prune
 
     def edit_meanwhile(*args, **kwargs):
         recipe.write_text(recipe.read_text().replace("select: topk", "select: span"))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(compare_module, "run_prune", edit_meanwhile)
+    monkeypatch.setattr(cells_module, "run_prune", edit_meanwhile)
     out = tmp_path / "cmp"
     code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", recipe, "--speed-tokens", "0")
     assert code == 0, err
     assert json.loads((out / "results.json").read_text())["cells"]["mine@1"]["recipe_digest"] == before
-    monkeypatch.setattr(compare_module, "run_prune", real)
+    monkeypatch.setattr(cells_module, "run_prune", real)
     counted.clear()  # the recipe as it is now was never run: resuming runs it
     code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", recipe, "--speed-tokens", "0")
     assert code == 0 and counted == [("mine", 1)]
@@ -498,13 +521,13 @@ def test_tasks_on_a_range_of_rows_say_which_rows_and_keep_them(tiny_folder, tmp_
 
 def test_the_leaderboard_says_which_rows_its_tasks_read():
     limits = (None, 1000, 0.5, "-500:", "100~1000:")
-    said = {limit: compare_module._task_rows({"task_limit": limit}) for limit in limits}
+    said = {limit: task_rows_note(Results.from_dict({"task_limit": limit})) for limit in limits}
     assert said == {None: " (every row of each task)", 1000: " (the first 1,000 rows of each task)",
                     0.5: " (the first 50% of each task)", "-500:": " (rows -500: of each task, as Python slices them)",
                     "100~1000:": " (100 rows of each task drawn at random, seed 1234, from its rows 1000: as Python "
                                  "slices them)"}
-    assert compare_module._task_rows({}) == ""
-    warned = {limit: "--limit 1000~:" in compare_module._head_caveat({"task_limit": limit}) for limit in limits}
+    assert task_rows_note(Results.from_dict({})) == ""
+    warned = {limit: "--limit 1000~:" in head_caveat(Results.from_dict({"task_limit": limit})) for limit in limits}
     assert warned == {None: False, 1000: True, 0.5: True, "-500:": False, "100~1000:": False}
 
 
@@ -521,11 +544,11 @@ def test_without_kept_weights_adding_tasks_runs_the_cell_again(tiny_folder, tmp_
 
 def test_a_comparison_written_with_tasks_in_its_setup_resumes():
     results = {"setup": {"model": "m", "tasks": "piqa", "limit": 200, "batch_size": 4}, "dense": None, "cells": {}}
-    compare_module._migrate_task_setup(results)
+    results = migrate(results)
     assert results["setup"] == {"model": "m", "batch_size": 4} and results["task_limit"] == 200
-    untouched = {"setup": {"model": "m", "tasks": None, "limit": None}, "dense": None, "cells": {}}
-    compare_module._migrate_task_setup(untouched)
+    untouched = migrate({"setup": {"model": "m", "tasks": None, "limit": None}, "dense": None, "cells": {}})
     assert "task_limit" not in untouched and untouched["setup"] == {"model": "m"}
+    assert Results.from_dict(untouched).to_dict()["format"] == 2
 
 
 def test_rows_without_tasks_are_compared_on_perplexity_alone():
@@ -533,7 +556,7 @@ def test_rows_without_tasks_are_compared_on_perplexity_alone():
     results = {"dense": dense, "domains": ["a"], "cells": {
         "x@2": _row("x", 2, {"a": 11.0}), "y@2": _row("y", 2, {"a": 12.0}),
         "z@2": _row("z", 2, {"a": 13.0}, tasks={"arc_easy": 0.59}, stderr=0.01)}}
-    analysis = compare_module.analyse(results)
+    analysis = analyse(results)
     assert analysis["task_quality"] == "retention"
     # x beats y on perplexity, neither ran the tasks; z has task figures, x and y cannot be weighed against it
     assert analysis["better_than"] == {"x@2": ["y@2"], "y@2": [], "z@2": []}
@@ -548,17 +571,17 @@ def test_a_row_whose_recipe_changed_since_is_marked_not_passed_off_as_the_recipe
     code, stdout, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", recipe, "--speed-tokens", "0")
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
-    assert "| mine |" in compare_module.leaderboard(results) and "†" not in compare_module.leaderboard(results)
+    assert "| mine |" in leaderboard(results) and "†" not in leaderboard(results)
     assert "rerun" not in stdout
 
     recipe.write_text(recipe.read_text().replace("select: topk", "select: span"))
-    table = compare_module.leaderboard(results)
+    table = leaderboard(results)
     assert "| mine† |" in table and "has changed since this row ran" in table and "‡" not in table
-    compare_module.print_summary(results)
+    print_summary(results)
     assert "ran before its recipe or a default it uses changed: rerun to refresh" in capsys.readouterr().out
 
     recipe.unlink()
-    table = compare_module.leaderboard(results)
+    table = leaderboard(results)
     assert "| mine‡ |" in table and "cannot be checked" in table and "†" not in table
 
 
@@ -578,7 +601,7 @@ def test_a_repair_is_judged_against_removal_of_its_own_blocks_only(capsys):
              "fold@8": row("fold", span, "fold", {"novel": 22.0, "news": 70.0}, 0.38, 0.06)}
     results = {"setup": {"model": "m", "speed_tokens": 0}, "dense": dense, "cells": cells,
                "domains": ["novel", "news"]}
-    versus = compare_module.analyse(results)["vs_removal"]
+    versus = analyse(results)["vs_removal"]
     # fold removed other blocks than the removal row: no verdict against the wrong baseline
     assert set(versus) == {"linear@8", "heal@8", "fold@8"} and versus["fold@8"] is None
     # (0.25 + 0.11) / 0.80 against (0.20 + 0.04) / 0.80, unpaired standard error 0.02 x 2 / 0.80
@@ -587,23 +610,23 @@ def test_a_repair_is_judged_against_removal_of_its_own_blocks_only(capsys):
     assert versus["linear@8"]["verdict"] == "win" and versus["linear@8"]["perplexity_higher_on"] == []
     # trained after removal is a repair too; 0.02 / 0.80 is well inside two standard errors
     assert versus["heal@8"]["verdict"] == "tie" and versus["heal@8"]["perplexity_higher_on"] == ["news"]
-    readme = compare_module.leaderboard(results)
+    readme = leaderboard(results)
     assert "| +15.0 ± 5.0 (win); ppl lower on all |" in readme and "| no removal row |" in readme
-    results["analysis"] = compare_module.analyse(results)
-    compare_module.print_summary(results)
+    results["analysis"] = analyse(results)
+    print_summary(results)
     assert "; no removal of the blocks of fold ran (a recipe with their score" in capsys.readouterr().out
     del results["analysis"]  # the leaderboard reads a stored analysis first
     assert "+2.5 ± 5.0 (tie); ppl higher on news" in readme
     cells["remove-span@8"] = row("remove-span", span, "none", {"novel": 28.0, "news": 65.0}, 0.48, 0.05)
-    versus = compare_module.analyse(results)["vs_removal"]
+    versus = analyse(results)["vs_removal"]
     assert versus["fold@8"]["baseline"] == "remove-span@8" and versus["fold@8"]["verdict"] == "loss"
     assert versus["fold@8"]["perplexity_higher_on"] == ["news"]
     assert versus["linear@8"]["baseline"] == "remove@8"
     # a removal row without tasks: perplexity is compared, the tasks are not passed off as compared
     del cells["remove@8"]["tasks"], cells["remove@8"]["task_stderr"]
-    versus = compare_module.analyse(results)["vs_removal"]
+    versus = analyse(results)["vs_removal"]
     assert versus["linear@8"]["verdict"] == "tasks on one row only" and "gap" not in versus["linear@8"]
-    assert "| tasks on one row only; ppl lower on all |" in compare_module.leaderboard(results)
+    assert "| tasks on one row only; ppl lower on all |" in leaderboard(results)
 
 
 def test_cells_fitted_on_other_calibration_tokens_are_not_mixed(tmp_path, caplog):
@@ -611,16 +634,16 @@ def test_cells_fitted_on_other_calibration_tokens_are_not_mixed(tmp_path, caplog
     digest = calibration_digest("m", ids)
     results = {"cells": {"remove@4": {}}, "calibration": {"source": "self"}}
     with caplog.at_level(logging.WARNING):
-        compare_module.check_calibration(results, digest, tmp_path)
+        check_calibration(Results.from_dict(results), digest, tmp_path)
     assert "no calibration digest" in caplog.text
     results["calibration"]["digest"] = digest
-    compare_module.check_calibration(results, calibration_digest("m", ids.clone()), tmp_path)  # the same tokens
+    check_calibration(Results.from_dict(results), calibration_digest("m", ids.clone()), tmp_path)  # the same tokens
     resampled = ids.clone()
     resampled[2, 3] = 99  # one token drawn differently
     with pytest.raises(LayercutError, match="other calibration tokens.*another --out"):
-        compare_module.check_calibration(results, calibration_digest("m", resampled), tmp_path)
+        check_calibration(Results.from_dict(results), calibration_digest("m", resampled), tmp_path)
     with pytest.raises(LayercutError):
-        compare_module.check_calibration(results, calibration_digest("another build", ids), tmp_path)
+        check_calibration(Results.from_dict(results), calibration_digest("another build", ids), tmp_path)
 
 
 def test_resuming_on_other_calibration_tokens_is_refused(tiny_folder, tmp_path, capsys):

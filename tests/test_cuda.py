@@ -110,7 +110,7 @@ def test_weights_offloaded_by_accelerate_are_refused_in_one_line(tiny_folder):
 
 def test_compare_and_bench_on_gpu(tiny_folder, tmp_path, capsys):
     from eval.bench import main as bench_main
-    from eval.compare import main as compare_main
+    from eval.compare.cli import main as compare_main
 
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(TEXT)

@@ -83,7 +83,7 @@ def replaced_pair(monkeypatch):
 def _config(**kw) -> DistillConfig:
     # the layerwise objective: most tests here check the block-output machinery (the default is KL on the logits)
     base = dict(steps=4, lr=1e-3, batch_size=4, data={"seq_len": SEQ}, log_every=1, save_every=0, train="all",
-                mse_weight=1.0, kl_weight=0.0)
+                losses={"layerwise_mse": 1.0})
     base.update(kw)
     return DistillConfig(**base)
 
@@ -177,7 +177,8 @@ def test_config_defaults_and_validation():
     assert (config.lr, DistillConfig(train="lora").lr, DistillConfig(train="all").lr) == (3e-4, 3e-4, 2e-5)
     assert DistillConfig(train="all", lr=1e-3).lr == 1e-3
     for bad in (dict(train="everything"), dict(lr=-1.0), dict(steps=0), dict(warmup_steps=200, steps=100),
-                dict(kl_weight=0.0), dict(kl_weight=float("nan")), dict(batch_size=0)):
+                dict(losses={"teacher_student_kl": 0.0}), dict(losses={"teacher_student_kl": float("nan")}),
+                dict(losses={}), dict(losses={"mse": 1.0}), dict(batch_size=0)):
         with pytest.raises(LayercutError):
             DistillConfig(**bad)
 
@@ -345,13 +346,14 @@ def test_a_student_that_already_meets_every_layerwise_target_is_refused_and_kl_t
     with pytest.raises(LayercutError, match="nothing to learn.*--kl-weight 1"):
         distill(student, teacher, None, _config(steps=2), token_ids=_ids())
     before = _params(student)
-    result = distill(student, teacher, None, _config(steps=2, kl_weight=1.0, mse_weight=0.0), token_ids=_ids())
+    result = distill(student, teacher, None, _config(steps=2, losses={"teacher_student_kl": 1.0}), token_ids=_ids())
     assert result.final_terms["teacher_student_kl"] > 0 and _changed(before, student)
 
 
 def test_kl_and_cosine_terms_train_and_are_logged(tmp_path):
     student, teacher = _dropped_pair([1])
-    config = _config(steps=2, kl_weight=1.0, cosine_reg=0.1)
+    config = _config(steps=2, losses={"layerwise_mse": 1.0, "teacher_student_kl": 1.0,
+                                      "consecutive_cosine_distance": 0.1})
     result = distill(student, teacher, None, config, out=tmp_path, token_ids=_ids())
     assert set(result.final_terms) == {"layerwise_mse", "teacher_student_kl", "consecutive_cosine_distance"}
     assert result.final_terms["teacher_student_kl"] > 0

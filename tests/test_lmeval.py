@@ -28,12 +28,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from eval import lmeval
 from eval.lmeval import (
-    OFFLINE_TASKS,
     answered_prompts,
     clean_metrics,
     hub_offline,
     local_data_files,
     local_tasks,
+    offline_tasks,
     primary_metric,
     resolve_data_dir,
     run_lm_eval,
@@ -101,6 +101,7 @@ def data() -> Path:
 @pytest.fixture(autouse=True)
 def _no_data_env(monkeypatch):
     monkeypatch.delenv(lmeval.DATA_DIR_ENV, raising=False)
+    monkeypatch.delenv(lmeval.TASK_DIRS_ENV, raising=False)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -344,7 +345,7 @@ def test_winogrande_row_keeps_shared_letters_in_the_options():
 def test_every_offline_task_loads_all_rows(data):
     expected = {"arc_easy": 2376, "arc_challenge": 1172, "hellaswag": 10042, "piqa": 1838,
                 "lambada_openai": 5153, "winogrande": 1267, "boolq": 3270}
-    assert set(expected) == set(OFFLINE_TASKS)
+    assert set(expected) == set(offline_tasks())
     tasks = local_tasks(list(expected), data)
     assert {name: len(list(task.eval_docs)) for name, task in tasks.items()} == expected
     boolq = tasks["boolq"].validation_docs()
@@ -422,7 +423,7 @@ def test_unknown_task_lists_the_offline_tasks(data):
         run_lm_eval(None, None, ["arc_easy", "no_such_task"], data_dir=data)
     message = _one_line(err)
     assert "'no_such_task'" in message
-    assert all(name in message for name in OFFLINE_TASKS)
+    assert all(name in message for name in offline_tasks())
     assert "lm-eval ls tasks" in message and "lm-eval --tasks list" in message
 
 

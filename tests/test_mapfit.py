@@ -11,15 +11,16 @@ from eval.mapfit import (
     error_report,
     fit_variants,
     logit_report,
-    main,
     parse_span,
     span_replaced,
     token_sensitivity,
     weighted_moments,
 )
+from eval.mapfit.cli import main
 from prune.adapters import get_blocks
 from prune.capture import block_output, hooks_held, with_block_output
 from prune.errors import LayercutError
+from prune.heldout import packed_perplexity
 from prune.linear_fit import LinearFit, fit_linear_map
 from prune.replace.capture import PairAccumulator
 from prune.surgery import blocks_removed
@@ -80,6 +81,9 @@ def test_hooked_removal_is_the_model_without_the_blocks_and_kl_is_relative_to_it
     assert report["removal"]["kl_early"] == pytest.approx(report["removal"]["kl"])
     log_probs = torch.log_softmax(removed[:, :-1], -1).gather(-1, ids[:, 1:, None])
     assert report["removal"]["ppl"] == pytest.approx(float((-log_probs.mean()).exp()), rel=1e-4)
+    # the one perplexity: the model without the span, measured as a prune run's held-out text is
+    with blocks_removed(model, [1, 2]):
+        assert report["removal"]["ppl"] == pytest.approx(packed_perplexity(model, ids, progress=False), rel=1e-9)
 
 
 def test_a_token_weighted_fit_counts_each_token_its_weight_times():

@@ -5,7 +5,7 @@ import json
 import torch
 
 import prune.oracle as oracle_module
-from eval.compare import main
+from eval.compare.cli import main
 from eval.measurements import MEASUREMENTS, MeasurementStore, calibration_digest
 
 
@@ -75,7 +75,7 @@ def test_an_unreadable_file_is_measured_again_and_weights_change_the_digest(tmp_
 
 
 def test_a_comparison_stopped_in_the_oracle_resumes_with_its_measurements(tiny_folder, tmp_path, capsys, monkeypatch):
-    import eval.compare as compare_module
+    from eval.compare import grid as compare_module
 
     def stop(*args, **kwargs):
         raise KeyboardInterrupt

@@ -121,7 +121,7 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     # the same fold on layercut-linear's blocks
     fold_topk = config(repairs["fold-topk"])
     assert (fold_topk.score, fold_topk.select, fold_topk.replace) == (linear.score, linear.select, fold.replace)
-    # stop 38's share is the default since stop 39; fold-ls is the fold of before, the whole update
+    # the share chosen in d2e7227 is the default since 92941a6; fold-ls is the fold of before, the whole update
     fold_scaled, fold_ls = config(repairs["fold-scaled"]), config(repairs["fold-ls"])
     assert fold_scaled.replace == fold.replace and fold.replace.update_scale == 0.7
     assert dataclasses.replace(fold_ls.replace, update_scale=0.7) == fold.replace and fold_ls.replace.update_scale == 1
@@ -132,7 +132,7 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     long = config(repairs["linear-long"])
     assert (long.score, long.select, long.replace.method) == (linear.score, linear.select, "linear")
     assert long.replace.short == 0 and linear.replace.short != 0 and long.replace.update_scale == 1
-    # stop 37's 0.7 of the update is linear's default since stop 39; linear-ls is the map of before
+    # the 0.7 of the update chosen in 3d14f10 is linear's default since 92941a6; linear-ls is the map of before
     scaled, least_squares = config(repairs["linear-scaled"]), config(repairs["linear-ls"])
     assert scaled.replace == linear.replace and linear.replace.update_scale == 0.7
     assert dataclasses.replace(least_squares.replace, update_scale=0.7) == linear.replace
@@ -144,13 +144,13 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert budget.distill["steps"] == 2000 and short.distill["steps"] == 200
     assert (budget.score, budget.select, budget.replace, budget.distill["train"]) == \
         (short.score, short.select, short.replace, short.distill["train"])
-    # the same run with its text and objective pinned: today's default (KL) and stop 28's (layerwise MSE)
+    # the same run with its text and objective pinned: today's default (KL) and that of 2c94291 (layerwise MSE)
     default = DistillConfig.from_dict(short.distill)
     kl = DistillConfig.from_dict(config(repairs["linear-distill-kl"]).distill)
     assert [s.spec for s in kl.data.sources] == [None, "self"] and kl.data.samples == 512 and kl == default
     mixed = DistillConfig.from_dict(config(repairs["linear-distill-mixed"]).distill)
     assert mixed.loss_weights() == {"layerwise_mse": 1.0}
-    assert dataclasses.replace(mixed, mse_weight=0.0, kl_weight=1.0) == default
+    assert dataclasses.replace(mixed, losses={"teacher_student_kl": 1.0}) == default
     lora = DistillConfig.from_dict(config(repairs["linear-distill-kl-lora"]).distill)
     assert lora.train == "lora" and dataclasses.replace(lora, train="replacements") == default
     # five times the steps and nothing else

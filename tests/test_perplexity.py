@@ -16,6 +16,7 @@ from eval.perplexity import (
     wikitext2_test_text,
 )
 from prune.errors import LayercutError
+from prune.heldout import batch_loss, packed_perplexity
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 VOCAB = 97
@@ -119,13 +120,33 @@ def test_bad_arguments(model, tokens):
 
 def test_text_perplexity_uses_the_tokenizer(model, tokens):
     class CharTokenizer:
-        def __call__(self, text, return_tensors, verbose):
-            return {"input_ids": torch.tensor([[ord(c) % VOCAB for c in text]])}
+        def __call__(self, text, add_special_tokens, verbose):
+            return {"input_ids": [ord(c) % VOCAB for c in text]}
 
     text = "".join(chr(int(t)) for t in tokens)  # ord(chr(t)) % VOCAB == t
     result = text_perplexity(model, CharTokenizer(), text, seq_len=16, progress=False)
     assert isinstance(result, PerplexityResult)
     assert result.nll == pytest.approx(perplexity(model, tokens, seq_len=16, progress=False).nll, rel=1e-12)
+
+
+@pytest.mark.parametrize(("samples", "seq_len", "batch_size"), [(6, 16, 4), (5, 9, 2), (1, 50, 4)])
+def test_packed_perplexity_is_the_stream_perplexity_and_transformers_loss(model, samples, seq_len, batch_size):
+    generator = torch.Generator().manual_seed(2)
+    rows = torch.randint(0, VOCAB, (samples, seq_len), generator=generator)  # [samples, seq_len]
+    packed = packed_perplexity(model, rows, batch_size, progress=False)
+    # one implementation: the rows end to end are a stream of non-overlapping windows
+    stream = perplexity(model, rows.reshape(-1), seq_len=seq_len, batch_size=batch_size, progress=False)
+    assert stream.tokens_scored == samples * (seq_len - 1)
+    assert packed == pytest.approx(stream.perplexity, rel=1e-12)
+    # the plain reference: transformers' own loss, what packed_perplexity and batch_loss computed before
+    total = 0.0
+    for start in range(0, samples, batch_size):
+        batch = rows[start : start + batch_size]
+        with torch.no_grad():
+            loss = float(model(input_ids=batch, labels=batch, use_cache=False).loss)
+        assert batch_loss(model, batch) == pytest.approx(loss, rel=1e-6)
+        total += loss * batch.shape[0] * (seq_len - 1)
+    assert packed == pytest.approx(math.exp(total / (samples * (seq_len - 1))), rel=1e-6)
 
 
 def test_missing_wikitext_is_a_one_line_error(tmp_path):

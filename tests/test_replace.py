@@ -38,7 +38,7 @@ def calibration(samples=16, seq=32, seed=0):
 
 def quick(method, steps=10, **kw):
     """A quiet config; ``steps`` only for the methods that train."""
-    if "steps" in get_method(method).options.accepts:
+    if "steps" in get_method(method).options.specs():
         kw["steps"] = steps
     return ReplaceConfig(method=method, progress=False, **kw)
 

@@ -50,7 +50,7 @@ def logits(model):
 
 def quick(name):
     """Defaults, except few Adam steps for the methods that train."""
-    steps = {"steps": 3} if "steps" in get_method(name).options.accepts else {}
+    steps = {"steps": 3} if "steps" in get_method(name).options.specs() else {}
     return ReplaceConfig(method=name, progress=False, **steps)
 
 

@@ -145,7 +145,7 @@ def test_distill_samples_sizes_the_distillation_text_and_keeps_the_runs_source(t
     recipe.write_text("replace: linear\ndistill: {steps: 5, data: {data: builtin, samples: 8}}\n")
     argv = ["--recipe", str(recipe), "--model", str(tiny_folder), "--drop", "1", "--data", str(text),
             "--distill-samples", "40"]
-    config = config_from_args(parser.parse_args(argv), {"recipe", "model", "drop", "data", "distill_samples"})
+    config = config_from_args(parser.parse_args(argv), {"recipe", "model", "drop", "data", "distill.data.samples"})
     resolved = step_config(config.distill, config)
     assert (resolved.steps, resolved.data.data, resolved.data.samples) == (5, "builtin", 40)
 

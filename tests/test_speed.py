@@ -11,7 +11,6 @@ from eval.speed import (
     SpeedOptions,
     Spread,
     checkpoint_bytes,
-    count_parameters,
     greedy_decode,
     ideal_speedup,
     measure_speed,
@@ -21,6 +20,7 @@ from eval.speed import (
 )
 from prune.checkpoint import load
 from prune.errors import LayercutError
+from prune.replace import parameter_count
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 VOCAB = 128
@@ -108,7 +108,7 @@ def test_measure_speed_interleaves_and_computes_ratios(monkeypatch):
     ratio = result.ratios[0]
     assert (ratio.ideal, ratio.prefill, ratio.decode) == (2.0, 2.0, 1.6)
     assert ratio.decode_paired == Spread(1.6, 1.6, 1.6, 1.6, 1.6)
-    assert ratio.params == pytest.approx(count_parameters(models["cut"]) / count_parameters(models["base"]))
+    assert ratio.params == pytest.approx(parameter_count(models["cut"]) / parameter_count(models["base"]))
     assert len(result.baseline.prefill_s) == 3
 
 
@@ -132,7 +132,7 @@ def test_sizes(tmp_path):
     on_disk = sum(p.stat().st_size for p in tmp_path.glob("*.safetensors"))
     assert checkpoint_bytes(tmp_path) == on_disk > 0
     assert checkpoint_bytes(tmp_path / "missing") is None
-    assert weights_bytes(model) >= 4 * count_parameters(model)
+    assert weights_bytes(model) >= 4 * parameter_count(model)
 
 
 def test_peak_memory_inprocess_counts_weights():
@@ -172,7 +172,7 @@ def test_folder_without_tokenizer(tmp_path):
     loaded = load(str(bare), tokenizer=str(tok_folder))
     assert loaded.source == str(bare.resolve())
     assert loaded.tokenizer("the fox")["input_ids"] == tiny_tokenizer()("the fox")["input_ids"]
-    assert count_parameters(loaded.model) == count_parameters(tiny_llama(2))
+    assert parameter_count(loaded.model) == parameter_count(tiny_llama(2))
 
 
 def test_bench_speed_cli(tmp_path, capsys):

@@ -3,10 +3,11 @@
 ``eval.lens.run`` (the CLI) builds a :class:`LensConfig` and calls :func:`run_lens`.
 
 Data split: the calibration text (``data``, default the built-in *Pride and Prejudice*) is tokenized
-in document order, joined with EOS and cut into windows of ``seq_len`` tokens. Without ``eval_data``
-the first 80% of the windows are the fit region and the last 20% the held-out region, so no token is
-in both; the fit and held-out windows are drawn from their regions with the seed. With ``eval_data``
-the fit windows come from all of ``data`` and the held-out windows from ``eval_data``.
+in document order as packed text (``prune.windows``: no special tokens, EOS after each document) and
+cut into windows of ``seq_len`` tokens. Without ``eval_data`` the first 80% of the windows are the fit
+region and the last 20% the held-out region, so no token is in both; the fit and held-out windows are
+drawn from their regions with the seed. With ``eval_data`` the fit windows come from all of ``data``
+and the held-out windows from ``eval_data``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from prune.loading import LoadedModel
 from prune.options import LoadConfig
 from prune.scores import MIN_TOKENS_PER_DIM
 from prune.stats import StateMoments, stream_moments
+from prune.windows import text_windows
 
 logger = logging.getLogger(__name__)
 
@@ -151,16 +153,9 @@ def check_lens_tokens(tokens: int, dim: int) -> None:
 
 
 def _token_windows(spec: str | None, tokenizer, config: LensConfig, limit: int) -> tuple[torch.Tensor, str]:
-    """[windows, seq_len] token ids of ``spec``'s documents in order, joined by EOS, read up to ``limit``."""
+    """[windows, seq_len] token ids of ``spec``'s documents in order, packed (EOS after each), read up to ``limit``."""
     documents, source = load_documents(spec, config.text_field)
-    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    stream: list[int] = []
-    for document in documents:
-        stream += tokenizer(document, add_special_tokens=False, verbose=False)["input_ids"] + separator
-        if len(stream) >= limit:
-            break
-    windows = len(stream) // config.seq_len
-    return torch.tensor(stream[: windows * config.seq_len], dtype=torch.long).view(windows, config.seq_len), source
+    return text_windows(tokenizer, documents, config.seq_len, limit=limit), source
 
 
 def _draw(windows: torch.Tensor, count: int, seed: int, what: str, source: str) -> torch.Tensor:

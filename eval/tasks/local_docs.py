@@ -1,13 +1,15 @@
 """Readers that turn layercut's local benchmark files into the rows lm-eval's standard tasks expect.
 
-Each ``load_<task>`` is a ``custom_dataset`` for the YAML next to it: lm-eval calls it with the task's
+Each ``load_*`` is a ``custom_dataset`` for the YAMLs next to it: lm-eval calls it with the task's
 metadata, which carries ``data_dir`` (set by ``eval.lmeval.run_lm_eval``, or on the lm-eval command line
-with ``--metadata '{"data_dir": "/path/to/data"}'``; ``$LAYERCUT_DATA`` is the fallback). Every reader
-returns the hub dataset's layout (same column names, types and split name), so the prompts, targets
-and choices are produced by the same templates and functions as lm-eval's own task.
+with ``--metadata '{"data_dir": "/path/to/data"}'``; ``$LAYERCUT_DATA`` is the fallback) and the YAML's
+``layercut`` block, whose ``files`` are what the reader reads. So a reader serves every task whose files
+have its format: a new task in a known format needs only its YAML. Every reader returns the hub dataset's
+layout (same column names, types and split name), so the prompts, targets and choices are produced by the
+same templates and functions as lm-eval's own task.
 
-The folder is laid out like layercut's ``shared/data``; ``eval.lmeval.OFFLINE_TASKS`` lists what each task reads.
-lm-eval imports this file by path, so it uses absolute imports only.
+The folder is laid out like layercut's ``shared/data``. lm-eval imports this file by path, so it uses
+absolute imports only; a YAML outside this folder names a reader ``eval.tasks.local_docs.load_*``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ def _one_split(split: str, rows: list[dict[str, Any]]) -> datasets.DatasetDict:
     return datasets.DatasetDict({split: datasets.Dataset.from_list(rows)})
 
 
+def _files(task: str | None, data_dir: str | None, layercut: dict | None) -> list[Path]:
+    """The task's files: those of its YAML's ``layercut`` block, else (a direct call) those of ``task``."""
+    if layercut is None and task is None:  # a reader shared by several tasks cannot tell whose files to read
+        raise LayercutError("this reader reads the files of its task's metadata.layercut block; call it through "
+                            "lm-eval (which passes that block) or name the files as layercut={'files': [...]}")
+    return local_data_files(task or "a task in the hub's layout", data_dir,
+                            None if layercut is None else layercut["files"])
+
+
 def _check_aligned(task: str, rows: list, labels: list, paths: list[Path]) -> None:
     if len(rows) != len(labels):
         raise LayercutError(
@@ -52,23 +63,23 @@ def _check_aligned(task: str, rows: list, labels: list, paths: list[Path]) -> No
         )
 
 
-# ------------------------------------------------------------------------------------------- ARC
-def load_arc_easy(data_dir: str | None = None, **_: Any) -> datasets.DatasetDict:
-    """ARC-Easy test rows, already in the hub's ``allenai/ai2_arc`` layout."""
-    (path,) = local_data_files("arc_easy", data_dir)
+# ------------------------------------------------------- rows already in the hub's layout (ARC)
+def load_jsonl_test(data_dir: str | None = None, layercut: dict | None = None, **_: Any) -> datasets.DatasetDict:
+    """The test split: the task's one JSON-lines file, rows already in the hub's layout (ARC's ``allenai/ai2_arc``)."""
+    (path,) = _files(None, data_dir, layercut)
     return _one_split("test", _read_jsonl(path))
 
 
-def load_arc_challenge(data_dir: str | None = None, **_: Any) -> datasets.DatasetDict:
-    """ARC-Challenge test rows, already in the hub's ``allenai/ai2_arc`` layout."""
-    (path,) = local_data_files("arc_challenge", data_dir)
-    return _one_split("test", _read_jsonl(path))
+def load_jsonl_validation(data_dir: str | None = None, layercut: dict | None = None, **_: Any) -> datasets.DatasetDict:
+    """The validation split: the task's one JSON-lines file, rows already in the hub's layout."""
+    (path,) = _files(None, data_dir, layercut)
+    return _one_split("validation", _read_jsonl(path))
 
 
 # ------------------------------------------------------------------------------------------ PIQA
-def load_piqa(data_dir: str | None = None, **_: Any) -> datasets.DatasetDict:
+def load_piqa(data_dir: str | None = None, layercut: dict | None = None, **_: Any) -> datasets.DatasetDict:
     """PIQA validation rows as ``{goal, sol1, sol2, label}`` (the hub layout), labels joined by line."""
-    paths = local_data_files("piqa", data_dir)
+    paths = _files("piqa", data_dir, layercut)
     rows, labels = _read_jsonl(paths[0]), _read_lines(paths[1])
     _check_aligned("piqa", rows, labels, paths)
     docs = [
@@ -79,16 +90,17 @@ def load_piqa(data_dir: str | None = None, **_: Any) -> datasets.DatasetDict:
 
 
 # --------------------------------------------------------------------------------------- LAMBADA
-def load_lambada_openai(data_dir: str | None = None, **_: Any) -> datasets.DatasetDict:
+def load_lambada_openai(data_dir: str | None = None, layercut: dict | None = None,
+                        **_: Any) -> datasets.DatasetDict:
     """LAMBADA (OpenAI detokenized) test rows ``{text}``, the hub's ``EleutherAI/lambada_openai`` layout."""
-    (path,) = local_data_files("lambada_openai", data_dir)
+    (path,) = _files("lambada_openai", data_dir, layercut)
     return _one_split("test", [{"text": r["text"]} for r in _read_jsonl(path)])
 
 
 # ----------------------------------------------------------------------------------------- BoolQ
-def load_boolq(data_dir: str | None = None, **_: Any) -> datasets.DatasetDict:
+def load_boolq(data_dir: str | None = None, layercut: dict | None = None, **_: Any) -> datasets.DatasetDict:
     """BoolQ validation rows with the label as 0 (false) / 1 (true), as in the hub's ``super_glue/boolq``."""
-    (path,) = local_data_files("boolq", data_dir)
+    (path,) = _files("boolq", data_dir, layercut)
     docs = [
         {"question": r["question"], "passage": r["passage"], "idx": int(r["idx"]),
          "label": int(str(r["label"]).strip().lower() == "true")}
@@ -126,9 +138,9 @@ def winogrande_row(context_options: list[str], continuation: str, answer: str) -
     }
 
 
-def load_winogrande(data_dir: str | None = None, **_: Any) -> datasets.DatasetDict:
+def load_winogrande(data_dir: str | None = None, layercut: dict | None = None, **_: Any) -> datasets.DatasetDict:
     """WinoGrande dev (winogrande_xl validation) rows in the hub layout; answers from ``dev-labels.lst``."""
-    paths = local_data_files("winogrande", data_dir)
+    paths = _files("winogrande", data_dir, layercut)
     rows, labels = _read_jsonl(paths[0]), _read_lines(paths[1])
     _check_aligned("winogrande", rows, labels, paths)
     docs = []
@@ -213,9 +225,9 @@ def hellaswag_items(text: str) -> list[dict[str, Any]]:
     return rows
 
 
-def load_hellaswag(data_dir: str | None = None, **_: Any) -> datasets.DatasetDict:
+def load_hellaswag(data_dir: str | None = None, layercut: dict | None = None, **_: Any) -> datasets.DatasetDict:
     """HellaSwag validation rows in the hub layout, parsed from ``hellaswag_val_full.txt``."""
-    (path,) = local_data_files("hellaswag", data_dir)
+    (path,) = _files("hellaswag", data_dir, layercut)
     return _one_split("validation", hellaswag_items(path.read_text(encoding="utf-8")))
 
 

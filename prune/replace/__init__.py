@@ -25,9 +25,10 @@ and every ``layer_idx`` / KV-cache slot stays valid. ``prune.checkpoint`` saves 
 checkpoint and ``prune.load`` puts them back.
 
 A new method is one module in this folder that registers a :class:`Method` (``register_method``):
-every module here that is not a shared one is imported, so it registers itself. Shared modules
-(``registry``, ``config``, ``capture``, ``fitter``, ``modules``, ``driver``) never import a method
-module.
+every module here that is not a shared one is imported, so it registers itself. Its options are the
+fields of its :class:`MethodOptions` subclass (``options.py``): ``prune.run``'s flags and a recipe's
+``replace:`` keys come from them, so a new option is one field. Shared modules (``registry``,
+``options``, ``config``, ``capture``, ``fitter``, ``modules``, ``driver``) never import a method module.
 """
 
 import importlib
@@ -47,18 +48,22 @@ from prune.replace.driver import (
 )
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import ReplacedBlock, parameter_count
+from prune.replace.options import MethodOptions, OptionSpec, option
 from prune.replace.registry import (
     FITS,
     METHODS,
-    REPLACEMENTS,
     Method,
-    MethodOptions,
     describe_replacement,
     get_method,
     method_for_module,
+    neutral_options,
+    option_specs,
+    option_takers,
     record_method,
     register_method,
+    resolve_options,
     unregister_method,
+    unset_options,
 )
 from prune.surgery import block_layout, replacement_records
 
@@ -69,7 +74,7 @@ from prune.replace import none, linear, lowrank, fold, block  # noqa: F401
 from prune.replace.linear import LinearMap
 from prune.replace.lowrank import LowRankMap, default_rank
 
-SHARED_MODULES = ("registry", "config", "capture", "fitter", "modules", "driver")
+SHARED_MODULES = ("registry", "options", "config", "capture", "fitter", "modules", "driver")
 for _module in pkgutil.iter_modules(__path__):
     if _module.name not in SHARED_MODULES:
         importlib.import_module(f"{__name__}.{_module.name}")  # a method added as one new file registers here
@@ -79,11 +84,11 @@ __all__ = [
     "SHARED_MODULES",
     "FITS",
     "METHODS",
-    "REPLACEMENTS",
     "LinearMap",
     "LowRankMap",
     "Method",
     "MethodOptions",
+    "OptionSpec",
     "PairAccumulator",
     "ReplaceConfig",
     "ReplacedBlock",
@@ -100,12 +105,18 @@ __all__ = [
     "get_method",
     "install_replacements_",
     "method_for_module",
+    "neutral_options",
+    "option",
+    "option_specs",
+    "option_takers",
     "parameter_count",
     "record_method",
     "register_method",
     "replace_blocks_",
     "replacement_modules",
     "replacement_records",
+    "resolve_options",
     "spans_of",
     "unregister_method",
+    "unset_options",
 ]

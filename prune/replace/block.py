@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -19,16 +18,16 @@ from prune.hf_remote_code import float_param
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement
 from prune.replace.modules import parameter_count
-from prune.replace.registry import Method, MethodOptions, register_method
+from prune.replace.options import MethodOptions, lr_option, steps_option
+from prune.replace.registry import Method, register_method
 
 
 @dataclass
 class BlockOptions(MethodOptions):
     """``block`` trains: 200 Adam steps at lr 1e-4 by default."""
 
-    accepts: ClassVar[tuple[str, ...]] = ("steps", "lr")
-    default_steps: ClassVar[int] = 200
-    default_lr: ClassVar[float] = 1e-4
+    steps: int = steps_option(200)
+    lr: float = lr_option(1e-4)
 
 
 class BlockFitter(CachingFitter):

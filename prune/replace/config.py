@@ -2,31 +2,30 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
 
 from prune.errors import LayercutError
-from prune.replace.registry import FITS, METHODS, get_method
+from prune.replace.options import MethodOptions
+from prune.replace.registry import FITS, METHODS, get_method, option_specs, resolve_options, unset_options
 
 # Bound on the captured (input, target) pairs kept for Adam; beyond it only the first batches are used.
 DEFAULT_CACHE_BYTES = 1 << 30
 
 
-@dataclass
+@dataclass(init=False)
 class ReplaceConfig:
-    """How removed blocks are replaced.
+    """How removed blocks are replaced: the settings below, and the options of ``method``.
+
+    Any other keyword (a recipe's ``replace:`` key) is an option of the method, a field of its
+    :class:`~prune.replace.options.MethodOptions` (``rank=8``, ``update_scale=0.5``); ``options`` holds
+    them resolved, the method's defaults filled in. An option reads as an attribute too
+    (``config.update_scale``): the method's value, or the option's unset value when the method does not
+    take it (``prune.replace.registry.unset_options``).
 
     Attributes:
-        method: a registered method (``prune.replace.METHODS``: none | linear | lowrank | fold | block).
+        method: a registered method (``prune.replace.METHODS``: none | linear | lowrank | fold | block | ...).
         fit: independent (original model's inputs) | sequential (the surgered model's inputs).
-        rank: rank of ``lowrank`` maps; None = ``max(1, d // 100)``.
-        ridge: ridge of the closed-form fits, relative to the mean diagonal of the input Gram (0 = pseudo-inverse).
-        update_scale: the share of the fitted update ``f(h) - h`` that a ``linear`` or ``fold`` map applies
-            (1: least squares; towards 0: removal); None = the method's default, 0.7 for both. The
-            least-squares map is the best in the residual stream's own squared error, not at the logits (see
-            :class:`~prune.replace.linear.LinearOptions`).
-        steps: Adam steps for ``lowrank`` (after its closed-form start) and ``block``; 0 skips training;
-            None = the method's default.
-        lr: Adam learning rate for those steps; None = the method's default.
         short: also fit on the calibration tokens cut into sequences of this many tokens (0: off; None:
             the method's default, 64 for ``linear``, else 0). Task prompts are short: their states are
             those of early positions, which long calibration sequences hold few of (on SmolLM2 a
@@ -36,35 +35,60 @@ class ReplaceConfig:
         cache_bytes: most bytes of captured activations kept for the Adam steps.
         seed: seeds the Adam batch order.
         progress: show tqdm bars.
+        options: the method's options, resolved (given as a mapping or the method's options object,
+            the option keywords win over it).
     """
 
     method: str = "linear"
     fit: str = "independent"
-    rank: int | None = None
-    ridge: float = 0.0
-    steps: int | None = None
-    lr: float | None = None
-    update_scale: float | None = None
     short: int | None = None
     batch_size: int = 4
     cache_bytes: int = DEFAULT_CACHE_BYTES
     seed: int = 0
     progress: bool = True
+    options: MethodOptions = field(default_factory=MethodOptions)
 
-    def __post_init__(self):
+    def __init__(self, **values: Any):
+        settings = {item.name: item for item in fields(ReplaceConfig)}
+        for name, item in settings.items():
+            default = item.default_factory() if item.default is MISSING else item.default
+            setattr(self, name, values.pop(name, default))
+        given = self.options.values() if isinstance(self.options, MethodOptions) else dict(self.options or {})
+        self._resolve({**given, **values})
+
+    def _resolve(self, given: dict) -> None:
         spec = get_method(self.method)
         if self.fit not in FITS:
             raise LayercutError(f"unknown --fit '{self.fit}': choose one of {', '.join(FITS)}")
         if self.fit not in spec.fits:
             takers = "|".join(m.name for m in METHODS.values() if self.fit in m.fits)
             raise LayercutError(f"--fit {self.fit} applies to replacements: pass --replace {takers}")
-        options = spec.options(self.method, rank=self.rank, ridge=self.ridge, steps=self.steps, lr=self.lr,
-                               update_scale=self.update_scale)
-        for name, value in options.values().items():
-            setattr(self, name, value)
+        self.options = resolve_options(spec, given)
         if self.short is None:
             self.short = spec.options.default_short
         if not isinstance(self.short, int) or self.short < 0 or self.short == 1:
             raise LayercutError(f"--fit-short takes a sequence length of at least 2 (0: off), got {self.short}")
         if self.batch_size <= 0:
             raise LayercutError(f"--batch-size must be positive, got {self.batch_size}")
+
+    def __getattr__(self, name: str) -> Any:
+        # only reached for names that are not attributes: the options, flat, as the fitters read them
+        if name.startswith("__"):
+            raise AttributeError(name)
+        options = self.__dict__.get("options")
+        if isinstance(options, MethodOptions) and name in options.specs():
+            return getattr(options, name)
+        unset = unset_options()
+        if name in unset:
+            return unset[name]
+        raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
+
+    @classmethod
+    def recipe_keys(cls) -> list[str]:
+        """The keys a recipe's ``replace:`` section may hold: the settings and every registered method option."""
+        return [item.name for item in fields(cls)] + list(option_specs())
+
+    def to_dict(self) -> dict:
+        """Flat JSON-ready view: the settings and every registered option (unset where the method does not take it)."""
+        settings = {item.name: getattr(self, item.name) for item in fields(self) if item.name != "options"}
+        return {**settings, **unset_options(), **self.options.values()}

@@ -16,7 +16,6 @@ rate were not tuned here. (``fold`` solves the less constrained ``W'`` directly,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -26,16 +25,17 @@ from prune.adapters import arch_spec
 from prune.replace.capture import Recorder, SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement, WeightPatch
 from prune.replace.fold import check_fold_architecture, check_foldable, mlp_output_projection
-from prune.replace.registry import Method, MethodOptions, register_method
+from prune.replace.options import MethodOptions, lr_option, ridge_option, steps_option
+from prune.replace.registry import Method, register_method
 
 
 @dataclass
 class CosineOptions(MethodOptions):
-    """``cosine`` reads ``ridge``, ``steps`` (0: the least-squares ``T`` only) and ``lr``."""
+    """``cosine`` takes ``ridge``, ``steps`` (0: the least-squares ``T`` only) and ``lr``."""
 
-    accepts: ClassVar[tuple[str, ...]] = ("ridge", "steps", "lr")
-    default_steps: ClassVar[int] = 100
-    default_lr: ClassVar[float] = 1e-4
+    ridge: float = ridge_option()
+    steps: int = steps_option(100)
+    lr: float = lr_option(1e-4)
 
 
 def cosine_distance(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

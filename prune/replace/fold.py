@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -30,7 +29,8 @@ from prune.errors import LayercutError
 from prune.linear_fit import LinearFit, fit_linear_map, scale_update
 from prune.replace.capture import PairAccumulator, Recorder, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
-from prune.replace.registry import Method, MethodOptions, register_method
+from prune.replace.options import MethodOptions, ridge_option, update_scale_option
+from prune.replace.registry import Method, register_method
 from prune.stats import PairMoments
 
 
@@ -92,7 +92,7 @@ def check_foldable(model: nn.Module, spans: Sequence[tuple[int, ...]]) -> None:
 
 @dataclass
 class FoldOptions(MethodOptions):
-    """``fold`` reads ``ridge`` and ``update_scale``; it applies 0.7 of its fitted update unless told otherwise.
+    """``fold`` takes ``ridge`` and ``update_scale``; it applies 0.7 of its fitted update unless told otherwise.
 
     It overshoots as ``linear`` does. On SmolLM2-135M's selection split 0.7 beat the whole fit at both
     drops (geometric-mean perplexity relative to removal 0.830 against 0.847 at drop 4, 0.872 against 1.155
@@ -100,8 +100,8 @@ class FoldOptions(MethodOptions):
     at drop 8), so one default is a compromise that is never worse than least squares there.
     """
 
-    accepts: ClassVar[tuple[str, ...]] = ("ridge", "update_scale")
-    default_update_scale: ClassVar[float] = 0.7
+    ridge: float = ridge_option()
+    update_scale: float = update_scale_option(0.7)
 
 
 class FoldFitter(SpanFitter):

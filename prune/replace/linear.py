@@ -12,7 +12,8 @@ from prune.linear_fit import LinearFit, fit_linear_map, scale_update
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import map_on_block, parameter_count
-from prune.replace.registry import Method, MethodOptions, register_method
+from prune.replace.options import MethodOptions, ridge_option, update_scale_option
+from prune.replace.registry import Method, register_method
 from prune.stats import PairMoments
 
 
@@ -27,7 +28,7 @@ def linear_map_from_fit(fit: LinearFit, dtype: torch.dtype, device: torch.device
 
 @dataclass
 class LinearOptions(MethodOptions):
-    """``linear`` reads ``ridge`` and ``update_scale``; by default it also fits 64-token sequences and applies 0.7.
+    """``linear`` takes ``ridge`` and ``update_scale``; by default it also fits 64-token sequences and applies 0.7.
 
     Both were chosen on SmolLM2-135M (blocks 12-15 and 12-19) on text and task prompts that no reported
     figure reads (the selection split of ``reports/smollm2-135m-distill-data/selection.py``). 64 against 0
@@ -36,9 +37,10 @@ class LinearOptions(MethodOptions):
     lowest geometric-mean perplexity over the seven at both drops (``reports/smollm2-135m-mapfit/``).
     """
 
-    accepts: ClassVar[tuple[str, ...]] = ("ridge", "update_scale")
+    ridge: float = ridge_option()
+    update_scale: float = update_scale_option(0.7)
+
     default_short: ClassVar[int] = 64
-    default_update_scale: ClassVar[float] = 0.7
 
 
 class LinearFitter(SpanFitter):

@@ -25,7 +25,8 @@ from prune.hf_remote_code import LinearMap
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import map_on_block, parameter_count
-from prune.replace.registry import Method, MethodOptions, register_method
+from prune.replace.options import MethodOptions
+from prune.replace.registry import Method, register_method
 
 
 def orthonormal_hadamard(dim: int, seed: int = 0) -> torch.Tensor:

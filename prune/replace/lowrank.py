@@ -11,7 +11,6 @@ at lr 1e-2 to get there (42.22).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
@@ -20,7 +19,8 @@ from prune.linear_fit import fit_linear_map
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement
 from prune.replace.modules import map_on_block, parameter_count
-from prune.replace.registry import Method, MethodOptions, params_added, register_method
+from prune.replace.options import MethodOptions, lr_option, option, ridge_option, steps_option
+from prune.replace.registry import Method, params_added, register_method
 from prune.stats import PairMoments
 
 
@@ -31,11 +31,14 @@ def default_rank(dim: int) -> int:
 
 @dataclass
 class LowRankOptions(MethodOptions):
-    """``lowrank`` reads every option: 100 Adam steps at lr 1e-3 after its closed-form start."""
+    """``lowrank`` takes a rank, a ridge, and 100 Adam steps at lr 1e-3 after its closed-form start."""
 
-    accepts: ClassVar[tuple[str, ...]] = ("rank", "ridge", "steps", "lr")
-    default_steps: ClassVar[int] = 100
-    default_lr: ClassVar[float] = 1e-3
+    rank: int | None = option(None, "rank of the low-rank maps", flag="--rank", type=int, metavar="R",
+                              check=lambda v: isinstance(v, int) and v > 0, expect="must be a positive integer",
+                              default_help="max(1, hidden // 100)")
+    ridge: float = ridge_option()
+    steps: int = steps_option(100)
+    lr: float = lr_option(1e-3)
 
 
 def reduced_rank_fit(moments: PairMoments, rank: int, ridge: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:

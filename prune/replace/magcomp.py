@@ -29,7 +29,8 @@ from prune.errors import LayercutError
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.fold import mlp_output_projection
-from prune.replace.registry import Method, MethodOptions, register_method
+from prune.replace.options import MethodOptions
+from prune.replace.registry import Method, register_method
 
 # Names of the attention output projection, relative to the attention module (llama-like, OPT, GPT-2, NeoX).
 ATTENTION_OUTPUT_NAMES = ("o_proj", "out_proj", "c_proj", "dense")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prune.replace.registry import Method, MethodOptions, register_method
+from prune.replace.options import MethodOptions
+from prune.replace.registry import Method, register_method
 
 
 @dataclass

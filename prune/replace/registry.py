@@ -3,91 +3,28 @@
 A method module builds one :class:`Method` and calls :func:`register_method` once. Everything else
 (the driver, ``prune.checkpoint``, the CLIs, the benchmarks) asks the registry and never names a
 method, so a new method is one module plus its test.
+
+The options of the methods are the fields of their :class:`~prune.replace.options.MethodOptions`
+subclasses; :func:`option_specs` is their union, from which ``prune.run`` makes its flags and
+:class:`~prune.replace.config.ReplaceConfig` takes a recipe's keys, so a new option is one field.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from prune.errors import LayercutError
+from prune.registry import Registry
+from prune.replace.options import NO_NEUTRAL, MethodOptions, OptionSpec, is_unset
 
 if TYPE_CHECKING:
     from prune.replace.fitter import SpanFitter
 
 FITS = ("independent", "sequential")
-# How each generic option is spelled where the user sets it, for the error messages.
-OPTION_FLAGS = {"rank": "--rank", "ridge": "--ridge", "steps": "--replace-steps", "lr": "replacement lr",
-                "update_scale": "--update-scale"}
-# The value of each generic option that means "not given": a method that does not take the option accepts it.
-UNSET = {"rank": None, "ridge": 0.0, "steps": None, "lr": None, "update_scale": None}
-
-
-@dataclass
-class MethodOptions:
-    """The generic replacement options as one method takes them; a method subclasses it.
-
-    Subclasses set the class variables: ``accepts`` (the options the method reads; any other one must
-    stay unset), ``default_steps``, ``default_lr`` and ``default_update_scale`` (filled in when the option
-    is accepted and not given), ``default_short`` (the ``--fit-short`` length when none is given; 0: off).
-
-    Attributes:
-        method: the method's name (for the messages).
-        rank: rank of a low-rank map; None = the method's default.
-        ridge: ridge of a closed-form fit, relative to the mean diagonal of the input Gram.
-        steps: Adam steps; None = ``default_steps``.
-        lr: Adam learning rate; None = ``default_lr``.
-        update_scale: the share of a closed-form map's fitted update ``f(h) - h`` that it applies: 1 is
-            the least-squares map, towards 0 it approaches removal of the span; None = ``default_update_scale``.
-    """
-
-    method: str
-    rank: int | None = None
-    ridge: float = 0.0
-    steps: int | None = None
-    lr: float | None = None
-    update_scale: float | None = None
-
-    accepts: ClassVar[tuple[str, ...]] = ()
-    default_short: ClassVar[int] = 0
-    default_steps: ClassVar[int] = 0
-    default_lr: ClassVar[float] = 1e-3
-    default_update_scale: ClassVar[float] = 1.0
-
-    def __post_init__(self):
-        if self.rank is not None and (not isinstance(self.rank, int) or self.rank <= 0):
-            raise LayercutError(f"--rank must be a positive integer, got {self.rank}")
-        if not (math.isfinite(self.ridge) and self.ridge >= 0):
-            raise LayercutError(f"--ridge must be a finite number >= 0, got {self.ridge}")
-        if self.steps is not None and self.steps < 0:
-            raise LayercutError(f"--replace-steps must be >= 0, got {self.steps}")
-        if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
-            raise LayercutError(f"replacement lr must be a positive number, got {self.lr}")
-        if self.update_scale is not None and not (isinstance(self.update_scale, (int, float))
-                                                  and 0 < self.update_scale <= 1):
-            raise LayercutError(f"--update-scale takes a share in (0, 1] (1: the fitted map; for 0 remove the blocks, "
-                                f"--replace none), got {self.update_scale}")
-        for name, unset in UNSET.items():
-            if name not in self.accepts and getattr(self, name) != unset:
-                takers = ", ".join(m.name for m in METHODS.values() if name in m.options.accepts)
-                flag = OPTION_FLAGS[name]
-                raise LayercutError(f"{flag} applies to --replace {takers} only (got --replace {self.method}); "
-                                    f"drop {flag}")
-        # defaults only for what the method reads: a resolved config validates again unchanged
-        if "steps" in self.accepts and self.steps is None:
-            self.steps = self.default_steps
-        if "lr" in self.accepts and self.lr is None:
-            self.lr = self.default_lr
-        if "update_scale" in self.accepts and self.update_scale is None:
-            self.update_scale = self.default_update_scale
-
-    def values(self) -> dict:
-        """The generic options (without ``method``)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "method"}
 
 
 def params_added(record: dict) -> str:
@@ -142,26 +79,33 @@ class Method:
 
 
 # name -> Method, in registration order (the order --help and error messages list them in)
-METHODS: dict[str, Method] = {}
-# The name prune.run's --replace help and older callers know the registry by.
-REPLACEMENTS = METHODS
+METHODS: Registry[Method] = Registry("replacement")
 
 
 def register_method(method: Method) -> Method:
     """Make ``method`` available by its name; returns it.
 
     Raises:
-        ValueError: a method of that name is already registered.
+        ValueError: a method of that name is already registered, or one of its options is declared
+            with another flag, label, type, unset or neutral value than the registered methods taking it.
     """
-    if method.name in METHODS:
-        raise ValueError(f"replacement method '{method.name}' is already registered")
-    METHODS[method.name] = method
-    return method
+    known = option_specs()
+    for name, spec in method.options.specs().items():
+        if name in known and _shown(spec) != _shown(known[name]):
+            raise ValueError(f"method {method.name}: option '{name}' differs from the one of --replace "
+                             f"{', '.join(option_takers(name))} (flag, label, type, unset or neutral value): "
+                             "declare it the same way (prune.replace.options has makers for shared options)")
+    return METHODS.register(method.name, method)
+
+
+def _shown(spec: OptionSpec) -> tuple:
+    # what must agree between methods taking one option: the flag and recipe key read it once for all of them
+    return spec.flag, spec.label, spec.type, spec.unset, spec.neutral
 
 
 def unregister_method(name: str) -> None:
     """Undo :func:`register_method` (tests)."""
-    METHODS.pop(name, None)
+    METHODS.unregister(name)
 
 
 def get_method(name: str) -> Method:
@@ -170,9 +114,78 @@ def get_method(name: str) -> Method:
     Raises:
         LayercutError: no such method; the message lists the known ones.
     """
-    if name not in METHODS:
-        raise LayercutError(f"unknown replacement '{name}': choose one of {', '.join(METHODS)}")
-    return METHODS[name]
+    return METHODS.get(name)
+
+
+def option_specs() -> dict[str, OptionSpec]:
+    """Every option of the registered methods -> its :class:`OptionSpec`, in order of first declaration.
+
+    These are ``prune.run``'s option flags and the option keys of a recipe's ``replace:`` section.
+    """
+    specs: dict[str, OptionSpec] = {}
+    for method in METHODS.values():
+        for name, spec in method.options.specs().items():
+            specs.setdefault(name, spec)
+    return specs
+
+
+def option_takers(name: str) -> list[str]:
+    """The registered methods that take the option ``name``."""
+    return [method.name for method in METHODS.values() if name in method.options.specs()]
+
+
+def unset_options() -> dict[str, object]:
+    """Option name -> the value that means "not given" (what a method that does not take it reads)."""
+    return {name: spec.unset for name, spec in option_specs().items()}
+
+
+def neutral_options() -> dict[str, tuple]:
+    """Option name -> the values at which it does what was done before it existed: ``(unset, neutral)``.
+
+    Only options added after results were recorded have them (``{"update_scale": (None, 1.0)}``): a
+    method that does not take the option reads it as unset, one that does behaves as before at the
+    neutral value. ``eval.compare`` leaves an option at these values out of its digests.
+    """
+    return {name: (spec.unset, spec.neutral) for name, spec in option_specs().items() if spec.neutral is not NO_NEUTRAL}
+
+
+def describe_option(name: str) -> str:
+    """``--help`` of the option ``name``: its help, the methods taking it and their defaults."""
+    spec = option_specs()[name]
+    takers = option_takers(name)
+    defaults = {method: METHODS[method].options.defaults()[name] for method in takers}
+    if spec.default_help is not None:
+        default = spec.default_help
+    elif len(set(map(repr, defaults.values()))) == 1:
+        default = f"{next(iter(defaults.values())):g}"
+    else:
+        default = ", ".join(f"{method} {value:g}" for method, value in defaults.items())
+    return f"{spec.help} (--replace {', '.join(takers)}; default: {default})"
+
+
+def resolve_options(method: Method, given: dict) -> MethodOptions:
+    """``method``'s options from the ``given`` ones (a flag or recipe key each), its defaults for the rest.
+
+    A value equal to the option's unset value counts as not given.
+
+    Raises:
+        LayercutError: an unknown option, a value its check refuses, or an option ``method`` does not
+            take (the one-line message names the methods that take it).
+    """
+    specs = option_specs()
+    unknown = sorted(set(given) - set(specs))
+    if unknown:
+        raise LayercutError(f"unknown replacement option(s) {', '.join(unknown)}; known: {', '.join(specs)}")
+    given = {name: value for name, value in given.items() if not is_unset(value, specs[name])}
+    for name, value in given.items():  # every value first: a bad one is named even where it does not apply
+        specs[name].validate(value)
+    takes = method.options.specs()
+    for name in given:
+        if name not in takes:
+            label = specs[name].name_in_messages
+            raise LayercutError(f"{label} applies to --replace {', '.join(option_takers(name))} only (got --replace "
+                                f"{method.name}); drop {label}")
+    return method.options(**given)
 
 
 def record_method(record: dict) -> str:

@@ -38,25 +38,23 @@ Writes ``results.json`` and ``README.md`` to ``--out``.
 
 from __future__ import annotations
 
-import argparse
+import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from prune.adapters import get_blocks, input_device, num_blocks
+from prune.adapters import get_blocks, input_device
 from prune.capture import block_input, block_output, hooks_held, residual_states, with_block_output
-from prune.data import DataConfig, calibration_data, load_documents
-from prune.errors import LayercutError, cli_entry
-from prune.export import atomic_directory, check_output_dir, write_json
+from prune.data import load_documents
+from prune.errors import LayercutError
 from prune.linear_fit import LinearFit, fit_linear_map, scale_update
-from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
+from prune.perplexity import target_nll
 from prune.replace.capture import PairAccumulator
-from prune.replace.driver import short_windows
 from prune.stats import PairMoments
+from prune.windows import encode, text_windows
 
 MASSIVE = 10.0  # a token is "massive" when its input norm exceeds this many times the median
 EARLY = 32  # predictions from positions below this are "early": most of a short prompt's, few of a long text's
@@ -202,10 +200,10 @@ def logit_report(model, sequences: list[torch.Tensor], span: tuple[int, int], fi
             sums[name]["kl"] += float(kl.sum())
             sums[name]["kl_early"] += float(kl[:, :EARLY].sum())
             sums[name]["agree"] += int((logp.argmax(-1) == reference.argmax(-1)).sum())
-            sums[name]["nll"] -= float(logp.gather(-1, target.unsqueeze(-1)).sum())
+            sums[name]["nll"] += float(target_nll(logp, target).sum())
     late = tokens - early
     report = {name: {"kl": s["kl"] / tokens, "top1_agreement": s["agree"] / tokens,
-                     "ppl": float(torch.tensor(s["nll"] / tokens).exp()), "tokens": tokens,
+                     "ppl": math.exp(s["nll"] / tokens), "tokens": tokens,
                      "kl_early": s["kl_early"] / early, "kl_late": (s["kl"] - s["kl_early"]) / late if late else None,
                      "early_tokens": early}
               for name, s in sums.items()}
@@ -218,21 +216,22 @@ def logit_report(model, sequences: list[torch.Tensor], span: tuple[int, int], fi
 
 
 def text_sequences(tokenizer, spec: str, seq_len: int, max_tokens: int) -> tuple[list[torch.Tensor], str]:
-    """One text as sequences: windows of ``seq_len`` (one document) or one per document (several)."""
+    """One text as sequences: windows of ``seq_len`` (one document) or one per document (several).
+
+    Tokenized with the tokenizer's special tokens (``special_tokens=True`` in ``prune.windows``: BOS
+    first for Llama-family tokenizers), as the ``--heldout`` figures in reports were measured; the
+    calibration sequences beside them are packed text, without.
+    """
     documents, source = load_documents(spec, flag="--heldout")
-    sequences, total = [], 0
     if len(documents) == 1:
-        ids = torch.tensor(tokenizer(documents[0])["input_ids"], dtype=torch.long)
-        for start in range(0, ids.numel() - seq_len + 1, seq_len):
-            if total >= max_tokens:
-                break
-            sequences.append(ids[start : start + seq_len])
-            total += seq_len
+        windows = text_windows(tokenizer, documents, seq_len, special_tokens=True)  # [windows, seq_len]
+        sequences = list(windows[: -(-max_tokens // seq_len)])  # whole windows until max_tokens is reached
     else:
+        sequences, total = [], 0
         for document in documents:
             if total >= max_tokens:
                 break
-            ids = torch.tensor(tokenizer(document)["input_ids"][:seq_len], dtype=torch.long)
+            ids = torch.tensor(encode(tokenizer, document, special_tokens=True)[:seq_len], dtype=torch.long)
             if ids.numel() >= 2:
                 sequences.append(ids)
                 total += ids.numel()
@@ -291,109 +290,6 @@ def error_report(fit: LinearFit | None, data: Captured, massive_norm: float) -> 
             "massive_tokens": int(massive.sum())}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``eval.mapfit`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m eval.mapfit", description=__doc__.split("\n")[0])
-    add_load_arguments(parser)
-    parser.add_argument("--span", required=True, help="the removed blocks, first-last (12-15) or one (12)")
-    parser.add_argument("--data", default=None, help="calibration text, as prune.run's --data (default: prune.run's)")
-    parser.add_argument("--samples", type=int, default=32, help="calibration sequences (default: 32)")
-    parser.add_argument("--heldout-samples", type=int, default=8,
-                        help="calibration held-out sequences, measured as a text of their own (default: 8)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per sequence (default: 512)")
-    parser.add_argument("--heldout", default=None,
-                        help="other texts, NAME=FILE comma list (.txt: windows; .jsonl: one sequence per document)")
-    parser.add_argument("--heldout-tokens", type=int, default=4096, help="tokens read per --heldout text")
-    parser.add_argument("--skip", default="1,4", help="ls-skip-N variants, comma list of N (default: 1,4)")
-    parser.add_argument("--shrink", default="0.01,0.1,1", help="shrink-R variants, comma list of R")
-    parser.add_argument("--update-scale", default="",
-                        help="<fit>*S variants: a share S of the least-squares map's update, comma list of S in (0, 1) "
-                             "(as --replace linear --update-scale S; default: none)")
-    parser.add_argument("--short", type=int, default=0,
-                        help="also fit ls-short-N (the calibration cut into N-token sequences) and ls-mixed-N "
-                             "(both cuts pooled); 0: off")
-    parser.add_argument("--grad-weight", action="store_true",
-                        help="also fit <fit>-grad and <fit>-grad-sqrt: least squares with each calibration token "
-                             "weighted by how much the original model's next-token loss moves with the span's "
-                             "output (squared gradient norm; -sqrt: its norm)")
-    parser.add_argument("--logits", action="store_true",
-                        help="also run the whole model with each variant in the span's place: KL from the "
-                             "original's next-token distribution, top-1 agreement and perplexity per text")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
-    parser.add_argument("--out", required=True, help="folder for results.json and README.md")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
-    add_threads_argument(parser)
-    return parser
-
-
-def _numbers(text: str, kind, flag: str) -> list:
-    try:
-        return [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise LayercutError(f"{flag} takes a comma list of numbers, got '{text}'") from None
-
-
-def run(args: argparse.Namespace) -> dict:
-    """Capture, fit every variant on calibration, measure on every text; the results."""
-    skips = _numbers(args.skip, int, "--skip")
-    shrinks = _numbers(args.shrink, float, "--shrink")
-    scales = _numbers(args.update_scale, float, "--update-scale")
-    if any(not 0 < skip < args.seq_len for skip in skips):
-        raise LayercutError(f"--skip takes position counts from 1 to {args.seq_len - 1} (--seq-len), got '{args.skip}'")
-    if args.short and not 2 <= args.short < args.seq_len:
-        raise LayercutError(f"--short takes a sequence length from 2 to {args.seq_len - 1} (below --seq-len), "
-                            f"got {args.short}")
-    if any(not 0 < scale < 1 for scale in scales):
-        raise LayercutError(f"--update-scale takes shares between 0 and 1 (1 is the fit itself), "
-                            f"got '{args.update_scale}'")
-    if any(not ridge > 0 for ridge in shrinks):
-        raise LayercutError(f"--shrink takes ridges above 0 (0 is plain least squares, ls), got '{args.shrink}'")
-    heldout = [item.partition("=") for item in (args.heldout.split(",") if args.heldout else [])]
-    names = [name for name, _, _ in heldout]
-    for name, sep, spec in heldout:
-        if not sep or not name or not spec:
-            raise LayercutError("--heldout takes NAME=FILE entries, e.g. novel=emma.txt,arc=arc_prompts.jsonl")
-        if name in ("calibration", "calibration held-out") or names.count(name) > 1:
-            raise LayercutError(f"--heldout names '{name}' twice or as the calibration text: name it apart")
-        load_documents(spec, flag="--heldout")  # a bad file fails before the model loads
-    loaded = load_config_from_args(args).load()
-    model, tokenizer = loaded.model, loaded.tokenizer
-    span = parse_span(args.span, num_blocks(model))
-    data = calibration_data(tokenizer, DataConfig(data=args.data, samples=args.samples, seq_len=args.seq_len,
-                                                  heldout_samples=args.heldout_samples), model=model)
-    texts = {"calibration": list(data.token_ids)}
-    if data.heldout_ids is not None and data.heldout_ids.numel():
-        texts["calibration held-out"] = list(data.heldout_ids)
-    sources = {"calibration": data.source, "calibration held-out": f"{data.source} (held-out sequences)"}
-    for name, _, spec in heldout:
-        texts[name], sources[name] = text_sequences(tokenizer, spec, args.seq_len, args.heldout_tokens)
-    captured = {name: capture(model, seqs, span, args.batch_size) for name, seqs in texts.items()}
-    cal = captured["calibration"]
-    massive_norm = MASSIVE * float(cal.x.norm(dim=1).median())
-    short = None
-    if args.short:
-        windows = list(short_windows(data.token_ids, args.short))  # the cut --fit-short feeds the fit
-        short_batch = max(args.batch_size, args.batch_size * args.seq_len // args.short)
-        short = (args.short, capture(model, windows, span, short_batch))
-    sensitivity = None
-    if args.grad_weight:
-        parts = [token_sensitivity(model, texts["calibration"], span, args.batch_size)]
-        if short is not None:
-            parts.append(token_sensitivity(model, windows, span, short_batch))
-        sensitivity = torch.cat(parts)
-    fits = fit_variants(cal, skips, shrinks, short, scales, sensitivity)
-    table = {name: {"removal": error_report(None, data_, massive_norm),
-                    **{variant: error_report(fit, data_, massive_norm) for variant, fit in fits.items()}}
-             for name, data_ in captured.items()}
-    results = {"model": args.model, "span": list(span), "sources": sources, "massive_norm": massive_norm,
-               "errors": table}
-    if args.logits:
-        variants = {"removal": None, **fits}
-        results["logits"] = {name: logit_report(model, seqs, span, variants, args.batch_size)
-                             for name, seqs in tqdm(texts.items(), desc="logits", unit="text")}
-    return results
-
-
 def markdown(results: dict) -> str:
     """README.md: relative error per variant and text, then where each text's error sits."""
     texts = list(results["errors"])
@@ -442,25 +338,3 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
-@cli_entry
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    apply_threads(args)
-    check_output_dir(args.out, args.overwrite)  # before any work, not after it
-    results = run(args)
-    with atomic_directory(args.out, overwrite=args.overwrite) as staging:
-        write_json(staging / "results.json", results)
-        (staging / "README.md").write_text(markdown(results), encoding="utf-8")
-    print(markdown(results))
-    print(f"wrote {Path(args.out)}/")
-    return 0
-
-
-def console_main() -> None:
-    """Console-script entry point."""
-    raise SystemExit(main())
-
-
-if __name__ == "__main__":
-    console_main()

@@ -1,0 +1,108 @@
+"""Tables read from finished measurements: paired gaps across comparisons, HellaSwag by source, the best share."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from eval.compare.stats import gap_stderr, task_figures
+from eval.lmeval import task_rows
+from eval.tasks.local_docs import hellaswag_items
+from prune.errors import LayercutError
+
+TASK_SETS = (("arc_easy", "hellaswag", "piqa", "lambada_openai"), ("arc_easy", "hellaswag", "piqa"))
+# eval.mapfit --update-scale's variant names and the share of the least-squares update each applies
+SHARES = {"removal": 0.0, "ls-mixed-64*0.3": 0.3, "ls-mixed-64*0.5": 0.5, "ls-mixed-64*0.7": 0.7, "ls-mixed-64": 1.0}
+NEAR = ("ls-mixed-64*0.5", "ls-mixed-64*0.7", "ls-mixed-64")
+
+
+def paired_gaps(specs: Sequence[str], task_sets: Sequence[Sequence[str]] = TASK_SETS) -> list[str]:
+    """Retention of rows of several ``eval.compare`` results and their paired gaps to the first (the baseline).
+
+    Args:
+        specs: ``FILE::CELL`` each, the first the baseline.
+        task_sets: the task sets to compute retention over (every task counted).
+
+    Raises:
+        LayercutError: a file's dense model answered the task rows otherwise: its rows do not pair.
+    """
+    files, rows = {}, {}
+    for spec in specs:
+        path, _, key = spec.partition("::")
+        if path not in files:
+            files[path] = json.loads(Path(path).read_text(encoding="utf-8"))
+        rows[f"{key} ({Path(path).parent.name})"] = files[path]["cells"][key]
+    dense = next(iter(files.values()))["dense"]
+    for path, results in files.items():
+        if results["dense"]["task_rows"] != dense["task_rows"]:
+            raise LayercutError(f"{path}: its dense model answered the task rows otherwise; its rows do not pair "
+                                "with the first file's")
+    base = next(iter(rows))
+    lines = []
+    for tasks in map(list, task_sets):
+        lines.append(f"{len(tasks)} tasks")
+        fb = task_figures(rows[base], tasks, tasks, dense)
+        for name, row in rows.items():
+            fa = task_figures(row, tasks, tasks, dense)
+            gap, se = fa["retention"] - fb["retention"], gap_stderr(row, rows[base], fa, fb, "retention", tasks, dense)
+            lines.append(f"  {name}: {100 * fa['retention']:.1f} ± {100 * fa['retention_stderr']:.1f}; "
+                         f"minus {base}: {100 * gap:+.1f} ± {100 * se:.1f}")
+    return lines
+
+
+def hellaswag_by_source(results_path: str | Path, hellaswag_path: str | Path) -> list[str]:
+    """HellaSwag accuracy of every row of an ``eval.compare`` result, split into ActivityNet and WikiHow rows.
+
+    A row is WikiHow when its context (after the activity label) starts "How to". The rows are the ones
+    ``eval.lmeval`` read for the results' ``--limit``.
+
+    Raises:
+        LayercutError: a row's answers do not match the rows that limit reads (another file's results).
+    """
+    results = json.loads(Path(results_path).read_text(encoding="utf-8"))
+    items = hellaswag_items(Path(hellaswag_path).read_text(encoding="utf-8"))
+    wikihow = {i for i, item in enumerate(items) if item["ctx"].startswith("How to")}
+    limit = results.get("task_limit")
+    rows = task_rows(limit, len(items), "hellaswag")
+    lines = [f"--limit {limit}: {len(rows)} rows, {sum(r in wikihow for r in rows)} WikiHow",
+             "| cell | ActivityNet (rows) | WikiHow (rows) | all |", "|---|---|---|---|"]
+    for name, cell in {"dense": results["dense"], **results["cells"]}.items():
+        answers = cell.get("task_rows", {}).get("hellaswag")
+        if answers is None:
+            continue
+        if len(answers) != len(rows):
+            raise LayercutError(f"{name}: {len(answers)} HellaSwag answers for {len(rows)} rows; not this file's rows")
+        paired = list(zip(rows, answers, strict=True))
+        by = [[a for r, a in paired if (r in wikihow) == is_wikihow] for is_wikihow in (False, True)]
+        cells = " | ".join(f"{100 * sum(v) / len(v):.1f} ({len(v)})" if v else "-" for v in by)
+        lines.append(f"| {name} | {cells} | {100 * sum(answers) / len(answers):.1f} |")
+    return lines
+
+
+def best_share(values: dict[str, float], names: Sequence[str] = tuple(SHARES)) -> float:
+    """The share at the vertex of the least-squares parabola through ``(SHARES[name], values[name])``."""
+    a, b, _ = np.polyfit([SHARES[name] for name in names], [values[name] for name in names], 2)
+    return float(-b / (2 * a))
+
+
+def share_optimum(folders: Sequence[str | Path]) -> list[str]:
+    """Where the share of the update is best, text by text: one markdown row per span and measure.
+
+    Reads ``eval.mapfit --update-scale`` results: the hidden-state error is exactly quadratic in the share;
+    the KL is not, so it gets two estimates, the parabola over all five shares and over the three nearest
+    the optimum (0.5, 0.7 and 1).
+    """
+    texts = list(json.loads((Path(folders[0]) / "results.json").read_text(encoding="utf-8"))["errors"])
+    lines = ["| span | measure | " + " | ".join(texts) + " |", "|---|---|" + "---:|" * len(texts)]
+    for folder in folders:
+        results = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
+        span = "-".join(map(str, results["span"]))
+        hidden = {text: best_share({n: row[n]["relative"] for n in SHARES}) for text, row in results["errors"].items()}
+        kl = {text: {n: row[n]["kl_relative"] for n in SHARES} for text, row in results["logits"].items()}
+        lines.append(f"| {span} | hidden-state error | " + " | ".join(f"{hidden[t]:.2f}" for t in hidden) + " |")
+        lines.append(f"| {span} | KL, five shares | " + " | ".join(f"{best_share(kl[t]):.2f}" for t in hidden) + " |")
+        lines.append(f"| {span} | KL, 0.5-1 | " + " | ".join(f"{best_share(kl[t], NEAR):.2f}" for t in hidden) + " |")
+    return lines
