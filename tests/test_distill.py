@@ -461,7 +461,7 @@ def test_the_loss_on_held_out_sequences_shows_what_training_sequences_hide(caplo
     config = _config(steps=60, lr=3e-3, batch_size=4, warmup_steps=2, log_every=60)
     first = {name: evaluate_losses(student, teacher, rows, config)["layerwise_mse"]
              for name, rows in (("training", ids), ("held_out", held))}
-    with caplog.at_level("WARNING", logger="distill.train"):
+    with caplog.at_level("WARNING", logger="distill.generalisation"):
         result = distill(student, teacher, None, config, token_ids=ids, heldout_ids=held)
     fit = result.generalisation
     assert fit["sequences"] == {"training": 4, "held_out": 4} and fit["reads"] == 60  # 60 steps of all 4
@@ -480,13 +480,13 @@ def test_the_loss_on_held_out_sequences_shows_what_training_sequences_hide(caplo
         "each read 60 times)")
     assert result.report(config)["generalisation"] == fit
     caplog.clear()
-    with caplog.at_level("WARNING", logger="distill.train"):
+    with caplog.at_level("WARNING", logger="distill.generalisation"):
         assert distill(student, teacher, None, _config(steps=1), token_ids=ids).generalisation is None
     assert "distillation sequences" not in caplog.text  # one step reads each sequence at most once
 
 
 def test_the_training_sequences_scored_are_ones_training_drew_as_many_of_each_source():
-    from distill.train import _seen_rows
+    from distill.generalisation import seen_rows
 
     student, teacher = _dropped_pair([1])
     ids, held = _ids(16, seed=1), _ids(4, seed=2)
@@ -499,11 +499,11 @@ def test_the_training_sequences_scored_are_ones_training_drew_as_many_of_each_so
     # a mixture: the training sequences hold as many of each source as the held-out ones do
     order = BatchOrder(10, 2, 0)
     sources = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0, 1, 1])
-    rows = _seen_rows(order, [1, 2], sources, batches=6)
+    rows = seen_rows(order, [1, 2], sources, batches=6)
     assert sorted(sources[rows].tolist()) == [0, 1, 1]
     walked = [r for i in range(6) for r in order.rows(i).tolist()]
     assert rows[0].item() == next(r for r in walked if sources[r] == 0)  # the first of source 0 training drew
-    assert len(_seen_rows(order, [3], None, batches=1)) == 2  # one batch of 2 cannot give 3
+    assert len(seen_rows(order, [3], None, batches=1)) == 2  # one batch of 2 cannot give 3
 
 
 def test_a_resumed_run_reports_from_its_first_measurement(tmp_path, caplog):
@@ -521,7 +521,7 @@ def test_a_resumed_run_reports_from_its_first_measurement(tmp_path, caplog):
 
 
 def test_a_mixtures_strata_name_each_rows_source(tmp_path):
-    from distill.train import _heldout_strata
+    from distill.generalisation import heldout_strata
     from prune.data import DataConfig, calibration_data
 
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
@@ -529,7 +529,7 @@ def test_a_mixtures_strata_name_each_rows_source(tmp_path):
     b.write_text(" ".join(f"x{i}" for i in range(3000)))  # only b holds the letter x
     tok = make_tiny_tokenizer()
     data = calibration_data(tok, DataConfig(data=f"{a}@0.75,{b}@0.25", samples=8, seq_len=SEQ, heldout_samples=4))
-    rows, held = _heldout_strata(data)
+    rows, held = heldout_strata(data)
     assert rows.tolist() == [int("x" in tok.decode(r)) for r in data.token_ids] and sum(rows.tolist()) == 2
     assert held.tolist() == [int("x" in tok.decode(r)) for r in data.heldout_ids] == [0, 0, 0, 1]
-    assert _heldout_strata(calibration_data(tok, DataConfig(data=str(a), samples=4, seq_len=SEQ))) is None
+    assert heldout_strata(calibration_data(tok, DataConfig(data=str(a), samples=4, seq_len=SEQ))) is None

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from prune import loading
+from prune import gguf as prune_gguf
+from prune import loading, model_names
 from prune.errors import LayercutError
 from prune.loading import (
     EMBEDDED_MODEL,
@@ -267,7 +268,7 @@ def test_unreachable_hub_says_so(monkeypatch, empty_hub_cache):
 def test_suggestions_never_repeat_the_input():
     err = OSError("404 Client Error: Repository Not Found")
     for name in MODEL_ALIASES:
-        assert f"did you mean '{name}'" not in str(loading._unknown_model(name, err))
+        assert f"did you mean '{name}'" not in str(model_names._unknown_model(name, err))
 
 
 def test_cli_offline_alias_is_one_line_exit_2(empty_hub_cache, capsys):
@@ -422,7 +423,7 @@ def test_gguf_file_converts_once_and_matches(tmp_path, monkeypatch, tie):
     def no_second_conversion(*args):
         raise AssertionError("converted twice")
 
-    monkeypatch.setattr(loading, "_convert_gguf", no_second_conversion)
+    monkeypatch.setattr(prune_gguf, "_convert_gguf", no_second_conversion)
     assert load_model(str(path)).model.config.num_hidden_layers == 2
     assert load_config(str(path)).num_hidden_layers == 2
 
@@ -433,13 +434,13 @@ def test_publish_keeps_the_first_finished_copy(tmp_path):
         folder.mkdir()
         (folder / "config.json").write_text("{}")
         (folder / "layercut-source.json").write_text(tag)
-    loading._publish(late, target)  # lost the race: the winner's folder stays whole
+    prune_gguf._publish(late, target)  # lost the race: the winner's folder stays whole
     assert (target / "layercut-source.json").read_text() == "first"
     fresh = tmp_path / ".other.tmp-2"
     fresh.mkdir()
     (fresh / "config.json").write_text("{}")
     (fresh / "layercut-source.json").write_text("x")
-    loading._publish(fresh, tmp_path / "other")
+    prune_gguf._publish(fresh, tmp_path / "other")
     assert (tmp_path / "other" / "layercut-source.json").read_text() == "x" and not fresh.exists()
 
 
@@ -464,7 +465,7 @@ def test_embedded_smollm2_converts_and_reloads(monkeypatch):
 
     # the second load reads the converted folder (a wall-time check here failed under load: it proved nothing)
     with monkeypatch.context() as patch:
-        patch.setattr(loading, "_convert_gguf", no_second_conversion)
+        patch.setattr(prune_gguf, "_convert_gguf", no_second_conversion)
         second = load_model(EMBEDDED_MODEL)
     assert second.source == first.source
 

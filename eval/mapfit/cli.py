@@ -76,20 +76,18 @@ def _numbers(text: str, kind, flag: str) -> list:
         raise LayercutError(f"{flag} takes a comma list of numbers, got '{text}'") from None
 
 
-def run(args: argparse.Namespace) -> dict:
-    """Capture, fit every variant on calibration, measure on every text; the results."""
+def _check_options(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """Every option checked before the model loads; the ``--heldout`` entries as (name, "=", file)."""
     skips = _numbers(args.skip, int, "--skip")
-    shrinks = _numbers(args.shrink, float, "--shrink")
-    scales = _numbers(args.update_scale, float, "--update-scale")
     if any(not 0 < skip < args.seq_len for skip in skips):
         raise LayercutError(f"--skip takes position counts from 1 to {args.seq_len - 1} (--seq-len), got '{args.skip}'")
     if args.short and not 2 <= args.short < args.seq_len:
         raise LayercutError(f"--short takes a sequence length from 2 to {args.seq_len - 1} (below --seq-len), "
                             f"got {args.short}")
-    if any(not 0 < scale < 1 for scale in scales):
+    if any(not 0 < scale < 1 for scale in _numbers(args.update_scale, float, "--update-scale")):
         raise LayercutError(f"--update-scale takes shares between 0 and 1 (1 is the fit itself), "
                             f"got '{args.update_scale}'")
-    if any(not ridge > 0 for ridge in shrinks):
+    if any(not ridge > 0 for ridge in _numbers(args.shrink, float, "--shrink")):
         raise LayercutError(f"--shrink takes ridges above 0 (0 is plain least squares, ls), got '{args.shrink}'")
     heldout = [item.partition("=") for item in (args.heldout.split(",") if args.heldout else [])]
     names = [name for name, _, _ in heldout]
@@ -99,32 +97,51 @@ def run(args: argparse.Namespace) -> dict:
         if name in ("calibration", "calibration held-out") or names.count(name) > 1:
             raise LayercutError(f"--heldout names '{name}' twice or as the calibration text: name it apart")
         load_documents(spec, flag="--heldout")  # a bad file fails before the model loads
-    loaded = load_config_from_args(args).load()
-    model, tokenizer = loaded.model, loaded.tokenizer
-    span = parse_span(args.span, num_blocks(model))
-    data = calibration_data(tokenizer, DataConfig(data=args.data, samples=args.samples, seq_len=args.seq_len,
-                                                  heldout_samples=args.heldout_samples), model=model)
+    return heldout
+
+
+def _texts(args: argparse.Namespace, tokenizer, data, heldout) -> tuple[dict, dict]:
+    """Every text measured, as sequences, and where each came from."""
     texts = {"calibration": list(data.token_ids)}
     if data.heldout_ids is not None and data.heldout_ids.numel():
         texts["calibration held-out"] = list(data.heldout_ids)
     sources = {"calibration": data.source, "calibration held-out": f"{data.source} (held-out sequences)"}
     for name, _, spec in heldout:
         texts[name], sources[name] = text_sequences(tokenizer, spec, args.seq_len, args.heldout_tokens)
-    captured = {name: capture(model, seqs, span, args.batch_size) for name, seqs in texts.items()}
-    cal = captured["calibration"]
-    massive_norm = MASSIVE * float(cal.x.norm(dim=1).median())
-    short = None
+    return texts, sources
+
+
+def _fits(args: argparse.Namespace, model, data, span, calibration_sequences, cal) -> dict:
+    """Every variant fitted on the calibration (with ``--short``'s cut and ``--grad-weight``'s weights)."""
+    short = windows = None
+    short_batch = args.batch_size
     if args.short:
         windows = list(short_windows(data.token_ids, args.short))  # the cut --fit-short feeds the fit
         short_batch = max(args.batch_size, args.batch_size * args.seq_len // args.short)
         short = (args.short, capture(model, windows, span, short_batch))
     sensitivity = None
     if args.grad_weight:
-        parts = [token_sensitivity(model, texts["calibration"], span, args.batch_size)]
+        parts = [token_sensitivity(model, calibration_sequences, span, args.batch_size)]
         if short is not None:
             parts.append(token_sensitivity(model, windows, span, short_batch))
         sensitivity = torch.cat(parts)
-    fits = fit_variants(cal, skips, shrinks, short, scales, sensitivity)
+    return fit_variants(cal, _numbers(args.skip, int, "--skip"), _numbers(args.shrink, float, "--shrink"), short,
+                        _numbers(args.update_scale, float, "--update-scale"), sensitivity)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Capture, fit every variant on calibration, measure on every text; the results."""
+    heldout = _check_options(args)
+    loaded = load_config_from_args(args).load()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    span = parse_span(args.span, num_blocks(model))
+    data = calibration_data(tokenizer, DataConfig(data=args.data, samples=args.samples, seq_len=args.seq_len,
+                                                  heldout_samples=args.heldout_samples), model=model)
+    texts, sources = _texts(args, tokenizer, data, heldout)
+    captured = {name: capture(model, seqs, span, args.batch_size) for name, seqs in texts.items()}
+    cal = captured["calibration"]
+    massive_norm = MASSIVE * float(cal.x.norm(dim=1).median())
+    fits = _fits(args, model, data, span, texts["calibration"], cal)
     table = {name: {"removal": error_report(None, data_, massive_norm),
                     **{variant: error_report(fit, data_, massive_norm) for variant, fit in fits.items()}}
              for name, data_ in captured.items()}

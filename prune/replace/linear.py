@@ -31,7 +31,7 @@ class LinearOptions(MethodOptions):
     """``linear`` takes ``ridge`` and ``update_scale``; by default it also fits 64-token sequences and applies 0.7.
 
     Both were chosen on SmolLM2-135M (blocks 12-15 and 12-19) on text and task prompts that no reported
-    figure reads (the selection split of ``reports/smollm2-135m-distill-data/selection.py``). 64 against 0
+    figure reads (the selection split, ``python -m eval.lab selection-split``). 64 against 0
     and 128: it lowered the held-out perplexity on six of seven of them. 0.7 against 0.3, 0.5 and 1: least
     squares is the best map in the residual stream's own squared error, not at the logits, and 0.7 gave the
     lowest geometric-mean perplexity over the seven at both drops (``reports/smollm2-135m-mapfit/``).

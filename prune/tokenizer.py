@@ -1,0 +1,37 @@
+"""Tokenizer checks that read no weights: which files make a saved tokenizer, and the pad token batching needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from prune.errors import LayercutError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def set_pad_token(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give the tokenizer a pad token (batching needs one): its EOS token, else UNK/BOS."""
+    if tokenizer.pad_token is not None:
+        return
+    fallback = tokenizer.eos_token or tokenizer.unk_token or tokenizer.bos_token
+    if fallback is None:
+        raise LayercutError("the tokenizer has no pad, eos, unk or bos token: save one with a pad token set")
+    tokenizer.pad_token = fallback
+
+
+def has_tokenizer_files(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a saved tokenizer."""
+    return any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+def check_tokenizer(name: str, tokenizer: str | None = None) -> None:
+    """Fail in one line when ``name`` is a folder without tokenizer files and no ``tokenizer`` is given."""
+    folder = Path(name).expanduser()
+    if tokenizer is None and folder.is_dir() and not has_tokenizer_files(folder):
+        raise LayercutError(
+            f"model folder {name} has no tokenizer files; save one with tokenizer.save_pretrained(folder) "
+            "or pass --tokenizer NAME"
+        )
+
