@@ -22,7 +22,7 @@ from distill.train import LOG_FILE, DistillResult, distill
 from prune.adapters import num_blocks
 from prune.checkpoint import load, save
 from prune.errors import LayercutError
-from prune.export import check_output_dir, library_versions, read_report
+from prune.export import HELDOUT_BEFORE_DISTILL, check_output_dir, library_versions, read_report
 from prune.loading import LoadedModel
 from prune.options import LoadConfig
 from prune.surgery import LAYOUT_ATTR
@@ -130,6 +130,8 @@ def final_report(student_report: dict, student: LoadedModel, teacher: LoadedMode
         report = {"source_model": teacher.source, "model_name": teacher.name, "num_blocks_before": before,
                   "num_blocks_after": len(layout), "dropped": [i for i in range(before) if i not in covered],
                   "versions": library_versions()}
+    if isinstance(report.get("heldout"), dict):  # measured on the student: say so rather than pass it for this model
+        report["heldout"] = {**report["heldout"], "stage": HELDOUT_BEFORE_DISTILL}
     report["distill"] = {"student": student.source, "teacher": teacher.name, "teacher_source": teacher.source,
                          "layout": layout, **result.report(config)}
     return report

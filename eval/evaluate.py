@@ -34,7 +34,7 @@ from eval.report import write_report
 from eval.speed import block_count
 from prune.data import check_seq_len, load_documents
 from prune.errors import LayercutError
-from prune.export import read_report
+from prune.export import atomic_directory, check_output_dir, read_report
 from prune.loading import check_tokenizer
 from prune.options import LoadConfig
 from prune.replace import parameter_count
@@ -53,7 +53,9 @@ class EvalOptions:
         models: Candidate names or folders.
         baseline: The original model, or None to evaluate the models alone.
         tasks: ``wikitext``, ``ppl:PATH`` and/or lm-eval task names.
-        out: Report folder.
+        out: Report folder; it must be new or empty unless ``overwrite``.
+        overwrite: Replace a non-empty ``out`` (its old files go: no plot of an earlier run stays beside
+            the new results).
         data_dir: Local data folder (``$LAYERCUT_DATA`` when None); None for both means the hub.
         limit: Rows per lm-eval task: a count, a fraction, a range ``"START:END"`` or a draw ``"N~START:END"``
             (None: all).
@@ -72,6 +74,7 @@ class EvalOptions:
     baseline: str | None = None
     tasks: list[str] = field(default_factory=lambda: [PERPLEXITY_TASK])
     out: str = "report"
+    overwrite: bool = False
     data_dir: str | None = None
     limit: int | float | str | None = None
     seq_len: int | None = None
@@ -118,6 +121,7 @@ class EvalOptions:
 
 def validate(options: EvalOptions) -> Path | None:
     """Check everything that can be checked before loading a model; return the resolved data folder."""
+    check_output_dir(options.out, options.overwrite)  # an earlier report is never replaced unasked
     data_dir = resolve_data_dir(options.data_dir)
     if options.lm_eval_tasks:
         try:
@@ -224,13 +228,16 @@ def run(options: EvalOptions) -> dict:
         info = read_report(entry["name"])
         if "dropped" in info:
             entry["dropped"] = info["dropped"]
-    settings = {k: v for k, v in vars(options).items() if k not in ("models", "baseline", "progress", "load")}
+    settings = {k: v for k, v in vars(options).items()
+                if k not in ("models", "baseline", "progress", "load", "overwrite")}
     settings.update({k: v for k, v in asdict(options.load).items() if k != "model"})
     settings["data_dir"] = str(data_dir) if data_dir else "hub (datasets / lm-eval registry)"
     settings["seq_len"] = options.seq_len or f"min({DEFAULT_MAX_SEQ_LEN}, model maximum)"
     results = {"baseline": options.baseline, "settings": settings, "primary_metrics": primary_keys(entries),
                "models": entries}  # fmt: skip
-    write_report(results, options.out)
+    # written beside --out and renamed into place: a crash or kill never leaves half a report
+    with atomic_directory(options.out, options.overwrite) as staging:
+        write_report(results, staging)
     return results
 
 

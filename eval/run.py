@@ -6,7 +6,7 @@
 All tasks: ``--tasks wikitext,ppl:PATH,arc_easy,hellaswag,piqa,lambada``; local data: ``--data-dir
 ../shared/data``; rows per lm-eval task: ``--limit 200``; more in ``--help``. Checkpoints with
 replacement maps are evaluated with their maps (``prune.load``). Writes ``results.json``,
-``README.md`` and PNG plots into ``--out``.
+``README.md`` and PNG plots into ``--out``, which must be empty or new unless ``--overwrite`` is given.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ import argparse
 from eval.evaluate import PERPLEXITY_TASK, EvalOptions, parse_limit, run
 from eval.report import markdown_table
 from prune.errors import cli_entry
-from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
+from prune.options import (
+    add_load_arguments,
+    add_output_arguments,
+    add_threads_argument,
+    apply_threads,
+    load_config_from_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--ppl-batch-size", type=int, default=1, help="windows per forward pass (default: 1)")
     ppl.add_argument("--ppl-tokens", type=int, default=None,
                      help="score only the first N tokens of each text (default: all, or --limit windows)")
-    parser.add_argument("--out", required=True, help="report folder (results.json, README.md, PNG plots)")
+    add_output_arguments(parser, required=True, what="the report (results.json, README.md, PNG plots)")
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     add_threads_argument(parser)
     return parser
@@ -58,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     apply_threads(args)
     options = EvalOptions(
-        models=args.model, baseline=args.baseline, tasks=args.tasks.split(","), out=args.out,
+        models=args.model, baseline=args.baseline, tasks=args.tasks.split(","), out=args.out, overwrite=args.overwrite,
         data_dir=args.data_dir, limit=args.limit, seq_len=args.seq_len, stride=args.stride,
         batch_size=args.batch_size, ppl_batch_size=args.ppl_batch_size, ppl_tokens=args.ppl_tokens,
         num_fewshot=args.num_fewshot, load=load_config_from_args(args, model=args.model[0]),

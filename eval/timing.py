@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prune.adapters import input_device
+from prune.adapters import cache_keyword, input_device
 from prune.errors import LayercutError
 
 
@@ -83,17 +83,18 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int)
         ``([batch, new_tokens]`` generated ids, seconds of the decode steps).
     """
     device = input_device(model)
+    name = cache_keyword(model)  # read once, outside the timed loop
     out = model(input_ids=prompt.to(device), use_cache=True, **_keeps_last_logits_only(model))
-    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)  # token: [batch, 1]
+    cache, token = getattr(out, name), out.logits[:, -1].argmax(-1, keepdim=True)  # token: [batch, 1]
     generated = [token]
     _sync(device)
     start = time.perf_counter()
     for _ in range(new_tokens - 1):
-        out = model(input_ids=token.to(device), past_key_values=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        out = model(input_ids=token.to(device), use_cache=True, **{name: cache})
+        cache, token = getattr(out, name), out.logits[:, -1].argmax(-1, keepdim=True)
         generated.append(token)
     # The last step's forward also runs (a server computes the next token's logits): new_tokens forwards timed.
-    model(input_ids=token.to(device), past_key_values=cache, use_cache=True)
+    model(input_ids=token.to(device), use_cache=True, **{name: cache})
     _sync(device)
     return torch.cat(generated, dim=1), time.perf_counter() - start
 

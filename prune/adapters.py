@@ -11,6 +11,7 @@ Everything else in layercut is architecture-free and reaches into a model only t
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import dataclass
 
@@ -328,3 +329,13 @@ def config_layer_count(config) -> int | None:
     name = override.layer_count if override is not None else layer_count_attribute(config)
     value = getattr(config, name, None) if name else None
     return value if isinstance(value, int) else None
+
+
+def cache_keyword(model) -> str:
+    """The name ``model.forward`` takes its KV cache under, which its output also uses.
+
+    transformers 5.x renamed ``past_key_values`` to ``cache`` and warns (a ``FutureWarning`` each call)
+    on the old name; older releases know only ``past_key_values``. The signature says which one this
+    model's forward reads.
+    """
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prune.errors import LayercutError
 from prune.loading import EMBEDDED_INSTALL, EMBEDDED_MODEL, MODEL_ALIASES, cache_dir, embedded_gguf_path
+from prune.model_names import EMBEDDED_HUB_ID
 
 
 def alias_status(alias: str) -> str:
@@ -28,7 +29,9 @@ def model_table() -> str:
     """A markdown table of every alias with its hub id and status."""
     lines = ["| alias | hub id | status |", "|---|---|---|"]
     for alias, hub_id in MODEL_ALIASES.items():
-        lines.append(f"| {alias} | {hub_id} | {alias_status(alias)} |")
+        # the embedded wheel holds the Instruct model, whatever hub id the alias names for downloads
+        shown = f"{EMBEDDED_HUB_ID} (Q4_1 GGUF)" if alias == EMBEDDED_MODEL else hub_id
+        lines.append(f"| {alias} | {shown} | {alias_status(alias)} |")
     lines += ["", "Besides aliases: any hub id (org/name), a checkpoint folder written by save_pretrained, or a "
               ".gguf file."]  # fmt: skip
     return "\n".join(lines)

@@ -7,11 +7,12 @@ one (no maps) is a plain transformers checkpoint. The maps of methods that are n
 ``replacements.safetensors`` (tensors plus, in the file's metadata, where each map sits and its
 method's ``spec``), and the folder follows the Hugging Face convention for custom layers so that it
 never loads silently as another model: ``config.json`` becomes a ``model_type: "layercut"`` config
-wrapping the model's own (``base_config``) with an ``auto_map`` to the ``modeling_layercut.py`` it
-carries (a copy of :mod:`prune.hf_remote_code`). Plain ``AutoModelForCausalLM.from_pretrained``
-refuses it; with ``trust_remote_code=True`` it loads the model with its maps, and :func:`load` does
-the same without remote code. The registry (``prune.replace.METHODS``) says how each method's maps
-are described and rebuilt.
+wrapping the model's own (``base_config``, stored so that no transformers config class adopts it) with an
+``auto_map`` to the ``modeling_layercut.py`` it carries (a copy of :mod:`prune.hf_remote_code`). Plain
+``AutoModelForCausalLM.from_pretrained`` and the concrete classes (``LlamaForCausalLM``) refuse it; with
+``trust_remote_code=True`` it loads the model with its maps, and :func:`load` does the same without
+remote code. Its ``layercut.json`` and model card say that serving engines cannot run it, and what can.
+The registry (``prune.replace.METHODS``) says how each method's maps are described and rebuilt.
 """
 
 from __future__ import annotations
@@ -23,14 +24,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 from torch import nn
 
 from prune import hf_remote_code
 from prune.adapters import get_blocks
 from prune.errors import LayercutError
-from prune.export import export_checkpoint
-from prune.loading import LoadedModel, load_model
+from prune.export import export_checkpoint, read_report
+from prune.loading import LoadedModel, check_safetensors, damaged, load_model
 from prune.replace import METHODS, ReplacedBlock, method_for_module, record_method
 from prune.surgery import block_layout, replacement_records
 
@@ -130,6 +132,15 @@ def _add_card_note(staging: Path, name: str, maps: bool, sublayers: int) -> None
     card.write_text(text + note, encoding="utf-8")
 
 
+# layercut.json of a checkpoint that only layercut and trust_remote_code load: what serves, and what to export instead
+SERVING = {
+    "vllm": False,
+    "llama_cpp": False,
+    "why": "replacement maps or removed sub-layers are part of no architecture that vLLM or llama.cpp runs",
+    "servable_instead": ["--replace fold", "--replace none", "the magcomp recipe"],
+}
+
+
 def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: bool = False,
          extra: Callable[[Path], None] | None = None) -> Path:
     """Write ``model`` (vanilla or with replacement maps) and ``tokenizer`` to ``out`` atomically.
@@ -153,6 +164,8 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
     blocks_path = get_blocks(model)[0]
     sublayers = len(hf_remote_code.sublayer_records(model.config))
     with vanilla_blocks(model) as maps:
+        if maps or sublayers:
+            report["serving"] = dict(SERVING)
 
         def write_extra(staging: Path) -> None:
             if maps:
@@ -171,11 +184,22 @@ def attach_maps_(model: nn.Module, path: str | Path) -> int:
     """Wrap the blocks named in a ``replacements.safetensors`` file with their maps; returns how many maps.
 
     The code is the one a checkpoint carries for ``trust_remote_code``; maps are built by the registry.
+
+    Raises:
+        LayercutError: the file is cut short or damaged (one line naming it), or names blocks the model lacks.
     """
+    path = Path(path)
+    check_safetensors(path)
     try:
         return hf_remote_code.attach_maps(model, str(path), get_blocks(model)[0], build=_build_map)
-    except ValueError as err:
+    except LayercutError:
+        raise
+    except json.JSONDecodeError as err:  # metadata that is not the specs layercut wrote
+        raise damaged(path, f"its map specs are not JSON: {err.msg}") from None
+    except ValueError as err:  # maps naming blocks the model lacks: the folder's files do not belong together
         raise LayercutError(str(err)) from None
+    except (SafetensorError, RuntimeError, KeyError, TypeError) as err:  # tensors that do not fit their specs
+        raise damaged(path, f"unreadable maps: {type(err).__name__}: {str(err).splitlines()[0]}") from None
 
 
 def _maps_needed(model: nn.Module) -> list[str]:
@@ -215,6 +239,7 @@ def load(path: str | Path, **load_model_kwargs) -> LoadedModel:
         **load_model_kwargs: passed to ``prune.loading.load_model`` as they are (``dtype``, ``device``,
             ``load_in_4bit``, ``load_in_8bit``, ``tokenizer``, ...).
     """
+    read_report(path)  # a damaged layercut.json is a one-line error now, not in the tool that reads it later
     loaded = load_model(str(path), allow_maps=True, **load_model_kwargs)
     records = hf_remote_code.sublayer_records(loaded.model.config)
     if records:

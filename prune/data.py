@@ -40,6 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from prune.adapters import cache_keyword
 from prune.errors import LayercutError
 from prune.export import write_file_atomic
 from prune.loading import cache_dir
@@ -142,10 +143,21 @@ class CalibrationData:
 
 
 def check_sources(config: DataConfig) -> None:
-    """Read every local file of ``config.data`` now, so a bad one fails before the model loads."""
+    """Read every local file of ``config.data`` now, so a bad or missing one fails before the model loads.
+
+    Datasets specs are left to the read after loading: reaching the hub is not a cheap check.
+    """
     for source in config.sources:
-        if source.spec is not None and not source.is_self and Path(source.spec).expanduser().is_file():
+        if source.spec is None or source.is_self:
+            continue
+        path = Path(source.spec).expanduser()
+        if path.is_file() or (not path.exists() and names_a_file(source.spec)):
             load_documents(source.spec, config.text_field)
+
+
+def names_a_file(spec: str) -> bool:
+    """Whether ``spec`` is spelled as a path (a known suffix, or starting with ``.``, ``/``, ``~``), not a dataset."""
+    return Path(spec).suffix in FILE_SUFFIXES or spec.startswith((".", "/", "~"))
 
 
 def default_corpus_text() -> str:
@@ -163,7 +175,7 @@ def load_documents(spec: str | None, text_field: str = "text", flag: str = "--da
     if "," in spec or spec == SELF or spec.startswith(SELF + ":"):
         raise LayercutError(f"{flag} takes one text source here, got '{spec}': pass a single .txt/.jsonl/.parquet "
                             "file or datasets spec")
-    if path.suffix in FILE_SUFFIXES or spec.startswith((".", "/", "~")):
+    if names_a_file(spec):
         raise LayercutError(f"data file '{spec}' not found: pass an existing .txt/.jsonl/.parquet file to {flag}")
     return _read_dataset(spec, text_field), f"datasets:{spec}"
 
@@ -263,6 +275,7 @@ def sample_sequences(model, tokenizer, count: int, seq_len: int, seed: int, temp
                             "use a text source for --data")
     device = model.get_input_embeddings().weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
+    cache_name = cache_keyword(model)
     rows = []
     with tqdm(total=count * seq_len, desc="sampling calibration text", unit="tok") as bar:
         for first in range(0, count, batch_size):
@@ -271,8 +284,8 @@ def sample_sequences(model, tokenizer, count: int, seq_len: int, seed: int, temp
             tokens, past = [ids], None
             bar.update(batch)
             for _ in range(seq_len - 1):
-                out = model(input_ids=tokens[-1], past_key_values=past, use_cache=True)
-                past = out.past_key_values
+                out = model(input_ids=tokens[-1], use_cache=True, **{cache_name: past})
+                past = getattr(out, cache_name)
                 tokens.append(_top_p_sample(out.logits[:, -1], temperature, top_p, generator))
                 bar.update(batch)
             rows.append(torch.cat(tokens, dim=1).cpu())  # [batch, seq_len]
@@ -280,6 +293,10 @@ def sample_sequences(model, tokenizer, count: int, seq_len: int, seed: int, temp
 
 
 SELF_CACHE_FORMAT = 1  # bumped when what a cached sample means changes
+# Text the embedded model (SmolLM2-135M, float32 on a CPU) sampled for the default calibration of a first
+# run, shipped so that run takes minutes rather than the ten its sampling takes on two cores. Keyed like
+# the cache: only the same weights, tokenizer, seed, options and device read it.
+SHIPPED_SAMPLES = Path(str(resources.files("prune"))) / "corpus" / "self-text"
 
 
 def self_cache_dir() -> Path:
@@ -313,20 +330,31 @@ def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, batch:
     if key is None:
         return sample_sequences(model, tokenizer, count, seq_len, seed, batch_size=batch, **options)
     path = self_cache_dir() / f"{key}.safetensors"
-    if path.is_file():
-        try:
-            ids = load_file(path)["ids"]
-            if tuple(ids.shape) == (count, seq_len) and ids.dtype == torch.long:
-                logger.info("sampled text read from %s (%d x %d tokens)", path, count, seq_len)
-                return ids
-        except Exception as err:  # a truncated or foreign file is only a missed cache entry
-            logger.warning("ignoring the unreadable sample cache %s (%s): sampling again", path, err)
+    for candidate in (path, SHIPPED_SAMPLES / f"{key}.safetensors"):  # shipped: the embedded model's first run
+        ids = _read_samples(candidate, count, seq_len)
+        if ids is not None:
+            return ids
     ids = sample_sequences(model, tokenizer, count, seq_len, seed, batch_size=batch, **options)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file_atomic(path, lambda staging: save_file({"ids": ids.contiguous()}, str(staging)))
     except OSError as err:
         logger.warning("could not keep the sampled text in %s (%s): the next run samples again", path, err)
+    return ids
+
+
+def _read_samples(path: Path, count: int, seq_len: int) -> torch.Tensor | None:
+    """The [count, seq_len] token ids kept in ``path``; None when it is missing, unreadable or of another shape."""
+    if not path.is_file():
+        return None
+    try:
+        ids = load_file(path)["ids"]
+    except Exception as err:  # a truncated or foreign file is only a missed cache entry
+        logger.warning("ignoring the unreadable sample cache %s (%s): sampling again", path, err)
+        return None
+    if tuple(ids.shape) != (count, seq_len) or ids.dtype != torch.long:
+        return None
+    logger.info("sampled text read from %s (%d x %d tokens)", path, count, seq_len)
     return ids
 
 

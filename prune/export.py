@@ -1,11 +1,14 @@
 """Write a slimmed checkpoint: weights, tokenizer, ``layercut.json`` and a model card, all or nothing.
 
 Everything is written into a temporary sibling folder that is renamed into place at the end, so a
-crash or Ctrl-C never leaves a half-written checkpoint under the user's ``--out``.
+crash, Ctrl-C or a full disk never leaves a half-written checkpoint under the user's ``--out`` (nor
+touches the one already there). The folder and its files get the modes of any file the user writes
+(``0o755`` / ``0o644`` under umask 022), not the private ones of a temporary folder.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -17,10 +20,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prune.errors import LayercutError
+from prune.model_names import base_model_id, model_license
 
 logger = logging.getLogger(__name__)
 
 REPORT_FILE = "layercut.json"
+# a report's heldout "stage" when its figure was measured before a later distill.run
+HELDOUT_BEFORE_DISTILL = "before distill.run"
 
 
 def read_report(folder: str | Path) -> dict:
@@ -33,9 +39,15 @@ def read_report(folder: str | Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise LayercutError(f"{path} is not valid JSON ({err.msg}): re-export the checkpoint with prune.run") from None
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        why = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8 text"
+        raise LayercutError(f"{path} is damaged, not valid JSON ({why}): re-export the checkpoint with prune.run "
+                            "or restore the file from a copy") from None
+    if not isinstance(report, dict):
+        raise LayercutError(f"{path} is damaged (a JSON {type(report).__name__}, not an object): re-export the "
+                            "checkpoint with prune.run or restore the file from a copy")
+    return report
 
 
 def check_output_dir(out: str | Path, overwrite: bool) -> Path:
@@ -63,14 +75,48 @@ def _check_writable(path: Path) -> None:
     os.rmdir(probe)
 
 
+def _disk_full(err: OSError, where: Path, untouched: str) -> LayercutError | None:
+    """The one-line error for a write that failed for want of space (or quota); None for any other error."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    return LayercutError(f"no space left to write {where} ({err.strerror}): nothing was written, {untouched}; "
+                         "free some space or choose another folder")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _public_modes(folder: Path) -> None:
+    """Give ``folder`` and what it holds the modes a plain ``mkdir`` / ``open`` would (mkdtemp's are private)."""
+    mask = _umask()
+    for path in (folder, *folder.rglob("*")):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 @contextmanager
 def atomic_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder next to ``out``; on success it replaces ``out``, on error it is removed."""
+    """Yield a temporary folder next to ``out``; on success it replaces ``out``, on error it is removed.
+
+    Raises:
+        LayercutError: the disk (or quota) is full; the previous ``out``, if any, is untouched.
+    """
     target = check_output_dir(out, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
-        yield staging
+        try:
+            yield staging
+            _public_modes(staging)
+        except OSError as err:
+            untouched = f"the folder already at {target} is untouched" if target.exists() else "no folder was made"
+            full = _disk_full(err, target, untouched)
+            if full is None:
+                raise
+            raise full from None
         if target.exists():
             old = target.with_name(f".{target.name}.old-{os.getpid()}")
             target.rename(old)
@@ -89,6 +135,11 @@ def write_file_atomic(path: Path, write) -> None:
     try:
         write(staging)
         os.replace(staging, path)
+    except OSError as err:
+        full = _disk_full(err, path, "the file already there is untouched" if path.exists() else "no file was made")
+        if full is None:
+            raise
+        raise full from None
     finally:
         staging.unlink(missing_ok=True)
 
@@ -116,22 +167,36 @@ def _what_removed(report: dict) -> str:
     return f"{len(units)} attention/MLP sub-layers" if units else f"{len(report.get('dropped', []))} blocks"
 
 
-def model_card(report: dict, plain: bool = True) -> str:
-    """A Hugging Face model card (README.md) describing what was removed and why.
+def _front_matter(report: dict) -> list[str]:
+    """The card's YAML header: the hub id the model came from and its licence, when known."""
+    base = base_model_id(report.get("model_name"), str(report.get("source_model", "")))
+    license_ = model_license(str(report.get("source_model", "")), base)
+    return ["---", *([f"base_model: {base}"] if base else []), *([f"license: {license_}"] if license_ else []),
+            "library_name: transformers", "tags:", "- layercut", "- pruned", "---", ""]
 
-    ``plain``: the checkpoint loads with plain transformers (False for one carrying replacement maps,
-    whose writer adds how to load it).
+
+def _license_note(report: dict) -> list[str]:
+    """A line saying where the licence is, for a card whose header could not name it."""
+    base = base_model_id(report.get("model_name"), str(report.get("source_model", "")))
+    if model_license(str(report.get("source_model", "")), base):
+        return []
+    where = f"`{base}`'s model card" if base else "the original model's model card"
+    return [f"Licence: not recorded in the files layercut read; this model keeps the original's licence (see {where}).",
+            ""]
+
+
+def model_card(report: dict, plain: bool = True, name: str = "path/to/this/folder") -> str:
+    """A Hugging Face model card (README.md) describing what was removed and why, and how to use the model.
+
+    Args:
+        report: the ``layercut.json`` dict.
+        plain: the checkpoint loads with plain transformers (False for one carrying replacement maps,
+            whose writer adds how to load it).
+        name: the folder's name, used in the code the card shows.
     """
     dropped = report.get("dropped", [])
     lines = [
-        "---",
-        f"base_model: {report.get('source_model', 'unknown')}",
-        "library_name: transformers",
-        "tags:",
-        "- layercut",
-        "- pruned",
-        "---",
-        "",
+        *_front_matter(report),
         f"# {Path(str(report.get('source_model', 'model'))).name} with {_what_removed(report)} removed",
         "",
         f"Made with layercut from `{report.get('source_model')}`: {report.get('num_blocks_before')} decoder blocks "
@@ -143,15 +208,42 @@ def model_card(report: dict, plain: bool = True) -> str:
         "",
         f"Per-block scores and every setting are in `{REPORT_FILE}`.",
         "",
+        *_license_note(report),
     ]
-    replacements = report.get("replacements") or []
     if plain:
         lines += ["It is a plain checkpoint: `AutoModelForCausalLM.from_pretrained(path)` loads it, no custom code.",
                   ""]
+    replacements = report.get("replacements") or []
     if replacements:
-        lines += ["## Replacements", "", *(f"- {r}" for r in replacements), ""]
+        lines += ["## Replacements", "", *(f"- {describe_replacement(r)}" for r in replacements), ""]
     lines += _distill_section(report.get("distill")) + _heldout_section(report.get("heldout"))
-    return "\n".join(lines)
+    return "\n".join(lines + use_section(name, plain))
+
+
+def describe_replacement(record: dict) -> str:
+    """One line for a replacement record: ``blocks [2, 3] -> linear (after the block before; 1,056 parameters)``."""
+    if not isinstance(record, dict):
+        return str(record)
+    # records name their method under "method" ("kind" in checkpoints written before the rename)
+    method = record.get("method", record.get("kind", "?"))
+    details = [f"placed {record['where']}"] if record.get("where") else []
+    details += [f"{record['params']:,} parameters"] if isinstance(record.get("params"), int) else []
+    details += [f"fitted on {record['tokens']:,} tokens"] if isinstance(record.get("tokens"), int) else []
+    return f"blocks {record.get('replaces', '?')} -> `{method}`" + (f" ({'; '.join(details)})" if details else "")
+
+
+def _number(value) -> str:
+    """A loss as the card shows it: four significant figures (the exact value is in the report)."""
+    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
+
+
+def _objective(config: dict) -> str:
+    """What the distillation minimised, from its config: ```teacher_student_kl``` or ``0.5 x `kl` + 1 x `mse```."""
+    losses = config.get("losses")
+    if not isinstance(losses, dict) or not losses:
+        return "its loss"
+    terms = [f"`{name}`" if len(losses) == 1 else f"{weight:g} x `{name}`" for name, weight in losses.items()]
+    return " + ".join(terms)
 
 
 def _distill_section(distill: dict | None) -> list[str]:
@@ -160,9 +252,9 @@ def _distill_section(distill: dict | None) -> list[str]:
     config = distill.get("config", {})
     return [
         "## Distillation", "",
-        f"Trained layerwise towards `{distill.get('teacher', 'the original model')}` for {distill.get('steps')} steps "
-        f"(`--train {config.get('train', '?')}`, lr {config.get('lr', '?')}): loss {distill.get('first_loss')} -> "
-        f"{distill.get('final_loss')}"
+        f"Trained towards `{distill.get('teacher', 'the original model')}` on {_objective(config)} for "
+        f"{distill.get('steps')} steps (`--train {config.get('train', '?')}`, lr {config.get('lr', '?')}): loss "
+        f"{_number(distill.get('first_loss'))} -> {_number(distill.get('final_loss'))}"
         + (f"; {fit}" if (fit := describe_generalisation(distill.get("generalisation"))) else "")
         + f". Every setting is under `distill` in `{REPORT_FILE}`.", "",
     ]  # fmt: skip
@@ -187,12 +279,57 @@ def describe_generalisation(summary: dict | None) -> str | None:
 def _heldout_section(heldout: dict | None) -> list[str]:
     if not heldout:
         return []
+    # distill.run keeps its student's figure, measured before the training that made this model
+    which = ("the pruned model before distillation" if heldout.get("stage") == HELDOUT_BEFORE_DISTILL
+             else "this model")
+    after = (" distill.run does not measure it again: `python -m eval.run --model <this folder>` measures this "
+             "model." if heldout.get("stage") == HELDOUT_BEFORE_DISTILL else "")
     return [
         "## Held-out perplexity", "",
         f"On {heldout['tokens']} tokens of the calibration source that scoring and fitting never saw "
-        f"(windows of {heldout['seq_len']}): original {heldout['original']:.3f}, this model {heldout['pruned']:.3f} "
-        f"(x{heldout['ratio']:.3f}).", "",
+        f"(windows of {heldout['seq_len']}): original {heldout['original']:.3f}, {which} {heldout['pruned']:.3f} "
+        f"(x{heldout['ratio']:.3f}).{after}", "",
     ]  # fmt: skip
+
+
+_USE_PLAIN = """## Use
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{name}")
+tokenizer = AutoTokenizer.from_pretrained("{name}")
+# or, with layercut: import prune; loaded = prune.load("{name}")  # loaded.model, loaded.tokenizer
+```
+
+Push it to the hub with `huggingface_hub` (`hf auth login` first):
+
+```python
+from huggingface_hub import HfApi
+HfApi().upload_folder(folder_path="{name}", repo_id="<you>/{name}", repo_type="model")
+```
+
+Serve it as any checkpoint of its architecture: `vllm serve {name}`, or convert it for llama.cpp with
+`convert_hf_to_gguf.py {name}`.
+"""
+
+_USE_MAPS = """## Use
+
+Push it to the hub with `huggingface_hub` (`hf auth login` first):
+
+```python
+from huggingface_hub import HfApi
+HfApi().upload_folder(folder_path="{name}", repo_id="<you>/{name}", repo_type="model")
+```
+
+Serving: vLLM and llama.cpp cannot run it (its maps or removed sub-layers are in no architecture they know;
+llama.cpp's converter answers "Model LayercutForCausalLM is not supported"). For a checkpoint they serve,
+export with `--replace fold`, `--replace none` or the `magcomp` recipe: those give plain checkpoints.
+"""
+
+
+def use_section(name: str, plain: bool) -> list[str]:
+    """The card's "Use" section: load, push and (for a plain checkpoint) serve; the alternatives when not servable."""
+    return ["", (_USE_PLAIN if plain else _USE_MAPS).format(name=name).rstrip("\n"), ""]
 
 
 def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite: bool = False, extra=None,
@@ -213,7 +350,7 @@ def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite
         model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         write_json(staging / REPORT_FILE, report)
-        (staging / "README.md").write_text(model_card(report, plain), encoding="utf-8")
+        (staging / "README.md").write_text(model_card(report, plain, Path(out).name), encoding="utf-8")
         if extra is not None:
             extra(staging)
     return Path(out)

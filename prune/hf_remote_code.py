@@ -9,8 +9,11 @@ The checkpoint is the kept blocks of a transformers model (``model.safetensors``
 low-rank maps standing in for the removed blocks (``replacements.safetensors``), and/or a list of the
 attention and MLP sub-layers removed from kept blocks (``base_config["layercut_removed_sublayers"]``:
 no transformers architecture can leave one out, so each becomes a :class:`ZeroSublayer`). Its ``config.json``
-has ``model_type: "layercut"`` with the wrapped model's config under ``base_config``: plain
-``from_pretrained`` refuses it instead of loading the kept blocks without their maps (another model).
+has ``model_type: "layercut"`` with the wrapped model's config under ``base_config`` (its ``model_type`` kept
+apart, as ``base_model_type``, so that no transformers config class adopts the nested dict) and a
+``vocab_size`` that is a sentence, not a number: ``AutoModelForCausalLM.from_pretrained`` without remote code
+and the concrete classes (``LlamaForCausalLM.from_pretrained``) refuse it instead of loading the kept blocks
+without their maps (another model).
 ``LayercutForCausalLM.from_pretrained`` builds the wrapped architecture from ``base_config``, loads the
 folder's weights into it and puts each map on its block; the model it returns is that architecture
 (e.g. ``LlamaForCausalLM``), so generation and the KV cache work as usual.
@@ -39,10 +42,22 @@ MAPS_METADATA_KEY = "layercut_maps"  # safetensors metadata: {"<position>.<befor
 SUBLAYERS_KEY = "layercut_removed_sublayers"
 RECORDS_KEY = "layercut_replacements"  # base config entry: what replaced each removed span
 SIDES = ("before", "after")
+BASE_TYPE_KEY = "base_model_type"  # the wrapped model's model_type, outside base_config (see wrap_config_dict)
+# AutoModel is listed so that engines building a model from the config (vLLM's Transformers backend) meet
+# LayercutForCausalLM's refusal, which says what to serve instead, not "Unrecognized configuration class"
 AUTO_MAP = {
     "AutoConfig": "modeling_layercut.LayercutConfig",
+    "AutoModel": "modeling_layercut.LayercutForCausalLM",
     "AutoModelForCausalLM": "modeling_layercut.LayercutForCausalLM",
 }
+SERVABLE = ("for a checkpoint that vLLM and llama.cpp serve, export with --replace fold, --replace none or the "
+            "magcomp recipe (plain transformers checkpoints)")
+REFUSAL = (
+    "this is a layercut checkpoint with replacement maps or removed sub-layers, not a plain transformers one: "
+    "load it with prune.load(path) or AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)"
+)
+# a config field every causal LM config types as an int: as a sentence, a concrete class refuses the folder
+REFUSAL_FIELD = "vocab_size"
 # where blocks live when a config does not say (configs written by layercut always do)
 _COMMON_BLOCK_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers")
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "proxies", "revision", "subfolder", "token")
@@ -58,15 +73,34 @@ def is_wrapped(config_dict: dict) -> bool:
 
 
 def wrap_config_dict(base: dict, blocks_path: str) -> dict:
-    """The ``config.json`` of a checkpoint with maps, around the wrapped model's config dict ``base``."""
+    """The ``config.json`` of a checkpoint with maps, around the wrapped model's config dict ``base``.
+
+    transformers' ``LlamaConfig.from_pretrained`` adopts any nested dict whose ``model_type`` is ``"llama"``,
+    so the base's ``model_type`` is stored beside it; ``vocab_size`` is :data:`REFUSAL` so that a concrete
+    class, left with the wrapper itself, fails on it with the sentence that says how to load the folder.
+    """
+    nested = {key: value for key, value in base.items() if key != "model_type"}
     return {
         "model_type": MODEL_TYPE,
         "architectures": ["LayercutForCausalLM"],
         "auto_map": dict(AUTO_MAP),
         "blocks_path": blocks_path,
-        "base_config": base,
+        BASE_TYPE_KEY: base.get("model_type"),
+        "base_config": nested,
+        REFUSAL_FIELD: REFUSAL,
         "transformers_version": base.get("transformers_version"),
     }
+
+
+def unwrap_config_dict(wrapped: dict) -> dict:
+    """The wrapped model's ``config.json`` dict (with its ``model_type``) from a wrapped one, old layout or new.
+
+    Checkpoints written before :data:`BASE_TYPE_KEY` keep ``model_type`` inside ``base_config``.
+    """
+    base = dict(wrapped.get("base_config") or {})
+    if wrapped.get(BASE_TYPE_KEY):
+        base["model_type"] = wrapped[BASE_TYPE_KEY]
+    return base
 
 
 def base_config_from_dict(base: dict) -> PretrainedConfig:
@@ -91,9 +125,18 @@ class LayercutConfig(PretrainedConfig):
     model_type = MODEL_TYPE
 
     def __init__(self, base_config: dict | None = None, blocks_path: str | None = None, **kwargs):
-        self.base_config = dict(base_config or {})
+        kwargs.pop(REFUSAL_FIELD, None)  # the sentence that makes other config classes refuse the folder
+        base_type = kwargs.pop(BASE_TYPE_KEY, None)
+        self.base_config = unwrap_config_dict({"base_config": base_config, BASE_TYPE_KEY: base_type})
         self.blocks_path = blocks_path
         super().__init__(**kwargs)
+
+    def to_dict(self) -> dict:
+        """The ``config.json`` dict, in the layout :func:`wrap_config_dict` writes."""
+        output = super().to_dict()
+        output.update({key: value for key, value in wrap_config_dict(self.base_config, self.blocks_path).items()
+                       if key in (BASE_TYPE_KEY, "base_config", REFUSAL_FIELD)})
+        return output
 
     @property
     def base_model_type(self) -> str | None:
@@ -314,8 +357,9 @@ class LayercutForCausalLM(PreTrainedModel):
 
     def __init__(self, config: LayercutConfig, *args, **kwargs):
         raise TypeError(
-            "LayercutForCausalLM only loads checkpoints: use AutoModelForCausalLM.from_pretrained(path, "
-            "trust_remote_code=True)"
+            "LayercutForCausalLM only loads checkpoints, with AutoModelForCausalLM.from_pretrained(path, "
+            "trust_remote_code=True): no model is built from its config, so serving engines (vLLM, llama.cpp) "
+            f"cannot run it; {SERVABLE}"
         )
 
     @classmethod

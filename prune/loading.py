@@ -13,6 +13,7 @@ A layercut checkpoint with replacement maps wraps its model's config (``model_ty
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import re
 import time
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -48,9 +50,9 @@ from prune.model_names import (
 from prune.tokenizer import TOKENIZER_FILES, check_tokenizer, has_tokenizer_files, set_pad_token
 
 __all__ = ["CONVERTED_DTYPE", "EMBEDDED_DISTRIBUTION", "EMBEDDED_INSTALL", "EMBEDDED_MODEL", "MODEL_ALIASES",
-           "TOKENIZER_FILES", "LoadedModel", "cache_dir", "check_resident", "check_tokenizer", "embedded_gguf_path",
-           "embedded_model_dir", "gguf_model_dir", "has_tokenizer_files", "hf_checkpoint", "hub_offline",
-           "load_config", "load_model", "load_tokenizer", "resolve_model_name"]
+           "TOKENIZER_FILES", "LoadedModel", "cache_dir", "check_resident", "check_safetensors", "check_tokenizer",
+           "damaged", "embedded_gguf_path", "embedded_model_dir", "gguf_model_dir", "has_tokenizer_files",
+           "hf_checkpoint", "hub_offline", "load_config", "load_model", "load_tokenizer", "resolve_model_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -206,16 +208,62 @@ def _finish_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
         generation.pad_token_id = tokenizer.pad_token_id
 
 
+def damaged(path: Path, why: str) -> LayercutError:
+    """The one-line error for a damaged file of a checkpoint: which file, what is wrong, how to get it back."""
+    folder = path.parent
+    if cache_dir() in folder.resolve().parents:  # a GGUF conversion: layercut makes it again
+        fix = f"delete {folder} and layercut converts the GGUF file again"
+    else:
+        fix = "re-export the checkpoint (prune.run, distill.run) or restore the file from a copy"
+    return LayercutError(f"{path} is damaged ({why}): {fix}")
+
+
+def check_safetensors(path: Path) -> None:
+    """Fail in one line when a ``.safetensors`` file is cut short or its header is not readable.
+
+    The header lists every tensor's byte range, so a truncated file (a full disk, a copy cut off) is
+    found here before safetensors' own "incomplete metadata" traceback; flipped bytes inside a tensor
+    carry no checksum and pass.
+    """
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if size < 8 or length > size - 8:
+                raise ValueError(f"cut short inside its header: {size} bytes")
+            header = json.loads(handle.read(length))
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise damaged(path, f"unreadable header: {err}") from None
+    needed = 8 + length + max(ends, default=0)
+    if needed > size:
+        raise damaged(path, f"cut short: {size:,} of its {needed:,} bytes")
+
+
+def _check_config_file(checkpoint: str) -> None:
+    """Fail in one line on a local ``config.json`` that is not a JSON object."""
+    path = Path(checkpoint) / "config.json"
+    if not path.is_file():
+        return
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise damaged(path, f"not valid JSON: {getattr(err, 'msg', 'not UTF-8 text')}") from None
+    if not isinstance(config, dict):
+        raise damaged(path, f"a JSON {type(config).__name__}, not an object")
+
+
 def _read_config(checkpoint: str) -> tuple[PretrainedConfig, bool]:
     """The config the model is built from, and whether the checkpoint wraps it (a layercut one with maps).
 
     A wrapped ``config.json`` (``model_type: "layercut"``) gives the config of the architecture it wraps.
     """
+    _check_config_file(checkpoint)
     config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
     if not hf_remote_code.is_wrapped(config_dict):
         return AutoConfig.from_pretrained(checkpoint), False
     try:
-        return hf_remote_code.base_config_from_dict(config_dict.get("base_config") or {}), True
+        return hf_remote_code.base_config_from_dict(hf_remote_code.unwrap_config_dict(config_dict)), True
     except ValueError as err:
         raise LayercutError(str(err)) from None
 
@@ -295,9 +343,20 @@ def _open_config(name: str, resolved: str, allow_maps: bool) -> tuple[str, Pretr
 
 
 def _load_weights(name: str, checkpoint: str, config: PretrainedConfig, kwargs: dict) -> PreTrainedModel:
-    """Read the weights; only "cannot reach the hub" is turned into a one-line error, since the config was found."""
-    with hub_errors(name, hub_id=not Path(checkpoint).exists(), weights=True):
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs)
+    """Read the weights; only "cannot reach the hub" is turned into a one-line error, since the config was found.
+
+    A local folder's weight files are checked first: a truncated one is a one-line error naming it.
+    """
+    folder = Path(checkpoint)
+    if folder.is_dir():
+        for file in sorted(folder.glob("model*.safetensors")):
+            check_safetensors(file)
+    try:
+        with hub_errors(name, hub_id=not folder.exists(), weights=True):
+            model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs)
+    except SafetensorError as err:  # damage the header check cannot see (an index naming a missing shard, ...)
+        raise LayercutError(f"{checkpoint}: its weights cannot be read ({err}): re-export the checkpoint or "
+                            "restore its .safetensors files from a copy") from None
     check_resident(model, name)
     return model
 

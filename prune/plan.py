@@ -15,11 +15,12 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from prune.adapters import arch_spec, config_layer_count, max_positions, num_blocks
+from prune.adapters import arch_spec, config_layer_count, max_positions, num_blocks, text_config
 from prune.budget import blocks_for_speedup, parse_param_target
 from prune.errors import LayercutError
 from prune.hf_remote_code import sublayer_records
 from prune.replace import check_drop_for_method, check_replacement_supported, parameter_count
+from prune.scores import check_enough_tokens
 from prune.selection import check_enough_free, parse_drop, parse_protect
 from prune.sublayers import Unit, candidate_units, check_unit_count, check_units_supported, is_sublayer, parse_units
 
@@ -81,7 +82,7 @@ def check_counts(config, blocks: int, units: Sequence[str]) -> tuple[list[int], 
         return protected, None
     if is_sublayer(units):
         return protected, parse_drop(config.drop, 2 * blocks)
-    count = parse_drop(config.drop, blocks)
+    count = parse_drop(config.drop, blocks, protected)
     check_enough_free(count, blocks, protected)
     check_drop_for_method(config.replace.method, count)
     return protected, count
@@ -97,12 +98,27 @@ def check_positions(config, model_config) -> None:
         )
 
 
+def check_tokens(config, model_config) -> None:
+    """``--samples`` x ``--seq-len`` against the tokens the fits need at the hidden size of a model config.
+
+    Known before any text is read or sampled, so too few tokens fail before the model loads, not after
+    sampling and a held-out pass. A config that names no width is checked once the model is loaded.
+    """
+    text = text_config(model_config)
+    # the names prune.adapters.hidden_size reads first: the width the check after loading measures
+    widths = [getattr(text, name, None) for name in ("hidden_size", "n_embd", "d_model")]
+    width = next((w for w in widths if isinstance(w, int) and w > 0), None)
+    if width is not None:
+        check_enough_tokens(config.data.num_tokens, width)
+
+
 def check_against_model(config, model_config) -> None:
-    """``--drop`` and ``--protect`` against the block count, ``--seq-len`` against the positions of a model config."""
+    """``--drop``, ``--protect``, ``--seq-len`` and the calibration tokens against a model config."""
     blocks = config_layer_count(model_config)
     if blocks is not None:
         check_counts(config, blocks, parse_units(config.unit))
     check_positions(config, model_config)
+    check_tokens(config, model_config)
 
 
 def resolve_plan(config, model: nn.Module) -> Plan:

@@ -125,6 +125,13 @@ def _block_influence(moments: StateMoments, first: int, last: int) -> float:
     return 1.0 - moments.mean_cosine(first, last)
 
 
+@register_pair_score("angular-last", "angular distance arccos(cos)/pi at each sequence's last token (Gromov et al.)",
+                     higher_is_removable=False)
+def _angular_last(moments: StateMoments, first: int, last: int) -> float:
+    # Gromov et al. (and PruneMe) compare the states of each sequence's last token only: one row per sequence
+    return moments.last_token_angular_distance(first, last)
+
+
 def block_scores(moments: StateMoments, names: list[str] | None = None) -> dict[str, list[float]]:
     """Every requested score (default: all registered) for every block."""
     blocks = range(moments.num_states - 1)

@@ -31,8 +31,15 @@ logger = logging.getLogger(__name__)
 DEFAULT_PROTECT = "0,-1"
 
 
-def parse_drop(value: str | int, num_blocks: int) -> int:
-    """``4`` or ``25%`` (of the model's blocks, rounded) -> a block count, validated."""
+def parse_drop(value: str | int, num_blocks: int, protected: Sequence[int] = ()) -> int:
+    """``4`` or ``25%`` (of the model's blocks, rounded) -> a block count, validated.
+
+    Args:
+        value: the amount as typed.
+        num_blocks: the model's blocks (twice them for a sub-layer count).
+        protected: blocks that never go; a count of all the blocks names the true maximum, the blocks
+            left once the protected ones are kept, so the number it suggests is one that runs.
+    """
     text = str(value).strip()
     try:
         count = round(num_blocks * float(text[:-1]) / 100) if text.endswith("%") else int(text)
@@ -41,8 +48,10 @@ def parse_drop(value: str | int, num_blocks: int) -> int:
     if count <= 0:
         raise LayercutError(f"--drop {value} removes no block: ask for at least 1")
     if count >= num_blocks:
+        most = num_blocks - max(1, len(protected))
+        why = f" (blocks {list(protected)} are protected; --protect none allows {num_blocks - 1})" if protected else ""
         raise LayercutError(
-            f"--drop {value} asks for {count} of the model's {num_blocks} blocks: drop at most {num_blocks - 1}"
+            f"--drop {value} asks for {count} of the model's {num_blocks} blocks: drop at most {most}{why}"
         )
     return count
 

@@ -25,5 +25,7 @@ def weights_fingerprint(model: nn.Module, sums: bool = False) -> str | None:
             head = flat[:16].to("cpu", torch.float64)
             digest.update(f"{name}{list(tensor.shape)}{tensor.dtype}".encode() + head.numpy().tobytes())
             if sums:
-                digest.update(flat.sum(dtype=torch.float64).item().hex().encode())
+                # 12 significant digits: an edited weight still shows, while the last bits of a float64 sum,
+                # which depend on how many threads reduced it, do not make one model look like two
+                digest.update(f"{flat.sum(dtype=torch.float64).item():.12e}".encode())
     return digest.hexdigest()[:32]

@@ -1,7 +1,8 @@
 """Streamed second-moment statistics of residual states: everything the scores and maps need.
 
 Memory is independent of the number of calibration tokens: per state a mean and a Gram matrix,
-per requested pair of states a cross Gram, per pair a running cosine sum. Never the states themselves.
+per requested pair of states a cross Gram, per pair running sums of the cosine and angle over every token
+and of the angle at each sequence's last token. Never the states themselves.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class StateMoments:
     """Accumulates per-state Grams, cross Grams for chosen (i, j) pairs, and pairwise cosines.
 
     Feed it states through :meth:`observe` (``prune.capture.residual_states`` calls it from hooks).
+    Next to the token-averaged cosines, the angle between each sequence's last (counted) token in two
+    states is summed for the same pairs: Gromov et al. compare states there alone (one row per sequence).
     Each state is shifted by its first batch's mean before any product, so centring at the end does not
     cancel large means away (massive activations reach 1e3 against spreads of ~10). The products of one
     batch are taken in ``precision`` and summed across batches in float64: with "float32" (the default,
@@ -106,12 +109,15 @@ class StateMoments:
         self.update_sq: dict[tuple[int, int], float] = {}
         self.cos_sum = torch.zeros(num_states, num_states, dtype=torch.float64)
         self.angle_sum = torch.zeros(num_states, num_states, dtype=torch.float64)
+        self.last_angle_sum = torch.zeros(num_states, num_states, dtype=torch.float64)
+        self.sequences = 0  # sequences seen (each gives state 0 one last token)
         self._partners = {j: [i for i, jj in self.pairs if jj == j] for j in range(num_states)}
         self._keep_until = {i: max([j for ii, j in self.pairs if ii == i], default=i) for i in range(num_states)}
         if cosine_pairs != "none":
             for i in range(num_states):
                 self._keep_until[i] = max(self._keep_until[i], num_states - 1 if cosine_pairs == "all" else i + 1)
-        self._batch: dict[int, tuple[torch.Tensor, ...]] = {}  # state -> (shifted rows, float32 rows, norms)
+        # state -> (shifted rows, float32 rows, norms, float32 last token of each sequence [batch, d], its norms)
+        self._batch: dict[int, tuple[torch.Tensor, ...]] = {}
         self._mask: torch.Tensor | None = None
         self._eigh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # state -> eigh of its centred Gram
 
@@ -154,8 +160,13 @@ class StateMoments:
         # Cosines need ~1e-6 only: the model's own rows (float32 or lower) are enough and half the traffic.
         flat = flat.float()
         norms = flat.norm(dim=1)  # [n_batch]
-        self._update_cosines(index, flat, norms)
-        self._batch[index] = (shifted, flat, norms)
+        last = last_norms = None
+        if self.cosine_pairs != "none":  # the fits' moments compare no states: nothing to keep per sequence
+            last = self._last_rows(state).float()  # [sequences, d]
+            self.sequences += last.shape[0] if index == 0 else 0
+            last_norms = last.norm(dim=1)
+            self._update_cosines(index, flat, norms, last, last_norms)
+        self._batch[index] = (shifted, flat, norms, last, last_norms)
         for i in [i for i in self._batch if self._keep_until[i] <= index and i != index]:
             del self._batch[i]
 
@@ -165,18 +176,30 @@ class StateMoments:
             flat = flat[self._mask.reshape(-1).to(flat.device)]
         return flat
 
-    def _update_cosines(self, index: int, rows: torch.Tensor, norms: torch.Tensor) -> None:
-        if self.cosine_pairs == "none":
-            return
+    def _last_rows(self, state: torch.Tensor) -> torch.Tensor:
+        """The last counted token of each sequence of ``state`` [batch, seq, d] (sequences with none left out).
+
+        A [seq, d] state is one sequence.
+        """
+        state = state.detach().reshape(-1, *state.shape[-2:])  # [batch, seq, d]
+        if self._mask is None:
+            return state[:, -1]
+        mask = self._mask.reshape(state.shape[:2]).to(state.device)
+        last = mask.shape[1] - 1 - mask.flip(1).int().argmax(1)  # [batch] position of the last True
+        return state[torch.arange(state.shape[0], device=state.device), last][mask.any(1)]
+
+    def _update_cosines(self, index: int, rows: torch.Tensor, norms: torch.Tensor, last: torch.Tensor,
+                        last_norms: torch.Tensor) -> None:
         earlier = [index - 1] if self.cosine_pairs == "adjacent" else list(range(index))
         for i in earlier:
             if i not in self._batch:
                 continue
-            _, other, other_norms = self._batch[i]
-            dots = torch.linalg.vecdot(other, rows.to(other.device))
-            cos = (dots / (other_norms * norms.to(other.device)).clamp_min(1e-30)).clamp(-1, 1)
+            _, other, other_norms, other_last, other_last_norms = self._batch[i]
+            cos = _cosines(other, other_norms, rows, norms)
             self.cos_sum[i, index] += cos.sum().cpu()
             self.angle_sum[i, index] += (torch.arccos(cos) / torch.pi).sum().cpu()
+            last_cos = _cosines(other_last, other_last_norms, last, last_norms)
+            self.last_angle_sum[i, index] += (torch.arccos(last_cos) / torch.pi).sum().cpu()
 
     def _offset(self, index: int) -> torch.Tensor:
         return self.sums[index] / self.counts[index]  # mean of the shifted rows
@@ -224,6 +247,16 @@ class StateMoments:
     def mean_angular_distance(self, i: int, j: int) -> float:
         """Token-averaged angular distance arccos(cos)/pi between states i and j."""
         return float(self.angle_sum[i, j] / self.n)
+
+    def last_token_angular_distance(self, i: int, j: int) -> float:
+        """Angular distance arccos(cos)/pi between states i and j at each sequence's last token, averaged."""
+        return float(self.last_angle_sum[i, j] / self.sequences)
+
+
+def _cosines(rows: torch.Tensor, norms: torch.Tensor, other: torch.Tensor, other_norms: torch.Tensor) -> torch.Tensor:
+    """Row-wise cosine of ``rows`` and ``other`` [n, d] from their norms [n], on ``rows``' device, in [-1, 1]."""
+    dots = torch.linalg.vecdot(rows, other.to(rows.device))
+    return (dots / (norms * other_norms.to(rows.device)).clamp_min(1e-30)).clamp(-1, 1)
 
 
 def adjacent_pairs(num_blocks: int) -> list[tuple[int, int]]:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from prune.adapters import arch_spec, get_blocks, input_device, is_dense, num_blocks, text_config
+from prune.adapters import arch_spec, cache_keyword, get_blocks, input_device, is_dense, num_blocks, text_config
 from prune.capture import block_input, block_output, hooks_held
 from prune.errors import LayercutError
 from prune.heldout import packed_perplexity
@@ -336,7 +336,8 @@ def _verify_cache(model: nn.Module, probe_ids: torch.Tensor) -> None:
     full = model.base_model(input_ids=ids, use_cache=False).last_hidden_state
     try:  # a cache sized at an emptied layer may not even broadcast (eager attention on Gemma 2)
         prefix = model.base_model(input_ids=ids[:, :half], use_cache=True)
-        step = model.base_model(input_ids=ids[:, half:], past_key_values=prefix.past_key_values,
+        cache = cache_keyword(model.base_model)
+        step = model.base_model(input_ids=ids[:, half:], **{cache: getattr(prefix, cache)},
                                 use_cache=True).last_hidden_state
         error = float((step.float() - full[:, half:].float()).norm() / full[:, half:].float().norm().clamp_min(1e-12))
     except (RuntimeError, IndexError, ValueError):

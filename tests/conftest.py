@@ -16,6 +16,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
+from prune.adapters import cache_keyword  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 VOCAB = 320
@@ -140,7 +142,8 @@ def assert_cache_and_generate(model, ids: torch.Tensor) -> None:
     with torch.no_grad():
         full = model(ids).logits
         prefix = model(ids[:, :8], use_cache=True)
-        step = model(ids[:, 8:], past_key_values=prefix.past_key_values, use_cache=True).logits
+        cache = cache_keyword(model)
+        step = model(ids[:, 8:], **{cache: getattr(prefix, cache)}, use_cache=True).logits
     torch.testing.assert_close(step, full[:, 8:], rtol=1e-4, atol=1e-4)
     out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape == (ids.shape[0], 9)

@@ -307,3 +307,22 @@ def test_weights_on_the_meta_device_have_no_stamp():
         real.weight.view(-1)[-1] += 1.0
     assert weights_fingerprint(real) == stamp  # only the first values: the cheap stamp measurements use
     assert weights_fingerprint(real, sums=True) != summed
+
+
+def test_shipped_samples_serve_a_first_run_and_are_never_written(sample_cache, one_thread, tmp_path, monkeypatch):
+    import prune.data
+
+    folder, passes = sample_cache
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    config = DataConfig(data="self", samples=4, seq_len=16, heldout_samples=0)
+    sampled = calibration_data(tok, config, model=model).token_ids
+    (kept,) = folder.glob("*.safetensors")
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    kept.rename(shipped / kept.name)  # as if prepared once and installed with the package
+    monkeypatch.setattr(prune.data, "SHIPPED_SAMPLES", shipped)
+    assert torch.equal(calibration_data(tok, config, model=model).token_ids, sampled)
+    assert len(passes) == 1 and not list(folder.glob("*.safetensors"))  # read, not sampled, nothing copied
+    other = DataConfig(data="self", samples=4, seq_len=16, heldout_samples=0, seed=1)
+    calibration_data(tok, other, model=model)  # another key: sampled, kept in the cache, not the package
+    assert len(passes) == 2 and len(list(shipped.iterdir())) == 1 and len(list(folder.glob("*.safetensors"))) == 1

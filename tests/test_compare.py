@@ -124,7 +124,7 @@ def test_compare_cells_leaderboard_plots_and_resume(tiny_folder, tmp_path, capsy
     assert "over 2 invocation(s) and 6 cell(s)" in (out / "README.md").read_text()
     # another setup in the same folder is refused
     code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt", "--seed", "3")
-    assert code == EXIT_BAD_INPUT and "holds a comparison with another data" in err
+    assert code == EXIT_BAD_INPUT and "holds a comparison with another data.seed (0 there, 3 now)" in err
 
 
 def test_heldout_file_and_sleb_agrees_with_the_oracle(tiny_folder, tmp_path, capsys, sample_text):

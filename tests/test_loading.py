@@ -107,7 +107,7 @@ def test_aliases_resolve_to_hub_ids():
     assert resolve_model_name("gpt2") == "openai-community/gpt2"
     assert resolve_model_name("Pythia-70m") == "EleutherAI/pythia-70m"
     assert resolve_model_name("llama-2-7b") == "meta-llama/Llama-2-7b-hf"
-    assert MODEL_ALIASES[EMBEDDED_MODEL] == "HuggingFaceTB/SmolLM2-135M"
+    assert MODEL_ALIASES[EMBEDDED_MODEL] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # what the embedded GGUF holds
     assert len(MODEL_ALIASES) == 33
     assert all(hub.count("/") == 1 for hub in MODEL_ALIASES.values())
 

@@ -45,7 +45,8 @@ def test_resolve_targets():
 
 @pytest.mark.parametrize("fields,message", [
     (dict(drop="abc"), "--drop must be a count like 4 or a share like 25%, got 'abc'"),
-    (dict(drop=4), "--drop 4 asks for 4 of the model's 4 blocks: drop at most 3"),
+    (dict(drop=4), "--drop 4 asks for 4 of the model's 4 blocks: drop at most 2 (blocks [0, 3] are protected; "
+                   "--protect none allows 3)"),
     (dict(drop="0"), "--drop 0 removes no block: ask for at least 1"),
     (dict(drop=3), "cannot drop 3 blocks: only 2 of 4 are not protected ([0, 3]); lower --drop or pass --protect "
                    "none"),

@@ -80,7 +80,7 @@ def unsupported_folder(tmp_path):
     "case,extra,message",
     [
         ("unknown model", ["--model", "no-such-model-xyz"], "unknown model 'no-such-model-xyz'"),
-        ("drop too many", ["--drop", "4"], "drop at most 3"),
+        ("drop too many", ["--drop", "4"], "drop at most 2 (blocks [0, 3] are protected; --protect none allows 3)"),
         ("drop zero", ["--drop", "0"], "removes no block"),
         ("drop negative", ["--drop", "-1"], "removes no block"),
         ("too few tokens", ["--samples", "2", "--seq-len", "16", "--drop", "1"], "need at least 128"),

@@ -50,7 +50,7 @@ def save_replaced(tmp_path, model_type, method, dropped=(1,)):
 def test_maps_checkpoint_loads_with_remote_code_and_refuses_without(tmp_path, one_thread, model_type, method):
     model, out = save_replaced(tmp_path, model_type, method)
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "layercut" and config["base_config"]["model_type"] == model_type
+    assert config["model_type"] == "layercut" and config["base_model_type"] == model_type
     assert config["auto_map"] == hf_remote_code.AUTO_MAP
     assert (out / "modeling_layercut.py").read_text() == open(hf_remote_code.__file__).read()
 
@@ -123,7 +123,7 @@ def test_old_unwrapped_checkpoint_still_loads_and_is_refused_by_the_plain_loader
     """Checkpoints written before the wrapping: base config.json, maps next to it, no modeling file."""
     model, out = save_replaced(tmp_path, "llama", "linear", dropped=(1, 2))
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps(config["base_config"]))
+    (out / "config.json").write_text(json.dumps(hf_remote_code.unwrap_config_dict(config)))
     (out / "modeling_layercut.py").unlink()
     ids = calibration(2, 20, seed=11)
     loaded = prune.load(out).model

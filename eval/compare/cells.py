@@ -14,6 +14,7 @@ from distill.config import DistillConfig
 from eval.compare.config import CompareConfig, block_budget, cell_config
 from eval.compare.digest import recipe_digest
 from eval.compare.heldout import Heldout, measure_domains
+from eval.compare.metrics import measure_metrics
 from eval.compare.results import Row
 from eval.lmeval import primary_metric, run_lm_eval
 from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, make_prompt, time_decode
@@ -51,12 +52,13 @@ def measure_tasks(model, tokenizer, tasks: list[str], row: Row, *, limit=None, d
                                               for task in tasks if task in raw})
 
 
-def decode_seconds(model, seq_len: int, new_tokens: int) -> float:
-    """Median of 3 timings of ``new_tokens`` greedy steps with the KV cache, after a warm-up."""
+def decode_seconds(model, seq_len: int, new_tokens: int) -> tuple[float, float]:
+    """Median of 3 timings of ``new_tokens`` greedy steps with the KV cache, after a warm-up, and max / min."""
     options = SpeedOptions(prompt_len=min(64, seq_len), new_tokens=new_tokens)
     prompt = make_prompt(model.config.vocab_size, options)
     time_decode(model, prompt, 2)  # warm-up
-    return sorted(time_decode(model, prompt, options.new_tokens) for _ in range(3))[1]
+    times = sorted(time_decode(model, prompt, options.new_tokens) for _ in range(3))
+    return times[1], times[-1] / times[0]
 
 
 def measure(model, tokenizer, heldout: Heldout, config: CompareConfig) -> Row:
@@ -64,8 +66,10 @@ def measure(model, tokenizer, heldout: Heldout, config: CompareConfig) -> Row:
     row: Row = {"params": parameter_count(model), "blocks": num_blocks(model)}
     measure_domains(model, heldout, row)
     measure_tasks(model, tokenizer, config.tasks, row, limit=config.limit, data_dir=config.data_dir)
+    measure_metrics(model, tokenizer, config.metrics, row)
     if config.speed_tokens:
-        row["decode_s"] = decode_seconds(model, config.seq_len, config.speed_tokens)
+        # the spread says whether the median is a measurement or the noise of a busy machine
+        row["decode_s"], row["decode_spread"] = decode_seconds(model, config.seq_len, config.speed_tokens)
     return row
 
 
@@ -92,6 +96,7 @@ def complete_cell(row: Row, folder: Path, config: CompareConfig, heldout: Heldou
     row = copy.deepcopy(row)
     measure_domains(loaded.model, heldout, row, [name for name in heldout.names() if name not in known])
     measure_tasks(loaded.model, loaded.tokenizer, config.tasks, row, limit=config.limit, data_dir=config.data_dir)
+    measure_metrics(loaded.model, loaded.tokenizer, config.metrics, row)
     row["completed_from_checkpoint"] = True
     return row
 
@@ -152,16 +157,24 @@ def run_cell(name: str, path: Path, drop: int, config: CompareConfig, loaded: Lo
     copy_seconds = time.perf_counter() - copied
     # the cell measures on its own held-out text: keep run_prune from scoring the dense model again
     shared = dataclasses.replace(scored, calibration=dataclasses.replace(scored.calibration, heldout_ids=None))
-    result = run_prune(prune_config, loaded=student, scored=shared)
-    row = _method_row(name, path, digest, drop, prune_config, result, folder)
-    row.update(prune_seconds=round(time.perf_counter() - started, 2), copy_seconds=round(copy_seconds, 2))
-    _add_distill(row, result.report, prune_config)
-    row.update(measure(student.model, student.tokenizer, heldout, config))
+    try:
+        result = run_prune(prune_config, loaded=student, scored=shared)
+        row = _method_row(name, path, digest, drop, prune_config, result, folder)
+        row.update(prune_seconds=round(time.perf_counter() - started, 2), copy_seconds=round(copy_seconds, 2))
+        _add_distill(row, result.report, prune_config)
+        row.update(measure(student.model, student.tokenizer, heldout, config))
+    finally:  # also after Ctrl-C or a failure: weights nobody asked to keep do not stay behind (a model's size each)
+        if not config.keep_checkpoints:
+            drop_weights(folder)
     _add_ratios(row, dense, heldout.names())
     row["seconds"] = round(time.perf_counter() - started, 2)
-    if not config.keep_checkpoints:
+    del student
+    return row
+
+
+def drop_weights(folder: Path) -> None:
+    """Delete the weight files of a cell's folder (its reports stay)."""
+    if folder.is_dir():
         for file in folder.iterdir():
             if file.suffix in WEIGHT_SUFFIXES:
                 file.unlink()
-    del student
-    return row

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--oracle", action="store_true",
                        help="also measure calibration perplexity with each block alone removed, and each score's "
                        "Spearman correlation with it")
+    group.add_argument("--metrics", default=None,
+                       help="extra measurements of every model, comma list of registered metrics (weights-mb) "
+                       "(default: none)")
     group.add_argument("--keep-checkpoints", action="store_true",
                        help="keep every cell's weights under cells/ (default: reports only; a cell's weights are "
                        "the size of the model)")
@@ -75,7 +78,8 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
                          drops=parse_drops(args.drop), methods=parse_methods(args.methods), out=args.out,
                          heldout=args.heldout, heldout_tokens=args.heldout_tokens, tasks=tasks, limit=args.limit,
                          data_dir=args.data_dir, batch_size=args.batch_size, speed_tokens=args.speed_tokens,
-                         oracle=args.oracle, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite)
+                         oracle=args.oracle, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
+                         metrics=[name.strip() for name in (args.metrics or "").split(",") if name.strip()])
 
 
 @cli_entry

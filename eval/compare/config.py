@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eval.compare.metrics import METRICS
 from prune.adapters import get_blocks
 from prune.data import DataConfig
 from prune.errors import LayercutError
@@ -35,6 +36,7 @@ class CompareConfig:
         batch_size: sequences per forward pass while scoring, fitting and measuring.
         speed_tokens: decode steps timed per model for the speed-up (0: skip).
         oracle: also run SLEB's oracle and each score's Spearman correlation with it.
+        metrics: registered metrics (``eval.compare.metrics``) measured on every model besides the standard ones.
         keep_checkpoints: keep every cell's weights under ``cells/``.
         overwrite: start afresh in an ``out`` that holds another comparison.
     """
@@ -54,9 +56,12 @@ class CompareConfig:
     oracle: bool = False
     keep_checkpoints: bool = False
     overwrite: bool = False
+    metrics: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         self.out = Path(self.out)
+        for name in self.metrics:
+            METRICS.get(name)  # an unknown name is one line listing the known ones
         if not self.drops or min(self.drops) <= 0:
             raise LayercutError("--drop takes positive block counts like 2,4,6,8")
         if not self.methods:

@@ -13,6 +13,7 @@ from eval.compare.cells import cell_dir, complete_cell, measure, measure_tasks, 
 from eval.compare.config import CompareConfig, cell_config
 from eval.compare.digest import recipe_digest, recipe_state
 from eval.compare.heldout import Domain, Heldout, measure_domains, plan_domains, reconcile_domains, refresh_rows
+from eval.compare.metrics import has_metrics, measure_metrics
 from eval.compare.plots import write_reports
 from eval.compare.results import (
     Results,
@@ -71,7 +72,7 @@ def unfinished(results: Results, config: CompareConfig, domains: list[Domain]) -
             row = results.cells.get(cell_key(name, drop))
             if row is None or row.get("recipe_digest") != recipe_digest(path):
                 todo.append((name, path, drop, "run"))
-            elif not (has_domains(row, names) and has_tasks(row, config.tasks)):
+            elif not (has_domains(row, names) and has_tasks(row, config.tasks) and has_metrics(row, config.metrics)):
                 todo.append((name, path, drop, "complete"))
     return todo
 
@@ -113,6 +114,7 @@ def _measure_dense(results: Results, session: Session, config: CompareConfig) ->
     missing = [name for name in session.heldout.names() if name not in results.dense.get("domains", {})]
     measure_domains(model, session.heldout, results.dense, missing)
     measure_tasks(model, tokenizer, config.tasks, results.dense, limit=config.limit, data_dir=config.data_dir)
+    measure_metrics(model, tokenizer, config.metrics, results.dense)
 
 
 def _oracle(results: Results, session: Session, config: CompareConfig) -> None:
@@ -164,7 +166,9 @@ def run_comparison(config: CompareConfig) -> Results:
     todo = unfinished(results, config, domains)
     need_oracle = config.oracle and not results.oracle
     names = [domain.name for domain in domains]
-    if not todo and not need_oracle and has_domains(results.dense, names) and has_tasks(results.dense, config.tasks):
+    dense_done = has_domains(results.dense, names) and has_tasks(results.dense, config.tasks) and has_metrics(
+        results.dense, config.metrics)
+    if not todo and not need_oracle and dense_done:
         logger.info("every cell of %s is finished", config.out)
         refresh_rows(results, names)
         write_reports(results, config.out, results.dense["blocks"])
@@ -210,6 +214,10 @@ def _summary_line(results: Results, drop: int) -> str:
             " and the tasks" if analysis.get("tasks") else "")
     if recipe_state(best) == "changed":
         line += f"; {best['method']} ran before its recipe or a default it uses changed: rerun to refresh"
+    worse = [results.cells[k]["method"] for k, v in sorted(analysis.get("vs_removal", {}).items())
+             if v and v.get("worse_than_removal") and results.cells[k]["drop"] == drop]
+    if worse:
+        line += f"; WORSE than removing their own blocks on every domain: {', '.join(worse)} (do not ship them)"
     unpaired = [results.cells[k]["method"] for k, v in sorted(analysis.get("vs_removal", {}).items())
                 if v is None and results.cells[k]["drop"] == drop]
     if unpaired:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from eval.compare.digest import STALE_MARKS, recipe_state, stale_note
+from eval.compare.metrics import METRICS
 from eval.compare.results import NO_TASKS, Results
 from eval.compare.stats import TIE_SE, analyse, task_stderr
 from eval.lmeval import describe_rows
+from eval.speed_results import NOISY_RUN_SPREAD
 
 PPL_PNG = "perplexity_vs_blocks.png"
+NOISY_MARK = "?"
+WORSE_MARK = "**(!)**"
 BLOCKS_PNG = "chosen_blocks.png"
 
 
@@ -42,6 +46,7 @@ def _preamble(results: Results, analysis: dict, cells: dict, states: dict) -> li
     lines += stale_note(states)
     lines += _versus_note(analysis)
     lines += _wall_time_note(timing)
+    lines += _speed_note(cells, results.dense)
     copies = sorted(row["copy_seconds"] for row in cells.values())
     if copies and "load_seconds" in timing:
         lines += [f"Each cell starts from a copy of the loaded model: {copies[len(copies) // 2]:.2f} s (median) "
@@ -54,16 +59,19 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
     names, tasks, figures = analysis["domains"], analysis["tasks"], analysis["rows"]
     domain_heads = [f"{name} ppl" for name in names] if len(names) > 1 else []
     task_heads = [*tasks, "task mean", "retention", "tasks vs best"] if tasks else []
+    metrics = [m for m in METRICS.values() if any(m.field in row for row in [dense, *cells.values()])]
     head = ["rank", "method", "blocks removed", "params", "held-out ppl", "vs dense", *domain_heads, *task_heads,
-            "better than", "vs removal of its blocks", "decode speed-up", "wall s", "vanilla"]
+            "better than", "vs removal of its blocks", *[m.head for m in metrics], "decode speed-up", "wall s",
+            "vanilla"]
     rows = sorted(((k, r) for k, r in cells.items() if r["drop"] == drop), key=lambda kr: kr[1]["heldout_ppl"])
     lines = [f"## Drop {drop}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     domain_cells = [f"{dense['domains'][n]:.3f}" for n in names] if len(names) > 1 else []
     lines.append(f"| - | dense | - | {dense['params']:,} | {dense['heldout_ppl']:.3f} | 1.000 | "
                  + "".join(f"{v} | " for v in domain_cells + _task_cells(dense, tasks, figures["dense"], "-"))
-                 + "- | - | " + ("1.00" if "decode_s" in dense else "-") + " | - | yes |")
+                 + "- | - | " + _metric_cells(dense, metrics) + ("1.00" if "decode_s" in dense else "-")
+                 + " | - | yes |")
     for rank, (key, row) in enumerate(rows, 1):
-        speed = f"{row['decode_speedup']:.2f}" if "decode_speedup" in row else "-"
+        speed = f"{row['decode_speedup']:.2f}{_noisy(row, dense)}" if "decode_speedup" in row else "-"
         domain_cells = [f"{row['domains'][n]:.3f} ({100 * (row['domains'][n] / dense['domains'][n] - 1):+.1f}%)"
                         for n in names] if len(names) > 1 else []
         beaten = ", ".join(cells[k]["method"] for k in analysis["better_than"][key]) or "-"
@@ -72,10 +80,30 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
                      f"{row['heldout_ppl']:.3f} | {row['heldout_ppl'] / dense['heldout_ppl']:.3f} | "
                      + "".join(f"{v} | " for v in domain_cells + _task_cells(
                          row, tasks, figures[key], analysis["vs_best_tasks"].get(key, "-")))
-                     + f"{beaten} | {_versus(analysis, key)} | {speed} | {row['seconds']:.1f} | "
+                     + f"{beaten} | {_versus(analysis, key)} | {_metric_cells(row, metrics)}{speed} | "
+                     f"{row['seconds']:.1f} | "
                      f"{'yes' if row['vanilla'] else 'no'} |")
     lines.append("")
     return lines
+
+
+def _noisy(row: dict, dense: dict) -> str:
+    """``?`` when the row's or the dense model's decode timings varied too much between repeats to be a figure."""
+    spreads = [r.get("decode_spread", 1.0) for r in (row, dense)]
+    return NOISY_MARK if max(spreads) > NOISY_RUN_SPREAD else ""
+
+
+def _speed_note(cells: dict, dense: dict) -> list[str]:
+    if not any(_noisy(row, dense) for row in cells.values() if "decode_speedup" in row):
+        return []
+    return [f"{NOISY_MARK} after a decode speed-up: this model's or the dense model's three timings differed by more "
+            f"than x{NOISY_RUN_SPREAD:g} (a busy machine): noise, not a measurement. `python -m eval.bench speed` "
+            "measures speed with interleaved repeats.", ""]
+
+
+def _metric_cells(row: dict, metrics: list) -> str:
+    """The cells of the registered metrics measured in this comparison, each followed by its separator."""
+    return "".join(f"{m.cell(row[m.field]) if m.field in row else '-'} | " for m in metrics)
 
 
 def _versus(analysis: dict, key: str) -> str:
@@ -87,6 +115,8 @@ def _versus(analysis: dict, key: str) -> str:
         return "no removal row"
     higher = entry["perplexity_higher_on"]
     ppl = "ppl lower on all" if not higher else f"ppl higher on {', '.join(higher)}"
+    if entry.get("worse_than_removal"):
+        ppl = f"{WORSE_MARK} worse than removing its blocks; {ppl}"
     if "gap" not in entry:
         return ppl if "verdict" not in entry else f"{entry['verdict']}; {ppl}"
     return f"{100 * entry['gap']:+.1f} ± {100 * entry['gap_stderr']:.1f} ({entry['verdict']}); {ppl}"

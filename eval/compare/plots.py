@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import torch
@@ -14,33 +15,65 @@ from prune.export import write_file_atomic
 README = "README.md"
 
 
+def method_colour(name: str):
+    """A method's colour, the same in every plot of every run (a hash of its name, not its place in a list)."""
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](zlib.crc32(name.encode()) % 20)
+
+
 def plot_perplexity(results: Results, path: Path) -> None:
-    """PNG: held-out perplexity against blocks removed, one line per method, dense as a dashed line."""
+    """PNG: held-out perplexity against blocks removed, one line per method, dense as a dashed line.
+
+    With a single drop every line would run from the dense point to one x and hide the others behind it:
+    the methods are then bars, best first.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    drops = sorted({row["drop"] for row in results.cells.values()})
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    if len(drops) == 1:
+        _perplexity_bars(ax, results, drops[0])
+    else:
+        _perplexity_lines(ax, results, drops)
+    ax.set_title(f"{results.setup['model']}: held-out perplexity by method")
+    fig.tight_layout()
+    write_file_atomic(path, fig.savefig)
+    plt.close(fig)
+
+
+def _perplexity_lines(ax, results: Results, drops: list[int]) -> None:
     from matplotlib.ticker import ScalarFormatter
 
-    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     dense = results.dense["heldout_ppl"]
-    methods = sorted({row["method"] for row in results.cells.values()})
-    for name in methods:  # every line starts at the dense model (0 blocks removed)
+    for name in sorted({row["method"] for row in results.cells.values()}):  # every line starts at the dense model
         rows = sorted((r for r in results.cells.values() if r["method"] == name), key=lambda r: r["drop"])
-        ax.plot([0] + [r["drop"] for r in rows], [dense] + [r["heldout_ppl"] for r in rows], marker="o", label=name)
+        ax.plot([0] + [r["drop"] for r in rows], [dense] + [r["heldout_ppl"] for r in rows], marker="o", label=name,
+                color=method_colour(name))
     ax.axhline(dense, color="black", ls="--", lw=1, label="dense")
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(ScalarFormatter())
     ax.yaxis.set_minor_formatter(ScalarFormatter())
-    ax.set_xticks([0] + sorted({row["drop"] for row in results.cells.values()}))
+    ax.set_xticks([0, *drops])
     ax.set_xlabel("blocks removed")
     ax.set_ylabel("held-out perplexity (log)")
-    ax.set_title(f"{results.setup['model']}: held-out perplexity by method")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    write_file_atomic(path, fig.savefig)
-    plt.close(fig)
+
+
+def _perplexity_bars(ax, results: Results, drop: int) -> None:
+    rows = sorted(results.cells.values(), key=lambda r: r["heldout_ppl"])
+    names = [r["method"] for r in rows]
+    ax.barh(range(len(rows)), [r["heldout_ppl"] for r in rows], color=[method_colour(n) for n in names])
+    ax.set_yticks(range(len(rows)), names, fontsize=7)
+    ax.invert_yaxis()  # best on top, as in the leaderboard
+    ax.axvline(results.dense["heldout_ppl"], color="black", ls="--", lw=1, label="dense")
+    ax.set_xlabel(f"held-out perplexity, {drop} blocks removed")
+    ax.grid(alpha=0.3, axis="x")
+    ax.legend(fontsize=7)
 
 
 def plot_blocks(results: Results, path: Path, blocks: int) -> None:

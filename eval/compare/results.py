@@ -154,7 +154,7 @@ def open_results(out: Path, setup: dict, overwrite: bool) -> Results:
     path = out / RESULTS
     if path.is_file() and not overwrite:
         results = read_results(path)
-        differs = sorted(k for k in setup if results.setup.get(k) != setup[k])
+        differs = differing(results.setup, setup)
         if differs:
             raise LayercutError(f"{out} holds a comparison with another {', '.join(differs)}: pass another --out, "
                                 "the same options to resume it, or --overwrite to start afresh")
@@ -169,6 +169,18 @@ def open_results(out: Path, setup: dict, overwrite: bool) -> Results:
     # at once: a run stopped before its first cell (in the oracle, say) is still a comparison to resume
     results.save(out)
     return results
+
+
+def differing(stored: dict, now: dict, prefix: str = "") -> list[str]:
+    """The options of ``now`` whose value differs from ``stored``'s, as dotted paths (``data.samples: 32 -> 64``)."""
+    found = []
+    for key in now:
+        old, new = stored.get(key), now[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            found += differing(old, new, f"{prefix}{key}.")
+        elif old != new:
+            found.append(f"{prefix}{key} ({old!r} there, {new!r} now)")
+    return found
 
 
 def check_calibration(results: Results, digest: str, out: Path) -> None:

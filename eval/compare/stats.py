@@ -137,4 +137,6 @@ def vs_removal(rows: dict, key: str, figures: dict, names: list[str], quality: s
                      verdict="tie" if abs(gap) < TIE_SE * se else ("win" if gap > 0 else "loss"))
     elif quality is not None and (quality in figures[key] or quality in figures[base]):
         entry["verdict"] = "tasks on one row only"  # perplexity alone would read as a verdict on both
+    if len(higher) == len(names) and entry.get("verdict") not in ("win", "tie"):
+        entry["worse_than_removal"] = True  # the repair costs parameters and does harm: never a row to trust
     return entry

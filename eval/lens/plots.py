@@ -66,20 +66,27 @@ def plot_r2(results: dict, path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def plot_precision(results: dict, path: str | Path) -> Path:
-    """Precision@1/5/10 per layer, one panel per k, one line per shortcut."""
+def precision_figure(results: dict):
+    """The figure of :func:`plot_precision`, not yet saved (tests read its artists)."""
     plt = _pyplot()
     ks = results["precision_ks"]
-    fig, axes = plt.subplots(1, len(ks), figsize=(4.2 * len(ks), 3.8), dpi=120, sharey=True)
-    for ax, k in zip(axes, ks, strict=True):
+    fig, axes = plt.subplots(1, len(ks), figsize=(4.2 * len(ks), 3.8), dpi=120, sharey=True, squeeze=False)
+    for ax, k in zip(axes[0], ks, strict=True):
         for name, metrics in results["per_layer"].items():
             ax.plot(results["layers"], metrics[f"precision@{k}"], marker="o", ms=3, color=COLOURS.get(name), label=name)
-        _layer_axes(ax, results, f"Precision@{k}" if k == ks[0] else "")
+        # each panel names its own k: one shared label beside the first panel read as Precision@1 for all
+        _layer_axes(ax, results, f"Precision@{k}")
+        ax.tick_params(labelleft=True)
         ax.set_title(f"Precision@{k}")
         ax.set_ylim(0, 1.02)
-    axes[0].legend()
+    axes[0][0].legend()
     fig.suptitle(f"{_title(results)}: is the full model's top-1 in the shortcut's top-k?")
-    return _save(fig, path)
+    return fig
+
+
+def plot_precision(results: dict, path: str | Path) -> Path:
+    """Precision@1/5/10 per layer, one panel per k, one line per shortcut."""
+    return _save(precision_figure(results), path)
 
 
 def plot_surprisal(results: dict, path: str | Path) -> Path:

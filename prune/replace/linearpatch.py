@@ -12,6 +12,7 @@ with ``Q_m`` a fixed random orthogonal matrix (seed 0) in place of the paper's H
 rides as a map on the kept block (``replacements.safetensors``, like ``linear``) rather than being
 fused into the next layer's weights; the paper's optional top-K-logit distillation is layercut's
 distillation step (``distill: {train: replacements, kl_weight: ...}``, full logits).
+Not for sandwich-norm architectures (Gemma-2/3, OLMo-2, ...: :func:`check_linearpatch_architecture`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from prune.adapters import arch_spec
+from prune.errors import LayercutError
 from prune.hf_remote_code import LinearMap
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
@@ -47,6 +51,23 @@ def orthonormal_hadamard(dim: int, seed: int = 0) -> torch.Tensor:
     q, r = torch.linalg.qr(gaussian)
     q = q * torch.sign(torch.diagonal(r))  # a unique, well-spread orthogonal matrix
     return torch.kron(hadamard.contiguous(), q.contiguous())
+
+
+def check_linearpatch_architecture(model: nn.Module) -> None:
+    """Refuse models whose blocks normalise each sub-layer's output before the residual add.
+
+    The rotation is meant for outliers at a few tokens. Gemma-3-270M, a sandwich-norm model (found by
+    structure, as for ``fold`` and ``magcomp``), carries one channel on every token at ~5e3 where the
+    others are ~1e2 (channel 163, blocks 8-17): the rotation spreads it over every rotated channel, and
+    the uneven scales of ``H D H^T`` (0.7 to 2.1) mix it back into all of them. Calibration perplexity
+    at drop 4 (blocks 8, 9, 14, 16): dense 29, removal 141, the patch 149,890; the same scales in the
+    unrotated basis 125, least-squares scales in the rotated one 5,513.
+    """
+    normed = arch_spec(model).mlp_out_norm
+    if normed:
+        raise LayercutError(f"--replace linearpatch: '{model.config.model_type}' normalises each sub-layer's "
+                            f"output ({normed}), and its Hadamard patch then mixes the massive channels into every "
+                            "other one; use --replace linear or none")
 
 
 @dataclass
@@ -87,6 +108,7 @@ class LinearPatchFitter(SpanFitter):
 register_method(Method(
     "linearpatch", "LinearPatch: h -> h H D H^T, Hadamard rotation and channel scales from calibration",
     vanilla=False, options=LinearPatchOptions, fitter=LinearPatchFitter,
+    check_model=check_linearpatch_architecture,
     # saved as the same module type as ``linear`` (a d x d map), so checkpoints load with either code path
     module=LinearMap, spec=lambda module: {"dim": module.proj.in_features},
     build=lambda spec: LinearMap(spec["dim"]), trained_module=map_on_block,
