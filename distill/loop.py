@@ -178,6 +178,9 @@ class Run:
         """Checkpoint ``step`` into the work folder (none without one), from the main process only."""
         if self.work is None:
             return
+        for name, param in zip(self.trainable.names, self.trainable.parameters, strict=True):
+            if not torch.isfinite(param.detach()).all():  # keep the last good checkpoint rather than this one
+                raise nan_error(f"the weight {name}", float("nan"), step, self.work)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             info = {"config": self.config.to_dict(), "loss": self.last[0], "terms": self.last[1],

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -51,8 +52,13 @@ def read_report(folder: str | Path) -> dict:
 
 
 def check_output_dir(out: str | Path, overwrite: bool) -> Path:
-    """Fail early (before any heavy work) if ``out`` is a non-empty folder and overwrite is off."""
+    """Fail early (before any heavy work) if ``out`` is a non-empty folder and overwrite is off.
+
+    What an export killed with ``kill -9`` left beside ``out`` is mended first, so the check sees the output
+    that is really there (:func:`recover_killed_export`).
+    """
     path = Path(out).expanduser()
+    recover_killed_export(path.resolve())
     if path.exists() and not path.is_dir():
         raise LayercutError(f"--out {out} is a file: pass a folder path")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
@@ -106,7 +112,8 @@ def atomic_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]
     """
     target = check_output_dir(out, overwrite)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    # the pid in the name tells a later run whether the process that made it is still writing
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
     try:
         try:
             yield staging
@@ -127,6 +134,41 @@ def atomic_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]
     finally:
         if staging.exists():
             shutil.rmtree(staging)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def recover_killed_export(target: Path) -> None:
+    """Mend what an export killed with ``kill -9`` left beside ``target`` (a signal we can catch cleans up itself).
+
+    Killed between its two renames, an export leaves ``target`` missing and the earlier output under
+    ``.<name>.old-<pid>``: it comes back. Killed while writing, it leaves its staging folder
+    ``.<name>.<pid>.<random>.tmp``: a model's size of disk, removed. Folders of a process still running
+    are left alone.
+    """
+    if not target.parent.is_dir():
+        return
+    name = re.escape(target.name)
+    for path in target.parent.iterdir():
+        old = re.fullmatch(rf"\.{name}\.old-(\d+)", path.name)
+        staging = re.fullmatch(rf"\.{name}\.(\d+)\.[a-z0-9_]+\.tmp", path.name)
+        match = old or staging
+        if match is None or _alive(int(match.group(1))):
+            continue
+        if old and not target.exists():
+            path.rename(target)
+            logger.warning("restored %s: an export into it was killed before it finished", target)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning("removed %s, left by an export that was killed", path)
 
 
 def write_file_atomic(path: Path, write) -> None:

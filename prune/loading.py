@@ -361,6 +361,21 @@ def _load_weights(name: str, checkpoint: str, config: PretrainedConfig, kwargs: 
     return model
 
 
+def check_finite(model: torch.nn.Module, checkpoint: str) -> None:
+    """Refuse weights holding NaN or inf: every score, fit and figure of such a model would be meaningless.
+
+    Raises:
+        LayercutError: one line naming the first such tensor and the checkpoint it came from.
+    """
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if tensor.is_floating_point() and not tensor.is_meta and not torch.isfinite(tensor).all():
+                where = Path(checkpoint)
+                source = where / "model.safetensors" if where.is_dir() else checkpoint
+                raise LayercutError(f"{source} holds NaN or inf in {name}: the weights are damaged; re-export or "
+                                    "restore the checkpoint")
+
+
 def _log_loaded(name: str, resolved: str, checkpoint: str, model: PreTrainedModel, start: float) -> None:
     """Log what was loaded, from where, its size, dtype and device, and the seconds since ``start``."""
     n_params = sum(p.numel() for p in model.parameters())
@@ -421,6 +436,7 @@ def load_model(
     checkpoint, config = _open_config(name, resolved, allow_maps)
     tokenizer = load_tokenizer(tokenizer or checkpoint)
     model = _load_weights(name, checkpoint, config, kwargs)
+    check_finite(model, checkpoint)
     _finish_model(model, tokenizer)
     _log_loaded(name, resolved, checkpoint, model, start)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, source=resolved)

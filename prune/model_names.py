@@ -146,6 +146,10 @@ def resolve_model_name(name: str) -> str:
     if _looks_like_path(name):
         kind = "GGUF file" if name.lower().endswith(".gguf") else "path"
         raise LayercutError(f"{kind} {name} not found: check the path (relative paths start from {Path.cwd()})")
+    close = difflib.get_close_matches(name.lower(), MODEL_ALIASES, n=1, cutoff=0.85)
+    if close and "/" not in name:  # a typo of an alias: say so now, not after the hub's retries
+        raise LayercutError(f"unknown model '{name}': did you mean '{close[0]}'? (python -m prune.run --list-models "
+                            "lists the names; a hub model without an organisation is loaded as org/name)")
     return name
 
 
@@ -199,8 +203,8 @@ def _unknown_model(name: str, err: OSError) -> LayercutError:
         searched = f"not in the local Hugging Face cache, and the hub was not searched: {why}"
     return LayercutError(
         f"unknown model '{name}' (not an alias or local path, {searched}): "
-        f"{hint}use one of the aliases ({', '.join(_SHORT_ALIASES)}, ... see MODEL_ALIASES), a hub id like "
-        "org/name, a local checkpoint folder or a .gguf file"
+        f"{hint}use one of the aliases ({', '.join(_SHORT_ALIASES)}, ...: python -m prune.run --list-models), a hub "
+        "id like org/name, a local checkpoint folder or a .gguf file"
     )
 
 

