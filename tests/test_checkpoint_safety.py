@@ -53,12 +53,16 @@ def test_concrete_and_auto_classes_refuse_a_maps_checkpoint(maps_checkpoint):
         AutoModelForCausalLM.from_pretrained(out)
 
 
-def test_maps_checkpoint_loads_with_its_maps(maps_checkpoint):
-    model, out = maps_checkpoint
+def assert_loads_with_maps(model, out):
+    """prune.load gives the saved model's logits exactly; the remote code within float32 rounding."""
     expected = logits(model, IDS)
     torch.testing.assert_close(logits(prune.load(out).model, IDS), expected, rtol=0, atol=0)
     remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     torch.testing.assert_close(logits(remote, IDS), expected, rtol=0, atol=1e-6)
+
+
+def test_maps_checkpoint_loads_with_its_maps(maps_checkpoint):
+    assert_loads_with_maps(*maps_checkpoint)
 
 
 def test_no_config_class_adopts_the_base_config(maps_checkpoint):
@@ -77,10 +81,7 @@ def test_old_layout_checkpoint_still_loads(maps_checkpoint):
     old["base_config"] = base
     old["auto_map"] = {k: v for k, v in old["auto_map"].items() if k != "AutoModel"}
     (out / "config.json").write_text(json.dumps(old))
-    expected = logits(model, IDS)
-    torch.testing.assert_close(logits(prune.load(out).model, IDS), expected, rtol=0, atol=0)
-    remote = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
-    torch.testing.assert_close(logits(remote, IDS), expected, rtol=0, atol=1e-6)
+    assert_loads_with_maps(model, out)
 
 
 def test_engines_building_from_the_config_are_told_what_serves(maps_checkpoint):
