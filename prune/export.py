@@ -209,18 +209,15 @@ def _what_removed(report: dict) -> str:
     return f"{len(units)} attention/MLP sub-layers" if units else f"{len(report.get('dropped', []))} blocks"
 
 
-def _front_matter(report: dict) -> list[str]:
+def _front_matter(base: str | None, license_: str | None) -> list[str]:
     """The card's YAML header: the hub id the model came from and its licence, when known."""
-    base = base_model_id(report.get("model_name"), str(report.get("source_model", "")))
-    license_ = model_license(str(report.get("source_model", "")), base)
     return ["---", *([f"base_model: {base}"] if base else []), *([f"license: {license_}"] if license_ else []),
             "library_name: transformers", "tags:", "- layercut", "- pruned", "---", ""]
 
 
-def _license_note(report: dict) -> list[str]:
+def _license_note(base: str | None, license_: str | None) -> list[str]:
     """A line saying where the licence is, for a card whose header could not name it."""
-    base = base_model_id(report.get("model_name"), str(report.get("source_model", "")))
-    if model_license(str(report.get("source_model", "")), base):
+    if license_:
         return []
     where = f"`{base}`'s model card" if base else "the original model's model card"
     return [f"Licence: not recorded in the files layercut read; this model keeps the original's licence (see {where}).",
@@ -237,8 +234,10 @@ def model_card(report: dict, plain: bool = True, name: str = "path/to/this/folde
         name: the folder's name, used in the code the card shows.
     """
     dropped = report.get("dropped", [])
+    base = base_model_id(report.get("model_name"), str(report.get("source_model", "")))
+    license_ = model_license(str(report.get("source_model", "")), base)  # read once: a card file or a GGUF header
     lines = [
-        *_front_matter(report),
+        *_front_matter(base, license_),
         f"# {Path(str(report.get('source_model', 'model'))).name} with {_what_removed(report)} removed",
         "",
         f"Made with layercut from `{report.get('source_model')}`: {report.get('num_blocks_before')} decoder blocks "
@@ -250,7 +249,7 @@ def model_card(report: dict, plain: bool = True, name: str = "path/to/this/folde
         "",
         f"Per-block scores and every setting are in `{REPORT_FILE}`.",
         "",
-        *_license_note(report),
+        *_license_note(base, license_),
     ]
     if plain:
         lines += ["It is a plain checkpoint: `AutoModelForCausalLM.from_pretrained(path)` loads it, no custom code.",

@@ -52,15 +52,16 @@ def recipe_digest(path: Path) -> str:
     recipe leaves unset (``replace.short`` of ``linear``, say, or the text ``distill`` reads) reruns the cell
     too, and a comment or the layout of the file does not.
     """
+    return _digest(path, _method_json(path))
+
+
+def _method_json(path: Path) -> bytes:
+    return json.dumps(resolved_method(path), sort_keys=True, default=str).encode()
+
+
+def _digest(path: Path, method: bytes) -> str:
     recipe = json.dumps(read_recipe(path), sort_keys=True, default=str).encode()
-    method = json.dumps(resolved_method(path), sort_keys=True, default=str).encode()
     return hashlib.sha256(b"recipe 2\n" + recipe + b"\n" + method).hexdigest()[:16]
-
-
-def legacy_digest(path: Path) -> str:
-    """The digest results.json format 1 stored: the file's bytes (comments included) and the resolved method."""
-    method = json.dumps(resolved_method(path), sort_keys=True, default=str).encode()
-    return hashlib.sha256(path.read_bytes() + method).hexdigest()[:16]
 
 
 def upgrade_digest(row: dict) -> None:
@@ -69,8 +70,10 @@ def upgrade_digest(row: dict) -> None:
     if not row.get("recipe") or not path.is_file():
         return
     try:
-        if legacy_digest(path) == row.get("recipe_digest"):
-            row["recipe_digest"] = recipe_digest(path)
+        method = _method_json(path)  # resolved once for both digests
+        # format 1 hashed the file's bytes (comments included) with the resolved method
+        if hashlib.sha256(path.read_bytes() + method).hexdigest()[:16] == row.get("recipe_digest"):
+            row["recipe_digest"] = _digest(path, method)
     except LayercutError:  # the recipe no longer reads: its rows are stale either way
         return
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from eval.compare.results import has_domains
 from eval.perplexity import tokenize_text
 from prune.data import FILE_SUFFIXES, DataConfig, load_documents
 from prune.errors import LayercutError
@@ -168,11 +169,11 @@ def refresh_rows(results, names: list[str]) -> None:
     """Mean perplexity and ratios of every row over the domains ``names`` (the ones asked for now)."""
     results.domains = list(names)
     dense = results.dense
-    if dense is None or not all(name in dense.get("domains", {}) for name in names):
+    if not has_domains(dense, names):
         return
     dense["heldout_ppl"] = mean_perplexity(dense["domains"], names)
     for row in results.cells.values():
-        if all(name in row.get("domains", {}) for name in names):
+        if has_domains(row, names):
             row["heldout_ppl"] = mean_perplexity(row["domains"], names)
             row["heldout_ratio"] = row["heldout_ppl"] / dense["heldout_ppl"]
             row["domain_ratios"] = {name: row["domains"][name] / dense["domains"][name] for name in names}
