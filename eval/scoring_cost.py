@@ -1,8 +1,10 @@
 """What streamed scoring costs: time against a plain forward pass, memory against storing every state.
 
-Three ways to get every block's linearity over N calibration tokens:
+Four ways to get every block's linearity over N calibration tokens:
 - ``plain``: the forward pass alone (no scores), the floor.
 - ``streamed``: layercut's hooks folding each state into float64 moments (memory independent of N).
+- ``sequential``: the same moments block by block from a skeleton (``--offload sequential``): one block's
+  weights in memory, read from the checkpoint, and two state buffers of N tokens.
 - ``stored``: keep every residual state of every token, then solve least squares per block (what
   tools that collect ``hidden_states`` first, such as LLM-Microscope, do; memory grows with N).
 
@@ -29,16 +31,19 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
+from prune.adapters import get_blocks, hidden_size, num_blocks
 from prune.capture import residual_states
 from prune.checkpoint import load
 from prune.data import BUILTIN, DataConfig, calibration_data
 from prune.memory import peak_rss_bytes
+from prune.offload import load_offloaded
 from prune.options import LoadConfig
 from prune.pipeline import PruneConfig, run_prune
 from prune.scores import block_scores
+from prune.sequential import stream_moments_sequential
 from prune.stats import stream_moments
 
-METHODS = ("plain", "streamed", "stored")
+METHODS = ("plain", "streamed", "sequential", "stored")
 
 
 @dataclass
@@ -60,6 +65,10 @@ def run_method(method: str, model, token_ids: torch.Tensor, batch_size: int) -> 
         return None
     if method == "streamed":
         moments = stream_moments(model, token_ids, batch_size=batch_size, progress=False)
+        return block_scores(moments, ["linearity"])["linearity"]
+    if method == "sequential":  # what --offload sequential runs: each block scored, then its statistics freed
+        moments = stream_moments_sequential(model, token_ids, batch_size=batch_size, progress=False,
+                                            scores=["linearity"])
         return block_scores(moments, ["linearity"])["linearity"]
     if method == "stored":
         return _stored_linearity(model, token_ids, batch_size)
@@ -90,7 +99,7 @@ def _tokens(loaded, tokens: int, seq_len: int, data: str | None) -> torch.Tensor
 
 
 def _memory_worker(model_name, device, method, tokens, seq_len, batch_size, data, queue) -> None:
-    loaded = load(model_name, device=device)
+    loaded = load_offloaded(model_name, device=device) if method == "sequential" else load(model_name, device=device)
     ids = _tokens(loaded, tokens, seq_len, data).to(loaded.model.device)
     on_cuda = ids.device.type == "cuda"
     if on_cuda:
@@ -149,6 +158,34 @@ def measure_time_ratio(loaded, tokens: int, seq_len: int, batch_size: int, repea
     }
 
 
+def measure_sequential(model: str, device: str, tokens: int, seq_len: int, batch_size: int, repeats: int,
+                       data: str | None = None) -> dict:
+    """Block-by-block scoring from a skeleton against the in-memory pass: time (interleaved), equality, sizes.
+
+    Both models are loaded in this process; the sizes are what the sequential pass must hold: one block,
+    a state buffer [tokens, hidden] and the statistics it holds at a time (two float64 Grams and one cross
+    Gram; the in-memory pass keeps 2L + 1 of them).
+    """
+    whole, skeleton = load(model, device=device), load_offloaded(model, device=device)
+    ids = _tokens(whole, tokens, seq_len, data).to(whole.model.device)
+    times: dict[str, list[float]] = {"streamed": [], "sequential": []}
+    scores: dict[str, list[float]] = {}
+    for _ in tqdm(range(repeats), desc="timing in-memory vs block by block", unit="round"):
+        for method, loaded in (("streamed", whole), ("sequential", skeleton)):
+            started = time.perf_counter()
+            scores[method] = run_method(method, loaded.model, ids, batch_size)
+            times[method].append(time.perf_counter() - started)
+    ratios = [b / a for a, b in zip(times["streamed"], times["sequential"], strict=True)]
+    block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in get_blocks(whole.model)[1])
+    d, states = hidden_size(whole.model), num_blocks(whole.model) + 1
+    return {"tokens": ids.numel(), "streamed_seconds": times["streamed"], "sequential_seconds": times["sequential"],
+            "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "max_score_difference": max(abs(a - b) for a, b in zip(scores["streamed"], scores["sequential"],
+                                                                    strict=True)),
+            "block_mib": block / 2**20, "buffer_mib": ids.numel() * d * whole.model.dtype.itemsize / 2**20,
+            "statistics_mib": 3 * d * d * 8 / 2**20, "statistics_in_memory_mib": (2 * states - 1) * d * d * 8 / 2**20}
+
+
 def measure_end_to_end(model: str, device: str, data: DataConfig, batch_size: int, drop: int,
                        repeats: int) -> dict:
     """Wall time of whole prune runs, ``--drop drop`` removed vs replaced by ``linear``, interleaved.
@@ -193,6 +230,15 @@ def scoring_markdown(model: str, timing: dict, rows: list[MemoryRow], end_to_end
                f"{e['ratio_min']:.3f}, max {e['ratio_max']:.3f}; {len(e['remove_seconds'])} interleaved rounds; "
                f"removal median {statistics.median(e['remove_seconds']):.1f} s, linear median "
                f"{statistics.median(e['linear_seconds']):.1f} s)", ""]
+    sequential = []
+    if timing.get("sequential") is not None:
+        q = timing["sequential"]
+        sequential = [f"Block by block from a skeleton (`--offload sequential`) / in memory over {q['tokens']} tokens: "
+                      f"median **{q['ratio_median']:.3f}x** (min {q['ratio_min']:.3f}, max {q['ratio_max']:.3f}); "
+                      f"largest linearity difference {q['max_score_difference']:.1e}. What it holds besides the "
+                      f"skeleton: one block {q['block_mib']:.1f} MiB, two state buffers of {q['buffer_mib']:.1f} MiB, "
+                      f"statistics {q['statistics_mib']:.1f} MiB at a time (the in-memory pass keeps "
+                      f"{q['statistics_in_memory_mib']:.1f} MiB).", ""]
     lines = [
         f"## Scoring cost: {model}",
         "",
@@ -202,6 +248,7 @@ def scoring_markdown(model: str, timing: dict, rows: list[MemoryRow], end_to_end
         f"{statistics.median(timing['plain_seconds']):.1f} s, streamed median "
         f"{statistics.median(timing['streamed_seconds']):.1f} s)",
         "",
+        *sequential,
         *e2e,
         "| method | tokens | seconds | peak memory above model (MiB) |",
         "|---|---:|---:|---:|",
@@ -230,7 +277,9 @@ def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int
         time_tokens: tokens per timed pass.
         repeats: interleaved timed rounds.
         token_counts: token counts of the memory rows.
-        methods: memory rows to run (``streamed``, ``stored``, ``plain``), each in a fresh process.
+        methods: memory rows to run (``streamed``, ``sequential``, ``stored``, ``plain``), each in a fresh
+            process; ``sequential`` also times the block-by-block pass against the in-memory one
+            (:func:`measure_sequential`, into ``timing["sequential"]``).
         end_to_end_drop: blocks removed in the end-to-end rows (:func:`measure_end_to_end`, ``repeats``
             rounds over ``data``); 0 skips them.
 
@@ -241,6 +290,9 @@ def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int
     loaded = load(model, device=device)
     timing = measure_time_ratio(loaded, time_tokens, data.seq_len, batch_size, repeats, data.data)
     del loaded
+    if "sequential" in methods:
+        timing["sequential"] = measure_sequential(model, device, time_tokens, data.seq_len, batch_size, repeats,
+                                                  data.data)
     cells = [(tokens, method) for tokens in token_counts for method in methods]
     rows = [measure_memory(model, device, method, tokens, data.seq_len, batch_size, data.data)
             for tokens, method in tqdm(cells, desc="peak memory, a fresh process each", unit="run")]

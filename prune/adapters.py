@@ -307,6 +307,15 @@ def hidden_size(model: nn.Module) -> int:
     return int(model.get_input_embeddings().weight.shape[1])
 
 
+# the attribute of a skeleton model (``prune.offload``) holding where its blocks' weights are read from
+OFFLOAD_ATTR = "_layercut_offload"
+
+
+def is_offloaded(model: nn.Module) -> bool:
+    """Whether ``model`` is a skeleton whose blocks are read from its checkpoint one at a time."""
+    return getattr(model, OFFLOAD_ATTR, None) is not None
+
+
 def input_device(model: nn.Module):
     """Device the token ids must be on (the embedding's device, also under a device_map)."""
     return model.get_input_embeddings().weight.device

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from prune.adapters import is_offloaded
 from prune.errors import LayercutError
 from prune.model_names import base_model_id, model_license
 
@@ -388,7 +389,12 @@ def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite
     """
     with atomic_directory(out, overwrite) as staging:
         logger.info("saving checkpoint to %s", out)
-        model.save_pretrained(staging, safe_serialization=True)
+        if is_offloaded(model):  # a skeleton: its tensors are copied from its checkpoint one file at a time
+            from prune.offload import write_offloaded
+
+            write_offloaded(model, staging)
+        else:
+            model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
         write_json(staging / REPORT_FILE, report)
         (staging / "README.md").write_text(model_card(report, plain, Path(out).name), encoding="utf-8")

@@ -28,6 +28,7 @@ from prune.loading import EMBEDDED_MODEL, LoadedModel
 logger = logging.getLogger(__name__)
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+OFFLOADS = ("none", "sequential")
 
 
 @dataclass
@@ -41,6 +42,9 @@ class LoadConfig:
         load_in_4bit: bitsandbytes NF4 weights (CUDA only).
         load_in_8bit: bitsandbytes int8 weights (CUDA only).
         tokenizer: tokenizer to use instead of the checkpoint's (for folders saved without one).
+        offload: "none" (the whole model in memory) or "sequential" (scoring and fitting load one block at
+            a time from the checkpoint's safetensors and run it over every calibration token, so peak
+            memory is one block and two state buffers; ``prune.sequential``).
     """
 
     model: str = EMBEDDED_MODEL
@@ -49,13 +53,26 @@ class LoadConfig:
     load_in_4bit: bool = False
     load_in_8bit: bool = False
     tokenizer: str | None = None
+    offload: str = "none"
 
     def __post_init__(self):
         if self.load_in_4bit and self.load_in_8bit:
             raise LayercutError("--load-in-4bit and --load-in-8bit exclude each other: pass one")
+        if self.offload not in OFFLOADS:
+            raise LayercutError(f"--offload {self.offload!r}: choose one of {', '.join(OFFLOADS)}")
 
     def load(self, model: str | None = None) -> LoadedModel:
-        """Load ``model`` (default: ``self.model``) with these options, replacement maps attached."""
+        """Load ``model`` (default: ``self.model``) with these options, replacement maps attached.
+
+        With ``offload="sequential"`` the model is a skeleton whose blocks stay in the checkpoint
+        (``prune.offload.load_offloaded``).
+        """
+        if self.offload == "sequential":
+            from prune.offload import load_offloaded
+
+            return load_offloaded(model or self.model, dtype=self.dtype, device=self.device,
+                                  tokenizer=self.tokenizer, load_in_4bit=self.load_in_4bit,
+                                  load_in_8bit=self.load_in_8bit)
         return load(model or self.model, dtype=self.dtype, device=self.device, load_in_4bit=self.load_in_4bit,
                     load_in_8bit=self.load_in_8bit, tokenizer=self.tokenizer)
 
@@ -66,7 +83,7 @@ def _flag(prefix: str, name: str) -> str:
 
 def add_load_arguments(parser: argparse.ArgumentParser, *, prefix: str = "", model_flag: bool = True,
                        model_default: str | None = EMBEDDED_MODEL, model_default_help: str | None = None,
-                       device_default: str = "cpu", title: str = "model") -> None:
+                       device_default: str = "cpu", title: str = "model", offload: bool = False) -> None:
     """Model-loading flags; with ``prefix="teacher"`` they read ``--teacher``, ``--teacher-dtype``, ...
 
     Args:
@@ -78,6 +95,7 @@ def add_load_arguments(parser: argparse.ArgumentParser, *, prefix: str = "", mod
         model_default_help: what the default means, for ``--help`` (default: the default's name).
         device_default: default of the device flag.
         title: the group's title in ``--help``.
+        offload: add ``--offload`` (entry points whose passes run block by block: ``prune.run``).
     """
     group = parser.add_argument_group(title)
     if model_flag:
@@ -98,6 +116,11 @@ def add_load_arguments(parser: argparse.ArgumentParser, *, prefix: str = "", mod
     if not prefix:
         group.add_argument("--tokenizer", default=None,
                            help="tokenizer (model name or folder) for checkpoint folders saved without one")
+    if offload:
+        group.add_argument("--offload", default="none", choices=OFFLOADS,
+                           help="sequential: keep one block in memory at a time, read from the checkpoint's "
+                           "safetensors and run over every calibration token (models larger than memory; "
+                           "default: none)")
 
 
 def load_config_from_args(args: argparse.Namespace, prefix: str = "", model: str | None = None) -> LoadConfig:
@@ -108,7 +131,8 @@ def load_config_from_args(args: argparse.Namespace, prefix: str = "", model: str
     return LoadConfig(model=model, dtype=getattr(args, f"{key}dtype"), device=getattr(args, f"{key}device"),
                       load_in_4bit=getattr(args, f"{key}load_in_4bit"),
                       load_in_8bit=getattr(args, f"{key}load_in_8bit"),
-                      tokenizer=None if prefix else getattr(args, "tokenizer", None))
+                      tokenizer=None if prefix else getattr(args, "tokenizer", None),
+                      offload="none" if prefix else getattr(args, "offload", "none"))
 
 
 def add_data_arguments(parser: argparse.ArgumentParser, *, samples: int | None = 64, seq_len: int = 512,

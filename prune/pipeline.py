@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prune.adapters import hidden_size, num_blocks
+from prune.adapters import hidden_size, is_offloaded, num_blocks
 from prune.budget import check_params_budget
 from prune.checkpoint import save
 from prune.data import CalibrationData, DataConfig, calibration_data, check_sources
@@ -31,6 +31,7 @@ from prune.replace import ReplaceConfig, parameter_count
 from prune.score_report import plot_linearity_profile, score_table
 from prune.scores import SCORES, block_scores, check_enough_tokens, get_score
 from prune.selection import DEFAULT_PROTECT, SELECTIONS
+from prune.sequential import stream_moments_sequential
 from prune.stats import StateMoments, stream_moments
 from prune.steps import SurgeryStep, build_step
 from prune.sublayers import UNIT_SELECTIONS, Unit, is_sublayer, parse_units, unit_moments
@@ -40,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 PROFILE_PNG = "linearity_profile.png"
 SCORES_MD = "scores.md"
+# Replacement methods a skeleton can fit: from a span's (input, output) moments alone (prune.sequential)
+OFFLOAD_METHODS = ("none", "linear")
+
 # Post-surgery steps a PruneConfig can switch on, in the order they run: config field -> step name.
 STEP_SECTIONS = ("distill",)
 
@@ -120,6 +124,8 @@ class PruneConfig:
         self.unit = ",".join(units)
         if is_sublayer(units):
             self._check_sublayer_options()
+        if self.load.offload == "sequential":
+            self._check_offload_options(units)
         if self.out is None and self.removes:
             self.out = self._default_out(units)
 
@@ -137,6 +143,23 @@ class PruneConfig:
             if bad:
                 raise LayercutError(f"{flag} with --unit {self.unit}: sub-layer removal {fix}; drop {flag} "
                                     "or use --unit block")
+
+    def _check_offload_options(self, units: tuple[str, ...]) -> None:
+        """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
+        for flag, bad, fix in (
+            ("--unit", is_sublayer(units), "rates whole blocks (--unit block)"),
+            ("--select", self.select in ("greedy-ppl", "measured"),
+             "selects from scores of states (--select topk, greedy or last): perplexity needs the whole model"),
+            ("--oracle", self.oracle, "has no oracle (it measures perplexity with the whole model)"),
+            ("--replace", self.replace.method not in OFFLOAD_METHODS or self.replace.fit != "independent",
+             f"fits from the original model's states only (--replace {' or '.join(OFFLOAD_METHODS)}, "
+             "--fit independent)"),
+            ("--distill-steps", bool(self.step_sections()),
+             "exports the pruned checkpoint; distil it afterwards with python -m distill.run"),
+        ):
+            if bad:
+                raise LayercutError(f"{flag} with --offload sequential: a block-by-block run {fix}; change {flag} "
+                                    "or use --offload none")
 
     def _default_out(self, units: tuple[str, ...]) -> str:
         """``<model>-drop<K>[-<units>][-<method>]``: the first command a user types keeps its result."""
@@ -240,8 +263,13 @@ def score_model(model, calibration: CalibrationData, config: PruneConfig,
                 cosine_pairs: str | None = None) -> tuple[StateMoments, dict]:
     """One streamed pass; every registered score for every block."""
     check_enough_tokens(calibration.num_tokens, hidden_size(model))
-    moments = stream_moments(model, calibration.token_ids, batch_size=config.batch_size,
-                             cosine_pairs=cosine_pairs or needed_cosine_pairs(config))
+    if is_offloaded(model):  # block by block, each block's scores taken and its statistics freed at once
+        moments = stream_moments_sequential(model, calibration.token_ids, batch_size=config.batch_size,
+                                            cosine_pairs=cosine_pairs or needed_cosine_pairs(config),
+                                            scores=list(SCORES))
+    else:
+        moments = stream_moments(model, calibration.token_ids, batch_size=config.batch_size,
+                                 cosine_pairs=cosine_pairs or needed_cosine_pairs(config))
     return moments, block_scores(moments, list(SCORES))
 
 
@@ -277,7 +305,8 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
     model = loaded.model
     plan = config.resolve(model)
     calibration, memo = _calibrate(loaded, config, plan, scored)
-    heldout = calibration.heldout_ids if plan.removes else None
+    # a skeleton never holds the whole model: its output is measured afterwards (eval.run)
+    heldout = calibration.heldout_ids if plan.removes and not is_offloaded(model) else None
     original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
     score, remove = (_score_units, remove_units) if plan.is_sublayer else (_score_blocks, remove_blocks)
     moments, scores = score(model, calibration, config, scored, memo)

@@ -8,6 +8,7 @@
     python -m prune.run --recipe recipes/smollm2-drop4.yaml --samples 8      # flags win over the recipe
     python -m prune.run --model gpt2 --score angular            # scores only, nothing written
     python -m prune.run --list-architectures                    # which transformers architectures prune
+    python -m prune.run --model smollm2-135m --drop 4 --replace linear --plan   # memory and time, no weights read
 
 Prints a table of every block's scores; writes the checkpoint, its tokenizer, ``layercut.json``, a
 model card, ``scores.md`` and ``linearity_profile.png`` to ``--out`` (default ``<model>-drop<K>``
@@ -35,6 +36,16 @@ from prune.options import (
     explicit_flags,
 )
 from prune.pipeline import PruneConfig, run_prune
+from prune.planner import (
+    PLAN_FLAGS,
+    RunPlan,
+    add_plan_arguments,
+    format_plan,
+    hardware_from_args,
+    plan_config,
+    refuse_if_too_big,
+    write_plan_json,
+)
 from prune.recipes import config_from_recipe
 from prune.replace import METHODS, describe_replacement
 from prune.replace.registry import describe_option, option_specs
@@ -45,13 +56,13 @@ from prune.selection import DEFAULT_PROTECT, SELECTIONS
 # Flags defined with a shared dataclass land in its section; the others' dest is their path in a PruneConfig
 # ("replace.update_scale"), or the top-level key of the same name.
 SHARED_SECTIONS = {"load": LoadConfig, "data": DataConfig}
-NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures"}
+NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures", "plan_teacher_cache", *PLAN_FLAGS}
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``prune.run`` argument parser."""
     parser = argparse.ArgumentParser(prog="python -m prune.run", description=__doc__.split("\n")[0])
-    add_load_arguments(parser)
+    add_load_arguments(parser, offload=True)
     add_data_arguments(parser, samples=64, seq_len=512, heldout_samples=8)
     group = parser.add_argument_group("selection")
     group.add_argument("--drop", default=None,
@@ -94,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_output_arguments(parser, what="the checkpoint and reports (default: <model>-drop<K> when dropping, "
                          "nothing when only scoring)")
     add_threads_argument(parser)
+    add_plan_arguments(parser)
+    parser.add_argument("--plan-teacher-cache", type=int, default=None, metavar="K",
+                        help="plan as if the teacher's top-K logits were cached (distill.run --teacher-cache topk=K)")
     return parser
 
 
@@ -120,6 +134,13 @@ def _add_replacement_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--distill-samples", dest="distill.data.samples", type=int, default=None, metavar="N",
                        help="sequences of distillation text (default: 512, enough for 200 steps of 4; give more "
                        "with more steps: each sequence read more than a few times is memorised)")
+
+
+def plan_of(args: argparse.Namespace, config: PruneConfig) -> RunPlan:
+    """The plan of ``config`` on the devices the flags name (this machine's, or the ``--plan-*`` what-ifs)."""
+    if args.plan_teacher_cache is not None:
+        config = dataclasses.replace(config, distill={**config.distill, "teacher_cache": args.plan_teacher_cache})
+    return plan_config(config, hardware_from_args(args, config.load.device))
 
 
 def _config_path(dest: str) -> tuple[str, ...]:
@@ -238,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     apply_threads(args)
     config = config_from_args(args, explicit_flags(parser, argv))
+    if args.plan:
+        plan = plan_of(args, config)
+        print(format_plan(plan))
+        write_plan_json(plan, args.plan_json)
+        return 0
+    if not args.no_plan_check:
+        refuse_if_too_big(config, lambda: plan_of(args, config))
     print_summary(run_prune(config, steps=config.build_steps()))
     return 0
 

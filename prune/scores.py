@@ -133,6 +133,13 @@ def _angular_last(moments: StateMoments, first: int, last: int) -> float:
 
 
 def block_scores(moments: StateMoments, names: list[str] | None = None) -> dict[str, list[float]]:
-    """Every requested score (default: all registered) for every block."""
+    """Every requested score (default: all registered) for every block.
+
+    A block-by-block pass (``prune.sequential``) has taken them while it held each block's statistics,
+    which it then released; those values are returned.
+    """
+    names = names or list(SCORES)
+    if moments.early_scores and all(name in moments.early_scores for name in names):
+        return {name: list(moments.early_scores[name]) for name in names}
     blocks = range(moments.num_states - 1)
-    return {name: [get_score(name).compute(moments, b) for b in blocks] for name in (names or list(SCORES))}
+    return {name: [get_score(name).compute(moments, b) for b in blocks] for name in names}

@@ -16,8 +16,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from prune.adapters import input_device, num_blocks
+from prune.adapters import input_device, is_offloaded, num_blocks
 from prune.capture import residual_states
+from prune.errors import LayercutError
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,9 @@ class StateMoments:
         self._batch: dict[int, tuple[torch.Tensor, ...]] = {}
         self._mask: torch.Tensor | None = None
         self._eigh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # state -> eigh of its centred Gram
+        # score -> each block's value, taken while a block-by-block pass still held the block's statistics
+        # (prune.sequential); the statistics themselves were released
+        self.early_scores: dict[str, list[float]] = {}
 
     @property
     def n(self) -> int:
@@ -157,18 +161,47 @@ class StateMoments:
                 self.cross[(i, index)] += product
             else:
                 self.cross[(i, index)] = product.to(torch.float64)
+        entry = self._entry(state, flat, shifted)
+        if self.cosine_pairs != "none":
+            self.sequences += entry[3].shape[0] if index == 0 else 0
+            self._update_cosines(index, *entry[1:])
+        self._batch[index] = entry
+        for i in [i for i in self._batch if self._keep_until[i] <= index and i != index]:
+            del self._batch[i]
+
+    def release(self, index: int) -> None:
+        """Free state ``index``'s Gram, its eigendecomposition and the cross Grams it starts.
+
+        A block-by-block pass that has already taken every score of the blocks reading this state calls it,
+        so it holds three d x d matrices at a time instead of 2L + 1. Means and cosine sums stay.
+        """
+        self.grams[index] = None
+        self._eigh.pop(index, None)
+        for pair in [pair for pair in self.cross if pair[0] == index]:
+            del self.cross[pair]
+            self.update_sq.pop(pair, None)
+
+    def recall(self, index: int, state: torch.Tensor) -> None:
+        """Hold state ``index`` of the current batch for the later states paired with it, counting nothing.
+
+        A layer-by-layer pass (``prune.sequential``) meets each state twice, as one block's output and as
+        the next one's input: it observes the first time and recalls the second.
+        """
+        flat = self._rows(state)
+        wide = self.precision == "float64" or flat.dtype == torch.float64
+        rows = flat.to(device=self.device or flat.device, dtype=torch.float64 if wide else torch.float32)
+        self._batch[index] = self._entry(state, flat, rows - self.shifts[index])
+
+    def _entry(self, state: torch.Tensor, flat: torch.Tensor, shifted: torch.Tensor) -> tuple:
+        """What later states of the batch read of this one: (shifted rows, rows, norms, last rows, their norms)."""
         # Cosines need ~1e-6 only: the model's own rows (float32 or lower) are enough and half the traffic.
         flat = flat.float()
         norms = flat.norm(dim=1)  # [n_batch]
         last = last_norms = None
         if self.cosine_pairs != "none":  # the fits' moments compare no states: nothing to keep per sequence
             last = self._last_rows(state).float()  # [sequences, d]
-            self.sequences += last.shape[0] if index == 0 else 0
             last_norms = last.norm(dim=1)
-            self._update_cosines(index, flat, norms, last, last_norms)
-        self._batch[index] = (shifted, flat, norms, last, last_norms)
-        for i in [i for i in self._batch if self._keep_until[i] <= index and i != index]:
-            del self._batch[i]
+        return shifted, flat, norms, last, last_norms
 
     def _rows(self, state: torch.Tensor) -> torch.Tensor:
         flat = state.detach().reshape(-1, state.shape[-1])
@@ -304,6 +337,14 @@ def stream_moments(
             before the MLP): 2L + 1 states, 2i + 1 between block i's attention and MLP, so every
             score's value ``u`` rates sub-layer ``u``.
     """
+    if is_offloaded(model):  # a skeleton: its blocks load one at a time
+        from prune.sequential import stream_moments_sequential
+
+        if mlp_contribution is not None:
+            raise LayercutError("--offload sequential rates whole blocks: sub-layer removal needs --offload none")
+        return stream_moments_sequential(model, token_ids, pairs=pairs, cosine_pairs=cosine_pairs,
+                                         batch_size=batch_size, stats_device=stats_device, progress=progress,
+                                         precision=precision)
     count = num_blocks(model) * (1 if mlp_contribution is None else 2)
     moments = StateMoments(count + 1, adjacent_pairs(count) if pairs is None else pairs, cosine_pairs, stats_device,
                            precision)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from prune.adapters import get_blocks
+from prune.adapters import get_blocks, is_offloaded
 from prune.errors import LayercutError
 from prune.replace.capture import Recorder, record
 from prune.replace.config import ReplaceConfig
@@ -158,6 +158,34 @@ def _fit_sequential(model, fitters: list[SpanFitter], token_ids, config) -> list
     return done
 
 
+def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[Replacement]:
+    """A skeleton's spans, fitted from one block-by-block pass over the batches the capture pass would run.
+
+    Only fits that need nothing but a span's (input, output) moments can run this way: the others read
+    activations inside blocks, or the surgered model's outputs, which a skeleton never holds.
+    """
+    from prune.sequential import stream_moments_sequential
+
+    if config.fit != "independent":
+        raise LayercutError("--offload sequential fits every span on the original model's states: use --fit "
+                            "independent, or --offload none")
+    started = time.perf_counter()
+    pairs = [(f.span[0], f.span[-1] + 1) for f in fitters]
+    batches = list(_batches(token_ids, config, f"fit {config.method} (block by block)"))
+    moments = stream_moments_sequential(model, batches=batches, pairs=pairs, cosine_pairs="none",
+                                        progress=config.progress)
+    shared = (time.perf_counter() - started) / len(fitters)
+    results = []
+    for fitter in fitters:
+        if not fitter.use_moments(moments.pair(fitter.span[0], fitter.span[-1] + 1)):
+            raise LayercutError(f"--replace {config.method} reads activations inside the blocks, which --offload "
+                                "sequential never holds: use --replace linear or none, or --offload none")
+        begun = time.perf_counter()
+        results.append(fitter.finish())
+        results[-1].record["fit_seconds"] = round(shared + time.perf_counter() - begun, 2)
+    return results
+
+
 def check_replacement_supported(model: nn.Module, method: str) -> None:
     """Architecture-level checks for ``method`` that need no calibration pass (run them before scoring)."""
     spec = get_method(method)
@@ -215,6 +243,8 @@ def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.
     if spec.check_spans is not None:
         spec.check_spans(model, spans)
     fitters = [spec.fitter(model, original, span, config) for span in spans]
+    if is_offloaded(model):
+        return _noted(_fit_offloaded(model, fitters, token_ids, config), token_ids, config)
     if config.fit == "sequential":
         return _noted(_fit_sequential(model, fitters, token_ids, config), token_ids, config)
     if short_cut(token_ids, config):

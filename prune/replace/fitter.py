@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from prune.adapters import hidden_size
+from prune.adapters import hidden_size, input_device
 from prune.hf_remote_code import float_param
 from prune.replace.capture import Recorder, SpanBatch, move
 from prune.replace.config import ReplaceConfig
@@ -90,7 +90,8 @@ class SpanFitter:
         self.where = "before" if span[0] == 0 else "after"
         self.host = span[-1] + 1 if self.where == "before" else span[0] - 1
         param = float_param(original[self.host])  # a span never covers every block
-        self.dtype, self.device = param.dtype, param.device
+        # a skeleton's blocks stay on the meta device: its maps live where its blocks run
+        self.dtype, self.device = param.dtype, input_device(model) if param.is_meta else param.device
 
     def hook_inputs(self, recorder: Recorder) -> None:
         """Hooks that capture the span's input (and what the method needs besides)."""
