@@ -19,11 +19,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from prune.adapters import is_offloaded
 from prune.errors import LayercutError
 from prune.oracle import removal_cache, removal_perplexities
 from prune.registry import Registry
-from prune.scores import Score
-from prune.stats import StateMoments, stream_moments
+from prune.scores import Score, block_scores
+from prune.sequential import stream_any
+from prune.stats import StateMoments
 from prune.surgery import blocks_removed
 
 logger = logging.getLogger(__name__)
@@ -163,9 +165,11 @@ def _greedy(inputs: SelectionInput) -> list[int]:
         values = inputs.values
         if chosen:
             with blocks_removed(inputs.model, chosen):
-                moments = stream_moments(inputs.model, inputs.token_ids, batch_size=inputs.batch_size,
-                                         progress=False)
-                values = [inputs.score.compute(moments, b) for b in range(moments.num_states - 1)]
+                # a skeleton scores block by block, each block's statistics freed once it is scored
+                early = {"scores": [inputs.score.name]} if is_offloaded(inputs.model) else {}
+                moments = stream_any(inputs.model, inputs.token_ids, batch_size=inputs.batch_size, progress=False,
+                                     **early)
+                values = block_scores(moments, [inputs.score.name])[inputs.score.name]
         remaining = [b for b in range(len(inputs.values)) if b not in chosen]
         removability = inputs.score.removability(values)
         best = max((p for p, b in enumerate(remaining) if b not in inputs.protected), key=lambda p: removability[p])

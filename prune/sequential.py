@@ -30,10 +30,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from prune.adapters import OFFLOAD_ATTR, get_blocks, input_device, num_blocks
+from prune.adapters import OFFLOAD_ATTR, get_blocks, input_device, is_offloaded, num_blocks
 from prune.capture import block_input, block_output
 from prune.errors import LayercutError
-from prune.stats import StateMoments, adjacent_pairs
+from prune.scores import get_score
+from prune.stats import StateMoments, adjacent_pairs, stream_moments
 
 logger = logging.getLogger(__name__)
 
@@ -254,8 +255,13 @@ def stream_moments_sequential(
 
 def _score_block(moments: StateMoments, block: int, names: list[str]) -> None:
     """Take every score of ``block`` (its input and output statistics are complete), then free its input's."""
-    from prune.scores import get_score  # scores are built on these statistics; imported where they are taken
-
     for name in names:
         moments.early_scores.setdefault(name, []).append(get_score(name).compute(moments, block))
     moments.release(block)
+
+
+def stream_any(model: nn.Module, token_ids: torch.Tensor, **options) -> StateMoments:
+    """Statistics of ``model`` over ``token_ids``: block by block for a skeleton, else in one pass per batch."""
+    if is_offloaded(model):
+        return stream_moments_sequential(model, token_ids, **options)
+    return stream_moments(model, token_ids, **options)

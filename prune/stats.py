@@ -337,14 +337,9 @@ def stream_moments(
             before the MLP): 2L + 1 states, 2i + 1 between block i's attention and MLP, so every
             score's value ``u`` rates sub-layer ``u``.
     """
-    if is_offloaded(model):  # a skeleton: its blocks load one at a time
-        from prune.sequential import stream_moments_sequential
-
-        if mlp_contribution is not None:
-            raise LayercutError("--offload sequential rates whole blocks: sub-layer removal needs --offload none")
-        return stream_moments_sequential(model, token_ids, pairs=pairs, cosine_pairs=cosine_pairs,
-                                         batch_size=batch_size, stats_device=stats_device, progress=progress,
-                                         precision=precision)
+    if is_offloaded(model):
+        raise LayercutError("this pass runs the whole model, and its blocks are offloaded: use "
+                            "prune.sequential.stream_moments_sequential, or --offload none")
     count = num_blocks(model) * (1 if mlp_contribution is None else 2)
     moments = StateMoments(count + 1, adjacent_pairs(count) if pairs is None else pairs, cosine_pairs, stats_device,
                            precision)

@@ -72,6 +72,17 @@ def test_greedy_and_skeleton_runs_export_the_same_checkpoint(tmp_path, tiny_fold
         assert torch.equal(logits["none", method][2], logits["sequential", method][2])
 
 
+def test_greedy_selection_runs_block_by_block(tmp_path, tiny_folder, sample_text, one_thread):
+    text = tmp_path / "calibration.txt"
+    text.write_text(sample_text, encoding="utf-8")
+    data = DataConfig(data=str(text), samples=8, seq_len=32, heldout_samples=0)
+    chosen = {offload: run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder), offload=offload), data=data,
+                                             drop=2, select="greedy", score="linearity-nores",
+                                             out=str(tmp_path / offload))).dropped
+              for offload in ("none", "sequential")}
+    assert chosen["none"] == chosen["sequential"] and len(chosen["none"]) == 2
+
+
 def test_skeleton_keeps_one_block_in_memory_at_a_time(tmp_path, one_thread):
     _saved("llama", tmp_path)
     skeleton = load_offloaded(str(tmp_path), dtype="float32").model
