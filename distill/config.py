@@ -17,7 +17,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from distill.losses import LOSSES, legacy_keys
+from distill.losses import LOSSES, cache_refusal, legacy_keys
 from prune.data import DEFAULT_DATA, DataConfig
 from prune.errors import LayercutError
 
@@ -73,6 +73,10 @@ class DistillConfig:
         mixed_precision: "auto" (bf16 autocast on a GPU that supports it, float32 on the CPU),
             "no" or "bf16".
         data: the text sequences are drawn from; its ``seq_len`` is the training sequence length.
+        teacher_cache: None (the teacher runs beside the student at every step) or "topk=K": the teacher's
+            top K logits per token and the log-sum-exp of the rest are written once to the work folder
+            (``distill.teacher_cache``) and training reads them, without the teacher in memory. Only losses on
+            the logits run from it (``teacher_student_kl`` becomes its top-K + rest form).
     """
 
     steps: int = 100
@@ -92,6 +96,7 @@ class DistillConfig:
     seed: int = 0
     mixed_precision: str = "auto"
     data: DataConfig = field(default_factory=_default_data)
+    teacher_cache: str | None = None
 
     def __post_init__(self):
         if isinstance(self.data, dict):  # a partial section keeps distillation's own defaults for the rest
@@ -104,6 +109,16 @@ class DistillConfig:
         self._check_weights()
         if self.mixed_precision not in ("auto", "no", "bf16"):
             raise LayercutError(f"unknown mixed_precision '{self.mixed_precision}': use auto, no or bf16")
+        if self.teacher_cache is not None:
+            self.teacher_cache = f"topk={cache_k(self.teacher_cache)}"
+            refusal = cache_refusal(self.losses)
+            if refusal:
+                raise LayercutError(refusal)
+
+    @property
+    def cache_k(self) -> int | None:
+        """K of ``teacher_cache`` ("topk=K"), or None without a cache."""
+        return None if self.teacher_cache is None else cache_k(self.teacher_cache)
 
     def _check_counts(self) -> None:
         positive = {"steps": self.steps, "batch-size": self.batch_size, "grad-accum": self.grad_accum,
@@ -179,7 +194,17 @@ class DistillConfig:
         losses = values.pop("losses")
         values.update({key: losses.get(name, 0.0) for name, key in keys.items()})
         rest = {name: weight for name, weight in losses.items() if name not in keys}
+        if values["teacher_cache"] is None:  # a field newer than the digests: absent when unused, like ``losses``
+            del values["teacher_cache"]
         return {**values, **({"losses": rest} if rest else {})}
+
+
+def cache_k(spec) -> int:
+    """K of a ``--teacher-cache`` value "topk=K" (K a positive integer), or a one-line error."""
+    kind, _, count = str(spec).strip().partition("=")
+    if kind.strip() != "topk" or not count.strip().isdigit() or int(count) <= 0:
+        raise LayercutError(f"--teacher-cache takes topk=K with K a positive integer (topk=64), got {spec!r}")
+    return int(count)
 
 
 def with_legacy_weights(losses: dict, legacy: dict[str, float]) -> dict:

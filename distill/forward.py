@@ -2,19 +2,22 @@
 
 Training (``distill.loop``) and the before/after measurements (``distill.generalisation``) run the models
 the same way: hooks on the blocks record the states a loss compares, and the LM head is mostly skipped
-when no loss reads the logits.
+when no loss reads the logits. The teacher's side of a batch comes from a :class:`TeacherSource`: the
+teacher run online (:class:`OnlineTeacher`) or its top-K logits cache (``distill.teacher_cache``).
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from distill.config import DistillConfig
 from distill.layout import Layout, resolve_layout, teacher_targets
-from distill.losses import NEEDS_LOGITS, LossInputs, total_loss
+from distill.losses import NEEDS_LOGITS, LossInputs, TeacherTopK, total_loss
 from prune.adapters import input_device
 from prune.capture import residual_states
 
@@ -54,34 +57,77 @@ def forward_states(call, hooked: nn.Module, input_ids, mask, keep: set[int] | No
     return states, output.logits if want_logits else None
 
 
+@dataclass
+class TeacherTargets:
+    """What the losses read of the teacher for one micro-batch (see :class:`~distill.losses.LossInputs`)."""
+
+    states: dict[int, torch.Tensor]
+    logits: torch.Tensor | None = None
+    topk: TeacherTopK | None = None
+
+
+class TeacherSource(Protocol):
+    """Where a run's teacher targets come from: the teacher run online, or its cache (``distill.teacher_cache``).
+
+    Rows are indices into the run's sequences, training rows first and held-out rows after them
+    (``len(token_ids) + i`` is held-out row ``i``); ``ids`` are those rows' tokens.
+    """
+
+    def targets(self, rows: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> TeacherTargets:
+        """The teacher's side of the losses for ``ids`` [batch, seq] (rows ``rows`` [batch])."""
+
+
+class OnlineTeacher:
+    """The teacher run forward (eval mode, no grad) on each batch: the states the losses compare, and its logits."""
+
+    def __init__(self, teacher: nn.Module, targets: list[int], want_logits: bool):
+        self.teacher, self.keep, self.want_logits = teacher, set(targets), want_logits
+        self.kwargs = logits_kwargs(teacher, want_logits)
+        teacher.eval()
+
+    @torch.no_grad()
+    def targets(self, rows: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> TeacherTargets:
+        """Run the teacher on ``ids``; ``rows`` is not needed."""
+        device = input_device(self.teacher)
+        states, logits = forward_states(self.teacher, self.teacher, ids.to(device), mask.to(device), self.keep,
+                                        self.want_logits, self.kwargs)
+        return TeacherTargets(states, logits)
+
+
 @torch.no_grad()
-def evaluate_losses(student: nn.Module, teacher: nn.Module, token_ids: torch.Tensor, config: DistillConfig,
-                    layout: Layout | None = None) -> dict[str, float]:
+def evaluate_losses(student: nn.Module, teacher: nn.Module | None, token_ids: torch.Tensor, config: DistillConfig,
+                    layout: Layout | None = None, *, source: TeacherSource | None = None,
+                    rows: torch.Tensor | None = None) -> dict[str, float]:
     """Each loss term of ``config`` (unweighted) and their weighted total ``loss``, averaged over ``token_ids``.
 
     ``token_ids`` is [samples, seq_len]; nothing is trained. ``loss`` is what training minimises.
-    Runs both models in eval mode in batches of ``config.batch_size``; for before/after comparisons.
+    Runs both models in eval mode in batches of ``config.batch_size``; for before/after comparisons. The
+    teacher's side comes from ``source`` when given (``rows`` [samples] are ``token_ids``' rows in it; the
+    teacher may then be None), else from running ``teacher``.
     """
     layout = layout or resolve_layout(student, teacher)
     targets = teacher_targets(layout)
     weights = config.loss_weights()
     want_logits = bool(NEEDS_LOGITS & set(weights))
-    was_training, teacher_was_training = student.training, teacher.training
+    was_training, teacher_was_training = student.training, teacher is not None and teacher.training
     student.eval()
-    teacher.eval()
+    source = source or OnlineTeacher(teacher, targets, want_logits)
+    rows = torch.arange(token_ids.shape[0]) if rows is None else rows
     sums: dict[str, float] = {}
     try:
-        for rows in torch.split(token_ids, config.batch_size):
-            mask = torch.ones_like(rows)
-            t_dev, s_dev = input_device(teacher), input_device(student)
-            t_states, t_logits = forward_states(teacher, teacher, rows.to(t_dev), mask.to(t_dev), set(targets),
-                                                want_logits)
-            s_states, s_logits = forward_states(student, student, rows.to(s_dev), mask.to(s_dev), None, want_logits)
-            total, terms = total_loss(LossInputs(s_states, t_states, targets, mask.to(s_dev), s_logits, t_logits),
-                                      weights)
+        for index in torch.split(torch.arange(token_ids.shape[0]), config.batch_size):
+            ids = token_ids[index]
+            mask = torch.ones_like(ids)
+            teacher_side = source.targets(rows[index], ids, mask)
+            s_dev = input_device(student)
+            s_states, s_logits = forward_states(student, student, ids.to(s_dev), mask.to(s_dev), None, want_logits)
+            inputs = LossInputs(s_states, teacher_side.states, targets, mask.to(s_dev), s_logits, teacher_side.logits,
+                                teacher_side.topk)
+            total, terms = total_loss(inputs, weights)
             for name, value in {"loss": float(total), **terms}.items():
-                sums[name] = sums.get(name, 0.0) + value * rows.shape[0]
+                sums[name] = sums.get(name, 0.0) + value * ids.shape[0]
     finally:
         student.train(was_training)
-        teacher.train(teacher_was_training)
+        if teacher is not None:
+            teacher.train(teacher_was_training)
     return {name: value / token_ids.shape[0] for name, value in sums.items()}

@@ -65,8 +65,10 @@ class Generalisation:
             quotas = torch.bincount(heldout_sources, minlength=int(row_sources.max()) + 1).tolist()
         # within one pass over the sequences every row comes up once, so every quota a source can fill is filled
         batches = min(run.micro_batches(), math.ceil(run.token_ids.shape[0] / run.config.batch_size) + 1)
-        seen = run.token_ids[seen_rows(run.order, quotas, row_sources, batches)]
-        self.sets = {"training": seen, "held_out": heldout_ids.long()}
+        seen = seen_rows(run.order, quotas, row_sources, batches)
+        self.sets = {"training": run.token_ids[seen], "held_out": heldout_ids.long()}
+        # each set's rows in the run's teacher source: held-out row i is len(token_ids) + i (forward.TeacherSource)
+        self.rows = {"training": seen, "held_out": run.token_ids.shape[0] + torch.arange(heldout_ids.shape[0])}
         self.measured = {name: {} for name in self.sets}
 
     def measure(self, when: str) -> None:
@@ -74,7 +76,7 @@ class Generalisation:
         for name, ids in self.sets.items():
             with self.run.accelerator.autocast():
                 self.measured[name][when] = evaluate_losses(self.run.student, self.run.teacher, ids, self.run.config,
-                                                            self.layout)
+                                                            self.layout, source=self.run.source, rows=self.rows[name])
 
     def start(self, step: int, kept: dict | None) -> None:
         """Measure "before" at step 0; a resumed run takes it from its checkpoint, else measures it at ``step``."""

@@ -1,13 +1,16 @@
 """One distillation job between folders: open the student (with its maps) and its teacher, train, export.
 
-``distill.run`` (the CLI) builds a :class:`DistillJob` and calls :func:`run_job`. Checkpoints and the
-training log go to a work folder (``<out>.work`` unless ``work_dir``); the final ``out`` is written
-atomically: the trained student, its tokenizer, and ``layercut.json`` = the student's report plus a
-``distill`` section.
+``distill.run`` (the CLI) builds a :class:`DistillJob` and calls :func:`run_job`. Checkpoints, the
+training log and a teacher cache (``--teacher-cache``) go to a work folder (``<out>.work`` unless
+``work_dir``); the final ``out`` is written atomically: the trained student, its tokenizer, and
+``layercut.json`` = the student's report plus a ``distill`` section.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,13 +20,14 @@ import torch
 from distill.checkpoints import checkpoint_dir, default_work_folder, latest_checkpoint, list_checkpoints
 from distill.checks import check_compatible
 from distill.config import DistillConfig
-from distill.layout import resolve_layout
-from distill.train import LOG_FILE, DistillResult, distill
+from distill.layout import Layout, check_layout, resolve_layout
+from distill.teacher_cache import TeacherCache, cache_folder, files_stamp, open_cache
+from distill.train import LOG_FILE, DistillResult, distill, training_ids, write_teacher_cache
 from prune.adapters import num_blocks
 from prune.checkpoint import load, save
 from prune.errors import LayercutError
 from prune.export import HELDOUT_BEFORE_DISTILL, check_output_dir, library_versions, read_report
-from prune.loading import LoadedModel
+from prune.loading import LoadedModel, resolve_model_name
 from prune.options import LoadConfig
 from prune.surgery import LAYOUT_ATTR
 
@@ -64,19 +68,71 @@ def run_job(job: DistillJob) -> tuple[DistillResult, Path | None]:
     check_work_folder(work, job.resume, job.overwrite)
     student_report = read_report(job.student)
     student = load(job.student, dtype="float32")  # float32 master weights
-    teacher = load_teacher(job.teacher, teacher_name(job.teacher.model, student_report))
-    check_compatible(student.model, teacher.model, student.tokenizer, teacher.tokenizer)
-    layout = resolve_layout(student.model, teacher.model, student_report)
+    teacher, layout, cache = open_teacher(job, student, student_report, work)
     if getattr(student.model.config, LAYOUT_ATTR, None) is None:
         setattr(student.model.config, LAYOUT_ATTR, layout)  # the export records it for the next tool
-    result = distill(student.model, teacher.model, student.tokenizer, job.config, out=work, resume=job.resume,
-                     layout=layout)
+    # with a cache the teacher was freed once it was written (or never loaded): training runs without it
+    result = distill(student.model, None if cache is not None else teacher.model, student.tokenizer, job.config,
+                     out=work, resume=job.resume, layout=layout, teacher_cache=cache)
     if not PartialState().is_main_process:  # under `accelerate launch`, one process writes the checkpoint
         return result, None
     report = final_report(student_report, student, teacher, layout, job.config, result)
     out = export(student, report, job.out, job.overwrite, result.log_path)
     _clean_work(work, job.keep_checkpoints, default_location=job.work_dir is None)
     return result, out
+
+
+@dataclass
+class TeacherRef:
+    """What the report needs of a teacher that is not in memory: freed after writing its cache, or never loaded."""
+
+    name: str
+    source: str
+    blocks: int
+
+
+def open_teacher(job: DistillJob, student: LoadedModel, report: dict,
+                 work: Path) -> tuple[LoadedModel | TeacherRef, Layout, TeacherCache | None]:
+    """The teacher, the student's layout and, with ``--teacher-cache``, the cache the run reads.
+
+    A cache whose request matches (same teacher files, student files, data, K: a resumed run) is read without
+    loading the teacher. Otherwise the teacher is loaded and checked against the student; with a cache
+    option, the cache is written (or reused, when its digest of the weights and tokens matches) and the
+    teacher freed, so its memory is not held while training.
+    """
+    name = teacher_name(job.teacher.model, report)
+    request = cache_request(job, name) if job.config.teacher_cache is not None else None
+    if request is not None and request["teacher_files"] is not None and request["student_files"] is not None:
+        cache = open_cache(cache_folder(work), request=request)
+        if cache is not None:
+            header = cache.header
+            ref = TeacherRef(header["teacher_name"], header["teacher_source"], int(header["teacher_blocks"]))
+            return ref, check_layout(header["layout"], num_blocks(student.model), ref.blocks), cache
+    teacher = load_teacher(job.teacher, name)
+    check_compatible(student.model, teacher.model, student.tokenizer, teacher.tokenizer)
+    layout = resolve_layout(student.model, teacher.model, report)
+    if request is None:
+        return teacher, layout, None
+    ref = TeacherRef(teacher.name, teacher.source, num_blocks(teacher.model))
+    meta = {"teacher_name": ref.name, "teacher_source": ref.source, "teacher_blocks": ref.blocks, "layout": layout}
+    data = training_ids(student.tokenizer, teacher.model, job.config, None, None)
+    cache = write_teacher_cache(teacher.model, job.config, work, data, student.model, request=request, meta=meta)
+    del teacher, data
+    gc.collect()  # the teacher's weights go now, before the student's optimizer state is made
+    return ref, layout, cache
+
+
+def cache_request(job: DistillJob, name: str) -> dict:
+    """What a cache must have been written for to be read without loading the teacher (JSON-normalised).
+
+    The files of both models (``files_stamp``: None for a hub id, which must be loaded to be fingerprinted),
+    how the teacher is loaded, the data options, K, the autocast option and whether a GPU runs it.
+    """
+    load_options = {**dataclasses.asdict(job.teacher), "model": name}
+    request = {"teacher_files": files_stamp(resolve_model_name(name)), "student_files": files_stamp(job.student),
+               "teacher": load_options, "data": dataclasses.asdict(job.config.data), "cache": job.config.teacher_cache,
+               "mixed_precision": job.config.mixed_precision, "cuda": torch.cuda.is_available()}
+    return json.loads(json.dumps(request))
 
 
 def work_folder(out: str, work_dir: str | None) -> Path:
@@ -108,8 +164,6 @@ def teacher_name(given: str | None, report: dict) -> str:
 
 def load_teacher(options: LoadConfig, name: str) -> LoadedModel:
     """Load the teacher ``name`` with ``options``; device "auto" means the GPU when there is one."""
-    import dataclasses
-
     from accelerate import PartialState
 
     config = dataclasses.replace(options, model=name)
@@ -120,13 +174,13 @@ def load_teacher(options: LoadConfig, name: str) -> LoadedModel:
     return config.load()
 
 
-def final_report(student_report: dict, student: LoadedModel, teacher: LoadedModel, layout, config: DistillConfig,
-                 result: DistillResult) -> dict:
+def final_report(student_report: dict, student: LoadedModel, teacher: LoadedModel | TeacherRef, layout,
+                 config: DistillConfig, result: DistillResult) -> dict:
     """``layercut.json`` of the distilled model: the student's report plus a ``distill`` section."""
     report = dict(student_report)
     if not report:
         covered = {i for group in layout for i in group}
-        before = num_blocks(teacher.model)
+        before = teacher.blocks if isinstance(teacher, TeacherRef) else num_blocks(teacher.model)
         report = {"source_model": teacher.source, "model_name": teacher.name, "num_blocks_before": before,
                   "num_blocks_after": len(layout), "dropped": [i for i in range(before) if i not in covered],
                   "versions": library_versions()}
@@ -150,5 +204,6 @@ def _clean_work(work: Path, keep: bool, default_location: bool) -> None:
     if keep:
         return
     shutil.rmtree(checkpoint_dir(work), ignore_errors=True)
+    shutil.rmtree(cache_folder(work), ignore_errors=True)  # its teacher's logits: only this run's to reuse
     if default_location:  # the log was copied into --out; nothing else lives in <out>.work
         shutil.rmtree(work, ignore_errors=True)

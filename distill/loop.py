@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from distill.batches import BatchOrder
 from distill.checkpoints import list_checkpoints, load_checkpoint, restore_model, save_checkpoint, set_rng_state
 from distill.config import DistillConfig
-from distill.forward import forward_states, logits_kwargs
+from distill.forward import OnlineTeacher, TeacherSource, forward_states, logits_kwargs
 from distill.layout import Layout, teacher_targets
 from distill.losses import NEEDS_LOGITS, LossInputs, total_loss
 from distill.trainable import Trainable, select_trainable
@@ -90,15 +90,18 @@ def nan_error(what: str, value: float, step: int, work: Path | None) -> Layercut
 class Run:
     """The state of one distillation run: models, optimizer, schedule, data order and log."""
 
-    def __init__(self, student, teacher, token_ids, config: DistillConfig, layout: Layout, work: Path | None):
+    def __init__(self, student, teacher, token_ids, config: DistillConfig, layout: Layout, work: Path | None,
+                 source: TeacherSource | None = None):
         from transformers import get_cosine_schedule_with_warmup
 
         self.config, self.work, self.token_ids = config, work, token_ids
         self.targets = teacher_targets(layout)
         self.weights = config.loss_weights()
         self.want_logits = bool(NEEDS_LOGITS & set(self.weights))
+        # the teacher's side of each batch: the teacher run online, or its cache (then teacher may be None)
+        self.source = source if source is not None else OnlineTeacher(teacher, self.targets, self.want_logits)
         # decided before accelerate may wrap the student's forward (and hide its signature)
-        self.call_kwargs = (logits_kwargs(teacher, self.want_logits), logits_kwargs(student, self.want_logits))
+        self.call_kwargs = logits_kwargs(student, self.want_logits)
         self.requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
         on_cpu = all(p.device.type == "cpu" for p in student.parameters())
         self.accelerator = make_accelerator(config, on_cpu)
@@ -136,19 +139,17 @@ class Run:
 
     def _micro_batch(self, batch_index: int) -> tuple[torch.Tensor, dict[str, float]]:
         acc = self.accelerator
-        ids = self.order.batch(self.token_ids, batch_index * acc.num_processes + acc.process_index)
+        rows = self.order.rows(batch_index * acc.num_processes + acc.process_index)
+        ids = self.token_ids[rows]
         mask = torch.ones_like(ids)  # packed sequences: no padding
         with torch.no_grad(), acc.autocast():
-            device = input_device(self.teacher)
-            t_states, t_logits = forward_states(
-                self.teacher, self.teacher, ids.to(device), mask.to(device), set(self.targets), self.want_logits,
-                self.call_kwargs[0],
-            )
+            teacher = self.source.targets(rows, ids, mask)
         device = input_device(self.student)
         s_states, s_logits = forward_states(
-            self.model, self.student, ids.to(device), mask.to(device), None, self.want_logits, self.call_kwargs[1]
+            self.model, self.student, ids.to(device), mask.to(device), None, self.want_logits, self.call_kwargs
         )
-        inputs = LossInputs(s_states, t_states, self.targets, mask.to(device), s_logits, t_logits)
+        inputs = LossInputs(s_states, teacher.states, self.targets, mask.to(device), s_logits, teacher.logits,
+                            teacher.topk)
         return total_loss(inputs, self.weights)
 
     def step(self, step: int) -> tuple[float, dict[str, float], float, float]:
@@ -214,8 +215,7 @@ def should_save(config: DistillConfig, done: int) -> bool:
 def train_loop(run: Run, start: int, log: JsonLog) -> float:
     """Steps ``start .. config.steps - 1``; returns the loop's wall seconds."""
     config = run.config
-    run.student.train()
-    run.teacher.eval()
+    run.student.train()  # the teacher, when it runs, is in eval mode since OnlineTeacher took it
     bar = tqdm(total=config.steps, initial=start, desc="distill", unit="step",
                disable=not run.accelerator.is_local_main_process)
     started = time.perf_counter()

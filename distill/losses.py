@@ -30,7 +30,10 @@ class LossInputs:
             (``max(layout[j]) + 1``).
         mask: [batch, seq], 1 for tokens that count, 0 for padding.
         student_logits: [batch, seq, vocab] or None when no loss needs them.
-        teacher_logits: [batch, seq, vocab] or None.
+        teacher_logits: [batch, seq, vocab] or None (None too when the teacher's logits come from a
+            top-K cache, ``teacher_topk``).
+        teacher_topk: the teacher's top-K logits and the log-sum-exp of the rest (``distill.teacher_cache``),
+            or None when the teacher runs online.
     """
 
     student_states: dict[int, torch.Tensor]
@@ -39,6 +42,33 @@ class LossInputs:
     mask: torch.Tensor
     student_logits: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None
+    teacher_topk: TeacherTopK | None = None
+
+
+@dataclass
+class TeacherTopK:
+    """The teacher's K largest next-token logits per token and the log-sum-exp of all the others.
+
+    With the rest's log-sum-exp the teacher's probability of every top-K class and of the "rest" bucket is
+    exact (:func:`topk_kl`), whatever K.
+
+    Attributes:
+        logits: [batch, seq, K] float32, in decreasing order.
+        indices: [batch, seq, K] their vocabulary ids (int32 on disk, int64 here).
+        rest_lse: [batch, seq] float32 log-sum-exp of the logits outside the top K (-inf when K = vocabulary).
+    """
+
+    logits: torch.Tensor
+    indices: torch.Tensor
+    rest_lse: torch.Tensor
+
+
+def topk_targets(logits: torch.Tensor, k: int) -> TeacherTopK:
+    """The top-``k`` of ``logits`` [batch, seq, vocab] and the log-sum-exp of the rest, in float32."""
+    logits = logits.float()
+    values, indices = logits.topk(k, dim=-1)  # [batch, seq, K]
+    rest = logits.scatter(-1, indices, float("-inf"))  # [batch, seq, vocab], the top K masked out
+    return TeacherTopK(values, indices, torch.logsumexp(rest, dim=-1))  # all -inf gives -inf: no rest
 
 
 LossFn = Callable[[LossInputs], torch.Tensor]
@@ -51,6 +81,8 @@ class Loss:
     Attributes:
         fn: ``(LossInputs) -> scalar tensor``.
         needs_logits: it reads the logits of both models (the others skip the LM heads).
+        from_cache: it runs when the teacher's side is a top-K logits cache (``--teacher-cache``): it reads
+            no teacher state, and reads the teacher's logits only as :class:`TeacherTopK`.
         help: what it computes, for ``--help``.
         key: the older recipe key of its weight (``mse_weight``), also a ``distill.run`` flag
             (``--mse-weight``), for the losses that had a weight field of their own before ``losses``
@@ -61,6 +93,7 @@ class Loss:
     needs_logits: bool = False
     help: str = ""
     key: str | None = None
+    from_cache: bool = False
 
     def __call__(self, inputs: LossInputs) -> torch.Tensor:
         """The loss of one micro-batch."""
@@ -73,7 +106,7 @@ NEEDS_LOGITS: set[str] = set()
 
 
 def register_loss(name: str, *, needs_logits: bool = False, help: str | None = None,
-                  key: str | None = None) -> Callable[[LossFn], LossFn]:
+                  key: str | None = None, from_cache: bool = False) -> Callable[[LossFn], LossFn]:
     """Decorator adding a loss to :data:`LOSSES` under ``name`` (see :class:`Loss` for the arguments).
 
     ``help`` defaults to the first line of the function's docstring.
@@ -86,12 +119,21 @@ def register_loss(name: str, *, needs_logits: bool = False, help: str | None = N
         if key is not None and key in legacy_keys():
             raise ValueError(f"loss key '{key}' is already the key of loss '{legacy_keys()[key]}'")
         summary = help or (fn.__doc__ or name).strip().splitlines()[0]
-        LOSSES.register(name, Loss(fn, needs_logits, summary, key))
+        LOSSES.register(name, Loss(fn, needs_logits, summary, key, from_cache))
         if needs_logits:
             NEEDS_LOGITS.add(name)
         return fn
 
     return add
+
+
+def cache_refusal(names) -> str | None:
+    """Why the losses ``names`` cannot run from a teacher logits cache (one line naming the fix), or None."""
+    refused = [name for name in names if not get_loss(name).from_cache]
+    if not refused:
+        return None
+    return (f"--teacher-cache keeps only the teacher's top-K logits, and {', '.join(refused)} needs the teacher's "
+            "hidden states: drop --teacher-cache, or keep only losses on the logits (--loss teacher_student_kl=1)")
 
 
 def unregister_loss(name: str) -> None:
@@ -133,13 +175,16 @@ def layerwise_mse(inputs: LossInputs) -> torch.Tensor:
     return torch.stack(terms).sum()
 
 
-@register_loss("teacher_student_kl", needs_logits=True, key="kl_weight",
+@register_loss("teacher_student_kl", needs_logits=True, key="kl_weight", from_cache=True,
                help="KL(teacher || student) on the logits, float32")
 def teacher_student_kl(inputs: LossInputs) -> torch.Tensor:
     """KL(teacher || student) of the next-token distributions, summed over the vocabulary, averaged over tokens.
 
-    Both log-softmaxes are taken in float32 (bf16 logits would round the small probabilities away).
+    Both log-softmaxes are taken in float32 (bf16 logits would round the small probabilities away). From a
+    teacher cache (``inputs.teacher_topk``) it is :func:`topk_kl`, over the top K classes and the rest.
     """
+    if inputs.student_logits is not None and inputs.teacher_logits is None and inputs.teacher_topk is not None:
+        return topk_kl(inputs.student_logits, inputs.teacher_topk, inputs.mask)
     if inputs.student_logits is None or inputs.teacher_logits is None:
         raise ValueError("teacher_student_kl needs the logits of both models")
     student = F.log_softmax(inputs.student_logits.float(), dim=-1)  # [batch, seq, vocab]
@@ -148,7 +193,31 @@ def teacher_student_kl(inputs: LossInputs) -> torch.Tensor:
     return masked_token_mean(per_token, inputs.mask.to(student.device))
 
 
-@register_loss("consecutive_cosine_distance", key="cosine_reg",
+def topk_kl(student_logits: torch.Tensor, topk: TeacherTopK, mask: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) over the teacher's top K classes plus one "rest" bucket, averaged over tokens.
+
+    The teacher's probabilities are exact (its rest's log-sum-exp is cached); the student's rest is the
+    log-sum-exp of its logits outside the top K, not ``log(1 - sum)``, which loses every digit when the top K
+    hold nearly all its mass. Float32 throughout; with K = vocabulary it is the full KL.
+    """
+    student = student_logits.float()  # [batch, seq, vocab]
+    s_lse = torch.logsumexp(student, dim=-1)  # [batch, seq]
+    indices = topk.indices.to(student.device, torch.long)  # [batch, seq, K]
+    s_top = student.gather(-1, indices) - s_lse.unsqueeze(-1)  # [batch, seq, K] log q
+    # a finite fill, not -inf: with K = vocabulary an all -inf row would give NaN gradients (masked below)
+    s_rest = torch.logsumexp(student.scatter(-1, indices, torch.finfo(student.dtype).min), dim=-1) - s_lse
+    t_values = topk.logits.to(student.device).float()  # [batch, seq, K]
+    t_rest_lse = topk.rest_lse.to(student.device).float()  # [batch, seq]
+    t_lse = torch.logaddexp(torch.logsumexp(t_values, dim=-1), t_rest_lse)  # [batch, seq]
+    t_top = t_values - t_lse.unsqueeze(-1)  # [batch, seq, K] log p
+    t_rest = t_rest_lse - t_lse  # [batch, seq] log p of the rest, -inf when there is none
+    per_token = (t_top.exp() * (t_top - s_top)).sum(dim=-1)  # [batch, seq]
+    p_rest = t_rest.exp()
+    rest_term = torch.where(p_rest > 0, p_rest * (t_rest - s_rest), torch.zeros_like(p_rest))  # 0 log 0 = 0
+    return masked_token_mean(per_token + rest_term, mask.to(student.device))
+
+
+@register_loss("consecutive_cosine_distance", key="cosine_reg", from_cache=True,
                help="the sum of 1 - cos(h_i, h_{i-1}) over consecutive student states")
 def consecutive_cosine_distance(inputs: LossInputs) -> torch.Tensor:
     """Secretly Linear's regulariser: sum over consecutive student states of ``1 - cos(h_i, h_{i-1})``.

@@ -7,6 +7,7 @@ chooses the registered losses (``distill.losses``) and their weights instead:
     python -m distill.run --student slim-lin/ --teacher smollm2-135m --steps 500 --out slim-lin-distilled/
     python -m distill.run --student slim/ --steps 200 --train lora --out slim-healed/
     python -m distill.run --student slim/ --loss teacher_student_kl=1 --loss layerwise_mse=0.1 --out slim-d/
+    python -m distill.run --student slim/ --teacher-cache topk=64 --steps 500 --out slim-cached/
     accelerate launch -m distill.run --student opt-slim/ --teacher opt-1.3b --teacher-load-in-4bit \
         --batch-size 16 --seq-len 512 --steps 2000 --out opt-slim-distilled/
 
@@ -75,6 +76,10 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"gradient clipping L2 norm, 0 = off (default: {d.max_grad_norm})")
     group.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
                        help="auto: bf16 autocast on a bf16 GPU, float32 on the CPU (default: auto)")
+    group.add_argument("--teacher-cache", default=None, metavar="topk=K",
+                       help="run the teacher once, keep its top K logits per token (and the log-sum-exp of the rest) "
+                       "in the work folder, and train from them without the teacher in memory; losses on the "
+                       "logits only (default: off, the teacher runs at every step)")
 
 
 def _add_loss_arguments(group: argparse._ArgumentGroup) -> None:
@@ -149,7 +154,7 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
         warmup_steps=args.warmup_steps, train=args.train, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         log_every=args.log_every, save_every=args.save_every, seed=args.seed, mixed_precision=args.mixed_precision,
-        data=data_config_from_args(args), **losses, **legacy,
+        teacher_cache=args.teacher_cache, data=data_config_from_args(args), **losses, **legacy,
     ))
 
 
@@ -157,8 +162,15 @@ def _summary(result: DistillResult, out: Path) -> str:
     first = f"{result.losses[0]:.5g} -> " if result.losses else ""
     return (f"distilled {result.steps} steps (from step {result.start_step}): loss {first}{result.final_loss:.5g}; "
             f"{result.steps_per_second:.3f} steps/s; peak RSS {result.peak_memory_bytes / 2**20:.0f} MiB\n"
+            + (_cache_line(result.teacher_cache) if result.teacher_cache else "")
             + (f"{fit}\n" if (fit := describe_generalisation(result.generalisation)) else "")
             + f"wrote {out}/")
+
+
+def _cache_line(cache: dict) -> str:
+    how = f"written in {cache['write_seconds']:.1f} s" if cache["written"] else "reused"
+    size = cache["bytes"] / 2**20
+    return f"teacher cache: top-{cache['k']} of {cache['sequences']} sequences, {size:.0f} MiB, {how}\n"
 
 
 @cli_entry

@@ -4,7 +4,9 @@ Each step draws ``grad_accum`` micro-batches of packed calibration sequences, ru
 (eval, no grad) and the student with hooks on their blocks, and minimises the weighted losses of
 ``distill.losses`` (by default the sum over student blocks ``j`` of the MSE between block ``j``'s
 output and the teacher's state ``max(layout[j]) + 1``). Teacher activations are computed on the fly,
-so memory depends on the batch, never on the number of calibration sequences.
+so memory depends on the batch, never on the number of calibration sequences; with ``teacher_cache``
+(``--teacher-cache topk=K``) the teacher runs once before training instead, and its top-K logits are read
+back from disk (``distill.teacher_cache``).
 
 ``accelerate.Accelerator`` places the student, runs bf16 autocast on a GPU and accumulates gradients;
 the same path runs on the CPU in float32 (``python -m distill.run``) and under ``accelerate launch``.
@@ -37,6 +39,7 @@ from distill.generalisation import (
 )
 from distill.layout import Layout, check_layout, resolve_layout
 from distill.loop import JsonLog, Run, make_accelerator, train_loop
+from distill.teacher_cache import TeacherCache, cache_folder, prepare_cache
 from distill.trainable import merge_lora
 from prune.adapters import num_blocks
 from prune.data import calibration_data
@@ -75,6 +78,8 @@ class DistillResult:
             training drew (as many of each source), before the first step (or the step a resumed run's
             first checkpointed measurement was taken, ``before_step``) and after the last; None without
             held-out sequences.
+        teacher_cache: the teacher cache's K, size, writing time and whether this run wrote it
+            (``TeacherCache.report``); None when the teacher ran online.
     """
 
     steps: int
@@ -89,6 +94,7 @@ class DistillResult:
     trainable_parameters: int = 0
     peak_gpu_memory_bytes: int | None = None
     generalisation: dict | None = None
+    teacher_cache: dict | None = None
 
     def report(self, config: DistillConfig) -> dict:
         """The ``distill`` section of ``layercut.json``."""
@@ -106,6 +112,7 @@ class DistillResult:
             "peak_memory_bytes": self.peak_memory_bytes,
             "peak_gpu_memory_bytes": self.peak_gpu_memory_bytes,
             "generalisation": self.generalisation,
+            **({"teacher_cache": self.teacher_cache} if self.teacher_cache is not None else {}),
         }
 
 
@@ -128,32 +135,28 @@ def _prepare_work(out: str | Path | None, resume: bool) -> tuple[Path | None, Pa
 
 
 def distill(
-    student: nn.Module,
-    teacher: nn.Module,
-    tokenizer,
-    config: DistillConfig,
-    *,
-    out: str | Path | None = None,
-    resume: bool = False,
-    token_ids: torch.Tensor | None = None,
-    heldout_ids: torch.Tensor | None = None,
-    layout: Layout | None = None,
+    student: nn.Module, teacher: nn.Module | None, tokenizer, config: DistillConfig, *,
+    out: str | Path | None = None, resume: bool = False, token_ids: torch.Tensor | None = None,
+    heldout_ids: torch.Tensor | None = None, layout: Layout | None = None, teacher_cache: TeacherCache | None = None,
 ) -> DistillResult:
     """Train ``student`` in place to match ``teacher`` block by block.
 
     Args:
         student: the surgered model (its ``config.layercut_layout`` says which teacher states its
             blocks stand for). LoRA adapters are merged back into it before returning.
-        teacher: the original model; only run forward (eval mode, no grad), never changed.
+        teacher: the original model; only run forward (eval mode, no grad), never changed (with
+            ``config.teacher_cache``, once, to write the cache into ``out``); None with ``teacher_cache``.
         tokenizer: packs ``config.data`` into sequences (unused when ``token_ids`` is given).
         config: the run's options.
-        out: work folder for ``train_log.jsonl`` and ``checkpoints/``; None writes nothing.
+        out: work folder for ``train_log.jsonl``, ``checkpoints/`` and ``teacher_cache/``; None writes nothing.
         resume: continue from the latest checkpoint in ``out``.
         token_ids: pre-packed sequences [samples, seq_len] to draw batches from instead of ``config.data``.
         heldout_ids: sequences [n, seq_len] training never draws, scored before and after training beside
             as many training sequences (``DistillResult.generalisation``). With ``token_ids`` None they
             are ``config.data``'s held-out sequences (``--heldout-samples``).
-        layout: the student's layout, overriding what it records.
+        layout: the student's layout, overriding what it records (required without a teacher).
+        teacher_cache: an opened cache of the teacher's top-K logits, whose sequences are the run's
+            (``distill.job`` writes it, then frees the teacher); None: written here if the config asks.
 
     Returns:
         The run's :class:`DistillResult`.
@@ -161,38 +164,78 @@ def distill(
     Raises:
         LayercutError: incompatible models, no layout, ``resume`` without a checkpoint, NaN/inf loss.
     """
-    layout = _checked_layout(student, teacher, layout)
+    layout = _checked_layout(student, teacher, layout, teacher_cache)
     work, checkpoint = _prepare_work(out, resume)
     random.seed(config.seed)
     torch.manual_seed(config.seed)
-    token_ids, heldout_ids, sources = _training_ids(tokenizer, teacher, config, token_ids, heldout_ids)
-    teacher_was_training = teacher.training
-    run = Run(student, teacher, token_ids.long(), config, layout, work)
+    token_ids, heldout_ids, sources = training_ids(tokenizer, teacher, config, token_ids, heldout_ids, teacher_cache)
+    if config.teacher_cache is not None and teacher_cache is None:
+        teacher_cache = write_teacher_cache(teacher, config, work, (token_ids, heldout_ids, sources), student)
+    teacher_was_training = teacher is not None and teacher.training
+    run = Run(student, teacher, token_ids.long(), config, layout, work, teacher_cache)
     start, log, check = _start(run, checkpoint, heldout_ids, layout, sources)
     seconds = train_loop(run, start, log)
     check.measure("after")
-    return _finish(run, start, seconds, teacher_was_training, log, check.summary())
+    return _finish(run, start, seconds, teacher_was_training, log, check.summary(), teacher_cache)
 
 
-def _checked_layout(student: nn.Module, teacher: nn.Module, layout: Layout | None) -> Layout:
-    """Check the models fit together; the given layout checked against them, else the student's own."""
+def write_teacher_cache(teacher: nn.Module, config: DistillConfig, work: Path | None,
+                        data: tuple[torch.Tensor, torch.Tensor | None, _Strata | None],
+                        student: nn.Module | None = None, *, request: dict | None = None,
+                        meta: dict | None = None) -> TeacherCache:
+    """The valid teacher cache of ``data`` (training ids, held-out ids, strata) in ``work``, written if need be.
+
+    The teacher runs under the autocast training will use (a student on the CPU trains in float32 there);
+    ``request`` and ``meta`` go into the header (see ``distill.teacher_cache``).
+    """
+    device = next((student or teacher).parameters()).device
+    accelerator = make_accelerator(config, on_cpu=device.type == "cpu")
+    token_ids, heldout_ids, sources = data
+    return prepare_cache(cache_folder(work) if work is not None else None, teacher, token_ids.long(), heldout_ids,
+                         config.cache_k, precision=str(accelerator.mixed_precision), batch_size=config.batch_size,
+                         sources=sources, request=request, meta=meta, autocast=accelerator.autocast)
+
+
+def _checked_layout(student: nn.Module, teacher: nn.Module | None, layout: Layout | None,
+                    cache: TeacherCache | None) -> Layout:
+    """Check the models fit together; the given layout checked against them, else the student's own.
+
+    Without a teacher (its cache stands in) the layout must be given; it is checked against the depth the
+    cache's header records.
+    """
+    if teacher is None:
+        if cache is None or not layout:
+            raise ValueError("distill without a teacher needs its cache (teacher_cache=) and the layout (layout=)")
+        vocab = int(student.get_input_embeddings().weight.shape[0])
+        if vocab != cache.header["vocab"]:
+            raise LayercutError(f"the teacher cache {cache.folder} is of a vocabulary of {cache.header['vocab']}, the "
+                                f"student's has {vocab}: pass the student's teacher, or delete the cache")
+        depth = cache.header.get("teacher_blocks") or max(map(max, layout)) + 1
+        return check_layout(layout, num_blocks(student), int(depth))
     check_models(student, teacher)
     if layout:
         return check_layout(layout, num_blocks(student), num_blocks(teacher))
     return resolve_layout(student, teacher)
 
 
-def _training_ids(tokenizer, teacher: nn.Module, config: DistillConfig, token_ids: torch.Tensor | None,
-                  heldout_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, _Strata | None]:
+def training_ids(tokenizer, teacher: nn.Module | None, config: DistillConfig, token_ids: torch.Tensor | None,
+                  heldout_ids: torch.Tensor | None, cache: TeacherCache | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, _Strata | None]:
     """The sequences to train on and to hold out, and their sources for a mixture (see :func:`heldout_strata`).
 
-    Given ``token_ids`` are used as they are; otherwise ``config.data`` is packed, and its held-out sequences
-    stand in for ``heldout_ids`` when none are given.
+    A given ``cache`` holds them; given ``token_ids`` are used as they are; otherwise ``config.data`` is packed,
+    and its held-out sequences stand in for ``heldout_ids`` when none are given.
 
     Raises:
-        LayercutError: ``token_ids`` not [samples, seq_len >= 2], or ``heldout_ids`` of another length.
+        LayercutError: ``token_ids`` not [samples, seq_len >= 2], or ``heldout_ids`` of another length, or
+            other sequences than the cache's.
     """
     sources = None
+    if cache is not None:
+        if token_ids is not None and not torch.equal(token_ids.long(), cache.token_ids):
+            raise LayercutError(f"the teacher cache {cache.folder} holds other sequences than token_ids: delete it "
+                                "or pass its own sequences")
+        return cache.token_ids, cache.heldout_ids, cache.sources
     if token_ids is None:
         data = calibration_data(tokenizer, config.data, model=teacher)
         token_ids = data.token_ids  # [samples, seq_len] int64
@@ -226,7 +269,7 @@ def _start(run: Run, checkpoint: Path | None, heldout_ids: torch.Tensor | None, 
 
 
 def _finish(run: Run, start: int, seconds: float, teacher_was_training: bool, log: JsonLog,
-            generalisation: dict | None) -> DistillResult:
+            generalisation: dict | None, cache: TeacherCache | None = None) -> DistillResult:
     """Merge LoRA, drop accelerate's wrappers, restore modes, and summarise."""
     run.accelerator.unwrap_model(run.model, keep_fp32_wrapper=False)  # removes the autocast forward wrapper
     if run.trainable.peft_model is not None:
@@ -234,7 +277,8 @@ def _finish(run: Run, start: int, seconds: float, teacher_was_training: bool, lo
     for name, param in run.student.named_parameters():  # as the caller had them (LoRA names are gone now)
         param.requires_grad_(run.requires_grad.get(name, False))
     run.student.eval()
-    run.teacher.train(teacher_was_training)
+    if run.teacher is not None:
+        run.teacher.train(teacher_was_training)
     done = run.config.steps - start
     final_loss, final_terms = run.last
     gpu_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
@@ -251,4 +295,5 @@ def _finish(run: Run, start: int, seconds: float, teacher_was_training: bool, lo
         trainable_parameters=run.trainable.count,
         peak_gpu_memory_bytes=gpu_peak,
         generalisation=generalisation,
+        teacher_cache=cache.report() if cache is not None else None,
     )

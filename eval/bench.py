@@ -3,6 +3,7 @@
     python -m eval.bench speed --model slim/ --baseline smollm2-135m [--model slim8/] [--out bench/]
     python -m eval.bench scoring --model smollm2-135m [--tokens 8192,32768] [--out bench-scoring/]
     python -m eval.bench replace --model smollm2-135m --drop 4,8 --heldout emma.txt [--out bench-replace/]
+    python -m eval.bench teacher-cache --model smollm2-135m --drop 4 --steps 100 [--out bench-teacher-cache/]
 
 Subcommands live in ``SUBCOMMANDS`` (name -> how to add its arguments, how to run it); a new one is
 one :func:`register_subcommand` call.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from eval.report import speed_markdown, write_speed_report
 from eval.speed import SpeedOptions, benchmark_speed, noise_warnings
+from eval.teacher_cache_bench import TEACHER_CACHE_HELP, add_teacher_cache_arguments, run_teacher_cache
 from prune.data import BUILTIN
 from prune.errors import LayercutError, cli_entry
 from prune.options import (
@@ -201,6 +203,12 @@ register_subcommand(
     _add_replace_arguments,
     _run_replace,
 )
+
+
+# ---- teacher-cache ----
+
+
+register_subcommand("teacher-cache", TEACHER_CACHE_HELP, add_teacher_cache_arguments, run_teacher_cache)
 
 
 def build_parser() -> argparse.ArgumentParser:
