@@ -75,8 +75,8 @@ def trained_state(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]
 
 
 def save_checkpoint(work: str | Path, step: int, model: nn.Module, names: list[str], optimizer, scheduler,
-                    config: dict) -> Path:
-    """Write the training state at ``step`` atomically, then delete older checkpoints."""
+                    config: dict, keep: int = 1) -> Path:
+    """Write the training state at ``step`` atomically, then delete all but the newest ``keep`` checkpoints."""
     folder = checkpoint_dir(work)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:08d}.pt"
@@ -92,9 +92,8 @@ def save_checkpoint(work: str | Path, step: int, model: nn.Module, names: list[s
     tmp = folder / f".{path.name}.tmp-{os.getpid()}"
     torch.save(payload, tmp)
     os.replace(tmp, path)
-    for old_step, old in list_checkpoints(work):
-        if old_step != step:
-            old.unlink(missing_ok=True)
+    for _, old in list_checkpoints(work)[: -max(keep, 1)]:
+        old.unlink(missing_ok=True)
     logger.info("checkpoint at step %d: %s", step, path)
     return path
 

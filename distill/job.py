@@ -47,6 +47,7 @@ class DistillJob:
         resume: continue from the latest checkpoint in the work folder.
         overwrite: replace a non-empty ``out`` and discard old checkpoints.
         keep_checkpoints: keep the work folder's checkpoints after the export.
+        save_total_limit: checkpoints kept in the work folder while training (the newest ones).
     """
 
     student: str
@@ -57,11 +58,16 @@ class DistillJob:
     resume: bool = False
     overwrite: bool = False
     keep_checkpoints: bool = False
+    save_total_limit: int = 1
+
+    def __post_init__(self):
+        if self.save_total_limit < 1:
+            raise LayercutError(f"--save-total-limit must be 1 or more, got {self.save_total_limit}")
 
 
 def run_job(job: DistillJob) -> tuple[DistillResult, Path | None]:
     """Check, load, distil and export; returns the result and the written folder (None off the main process)."""
-    from accelerate import PartialState
+    from distill.processes import process_state
 
     check_output_dir(job.out, job.overwrite)
     work = work_folder(job.out, job.work_dir)
@@ -73,8 +79,9 @@ def run_job(job: DistillJob) -> tuple[DistillResult, Path | None]:
         setattr(student.model.config, LAYOUT_ATTR, layout)  # the export records it for the next tool
     # with a cache the teacher was freed once it was written (or never loaded): training runs without it
     result = distill(student.model, None if cache is not None else teacher.model, student.tokenizer, job.config,
-                     out=work, resume=job.resume, layout=layout, teacher_cache=cache)
-    if not PartialState().is_main_process:  # under `accelerate launch`, one process writes the checkpoint
+                     out=work, resume=job.resume, layout=layout, teacher_cache=cache,
+                     save_total_limit=job.save_total_limit)
+    if not process_state().is_main_process:  # under `accelerate launch`, one process writes the checkpoint
         return result, None
     report = final_report(student_report, student, teacher, layout, job.config, result)
     out = export(student, report, job.out, job.overwrite, result.log_path)
@@ -164,13 +171,13 @@ def teacher_name(given: str | None, report: dict) -> str:
 
 def load_teacher(options: LoadConfig, name: str) -> LoadedModel:
     """Load the teacher ``name`` with ``options``; device "auto" means the GPU when there is one."""
-    from accelerate import PartialState
+    from distill.processes import process_state
 
     config = dataclasses.replace(options, model=name)
     if config.device == "auto" and not torch.cuda.is_available():
         config.device = "cpu"
-    elif config.device == "auto" and PartialState().num_processes > 1:
-        config.device = f"cuda:{PartialState().local_process_index}"  # one teacher per process, on its own GPU
+    elif config.device == "auto" and process_state().num_processes > 1:
+        config.device = f"cuda:{process_state().local_process_index}"  # one teacher per process, on its own GPU
     return config.load()
 
 

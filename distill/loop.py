@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from distill.config import DistillConfig
 from distill.forward import OnlineTeacher, TeacherSource, forward_states, logits_kwargs
 from distill.layout import Layout, teacher_targets
 from distill.losses import NEEDS_LOGITS, LossInputs, total_loss
+from distill.processes import many_on_cpu
 from distill.trainable import Trainable, select_trainable
 from prune.adapters import input_device
 from prune.errors import LayercutError
@@ -37,8 +39,6 @@ def make_accelerator(config: DistillConfig, on_cpu: bool = False):
     to the GPU, away from its teacher. Placement, not ``cpu=True``: accelerate's state is one per process,
     and a later GPU run in the same process could not change it back.
     """
-    import os
-
     from accelerate import Accelerator
 
     precision = config.mixed_precision
@@ -50,7 +50,7 @@ def make_accelerator(config: DistillConfig, on_cpu: bool = False):
         else:
             precision = "no"
     return Accelerator(mixed_precision=precision, gradient_accumulation_steps=config.grad_accum,
-                       device_placement=not on_cpu)
+                       device_placement=not on_cpu, cpu=many_on_cpu())
 
 
 class JsonLog:
@@ -115,6 +115,7 @@ class Run:
         self.last: tuple[float, dict[str, float]] = (math.nan, {})
         self.restored_generalisation: dict | None = None  # the first measurement, from a checkpoint
         self.kept_generalisation: dict | None = None  # the first measurement, for the checkpoints
+        self.save_total_limit = 1  # checkpoints kept in the work folder, newest first
 
     def micro_batches(self) -> int:
         """Micro-batches of ``config.batch_size`` sequences drawn over every step, across processes."""
@@ -132,6 +133,13 @@ class Run:
         self.restored_generalisation = info.get("generalisation")
         saved = info.get("config", {})
         changed = sorted(k for k, v in self.config.to_dict().items() if saved.get(k) != v)
+        processes, now = info.get("processes", 1), self.accelerator.num_processes
+        if "grad_accum" in changed and saved.get("grad_accum", 0) * processes == self.config.grad_accum * now:
+            changed.remove("grad_accum")  # the same micro-batches per step, spread over another process count
+        elif processes != now:
+            logger.warning("resuming on %d process(es) after %d: pass --grad-accum %s to draw the same %d "
+                           "micro-batches per step", now, processes,
+                           f"{saved.get('grad_accum', 1) * processes / now:g}", saved.get("grad_accum", 1) * processes)
         if changed:
             logger.warning("resuming with other options than the checkpoint's: %s", ", ".join(changed))
         logger.info("resumed from %s (step %d)", path, payload["step"])
@@ -165,6 +173,8 @@ class Run:
             loss_sum += float(loss.detach()) / k
             for name, value in terms.items():
                 term_sums[name] = term_sums.get(name, 0.0) + value / k
+        if acc.num_processes > 1:  # the log shows the step's loss over every process's micro-batches
+            loss_sum, term_sums = _mean_over_processes(acc, loss_sum, term_sums)
         limit = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
         grad_norm = float(acc.clip_grad_norm_(self.trainable.parameters, limit))
         if not math.isfinite(grad_norm):
@@ -185,9 +195,18 @@ class Run:
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             info = {"config": self.config.to_dict(), "loss": self.last[0], "terms": self.last[1],
-                    "generalisation": self.kept_generalisation}
-            save_checkpoint(self.work, step, self.student, self.trainable.names, self.optimizer, self.scheduler, info)
+                    "generalisation": self.kept_generalisation, "processes": self.accelerator.num_processes}
+            save_checkpoint(self.work, step, self.student, self.trainable.names, self.optimizer, self.scheduler, info,
+                            keep=self.save_total_limit)
         self.accelerator.wait_for_everyone()
+
+
+def _mean_over_processes(acc, loss: float, terms: dict[str, float]) -> tuple[float, dict[str, float]]:
+    """``loss`` and ``terms`` averaged over the processes (every process calls it: it is a collective)."""
+    names = sorted(terms)
+    values = torch.tensor([loss, *(terms[name] for name in names)], dtype=torch.float64, device=acc.device)
+    values = acc.reduce(values, reduction="mean")
+    return float(values[0]), {name: float(value) for name, value in zip(names, values[1:], strict=True)}
 
 
 # the terms that pull the student towards the teacher (the cosine term only regularises)

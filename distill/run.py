@@ -125,6 +125,8 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
                        help="replace a non-empty --out and discard old checkpoints in the work folder")
     group.add_argument("--keep-checkpoints", action="store_true",
                        help="keep the work folder's checkpoints after a successful export")
+    group.add_argument("--save-total-limit", type=int, default=1,
+                       help="checkpoints kept in the work folder while training, the newest ones (default: 1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(args)
     job = DistillJob(student=args.student, teacher=load_config_from_args(args, prefix="teacher", model=args.teacher),
                      config=config_from_args(args), out=args.out, work_dir=args.work_dir, resume=args.resume,
-                     overwrite=args.overwrite, keep_checkpoints=args.keep_checkpoints)
+                     overwrite=args.overwrite, keep_checkpoints=args.keep_checkpoints,
+                     save_total_limit=args.save_total_limit)
     result, out = run_job(job)
     if out is not None:  # under `accelerate launch`, the main process alone writes and reports
         print(_summary(result, out))

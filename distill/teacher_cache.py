@@ -242,7 +242,7 @@ def prepare_cache(folder: Path | None, teacher: nn.Module, token_ids: torch.Tens
     Raises:
         LayercutError: ``k`` above the vocabulary.
     """
-    from accelerate import PartialState
+    from distill.processes import process_state
 
     vocab = int(teacher.get_input_embeddings().weight.shape[0])
     if k > vocab:
@@ -253,7 +253,7 @@ def prepare_cache(folder: Path | None, teacher: nn.Module, token_ids: torch.Tens
         keep = tempfile.TemporaryDirectory(prefix="layercut-teacher-cache-")
         folder = Path(keep.name) / CACHE_DIR
     key = cache_key(weights_fingerprint(teacher, sums=True), token_digest(token_ids, heldout_ids), k, precision)
-    state = PartialState()
+    state = process_state()
     written = False
     if state.is_main_process and open_cache(folder, key=key) is None:
         if read_header(folder) is not None:

@@ -138,6 +138,7 @@ def distill(
     student: nn.Module, teacher: nn.Module | None, tokenizer, config: DistillConfig, *,
     out: str | Path | None = None, resume: bool = False, token_ids: torch.Tensor | None = None,
     heldout_ids: torch.Tensor | None = None, layout: Layout | None = None, teacher_cache: TeacherCache | None = None,
+    save_total_limit: int = 1,
 ) -> DistillResult:
     """Train ``student`` in place to match ``teacher`` block by block.
 
@@ -157,6 +158,7 @@ def distill(
         layout: the student's layout, overriding what it records (required without a teacher).
         teacher_cache: an opened cache of the teacher's top-K logits, whose sequences are the run's
             (``distill.job`` writes it, then frees the teacher); None: written here if the config asks.
+        save_total_limit: checkpoints kept in ``out`` (the newest ones); older ones are deleted.
 
     Returns:
         The run's :class:`DistillResult`.
@@ -173,6 +175,7 @@ def distill(
         teacher_cache = write_teacher_cache(teacher, config, work, (token_ids, heldout_ids, sources), student)
     teacher_was_training = teacher is not None and teacher.training
     run = Run(student, teacher, token_ids.long(), config, layout, work, teacher_cache)
+    run.save_total_limit = save_total_limit
     start, log, check = _start(run, checkpoint, heldout_ids, layout, sources)
     seconds = train_loop(run, start, log)
     check.measure("after")

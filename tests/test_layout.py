@@ -24,6 +24,6 @@ def test_recipes_are_a_package_with_every_method():
     assert {"shortgpt", "sleb", "layercut-linear", "gromov", "linearpatch"} <= set(method_recipes())
     shipped = [line.strip() for line in (ROOT / "pyproject.toml").read_text().splitlines()
                if line.startswith("recipes =")]
-    assert shipped == ['recipes = ["*.yaml", "methods/*.yaml", "repairs/*.yaml"]']
+    assert shipped == ['recipes = ["*.yaml", "methods/*.yaml", "repairs/*.yaml", "accelerate/*.yaml"]']
     folders = {p.parent.relative_to(RECIPES_DIR).as_posix() for p in RECIPES_DIR.rglob("*.yaml")}
-    assert folders <= {".", "methods", "repairs"}, "a new recipe folder must be listed in package-data"
+    assert folders <= {".", "methods", "repairs", "accelerate"}, "a new recipe folder must be listed in package-data"

@@ -1,0 +1,80 @@
+"""Distillation on several processes (accelerate's data parallel engine, over gloo on the CPU): the same loss
+curve as one process drawing as many micro-batches per step, and checkpoints that resume on another
+process count."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import _TEXT, REPO, make_tiny_model, make_tiny_tokenizer
+from safetensors.torch import load_file
+
+from prune.export import export_checkpoint
+from prune.surgery import drop_blocks_
+
+pytestmark = pytest.mark.slow  # each run starts fresh interpreters (two of them under accelerate launch)
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ddp")
+    teacher, tokenizer = make_tiny_model("llama"), make_tiny_tokenizer()
+    teacher.save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
+    student = copy.deepcopy(teacher)
+    drop_blocks_(student, [1, 2])
+    report = {"source_model": str(root / "teacher"), "model_name": str(root / "teacher"), "num_blocks_before": 4,
+              "num_blocks_after": 2, "dropped": [1, 2]}
+    export_checkpoint(student, tokenizer, root / "student", report)
+    (root / "data.txt").write_text(_TEXT * 20, encoding="utf-8")
+    return {"student": root / "student", "data": root / "data.txt"}
+
+
+def _distill(pair: dict, out: Path, processes: int, grad_accum: int, *extra: str) -> list[dict]:
+    """Run ``distill.run`` on ``processes`` processes; returns its log (one line per step)."""
+    args = ["--student", str(pair["student"]), "--out", str(out), "--data", str(pair["data"]), "--seq-len", "16",
+            "--samples", "16", "--heldout-samples", "0", "--batch-size", "2", "--grad-accum", str(grad_accum),
+            "--steps", str(STEPS), "--train", "all", "--lr", "1e-3", "--log-every", "1", *extra]
+    launch = [sys.executable, "-m", "distill.run"] if processes == 1 else [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "distill.run"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([*launch, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = out / "train_log.jsonl"
+    return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
+
+
+def test_two_processes_follow_the_one_process_loss_curve(pair, tmp_path):
+    one = _distill(pair, tmp_path / "one", 1, grad_accum=2)
+    two = _distill(pair, tmp_path / "two", 2, grad_accum=1)
+    assert [row["step"] for row in two] == list(range(1, STEPS + 1))
+    for a, b in zip(one, two, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+    # both trained the same weights, away from the student's
+    before, after_one, after_two = (load_file(folder / "model.safetensors")
+                                    for folder in (pair["student"], tmp_path / "one", tmp_path / "two"))
+    moved = max(float((after_one[k] - before[k]).abs().max()) for k in before)
+    apart = max(float((after_one[k] - after_two[k]).abs().max()) for k in before)
+    assert moved > 1e-4 and apart < 1e-5 * max(moved, 1.0)
+
+
+def test_a_two_process_checkpoint_resumes_on_one_process(pair, tmp_path):
+    work = tmp_path / "work"
+    _distill(pair, tmp_path / "two", 2, 1, "--work-dir", str(work), "--save-every", "2", "--save-total-limit", "2",
+             "--keep-checkpoints")
+    (work / "checkpoints" / f"step-{STEPS:08d}.pt").unlink()  # as if the two processes had stopped at step 2
+    resumed = _distill(pair, tmp_path / "resumed", 1, 2, "--work-dir", str(work), "--resume")
+    one = _distill(pair, tmp_path / "one", 1, grad_accum=2)
+    assert [row["step"] for row in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(one, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
