@@ -75,16 +75,21 @@ def trained_state(model: nn.Module, names: list[str]) -> dict[str, torch.Tensor]
 
 
 def save_checkpoint(work: str | Path, step: int, model: nn.Module, names: list[str], optimizer, scheduler,
-                    config: dict, keep: int = 1) -> Path:
-    """Write the training state at ``step`` atomically, then delete all but the newest ``keep`` checkpoints."""
+                    config: dict, keep: int = 1, whole: tuple[dict, dict] | None = None) -> Path:
+    """Write the training state at ``step`` atomically, then delete all but the newest ``keep`` checkpoints.
+
+    ``whole``: the model's trained tensors and the optimizer's state keyed by parameter name, gathered from a
+    sharded student (``distill.sharded``); the optimizer's state is then stored by name, not by position.
+    """
     folder = checkpoint_dir(work)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"step-{step:08d}.pt"
     payload = {
         "step": step,
-        "model": trained_state(model, names),
+        "model": trained_state(model, names) if whole is None else whole[0],
         "trained_names": list(names),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer.state_dict() if whole is None else whole[1],
+        "optimizer_format": "positions" if whole is None else "names",
         "scheduler": scheduler.state_dict(),
         "rng": rng_state(),
         "config": config,
@@ -103,13 +108,18 @@ def load_checkpoint(path: str | Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def restore_model(model: nn.Module, payload: dict, names: list[str]) -> None:
-    """Load the checkpoint's trained parameters and buffers into ``model``; the trained set must match."""
+def check_trained_names(payload: dict, names: list[str]) -> None:
+    """Refuse a checkpoint that trained other parameters than this run would."""
     if sorted(payload["trained_names"]) != sorted(names):
         raise LayercutError(
             "the checkpoint trained other parameters than this run would (different --train, --lora-r or "
             "student): resume with the same options, or start over with --overwrite"
         )
+
+
+def restore_model(model: nn.Module, payload: dict, names: list[str]) -> None:
+    """Load the checkpoint's trained parameters and buffers into ``model``; the trained set must match."""
+    check_trained_names(payload, names)
     own = model.state_dict()
     for name, tensor in payload["model"].items():
         if name not in own or own[name].shape != tensor.shape:

@@ -83,6 +83,10 @@ def run_job(job: DistillJob) -> tuple[DistillResult, Path | None]:
                      save_total_limit=job.save_total_limit)
     if not process_state().is_main_process:  # under `accelerate launch`, one process writes the checkpoint
         return result, None
+    if result.whole_state is not None:  # FSDP: the student stays sharded; its gathered tensors go into a fresh copy
+        student = load(job.student, dtype="float32")
+        setattr(student.model.config, LAYOUT_ATTR, getattr(student.model.config, LAYOUT_ATTR, None) or layout)
+        student.model.load_state_dict(result.whole_state, strict=False)
     report = final_report(student_report, student, teacher, layout, job.config, result)
     out = export(student, report, job.out, job.overwrite, result.log_path)
     _clean_work(work, job.keep_checkpoints, default_location=job.work_dir is None)

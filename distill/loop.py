@@ -18,12 +18,27 @@ import torch
 from tqdm.auto import tqdm
 
 from distill.batches import BatchOrder
-from distill.checkpoints import list_checkpoints, load_checkpoint, restore_model, save_checkpoint, set_rng_state
+from distill.checkpoints import (
+    check_trained_names,
+    list_checkpoints,
+    load_checkpoint,
+    restore_model,
+    save_checkpoint,
+    set_rng_state,
+)
 from distill.config import DistillConfig
 from distill.forward import OnlineTeacher, TeacherSource, forward_states, logits_kwargs
 from distill.layout import Layout, teacher_targets
 from distill.losses import NEEDS_LOGITS, LossInputs, total_loss
 from distill.processes import many_on_cpu
+from distill.sharded import (
+    check_sharded_options,
+    full_model_state,
+    full_optimizer_state,
+    is_sharded,
+    load_full_state,
+    use_fsdp_on_cpu,
+)
 from distill.trainable import Trainable, select_trainable
 from prune.adapters import input_device
 from prune.errors import LayercutError
@@ -105,6 +120,8 @@ class Run:
         self.requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
         on_cpu = all(p.device.type == "cpu" for p in student.parameters())
         self.accelerator = make_accelerator(config, on_cpu)
+        use_fsdp_on_cpu(self.accelerator)
+        check_sharded_options(self.accelerator, config.train)
         self.trainable: Trainable = select_trainable(student, config)
         self.student, self.teacher = student, teacher
         optimizer = torch.optim.AdamW(self.trainable.parameters, lr=config.lr, weight_decay=config.weight_decay)
@@ -124,8 +141,15 @@ class Run:
     def restore(self, path: Path) -> int:
         """Load a checkpoint; returns its step."""
         payload = load_checkpoint(path)
-        restore_model(self.student, payload, self.trainable.names)
-        self.optimizer.load_state_dict(payload["optimizer"])
+        if payload.get("optimizer_format") == "names":  # written from a sharded student: whole tensors, by name
+            check_trained_names(payload, self.trainable.names)
+            load_full_state(self.model, self.optimizer, payload["model"], payload["optimizer"])
+        elif is_sharded(self.accelerator):
+            raise LayercutError(f"{path} stores the optimizer by position (written without FSDP): resume it without "
+                                "FSDP, or start over with --overwrite")
+        else:
+            restore_model(self.student, payload, self.trainable.names)
+            self.optimizer.load_state_dict(payload["optimizer"])
         self.scheduler.load_state_dict(payload["scheduler"])
         set_rng_state(payload["rng"])
         info = payload.get("config", {})  # what save() handed save_checkpoint: the options, the last loss and more
@@ -192,12 +216,16 @@ class Run:
         for name, param in zip(self.trainable.names, self.trainable.parameters, strict=True):
             if not torch.isfinite(param.detach()).all():  # keep the last good checkpoint rather than this one
                 raise nan_error(f"the weight {name}", float("nan"), step, self.work)
+        whole = None
+        if is_sharded(self.accelerator):  # every process takes part in gathering the shards
+            whole = (full_model_state(self.model, self.trainable.names),
+                     full_optimizer_state(self.model, self.optimizer))
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             info = {"config": self.config.to_dict(), "loss": self.last[0], "terms": self.last[1],
                     "generalisation": self.kept_generalisation, "processes": self.accelerator.num_processes}
             save_checkpoint(self.work, step, self.student, self.trainable.names, self.optimizer, self.scheduler, info,
-                            keep=self.save_total_limit)
+                            keep=self.save_total_limit, whole=whole)
         self.accelerator.wait_for_everyone()
 
 

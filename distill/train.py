@@ -39,6 +39,7 @@ from distill.generalisation import (
 )
 from distill.layout import Layout, check_layout, resolve_layout
 from distill.loop import JsonLog, Run, make_accelerator, train_loop
+from distill.sharded import full_model_state, is_sharded
 from distill.teacher_cache import TeacherCache, cache_folder, prepare_cache
 from distill.trainable import merge_lora
 from prune.adapters import num_blocks
@@ -80,6 +81,8 @@ class DistillResult:
             held-out sequences.
         teacher_cache: the teacher cache's K, size, writing time and whether this run wrote it
             (``TeacherCache.report``); None when the teacher ran online.
+        whole_state: the trained tensors gathered from a sharded (FSDP) student on the main process, for the
+            export (the student itself stays sharded); None without FSDP. Not part of the report.
     """
 
     steps: int
@@ -95,6 +98,7 @@ class DistillResult:
     peak_gpu_memory_bytes: int | None = None
     generalisation: dict | None = None
     teacher_cache: dict | None = None
+    whole_state: dict | None = None
 
     def report(self, config: DistillConfig) -> dict:
         """The ``distill`` section of ``layercut.json``."""
@@ -274,6 +278,8 @@ def _start(run: Run, checkpoint: Path | None, heldout_ids: torch.Tensor | None, 
 def _finish(run: Run, start: int, seconds: float, teacher_was_training: bool, log: JsonLog,
             generalisation: dict | None, cache: TeacherCache | None = None) -> DistillResult:
     """Merge LoRA, drop accelerate's wrappers, restore modes, and summarise."""
+    # a sharded student is exported from its gathered tensors (every process takes part in the gather)
+    whole = full_model_state(run.model, run.trainable.names) if is_sharded(run.accelerator) else None
     run.accelerator.unwrap_model(run.model, keep_fp32_wrapper=False)  # removes the autocast forward wrapper
     if run.trainable.peft_model is not None:
         merge_lora(run.trainable.peft_model)
@@ -298,5 +304,6 @@ def _finish(run: Run, start: int, seconds: float, teacher_was_training: bool, lo
         trainable_parameters=run.trainable.count,
         peak_gpu_memory_bytes=gpu_peak,
         generalisation=generalisation,
+        whole_state=whole,
         teacher_cache=cache.report() if cache is not None else None,
     )

@@ -38,7 +38,7 @@ def pair(tmp_path_factory) -> dict[str, Path]:
     return {"student": root / "student", "data": root / "data.txt"}
 
 
-def _distill(pair: dict, out: Path, processes: int, grad_accum: int, *extra: str) -> list[dict]:
+def _distill(pair: dict, out: Path, processes: int, grad_accum: int, *extra: str, fsdp: bool = False) -> list[dict]:
     """Run ``distill.run`` on ``processes`` processes; returns its log (one line per step)."""
     args = ["--student", str(pair["student"]), "--out", str(out), "--data", str(pair["data"]), "--seq-len", "16",
             "--samples", "16", "--heldout-samples", "0", "--batch-size", "2", "--grad-accum", str(grad_accum),
@@ -46,7 +46,7 @@ def _distill(pair: dict, out: Path, processes: int, grad_accum: int, *extra: str
     launch = [sys.executable, "-m", "distill.run"] if processes == 1 else [
         sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
         "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "distill.run"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "LAYERCUT_CPU_FSDP": str(int(fsdp))}
     done = subprocess.run([*launch, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     log = out / "train_log.jsonl"
@@ -76,5 +76,22 @@ def test_a_two_process_checkpoint_resumes_on_one_process(pair, tmp_path):
     resumed = _distill(pair, tmp_path / "resumed", 1, 2, "--work-dir", str(work), "--resume")
     one = _distill(pair, tmp_path / "one", 1, grad_accum=2)
     assert [row["step"] for row in resumed] == list(range(1, STEPS + 1))
+    for a, b in zip(one, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+def test_fsdp_shards_the_student_and_its_checkpoint_resumes_without_it(pair, tmp_path):
+    """FSDP2 over gloo (LAYERCUT_CPU_FSDP): the one-process curve, and a checkpoint by name that a plain run reads."""
+    one = _distill(pair, tmp_path / "one", 1, grad_accum=2)
+    work = tmp_path / "work"
+    sharded = _distill(pair, tmp_path / "fsdp", 2, 1, "--work-dir", str(work), "--save-every", "2",
+                       "--save-total-limit", "2", "--keep-checkpoints", fsdp=True)
+    for a, b in zip(one, sharded, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    exported = load_file(tmp_path / "fsdp" / "model.safetensors")
+    expected = load_file(tmp_path / "one" / "model.safetensors")
+    assert max(float((exported[k] - expected[k]).abs().max()) for k in expected) < 1e-5
+    (work / "checkpoints" / f"step-{STEPS:08d}.pt").unlink()
+    resumed = _distill(pair, tmp_path / "resumed", 1, 2, "--work-dir", str(work), "--resume")
     for a, b in zip(one, resumed, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
