@@ -127,6 +127,8 @@ class Run:
         optimizer = torch.optim.AdamW(self.trainable.parameters, lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup, config.steps)
         self.model, self.optimizer = self.accelerator.prepare(student, optimizer)
+        # the parameters the optimizer steps: FSDP2 swaps each for a sharded one, in the optimizer too
+        self.trained = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.order = BatchOrder(token_ids.shape[0], config.batch_size, config.seed)
         self.losses: list[float] = []
         self.last: tuple[float, dict[str, float]] = (math.nan, {})
@@ -200,7 +202,7 @@ class Run:
         if acc.num_processes > 1:  # the log shows the step's loss over every process's micro-batches
             loss_sum, term_sums = _mean_over_processes(acc, loss_sum, term_sums)
         limit = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
-        grad_norm = float(acc.clip_grad_norm_(self.trainable.parameters, limit))
+        grad_norm = float(acc.clip_grad_norm_(self.trained, limit))
         if not math.isfinite(grad_norm):
             raise nan_error("the gradient norm", grad_norm, step + 1, self.work)
         lr = self.scheduler.get_last_lr()[0]
@@ -209,13 +211,24 @@ class Run:
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, term_sums, grad_norm, lr
 
+    def _non_finite(self) -> str | None:
+        """The first trained tensor holding NaN or inf on any process (every process learns the same answer)."""
+        local = [name for name, param in zip(self.trainable.names, self.trained, strict=True)
+                 if not bool(torch.isfinite(_local(param.detach())).all())]
+        if self.accelerator.num_processes == 1:
+            return local[0] if local else None
+        flags = torch.tensor([name in local for name in self.trainable.names], dtype=torch.float32,
+                             device=self.accelerator.device)
+        flags = self.accelerator.reduce(flags, reduction="sum")  # a shard's NaN stops every process, not one
+        return next((name for name, flag in zip(self.trainable.names, flags.tolist(), strict=True) if flag), None)
+
     def save(self, step: int) -> None:
         """Checkpoint ``step`` into the work folder (none without one), from the main process only."""
         if self.work is None:
             return
-        for name, param in zip(self.trainable.names, self.trainable.parameters, strict=True):
-            if not torch.isfinite(param.detach()).all():  # keep the last good checkpoint rather than this one
-                raise nan_error(f"the weight {name}", float("nan"), step, self.work)
+        bad = self._non_finite()
+        if bad is not None:  # keep the last good checkpoint rather than this one
+            raise nan_error(f"the weight {bad}", float("nan"), step, self.work)
         whole = None
         if is_sharded(self.accelerator):  # every process takes part in gathering the shards
             whole = (full_model_state(self.model, self.trainable.names),
@@ -227,6 +240,11 @@ class Run:
             save_checkpoint(self.work, step, self.student, self.trainable.names, self.optimizer, self.scheduler, info,
                             keep=self.save_total_limit, whole=whole)
         self.accelerator.wait_for_everyone()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) parameter's own shard; a plain tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _mean_over_processes(acc, loss: float, terms: dict[str, float]) -> tuple[float, dict[str, float]]:

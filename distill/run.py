@@ -37,6 +37,7 @@ from prune.options import (
     data_config_from_args,
     load_config_from_args,
 )
+from prune.planner import add_plan_arguments, format_plan, hardware_from_args, write_plan_json
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m distill.run", description=__doc__.split("\n")[0])
     _add_model_arguments(parser)
     _add_training_arguments(parser)
+    add_plan_arguments(parser)
     d = _DEFAULTS.data
     add_data_arguments(parser, samples=d.samples, seq_len=d.seq_len, title="data", data=d.data,
                        heldout_samples=d.heldout_samples,
@@ -184,6 +186,13 @@ def main(argv: list[str] | None = None) -> int:
                      config=config_from_args(args), out=args.out, work_dir=args.work_dir, resume=args.resume,
                      overwrite=args.overwrite, keep_checkpoints=args.keep_checkpoints,
                      save_total_limit=args.save_total_limit)
+    if args.plan:
+        from distill.planning import plan_job
+
+        plan = plan_job(job, hardware_from_args(args, job.teacher.device))
+        print(format_plan(plan))
+        write_plan_json(plan, args.plan_json)
+        return 0
     result, out = run_job(job)
     if out is not None:  # under `accelerate launch`, the main process alone writes and reports
         print(_summary(result, out))

@@ -44,6 +44,12 @@ def use_fsdp_on_cpu(accelerator) -> None:
 
 def check_sharded_options(accelerator, train: str) -> None:
     """Refuse, in one line, what a sharded student does not do."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        # checkpoints and the export would read ZeRO-partitioned weights: never write a half-empty checkpoint
+        raise LayercutError("distill.run does not run under DeepSpeed: shard the student with FSDP2 "
+                            "(accelerate launch --config_file recipes/accelerate/fsdp.yaml -m distill.run ...)")
     if is_sharded(accelerator) and train == "lora":
         raise LayercutError("--train lora with FSDP: LoRA's weights are small enough to replicate; launch with "
                             "data parallelism (recipes/accelerate/ddp.yaml), or train --train all under FSDP")

@@ -8,12 +8,15 @@ pruned; checkpoints and the training log go to ``<out>.work/``, and the log is c
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import shutil
 
 from distill.checkpoints import default_work_folder
 from distill.config import DistillConfig
-from distill.train import distill
+from distill.layout import resolve_layout
+from distill.train import distill, training_ids, write_teacher_cache
+from prune.adapters import num_blocks
 from prune.data import DEFAULT_DATA
 from prune.loading import LoadedModel
 from prune.steps import StepResult
@@ -51,8 +54,23 @@ class DistillStep:
         work = default_work_folder(prune_config.out) if prune_config.out is not None else None
         if work is not None and work.exists():
             shutil.rmtree(work)  # a fresh run: prune.run has no --resume (distill.run has)
-        result = distill(loaded.model, teacher.model, loaded.tokenizer, self.config, out=work)
+        teacher_model, layout, cache = self._teacher_side(loaded, teacher, work)
         del teacher
+        gc.collect()  # with a cache, the teacher's weights go before training starts
+        result = distill(loaded.model, teacher_model, loaded.tokenizer, self.config, out=work, layout=layout,
+                         teacher_cache=cache)
+        del teacher_model
         files = [result.log_path] if result.log_path is not None else []
         report = {"teacher": prune_config.load.model, **result.report(self.config)}
         return StepResult(report, files=files, cleanup=[work] if work is not None else [])
+
+    def _teacher_side(self, student: LoadedModel, teacher: LoadedModel, work):
+        """(teacher model, layout, cache): with ``teacher_cache``, the cache is written and the teacher freed."""
+        if self.config.teacher_cache is None:
+            return teacher.model, None, None
+        layout = resolve_layout(student.model, teacher.model)
+        meta = {"teacher_name": teacher.name, "teacher_source": teacher.source,
+                "teacher_blocks": num_blocks(teacher.model), "layout": layout}
+        data = training_ids(student.tokenizer, teacher.model, self.config, None, None)
+        cache = write_teacher_cache(teacher.model, self.config, work, data, student.model, meta=meta)
+        return None, layout, cache

@@ -35,7 +35,7 @@ from prune.adapters import get_blocks, hidden_size, num_blocks
 from prune.capture import residual_states
 from prune.checkpoint import load
 from prune.data import BUILTIN, DataConfig, calibration_data
-from prune.memory import peak_rss_bytes
+from prune.memory import peak_rss_bytes, reset_peak_rss
 from prune.offload import load_offloaded
 from prune.options import LoadConfig
 from prune.pipeline import PruneConfig, run_prune
@@ -106,6 +106,7 @@ def _memory_worker(model_name, device, method, tokens, seq_len, batch_size, data
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
     else:
+        reset_peak_rss()  # loading's transient peak is not the method's
         base = psutil.Process().memory_info().rss
     started = time.perf_counter()
     run_method(method, loaded.model, ids, batch_size)

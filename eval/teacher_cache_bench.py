@@ -218,7 +218,9 @@ def choose_k(options: CacheBenchOptions, teacher, student, selection: torch.Tens
     gaps = {k: (full - total / selection.shape[0]) / full for k, total in sums.items()}
     within = [k for k in sorted(gaps) if gaps[k] <= options.k_tolerance]
     chosen = within[0] if within else max(gaps)
-    return chosen, {"rule": f"smallest K whose top-K KL is within {options.k_tolerance:.0%} of the full KL",
+    rule = (f"smallest K whose top-K KL is within {options.k_tolerance:.0%} of the full KL" if within else
+            f"the largest K tried: none came within {options.k_tolerance:.0%} of the full KL")
+    return chosen, {"rule": rule,
                     "full_kl": full, "gap": {str(k): round(g, 5) for k, g in gaps.items()}}
 
 

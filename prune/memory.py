@@ -38,3 +38,16 @@ def peak_rss_bytes() -> int:
         return int(psutil.Process().memory_info().rss)
     maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(maxrss if sys.platform == "darwin" else maxrss * 1024)  # KiB elsewhere, bytes on macOS
+
+
+def reset_peak_rss() -> bool:
+    """Start the high-water mark afresh from the current resident set (Linux ``clear_refs``); False elsewhere.
+
+    A measurement of one stage then excludes what loading touched and freed before it.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True

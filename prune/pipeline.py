@@ -32,6 +32,7 @@ from prune.score_report import plot_linearity_profile, score_table
 from prune.scores import SCORES, block_scores, check_enough_tokens, get_score
 from prune.selection import DEFAULT_PROTECT, SELECTIONS
 from prune.sequential import stream_moments_sequential
+from prune.sources import parse_sources
 from prune.stats import StateMoments, stream_moments
 from prune.steps import SurgeryStep, build_step
 from prune.sublayers import UNIT_SELECTIONS, Unit, is_sublayer, parse_units, unit_moments
@@ -156,6 +157,9 @@ class PruneConfig:
              "--fit independent)"),
             ("--distill-steps", bool(self.step_sections()),
              "exports the pruned checkpoint; distil it afterwards with python -m distill.run"),
+            ("--data", any(source.is_self for source in parse_sources(self.data.data)),
+             "cannot sample text from the model (the default calibration's self half): pass --data builtin, a "
+             "file or a dataset"),
         ):
             if bad:
                 raise LayercutError(f"{flag} with --offload sequential: a block-by-block run {fix}; change {flag} "

@@ -19,6 +19,8 @@ inside the model gives the same values (``tests/test_sequential.py``).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -182,6 +184,20 @@ def block_weights(model: nn.Module) -> CheckpointBlocks | ResidentBlocks:
     return getattr(model, OFFLOAD_ATTR, None) or ResidentBlocks()
 
 
+def _return_freed_memory() -> None:
+    """Hand the C heap's free blocks back to the system (glibc's ``malloc_trim``; nothing elsewhere).
+
+    Each block's pass frees a state buffer and a block's weights, and glibc keeps such freed blocks in its
+    heap: on SmolLM2-135M (32k tokens) the resident memory grew 8 MB a block without this, and stays flat
+    with it.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _partners(pairs: list[tuple[int, int]], cosine_pairs: str, count: int) -> dict[int, list[int]]:
     """For each state, the earlier states its statistics are taken against (pairs and cosines)."""
     partners = {j: {i for i, jj in pairs if jj == j} for j in range(count + 1)}
@@ -204,6 +220,7 @@ def stream_moments_sequential(
     progress: bool = True,
     precision: str = "float32",
     scores: list[str] | None = None,
+    after_block: Callable[[StateMoments, int], None] | None = None,
 ) -> StateMoments:
     """``prune.stats.stream_moments``, block by block: the same statistics with one block in memory.
 
@@ -215,7 +232,8 @@ def stream_moments_sequential(
     ``scores``: the registered scores to take of each block as soon as its statistics are complete
     (``StateMoments.early_scores``, returned by ``prune.scores.block_scores``); each state's statistics are
     then released, so the pass holds three d x d matrices instead of 2L + 1 (86 GB for a 70B model). Only
-    adjacent pairs can be released this way.
+    adjacent pairs can be released this way. ``after_block(moments, b)`` is called once block ``b``'s output
+    (state ``b + 1``) has been folded in for every batch: what it reads of the moments is then complete.
     """
     if scores and pairs is not None and any(j != i + 1 for i, j in pairs):
         raise ValueError("early scores release each state's statistics: pass adjacent pairs only")
@@ -230,6 +248,7 @@ def stream_moments_sequential(
     states, calls = block_inputs(model, batches if batches is not None else split_batches(token_ids, batch_size))
     kept = {0: states}
     del states  # state 0 goes once block 0 no longer needs it
+    _return_freed_memory()
     for batch in kept[0]:
         moments.begin_batch(None)
         moments.observe(0, batch)
@@ -249,6 +268,9 @@ def stream_moments_sequential(
             del kept[done]
         if scores:
             _score_block(moments, index, scores)
+        if after_block is not None:
+            after_block(moments, index)
+        _return_freed_memory()
     logger.info("streamed statistics of %d states over %d tokens, one block at a time", count + 1, moments.n)
     return moments
 

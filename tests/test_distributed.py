@@ -88,6 +88,7 @@ def test_fsdp_shards_the_student_and_its_checkpoint_resumes_without_it(pair, tmp
                        "--save-total-limit", "2", "--keep-checkpoints", fsdp=True)
     for a, b in zip(one, sharded, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)  # clipped over every shard
     exported = load_file(tmp_path / "fsdp" / "model.safetensors")
     expected = load_file(tmp_path / "one" / "model.safetensors")
     assert max(float((exported[k] - expected[k]).abs().max()) for k in expected) < 1e-5
@@ -95,3 +96,19 @@ def test_fsdp_shards_the_student_and_its_checkpoint_resumes_without_it(pair, tmp
     resumed = _distill(pair, tmp_path / "resumed", 1, 2, "--work-dir", str(work), "--resume")
     for a, b in zip(one, resumed, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+
+def test_deepspeed_and_lora_under_fsdp_are_refused_in_one_line():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from distill.sharded import check_sharded_options
+    from prune.errors import LayercutError
+
+    with pytest.raises(LayercutError, match="fsdp.yaml") as err:
+        check_sharded_options(SimpleNamespace(distributed_type=DistributedType.DEEPSPEED), "all")
+    assert "\n" not in str(err.value)
+    with pytest.raises(LayercutError, match="ddp.yaml"):
+        check_sharded_options(SimpleNamespace(distributed_type=DistributedType.FSDP), "lora")
+    check_sharded_options(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU), "lora")  # DDP runs LoRA

@@ -83,6 +83,27 @@ def test_greedy_selection_runs_block_by_block(tmp_path, tiny_folder, sample_text
     assert chosen["none"] == chosen["sequential"] and len(chosen["none"]) == 2
 
 
+def test_a_skeleton_run_holds_three_hidden_squared_matrices_at_most(tmp_path, tiny_folder, sample_text, monkeypatch,
+                                                                    one_thread):
+    """Scoring and fitting free each state's statistics once read: at most two Grams and one cross Gram live."""
+    from prune.stats import StateMoments
+
+    live = []
+    observe = StateMoments.observe
+
+    def counted(self, index, state):
+        observe(self, index, state)
+        live.append(sum(g is not None for g in self.grams) + len(self.cross))
+
+    monkeypatch.setattr(StateMoments, "observe", counted)
+    text = tmp_path / "calibration.txt"
+    text.write_text(sample_text, encoding="utf-8")
+    data = DataConfig(data=str(text), samples=8, seq_len=32, heldout_samples=0)
+    result = run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder), offload="sequential"), data=data, drop=2,
+                                   replace={"method": "linear"}, out=str(tmp_path / "out")))
+    assert result.report["replacements"] and live and max(live) <= 3
+
+
 def test_skeleton_keeps_one_block_in_memory_at_a_time(tmp_path, one_thread):
     _saved("llama", tmp_path)
     skeleton = load_offloaded(str(tmp_path), dtype="float32").model

@@ -255,3 +255,29 @@ def test_cli_refuses_layerwise_mse_with_a_cache_in_one_line(pair_folders, tmp_pa
     assert main(_cli(pair_folders, tmp_path / "out", "--loss", "layerwise_mse=1")) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "layerwise_mse needs the teacher's hidden states" in errors[0]
+
+
+def test_prune_run_distils_from_a_cache_with_the_teacher_freed(tiny_folder, tmp_path, monkeypatch):
+    """``prune.run --distill-steps`` with ``teacher_cache``: the teacher writes the cache, then is gone."""
+    from prune.data import DataConfig
+    from prune.options import LoadConfig
+    from prune.pipeline import PruneConfig, run_prune
+
+    text = tmp_path / "data.txt"
+    text.write_text(_TEXT * 20, encoding="utf-8")
+    seen = []
+    real = distill
+
+    def spy(student, teacher, *args, **kwargs):
+        seen.append((teacher, kwargs.get("teacher_cache")))
+        return real(student, teacher, *args, **kwargs)
+
+    monkeypatch.setattr("distill.step.distill", spy)
+    data = {"data": str(text), "samples": 8, "seq_len": 16, "heldout_samples": 0}
+    config = PruneConfig(load=LoadConfig(model=str(tiny_folder)), data=DataConfig(data=str(text), samples=8,
+                         seq_len=32, heldout_samples=0), drop=1, out=str(tmp_path / "out"),
+                         distill={"steps": 2, "batch_size": 2, "teacher_cache": "topk=8", "data": data,
+                                  "losses": {"teacher_student_kl": 1.0}, "train": "all", "lr": 1e-3})
+    report = run_prune(config).report["distill"]
+    assert seen and seen[0][0] is None and seen[0][1] is not None  # trained from the cache, no teacher
+    assert report["teacher_cache"]["k"] == 8 and report["steps"] == 2 and report["final_loss"] > 0

@@ -2,6 +2,7 @@
 
     python -m eval.compare --model smollm2-135m --drop 2,4,6,8 --methods all --out cmp/
     python -m eval.compare --methods list
+    python -m eval.compare --model smollm2-135m --drop 2,4,6,8 --methods all --out cmp/ --plan   # the largest cell
 
 What it measures and writes: ``eval.compare``'s docstring, and the README's "Compare methods".
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from eval.compare.config import CompareConfig, method_list, parse_drops, parse_methods
+from eval.compare.config import CompareConfig, cell_config, method_list, parse_drops, parse_methods
 from eval.compare.grid import run_comparison, summary_lines
 from eval.compare.plots import README
 from eval.evaluate import parse_limit
@@ -23,6 +24,16 @@ from prune.options import (
     data_config_from_args,
     load_config_from_args,
 )
+from prune.planner import (
+    RunPlan,
+    add_plan_arguments,
+    format_plan,
+    hardware_from_args,
+    plan_config,
+    refuse_if_too_big,
+    write_plan_json,
+)
+from prune.planner_shape import shape_of_name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="folder for results.json, README.md and the plots (required)")
     parser.add_argument("--overwrite", action="store_true", help="start afresh in a --out that holds another run")
     add_threads_argument(parser)
+    add_plan_arguments(parser)
     return parser
+
+
+def largest_cell_plan(args: argparse.Namespace, config: CompareConfig) -> tuple[str, RunPlan]:
+    """The cell (method at drop) whose plan fills a device the most, and that plan (the original model kept)."""
+    hardware = hardware_from_args(args, config.load.device)
+    shape = shape_of_name(config.load.model)
+    plans = {f"{name} at drop {drop}": plan_config(cell_config(config, path, drop, None), hardware, shape,
+                                                  keeps_original=True)
+             for name, path in config.methods.items() for drop in config.drops}
+    return max(plans.items(), key=lambda item: item[1].worst()[2] / item[1].limits[item[1].worst()[1]])
 
 
 def config_from_args(args: argparse.Namespace) -> CompareConfig:
@@ -90,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         print(method_list())
         return 0
     config = config_from_args(args)
+    if args.plan:
+        cell, plan = largest_cell_plan(args, config)
+        print(f"largest of {len(config.methods) * len(config.drops)} cells: {cell}\n{format_plan(plan)}")
+        write_plan_json(plan, args.plan_json)
+        return 0
+    if not args.no_plan_check:
+        refuse_if_too_big(config, lambda: largest_cell_plan(args, config)[1])
     apply_threads(args)
     results = run_comparison(config)
     print("\n".join(summary_lines(results)))

@@ -161,8 +161,10 @@ def _fit_sequential(model, fitters: list[SpanFitter], token_ids, config) -> list
 def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[Replacement]:
     """A skeleton's spans, fitted from one block-by-block pass over the batches the capture pass would run.
 
-    Only fits that need nothing but a span's (input, output) moments can run this way: the others read
-    activations inside blocks, or the surgered model's outputs, which a skeleton never holds.
+    Each span is solved as soon as its output state is complete, and its statistics are freed then, as are
+    those of every state no span reads: the pass holds one span's three d x d matrices at a time. Only fits
+    that need nothing but a span's (input, output) moments can run this way: the others read activations
+    inside blocks, or the surgered model's outputs, which a skeleton never holds.
     """
     from prune.sequential import stream_moments_sequential
 
@@ -170,20 +172,31 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
         raise LayercutError("--offload sequential fits every span on the original model's states: use --fit "
                             "independent, or --offload none")
     started = time.perf_counter()
-    pairs = [(f.span[0], f.span[-1] + 1) for f in fitters]
+    by_pair = {(f.span[0], f.span[-1] + 1): f for f in fitters}
+    needed = {state for pair in by_pair for state in pair}
+    done: dict[tuple[int, ...], Replacement] = {}
+
+    def fit_ending_here(moments: StateMoments, block: int) -> None:
+        for (first, last), fitter in by_pair.items():
+            if last == block + 1:
+                if not fitter.use_moments(moments.pair(first, last)):
+                    raise LayercutError(f"--replace {config.method} reads activations inside the blocks, which "
+                                        "--offload sequential never holds: use --replace linear or none, or "
+                                        "--offload none")
+                done[fitter.span] = fitter.finish()
+                moments.release(first)
+                moments.release(last)
+        for state in (block, block + 1):
+            if state not in needed and moments.grams[state] is not None:
+                moments.release(state)
+
     batches = list(_batches(token_ids, config, f"fit {config.method} (block by block)"))
-    moments = stream_moments_sequential(model, batches=batches, pairs=pairs, cosine_pairs="none",
-                                        progress=config.progress)
+    stream_moments_sequential(model, batches=batches, pairs=list(by_pair), cosine_pairs="none",
+                              progress=config.progress, after_block=fit_ending_here)
     shared = (time.perf_counter() - started) / len(fitters)
-    results = []
-    for fitter in fitters:
-        if not fitter.use_moments(moments.pair(fitter.span[0], fitter.span[-1] + 1)):
-            raise LayercutError(f"--replace {config.method} reads activations inside the blocks, which --offload "
-                                "sequential never holds: use --replace linear or none, or --offload none")
-        begun = time.perf_counter()
-        results.append(fitter.finish())
-        results[-1].record["fit_seconds"] = round(shared + time.perf_counter() - begun, 2)
-    return results
+    for replacement in done.values():
+        replacement.record["fit_seconds"] = round(shared, 2)
+    return [done[f.span] for f in fitters]
 
 
 def check_replacement_supported(model: nn.Module, method: str) -> None:

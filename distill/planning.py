@@ -1,0 +1,33 @@
+"""What a distillation run will hold and take, per device, before anything loads (``distill.run --plan``).
+
+The student's ``layercut.json`` names its teacher and how many blocks it lost; the teacher's config alone
+(``prune.planner``) gives the sizes. Only the stages ``distill.run`` runs are kept: the teacher's cache
+when one is asked for, and the training.
+"""
+
+from __future__ import annotations
+
+from distill.job import DistillJob, teacher_name
+from prune.export import read_report
+from prune.planner import Hardware, PlanInput, RunPlan, distill_spec, plan_run
+from prune.planner_shape import shape_of_name
+
+# prune.planner's stages that distill.run runs
+DISTILL_STAGES = ("teacher cache", "distillation")
+
+
+def plan_job(job: DistillJob, hardware: Hardware) -> RunPlan:
+    """The plan of ``job`` on ``hardware``: its teacher cache (if any) and its training."""
+    report = read_report(job.student)
+    teacher = teacher_name(job.teacher.model, report)
+    shape = shape_of_name(teacher)
+    options = {**job.config.to_dict(), "data": {"seq_len": job.config.data.seq_len}}
+    load = job.teacher
+    dropped = int(report.get("num_blocks_before", 0)) - int(report.get("num_blocks_after", 0))
+    inp = PlanInput(model=teacher, drop=dropped,
+                    replace=report.get("replace") or "none", dtype=load.dtype,
+                    quant_bits=4 if load.load_in_4bit else 8 if load.load_in_8bit else 16,
+                    checkpoint_dtype=shape.dtype, distill=distill_spec(options, job.config.data.seq_len),
+                    hardware=hardware)
+    plan = plan_run(shape, inp, moments_alive=False)
+    return RunPlan(shape, inp, [stage for stage in plan.stages if stage.name in DISTILL_STAGES], plan.limits)
