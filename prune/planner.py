@@ -254,7 +254,9 @@ def _candidate_fixes(inp: PlanInput) -> list[_Fix]:
     spec, hw = inp.distill, inp.hardware
     more = [n for n in (2, 4, 8) if n > hw.gpus]
     return [
-        ("--offload sequential", _offload_applies, lambda i: _with(i, offload="sequential")),
+        # a skeleton cannot sample the default calibration's self half: the fix names the data too
+        ("--offload sequential (with --data builtin, a file or a dataset)", _offload_applies,
+         lambda i: _with(i, offload="sequential")),
         ("--dtype bfloat16", lambda i: i.dtype_bytes == 4 and i.quant_bits == 16,
          lambda i: _with(i, dtype="bfloat16")),
         ("--load-in-8bit", lambda i: i.on_gpu and i.quant_bits == 16, lambda i: _with(i, quant_bits=8)),

@@ -246,8 +246,10 @@ def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
         return None
     devices = _new_devices(inp)
     tokens = inp.batch_size * inp.seq_len
-    if inp.offload == "sequential":
-        _streamed(devices, shape, inp, inp.calibration_tokens)
+    passes = 2 if 0 < inp.fit_short < inp.seq_len else 1  # --fit-short cuts the same tokens again
+    offloaded = inp.offload == "sequential"
+    if offloaded:  # one block-by-block pass over both cuts: every state buffer holds them both
+        _streamed(devices, shape, inp, passes * inp.calibration_tokens)
     else:
         _weights(devices, shape, inp, shape.layers, "weights")
     first = compute_devices(inp)[0]
@@ -255,11 +257,9 @@ def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
     add(devices[first], "maps", map_params(shape, inp) * inp.dtype_bytes)
     # block by block, each span is solved and freed as soon as its output is complete (prune.replace.driver),
     # keeping its input's state buffer until then
-    offloaded = inp.offload == "sequential"
     if offloaded:
-        add(devices[first], "span input buffer", inp.calibration_tokens * shape.hidden * inp.act_bytes)
+        add(devices[first], "span input buffer", passes * inp.calibration_tokens * shape.hidden * inp.act_bytes)
     _moments(devices, shape, inp, fit_bytes(shape, 1 if offloaded else inp.spans))
-    passes = 2 if 0 < inp.fit_short < inp.seq_len else 1  # --fit-short cuts the same tokens again
     flop = passes * inp.calibration_tokens * _flops(shape, shape.layers)
     note = f"{inp.spans} span(s) at most; closed-form sums" + ("" if inp.replace in _CLOSED_FORM else
                                                                 f" (a trained {inp.replace} counted as one)")

@@ -55,7 +55,7 @@ JSON
     plan llama3-70b-distill2000-1x80 "${BIG[@]}" --distill-steps 2000 "${ONE[@]}"
     plan llama3-70b-distill2000-8x80 "${BIG[@]}" --distill-steps 2000 "${EIGHT[@]}"
     plan llama3-70b-1x80 "${BIG[@]}" "${ONE[@]}"
-    plan llama3-70b-1x80-offload "${BIG[@]}" --offload sequential "${ONE[@]}"
+    plan llama3-70b-1x80-offload "${BIG[@]}" --offload sequential --data builtin "${ONE[@]}"
     # the refusal a run meets (exit 2, one line), before anything loads
     python -m prune.run "${BIG[@]}" --distill-steps 2000 "${ONE[@]}" --out "$OUT/never" 2> "$OUT/refusal.txt" || true
     tail -n 1 "$OUT/refusal.txt"
@@ -91,7 +91,7 @@ if [[ $STEP == all || $STEP == plans ]]; then
        plans: {"llama3-70b --drop 20 --replace linear --distill-steps 2000, 1 x 80 GB": brief($p1[0]),
                "llama3-70b --drop 20 --replace linear --distill-steps 2000, 8 x 80 GB": brief($p8[0]),
                "llama3-70b --drop 20 --replace linear, 1 x 80 GB": brief($q1[0]),
-               "llama3-70b --drop 20 --replace linear --offload sequential, 1 x 80 GB": brief($q2[0]),
+               "llama3-70b --drop 20 --replace linear --offload sequential --data builtin, 1 x 80 GB": brief($q2[0]),
                "smollm2-135m --drop 4": brief($s1[0]),
                "smollm2-135m --drop 4 --replace linear --distill-steps 20": brief($s2[0]),
                "gemma-3-270m --drop 4": brief($g1[0])},
