@@ -145,7 +145,10 @@ class Run:
         payload = load_checkpoint(path)
         if payload.get("optimizer_format") == "names":  # written from a sharded student: whole tensors, by name
             check_trained_names(payload, self.trainable.names)
-            load_full_state(self.model, self.optimizer, payload["model"], payload["optimizer"])
+            sharded, main = is_sharded(self.accelerator), self.accelerator.is_main_process
+            if sharded and not main:  # the main process sends each one its shards
+                payload["model"], payload["optimizer"] = {}, {}
+            load_full_state(self.model, self.optimizer, payload["model"], payload["optimizer"], from_main=sharded)
         elif is_sharded(self.accelerator):
             raise LayercutError(f"{path} stores the optimizer by position (written without FSDP): resume it without "
                                 "FSDP, or start over with --overwrite")
@@ -163,9 +166,11 @@ class Run:
         if "grad_accum" in changed and saved.get("grad_accum", 0) * processes == self.config.grad_accum * now:
             changed.remove("grad_accum")  # the same micro-batches per step, spread over another process count
         elif processes != now:
-            logger.warning("resuming on %d process(es) after %d: pass --grad-accum %s to draw the same %d "
-                           "micro-batches per step", now, processes,
-                           f"{saved.get('grad_accum', 1) * processes / now:g}", saved.get("grad_accum", 1) * processes)
+            per_step = saved.get("grad_accum", 1) * processes
+            fix = (f"pass --grad-accum {per_step // now} to draw" if per_step % now == 0 else
+                   "no --grad-accum draws")
+            logger.warning("resuming on %d process(es) after %d: %s the same %d micro-batches per step", now,
+                           processes, fix, per_step)
         if changed:
             logger.warning("resuming with other options than the checkpoint's: %s", ", ".join(changed))
         logger.info("resumed from %s (step %d)", path, payload["step"])

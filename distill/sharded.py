@@ -65,10 +65,11 @@ def full_model_state(model: nn.Module, names: list[str]) -> dict[str, torch.Tens
     """The trained parameters ``names`` and every buffer, whole, on the main process (a collective)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    state = get_model_state_dict(model, options=_options())
-    params = {name for name, _ in model.named_parameters()}
+    state = get_model_state_dict(model, options=_options())  # fresh CPU copies already: no clone
+    # every name a parameter goes by, a tied head's included, so that only true buffers join the trained ones
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     wanted = set(names)
-    return {n: t.detach().clone() for n, t in state.items() if n in wanted or n not in params}
+    return {n: t.detach() for n, t in state.items() if n in wanted or n not in params}
 
 
 def full_optimizer_state(model: nn.Module, optimizer) -> dict:
@@ -78,10 +79,15 @@ def full_optimizer_state(model: nn.Module, optimizer) -> dict:
     return get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), options=_options())
 
 
-def load_full_state(model: nn.Module, optimizer, model_state: dict, optimizer_state: dict) -> None:
-    """Put whole tensors from a checkpoint into the (sharded or plain) student and its optimizer."""
+def load_full_state(model: nn.Module, optimizer, model_state: dict, optimizer_state: dict,
+                    from_main: bool = False) -> None:
+    """Put whole tensors from a checkpoint into the (sharded or plain) student and its optimizer.
+
+    ``from_main``: only the main process holds the tensors (the others pass empty dicts) and sends each
+    process its shards, so N processes on one machine do not hold N copies of the checkpoint.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, strict=False)
+    options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=from_main)
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), optimizer_state, options=options)

@@ -250,6 +250,9 @@ def prepare_cache(folder: Path | None, teacher: nn.Module, token_ids: torch.Tens
                             f"give K <= {vocab}")
     keep = None
     if folder is None:
+        if process_state().num_processes > 1:  # each process's temporary folder would be its own
+            raise LayercutError("--teacher-cache on several processes needs a work folder they share: pass --out "
+                                "(or --work-dir)")
         keep = tempfile.TemporaryDirectory(prefix="layercut-teacher-cache-")
         folder = Path(keep.name) / CACHE_DIR
     key = cache_key(weights_fingerprint(teacher, sums=True), token_digest(token_ids, heldout_ids), k, precision)

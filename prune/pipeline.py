@@ -149,8 +149,9 @@ class PruneConfig:
         """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
         for flag, bad, fix in (
             ("--unit", is_sublayer(units), "rates whole blocks (--unit block)"),
-            ("--select", self.select in ("greedy-ppl", "measured"),
-             "selects from scores of states (--select topk, greedy or last): perplexity needs the whole model"),
+            ("--select", self.select in ("greedy-ppl", "measured") or needed_cosine_pairs(self) == "all",
+             "selects from scores of blocks (--select topk, greedy or last): perplexity and span scores of "
+             "states need the whole model"),
             ("--oracle", self.oracle, "has no oracle (it measures perplexity with the whole model)"),
             ("--replace", self.replace.method not in OFFLOAD_METHODS or self.replace.fit != "independent",
              f"fits from the original model's states only (--replace {' or '.join(OFFLOAD_METHODS)}, "

@@ -273,8 +273,8 @@ def _candidate_fixes(inp: PlanInput) -> list[_Fix]:
 
 def _offload_applies(inp: PlanInput) -> bool:
     """Whether ``--offload sequential`` could run these options (``PruneConfig`` refuses the others)."""
-    return (inp.offload != "sequential" and inp.replace in ("none", "linear") and inp.select != "span"
-            and not inp.distill.steps)
+    return (inp.offload != "sequential" and inp.replace in ("none", "linear")
+            and inp.select not in ("span", "greedy-ppl", "measured") and not inp.distill.steps)
 
 
 def fixes(plan: RunPlan, most: int = 3) -> list[str]:

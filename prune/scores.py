@@ -141,5 +141,9 @@ def block_scores(moments: StateMoments, names: list[str] | None = None) -> dict[
     names = names or list(SCORES)
     if moments.early_scores and all(name in moments.early_scores for name in names):
         return {name: list(moments.early_scores[name]) for name in names}
+    if any(gram is None for gram in moments.grams[:-1]):
+        missing = [name for name in names if name not in moments.early_scores]
+        raise LayercutError(f"the block-by-block pass freed its statistics without taking {', '.join(missing)}: "
+                            "pass every score wanted to prune.sequential.stream_moments_sequential(scores=...)")
     blocks = range(moments.num_states - 1)
     return {name: [get_score(name).compute(moments, b) for b in blocks] for name in names}

@@ -131,14 +131,26 @@ class CheckpointBlocks:
         raise LayercutError(f"{self.folder}: no tensor {name} in its safetensors (the model renames or fuses "
                             "weights when it loads): score it with --offload none")
 
-    def read(self, name: str) -> torch.Tensor:
-        """The checkpoint's tensor for the model's ``name``, in the run's dtype, on its device."""
+    def read(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """The checkpoint's tensor for the model's ``name``, in the run's dtype, on ``device`` (the run's)."""
+        return self.read_many([name], device)[name]
+
+    def read_many(self, names: list[str], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors for the model's ``names``, each file opened once (its header parsed once)."""
         from safetensors import safe_open
 
-        key = self.key(name)
-        with safe_open(self.folder / self.files[key], framework="pt", device="cpu") as handle:
-            tensor = handle.get_tensor(key)
-        return tensor.to(device=self.device, dtype=self.dtype if tensor.is_floating_point() else tensor.dtype)
+        keys = {name: self.key(name) for name in names}
+        by_file: dict[str, list[str]] = {}
+        for name, key in keys.items():
+            by_file.setdefault(self.files[key], []).append(name)
+        found = {}
+        for file, wanted in by_file.items():
+            with safe_open(self.folder / file, framework="pt", device="cpu") as handle:
+                for name in wanted:
+                    tensor = handle.get_tensor(keys[name])
+                    found[name] = tensor.to(device=device or self.device,
+                                            dtype=self.dtype if tensor.is_floating_point() else tensor.dtype)
+        return found
 
     def source_name(self, block: nn.Module, index: int, name: str) -> str:
         """The model's name, in the checkpoint, of tensor ``name`` of ``block`` (now at ``index``)."""
@@ -151,9 +163,10 @@ class CheckpointBlocks:
 
         names = [name for name, _ in _meta_tensors(block)]
         try:
+            values = self.read_many([self.source_name(block, index, name) for name in names])
             for name in names:
-                set_module_tensor_to_device(block, name, self.device,
-                                            value=self.read(self.source_name(block, index, name)))
+                set_module_tensor_to_device(block, name, self.device, value=values.pop(self.source_name(block, index,
+                                                                                                          name)))
             yield block
         finally:
             for name in names:
@@ -221,6 +234,7 @@ def stream_moments_sequential(
     precision: str = "float32",
     scores: list[str] | None = None,
     after_block: Callable[[StateMoments, int], None] | None = None,
+    observed: set[int] | None = None,
 ) -> StateMoments:
     """``prune.stats.stream_moments``, block by block: the same statistics with one block in memory.
 
@@ -234,6 +248,7 @@ def stream_moments_sequential(
     then released, so the pass holds three d x d matrices instead of 2L + 1 (86 GB for a 70B model). Only
     adjacent pairs can be released this way. ``after_block(moments, b)`` is called once block ``b``'s output
     (state ``b + 1``) has been folded in for every batch: what it reads of the moments is then complete.
+    ``observed``: the only states whose statistics are taken (None: all); a fit reads its spans' ends alone.
     """
     if scores and pairs is not None and any(j != i + 1 for i, j in pairs):
         raise ValueError("early scores release each state's statistics: pass adjacent pairs only")
@@ -249,7 +264,7 @@ def stream_moments_sequential(
     kept = {0: states}
     del states  # state 0 goes once block 0 no longer needs it
     _return_freed_memory()
-    for batch in kept[0]:
+    for batch in kept[0] if observed is None or 0 in observed else ():
         moments.begin_batch(None)
         moments.observe(0, batch)
     weights = block_weights(model)
@@ -259,7 +274,7 @@ def stream_moments_sequential(
             outputs = [block_output(block(kept[index][b], *call.args, **call.kwargs))
                        for b, call in enumerate(calls[index])]
         kept[index + 1] = outputs
-        for b, output in enumerate(outputs):
+        for b, output in enumerate(outputs if observed is None or index + 1 in observed else ()):
             moments.begin_batch(None)
             for earlier in partners[index + 1]:
                 moments.recall(earlier, kept[earlier][b])

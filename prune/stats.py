@@ -127,8 +127,8 @@ class StateMoments:
 
     @property
     def n(self) -> int:
-        """Tokens seen so far."""
-        return self.counts[0]
+        """Tokens seen so far (by every state observed: a block-by-block fit may observe only its spans' ends)."""
+        return max(self.counts)
 
     def begin_batch(self, mask: torch.Tensor | None) -> None:
         """Start a batch; ``mask`` [batch, seq] marks the tokens that count (None: all)."""

@@ -93,8 +93,14 @@ def test_fsdp_shards_the_student_and_its_checkpoint_resumes_without_it(pair, tmp
     expected = load_file(tmp_path / "one" / "model.safetensors")
     assert max(float((exported[k] - expected[k]).abs().max()) for k in expected) < 1e-5
     (work / "checkpoints" / f"step-{STEPS:08d}.pt").unlink()
-    resumed = _distill(pair, tmp_path / "resumed", 1, 2, "--work-dir", str(work), "--resume")
+    resumed = _distill(pair, tmp_path / "resumed", 1, 2, "--work-dir", str(work), "--resume", "--save-every", "2",
+                       "--save-total-limit", "2", "--keep-checkpoints")
     for a, b in zip(one, resumed, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+    # and on FSDP again: the main process reads the checkpoint and sends every process its shards
+    (work / "checkpoints" / f"step-{STEPS:08d}.pt").unlink()
+    again = _distill(pair, tmp_path / "again", 2, 1, "--work-dir", str(work), "--resume", fsdp=True)
+    for a, b in zip(one, again, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
 
 

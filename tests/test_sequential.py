@@ -126,6 +126,7 @@ def test_skeleton_keeps_one_block_in_memory_at_a_time(tmp_path, one_thread):
     (["--replace", "linear", "--fit", "sequential"], "--replace"),
     (["--distill-steps", "5"], "--distill-steps"),
     (["--unit", "mlp"], "--unit"),
+    (["--select", "span", "--score", "cosine"], "--select"),
 ])
 def test_what_a_skeleton_cannot_run_is_refused_before_loading(capsys, tiny_folder, flags, named):
     code, _, err = run_prune_cli(capsys, "--model", tiny_folder, "--drop", 2, "--offload", "sequential", *flags)

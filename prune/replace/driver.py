@@ -7,6 +7,7 @@ model; ``fit="sequential"`` fits span by span, each on the inputs the already-su
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -186,13 +187,11 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
                 done[fitter.span] = fitter.finish()
                 moments.release(first)
                 moments.release(last)
-        for state in (block, block + 1):
-            if state not in needed and moments.grams[state] is not None:
-                moments.release(state)
 
-    batches = list(_batches(token_ids, config, f"fit {config.method} (block by block)"))
+    # the batches of the capture pass, without its progress bar: the block-by-block pass shows its own
+    batches = list(_batches(token_ids, dataclasses.replace(config, progress=False), ""))
     stream_moments_sequential(model, batches=batches, pairs=list(by_pair), cosine_pairs="none",
-                              progress=config.progress, after_block=fit_ending_here)
+                              progress=config.progress, after_block=fit_ending_here, observed=needed)
     shared = (time.perf_counter() - started) / len(fitters)
     for replacement in done.values():
         replacement.record["fit_seconds"] = round(shared, 2)
