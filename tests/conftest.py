@@ -147,3 +147,22 @@ def assert_cache_and_generate(model, ids: torch.Tensor) -> None:
     torch.testing.assert_close(step, full[:, 8:], rtol=1e-4, atol=1e-4)
     out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert out.shape == (ids.shape[0], 9)
+
+
+def make_student_pair(root: Path) -> dict[str, Path]:
+    """teacher/ (tiny llama, tokenizer), student/ (blocks 1 and 2 removed, plain export), data.txt under ``root``."""
+    import copy
+
+    from prune.export import export_checkpoint
+    from prune.surgery import drop_blocks_
+
+    teacher, tokenizer = make_tiny_model("llama"), make_tiny_tokenizer()
+    teacher.save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
+    student = copy.deepcopy(teacher)
+    drop_blocks_(student, [1, 2])
+    report = {"source_model": str(root / "teacher"), "model_name": str(root / "teacher"), "num_blocks_before": 4,
+              "num_blocks_after": 2, "dropped": [1, 2]}
+    export_checkpoint(student, tokenizer, root / "student", report)
+    (root / "data.txt").write_text(_TEXT * 20, encoding="utf-8")
+    return {"teacher": root / "teacher", "student": root / "student", "data": root / "data.txt"}

@@ -4,7 +4,6 @@ process count."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -12,11 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import _TEXT, REPO, make_tiny_model, make_tiny_tokenizer
+from conftest import REPO, make_student_pair
 from safetensors.torch import load_file
-
-from prune.export import export_checkpoint
-from prune.surgery import drop_blocks_
 
 pytestmark = pytest.mark.slow  # each run starts fresh interpreters (two of them under accelerate launch)
 
@@ -25,17 +21,7 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("ddp")
-    teacher, tokenizer = make_tiny_model("llama"), make_tiny_tokenizer()
-    teacher.save_pretrained(root / "teacher")
-    tokenizer.save_pretrained(root / "teacher")
-    student = copy.deepcopy(teacher)
-    drop_blocks_(student, [1, 2])
-    report = {"source_model": str(root / "teacher"), "model_name": str(root / "teacher"), "num_blocks_before": 4,
-              "num_blocks_after": 2, "dropped": [1, 2]}
-    export_checkpoint(student, tokenizer, root / "student", report)
-    (root / "data.txt").write_text(_TEXT * 20, encoding="utf-8")
-    return {"student": root / "student", "data": root / "data.txt"}
+    return make_student_pair(tmp_path_factory.mktemp("ddp"))
 
 
 def _distill(pair: dict, out: Path, processes: int, grad_accum: int, *extra: str, fsdp: bool = False) -> list[dict]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import _TEXT, VOCAB, make_tiny_model, make_tiny_tokenizer
+from conftest import _TEXT, VOCAB, make_student_pair, make_tiny_model
 
 from distill import job as job_module
 from distill.config import DistillConfig
@@ -17,7 +17,6 @@ from distill.losses import LossInputs, register_loss, teacher_student_kl, topk_k
 from distill.teacher_cache import CACHE_DIR, HEADER, cache_folder, prepare_cache
 from distill.train import distill, write_teacher_cache
 from prune.errors import LayercutError
-from prune.export import export_checkpoint
 from prune.surgery import drop_blocks_
 
 SEQ = 16
@@ -208,17 +207,7 @@ def test_a_malformed_cache_option_is_one_line(spec):
 
 @pytest.fixture(scope="module")
 def pair_folders(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("cache-pair")
-    teacher, tokenizer = make_tiny_model("llama"), make_tiny_tokenizer()
-    teacher.save_pretrained(root / "teacher")
-    tokenizer.save_pretrained(root / "teacher")
-    student = copy.deepcopy(teacher)
-    drop_blocks_(student, [1, 2])
-    report = {"source_model": str(root / "teacher"), "model_name": str(root / "teacher"), "num_blocks_before": 4,
-              "num_blocks_after": 2, "dropped": [1, 2]}
-    export_checkpoint(student, tokenizer, root / "student", report)
-    (root / "data.txt").write_text(_TEXT * 20, encoding="utf-8")
-    return {"teacher": root / "teacher", "student": root / "student", "data": root / "data.txt"}
+    return make_student_pair(tmp_path_factory.mktemp("cache-pair"))
 
 
 def _cli(folders: dict, out: Path, *extra: str) -> list[str]:
