@@ -1,7 +1,9 @@
 """Benchmarks of slimmed models against their original.
 
     python -m eval.bench speed --model slim/ --baseline smollm2-135m [--model slim8/] [--out bench/]
+    python -m eval.bench speed --engine llamacpp --model slim/ --baseline dense/ --threads 2 [--out bench/]
     python -m eval.bench scoring --model smollm2-135m [--tokens 8192,32768] [--out bench-scoring/]
+    python -m eval.bench serving --model dense=smollm2-135m --model slim=slim/ --heldout ptb.txt [--out serving/]
     python -m eval.bench replace --model smollm2-135m --drop 4,8 --heldout emma.txt [--out bench-replace/]
     python -m eval.bench teacher-cache --model smollm2-135m --drop 4 --steps 100 [--out bench-teacher-cache/]
 
@@ -16,8 +18,10 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from eval.engines import ENGINES, EngineSettings
 from eval.report import speed_markdown, write_speed_report
-from eval.speed import SpeedOptions, benchmark_speed, noise_warnings
+from eval.serving_bench import SERVING_HELP, add_serving_arguments, run_serving
+from eval.speed import SpeedOptions, benchmark_engine_speed, benchmark_speed, memory_mode, noise_warnings
 from eval.teacher_cache_bench import TEACHER_CACHE_HELP, add_teacher_cache_arguments, run_teacher_cache
 from prune.data import BUILTIN
 from prune.errors import LayercutError, cli_entry
@@ -69,11 +73,36 @@ def _add_speed_arguments(parser: argparse.ArgumentParser) -> None:
     sizes.add_argument(
         "--memory",
         choices=("subprocess", "inprocess", "off"),
-        default="subprocess",
-        help="peak memory: each model in a fresh process (default), in this process (approximate), or not at all",
+        default=None,
+        help="peak memory (--engine transformers only): each model in a fresh process (the default), in this "
+             "process (approximate), or not at all; other engines: off",
     )
+    _add_engine_arguments(parser)
     add_threads_argument(parser)
     parser.add_argument("--out", help="folder for speed.json and speed.md (default: print only)")
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine")
+    defaults = EngineSettings()
+    engine.add_argument("--engine", default="transformers",
+                        help=f"what runs the models, one of {', '.join(ENGINES.names())}: transformers in this "
+                             "process (default), llama.cpp (llama-cpp-python; a folder is exported to float32 GGUF "
+                             "once) or vLLM; --threads also sets llama.cpp's threads")
+    engine.add_argument("--gpu-layers", type=int, default=defaults.gpu_layers,
+                        help="llamacpp: layers offloaded to the GPU (default: 0, CPU only; -1: all)")
+    engine.add_argument("--converter", default=None,
+                        help="llamacpp: llama.cpp's convert_hf_to_gguf.py, for folders (default: $LLAMA_CPP_CONVERTER)")
+    engine.add_argument("--gpu-memory", type=float, default=defaults.gpu_memory,
+                        help="vllm: share of the GPU's memory all the models together may take (default: 0.85)")
+    engine.add_argument("--eager", action="store_true",
+                        help="vllm: no CUDA graphs (enforce_eager; faster start, slower decode)")
+
+
+def _engine_settings(args: argparse.Namespace, load, options: SpeedOptions) -> EngineSettings:
+    return EngineSettings(load=load, threads=args.threads, context=options.prompt_len + options.new_tokens + 1,
+                          gpu_layers=args.gpu_layers, converter=args.converter, gpu_memory=args.gpu_memory,
+                          sharing=1 + len(args.model), eager=args.eager)  # fmt: skip
 
 
 def run_speed(args: argparse.Namespace) -> int:
@@ -82,8 +111,16 @@ def run_speed(args: argparse.Namespace) -> int:
     options = SpeedOptions(prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch_size=args.batch_size,
                            repeats=args.repeats, warmup=args.warmup)  # fmt: skip
     load = load_config_from_args(args, model=args.baseline)
-    comparison = benchmark_speed(args.baseline, args.model, load, options, memory=args.memory)
+    engine = ENGINES.get(args.engine)
+    engine.check()
+    memory = memory_mode(engine.name, args.memory)
+    if engine.name == "transformers":
+        comparison = benchmark_speed(args.baseline, args.model, load, options, memory=memory)
+    else:
+        settings = _engine_settings(args, load, options)
+        comparison = benchmark_engine_speed(engine, args.baseline, args.model, settings, options)
     result = comparison.to_dict()
+    print(f"engine: {comparison.engine} {comparison.engine_version or ''}".rstrip())
     print(speed_markdown(result))
     for ratio in comparison.ratios:
         print(
@@ -99,7 +136,8 @@ def run_speed(args: argparse.Namespace) -> int:
     return 0
 
 
-register_subcommand("speed", "prefill/decode speed and peak memory against a baseline", _add_speed_arguments, run_speed)
+register_subcommand("speed", "prefill/decode speed (transformers, llama.cpp, vLLM) and peak memory against a baseline",
+                    _add_speed_arguments, run_speed)
 
 
 # ---- scoring ----
@@ -203,6 +241,12 @@ register_subcommand(
     _add_replace_arguments,
     _run_replace,
 )
+
+
+# ---- serving ----
+
+
+register_subcommand("serving", SERVING_HELP, add_serving_arguments, run_serving)
 
 
 # ---- teacher-cache ----

@@ -236,7 +236,7 @@ def speed_markdown(comparison: dict) -> str:
         ratio = ratios.get(model["name"])
         row = [
             model["name"], str(model["num_blocks"]), f"{model['params'] / 1e6:,.2f}",
-            _mib(model["checkpoint_bytes"]), _mib(model["peak_memory_bytes"]),
+            _mib(model["checkpoint_bytes"]), _peak_cell(model),
             _rate(model["prefill_tokens_per_s"]), _rate(model["decode_tokens_per_s"]),
         ]  # fmt: skip
         if ratio is None:
@@ -254,6 +254,22 @@ def speed_markdown(comparison: dict) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows]) + "\n"
 
 
+def _peak_cell(model: dict) -> str:
+    """Peak memory in MiB; "off" where it was not measured on purpose (an engine other than transformers)."""
+    if model["peak_memory_bytes"] is None and str(model.get("memory_method") or "").startswith("off"):
+        return "off"
+    return _mib(model["peak_memory_bytes"])
+
+
+def _engine_line(comparison: dict) -> str:
+    """``engine `llamacpp` 0.3.36 (threads 2, ...)``: what ran the models; older results say transformers."""
+    engine = comparison.get("engine", "transformers")
+    version = comparison.get("engine_version")
+    settings = comparison.get("engine_settings") or {}
+    details = ", ".join(f"{k} {v}" for k, v in settings.items())
+    return f"- engine `{engine}`" + (f" {version}" if version else "") + (f" ({details})" if details else "")
+
+
 def _ratio_cell(ratio: float, paired: dict) -> str:
     return f"{ratio:.3f} [{paired['min']:.3f}-{paired['max']:.3f}]"
 
@@ -267,6 +283,7 @@ def write_speed_report(comparison: dict, out_dir: str | Path) -> dict[str, Path]
     options = comparison["options"]
     notes = [
         "",
+        _engine_line(comparison),
         f"- device `{comparison['device']}`, torch threads {comparison['torch_threads']}",
         f"- prompt {options['prompt_len']} tokens, decode {options['new_tokens']} tokens, "
         f"batch {options['batch_size']}, {options['repeats']} interleaved repeats after {options['warmup']} warm-up",

@@ -18,6 +18,10 @@ What is timed and why:
   the RSS of that child before loading (Python, torch, transformers). For a model that exists only in
   memory, :func:`peak_memory_inprocess` gives weights + the RSS growth during a run (sampled).
 
+Other serving engines (``--engine llamacpp|vllm``, :func:`benchmark_engine_speed`) run the same
+interleaved rounds on their own timings (``eval.engines`` says how each one times), with the engine's
+own block count for the ideal and no memory measurement.
+
 This module runs the comparison; the timed workloads are ``eval.timing``'s, the memory measurements
 ``eval.peak_memory``'s and the figures and ratios ``eval.speed_results``'s.
 """
@@ -30,6 +34,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from eval.engines import (
+    WEIGHT_SUFFIXES,
+    Engine,
+    EngineModel,
+    EngineSettings,
+    block_count,
+    checkpoint_bytes,
+    checkpoint_folder,
+)
 from eval.peak_memory import peak_memory_inprocess, peak_memory_subprocess, run_once, weights_bytes
 from eval.speed_results import (
     NOISY_RATIO_SPREAD,
@@ -44,41 +57,20 @@ from eval.speed_results import (
     speed_ratio,
 )
 from eval.timing import SpeedOptions, greedy_decode, make_prompt, time_decode, time_prefill
-from prune.adapters import input_device, max_positions, num_blocks
+from prune.adapters import input_device, max_positions
 from prune.errors import LayercutError
 from prune.loading import check_tokenizer
 from prune.replace import parameter_count
 
 # the names callers import from here, though most live in the modules above
 __all__ = ["NOISY_RATIO_SPREAD", "NOISY_RUN_SPREAD", "WEIGHT_SUFFIXES", "ModelSpeed", "SpeedComparison", "SpeedOptions",
-           "SpeedRatio", "Spread", "attach_memory", "benchmark_speed", "block_count", "checkpoint_bytes",
-           "checkpoint_folder", "greedy_decode", "ideal_speedup", "make_prompt", "measure_speed", "noise_warnings",
+           "SpeedRatio", "Spread", "attach_memory", "benchmark_engine_speed", "benchmark_speed", "block_count",
+           "checkpoint_bytes", "checkpoint_folder", "greedy_decode", "ideal_speedup", "interleaved_timings",
+           "make_prompt", "measure_engine_speed", "measure_speed", "memory_mode", "noise_warnings",
            "peak_memory_inprocess", "peak_memory_subprocess", "run_once", "speed_ratio", "time_decode", "time_prefill",
            "unique_labels", "weights_bytes"]
 
 logger = logging.getLogger(__name__)
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-def checkpoint_bytes(folder: str | Path | None) -> int | None:
-    """Total size of the weight files in a checkpoint folder, None when it is not a folder."""
-    if folder is None or not Path(folder).is_dir():
-        return None
-    files = [p for p in Path(folder).rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
-    return sum(p.stat().st_size for p in files) or None
-
-
-def block_count(model: torch.nn.Module) -> int:
-    """Return the number of decoder blocks; read the config for architectures without an adapter."""
-    try:
-        return num_blocks(model)
-    except LayercutError:
-        value = getattr(model.config, "num_hidden_layers", None)
-        if value is None:
-            raise
-        return int(value)
-
 
 def _check_context(model: torch.nn.Module, options: SpeedOptions) -> None:
     limit = max_positions(model)
@@ -118,17 +110,14 @@ def measure_speed(
     vocab = min(m.get_input_embeddings().weight.shape[0] for m in models.values())
     prompt = make_prompt(vocab, options)  # [batch, prompt_len]
     names = [baseline] + [n for n in models if n != baseline]
-    samples = {name: ([], []) for name in names}  # name -> (prefill seconds, decode seconds)
-    rounds = options.warmup + options.repeats
-    for step in tqdm(range(rounds), desc="speed", unit="round", disable=not progress):
-        for name in names:  # interleaved: A B C, A B C, ...
-            # Decode first: its untimed prefill warms this model up after the switch from the previous
-            # one, so the timed prefill that follows is not charged a cold start (SmolLM2-135M: +7% at 30 blocks).
-            decode_s = time_decode(models[name], prompt, options.new_tokens)
-            prefill_s = time_prefill(models[name], prompt)
-            if step >= options.warmup:
-                samples[name][0].append(prefill_s)
-                samples[name][1].append(decode_s)
+
+    def time_one(name: str) -> tuple[float, float]:
+        # Decode first: its untimed prefill warms this model up after the switch from the previous
+        # one, so the timed prefill that follows is not charged a cold start (SmolLM2-135M: +7% at 30 blocks).
+        decode_s = time_decode(models[name], prompt, options.new_tokens)
+        return time_prefill(models[name], prompt), decode_s
+
+    samples = interleaved_timings(names, time_one, options, progress)
     speeds = {n: _model_speed(n, models[n], *samples[n], options, (folders or {}).get(n)) for n in names}
     device = input_device(models[baseline])
     return SpeedComparison(
@@ -138,7 +127,38 @@ def measure_speed(
         options=options,
         device=str(device),
         torch_threads=torch.get_num_threads(),
+        engine="transformers",
+        engine_version=_transformers_version(),
     )
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def interleaved_timings(names: list[str], time_one, options: SpeedOptions,
+                        progress: bool = True) -> dict[str, tuple[list[float], list[float]]]:
+    """Time each model in turn (A B C, A B C, ...): ``options.warmup`` untimed rounds, then ``options.repeats``.
+
+    Args:
+        names: Labels, the baseline first.
+        time_one: ``label -> (prefill seconds, decode seconds)`` of one turn.
+        options: Rounds.
+        progress: Show a tqdm bar.
+
+    Returns:
+        Label -> (prefill seconds, decode seconds) of the timed rounds.
+    """
+    samples = {name: ([], []) for name in names}
+    for step in tqdm(range(options.warmup + options.repeats), desc="speed", unit="round", disable=not progress):
+        for name in names:
+            prefill_s, decode_s = time_one(name)
+            if step >= options.warmup:
+                samples[name][0].append(prefill_s)
+                samples[name][1].append(decode_s)
+    return samples
 
 
 def _model_speed(name, model, prefill_s, decode_s, options, folder) -> ModelSpeed:
@@ -169,17 +189,6 @@ def unique_labels(names: list[str]) -> list[str]:
     return labels
 
 
-def checkpoint_folder(name: str) -> str | None:
-    """The folder whose weight files give the checkpoint size (a GGUF alias: its converted safetensors copy)."""
-    from prune.loading import hf_checkpoint
-
-    try:
-        folder = hf_checkpoint(name)
-    except LayercutError:
-        return None
-    return folder if Path(folder).is_dir() else None
-
-
 def benchmark_speed(baseline: str, models: list[str], load, options: SpeedOptions,
                     memory: str = "subprocess") -> SpeedComparison:
     """Load the baseline and the models (``prune.load``), time them interleaved, and measure peak memory.
@@ -207,3 +216,99 @@ def benchmark_speed(baseline: str, models: list[str], load, options: SpeedOption
             for label, name in zip(labels, names, strict=True)
         })  # fmt: skip
     return comparison
+
+
+def memory_mode(engine: str, requested: str | None) -> str:
+    """``--memory`` for an engine: transformers measures it (default "subprocess"); the others do not ("off")."""
+    if engine == "transformers":
+        return requested or "subprocess"
+    if requested not in (None, "off"):
+        raise LayercutError(f"--memory {requested} measures transformers models only: drop it for --engine {engine}")
+    return "off"
+
+
+def measure_engine_speed(engine: Engine, handles: dict[str, EngineModel], baseline: str,
+                         options: SpeedOptions | None = None, *, progress: bool = True) -> SpeedComparison:
+    """Time the baseline and each candidate in ``engine``, interleaved, ``options.repeats`` times.
+
+    The same rounds, warm-up, turn order (decode, then prefill) and figures as :func:`measure_speed`; the
+    block counts, hence the ideal ``L / (L - k)``, are the engine's. Peak memory is not measured.
+
+    Args:
+        engine: The engine that loaded ``handles``.
+        handles: Label -> loaded model; must include ``baseline``.
+        baseline: Label of the original model.
+        options: Sizes and repeats.
+        progress: Show a tqdm bar.
+    """
+    options = options or SpeedOptions()
+    if baseline not in handles:
+        raise LayercutError(f"baseline '{baseline}' is not among the models {list(handles)}")
+    engine.check_batch(options.batch_size)
+    needed = options.prompt_len + options.new_tokens
+    for label, handle in handles.items():
+        if handle.max_positions is not None and needed > handle.max_positions:
+            raise LayercutError(f"prompt_len + new_tokens = {needed} exceeds the {handle.max_positions} positions of "
+                                f"{label}; lower --prompt-len")
+    prompt = make_prompt(min(h.vocab_size for h in handles.values()), options)  # [batch, prompt_len]
+    names = [baseline] + [n for n in handles if n != baseline]
+
+    def time_one(name: str) -> tuple[float, float]:
+        decode_s = engine.decode_seconds(handles[name], prompt, options.new_tokens)  # first, as measure_speed
+        return engine.prefill_seconds(handles[name], prompt), decode_s
+
+    samples = interleaved_timings(names, time_one, options, progress)
+    speeds = {n: _engine_model_speed(engine, n, handles[n], *samples[n], options) for n in names}
+    return SpeedComparison(
+        baseline=speeds[baseline],
+        candidates=[speeds[n] for n in names[1:]],
+        ratios=[speed_ratio(speeds[baseline], speeds[n]) for n in names[1:]],
+        options=options,
+        device=handles[baseline].device,
+        torch_threads=torch.get_num_threads(),
+        engine=engine.name,
+        engine_version=engine.version(),
+        engine_settings=engine.describe(handles[baseline].settings),
+    )
+
+
+def _engine_model_speed(engine: Engine, name: str, handle: EngineModel, prefill_s, decode_s,
+                        options: SpeedOptions) -> ModelSpeed:
+    return ModelSpeed(
+        name=name,
+        num_blocks=engine.block_count(handle),
+        params=handle.params,
+        weights_bytes=handle.weights_bytes,
+        checkpoint_bytes=handle.checkpoint_bytes,
+        prefill_tokens_per_s=Spread.of([options.batch_size * options.prompt_len / s for s in prefill_s]),
+        decode_tokens_per_s=Spread.of([options.batch_size * options.new_tokens / s for s in decode_s]),
+        prefill_s=list(prefill_s),
+        decode_s=list(decode_s),
+        memory_method=f"off: not measured for --engine {engine.name}",
+    )
+
+
+def benchmark_engine_speed(engine: Engine, baseline: str, models: list[str], settings: EngineSettings,
+                           options: SpeedOptions, *, progress: bool = True) -> SpeedComparison:
+    """Load the baseline and the models in ``engine``, time them interleaved, and free them.
+
+    Args:
+        engine: A registered engine (``eval.engines.ENGINES``), its package installed.
+        baseline: The original model.
+        models: The candidates.
+        settings: How the engine loads them; its ``context`` must hold ``prompt_len + new_tokens`` tokens.
+        options: What to time.
+        progress: Show a tqdm bar.
+    """
+    engine.check()
+    engine.check_batch(options.batch_size)
+    names = [baseline, *models]
+    labels = unique_labels(names)
+    handles: dict[str, EngineModel] = {}
+    try:
+        for label, name in zip(labels, names, strict=True):
+            handles[label] = engine.load(name, settings)
+        return measure_engine_speed(engine, handles, labels[0], options, progress=progress)
+    finally:
+        for handle in handles.values():
+            engine.close(handle)

@@ -80,7 +80,7 @@ class SpeedRatio:
 
 @dataclass
 class SpeedComparison:
-    """A baseline, its candidates and their ratios, with the settings used."""
+    """A baseline, its candidates and their ratios, with the settings used and the engine that ran them."""
 
     baseline: ModelSpeed
     candidates: list[ModelSpeed]
@@ -88,11 +88,13 @@ class SpeedComparison:
     options: SpeedOptions
     device: str
     torch_threads: int
+    engine: str = "transformers"
+    engine_version: str | None = None
+    engine_settings: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Return a JSON-ready dict."""
         return asdict(self)
-
 
 
 def ideal_speedup(baseline_blocks: int, candidate_blocks: int) -> float:

@@ -34,6 +34,7 @@ from prune.errors import LayercutError
 from prune.export import export_checkpoint, read_report
 from prune.loading import LoadedModel, check_safetensors, damaged, load_model
 from prune.replace import METHODS, ReplacedBlock, method_for_module, record_method
+from prune.serving import DECILM, LAYERCUT, VANILLA, serving_entry, sublayer_layout
 from prune.surgery import block_layout, replacement_records
 
 logger = logging.getLogger(__name__)
@@ -133,12 +134,25 @@ def _add_card_note(staging: Path, name: str, maps: bool, sublayers: int) -> None
 
 
 # layercut.json of a checkpoint that only layercut and trust_remote_code load: what serves, and what to export instead
-SERVING = {
-    "vllm": False,
-    "llama_cpp": False,
-    "why": "replacement maps or removed sub-layers are part of no architecture that vLLM or llama.cpp runs",
-    "servable_instead": ["--replace fold", "--replace none", "the magcomp recipe"],
-}
+SERVING = serving_entry(LAYERCUT)
+
+
+def serving_report(model: nn.Module, maps: bool) -> dict:
+    """``layercut.json``'s ``serving`` entry for ``model``: vanilla, DeciLM layout (sub-layers) or layercut (maps)."""
+    if maps:
+        return serving_entry(LAYERCUT)
+    config = model.config.to_dict()
+    records = hf_remote_code.sublayer_records(config)
+    if records:
+        if sublayer_layout(config) == LAYERCUT:
+            return serving_entry(LAYERCUT)
+        from prune.decilm import decilm_config, decilm_serving
+
+        # as prune.export_gguf writes it for llama.cpp: removed MLPs as zero MLPs (llama.cpp skips an FFN-free layer)
+        entry = decilm_serving(decilm_config(config, records, zero_mlps=True))
+        entry["export"] = serving_entry(DECILM)["export"]
+        return entry
+    return serving_entry(VANILLA)
 
 
 def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: bool = False,
@@ -164,8 +178,7 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
     blocks_path = get_blocks(model)[0]
     sublayers = len(hf_remote_code.sublayer_records(model.config))
     with vanilla_blocks(model) as maps:
-        if maps or sublayers:
-            report["serving"] = dict(SERVING)
+        report["serving"] = serving_report(model, bool(maps))
 
         def write_extra(staging: Path) -> None:
             if maps:

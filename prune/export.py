@@ -259,7 +259,7 @@ def model_card(report: dict, plain: bool = True, name: str = "path/to/this/folde
     if replacements:
         lines += ["## Replacements", "", *(f"- {describe_replacement(r)}" for r in replacements), ""]
     lines += _distill_section(report.get("distill")) + _heldout_section(report.get("heldout"))
-    return "\n".join(lines + use_section(name, plain))
+    return "\n".join(lines + use_section(name, plain, report.get("serving")))
 
 
 def describe_replacement(record: dict) -> str:
@@ -351,7 +351,7 @@ HfApi().upload_folder(folder_path="{name}", repo_id="<you>/{name}", repo_type="m
 ```
 
 Serve it as any checkpoint of its architecture: `vllm serve {name}`, or convert it for llama.cpp with
-`convert_hf_to_gguf.py {name}`.
+`python -m prune.export_gguf {name}` (llama.cpp's `convert_hf_to_gguf.py`, with the result read back and checked).
 """
 
 _USE_MAPS = """## Use
@@ -365,13 +365,36 @@ HfApi().upload_folder(folder_path="{name}", repo_id="<you>/{name}", repo_type="m
 
 Serving: vLLM and llama.cpp cannot run it (its maps or removed sub-layers are in no architecture they know;
 llama.cpp's converter answers "Model LayercutForCausalLM is not supported"). For a checkpoint they serve,
-export with `--replace fold`, `--replace none` or the `magcomp` recipe: those give plain checkpoints.
+export {instead} (the same blocks, the map folded into standard weights), `--replace none` or the
+`magcomp` recipe.
+"""
+
+_USE_DECILM = """## Use
+
+Push it to the hub with `huggingface_hub` (`hf auth login` first):
+
+```python
+from huggingface_hub import HfApi
+HfApi().upload_folder(folder_path="{name}", repo_id="<you>/{name}", repo_type="model")
+```
+
+Serving: its removed sub-layers fit the DeciLM layout (`DeciLMForCausalLM`, no-op entries of `block_configs`),
+which vLLM and llama.cpp run: `python -m prune.decilm {name} --out {name}-decilm` writes that folder for
+`vllm serve`, and `python -m prune.export_gguf {name}` a GGUF for llama.cpp.
 """
 
 
-def use_section(name: str, plain: bool) -> list[str]:
-    """The card's "Use" section: load, push and (for a plain checkpoint) serve; the alternatives when not servable."""
-    return ["", (_USE_PLAIN if plain else _USE_MAPS).format(name=name).rstrip("\n"), ""]
+def use_section(name: str, plain: bool, serving: dict | None = None) -> list[str]:
+    """The card's "Use" section: load, push and serve (engines by the checkpoint's layout, ``prune.serving``)."""
+    layout = (serving or {}).get("layout")
+    if plain:
+        text = _USE_PLAIN
+    elif layout == "decilm":
+        text = _USE_DECILM
+    else:
+        text = _USE_MAPS
+    instead = (serving or {}).get("servable_instead") or "recipes/methods/layercut-linear-vanilla.yaml (--replace fold)"
+    return ["", text.format(name=name, instead=f"`{instead}`").rstrip("\n"), ""]
 
 
 def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite: bool = False, extra=None,

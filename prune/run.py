@@ -56,7 +56,9 @@ from prune.selection import DEFAULT_PROTECT, SELECTIONS
 # Flags defined with a shared dataclass land in its section; the others' dest is their path in a PruneConfig
 # ("replace.update_scale"), or the top-level key of the same name.
 SHARED_SECTIONS = {"load": LoadConfig, "data": DataConfig}
-NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures", "plan_teacher_cache", *PLAN_FLAGS}
+NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures", "plan_teacher_cache", "export", "gguf_type",
+              "converter", *PLAN_FLAGS}
+EXPORTS = ("gguf",)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "prunes it (each built tiny and read; about a minute), then exit")
     add_output_arguments(parser, what="the checkpoint and reports (default: <model>-drop<K> when dropping, "
                          "nothing when only scoring)")
+    group = parser.add_argument_group("serving export")
+    group.add_argument("--export", choices=EXPORTS, default=None,
+                       help="also write the checkpoint for a serving engine: gguf, a GGUF for llama.cpp inside the "
+                       "output folder, converted by llama.cpp's own converter and read back (prune.export_gguf)")
+    group.add_argument("--gguf-type", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
+                       help="the GGUF's tensor type (default: f32)")
+    group.add_argument("--converter", default=None,
+                       help="llama.cpp's convert_hf_to_gguf.py or its folder (default: $LLAMA_CPP_CONVERTER)")
     add_threads_argument(parser)
     add_plan_arguments(parser)
     parser.add_argument("--plan-teacher-cache", type=int, default=None, metavar="K",
@@ -264,10 +274,34 @@ def main(argv: list[str] | None = None) -> int:
         print(format_plan(plan))
         write_plan_json(plan, args.plan_json)
         return 0
+    if args.export:
+        check_export(config, args.converter)
     if not args.no_plan_check:
         refuse_if_too_big(config, lambda: plan_of(args, config))
-    print_summary(run_prune(config, steps=config.build_steps()))
+    result = run_prune(config, steps=config.build_steps())
+    print_summary(result)
+    if args.export == "gguf" and result.out is not None:
+        from prune.export_gguf import convert
+
+        path, checked = convert(result.out, outtype=args.gguf_type, converter=args.converter)
+        print(f"wrote {path} ({checked['architecture']}, {checked['blocks']} blocks, read back: {checked['compared']} "
+              f"tensors equal to the checkpoint's within {args.gguf_type} rounding)")
     return 0
+
+
+def check_export(config: PruneConfig, converter: str | None) -> None:
+    """Refuse ``--export gguf`` before any work when it cannot succeed: no output, maps no engine runs, no converter."""
+    from prune.export_gguf import find_converter
+    from prune.replace import METHODS
+    from prune.serving import LAYERCUT, VANILLA_RECIPE
+
+    if not config.removes:
+        raise LayercutError("--export gguf converts the pruned checkpoint: pass --drop K (or a --target-*)")
+    method = METHODS[config.replace.method]
+    if method.serving == LAYERCUT:
+        raise LayercutError(f"--export gguf: --replace {method.name} writes maps that no serving engine runs; "
+                            f"use {VANILLA_RECIPE} instead (same blocks, the map folded into standard weights)")
+    find_converter(converter)
 
 
 def console_main() -> None:

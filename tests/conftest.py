@@ -51,6 +51,29 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
+# llama.cpp's converter (prune.export_gguf): .ci/run unpacks it from the llama-cpp-python sdist and names it here
+_converter = os.environ.get("LLAMA_CPP_CONVERTER")
+CONVERTER = Path(_converter) if _converter and Path(_converter).is_file() else None
+NO_CONVERTER = "llama.cpp's convert_hf_to_gguf.py: set LLAMA_CPP_CONVERTER (.ci/run does)"
+
+
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-2 style tokenizer (byte-fallback BPE) of VOCAB tokens: one llama.cpp's converter reads for Llama."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for char in ["\u2581", *string.ascii_letters, *"01234567"]:
+        vocab[char] = len(vocab)
+    assert len(vocab) == VOCAB
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
 def make_tiny_model(model_type: str, seed: int = 0):
     """A random ``*ForCausalLM`` of ``model_type`` with BLOCKS blocks of width HIDDEN, in eval mode."""
     torch.manual_seed(seed)

@@ -25,7 +25,8 @@ PEERS = {"shortgpt": "2403.03853", "gromov": "2403.17887", "gromov-heal": "2403.
          "llm-streamline": "2403.19135", "replaceme-ls": "2505.02819", "replaceme-cosine": "2505.02819",
          "linearpatch": "2505.24680", "linearpatch-distill": "2505.24680", "prune-comp": "2507.18212",
          "reassessing": "2411.15558"}
-OURS = ("layercut-linear", "layercut-linear-distill", "layercut-sublayer")
+OURS = ("layercut-linear", "layercut-linear-distill", "layercut-sublayer", "layercut-linear-vanilla",
+        "layercut-linear-distill-vanilla")
 
 
 def small(folder):
@@ -51,6 +52,22 @@ def test_every_peer_and_ours_has_a_recipe_that_names_the_method_only():
         assert config.drop == 2 and config.load.model == "tiny"
         assert [s.name for s in config.build_steps()] == (["distill"] if "distill" in values else [])
         assert method_summary(path) == values["method"] and "\n" not in values["method"]
+
+
+def test_every_layercut_recipe_with_maps_has_a_vanilla_twin_on_the_same_blocks():
+    """What ships to an engine: the same selection and distillation, the map folded into standard weights."""
+    recipes = method_recipes()
+    for name in OURS:
+        values = yaml.safe_load(recipes[name].read_text())
+        replace = values.get("replace", "none")
+        method = METHODS[replace if isinstance(replace, str) else replace["method"]]
+        if method.serving != "layercut":
+            continue
+        twin = yaml.safe_load(recipes[f"{name}-vanilla"].read_text())
+        twin_method = METHODS[twin["replace"] if isinstance(twin["replace"], str) else twin["replace"]["method"]]
+        assert twin_method.serving == "vanilla" and twin_method.vanilla, name
+        assert (twin["score"], twin["select"]) == (values["score"], values["select"]), name
+        assert twin.get("distill") == values.get("distill"), name
 
 
 def test_method_recipe_without_drop_is_one_line_exit_2(tiny_folder, capsys):

@@ -21,9 +21,11 @@ from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, make_prompt, time_decode
 from prune import hf_remote_code
 from prune.adapters import num_blocks
 from prune.checkpoint import REPLACEMENTS_FILE
+from prune.errors import LayercutError
 from prune.loading import LoadedModel
 from prune.pipeline import Scored, run_prune
 from prune.replace import parameter_count
+from prune.serving import layout_of_folder, serving_entry
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +63,40 @@ def decode_seconds(model, seq_len: int, new_tokens: int) -> tuple[float, float]:
     return times[1], times[-1] / times[0]
 
 
-def measure(model, tokenizer, heldout: Heldout, config: CompareConfig) -> Row:
-    """Parameters, held-out perplexity per domain, lm-eval tasks and decode seconds of one model."""
+def engine_decode_seconds(path: str, config: CompareConfig) -> tuple[float, float]:
+    """:func:`decode_seconds` in ``config.engine``, on the checkpoint at ``path`` (written, or the dense source)."""
+    from eval.engines import EngineSettings, get_engine
+
+    engine = get_engine(config.engine)
+    options = SpeedOptions(prompt_len=min(64, config.seq_len), new_tokens=config.speed_tokens)
+    handle = engine.load(path, EngineSettings(load=config.load, context=options.prompt_len + options.new_tokens + 8))
+    try:
+        prompt = make_prompt(handle.vocab_size, options)
+        engine.decode_seconds(handle, prompt, 2)  # warm-up
+        times = sorted(engine.decode_seconds(handle, prompt, options.new_tokens) for _ in range(3))
+    finally:
+        engine.close(handle)
+    return times[1], times[-1] / times[0]
+
+
+def measure(model, tokenizer, heldout: Heldout, config: CompareConfig, path: str | None = None) -> Row:
+    """Parameters, held-out perplexity per domain, lm-eval tasks and decode seconds of one model.
+
+    ``path``: the model's checkpoint (a cell's folder, or the dense source), which an engine other than
+    transformers times; a checkpoint that engine does not run gets ``decode_why`` instead of seconds.
+    """
     row: Row = {"params": parameter_count(model), "blocks": num_blocks(model)}
     measure_domains(model, heldout, row)
     measure_tasks(model, tokenizer, config.tasks, row, limit=config.limit, data_dir=config.data_dir)
     measure_metrics(model, tokenizer, config.metrics, row)
-    if config.speed_tokens:
+    if config.speed_tokens and config.engine == "transformers":
         # the spread says whether the median is a measurement or the noise of a busy machine
         row["decode_s"], row["decode_spread"] = decode_seconds(model, config.seq_len, config.speed_tokens)
+    elif config.speed_tokens:
+        try:
+            row["decode_s"], row["decode_spread"] = engine_decode_seconds(str(path), config)
+        except LayercutError as err:  # a checkpoint with maps, or one the converter refuses: the row says why
+            row["decode_why"] = str(err)
     return row
 
 
@@ -101,6 +128,13 @@ def complete_cell(row: Row, folder: Path, config: CompareConfig, heldout: Heldou
     return row
 
 
+def serving_layout(folder: Path) -> dict:
+    """The cell's ``serving`` entry (``prune.serving``): which engines run its checkpoint."""
+    report = folder / "layercut.json"
+    written = json.loads(report.read_text(encoding="utf-8")).get("serving") if report.is_file() else None
+    return written or serving_entry(layout_of_folder(folder))
+
+
 def is_vanilla(folder: Path) -> bool:
     """Whether a written checkpoint loads with plain transformers (no maps, no removed sub-layers)."""
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -123,7 +157,8 @@ def _method_row(name: str, path: Path, digest: str, drop: int, prune_config, res
     row: Row = {"method": name, "recipe": str(path), "recipe_digest": digest, "drop": drop,
                 "dropped": result.dropped, "score": prune_config.score, "select": prune_config.select,
                 "replace": prune_config.replace.method,
-                "distill_steps": result.report.get("distill", {}).get("steps", 0), "vanilla": is_vanilla(folder)}
+                "distill_steps": result.report.get("distill", {}).get("steps", 0), "vanilla": is_vanilla(folder),
+                "serving": serving_layout(folder)}
     return row
 
 
@@ -162,7 +197,7 @@ def run_cell(name: str, path: Path, drop: int, config: CompareConfig, loaded: Lo
         row = _method_row(name, path, digest, drop, prune_config, result, folder)
         row.update(prune_seconds=round(time.perf_counter() - started, 2), copy_seconds=round(copy_seconds, 2))
         _add_distill(row, result.report, prune_config)
-        row.update(measure(student.model, student.tokenizer, heldout, config))
+        row.update(measure(student.model, student.tokenizer, heldout, config, folder))
     finally:  # also after Ctrl-C or a failure: weights nobody asked to keep do not stay behind (a model's size each)
         if not config.keep_checkpoints:
             drop_weights(folder)

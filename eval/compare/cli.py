@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per forward pass while scoring, fitting and measuring (default: 4)")
     group.add_argument("--speed-tokens", type=int, default=32,
                        help="decode steps timed per model for the speed-up (0: skip; default: 32)")
+    group.add_argument("--engine", default="transformers", choices=("transformers", "llamacpp", "vllm"),
+                       help="the engine timing the decode speed-up: transformers (the model in memory), llamacpp "
+                       "(each checkpoint exported to GGUF) or vllm; a checkpoint it does not run is marked "
+                       "'not servable' (default: transformers)")
     group.add_argument("--oracle", action="store_true",
                        help="also measure calibration perplexity with each block alone removed, and each score's "
                        "Spearman correlation with it")
@@ -100,7 +104,8 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
                          drops=parse_drops(args.drop), methods=parse_methods(args.methods), out=args.out,
                          heldout=args.heldout, heldout_tokens=args.heldout_tokens, tasks=tasks, limit=args.limit,
                          data_dir=args.data_dir, batch_size=args.batch_size, speed_tokens=args.speed_tokens,
-                         oracle=args.oracle, keep_checkpoints=args.keep_checkpoints, overwrite=args.overwrite,
+                         engine=args.engine, oracle=args.oracle, keep_checkpoints=args.keep_checkpoints,
+                         overwrite=args.overwrite,
                          metrics=[name.strip() for name in (args.metrics or "").split(",") if name.strip()])
 
 

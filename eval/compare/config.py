@@ -38,6 +38,8 @@ class CompareConfig:
         oracle: also run SLEB's oracle and each score's Spearman correlation with it.
         metrics: registered metrics (``eval.compare.metrics``) measured on every model besides the standard ones.
         keep_checkpoints: keep every cell's weights under ``cells/``.
+        engine: the engine that times the decode speed-up (``eval.engines``: transformers, llamacpp, vllm);
+            another than transformers times each cell's written checkpoint (a GGUF export for llama.cpp).
         overwrite: start afresh in an ``out`` that holds another comparison.
     """
 
@@ -57,6 +59,7 @@ class CompareConfig:
     keep_checkpoints: bool = False
     overwrite: bool = False
     metrics: list[str] = field(default_factory=list)
+    engine: str = "transformers"
 
     def __post_init__(self):
         self.out = Path(self.out)
@@ -68,6 +71,9 @@ class CompareConfig:
             raise LayercutError("--methods is empty: pass all, list, or method names")
         if self.batch_size <= 0:
             raise LayercutError(f"--batch-size must be positive, got {self.batch_size}")
+        from eval.engines import get_engine
+
+        get_engine(self.engine).check()  # unknown or not installed: one line before any cell runs
         if self.speed_tokens < 0:
             raise LayercutError(f"--speed-tokens must be >= 0 (0: skip), got {self.speed_tokens}")
         if self.heldout_tokens is not None and self.heldout_tokens <= 0:
@@ -83,7 +89,7 @@ class CompareConfig:
         # heldout and tasks are not here: domains and tasks can be added to a comparison
         return {"model": self.load.model, "load": dataclasses.asdict(self.load), "data": dataclasses.asdict(self.data),
                 "heldout_tokens": self.heldout_tokens, "batch_size": self.batch_size,
-                "speed_tokens": self.speed_tokens}
+                "speed_tokens": self.speed_tokens, "engine": self.engine}
 
 
 def parse_drops(text: str | None) -> list[int]:

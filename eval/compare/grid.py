@@ -25,6 +25,7 @@ from eval.compare.results import (
     open_results,
     write_text,
 )
+from eval.engines import checkpoint_folder
 from eval.measurements import MeasurementStore, calibration_digest
 from prune.loading import LoadedModel
 from prune.oracle import oracle_table, removal_cache, run_oracle
@@ -109,7 +110,8 @@ def _measure_dense(results: Results, session: Session, config: CompareConfig) ->
     """The dense model's row, or the domains and tasks added to it since."""
     model, tokenizer = session.loaded.model, session.loaded.tokenizer
     if results.dense is None:
-        results.dense = measure(model, tokenizer, session.heldout, config)
+        source = checkpoint_folder(config.load.model) or config.load.model  # what an engine other than torch loads
+        results.dense = measure(model, tokenizer, session.heldout, config, source)
         return
     missing = [name for name in session.heldout.names() if name not in results.dense.get("domains", {})]
     measure_domains(model, session.heldout, results.dense, missing)

@@ -8,6 +8,7 @@ from eval.compare.results import NO_TASKS, Results
 from eval.compare.stats import TIE_SE, analyse, task_stderr
 from eval.lmeval import describe_rows
 from eval.speed_results import NOISY_RUN_SPREAD
+from prune.serving import ENGINE_NAMES, LAYOUTS, VANILLA, label
 
 PPL_PNG = "perplexity_vs_blocks.png"
 NOISY_MARK = "?"
@@ -40,7 +41,8 @@ def _preamble(results: Results, analysis: dict, cells: dict, states: dict) -> li
              f"mean. Calibration {calibration.get('tokens', '?')} tokens of "
              f"{calibration.get('source', '?')}, scored once for every cell "
              f"({timing.get('score_seconds', '?')} s). Decode speed-up: {setup['speed_tokens']} greedy steps "
-             "with the KV cache, median of 3, against the dense model. Wall time: the cell's prune, fit, "
+             f"with the KV cache in {ENGINE_NAMES.get(setup.get('engine', 'transformers'), setup.get('engine'))}, "
+             "median of 3, against the dense model. Wall time: the cell's prune, fit, "
              "distillation and measurements.", ""]
     lines += _task_note(analysis, results)
     lines += stale_note(states)
@@ -62,16 +64,17 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
     metrics = [m for m in METRICS.values() if any(m.field in row for row in [dense, *cells.values()])]
     head = ["rank", "method", "blocks removed", "params", "held-out ppl", "vs dense", *domain_heads, *task_heads,
             "better than", "vs removal of its blocks", *[m.head for m in metrics], "decode speed-up", "wall s",
-            "vanilla"]
+            "serves"]
     rows = sorted(((k, r) for k, r in cells.items() if r["drop"] == drop), key=lambda kr: kr[1]["heldout_ppl"])
     lines = [f"## Drop {drop}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     domain_cells = [f"{dense['domains'][n]:.3f}" for n in names] if len(names) > 1 else []
     lines.append(f"| - | dense | - | {dense['params']:,} | {dense['heldout_ppl']:.3f} | 1.000 | "
                  + "".join(f"{v} | " for v in domain_cells + _task_cells(dense, tasks, figures["dense"], "-"))
                  + "- | - | " + _metric_cells(dense, metrics) + ("1.00" if "decode_s" in dense else "-")
-                 + " | - | yes |")
+                 + f" | - | {LAYOUTS[VANILLA].label} |")
     for rank, (key, row) in enumerate(rows, 1):
-        speed = f"{row['decode_speedup']:.2f}{_noisy(row, dense)}" if "decode_speedup" in row else "-"
+        speed = f"{row['decode_speedup']:.2f}{_noisy(row, dense)}" if "decode_speedup" in row else \
+            "not servable" if "decode_why" in row else "-"
         domain_cells = [f"{row['domains'][n]:.3f} ({100 * (row['domains'][n] / dense['domains'][n] - 1):+.1f}%)"
                         for n in names] if len(names) > 1 else []
         beaten = ", ".join(cells[k]["method"] for k in analysis["better_than"][key]) or "-"
@@ -82,9 +85,14 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
                          row, tasks, figures[key], analysis["vs_best_tasks"].get(key, "-")))
                      + f"{beaten} | {_versus(analysis, key)} | {_metric_cells(row, metrics)}{speed} | "
                      f"{row['seconds']:.1f} | "
-                     f"{'yes' if row['vanilla'] else 'no'} |")
+                     f"{serves(row)} |")
     lines.append("")
     return lines
+
+
+def serves(row: dict) -> str:
+    """The engines that run the row's checkpoint (``prune.serving``); rows from before the label: from ``vanilla``."""
+    return label(row.get("serving"), row.get("vanilla"))
 
 
 def _noisy(row: dict, dense: dict) -> str:

@@ -20,6 +20,7 @@ from torch import nn
 from prune.errors import LayercutError
 from prune.registry import Registry
 from prune.replace.options import NO_NEUTRAL, MethodOptions, OptionSpec, is_unset
+from prune.serving import LAYERCUT, VANILLA
 
 if TYPE_CHECKING:
     from prune.replace.fitter import SpanFitter
@@ -55,6 +56,8 @@ class Method:
         trained_module: ``(model, block, record) -> module | None``, what ``--train replacements``
             trains for a record whose replacement sits on ``block``.
         describe: ``(record) -> str``, what the replacement added, for the CLI's summary line.
+        serving: how its checkpoints reach serving engines (``prune.serving``): "vanilla" (a plain
+            checkpoint every engine runs) or "layercut" (maps no engine runs); default: from ``vanilla``.
     """
 
     name: str
@@ -71,8 +74,16 @@ class Method:
     build: Callable[[dict], nn.Module] | None = None
     trained_module: Callable[[nn.Module, nn.Module, dict], nn.Module | None] | None = None
     describe: Callable[[dict], str] = params_added
+    serving: str = ""
 
     def __post_init__(self):
+        if not self.serving:  # frozen: the default follows from vanilla
+            object.__setattr__(self, "serving", VANILLA if self.vanilla else LAYERCUT)
+        if self.serving not in (VANILLA, LAYERCUT):
+            raise ValueError(f"method {self.name}: serving must be '{VANILLA}' or '{LAYERCUT}', got '{self.serving}'")
+        if self.vanilla != (self.serving == VANILLA):
+            raise ValueError(f"method {self.name}: a vanilla method serves as '{VANILLA}', "
+                             f"one with maps as '{LAYERCUT}'")
         saved = (self.module, self.spec, self.build)
         if not self.vanilla and any(part is None for part in saved):
             raise ValueError(f"method {self.name}: a non-vanilla method needs module, spec and build to be saved")
