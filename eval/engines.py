@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from eval.peak_memory import weights_bytes
-from eval.timing import time_decode, time_prefill
+from eval.timing import greedy_decode, time_decode, time_prefill
 from prune.adapters import input_device, max_positions, num_blocks
 from prune.errors import LayercutError
 from prune.options import LoadConfig
@@ -247,6 +247,10 @@ class Engine:
         """``(sum of -log p(token[i] | tokens[:i]) for i in 1..n-1, n - 1)``, the sum in float64."""
         raise NotImplementedError
 
+    def greedy(self, handle: EngineModel, prompt_ids, new_tokens: int) -> list[int]:
+        """The ``new_tokens`` ids greedy decoding gives after the prompt (one sequence), as the engine serves them."""
+        raise NotImplementedError
+
     def close(self, handle: EngineModel) -> None:
         """Free what the engine holds for ``handle``."""
         handle.model = None
@@ -309,6 +313,11 @@ class TransformersEngine(Engine):
     def decode_seconds(self, handle: EngineModel, prompt_ids: torch.Tensor, new_tokens: int) -> float:
         """``eval.timing.time_decode``: ``new_tokens`` single-token forwards on the KV cache."""
         return time_decode(handle.model, torch.as_tensor(prompt_ids).reshape(-1, prompt_ids.shape[-1]), new_tokens)
+
+    def greedy(self, handle: EngineModel, prompt_ids, new_tokens: int) -> list[int]:
+        """``eval.timing.greedy_decode``'s ids: argmax steps on the KV cache."""
+        (ids,) = _prompt_rows(prompt_ids)
+        return greedy_decode(handle.model, torch.tensor([ids]), new_tokens)[0][0].tolist()
 
     def nll(self, handle: EngineModel, token_ids) -> tuple[float, int]:
         """``prune.perplexity.stream_nll`` over one window of all the tokens."""
@@ -470,6 +479,18 @@ class LlamaCppEngine(Engine):
         self._prefill(handle.model, ids, last_logits)
         return time.perf_counter() - start
 
+    def greedy(self, handle: EngineModel, prompt_ids, new_tokens: int) -> list[int]:
+        """The argmax tokens of :meth:`decode_seconds`'s loop, kept."""
+        (ids,) = _prompt_rows(prompt_ids)
+        llm = handle.model
+        last_logits = self._logits_reader(llm)
+        self._prefill(llm, ids, last_logits)
+        tokens = [int(last_logits().argmax())]
+        while len(tokens) < new_tokens:
+            llm.eval([tokens[-1]])
+            tokens.append(int(last_logits().argmax()))
+        return tokens
+
     def decode_seconds(self, handle: EngineModel, prompt_ids, new_tokens: int) -> float:
         """An untimed prefill, then ``new_tokens`` one-token ``Llama.eval`` calls, each next token the argmax."""
         (ids,) = _prompt_rows(prompt_ids)
@@ -612,6 +633,11 @@ class VllmEngine(Engine):
             raise LayercutError(f"vLLM's {new_tokens} decode steps took no measurable time ({whole:.4f} s with them, "
                                 f"{first:.4f} s without): raise --new-tokens")
         return whole - first
+
+    def greedy(self, handle: EngineModel, prompt_ids, new_tokens: int) -> list[int]:
+        """``generate`` at temperature 0: the ids of its one completion."""
+        (output,) = self._generate(handle, _prompt_rows(prompt_ids), max_tokens=new_tokens)
+        return list(output.outputs[0].token_ids)
 
     def nll(self, handle: EngineModel, token_ids) -> tuple[float, int]:
         """The ``prompt_logprobs`` vLLM gives the tokens (each position's own token is always among them)."""

@@ -88,8 +88,12 @@ def _engine_runs(layout: dict, engine: str) -> str | None:
     return None
 
 
-def score_engine(engine_name: str, models: dict[str, str], windows: list[list[int]], settings) -> dict[str, dict]:
-    """One engine's row per model: converts / runs / perplexity, or the one-line reason it does not."""
+def score_engine(engine_name: str, models: dict[str, str], windows: list[list[int]], settings,
+                 greedy_tokens: int = 32) -> dict[str, dict]:
+    """One engine's row per model: runs / perplexity / greedy ids, or the one-line reason it does not run.
+
+    The greedy ids continue the first window's first 32 tokens for ``greedy_tokens`` steps.
+    """
     from eval.engines import get_engine
 
     engine = get_engine(engine_name)
@@ -113,10 +117,11 @@ def score_engine(engine_name: str, models: dict[str, str], windows: list[list[in
             for window in windows:
                 nll, n = engine.nll(handle, window)
                 total, count = total + nll, count + n
+            greedy = engine.greedy(handle, [windows[0][:32]], greedy_tokens) if greedy_tokens else []
         finally:
             engine.close(handle)
         rows[label] = {**row, "runs": True, "blocks": handle.blocks, "nll": total, "predicted": count,
-                       "ppl": math.exp(total / count), "seconds": time.perf_counter() - started}
+                       "ppl": math.exp(total / count), "greedy": greedy, "seconds": time.perf_counter() - started}
     return rows
 
 
@@ -143,6 +148,8 @@ def markdown(result: dict) -> str:
     setup = result["setup"]
     lines = [f"Held-out text {setup['heldout']}: {setup['windows']} windows of {setup['seq_len']} tokens "
              f"({setup['predicted']} predicted tokens), the same ids in every engine.", "",
+             "Beside each engine's perplexity: its gap to transformers' and whether its greedy continuation of "
+             "the first window's first 32 tokens is transformers'.", "",
              "| model | serves | " + " | ".join(f"{names[e]} ppl" for e in engines) + " |",
              "|---|---|" + "---|" * len(engines)]
     from prune.serving import label as serving_label
@@ -160,11 +167,22 @@ def markdown(result: dict) -> str:
             elif engine != "transformers" and base:
                 gap = row["ppl"] / base - 1
                 mark = "" if abs(gap) <= AGREEMENT else " (beyond 0.1 %)"
-                cells.append(f"{row['ppl']:.3f} ({100 * gap:+.3f} %){mark}")
+                cells.append(f"{row['ppl']:.3f} ({100 * gap:+.3f} %){mark}{_greedy_note(row, per_engine)}")
             else:
                 cells.append(f"{row['ppl']:.3f}")
         lines.append(f"| {label} | {serving_label(layout)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _greedy_note(row: dict, per_engine: dict) -> str:
+    """``; greedy =`` when the engine's greedy ids are transformers', else where they first part."""
+    mine, theirs = row.get("greedy"), per_engine.get("transformers", {}).get("greedy")
+    if not mine or not theirs:
+        return ""
+    if mine == theirs:
+        return f"; greedy {len(mine)} = transformers"
+    first = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
+    return f"; greedy differs from token {first}"
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,6 +192,9 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heldout", required=True, help="held-out text (.txt/.jsonl/.parquet or datasets spec)")
     parser.add_argument("--tokens", type=int, default=4096, help="held-out tokens scored (default: 4096)")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per window (default: 512)")
+    parser.add_argument("--greedy-tokens", type=int, default=32,
+                        help="greedy ids generated after the first window's first 32 tokens, compared with "
+                        "transformers' (0: skip; default: 32)")
     parser.add_argument("--engines", default="transformers,llamacpp",
                         help="comma list of transformers, llamacpp, vllm (default: transformers,llamacpp)")
     parser.add_argument("--converter", default=None, help="llama.cpp's convert_hf_to_gguf.py (default: "
@@ -198,7 +219,8 @@ def run_serving(args: argparse.Namespace) -> int:
     setup = {"heldout": args.heldout, "seq_len": args.seq_len, "windows": len(windows),
              "predicted": len(windows) * (args.seq_len - 1), "token_digest": digest}
     settings = EngineSettings(threads=args.threads, context=args.seq_len, converter=args.converter)
-    rows = {engine: score_engine(engine, models, windows, settings) for engine in args.engines.split(",")}
+    rows = {engine: score_engine(engine, models, windows, settings, args.greedy_tokens)
+            for engine in args.engines.split(",")}
     for per_model in rows.values():
         for label, row in per_model.items():
             row["serving"] = model_layout(models[label])

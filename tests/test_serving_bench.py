@@ -59,6 +59,7 @@ def test_transformers_rows_equal_a_direct_computation_and_maps_are_labelled(tiny
         row = result["rows"][label]["transformers"]
         assert row["runs"] and row["ppl"] == pytest.approx(_direct_ppl(path, windows), rel=1e-6)
     assert result["rows"]["maps"]["transformers"]["serving"]["layout"] == "layercut"
+    assert len(result["rows"]["dense"]["transformers"]["greedy"]) == 32
     table = (out / "serving.md").read_text()
     assert "| maps | no (maps) |" in table and "| dense | transformers, vLLM, llama.cpp |" in table
 
@@ -99,6 +100,7 @@ def test_llama_cpp_gives_transformers_perplexity_and_refuses_maps(tmp_path, caps
     rows = json.loads((out / "serving.json").read_text())["rows"]
     assert rows["slim"]["llamacpp"]["ppl"] == pytest.approx(rows["slim"]["transformers"]["ppl"], rel=1e-3)
     assert rows["slim"]["llamacpp"]["blocks"] == 3
+    assert rows["slim"]["llamacpp"]["greedy"] == rows["slim"]["transformers"]["greedy"]
     assert not rows["maps"]["llamacpp"]["runs"] and "vLLM or llama.cpp" in rows["maps"]["llamacpp"]["why"]
 
 
@@ -169,3 +171,17 @@ def _recipes(*names):
     from eval.compare.config import parse_methods
 
     return parse_methods(",".join(names))
+
+
+def test_greedy_ids_of_the_transformers_engine_are_generates(tiny_folder, one_thread):
+    from transformers import AutoModelForCausalLM
+
+    from eval.engines import get_engine
+
+    engine = get_engine("transformers")
+    handle = engine.load(str(tiny_folder))
+    prompt = list(range(5, 21))
+    got = engine.greedy(handle, [prompt], 8)
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert got == expected[0, len(prompt):].tolist() and len(got) == 8
