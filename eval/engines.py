@@ -66,6 +66,8 @@ def checkpoint_bytes(folder: str | Path | None) -> int | None:
     if folder is None or not Path(folder).is_dir():
         return None
     files = [p for p in Path(folder).rglob("*") if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES)]
+    if any(p.suffix != ".gguf" for p in files):  # a GGUF written beside the weights (--export gguf) is a copy
+        files = [p for p in files if p.suffix != ".gguf"]
     return sum(p.stat().st_size for p in files) or None
 
 
@@ -360,7 +362,8 @@ def gguf_export_path(folder: Path, outtype: str = "f32") -> Path:
     """Where the GGUF copy of a checkpoint folder is cached: keyed by its path and its files' sizes and times."""
     from prune.gguf import cache_dir
 
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".json", ".safetensors", ".bin"))
+    # every file the converter may read (tokenizer files too), not the GGUFs written beside them
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix != ".gguf")
     stamp = [str(folder.resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
     digest = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
     return cache_dir() / GGUF_EXPORT_FOLDER / f"{folder.name}-{digest}.{outtype}.gguf"
@@ -397,6 +400,10 @@ def decilm_folder(source: str) -> str:
     if not folder.is_dir() or layout_of_folder(folder) != DECILM:
         return source
     from prune.decilm import write_decilm
+    from prune.export_gguf import is_decilm_folder
+
+    if is_decilm_folder(folder):  # already written by prune.decilm
+        return source
 
     out = gguf_export_path(folder).with_suffix("").with_suffix(".decilm")
     if not (out / "config.json").is_file():
@@ -433,9 +440,12 @@ class LlamaCppEngine(Engine):
     def _open(self, gguf: Path, settings: EngineSettings, n_ctx: int, logits_all: bool):
         llama_cpp = self.import_module()
         threads = settings.thread_count()
-        return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, logits_all=logits_all,
-                               n_threads=threads, n_threads_batch=threads, n_gpu_layers=settings.gpu_layers,
-                               seed=0, verbose=False)  # fmt: skip
+        try:
+            return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, logits_all=logits_all,
+                                   n_threads=threads, n_threads_batch=threads, n_gpu_layers=settings.gpu_layers,
+                                   seed=0, verbose=False)  # fmt: skip
+        except ValueError as err:  # llama.cpp could not load the file: its message, in one line
+            raise LayercutError(f"llama.cpp cannot load {gguf}: {' '.join(str(err).split())}") from None
 
     def load(self, path: str, settings: EngineSettings | None = None) -> EngineModel:
         """A ``llama_cpp.Llama`` of ``n_ctx = settings.context``, the last position's logits only."""

@@ -136,6 +136,10 @@ def merge(out: Path | None, setup: dict, rows: dict[str, dict[str, dict]]) -> di
         result["rows"] = stored.get("rows", {})
     for engine, per_model in rows.items():
         for label, row in per_model.items():
+            before = {r.get("path") for r in result["rows"].get(label, {}).values()} - {None}
+            if before and before != {row.get("path")}:
+                raise LayercutError(f"{out} has a model labelled '{label}' at {before.pop()}, not {row.get('path')}: "
+                                    "label this one otherwise, or pass another --out")
             result["rows"].setdefault(label, {})[engine] = row
     return result
 
@@ -203,6 +207,12 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="folder for serving.json and serving.md (default: print only)")
 
 
+def _resolved(path: str) -> str:
+    """A model's identity in ``serving.json``: a local path made absolute, an alias or hub id as given."""
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
+
+
 def run_serving(args: argparse.Namespace) -> int:
     """Score every model in every engine on the same ids; print and save the table."""
     import hashlib
@@ -212,6 +222,8 @@ def run_serving(args: argparse.Namespace) -> int:
     from prune.options import apply_threads
 
     apply_threads(args)
+    if args.seq_len < 2 or args.tokens < args.seq_len:
+        raise LayercutError(f"--seq-len must be at least 2 and at most --tokens ({args.tokens}), got {args.seq_len}")
     models = parse_models(args.model)
     ids = held_out_ids(args.heldout, next(iter(models.values())))
     windows = windows_of(ids, args.seq_len, args.tokens)
@@ -224,14 +236,17 @@ def run_serving(args: argparse.Namespace) -> int:
     for per_model in rows.values():
         for label, row in per_model.items():
             row["serving"] = model_layout(models[label])
+            row["path"] = _resolved(models[label])
     out = Path(args.out) if args.out else None
     result = merge(out, setup, rows)
     table = markdown(result)
     print(table)
     if out is not None:
+        from prune.export import write_file_atomic
+
         out.mkdir(parents=True, exist_ok=True)
-        write_json(out / RESULTS, result)
-        (out / TABLE).write_text(table + "\n", encoding="utf-8")
+        write_file_atomic(out / RESULTS, lambda path: write_json(path, result))
+        write_file_atomic(out / TABLE, lambda path: path.write_text(table + "\n", encoding="utf-8"))
         print(f"wrote {out / RESULTS} and {out / TABLE}")
     return 0
 

@@ -34,7 +34,7 @@ from prune.errors import LayercutError
 from prune.export import export_checkpoint, read_report
 from prune.loading import LoadedModel, check_safetensors, damaged, load_model
 from prune.replace import METHODS, ReplacedBlock, method_for_module, record_method
-from prune.serving import DECILM, LAYERCUT, VANILLA, serving_entry, sublayer_layout
+from prune.serving import DECILM, LAYERCUT, VANILLA, serving_entry, sublayer_refusal
 from prune.surgery import block_layout, replacement_records
 
 logger = logging.getLogger(__name__)
@@ -144,8 +144,10 @@ def serving_report(model: nn.Module, maps: bool) -> dict:
     config = model.config.to_dict()
     records = hf_remote_code.sublayer_records(config)
     if records:
-        if sublayer_layout(config) == LAYERCUT:
-            return serving_entry(LAYERCUT)
+        refusal = sublayer_refusal(config)
+        if refusal is not None:  # the DeciLM layout cannot hold them: whole blocks are what ships
+            return serving_entry(LAYERCUT, instead="--unit block (whole blocks: a plain checkpoint)",
+                                 why=f"removed sub-layers outside the DeciLM layout: {refusal}")
         from prune.decilm import decilm_config, decilm_serving
 
         # as prune.export_gguf writes it for llama.cpp: removed MLPs as zero MLPs (llama.cpp skips an FFN-free layer)

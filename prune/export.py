@@ -379,8 +379,9 @@ HfApi().upload_folder(folder_path="{name}", repo_id="<you>/{name}", repo_type="m
 ```
 
 Serving: its removed sub-layers fit the DeciLM layout (`DeciLMForCausalLM`, no-op entries of `block_configs`),
-which vLLM and llama.cpp run: `python -m prune.decilm {name} --out {name}-decilm` writes that folder for
-`vllm serve`, and `python -m prune.export_gguf {name}` a GGUF for llama.cpp.
+which vLLM runs: `python -m prune.decilm {name} --out {name}-decilm` writes that folder for `vllm serve`.
+Where `layercut.json` says `llama_cpp: true`, `python -m prune.export_gguf {name}` writes a GGUF for llama.cpp
+(its DeciLM converter reads Llama-2 and Llama-3 vocabularies only).
 """
 
 

@@ -86,9 +86,10 @@ def check_servable(folder: Path) -> str:
         raise LayercutError(f"{folder} is not a checkpoint folder (no config.json): pass the folder prune.run wrote")
     layout = layout_of_folder(folder)
     if layout == LAYERCUT:
-        instead = serving_of(folder).get("servable_instead") or "a vanilla recipe (--replace fold, none or magcomp)"
-        raise LayercutError(f"{folder} is not servable: its replacement maps run in no engine; export {instead} "
-                            "instead (same blocks, the repair folded into standard weights)")
+        serving = serving_of(folder)
+        instead = serving.get("servable_instead") or "a vanilla recipe (--replace fold, none or magcomp)"
+        why = serving.get("why") or "its replacement maps run in no engine"
+        raise LayercutError(f"{folder} is not servable ({why}); export {instead} instead")
     return layout
 
 
@@ -131,18 +132,33 @@ def convert(folder: str | Path, out: str | Path | None = None, outtype: str = "f
     with tempfile.TemporaryDirectory(prefix="layercut-gguf-") as scratch:
         source = folder
         if layout == "decilm":  # sub-layer removals: llama.cpp runs them as its "deci" architecture
-            from prune.decilm import write_decilm
-
-            source = write_decilm(folder, Path(scratch) / "decilm", llama_cpp=True)
-        _run_converter(script, source, partial, outtype)
+            source = _decilm_source(folder, Path(scratch))
         try:
+            _run_converter(script, source, partial, outtype)
             checked = check_gguf(partial, source, outtype)
-        except LayercutError:
+        except BaseException:  # a failed check, an unreadable file or Ctrl-C: no partial file stays
             partial.unlink(missing_ok=True)
             raise
     partial.replace(out)
     logger.info("wrote %s", out)
     return out, checked
+
+
+def is_decilm_folder(folder: Path) -> bool:
+    """Whether ``folder`` is already in the DeciLM layout (written by ``prune.decilm``)."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return config.get("architectures") == ["DeciLMForCausalLM"]
+
+
+def _decilm_source(folder: Path, scratch: Path) -> Path:
+    """The DeciLM folder llama.cpp converts: ``folder`` itself or its copy; refused where llama.cpp runs it wrong."""
+    from prune.decilm import llama_cpp_limits, write_decilm
+
+    source = folder if is_decilm_folder(folder) else write_decilm(folder, scratch / "decilm", llama_cpp=True)
+    limits = llama_cpp_limits(json.loads((source / "config.json").read_text(encoding="utf-8")))
+    if limits:
+        raise LayercutError(f"llama.cpp would run {folder} wrong: {limits[0]}")
+    return source
 
 
 def _run_converter(script: Path, source: Path, out: Path, outtype: str) -> None:
@@ -184,9 +200,12 @@ def check_gguf(path: str | Path, folder: str | Path, outtype: str = "f32") -> di
     from safetensors import safe_open
 
     path, folder = Path(path), Path(folder)
-    reader = gguf.GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents()
-    blocks = int(reader.fields[f"{arch}.block_count"].contents())
+    try:
+        reader = gguf.GGUFReader(str(path))
+        arch = str(_field(reader, "general.architecture"))
+        blocks = int(_field(reader, f"{arch}.block_count"))
+    except (KeyError, ValueError, TypeError, OSError) as err:
+        raise LayercutError(f"{path.name} does not read back as a GGUF model ({type(err).__name__}: {err})") from None
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     config = config.get("text_config", config)
     expected = config.get("num_hidden_layers")
@@ -221,7 +240,13 @@ def check_gguf(path: str | Path, folder: str | Path, outtype: str = "f32") -> di
         file, name = wanted[tensor.name]
         with safe_open(str(file), "pt") as handle:
             source = handle.get_tensor(name).float().numpy()
-        got = np.asarray(tensor.data, dtype=np.float32).reshape(source.shape)
+        got = np.asarray(tensor.data, dtype=np.float32)
+        if got.size != source.size:
+            raise LayercutError(f"{path.name}: {tensor.name} has {got.size} values, the checkpoint's {name} "
+                                f"{source.size}")
+        got = got.reshape(source.shape)
+        if arch.startswith("gemma") and tensor.name.endswith("norm.weight"):
+            source = source + 1  # llama.cpp's Gemma converters store the norms' (1 + weight)
         scale = float(np.abs(source).max()) or 1.0
         diff = float(np.abs(got - source).max()) / scale
         worst = max(worst, diff)
@@ -231,6 +256,15 @@ def check_gguf(path: str | Path, folder: str | Path, outtype: str = "f32") -> di
                                 f"(relative), beyond {outtype}'s rounding")
     return {"architecture": arch, "blocks": blocks, "tensors": len(reader.tensors), "compared": compared,
             "max_rel_diff": worst}
+
+
+def _field(reader, key: str):
+    """One metadata value of a ``GGUFReader`` (``contents()``; older gguf releases: the raw parts)."""
+    entry = reader.fields[key]
+    if hasattr(entry, "contents"):
+        return entry.contents()
+    value = entry.parts[entry.data[0]]
+    return bytes(value).decode("utf-8") if value.dtype.kind == "u" and value.itemsize == 1 else value.tolist()[0]
 
 
 def _original_blocks(folder: Path) -> int | None:

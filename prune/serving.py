@@ -46,11 +46,14 @@ LAYOUTS = {
 }
 
 
-def serving_entry(layout: str, instead: str | None = None) -> dict:
-    """``layercut.json``'s ``serving``: the layout, its engines and, for a layout no engine runs, what ships instead."""
+def serving_entry(layout: str, instead: str | None = None, why: str | None = None) -> dict:
+    """``layercut.json``'s ``serving``: the layout, its engines and, for a layout no engine runs, what ships instead.
+
+    ``why``: the reason, where it is not the layout's own (sub-layer removals the DeciLM layout cannot hold).
+    """
     spec = LAYOUTS[layout]
     entry = {"layout": layout, "engines": list(spec.engines), "vllm": "vllm" in spec.engines,
-             "llama_cpp": "llama.cpp" in spec.engines, "why": spec.why}
+             "llama_cpp": "llama.cpp" in spec.engines, "why": why or spec.why}
     if layout == DECILM:
         entry["export"] = ("python -m prune.decilm FOLDER --out OUT (vLLM); "
                            "python -m prune.export_gguf FOLDER (llama.cpp)")
@@ -77,15 +80,20 @@ def label(serving: dict | None, vanilla: bool | None = None) -> str:
 
 def sublayer_layout(config: dict) -> str:
     """``decilm`` when the engines' DeciLM layout can hold these sub-layer removals, else ``layercut``."""
+    return DECILM if sublayer_refusal(config) is None else LAYERCUT
+
+
+def sublayer_refusal(config: dict) -> str | None:
+    """Why the DeciLM layout cannot hold this config's sub-layer removals (None: it can)."""
     from prune.decilm import decilm_config
     from prune.errors import LayercutError
     from prune.hf_remote_code import sublayer_records
 
     try:
         decilm_config(config, sublayer_records(config))
-    except LayercutError:
-        return LAYERCUT
-    return DECILM
+    except LayercutError as err:
+        return str(err)
+    return None
 
 
 def layout_of_folder(folder: str | Path) -> str:

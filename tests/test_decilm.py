@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONVERTER, NO_CONVERTER, byte_fallback_tokenizer, make_tiny_tokenizer
+from conftest import CONVERTER, NO_CONVERTER, byte_fallback_tokenizer, make_tiny_model, make_tiny_tokenizer
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -267,3 +267,41 @@ def test_llama_cpps_converter_reads_the_folder_as_its_deci_architecture(source, 
     down = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
     expected = source_tensors["model.layers.3.mlp.down_proj.weight"]
     assert torch.equal(torch.from_numpy(down.data.copy()).reshape(expected.shape), expected)
+
+
+@pytest.fixture(scope="module")
+def servable_source(tmp_path_factory) -> Path:
+    """The same removals saved with a Llama-2 style vocabulary, the kind llama.cpp's DeciLM converter reads."""
+    model = tiny_llama()
+    remove_units_(model, REMOVED, ids(1, 16))
+    return save(model, byte_fallback_tokenizer(), tmp_path_factory.mktemp("units-bf") / "slim", {"source": "tiny"})
+
+
+@pytest.mark.skipif(CONVERTER is None, reason=NO_CONVERTER)
+def test_export_gguf_writes_sublayer_removals_as_llama_cpps_deci_and_takes_the_decilm_folder_too(servable_source,
+                                                                                                  tmp_path):
+    from prune.export_gguf import convert
+
+    report = json.loads((servable_source / "layercut.json").read_text())
+    assert report["serving"]["layout"] == "decilm" and report["serving"]["llama_cpp"]
+    path, checked = convert(servable_source, tmp_path / "slim.gguf", converter=CONVERTER)
+    assert checked["architecture"] == "deci" and checked["blocks"] == 4 and checked["compared"] > 0
+    assert checked["max_rel_diff"] == 0.0
+    # the DeciLM folder prune.decilm writes converts as it is (not written again)
+    folder = write_decilm(servable_source, tmp_path / "decilm", llama_cpp=True)
+    again, checked_again = convert(folder, tmp_path / "again.gguf", converter=CONVERTER)
+    assert checked_again["blocks"] == 4 and again.stat().st_size == path.stat().st_size
+
+
+def test_sublayer_removals_outside_the_layout_say_so_and_name_whole_blocks(tmp_path):
+    """A model the DeciLM layout cannot hold (its MLP width): not labelled as maps, and the fix is whole blocks."""
+    from prune.export_gguf import check_servable
+
+    model = make_tiny_model("llama")  # intermediate 64: no ffn_mult gives it
+    remove_units_(model, REMOVED, ids(1, 16))
+    folder = save(model, make_tiny_tokenizer(), tmp_path / "slim", {"source_model": "tiny"})
+    serving = json.loads((folder / "layercut.json").read_text())["serving"]
+    assert serving["layout"] == "layercut" and "DeciLM layout" in serving["why"]
+    assert serving["servable_instead"].startswith("--unit block")
+    message = one_line_error(lambda: check_servable(folder), "not servable")
+    assert "--unit block" in message and "maps" not in message

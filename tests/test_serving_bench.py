@@ -73,6 +73,10 @@ def test_transformers_rows_equal_a_direct_computation_and_maps_are_labelled(tiny
                        "--out", str(out)]) == 0
     table = (out / "serving.md").read_text()
     assert "vLLM ppl" in table and "(+1.000 %) (beyond 0.1 %)" in table
+    # another model under a label the folder already has: refused, its rows are not mixed with the first's
+    assert bench_main(["serving", "--model", f"dense={maps}", "--heldout", str(text), "--tokens", "256",
+                       "--seq-len", "64", "--engines", "transformers", "--out", str(out)]) == 2
+    assert "a model labelled 'dense' at" in capsys.readouterr().err
     # other tokens into the same folder: refused in one line
     assert bench_main(["serving", "--model", f"dense={tiny_folder}", "--heldout", str(text), "--tokens", "256",
                        "--seq-len", "32", "--engines", "transformers", "--out", str(out)]) == 2

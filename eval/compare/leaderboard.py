@@ -74,7 +74,8 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
                  + f" | - | {LAYOUTS[VANILLA].label} |")
     for rank, (key, row) in enumerate(rows, 1):
         speed = f"{row['decode_speedup']:.2f}{_noisy(row, dense)}" if "decode_speedup" in row else \
-            "not servable" if "decode_why" in row else "-"
+            ("not servable" if (row.get("serving") or {}).get("layout") == "layercut" else "failed (results.json)") \
+            if "decode_why" in row else "-"
         domain_cells = [f"{row['domains'][n]:.3f} ({100 * (row['domains'][n] / dense['domains'][n] - 1):+.1f}%)"
                         for n in names] if len(names) > 1 else []
         beaten = ", ".join(cells[k]["method"] for k in analysis["better_than"][key]) or "-"
