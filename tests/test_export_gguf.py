@@ -170,7 +170,7 @@ def test_smollm2_drop4_fold_through_gguf_keeps_its_logits(tmp_path, capsys):
     """The embedded SmolLM2-135M, pruned and folded, written as GGUF f32 and read back by transformers."""
     out = tmp_path / "smol"
     code, _, err = run_prune_cli(capsys, "--model", "smollm2-135m", "--drop", "4", "--replace", "fold",
-                                 "--samples", "8", "--seq-len", "128", "--heldout-samples", "0", "--out", str(out),
+                                 "--samples", "16", "--seq-len", "256", "--heldout-samples", "0", "--out", str(out),
                                  "--export", "gguf", "--converter", str(CONVERTER))
     assert code == 0, err
     path = out / "smol-f32.gguf"
