@@ -607,10 +607,15 @@ class VllmEngine(Engine):
         # a DeciLM-layout folder (prune.decilm) names its config class by auto_map: vLLM reads it as remote code
         remote = "auto_map" in json.loads((Path(source) / "config.json").read_text(encoding="utf-8")) \
             if (Path(source) / "config.json").is_file() else False
-        llm = vllm.LLM(model=source, tokenizer=settings.load.tokenizer or source, dtype=self.dtype(settings),
-                       max_model_len=max_model_len, gpu_memory_utilization=settings.gpu_memory / settings.sharing,
-                       enforce_eager=settings.eager, enable_prefix_caching=False, seed=0,
-                       trust_remote_code=remote)  # fmt: skip
+        try:
+            llm = vllm.LLM(model=source, tokenizer=settings.load.tokenizer or source, dtype=self.dtype(settings),
+                           max_model_len=max_model_len, gpu_memory_utilization=settings.gpu_memory / settings.sharing,
+                           enforce_eager=settings.eager, enable_prefix_caching=False, seed=0,
+                           trust_remote_code=remote)  # fmt: skip
+        except (RuntimeError, ValueError) as err:  # vLLM's engine did not start: its reason is in its log
+            raise LayercutError(f"vLLM could not start on {source} ({' '.join(str(err).split())[:300]}); its log "
+                                "above says why (on a CPU, --gpu-memory is the share of host memory it reserves)") \
+                from None
         text_config = _vllm_model_config(llm).hf_text_config
         return EngineModel(
             model=llm, source=source, blocks=int(text_config.num_hidden_layers), params=params,

@@ -204,6 +204,8 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--converter", default=None, help="llama.cpp's convert_hf_to_gguf.py (default: "
                         "$LLAMA_CPP_CONVERTER)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the free cores)")
+    parser.add_argument("--gpu-memory", type=float, default=0.85,
+                        help="vllm: share of the GPU's memory it may take; on a CPU, of the host's (default: 0.85)")
     parser.add_argument("--out", default=None, help="folder for serving.json and serving.md (default: print only)")
 
 
@@ -230,7 +232,8 @@ def run_serving(args: argparse.Namespace) -> int:
     digest = hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]
     setup = {"heldout": args.heldout, "seq_len": args.seq_len, "windows": len(windows),
              "predicted": len(windows) * (args.seq_len - 1), "token_digest": digest}
-    settings = EngineSettings(threads=args.threads, context=args.seq_len, converter=args.converter)
+    settings = EngineSettings(threads=args.threads, context=args.seq_len, converter=args.converter,
+                              gpu_memory=args.gpu_memory)
     rows = {engine: score_engine(engine, models, windows, settings, args.greedy_tokens)
             for engine in args.engines.split(",")}
     for per_model in rows.values():

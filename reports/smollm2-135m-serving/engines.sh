@@ -1,5 +1,5 @@
-# Every checkpoint of run.sh's two comparisons (and the dense model) in transformers and llama.cpp, then a subset
-# covering every layout in vLLM (its CPU start-up is ~1-2 min a model here). Same ids in every engine.
+# Every checkpoint of run.sh's two comparisons (and the dense model) in transformers and llama.cpp; engines-vllm.sh
+# adds vLLM's column for a subset covering every layout. Same ids in every engine.
 D=../shared/data
 C=reports/smollm2-135m-serving/compare/cells
 P=reports/smollm2-135m-serving/peers/cells
@@ -15,12 +15,3 @@ done
 OUT=reports/smollm2-135m-serving/engines
 python -m eval.bench serving $MODELS --heldout $D/ptb/ptb.test.txt --tokens 4096 --seq-len 512 \
   --engines transformers,llamacpp --threads 2 --out $OUT
-VLLM="--model dense=smollm2-135m"
-for m in shortgpt@8 layercut-linear-vanilla@8 layercut-linear-distill-vanilla@4 prune-comp@8 llm-streamline@8 \
-         layercut-sublayer@4 layercut-linear@4; do
-  name=${m%@*}; drop=${m#*@}
-  if [ -d $C/$name-drop$drop ]; then dir=$C/$name-drop$drop; else dir=$P/$name-drop$drop; fi
-  VLLM="$VLLM --model $m=$dir"
-done
-/tmp/vllmenv/bin/python -m eval.bench serving $VLLM --heldout $D/ptb/ptb.test.txt --tokens 4096 --seq-len 512 \
-  --engines vllm --threads 2 --out $OUT

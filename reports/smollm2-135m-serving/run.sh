@@ -18,7 +18,8 @@ python -m eval.compare --drop 4,8 \
   --heldout news=$D/ptb/ptb.test.txt --heldout-tokens 2048 --threads 2 --speed-tokens 0 --keep-checkpoints \
   --out reports/smollm2-135m-serving/peers
 # 3. every checkpoint in transformers and llama.cpp on the same 4,096 PTB test tokens (8 windows of 512), then
-#    vLLM from its own environment into the same table (see engines.sh for the model list)
+#    vLLM from its own environment into the same table
 bash reports/smollm2-135m-serving/engines.sh
-# 4. decode and prefill speed in llama.cpp (and transformers, vLLM): dense against the vanilla drop 4 and 8
+bash reports/smollm2-135m-serving/engines-vllm.sh
+# 4. decode and prefill speed in llama.cpp (and transformers, vLLM): dense against ShortGPT's drop 4 and 8
 bash reports/smollm2-135m-serving/speed.sh

@@ -1,14 +1,15 @@
-# Decode and prefill tokens/s of the dense model against the vanilla drop 4 and drop 8 checkpoints
-# (layercut-linear-vanilla: 26 and 22 Llama blocks), interleaved, on an otherwise idle machine (uptime first).
-C=reports/smollm2-135m-serving/compare/cells
+# Decode and prefill tokens/s of the dense model against drop 4 and drop 8 (ShortGPT's removals from run.sh's second
+# comparison: 26 and 22 plain Llama blocks; speed depends on the block count, not on which blocks), interleaved,
+# on an otherwise idle machine (uptime first).
+C=reports/smollm2-135m-serving/peers/cells
 S=reports/smollm2-135m-serving
 uptime
-python -m eval.bench speed --engine llamacpp --baseline smollm2-135m --model $C/layercut-linear-vanilla-drop4 \
-  --model $C/layercut-linear-vanilla-drop8 --threads 2 --prompt-len 256 --new-tokens 64 --repeats 9 --warmup 2 \
+python -m eval.bench speed --engine llamacpp --baseline smollm2-135m --model $C/shortgpt-drop4 \
+  --model $C/shortgpt-drop8 --threads 2 --prompt-len 256 --new-tokens 64 --repeats 9 --warmup 2 \
   --out $S/speed-llamacpp
-python -m eval.bench speed --engine transformers --baseline smollm2-135m --model $C/layercut-linear-vanilla-drop4 \
-  --model $C/layercut-linear-vanilla-drop8 --threads 2 --prompt-len 256 --new-tokens 64 --repeats 9 --warmup 2 \
+python -m eval.bench speed --engine transformers --baseline smollm2-135m --model $C/shortgpt-drop4 \
+  --model $C/shortgpt-drop8 --threads 2 --prompt-len 256 --new-tokens 64 --repeats 9 --warmup 2 \
   --memory off --out $S/speed-transformers
 /tmp/vllmenv/bin/python -m eval.bench speed --engine vllm --baseline smollm2-135m \
-  --model $C/layercut-linear-vanilla-drop4 --model $C/layercut-linear-vanilla-drop8 --threads 2 --prompt-len 256 \
+  --model $C/shortgpt-drop4 --model $C/shortgpt-drop8 --threads 2 --prompt-len 256 \
   --new-tokens 64 --repeats 5 --warmup 1 --out $S/speed-vllm
