@@ -78,6 +78,21 @@ def test_a_tensor_that_differs_from_the_checkpoint_is_caught(tiny_llama_folder, 
         check_gguf(path, other)
 
 
+def _write_gguf(gguf, path, block_count, blocks, head_count=None):
+    """A GGUF of norms only: ``block_count`` in its metadata, tensors for ``blocks``."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(block_count)
+    if head_count is not None:
+        writer.add_array("llama.attention.head_count", head_count)
+    for block in blocks:
+        writer.add_tensor(f"blk.{block}.attn_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def test_an_unsliced_per_layer_array_is_refused(tmp_path):
     """The failure of llama.cpp's --prune-layers (llama.cpp#27976): per-layer metadata left at the original depth."""
     gguf = pytest.importorskip("gguf")
@@ -85,16 +100,7 @@ def test_an_unsliced_per_layer_array_is_refused(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
     (folder / "layercut.json").write_text(json.dumps({"layout": [[0], [1]], "dropped": [2, 3]}))
-    path = tmp_path / "bad.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(2)
-    writer.add_array("llama.attention.head_count", [4, 4, 4, 4])  # 4 entries: the depth before pruning
-    for block in range(2):
-        writer.add_tensor(f"blk.{block}.attn_norm.weight", np.ones(8, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = _write_gguf(gguf, tmp_path / "bad.gguf", 2, range(2), head_count=[4, 4, 4, 4])  # the depth before pruning
     with pytest.raises(LayercutError, match="original depth"):
         check_gguf(path, folder)
 
@@ -104,15 +110,7 @@ def test_a_missing_block_is_refused(tmp_path):
     folder = tmp_path / "slim"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))
-    path = tmp_path / "short.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(3)
-    for block in (0, 2):
-        writer.add_tensor(f"blk.{block}.attn_norm.weight", np.ones(8, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = _write_gguf(gguf, tmp_path / "short.gguf", 3, (0, 2))
     with pytest.raises(LayercutError, match=r"blocks \[1\] are missing"):
         check_gguf(path, folder)
 
