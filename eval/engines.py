@@ -50,6 +50,7 @@ from eval.peak_memory import weights_bytes
 from eval.timing import greedy_decode, time_decode, time_prefill
 from prune.adapters import input_device, max_positions, num_blocks
 from prune.errors import LayercutError
+from prune.export_gguf import gguf_field
 from prune.options import LoadConfig
 from prune.perplexity import Window, stream_nll, token_nll
 from prune.registry import Registry
@@ -328,17 +329,6 @@ class TransformersEngine(Engine):
 
 
 # ---- llama.cpp ----
-
-
-def gguf_field(reader, key: str):
-    """One metadata value of a ``gguf.GGUFReader`` (a str, a number or a list), None when absent."""
-    entry = reader.fields.get(key)
-    if entry is None:
-        return None
-    if hasattr(entry, "contents"):
-        return entry.contents()
-    value = entry.parts[entry.data[0]]  # older gguf: the raw parts
-    return bytes(value).decode("utf-8") if value.dtype.kind == "u" and value.itemsize == 1 else value.tolist()[0]
 
 
 def gguf_block_count(path: str | Path) -> int:

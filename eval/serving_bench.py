@@ -68,14 +68,10 @@ def held_out_ids(path: str, tokenizer_source: str, chars: int | None = None) -> 
 
 def model_layout(path: str) -> dict:
     """The serving entry of a model: its ``layercut.json``'s, or the layout read from its files (aliases: vanilla)."""
-    from prune.serving import VANILLA, layout_of_folder, serving_entry
+    from prune.serving import VANILLA, folder_serving, serving_entry
 
     folder = Path(path).expanduser()
-    if folder.is_dir():
-        report = folder / "layercut.json"
-        written = json.loads(report.read_text(encoding="utf-8")).get("serving") if report.is_file() else None
-        return written or serving_entry(layout_of_folder(folder))
-    return serving_entry(VANILLA)
+    return folder_serving(folder) if folder.is_dir() else serving_entry(VANILLA)
 
 
 def _engine_runs(layout: dict, engine: str) -> str | None:

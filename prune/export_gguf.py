@@ -202,10 +202,14 @@ def check_gguf(path: str | Path, folder: str | Path, outtype: str = "f32") -> di
     path, folder = Path(path), Path(folder)
     try:
         reader = gguf.GGUFReader(str(path))
-        arch = str(_field(reader, "general.architecture"))
-        blocks = int(_field(reader, f"{arch}.block_count"))
+        arch = gguf_field(reader, "general.architecture")
+        count = gguf_field(reader, f"{arch}.block_count") if arch else None
     except (KeyError, ValueError, TypeError, OSError) as err:
         raise LayercutError(f"{path.name} does not read back as a GGUF model ({type(err).__name__}: {err})") from None
+    if count is None:
+        raise LayercutError(f"{path.name} has no {arch or 'general.architecture'}.block_count: it does not read "
+                            "back as a llama.cpp GGUF model")
+    blocks = int(count)
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     config = config.get("text_config", config)
     expected = config.get("num_hidden_layers")
@@ -258,9 +262,11 @@ def check_gguf(path: str | Path, folder: str | Path, outtype: str = "f32") -> di
             "max_rel_diff": worst}
 
 
-def _field(reader, key: str):
-    """One metadata value of a ``GGUFReader`` (``contents()``; older gguf releases: the raw parts)."""
-    entry = reader.fields[key]
+def gguf_field(reader, key: str):
+    """One metadata value of a ``gguf.GGUFReader`` (a str, a number or a list), None when absent."""
+    entry = reader.fields.get(key)
+    if entry is None:
+        return None
     if hasattr(entry, "contents"):
         return entry.contents()
     value = entry.parts[entry.data[0]]

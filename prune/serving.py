@@ -96,6 +96,13 @@ def sublayer_refusal(config: dict) -> str | None:
     return None
 
 
+def folder_serving(folder: str | Path) -> dict:
+    """A checkpoint folder's ``serving`` entry: its ``layercut.json``'s, else the one its layout gives."""
+    report = Path(folder) / "layercut.json"
+    written = json.loads(report.read_text(encoding="utf-8")).get("serving") if report.is_file() else None
+    return written or serving_entry(layout_of_folder(folder))
+
+
 def layout_of_folder(folder: str | Path) -> str:
     """The layout of a checkpoint folder: its ``layercut.json`` says it; older folders are read from their files."""
     folder = Path(folder)

@@ -25,7 +25,7 @@ from prune.errors import LayercutError
 from prune.loading import LoadedModel
 from prune.pipeline import Scored, run_prune
 from prune.replace import parameter_count
-from prune.serving import layout_of_folder, serving_entry
+from prune.serving import folder_serving
 
 logger = logging.getLogger(__name__)
 
@@ -130,9 +130,7 @@ def complete_cell(row: Row, folder: Path, config: CompareConfig, heldout: Heldou
 
 def serving_layout(folder: Path) -> dict:
     """The cell's ``serving`` entry (``prune.serving``): which engines run its checkpoint."""
-    report = folder / "layercut.json"
-    written = json.loads(report.read_text(encoding="utf-8")).get("serving") if report.is_file() else None
-    return written or serving_entry(layout_of_folder(folder))
+    return folder_serving(folder)
 
 
 def is_vanilla(folder: Path) -> bool:
