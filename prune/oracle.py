@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from prune.adapters import get_blocks, input_device, num_blocks
 from prune.capture import block_input, hooks_held
 from prune.heldout import batch_loss, packed_perplexity
+from prune.perplexity import token_nll
 from prune.scores import get_score
 from prune.surgery import blocks_removed
 
@@ -74,7 +75,7 @@ class _Captured(BaseException):
     """Ends a forward pass once the block inputs it was run for are kept (no model code catches it)."""
 
 
-def _block_inputs(model: nn.Module, batch: torch.Tensor, upto: int) -> list[torch.Tensor] | None:
+def states_entering(model: nn.Module, batch: torch.Tensor, upto: int) -> list[torch.Tensor] | None:
     """The hidden state entering blocks ``0..upto`` on ``batch`` (copies; on the CPU when the model is on a GPU).
 
     None when a block did not run exactly once (the state could not be told apart).
@@ -105,8 +106,8 @@ def _loss_without(model: nn.Module, batch: torch.Tensor, position: int) -> float
         return batch_loss(model, batch)
 
 
-def _loss_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.Tensor) -> float:
-    """The loss of ``model`` on ``batch`` when ``state`` enters block ``start`` (blocks before it skipped)."""
+def logits_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:
+    """The logits of ``model`` on ``batch`` when ``state`` enters block ``start`` (blocks before it skipped)."""
 
     def enter(_module, args, kwargs):
         if args:
@@ -116,7 +117,13 @@ def _loss_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.T
     with blocks_removed(model, list(range(start))):
         _, blocks = get_blocks(model)
         with hooks_held([blocks[0].register_forward_pre_hook(enter, with_kwargs=True)]):
-            return batch_loss(model, batch)
+            return model(input_ids=batch, use_cache=False).logits
+
+
+def _loss_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.Tensor) -> float:
+    """The loss of ``model`` on ``batch`` when ``state`` enters block ``start`` (blocks before it skipped)."""
+    logits = logits_from(model, batch, start, state)  # [batch, seq_len, vocab]
+    return float(token_nll(logits[:, :-1], batch[:, 1:]).sum()) / (batch.shape[0] * (batch.shape[1] - 1))
 
 
 def _shortcut_holds(model: nn.Module, batch: torch.Tensor, position: int, state: torch.Tensor) -> bool:
@@ -148,7 +155,7 @@ def _measure(model: nn.Module, token_ids: torch.Tensor, positions: list[int], ba
         batch = token_ids[start : start + batch_size].to(input_device(model))  # [batch, seq_len]
         states = None
         if not state["plain"] and len(behind) > 1:  # one candidate alone: a whole pass costs less than a capture
-            states = _block_inputs(model, batch, max(behind))
+            states = states_entering(model, batch, max(behind))
             if states is None:
                 logger.warning("removal passes: a block ran more than once; measuring every set with whole passes")
                 state["plain"] = True
@@ -269,16 +276,37 @@ def run_oracle(model: nn.Module, token_ids: torch.Tensor, scores: dict[str, list
     return Oracle(dense, removed, score_agreement(scores, removed), int(token_ids.numel()))
 
 
-def oracle_table(oracle: Oracle, scores: dict[str, list[float]] | None = None) -> str:
-    """Markdown: the Spearman of every score, then the perplexity with each block removed (with the scores)."""
+def oracle_table(oracle: Oracle, scores: dict[str, list[float]] | None = None, repaired: dict | None = None) -> str:
+    """Markdown: the Spearman of every score, then the perplexity with each block removed (with the scores).
+
+    ``repaired`` (``prune.repaired.repaired_oracle``) adds the "repaired" column: each block's perplexity when
+    it alone is removed and repaired, and each ranking's Spearman with that.
+    """
     lines = [f"Oracle: calibration perplexity with each block alone removed ({oracle.tokens} tokens; dense "
              f"{oracle.dense:.3f}). Spearman rank correlation of each score with it (+1 = ranks blocks as "
-             "removal really hurts):", "", "| score | Spearman |", "|---|---:|"]
-    lines += [f"| {name} | {rho:+.3f} |" for name, rho in sorted(oracle.spearman.items(), key=lambda kv: -kv[1])]
+             "removal really hurts):", ""]
+    if repaired is None:
+        lines += ["| score | Spearman |", "|---|---:|"]
+        lines += [f"| {name} | {rho:+.3f} |" for name, rho in sorted(oracle.spearman.items(), key=lambda kv: -kv[1])]
+    else:
+        lines[0] += (f" The repaired column: the perplexity on the measuring rows with the block alone removed and "
+                     f"repaired by --replace {repaired['method']} (fitted on the other rows).")
+        lines += ["| score | Spearman with removal | Spearman with repaired |", "|---|---:|---:|"]
+        names = sorted(set(oracle.spearman) | set(repaired["spearman"]),
+                       key=lambda n: -repaired["spearman"].get(n, float("-inf")))
+        lines += [f"| {name} | {_signed(oracle.spearman.get(name))} | {_signed(repaired['spearman'].get(name))} |"
+                  for name in names]
+        lines.append(f"| removal (this oracle) | +1.000 | {_signed(repaired['spearman'].get('removal'))} |")
     names = list(scores or {})
-    lines += ["", "| block | ppl without it | x dense | " + " | ".join(names) + (" |" if names else ""),
-              "|---:|---:|---:|" + "---:|" * len(names)]
+    extra = " repaired ppl | map error |" if repaired is not None else ""
+    lines += ["", "| block | ppl without it | x dense |" + extra + " " + " | ".join(names) + (" |" if names else ""),
+              "|---:|---:|---:|" + ("---:|---:|" if repaired is not None else "") + "---:|" * len(names)]
     for block, ppl in enumerate(oracle.removed):
         cells = "".join(f" {scores[n][block]:.4f} |" for n in names)
-        lines.append(f"| {block} | {ppl:.3f} | {ppl / oracle.dense:.3f} |{cells}")
+        more = f" {repaired['ppl'][block]:.3f} | {repaired['map_error'][block]:.4f} |" if repaired is not None else ""
+        lines.append(f"| {block} | {ppl:.3f} | {ppl / oracle.dense:.3f} |{more}{cells}")
     return "\n".join(lines)
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.3f}"

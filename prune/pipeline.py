@@ -30,7 +30,7 @@ from prune.removal import Removal, planned_blocks, remove_blocks, remove_units
 from prune.replace import ReplaceConfig, parameter_count
 from prune.score_report import plot_linearity_profile, score_table
 from prune.scores import SCORES, block_scores, check_enough_tokens, get_score
-from prune.selection import DEFAULT_PROTECT, SELECTIONS
+from prune.selection import DEFAULT_PROTECT, MEASURED_SELECTIONS, SELECTIONS
 from prune.sequential import stream_moments_sequential
 from prune.sources import parse_sources
 from prune.stats import StateMoments, stream_moments
@@ -66,7 +66,7 @@ class PruneConfig:
             or by the measured cost of skipping each with ``select`` measured).
         score: criterion used to rank blocks (all registered scores are reported).
         select: a registered selection (``prune.selection.SELECTIONS``): topk, span, greedy, greedy-ppl,
-            measured, last.
+            measured, last, repaired-greedy (-kl), repaired-once, repaired-fast (``prune.repaired``).
         protect: blocks never removed ("0,-1" = first and last; "none").
         batch_size: sequences per forward pass while streaming statistics and fitting.
         replace: what takes the removed blocks' place (:class:`prune.replace.ReplaceConfig`); a method
@@ -149,7 +149,7 @@ class PruneConfig:
         """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
         for flag, bad, fix in (
             ("--unit", is_sublayer(units), "rates whole blocks (--unit block)"),
-            ("--select", self.select in ("greedy-ppl", "measured") or needed_cosine_pairs(self) == "all",
+            ("--select", self.select in MEASURED_SELECTIONS or needed_cosine_pairs(self) == "all",
              "selects from scores of blocks (--select topk, greedy or last): perplexity and span scores of "
              "states need the whole model"),
             ("--oracle", self.oracle, "has no oracle (it measures perplexity with the whole model)"),

@@ -40,6 +40,7 @@ from prune.planner_stages import (
     stage_scoring,
     stage_teacher_cache,
 )
+from prune.selection import MEASURED_SELECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ def _candidate_fixes(inp: PlanInput) -> list[_Fix]:
 def _offload_applies(inp: PlanInput) -> bool:
     """Whether ``--offload sequential`` could run these options (``PruneConfig`` refuses the others)."""
     return (inp.offload != "sequential" and inp.replace in ("none", "linear")
-            and inp.select not in ("span", "greedy-ppl", "measured") and not inp.distill.steps)
+            and inp.select != "span" and inp.select not in MEASURED_SELECTIONS and not inp.distill.steps)
 
 
 def fixes(plan: RunPlan, most: int = 3) -> list[str]:

@@ -21,7 +21,7 @@ from prune.oracle import removal_cache, run_oracle
 from prune.plan import Plan
 from prune.replace import parameter_count, replace_blocks_
 from prune.scores import get_score
-from prune.selection import SelectionInput, select_blocks, span_candidates
+from prune.selection import STEPS_MEMO, SelectionInput, select_blocks, span_candidates
 from prune.stats import StateMoments
 from prune.sublayers import (
     MEASURE_SEQUENCES,
@@ -70,6 +70,7 @@ def selection_input(model: nn.Module, calibration: CalibrationData, moments: Sta
         token_ids=calibration.token_ids,
         batch_size=config.batch_size,
         memo=memo,
+        replace=config.replace,
     )
 
 
@@ -115,8 +116,11 @@ def remove_blocks(model: nn.Module, calibration: CalibrationData, moments: State
     if budget is not None:
         plan = plan.with_drop(budget["drop"])
         config = dataclasses.replace(config, drop=budget["drop"], target_params=None, target_speedup=None)
+    memo.pop(STEPS_MEMO, None)
     dropped = planned_blocks(model, calibration, moments, scores, config, plan, memo)
     sections = {}
+    if memo.get(STEPS_MEMO):  # a selection that steps: what it measured at each step
+        sections["selection"] = memo.pop(STEPS_MEMO)
     if dropped and config.select == "span":
         sections["span_scores"] = span_report(model, calibration, moments, scores, config, plan)
     if dropped:

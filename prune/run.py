@@ -87,7 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="topk: the K most removable blocks; span: best contiguous K; greedy: drop one, "
                        "re-score, repeat; greedy-ppl: drop the block whose removal costs the least calibration "
                        "perplexity, repeat (SLEB); measured: the K whose removal alone costs the least calibration "
-                       "perplexity (one pass each); last: the deepest blocks (default: topk)")
+                       "perplexity (one pass each); last: the deepest blocks; repaired-greedy / repaired-greedy-kl: "
+                       "SLEB's loop on the model with each candidate removed and repaired by --replace (perplexity / "
+                       "KL on calibration rows the repairs were not fitted on); repaired-once: the K whose own repair "
+                       "costs least; repaired-fast: the K whose least-squares map misses least on held-out rows "
+                       "(one pass) (default: topk)")
     group.add_argument("--oracle", action="store_true",
                        help="also measure the calibration perplexity with each block alone removed (one pass per "
                        "block) and each score's Spearman correlation with it, into scores.md")

@@ -2,7 +2,9 @@
 
 ``topk``, ``span`` and ``greedy`` rank by a score; ``greedy-ppl`` (SLEB) measures the calibration
 perplexity of every candidate removal; ``measured`` ranks once by what removing each block alone
-costs (SLEB's first step); ``last`` takes the deepest blocks (reverse-order pruning).
+costs (SLEB's first step); ``last`` takes the deepest blocks (reverse-order pruning). ``repaired-greedy``
+(``-kl``), ``repaired-once`` and ``repaired-fast`` measure the model with candidate blocks removed *and
+repaired* by the run's own method (``prune.repaired``).
 
 Selections are registered by name. By default the first and the last block are protected: the first
 turns token embeddings into the working representation and the last prepares the state for the
@@ -14,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -23,10 +26,14 @@ from prune.adapters import is_offloaded
 from prune.errors import LayercutError
 from prune.oracle import removal_cache, removal_perplexities
 from prune.registry import Registry
+from prune.repaired import RepairedCosts, greedy_order, map_errors, single_costs
 from prune.scores import Score, block_scores
 from prune.sequential import stream_any
 from prune.stats import StateMoments
 from prune.surgery import blocks_removed
+
+if TYPE_CHECKING:
+    from prune.replace import ReplaceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +94,16 @@ class SelectionInput:
     # measurements kept across runs on the same model and calibration (``prune.pipeline.Scored.memo``):
     # greedy selections reuse the removals a smaller drop already chose
     memo: dict | None = None
+    # the run's repair: what the repaired selections fit and measure (None: bare removal)
+    replace: ReplaceConfig | None = None
 
+
+# Selections that run the model on the calibration (not a score of the scoring pass): a skeleton cannot
+# run them, and they need the whole model in memory.
+MEASURED_SELECTIONS = ("greedy-ppl", "measured", "repaired-greedy", "repaired-greedy-kl", "repaired-once",
+                       "repaired-fast")
+# memo entry where a selection that steps leaves what each step measured (``layercut.json``'s "selection")
+STEPS_MEMO = "selection-steps"
 
 SELECTIONS: Registry[Callable[[SelectionInput], list[int]]] = Registry("selection")
 
@@ -232,3 +248,61 @@ def _measured(inputs: SelectionInput) -> list[int]:
 def _last(inputs: SelectionInput) -> list[int]:
     """The deepest ``count`` unprotected blocks (reverse-order pruning); the score is unused."""
     return [b for b in reversed(range(len(inputs.values))) if b not in inputs.protected][: inputs.count]
+
+
+def _repaired_costs(inputs: SelectionInput, name: str) -> RepairedCosts:
+    if inputs.model is None or inputs.token_ids is None:
+        raise ValueError(f"{name} selection needs the model and calibration tokens")
+    from prune.replace import ReplaceConfig  # the repair defaults to bare removal when a caller gives none
+
+    replace = inputs.replace if inputs.replace is not None else ReplaceConfig(method="none")
+    return RepairedCosts(inputs.model, inputs.token_ids, replace, inputs.batch_size, inputs.memo)
+
+
+def _repaired_greedy(inputs: SelectionInput, criterion: str, name: str) -> list[int]:
+    costs = _repaired_costs(inputs, name)
+    free = len(inputs.values) - len(inputs.protected)
+    with tqdm(total=sum(free - k for k in range(inputs.count)), desc=name, unit="set") as bar:
+        order, steps = greedy_order(costs, inputs.count, inputs.protected, criterion, inputs.memo, bar)
+    if inputs.memo is not None:
+        inputs.memo[STEPS_MEMO] = {"selection": name, "criterion": criterion, "repair": inputs.replace.method
+                                   if inputs.replace is not None else "none", "steps": steps}
+    return order
+
+
+@register_selection("repaired-greedy")
+def _repaired_greedy_ppl(inputs: SelectionInput) -> list[int]:
+    """SLEB's loop on what will be shipped.
+
+    At each step every remaining block is removed and repaired by the run's method, the perplexity measured on
+    calibration rows the repairs were not fitted on; the cheapest goes.
+    """
+    return _repaired_greedy(inputs, "ppl", "repaired-greedy")
+
+
+@register_selection("repaired-greedy-kl")
+def _repaired_greedy_kl(inputs: SelectionInput) -> list[int]:
+    """``repaired-greedy`` ranking each step by the KL of the next-token distribution from the original model's."""
+    return _repaired_greedy(inputs, "kl", "repaired-greedy-kl")
+
+
+@register_selection("repaired-once")
+def _repaired_once(inputs: SelectionInput) -> list[int]:
+    """The ``count`` blocks whose own repair costs least (measured perplexity; one set per block, no re-measuring)."""
+    costs = _repaired_costs(inputs, "repaired-once")
+    candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
+    with tqdm(total=len(candidates), desc="repaired-once", unit="set") as bar:
+        measured = single_costs(costs, candidates, bar)
+    return sorted(candidates, key=lambda b: (measured[b]["ppl"], b))[: inputs.count]
+
+
+@register_selection("repaired-fast")
+def _repaired_fast(inputs: SelectionInput) -> list[int]:
+    """One pass: the ``count`` blocks whose least-squares map misses the least of their output on held-out rows."""
+    if inputs.model is None or inputs.token_ids is None:
+        raise ValueError("repaired-fast selection needs the model and calibration tokens")
+    scale = inputs.replace.update_scale if inputs.replace is not None else None
+    errors = map_errors(inputs.model, inputs.token_ids, scale if isinstance(scale, (int, float)) else 1.0,
+                        batch_size=inputs.batch_size)
+    candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
+    return sorted(candidates, key=lambda b: (errors[b], b))[: inputs.count]

@@ -100,8 +100,13 @@ def test_compare_cells_leaderboard_plots_and_resume(tiny_folder, tmp_path, capsy
         assert rows[0].startswith("| - | dense |")
         ppls = [float(line.split(" | ")[4]) for line in rows[1:]]
         assert ppls == sorted(ppls) and len(ppls) == 2
-    assert "## Oracle" in readme and "| score | Spearman |" in (out / "oracle.md").read_text()
+    assert "## Oracle" in readme
+    assert "| score | Spearman with removal | Spearman with repaired |" in (out / "oracle.md").read_text()
     assert len(results["oracle"]["removed"]) == 4
+    repaired = results["oracle"]["repaired"]  # each block alone removed and replaced by its map, then measured
+    assert repaired["method"] == "linear" and len(repaired["ppl"]) == len(repaired["map_error"]) == 4
+    assert all(0 < e < 1 for e in repaired["map_error"]) and min(repaired["ppl"]) > 1
+    assert set(repaired["spearman"]) >= {"linearity", "removal", "map-error (repaired-fast)"}
     for png in ("perplexity_vs_blocks.png", "chosen_blocks.png"):
         assert (out / png).stat().st_size > 2000
     assert not list((out / "cells" / "shortgpt-drop1").glob("*.safetensors"))  # reports only by default

@@ -26,7 +26,7 @@ PEERS = {"shortgpt": "2403.03853", "gromov": "2403.17887", "gromov-heal": "2403.
          "linearpatch": "2505.24680", "linearpatch-distill": "2505.24680", "prune-comp": "2507.18212",
          "reassessing": "2411.15558"}
 OURS = ("layercut-linear", "layercut-linear-distill", "layercut-sublayer", "layercut-linear-vanilla",
-        "layercut-linear-distill-vanilla")
+        "layercut-linear-distill-vanilla", "layercut-best", "layercut-best-vanilla")
 
 
 def small(folder):

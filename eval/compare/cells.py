@@ -157,6 +157,8 @@ def _method_row(name: str, path: Path, digest: str, drop: int, prune_config, res
                 "replace": prune_config.replace.method,
                 "distill_steps": result.report.get("distill", {}).get("steps", 0), "vanilla": is_vanilla(folder),
                 "serving": serving_layout(folder)}
+    if "selection" in result.report:  # a selection that steps: what it measured at each step (the steps plot)
+        row["selection"] = result.report["selection"]
     return row
 
 

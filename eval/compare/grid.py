@@ -28,9 +28,10 @@ from eval.compare.results import (
 from eval.engines import checkpoint_folder
 from eval.measurements import MeasurementStore, calibration_digest
 from prune.loading import LoadedModel
-from prune.oracle import oracle_table, removal_cache, run_oracle
+from prune.oracle import oracle_table, removal_cache, run_oracle, spearman
 from prune.pipeline import Scored, preflight, score_calibration
-from prune.replace import check_drop_for_method
+from prune.repaired import repaired_oracle
+from prune.replace import ReplaceConfig, check_drop_for_method
 from prune.stamps import weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -122,9 +123,14 @@ def _measure_dense(results: Results, session: Session, config: CompareConfig) ->
 def _oracle(results: Results, session: Session, config: CompareConfig) -> None:
     started = time.perf_counter()
     scored = session.scored
-    oracle = run_oracle(session.loaded.model, scored.calibration.token_ids, scored.scores, config.batch_size,
-                        cache=removal_cache(scored.memo))
-    results.oracle = {**oracle.as_dict(), "table": oracle_table(oracle, scored.scores)}
+    model, ids = session.loaded.model, scored.calibration.token_ids
+    oracle = run_oracle(model, ids, scored.scores, config.batch_size, cache=removal_cache(scored.memo))
+    # the repaired column: what each block costs removed and repaired by layercut's map, on rows the map never saw
+    repaired = repaired_oracle(model, ids, scored.scores, ReplaceConfig(method="linear", progress=False),
+                               config.batch_size, scored.memo)
+    repaired["spearman"]["removal"] = spearman([-p for p in oracle.removed], [-p for p in repaired["ppl"]])
+    results.oracle = {**oracle.as_dict(), "repaired": repaired,
+                      "table": oracle_table(oracle, scored.scores, repaired)}
     write_text(config.out / ORACLE_MD, results.oracle["table"] + "\n")
     session.run["oracle_seconds"] = round(time.perf_counter() - started, 2)
 

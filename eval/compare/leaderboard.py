@@ -14,6 +14,7 @@ PPL_PNG = "perplexity_vs_blocks.png"
 NOISY_MARK = "?"
 WORSE_MARK = "**(!)**"
 BLOCKS_PNG = "chosen_blocks.png"
+STEPS_PNG = "selection_steps.png"
 
 
 def leaderboard(results: Results) -> str:
@@ -25,6 +26,8 @@ def leaderboard(results: Results) -> str:
     for drop in sorted({row["drop"] for row in cells.values()}):
         lines += _drop_table(results.dense, analysis, cells, states, drop)
     lines += [f"![held-out perplexity vs blocks removed]({PPL_PNG})", "", f"![chosen blocks]({BLOCKS_PNG})", ""]
+    if any(row.get("selection") for row in results.cells.values()):
+        lines += [f"![cost of each candidate at each step]({STEPS_PNG})", ""]
     if results.oracle:
         lines += ["## Oracle", "", results.oracle["table"], ""]
     return "\n".join(lines)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from eval.compare.leaderboard import BLOCKS_PNG, PPL_PNG, leaderboard
+from eval.compare.leaderboard import BLOCKS_PNG, PPL_PNG, STEPS_PNG, leaderboard
 from eval.compare.results import Results, write_text
 from eval.compare.stats import analyse
 from prune.export import write_file_atomic
@@ -102,6 +102,44 @@ def plot_blocks(results: Results, path: Path, blocks: int) -> None:
     plt.close(fig)
 
 
+def plot_selection_steps(results: Results, path: Path) -> bool:
+    """PNG: what a stepping selection measured, one panel per method (its deepest drop), one column of dots per step.
+
+    Each dot is one candidate block's cost at that step (the repaired model's perplexity on the measuring rows,
+    against dense's there), the chosen one ringed and labelled. False when no cell stepped.
+    """
+    deepest: dict[str, dict] = {}
+    for row in results.cells.values():
+        if row.get("selection") and row["drop"] >= deepest.get(row["method"], {}).get("drop", -1):
+            deepest[row["method"]] = row
+    if not deepest:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(deepest), figsize=(5 * len(deepest), 4), dpi=120, squeeze=False)
+    for ax, (name, row) in zip(axes[0], sorted(deepest.items()), strict=True):
+        selection = row["selection"]
+        criterion = selection.get("criterion", "ppl")
+        for step, entry in enumerate(selection["steps"], start=1):
+            costs = {int(b): c[criterion] for b, c in entry["costs"].items() if c[criterion] != float("inf")}
+            ax.scatter([step] * len(costs), list(costs.values()), s=10, color=method_colour(name), alpha=0.6)
+            chosen = costs[entry["drop"]]
+            ax.scatter([step], [chosen], s=60, facecolors="none", edgecolors="black")
+            ax.annotate(str(entry["drop"]), (step, chosen), xytext=(4, -10), textcoords="offset points", fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xlabel("step (one block removed per step)")
+        ax.set_ylabel("measuring rows' perplexity" if criterion == "ppl" else "KL from the original (nats/token)")
+        ax.set_title(f"{name}: {selection['selection']}, repair {selection['repair']}", fontsize=9)
+    fig.suptitle("cost of each candidate block at each step (ringed: the block removed)", fontsize=10)
+    fig.tight_layout()
+    write_file_atomic(path, fig.savefig)
+    plt.close(fig)
+    return True
+
+
 def write_reports(results: Results, out: Path, blocks: int, plots: bool = True) -> None:
     """results.json, README.md and (unless ``plots`` is False) the plots, each replaced whole."""
     results.analysis = analyse(results)
@@ -111,3 +149,4 @@ def write_reports(results: Results, out: Path, blocks: int, plots: bool = True) 
         if plots:
             plot_perplexity(results, out / PPL_PNG)
             plot_blocks(results, out / BLOCKS_PNG, blocks)
+            plot_selection_steps(results, out / STEPS_PNG)

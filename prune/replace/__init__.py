@@ -41,10 +41,12 @@ from prune.replace.driver import (
     check_replacement_supported,
     check_span_lengths,
     fit_replacements,
+    fit_spans,
     install_replacements_,
     replace_blocks_,
     replacement_modules,
     spans_of,
+    surgered_view,
 )
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import ReplacedBlock, parameter_count
@@ -102,6 +104,7 @@ __all__ = [
     "default_rank",
     "describe_replacement",
     "fit_replacements",
+    "fit_spans",
     "get_method",
     "install_replacements_",
     "method_for_module",
@@ -117,6 +120,7 @@ __all__ = [
     "replacement_records",
     "resolve_options",
     "spans_of",
+    "surgered_view",
     "unregister_method",
     "unset_options",
 ]

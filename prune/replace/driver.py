@@ -159,6 +159,27 @@ def _fit_sequential(model, fitters: list[SpanFitter], token_ids, config) -> list
     return done
 
 
+def fit_spans(model: nn.Module, spans: Sequence[tuple[int, ...]], token_ids: torch.Tensor,
+              config: ReplaceConfig) -> dict[tuple[int, ...], Replacement]:
+    """Each span's replacement fitted alone on the original model's states (one capture pass for all of them).
+
+    Spans may overlap (the candidates of a selection that measures repairs): an independent fit of a span
+    depends on nothing but the original model and the span, so each is fitted once and reused in any set.
+    The model is not changed; put a set in place with :func:`surgered_view`.
+    """
+    spec = get_method(config.method)
+    if spec.fitter is None:
+        return {}
+    original = list(get_blocks(model)[1])
+    fitters = [spec.fitter(model, original, tuple(span), config) for span in dict.fromkeys(map(tuple, spans))]
+    return {r.span: r for r in _fit_independent(model, fitters, token_ids, config)}
+
+
+def surgered_view(model: nn.Module, replacements: Sequence[Replacement]):
+    """The model with ``replacements`` (fitted on its current blocks) in place for the length of a ``with``."""
+    return _surgered_view(model, list(get_blocks(model)[1]), replacements)
+
+
 def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[Replacement]:
     """A skeleton's spans, fitted from one block-by-block pass over the batches the capture pass would run.
 
