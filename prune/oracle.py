@@ -289,8 +289,12 @@ def oracle_table(oracle: Oracle, scores: dict[str, list[float]] | None = None, r
         lines += ["| score | Spearman |", "|---|---:|"]
         lines += [f"| {name} | {rho:+.3f} |" for name, rho in sorted(oracle.spearman.items(), key=lambda kv: -kv[1])]
     else:
-        lines[0] += (f" The repaired column: the perplexity on the measuring rows with the block alone removed and "
-                     f"repaired by --replace {repaired['method']} (fitted on the other rows).")
+        dense = f"; dense {repaired['dense']:.3f} on them" if repaired.get("dense") else ""
+        lines[0] += (f" The repaired column: the perplexity on the measuring rows (one calibration row in 8{dense}) "
+                     f"with the block alone removed and repaired by --replace {repaired['method']}, fitted on the "
+                     "other rows. Spearman with each:")
+        lines[0] = lines[0].replace(" Spearman rank correlation of each score with it (+1 = ranks blocks as removal "
+                                    "really hurts):", "")
         lines += ["| score | Spearman with removal | Spearman with repaired |", "|---|---:|---:|"]
         names = sorted(set(oracle.spearman) | set(repaired["spearman"]),
                        key=lambda n: -repaired["spearman"].get(n, float("-inf")))

@@ -37,6 +37,7 @@ from torch import nn
 
 from prune.adapters import get_blocks, input_device
 from prune.errors import LayercutError
+from prune.heldout import packed_perplexity
 from prune.linear_fit import fit_linear_map, scale_update
 from prune.oracle import logits_from, states_entering
 from prune.replace import (
@@ -312,8 +313,9 @@ def repaired_oracle(model: nn.Module, token_ids: torch.Tensor, scores: dict[str,
                     replace: ReplaceConfig, batch_size: int = 4, memo: dict | None = None) -> dict:
     """The oracle's "repaired" column: each block's own repaired cost, and every cheap ranking's Spearman with it.
 
-    Returns ``{"method", "ppl", "kl", "map_error", "spearman"}``: per-block perplexity and KL of the model with
-    that block alone removed and repaired (measuring rows), the one-pass map error (:func:`map_errors`), and
+    Returns ``{"method", "dense", "ppl", "kl", "map_error", "spearman"}``: the original model's perplexity on the
+    measuring rows, per-block perplexity and KL of the model with that block alone removed and repaired (on
+    the same rows), the one-pass map error (:func:`map_errors`), and
     the Spearman of each score's removability, of the map error and of the bare-removal oracle (added by the
     caller) with the repaired perplexity (+1: ranks blocks as their repair really costs).
     """
@@ -330,5 +332,6 @@ def repaired_oracle(model: nn.Module, token_ids: torch.Tensor, scores: dict[str,
     agreement = {name: spearman(get_score(name).removability(values), target) for name, values in scores.items()}
     agreement["map-error (repaired-fast)"] = spearman([-e for e in errors], target)
     agreement["repaired KL"] = spearman([-measured[b]["kl"] for b in blocks], target)
-    return {"method": replace.method, "ppl": ppl, "kl": [measured[b]["kl"] for b in blocks], "map_error": errors,
-            "spearman": agreement}
+    dense = packed_perplexity(model, costs.measure_ids, batch_size, progress=False)
+    return {"method": replace.method, "dense": dense, "ppl": ppl, "kl": [measured[b]["kl"] for b in blocks],
+            "map_error": errors, "spearman": agreement}

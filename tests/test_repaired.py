@@ -148,8 +148,7 @@ def test_prune_run_selects_for_the_repair_and_reports_each_step(tiny_folder, tmp
     report = json.loads((out / "layercut.json").read_text())
     selection = report["selection"]
     assert selection["selection"] == "repaired-greedy" and selection["repair"] == "linear"
-    assert [step["drop"] for step in selection["steps"]] == sorted(report["dropped"], key=[
-        step["drop"] for step in selection["steps"]].index)
+    assert {step["drop"] for step in selection["steps"]} == set(report["dropped"])
     assert len(selection["steps"][0]["costs"]) == 4 and len(selection["steps"][1]["costs"]) == 3
     chosen = selection["steps"][0]
     assert chosen["drop"] == int(min(chosen["costs"], key=lambda b: chosen["costs"][b]["ppl"]))
