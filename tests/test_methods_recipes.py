@@ -118,7 +118,7 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
                             "linear-distill-2000-wide", "linear-distill-wide", "streamline-distill",
                             "linear-distill-kl-lora-2000-wide", "linear-scaled",
                             "linear-scaled-distill", "fold-scaled", "fold-scaled-0.3", "linear-ls", "fold-ls",
-                            "remove-span", "fold-topk"}
+                            "remove-span", "fold-topk", "best-kl", "best-sequential"}
     assert not set(repairs) & set(method_recipes())
 
     def config(path):
