@@ -86,14 +86,19 @@ def r_squared(fit: LinearFit, moments: PairMoments) -> float:
     Works on held-out moments: the residual ``Y - XA - b`` is expanded in the centred Grams plus the
     offset between the held-out means and the map's prediction of them.
     """
-    a = fit.weight.to(moments.cxx)
-    sse = (
-        torch.diagonal(moments.cyy)
-        - 2 * (a * moments.cxy).sum(0)
-        + ((moments.cxx @ a) * a).sum(0)
-    )
-    offset = moments.mean_y - moments.mean_x @ a - fit.bias.to(a)
-    sse = sse + moments.n * offset**2
+    sse = residual_sums(fit, moments)
     sst = torch.diagonal(moments.cyy)
     valid = sst > 0
     return float((1 - sse[valid] / sst[valid]).mean())
+
+
+def residual_sums(fit: LinearFit, moments: PairMoments) -> torch.Tensor:
+    """Per output coordinate, the summed squared residual ``Y - XA - b`` over the tokens of ``moments``.
+
+    Expanded in the centred Grams plus the offset between their means and the map's prediction of them, so it
+    holds on moments the map was not fitted on.
+    """
+    a = fit.weight.to(moments.cxx)
+    sse = torch.diagonal(moments.cyy) - 2 * (a * moments.cxy).sum(0) + ((moments.cxx @ a) * a).sum(0)
+    offset = moments.mean_y - moments.mean_x @ a - fit.bias.to(a)
+    return sse + moments.n * offset**2

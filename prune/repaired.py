@@ -38,7 +38,7 @@ from torch import nn
 from prune.adapters import get_blocks, input_device
 from prune.errors import LayercutError
 from prune.heldout import packed_perplexity
-from prune.linear_fit import fit_linear_map, scale_update
+from prune.linear_fit import fit_linear_map, residual_sums, scale_update
 from prune.oracle import logits_from, states_entering
 from prune.replace import (
     ReplaceConfig,
@@ -286,6 +286,12 @@ def single_costs(costs: RepairedCosts, candidates: Sequence[int], bar=None) -> d
     return costs.measure([], candidates, bar)
 
 
+def update_share(replace: ReplaceConfig | None) -> float:
+    """The share of its fitted update the run's map applies (1: a method without the option, or no repair)."""
+    scale = replace.update_scale if replace is not None else None
+    return float(scale) if isinstance(scale, (int, float)) else 1.0
+
+
 def map_errors(model: nn.Module, token_ids: torch.Tensor, update_scale: float = 1.0, ridge: float = 0.0,
                batch_size: int = 4) -> list[float]:
     """Per block: the share of its output's energy its least-squares map misses on rows the map was not fitted on.
@@ -300,10 +306,7 @@ def map_errors(model: nn.Module, token_ids: torch.Tensor, update_scale: float = 
     for block in range(len(get_blocks(model)[1])):
         fit = scale_update(fit_linear_map(fitted.pair(block, block + 1), ridge), update_scale)
         moments = held.pair(block, block + 1)
-        a = fit.weight.to(moments.cxx)
-        sse = torch.diagonal(moments.cyy) - 2 * (a * moments.cxy).sum(0) + ((moments.cxx @ a) * a).sum(0)
-        offset = moments.mean_y - moments.mean_x @ a - fit.bias.to(a)
-        sse = sse + moments.n * offset**2
+        sse = residual_sums(fit, moments)
         energy = torch.diagonal(moments.cyy) + moments.n * moments.mean_y**2  # uncentred: the state's own size
         errors.append(float(sse.sum() / energy.sum()))
     return errors
@@ -326,8 +329,7 @@ def repaired_oracle(model: nn.Module, token_ids: torch.Tensor, scores: dict[str,
     costs = RepairedCosts(model, token_ids, replace, batch_size, memo)
     measured = single_costs(costs, list(blocks))
     ppl = [measured[b]["ppl"] for b in blocks]
-    scale = replace.update_scale if isinstance(replace.update_scale, (int, float)) else 1.0
-    errors = map_errors(model, token_ids, scale, batch_size=batch_size)
+    errors = map_errors(model, token_ids, update_share(replace), batch_size=batch_size)
     target = [-p for p in ppl]
     agreement = {name: spearman(get_score(name).removability(values), target) for name, values in scores.items()}
     agreement["map-error (repaired-fast)"] = spearman([-e for e in errors], target)

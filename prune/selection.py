@@ -26,7 +26,7 @@ from prune.adapters import is_offloaded
 from prune.errors import LayercutError
 from prune.oracle import removal_cache, removal_perplexities
 from prune.registry import Registry
-from prune.repaired import RepairedCosts, greedy_order, map_errors, single_costs
+from prune.repaired import RepairedCosts, greedy_order, map_errors, single_costs, update_share
 from prune.scores import Score, block_scores
 from prune.sequential import stream_any
 from prune.stats import StateMoments
@@ -301,8 +301,6 @@ def _repaired_fast(inputs: SelectionInput) -> list[int]:
     """One pass: the ``count`` blocks whose least-squares map misses the least of their output on held-out rows."""
     if inputs.model is None or inputs.token_ids is None:
         raise ValueError("repaired-fast selection needs the model and calibration tokens")
-    scale = inputs.replace.update_scale if inputs.replace is not None else None
-    errors = map_errors(inputs.model, inputs.token_ids, scale if isinstance(scale, (int, float)) else 1.0,
-                        batch_size=inputs.batch_size)
+    errors = map_errors(inputs.model, inputs.token_ids, update_share(inputs.replace), batch_size=inputs.batch_size)
     candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
     return sorted(candidates, key=lambda b: (errors[b], b))[: inputs.count]
