@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from prune.adapters import hidden_size
 from prune.errors import LayercutError
+from prune.model.adapters import hidden_size
 
 # Mixed text (words, digits, punctuation, accents, spaces) that two tokenizers split the same way only if
 # they are the same tokenizer.

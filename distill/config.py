@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from distill.losses import LOSSES, cache_refusal, legacy_keys
-from prune.data import DEFAULT_DATA, DataConfig
+from prune.data.calibration import DEFAULT_DATA, DataConfig
 from prune.errors import LayercutError
 
 TRAIN_MODES = ("replacements", "all", "lora")

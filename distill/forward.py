@@ -18,8 +18,8 @@ from torch import nn
 from distill.config import DistillConfig
 from distill.layout import Layout, resolve_layout, teacher_targets
 from distill.losses import NEEDS_LOGITS, LossInputs, TeacherTopK, total_loss
-from prune.adapters import input_device
-from prune.capture import residual_states
+from prune.model.adapters import input_device
+from prune.model.capture import residual_states
 
 
 def logits_kwargs(model: nn.Module, want_logits: bool) -> dict:

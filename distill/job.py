@@ -23,13 +23,14 @@ from distill.config import DistillConfig
 from distill.layout import Layout, check_layout, resolve_layout
 from distill.teacher_cache import TeacherCache, cache_folder, files_stamp, open_cache
 from distill.train import LOG_FILE, DistillResult, distill, training_ids, write_teacher_cache
-from prune.adapters import num_blocks
-from prune.checkpoint import load, save
+from prune.atomic import check_output_dir
+from prune.checkpoint.load_config import LoadConfig
+from prune.checkpoint.save_load import load, save
+from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL, library_versions, read_report
 from prune.errors import LayercutError
-from prune.export import HELDOUT_BEFORE_DISTILL, check_output_dir, library_versions, read_report
-from prune.loading import LoadedModel, resolve_model_name
-from prune.options import LoadConfig
-from prune.surgery import LAYOUT_ATTR
+from prune.loading.loader import LoadedModel, resolve_model_name
+from prune.model.adapters import num_blocks
+from prune.model.surgery import LAYOUT_ATTR
 
 
 @dataclass
@@ -203,7 +204,7 @@ def final_report(student_report: dict, student: LoadedModel, teacher: LoadedMode
 
 
 def export(student: LoadedModel, report: dict, out: str, overwrite: bool, log_path: Path | None) -> Path:
-    """Write the distilled checkpoint (replacement maps included) with ``prune.checkpoint.save``."""
+    """Write the distilled checkpoint (replacement maps included) with ``prune.checkpoint.save_load.save``."""
     def extra(staging: Path) -> None:
         if log_path is not None and log_path.is_file():
             shutil.copy2(log_path, staging / LOG_FILE)

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from prune.adapters import num_blocks
 from prune.errors import LayercutError
-from prune.surgery import LAYOUT_ATTR, block_layout
+from prune.model.adapters import num_blocks
+from prune.model.surgery import LAYOUT_ATTR, block_layout
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def layout_from_dropped(num_blocks_before: int, dropped: Sequence[int]) -> Layou
 def _recorded_layout(student: nn.Module) -> Layout | None:
     """The layout the student carries, or None when it carries none.
 
-    ``prune.surgery.block_layout`` (which also knows replacement wrappers) is used when the model
+    ``prune.model.surgery.block_layout`` (which also knows replacement wrappers) is used when the model
     records a layout; it falls back to the identity when none is recorded, which we must not mistake
     for a real layout, hence the attribute check first.
     """

@@ -40,8 +40,8 @@ from distill.sharded import (
     use_fsdp_on_cpu,
 )
 from distill.trainable import Trainable, select_trainable
-from prune.adapters import input_device
 from prune.errors import LayercutError
+from prune.model.adapters import input_device
 
 logger = logging.getLogger(__name__)
 

@@ -1,18 +1,18 @@
 """What a distillation run will hold and take, per device, before anything loads (``distill.run --plan``).
 
 The student's ``layercut.json`` names its teacher and how many blocks it lost; the teacher's config alone
-(``prune.planner``) gives the sizes. Only the stages ``distill.run`` runs are kept: the teacher's cache
+(``prune.planner.estimate``) gives the sizes. Only the stages ``distill.run`` runs are kept: the teacher's cache
 when one is asked for, and the training.
 """
 
 from __future__ import annotations
 
 from distill.job import DistillJob, teacher_name
-from prune.export import read_report
-from prune.planner import Hardware, PlanInput, RunPlan, distill_spec, plan_run
-from prune.planner_shape import shape_of_name
+from prune.checkpoint.write import read_report
+from prune.planner.estimate import Hardware, PlanInput, RunPlan, distill_spec, plan_run
+from prune.planner.shape import shape_of_name
 
-# prune.planner's stages that distill.run runs
+# prune.planner.estimate's stages that distill.run runs
 DISTILL_STAGES = ("teacher cache", "distillation")
 
 

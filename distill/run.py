@@ -27,8 +27,8 @@ from distill.config import DEFAULT_LOSSES, DEFAULT_LR, TRAIN_MODES, DistillConfi
 from distill.job import DistillJob, run_job
 from distill.losses import LOSSES
 from distill.train import DistillResult
+from prune.checkpoint.write import describe_generalisation
 from prune.errors import LayercutError, cli_entry
-from prune.export import describe_generalisation
 from prune.options import (
     add_data_arguments,
     add_load_arguments,
@@ -37,7 +37,7 @@ from prune.options import (
     data_config_from_args,
     load_config_from_args,
 )
-from prune.planner import add_plan_arguments, format_plan, hardware_from_args, write_plan_json
+from prune.planner.estimate import add_plan_arguments, format_plan, hardware_from_args, write_plan_json
 
 logger = logging.getLogger(__name__)
 

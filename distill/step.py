@@ -16,10 +16,10 @@ from distill.checkpoints import default_work_folder
 from distill.config import DistillConfig
 from distill.layout import resolve_layout
 from distill.train import distill, training_ids, write_teacher_cache
-from prune.adapters import num_blocks
-from prune.data import DEFAULT_DATA
-from prune.loading import LoadedModel
-from prune.steps import StepResult
+from prune.data.calibration import DEFAULT_DATA
+from prune.loading.loader import LoadedModel
+from prune.model.adapters import num_blocks
+from prune.pipeline.steps import StepResult
 
 logger = logging.getLogger(__name__)
 

@@ -169,7 +169,7 @@ def open_cache(folder: Path, *, key: str | None = None, request: dict | None = N
 def _write_arrays(staging: Path, teacher: nn.Module, ids: torch.Tensor, k: int, batch_size: int,
                   autocast: Callable[[], AbstractContextManager]) -> None:
     """Run the teacher over ``ids`` [rows, seq] in batches and write its top-K arrays into ``staging``."""
-    from prune.adapters import input_device
+    from prune.model.adapters import input_device
 
     rows, seq = ids.shape
     out = {

@@ -42,10 +42,10 @@ from distill.loop import JsonLog, Run, make_accelerator, train_loop
 from distill.sharded import full_model_state, is_sharded
 from distill.teacher_cache import TeacherCache, cache_folder, prepare_cache
 from distill.trainable import merge_lora
-from prune.adapters import num_blocks
-from prune.data import calibration_data
+from prune.data.calibration import calibration_data
 from prune.errors import LayercutError
 from prune.memory import peak_rss_bytes
+from prune.model.adapters import num_blocks
 
 # the names callers import from here, though they live in the modules above
 __all__ = ["FEW_READS", "LOG_FILE", "MANY_READS", "DistillResult", "distill", "evaluate_losses", "forward_states",

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from distill.config import DistillConfig
-from prune.adapters import get_blocks
 from prune.errors import LayercutError
+from prune.model.adapters import get_blocks
 from prune.replace import replacement_modules
 
 logger = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 
-from eval.evaluate import PERPLEXITY_TASK, EvalOptions, parse_limit, run
-from eval.report import markdown_table
+from eval.quality.evaluate import PERPLEXITY_TASK, EvalOptions, parse_limit, run
+from eval.quality.report import markdown_table
 from prune.errors import cli_entry
 from prune.options import (
     add_load_arguments,

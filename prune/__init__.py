@@ -1,7 +1,7 @@
 """layercut's base: loading, architecture adapters, capture, scores, selection, surgery, export.
 
 ``prune.load(path)`` loads any checkpoint layercut wrote (with its replacement maps) or any model
-``prune.loading.load_model`` takes. It is imported on first use, so ``import prune`` stays light.
+``prune.loading.loader.load_model`` takes. It is imported on first use, so ``import prune`` stays light.
 """
 
 from prune.errors import LayercutError
@@ -11,7 +11,7 @@ __all__ = ["LayercutError", "load", "save"]
 
 def __getattr__(name: str):
     if name in ("load", "save"):
-        from prune import checkpoint
+        from prune.checkpoint import save_load as checkpoint
 
         return getattr(checkpoint, name)
     raise AttributeError(f"module 'prune' has no attribute '{name}'")

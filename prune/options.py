@@ -4,7 +4,7 @@ Groups: model loading (``--model``, ``--dtype``, ``--device``, ``--load-in-4bit`
 ``--tokenizer``), calibration data (``--data``, ``--text-field``, ``--samples``, ``--seq-len``,
 ``--seed``), output (``--out``, ``--overwrite``) and ``--threads``. Each group has the function that
 turns the parsed flags into the dataclass the library takes (:class:`LoadConfig`,
-:class:`prune.data.DataConfig`), so a flag, its help text and its validation live in one place.
+:class:`prune.data.calibration.DataConfig`), so a flag, its help text and its validation live in one place.
 Entry points may prefix the loading group (``--teacher``, ``--teacher-dtype``, ...).
 """
 
@@ -15,66 +15,19 @@ import logging
 import os
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from prune.checkpoint import load
-from prune.data import DataConfig
+from prune.checkpoint.load_config import DTYPES, OFFLOADS, LoadConfig
+from prune.data.calibration import DataConfig
 from prune.errors import LayercutError
-from prune.loading import EMBEDDED_MODEL, LoadedModel
+from prune.loading.loader import EMBEDDED_MODEL
 
 logger = logging.getLogger(__name__)
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-OFFLOADS = ("none", "sequential")
 
 
-@dataclass
-class LoadConfig:
-    """How to load a model; a recipe's ``load:`` section maps key for key onto it.
-
-    Attributes:
-        model: alias, hub id, checkpoint folder or ``.gguf`` file.
-        dtype: auto | float32 | bfloat16 | float16.
-        device: cpu | cuda | cuda:N | auto (accelerate ``device_map`` over the GPUs).
-        load_in_4bit: bitsandbytes NF4 weights (CUDA only).
-        load_in_8bit: bitsandbytes int8 weights (CUDA only).
-        tokenizer: tokenizer to use instead of the checkpoint's (for folders saved without one).
-        offload: "none" (the whole model in memory) or "sequential" (scoring and fitting load one block at
-            a time from the checkpoint's safetensors and run it over every calibration token, so peak
-            memory is one block and two state buffers; ``prune.sequential``).
-    """
-
-    model: str = EMBEDDED_MODEL
-    dtype: str = "auto"
-    device: str = "cpu"
-    load_in_4bit: bool = False
-    load_in_8bit: bool = False
-    tokenizer: str | None = None
-    offload: str = "none"
-
-    def __post_init__(self):
-        if self.load_in_4bit and self.load_in_8bit:
-            raise LayercutError("--load-in-4bit and --load-in-8bit exclude each other: pass one")
-        if self.offload not in OFFLOADS:
-            raise LayercutError(f"--offload {self.offload!r}: choose one of {', '.join(OFFLOADS)}")
-
-    def load(self, model: str | None = None) -> LoadedModel:
-        """Load ``model`` (default: ``self.model``) with these options, replacement maps attached.
-
-        With ``offload="sequential"`` the model is a skeleton whose blocks stay in the checkpoint
-        (``prune.offload.load_offloaded``).
-        """
-        if self.offload == "sequential":
-            from prune.offload import load_offloaded
-
-            return load_offloaded(model or self.model, dtype=self.dtype, device=self.device,
-                                  tokenizer=self.tokenizer, load_in_4bit=self.load_in_4bit,
-                                  load_in_8bit=self.load_in_8bit)
-        return load(model or self.model, dtype=self.dtype, device=self.device, load_in_4bit=self.load_in_4bit,
-                    load_in_8bit=self.load_in_8bit, tokenizer=self.tokenizer)
 
 
 def _flag(prefix: str, name: str) -> str:
@@ -143,7 +96,7 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, samples: int | None =
                        "README") -> None:
     """Calibration flags: ``--data --text-field --samples`` (unless None) ``--seq-len --seed [--heldout-samples]``.
 
-    ``data`` / ``data_help``: the default of ``--data`` (None: :data:`prune.data.DEFAULT_DATA`) and how
+    ``data`` / ``data_help``: the default of ``--data`` (None: :data:`prune.data.calibration.DEFAULT_DATA`) and how
     ``--help`` names it.
     """
     group = parser.add_argument_group(title)
@@ -166,7 +119,7 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, samples: int | None =
 
 
 def data_config_from_args(args: argparse.Namespace) -> DataConfig:
-    """The :class:`prune.data.DataConfig` of flags added by :func:`add_data_arguments`."""
+    """The :class:`prune.data.calibration.DataConfig` of flags added by :func:`add_data_arguments`."""
     samples = getattr(args, "samples", None) or DataConfig.samples  # entry points without --samples count tokens
     heldout = getattr(args, "heldout_samples", None)
     return DataConfig(args.data, samples, args.seq_len, args.seed, args.text_field,

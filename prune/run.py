@@ -21,13 +21,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from prune.architectures import architecture_markdown
-from prune.catalog import model_table
-from prune.data import DataConfig
+from prune.checkpoint.load_config import LoadConfig
+from prune.checkpoint.write import describe_generalisation
+from prune.data.calibration import DataConfig
 from prune.errors import LayercutError, cli_entry
-from prune.export import describe_generalisation
+from prune.loading.catalog import model_table
+from prune.measure.score_report import score_table
+from prune.measure.scores import SCORES
+from prune.model.architectures import architecture_markdown
 from prune.options import (
-    LoadConfig,
     add_data_arguments,
     add_load_arguments,
     add_output_arguments,
@@ -35,8 +37,10 @@ from prune.options import (
     apply_threads,
     explicit_flags,
 )
-from prune.pipeline import PruneConfig, run_prune
-from prune.planner import (
+from prune.pipeline.config import PruneConfig
+from prune.pipeline.recipes import config_from_recipe
+from prune.pipeline.runner import run_prune
+from prune.planner.estimate import (
     PLAN_FLAGS,
     RunPlan,
     add_plan_arguments,
@@ -46,12 +50,9 @@ from prune.planner import (
     refuse_if_too_big,
     write_plan_json,
 )
-from prune.recipes import config_from_recipe
 from prune.replace import METHODS, describe_replacement
 from prune.replace.registry import describe_option, option_specs
-from prune.score_report import score_table
-from prune.scores import SCORES
-from prune.selection import DEFAULT_PROTECT, SELECTIONS
+from prune.selection.strategies import DEFAULT_PROTECT, SELECTIONS
 
 # Flags defined with a shared dataclass land in its section; the others' dest is their path in a PruneConfig
 # ("replace.update_scale"), or the top-level key of the same name.
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("serving export")
     group.add_argument("--export", choices=EXPORTS, default=None,
                        help="also write the checkpoint for a serving engine: gguf, a GGUF for llama.cpp inside the "
-                       "output folder, converted by llama.cpp's own converter and read back (prune.export_gguf)")
+                       "output folder, converted by llama.cpp's own converter and read back (prune.checkpoint.gguf)")
     group.add_argument("--gguf-type", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
                        help="the GGUF's tensor type (default: f32)")
     group.add_argument("--converter", default=None,
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_prune(config, steps=config.build_steps())
     print_summary(result)
     if args.export == "gguf" and result.out is not None:
-        from prune.export_gguf import convert
+        from prune.checkpoint.gguf import convert
 
         path, checked = convert(result.out, outtype=args.gguf_type, converter=args.converter)
         print(f"wrote {path} ({checked['architecture']}, {checked['blocks']} blocks, read back: {checked['compared']} "
@@ -295,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_export(config: PruneConfig, converter: str | None) -> None:
     """Refuse ``--export gguf`` before any work when it cannot succeed: no output, maps no engine runs, no converter."""
-    from prune.export_gguf import find_converter
+    from prune.checkpoint.gguf import find_converter
+    from prune.model.layouts import LAYERCUT, VANILLA_RECIPE
     from prune.replace import METHODS
-    from prune.serving import LAYERCUT, VANILLA_RECIPE
 
     if not config.removes:
         raise LayercutError("--export gguf converts the pruned checkpoint: pass --drop K (or a --target-*)")

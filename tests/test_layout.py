@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from prune.recipes import METHODS_DIR, RECIPES_DIR, method_recipes
+from prune.pipeline.recipes import METHODS_DIR, RECIPES_DIR, method_recipes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@
 
 A method is a recipe in ``recipes/methods/`` (named by its file stem) or any recipe file. The model is
 loaded once, the calibration text is drawn and scored once (all scores, all pairwise cosines), and every
-cell (method, drop) runs ``prune.pipeline.run_prune`` on a fresh copy of the model with those shared
+cell (method, drop) runs ``prune.pipeline.runner.run_prune`` on a fresh copy of the model with those shared
 statistics. Each cell reports the blocks removed, parameters, held-out perplexity on each domain of
 text calibration never saw and their geometric mean (``--heldout novel.txt,news=ptb.txt,...``, one domain
 per entry, named by file stem or ``name=``; default: the calibration's held-out sequences, one domain
@@ -43,7 +43,7 @@ Ctrl-C loses at most one), ``README.md`` (a leaderboard per drop, dense row on t
 ``perplexity_vs_blocks.png``, ``chosen_blocks.png``, ``oracle.md`` with ``--oracle``, ``measurements.json``
 (every calibration perplexity measured with blocks or sub-layers removed, for SLEB, the oracle and the
 measured sub-layer ranking, written as each is taken and read back by a resumed run on the same model
-and calibration: ``eval.measurements``), and each cell's reports under ``cells/<method>-drop<K>/``
+and calibration: ``eval.compare.measurements``), and each cell's reports under ``cells/<method>-drop<K>/``
 (weights too with ``--keep-checkpoints``).
 """
 

@@ -16,16 +16,16 @@ from eval.compare.digest import recipe_digest
 from eval.compare.heldout import Heldout, measure_domains
 from eval.compare.metrics import measure_metrics
 from eval.compare.results import Row
-from eval.lmeval import primary_metric, run_lm_eval
-from eval.speed import WEIGHT_SUFFIXES, SpeedOptions, make_prompt, time_decode
-from prune import hf_remote_code
-from prune.adapters import num_blocks
-from prune.checkpoint import REPLACEMENTS_FILE
+from eval.quality.lmeval import primary_metric, run_lm_eval
+from eval.speed.measure import WEIGHT_SUFFIXES, SpeedOptions, make_prompt, time_decode
+from prune.checkpoint.save_load import REPLACEMENTS_FILE
+from prune.checkpoint.serving import folder_serving
 from prune.errors import LayercutError
-from prune.loading import LoadedModel
-from prune.pipeline import Scored, run_prune
+from prune.loading.loader import LoadedModel
+from prune.model import remote_code as hf_remote_code
+from prune.model.adapters import num_blocks
+from prune.pipeline.runner import Scored, run_prune
 from prune.replace import parameter_count
-from prune.serving import folder_serving
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def decode_seconds(model, seq_len: int, new_tokens: int) -> tuple[float, float]:
 
 def engine_decode_seconds(path: str, config: CompareConfig) -> tuple[float, float]:
     """:func:`decode_seconds` in ``config.engine``, on the checkpoint at ``path`` (written, or the dense source)."""
-    from eval.engines import EngineSettings, get_engine
+    from eval.speed.engines import EngineSettings, get_engine
 
     engine = get_engine(config.engine)
     options = SpeedOptions(prompt_len=min(64, config.seq_len), new_tokens=config.speed_tokens)
@@ -129,7 +129,7 @@ def complete_cell(row: Row, folder: Path, config: CompareConfig, heldout: Heldou
 
 
 def serving_layout(folder: Path) -> dict:
-    """The cell's ``serving`` entry (``prune.serving``): which engines run its checkpoint."""
+    """The cell's ``serving`` entry (``prune.model.layouts``): which engines run its checkpoint."""
     return folder_serving(folder)
 
 

@@ -14,7 +14,7 @@ import argparse
 from eval.compare.config import CompareConfig, cell_config, method_list, parse_drops, parse_methods
 from eval.compare.grid import run_comparison, summary_lines
 from eval.compare.plots import README
-from eval.evaluate import parse_limit
+from eval.quality.evaluate import parse_limit
 from prune.errors import LayercutError, cli_entry
 from prune.options import (
     add_data_arguments,
@@ -24,7 +24,7 @@ from prune.options import (
     data_config_from_args,
     load_config_from_args,
 )
-from prune.planner import (
+from prune.planner.estimate import (
     RunPlan,
     add_plan_arguments,
     format_plan,
@@ -33,7 +33,7 @@ from prune.planner import (
     refuse_if_too_big,
     write_plan_json,
 )
-from prune.planner_shape import shape_of_name
+from prune.planner.shape import shape_of_name
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eval.compare.metrics import METRICS
-from prune.adapters import get_blocks
-from prune.data import DataConfig
+from prune.checkpoint.load_config import LoadConfig
+from prune.data.calibration import DataConfig
 from prune.errors import LayercutError
-from prune.options import LoadConfig
-from prune.pipeline import PruneConfig
-from prune.recipes import config_from_recipe, method_recipes, method_summary, resolve_method
+from prune.model.adapters import get_blocks
+from prune.pipeline.config import PruneConfig
+from prune.pipeline.recipes import config_from_recipe, method_recipes, method_summary, resolve_method
 from prune.replace import parameter_count
-from prune.sublayers import is_sublayer, parse_units
+from prune.selection.sublayers import is_sublayer, parse_units
 
 
 @dataclass
@@ -31,14 +31,14 @@ class CompareConfig:
             the calibration's held-out sequences, one domain per ``data`` source.
         heldout_tokens: score only the first this many tokens of each held-out text (None: all).
         tasks: lm-eval tasks, in order.
-        limit: rows per lm-eval task (``eval.evaluate.parse_limit``'s values; None: whole splits).
+        limit: rows per lm-eval task (``eval.quality.evaluate.parse_limit``'s values; None: whole splits).
         data_dir: local lm-eval data laid out like ``shared/data``.
         batch_size: sequences per forward pass while scoring, fitting and measuring.
         speed_tokens: decode steps timed per model for the speed-up (0: skip).
         oracle: also run SLEB's oracle and each score's Spearman correlation with it.
         metrics: registered metrics (``eval.compare.metrics``) measured on every model besides the standard ones.
         keep_checkpoints: keep every cell's weights under ``cells/``.
-        engine: the engine that times the decode speed-up (``eval.engines``: transformers, llamacpp, vllm);
+        engine: the engine that times the decode speed-up (``eval.speed.engines``: transformers, llamacpp, vllm);
             another than transformers times each cell's written checkpoint (a GGUF export for llama.cpp).
         overwrite: start afresh in an ``out`` that holds another comparison.
     """
@@ -71,7 +71,7 @@ class CompareConfig:
             raise LayercutError("--methods is empty: pass all, list, or method names")
         if self.batch_size <= 0:
             raise LayercutError(f"--batch-size must be positive, got {self.batch_size}")
-        from eval.engines import get_engine
+        from eval.speed.engines import get_engine
 
         get_engine(self.engine).check()  # unknown or not installed: one line before any cell runs
         if self.speed_tokens < 0:

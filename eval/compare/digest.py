@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from prune.errors import LayercutError
-from prune.recipes import config_from_recipe, read_recipe
+from prune.pipeline.recipes import config_from_recipe, read_recipe
 from prune.replace.registry import neutral_options
 
 # A cell's own keys: the model, data and amount come from the comparison, not the method.

@@ -13,6 +13,7 @@ from eval.compare.cells import cell_dir, complete_cell, measure, measure_tasks, 
 from eval.compare.config import CompareConfig, cell_config
 from eval.compare.digest import recipe_digest, recipe_state
 from eval.compare.heldout import Domain, Heldout, measure_domains, plan_domains, reconcile_domains, refresh_rows
+from eval.compare.measurements import MeasurementStore, calibration_digest
 from eval.compare.metrics import has_metrics, measure_metrics
 from eval.compare.plots import write_reports
 from eval.compare.results import (
@@ -25,13 +26,12 @@ from eval.compare.results import (
     open_results,
     write_text,
 )
-from eval.engines import checkpoint_folder
-from eval.measurements import MeasurementStore, calibration_digest
-from prune.loading import LoadedModel
-from prune.oracle import oracle_table, removal_cache, run_oracle, spearman
-from prune.pipeline import Scored, preflight, score_calibration
-from prune.repaired import repaired_oracle
+from eval.speed.engines import checkpoint_folder
+from prune.loading.loader import LoadedModel
+from prune.pipeline.runner import Scored, preflight, score_calibration
 from prune.replace import ReplaceConfig, check_drop_for_method
+from prune.selection.oracle import oracle_table, removal_cache, run_oracle, spearman
+from prune.selection.repaired import repaired_oracle
 from prune.stamps import weights_fingerprint
 
 logger = logging.getLogger(__name__)

@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from eval.compare.results import has_domains
-from eval.perplexity import tokenize_text
-from prune.data import FILE_SUFFIXES, DataConfig, load_documents
+from eval.quality.perplexity import tokenize_text
+from prune.data.calibration import FILE_SUFFIXES, DataConfig, load_documents
 from prune.errors import LayercutError
-from prune.heldout import packed_perplexity
-from prune.perplexity import perplexity
-from prune.pipeline import Scored
+from prune.measure.heldout import packed_perplexity
+from prune.measure.perplexity import perplexity
+from prune.pipeline.runner import Scored
 
 
 @dataclass(frozen=True)

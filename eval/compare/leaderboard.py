@@ -6,9 +6,9 @@ from eval.compare.digest import STALE_MARKS, recipe_state, stale_note
 from eval.compare.metrics import METRICS
 from eval.compare.results import NO_TASKS, Results
 from eval.compare.stats import TIE_SE, analyse, task_stderr
-from eval.lmeval import describe_rows
-from eval.speed_results import NOISY_RUN_SPREAD
-from prune.serving import ENGINE_NAMES, LAYOUTS, VANILLA, label
+from eval.quality.lmeval import describe_rows
+from eval.speed.results import NOISY_RUN_SPREAD
+from prune.model.layouts import ENGINE_NAMES, LAYOUTS, VANILLA, label
 
 PPL_PNG = "perplexity_vs_blocks.png"
 NOISY_MARK = "?"
@@ -95,7 +95,7 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
 
 
 def serves(row: dict) -> str:
-    """The engines that run the row's checkpoint (``prune.serving``); rows from before the label: from ``vanilla``."""
+    """The engines that run the row's checkpoint (``prune.model.layouts``); rows from before the label: from ``vanilla``."""
     return label(row.get("serving"), row.get("vanilla"))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from eval.peak_memory import weights_bytes
+from eval.speed.peak_memory import weights_bytes
 from prune.registry import Registry
 
 MeasureFn = Callable[..., dict]  # (model, tokenizer) -> the row fields it adds

@@ -10,7 +10,7 @@ import torch
 from eval.compare.leaderboard import BLOCKS_PNG, PPL_PNG, STEPS_PNG, leaderboard
 from eval.compare.results import Results, write_text
 from eval.compare.stats import analyse
-from prune.export import write_file_atomic
+from prune.atomic import write_file_atomic
 
 README = "README.md"
 

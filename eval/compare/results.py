@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from eval.compare.digest import upgrade_digest
+from prune.atomic import write_file_atomic
 from prune.errors import LayercutError
-from prune.export import write_file_atomic
 
 logger = logging.getLogger(__name__)
 

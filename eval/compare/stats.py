@@ -7,7 +7,7 @@ import math
 import torch
 
 from eval.compare.results import Results, Row
-from eval.lmeval import chance_level
+from eval.quality.lmeval import chance_level
 
 TIE_SE = 2.0  # differences under this many standard errors are ties
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from eval.compare.cells import measure_tasks
 from eval.mapfit import capture, parse_span, span_replaced
-from prune.adapters import num_blocks
-from prune.data import DataConfig, calibration_data
-from prune.linear_fit import LinearFit, fit_linear_map, scale_update
-from prune.options import LoadConfig
+from prune.checkpoint.load_config import LoadConfig
+from prune.data.calibration import DataConfig, calibration_data
+from prune.measure.least_squares import LinearFit, fit_linear_map, scale_update
+from prune.model.adapters import num_blocks
 from prune.replace.capture import PairAccumulator
 from prune.replace.driver import short_windows
 

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from eval.lmeval import answered_prompts, local_tasks
+from eval.quality.lmeval import answered_prompts, local_tasks
 from prune.errors import LayercutError
 
 SELECTION_TASKS = ("arc_easy", "hellaswag", "piqa")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from eval.compare.stats import gap_stderr, task_figures
-from eval.lmeval import task_rows
+from eval.quality.lmeval import task_rows
 from eval.tasks.local_docs import hellaswag_items
 from prune.errors import LayercutError
 
@@ -57,7 +57,7 @@ def hellaswag_by_source(results_path: str | Path, hellaswag_path: str | Path) ->
     """HellaSwag accuracy of every row of an ``eval.compare`` result, split into ActivityNet and WikiHow rows.
 
     A row is WikiHow when its context (after the activity label) starts "How to". The rows are the ones
-    ``eval.lmeval`` read for the results' ``--limit``.
+    ``eval.quality.lmeval`` read for the results' ``--limit``.
 
     Raises:
         LayercutError: a row's answers do not match the rows that limit reads (another file's results).

@@ -27,9 +27,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from eval.lens.shortcuts import ShortcutSet, batch_states
-from prune.adapters import final_norm, lm_head, num_blocks
-from prune.linear_fit import LinearFit, fit_linear_map, r_squared
-from prune.stats import StateMoments
+from prune.measure.least_squares import LinearFit, fit_linear_map, r_squared
+from prune.measure.moments import StateMoments
+from prune.model.adapters import final_norm, lm_head, num_blocks
 
 logger = logging.getLogger(__name__)
 

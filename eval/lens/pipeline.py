@@ -3,7 +3,7 @@
 ``eval.lens.run`` (the CLI) builds a :class:`LensConfig` and calls :func:`run_lens`.
 
 Data split: the calibration text (``data``, default the built-in *Pride and Prejudice*) is tokenized
-in document order as packed text (``prune.windows``: no special tokens, EOS after each document) and
+in document order as packed text (``prune.data.windows``: no special tokens, EOS after each document) and
 cut into windows of ``seq_len`` tokens. Without ``eval_data`` the first 80% of the windows are the fit
 region and the last 20% the held-out region, so no token is in both; the fit and held-out windows are
 drawn from their regions with the seed. With ``eval_data`` the fit windows come from all of ``data``
@@ -47,15 +47,16 @@ from eval.lens.shortcuts import (
     train_low_rank,
 )
 from eval.lens.standins import SUBMODULE_PARTS, evaluate_stand_ins, fit_stand_ins, parse_blocks
-from prune.adapters import arch_spec, hidden_size, num_blocks
-from prune.data import CalibrationData, check_seq_len, load_documents
+from prune.atomic import atomic_directory, check_output_dir, write_json
+from prune.checkpoint.load_config import LoadConfig
+from prune.checkpoint.write import library_versions
+from prune.data.calibration import CalibrationData, check_seq_len, load_documents
+from prune.data.windows import text_windows
 from prune.errors import LayercutError
-from prune.export import atomic_directory, check_output_dir, library_versions, write_json
-from prune.loading import LoadedModel
-from prune.options import LoadConfig
-from prune.scores import MIN_TOKENS_PER_DIM
-from prune.stats import StateMoments, stream_moments
-from prune.windows import text_windows
+from prune.loading.loader import LoadedModel
+from prune.measure.moments import StateMoments, stream_moments
+from prune.measure.scores import MIN_TOKENS_PER_DIM
+from prune.model.adapters import arch_spec, hidden_size, num_blocks
 
 logger = logging.getLogger(__name__)
 

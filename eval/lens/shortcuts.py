@@ -5,7 +5,7 @@ of state ``L`` (the last block's output), so the model's own final norm and LM h
 
 * ``id``: no map, ``h_l`` itself (the "logit lens").
 * ``mat``: the affine least-squares map ``h_l A + b``, closed form from streamed float64 moments
-  (``prune.stats`` / ``prune.linear_fit``), with a scale-free ridge.
+  (``prune.measure.moments`` / ``prune.measure.least_squares``), with a scale-free ridge.
 * ``njtc``: a rank-r correction ``h_l + (h_l U) V`` trained by Adam on the MSE to ``h_L``.
 * ``n-njtc``: the same with a ``BatchNorm1d`` in front: ``h_l + (BN(h_l) U) V``.
 
@@ -35,11 +35,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from prune.adapters import hidden_size, input_device, lm_head, num_blocks
-from prune.capture import residual_states
 from prune.errors import LayercutError
-from prune.linear_fit import LinearFit, fit_linear_map
-from prune.stats import StateMoments
+from prune.measure.least_squares import LinearFit, fit_linear_map
+from prune.measure.moments import StateMoments
+from prune.model.adapters import hidden_size, input_device, lm_head, num_blocks
+from prune.model.capture import residual_states
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class AffineBank(ShortcutBank):
 
     @classmethod
     def from_fits(cls, fits: Sequence[LinearFit]) -> AffineBank:
-        """Stack closed-form :class:`~prune.linear_fit.LinearFit` maps ([d_in, d_out] weights), one per layer."""
+        """Stack closed-form :class:`~prune.measure.least_squares.LinearFit` maps ([d_in, d_out] weights), one per layer."""
         bank = cls(len(fits), fits[0].weight.shape[0])
         for layer, fit in enumerate(fits):
             bank.weight.data[layer] = fit.weight.cpu()

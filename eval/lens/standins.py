@@ -23,11 +23,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from eval.lens.metrics import score_states
-from prune.adapters import arch_spec, get_blocks, get_submodule, input_device, lm_head, num_blocks
-from prune.capture import block_input, block_output, residual_states, with_block_output
 from prune.errors import LayercutError
-from prune.linear_fit import LinearFit, fit_linear_map
-from prune.stats import StateMoments
+from prune.measure.least_squares import LinearFit, fit_linear_map
+from prune.measure.moments import StateMoments
+from prune.model.adapters import arch_spec, get_blocks, get_submodule, input_device, lm_head, num_blocks
+from prune.model.capture import block_input, block_output, residual_states, with_block_output
 
 logger = logging.getLogger(__name__)
 

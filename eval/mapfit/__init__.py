@@ -46,15 +46,15 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from prune.adapters import get_blocks, input_device
-from prune.capture import block_input, block_output, hooks_held, residual_states, with_block_output
-from prune.data import load_documents
+from prune.data.calibration import load_documents
+from prune.data.windows import encode, text_windows
 from prune.errors import LayercutError
-from prune.linear_fit import LinearFit, fit_linear_map, scale_update
-from prune.perplexity import target_nll
+from prune.measure.least_squares import LinearFit, fit_linear_map, scale_update
+from prune.measure.moments import PairMoments
+from prune.measure.perplexity import target_nll
+from prune.model.adapters import get_blocks, input_device
+from prune.model.capture import block_input, block_output, hooks_held, residual_states, with_block_output
 from prune.replace.capture import PairAccumulator
-from prune.stats import PairMoments
-from prune.windows import encode, text_windows
 
 MASSIVE = 10.0  # a token is "massive" when its input norm exceeds this many times the median
 EARLY = 32  # predictions from positions below this are "early": most of a short prompt's, few of a long text's
@@ -218,7 +218,7 @@ def logit_report(model, sequences: list[torch.Tensor], span: tuple[int, int], fi
 def text_sequences(tokenizer, spec: str, seq_len: int, max_tokens: int) -> tuple[list[torch.Tensor], str]:
     """One text as sequences: windows of ``seq_len`` (one document) or one per document (several).
 
-    Tokenized with the tokenizer's special tokens (``special_tokens=True`` in ``prune.windows``: BOS
+    Tokenized with the tokenizer's special tokens (``special_tokens=True`` in ``prune.data.windows``: BOS
     first for Llama-family tokenizers), as the ``--heldout`` figures in reports were measured; the
     calibration sequences beside them are packed text, without.
     """

@@ -25,10 +25,10 @@ from eval.mapfit import (
     text_sequences,
     token_sensitivity,
 )
-from prune.adapters import num_blocks
-from prune.data import DataConfig, calibration_data, load_documents
+from prune.atomic import atomic_directory, check_output_dir, write_json
+from prune.data.calibration import DataConfig, calibration_data, load_documents
 from prune.errors import LayercutError, cli_entry
-from prune.export import atomic_directory, check_output_dir, write_json
+from prune.model.adapters import num_blocks
 from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
 from prune.replace.driver import short_windows
 

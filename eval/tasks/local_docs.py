@@ -1,7 +1,7 @@
 """Readers that turn layercut's local benchmark files into the rows lm-eval's standard tasks expect.
 
 Each ``load_*`` is a ``custom_dataset`` for the YAMLs next to it: lm-eval calls it with the task's
-metadata, which carries ``data_dir`` (set by ``eval.lmeval.run_lm_eval``, or on the lm-eval command line
+metadata, which carries ``data_dir`` (set by ``eval.quality.lmeval.run_lm_eval``, or on the lm-eval command line
 with ``--metadata '{"data_dir": "/path/to/data"}'``; ``$LAYERCUT_DATA`` is the fallback) and the YAML's
 ``layercut`` block, whose ``files`` are what the reader reads. So a reader serves every task whose files
 have its format: a new task in a known format needs only its YAML. Every reader returns the hub dataset's
@@ -24,7 +24,7 @@ import datasets
 from lm_eval.tasks.hellaswag import utils as lm_eval_hellaswag
 from lm_eval.tasks.winogrande import preprocess_winogrande as lm_eval_winogrande
 
-from eval.lmeval import local_data_files
+from eval.quality.lmeval import local_data_files
 from prune.errors import LayercutError
 
 # a sentence end inside a HellaSwag context, possibly closed by quotes or brackets

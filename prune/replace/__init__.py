@@ -21,7 +21,7 @@ on them; closed-form methods keep only float64 moments, so their memory does not
 
 Maps (``linear``, ``lowrank``) ride on a kept block inside a :class:`ReplacedBlock` (the block, then
 the map; the map first when the span starts at block 0), so the block list keeps the config's length
-and every ``layer_idx`` / KV-cache slot stays valid. ``prune.checkpoint`` saves them next to a vanilla
+and every ``layer_idx`` / KV-cache slot stays valid. ``prune.checkpoint.save_load`` saves them next to a vanilla
 checkpoint and ``prune.load`` puts them back.
 
 A new method is one module in this folder that registers a :class:`Method` (``register_method``):
@@ -34,6 +34,7 @@ fields of its :class:`MethodOptions` subclass (``options.py``): ``prune.run``'s 
 import importlib
 import pkgutil
 
+from prune.model.surgery import block_layout, replacement_records
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.config import DEFAULT_CACHE_BYTES, ReplaceConfig
 from prune.replace.driver import (
@@ -67,7 +68,6 @@ from prune.replace.registry import (
     unregister_method,
     unset_options,
 )
-from prune.surgery import block_layout, replacement_records
 
 # isort: off
 # the methods register themselves on import, in this order: the order --help and errors list them in

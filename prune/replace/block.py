@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prune.capture import block_output
-from prune.hf_remote_code import float_param
+from prune.model.capture import block_output
+from prune.model.remote_code import float_param
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement
 from prune.replace.modules import parameter_count

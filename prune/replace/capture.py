@@ -8,15 +8,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from prune.adapters import input_device
-from prune.capture import block_input, block_output
-from prune.stats import PairMoments, StateMoments
+from prune.measure.moments import PairMoments, StateMoments
+from prune.model.adapters import input_device
+from prune.model.capture import block_input, block_output
 
 
 class PairAccumulator:
     """Streamed moments of paired activations (X [n, d_x], Y [n, d_y]; widths may differ).
 
-    The same arithmetic as the scoring pass (:class:`prune.stats.StateMoments`, of which this is the
+    The same arithmetic as the scoring pass (:class:`prune.measure.moments.StateMoments`, of which this is the
     two-state case): shifted by the first batch's means, each batch's products in ``precision``, sums in
     float64.
     """

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D
 
-from prune.adapters import arch_spec
+from prune.model.adapters import arch_spec
 from prune.replace.capture import Recorder, SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement, WeightPatch
 from prune.replace.fold import check_fold_architecture, check_foldable, mlp_output_projection

@@ -18,15 +18,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from prune.adapters import get_blocks, is_offloaded
 from prune.errors import LayercutError
-from prune.replace.capture import Recorder, record
-from prune.replace.config import ReplaceConfig
-from prune.replace.fitter import Replacement, SpanFitter
-from prune.replace.modules import ReplacedBlock
-from prune.replace.registry import get_method, record_method
-from prune.stats import StateMoments, span_pairs
-from prune.surgery import (
+from prune.measure.moments import StateMoments, span_pairs
+from prune.model.adapters import get_blocks, is_offloaded
+from prune.model.surgery import (
     RECORDS_ATTR,
     block_layout,
     blocks_replaced,
@@ -36,6 +31,11 @@ from prune.surgery import (
     replacement_records,
     set_blocks_,
 )
+from prune.replace.capture import Recorder, record
+from prune.replace.config import ReplaceConfig
+from prune.replace.fitter import Replacement, SpanFitter
+from prune.replace.modules import ReplacedBlock
+from prune.replace.registry import get_method, record_method
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
     that need nothing but a span's (input, output) moments can run this way: the others read activations
     inside blocks, or the surgered model's outputs, which a skeleton never holds.
     """
-    from prune.sequential import stream_moments_sequential
+    from prune.measure.blockwise import stream_moments_sequential
 
     if config.fit != "independent":
         raise LayercutError("--offload sequential fits every span on the original model's states: use --fit "

@@ -10,18 +10,29 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from prune.adapters import hidden_size, input_device
-from prune.hf_remote_code import float_param
+from prune.measure.moments import PairMoments
+from prune.model.adapters import hidden_size, input_device
+from prune.model.remote_code import float_param
 from prune.replace.capture import Recorder, SpanBatch, move
-from prune.replace.config import ReplaceConfig
-from prune.stats import PairMoments
 
 logger = logging.getLogger(__name__)
+
+
+class FitSettings(Protocol):
+    """What a fitter reads of the run's replacement settings (``prune.replace.config.ReplaceConfig`` has them)."""
+
+    method: str
+    steps: int
+    lr: float
+    seed: int
+    cache_bytes: int
+    progress: bool
 
 
 @dataclass
@@ -81,7 +92,7 @@ class SpanFitter:
 
     needs_call = False
 
-    def __init__(self, model: nn.Module, original: Sequence[nn.Module], span: tuple[int, ...], config: ReplaceConfig):
+    def __init__(self, model: nn.Module, original: Sequence[nn.Module], span: tuple[int, ...], config: FitSettings):
         self.model = model
         self.original = original
         self.span = span

@@ -24,14 +24,14 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from prune.adapters import arch_spec, get_blocks, get_submodule
 from prune.errors import LayercutError
-from prune.linear_fit import LinearFit, fit_linear_map, scale_update
+from prune.measure.least_squares import LinearFit, fit_linear_map, scale_update
+from prune.measure.moments import PairMoments
+from prune.model.adapters import arch_spec, get_blocks, get_submodule
 from prune.replace.capture import PairAccumulator, Recorder, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
 from prune.replace.options import MethodOptions, ridge_option, update_scale_option
 from prune.replace.registry import Method, register_method
-from prune.stats import PairMoments
 
 
 def mlp_output_projection(model: nn.Module, block: nn.Module) -> nn.Module:
@@ -45,14 +45,14 @@ def mlp_output_projection(model: nn.Module, block: nn.Module) -> nn.Module:
     if not spec.mlp_out:
         raise LayercutError(
             f"--replace fold needs the MLP output projection, which is unknown for '{model_type}': set mlp_out in "
-            "prune.adapters.ARCHITECTURES or use --replace linear / block"
+            "prune.model.adapters.ARCHITECTURES or use --replace linear / block"
         )
     try:
         module = get_submodule(block, spec.mlp_out)
     except AttributeError:
         raise LayercutError(
             f"--replace fold: '{model_type}' blocks have no '{spec.mlp_out}' (the MLP output projection in "
-            "prune.adapters.ARCHITECTURES); fix that entry or use --replace linear / block"
+            "prune.model.adapters.ARCHITECTURES); fix that entry or use --replace linear / block"
         ) from None
     if not isinstance(module, (nn.Linear, Conv1D)) or not module.weight.is_floating_point():
         raise LayercutError(

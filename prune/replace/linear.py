@@ -7,14 +7,14 @@ from typing import ClassVar
 
 import torch
 
-from prune.hf_remote_code import LinearMap  # one definition: the one checkpoints carry
-from prune.linear_fit import LinearFit, fit_linear_map, scale_update
+from prune.measure.least_squares import LinearFit, fit_linear_map, scale_update
+from prune.measure.moments import PairMoments
+from prune.model.remote_code import LinearMap  # one definition: the one checkpoints carry
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import map_on_block, parameter_count
 from prune.replace.options import MethodOptions, ridge_option, update_scale_option
 from prune.replace.registry import Method, register_method
-from prune.stats import PairMoments
 
 
 def linear_map_from_fit(fit: LinearFit, dtype: torch.dtype, device: torch.device) -> LinearMap:

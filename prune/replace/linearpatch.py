@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from prune.adapters import arch_spec
 from prune.errors import LayercutError
-from prune.hf_remote_code import LinearMap
+from prune.model.adapters import arch_spec
+from prune.model.remote_code import LinearMap
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import map_on_block, parameter_count

@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from prune.hf_remote_code import LowRankMap  # one definition: the one checkpoints carry
-from prune.linear_fit import fit_linear_map
+from prune.measure.least_squares import fit_linear_map
+from prune.measure.moments import PairMoments
+from prune.model.remote_code import LowRankMap  # one definition: the one checkpoints carry
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement
 from prune.replace.modules import map_on_block, parameter_count
 from prune.replace.options import MethodOptions, lr_option, option, ridge_option, steps_option
 from prune.replace.registry import Method, params_added, register_method
-from prune.stats import PairMoments
 
 
 def default_rank(dim: int) -> int:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from prune.adapters import arch_spec, get_blocks, get_submodule
 from prune.errors import LayercutError
+from prune.model.adapters import arch_spec, get_blocks, get_submodule
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.fold import mlp_output_projection

@@ -1,14 +1,14 @@
 """The wrapper that carries replacement maps on a kept block, and what methods share about modules.
 
 ``ReplacedBlock`` is defined once, in the modeling code a checkpoint with maps carries
-(``prune.hf_remote_code``), so ``trust_remote_code`` loading computes exactly what layercut does.
+(``prune.model.remote_code``), so ``trust_remote_code`` loading computes exactly what layercut does.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from prune.hf_remote_code import ReplacedBlock
+from prune.model.remote_code import ReplacedBlock
 
 __all__ = ["ReplacedBlock", "map_on_block", "parameter_count"]
 

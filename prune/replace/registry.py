@@ -1,7 +1,7 @@
 """Replacement methods, registered by name and looked up by name (PEFT's ``register_peft_method``).
 
 A method module builds one :class:`Method` and calls :func:`register_method` once. Everything else
-(the driver, ``prune.checkpoint``, the CLIs, the benchmarks) asks the registry and never names a
+(the driver, ``prune.checkpoint.save_load``, the CLIs, the benchmarks) asks the registry and never names a
 method, so a new method is one module plus its test.
 
 The options of the methods are the fields of their :class:`~prune.replace.options.MethodOptions`
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from prune.errors import LayercutError
+from prune.model.layouts import LAYERCUT, VANILLA
 from prune.registry import Registry
 from prune.replace.options import NO_NEUTRAL, MethodOptions, OptionSpec, is_unset
-from prune.serving import LAYERCUT, VANILLA
 
 if TYPE_CHECKING:
     from prune.replace.fitter import SpanFitter
@@ -56,7 +56,7 @@ class Method:
         trained_module: ``(model, block, record) -> module | None``, what ``--train replacements``
             trains for a record whose replacement sits on ``block``.
         describe: ``(record) -> str``, what the replacement added, for the CLI's summary line.
-        serving: how its checkpoints reach serving engines (``prune.serving``): "vanilla" (a plain
+        serving: how its checkpoints reach serving engines (``prune.model.layouts``): "vanilla" (a plain
             checkpoint every engine runs) or "layercut" (maps no engine runs); default: from ``vanilla``.
     """
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The planner (prune.planner, `--plan`) against measured peaks, and the plans of three large models.
+# The planner (prune.planner.estimate, `--plan`) against measured peaks, and the plans of three large models.
 #
 #   bash reports/planner/run.sh            # measures (about 15 minutes on 2 busy CPU cores), then plans
 #   STEP=plans bash reports/planner/run.sh # the plans alone (seconds; no weights read)

@@ -1,0 +1,1 @@
+"""``python -m eval.bench``: benchmarks of slimmed models, one subcommand a module."""

@@ -1,0 +1,5 @@
+"""``python -m eval.bench``."""
+
+from eval.bench.cli import console_main
+
+console_main()

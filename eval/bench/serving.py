@@ -1,0 +1,254 @@
+"""Whether each checkpoint runs in each serving engine, and with the perplexity transformers gives it.
+
+    python -m eval.bench serving --model dense=smollm2-135m --model drop4=slim4/ --heldout ptb.test.txt
+        --engines transformers,llamacpp --out serving/
+    # vLLM pins its own torch: run it from its environment into the same folder, which adds its column
+    python -m eval.bench serving --model ... --heldout ptb.test.txt --engines vllm --out serving/
+
+Every model is scored on the same token ids (the held-out text tokenized once by the first model's
+tokenizer, cut into windows of ``--seq-len``; each window's first token is not predicted), in every
+engine, through :mod:`eval.speed.engines` (``nll``). A model no engine runs (its layout, ``prune.model.layouts``) is
+not sent to the engine: its row says why. A conversion or load that fails is recorded in one line, and
+the other models go on. ``serving.json`` keeps the rows of every engine run into the folder, so a second
+environment adds its engine's column to the same table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from prune.errors import LayercutError
+
+logger = logging.getLogger(__name__)
+
+RESULTS, TABLE = "serving.json", "serving.md"
+# an engine's perplexity counts as the same as transformers' within this relative gap (the issue's 0.1 %)
+AGREEMENT = 1e-3
+
+
+def parse_models(specs: list[str]) -> dict[str, str]:
+    """``label=path`` (or a bare path, labelled by its name) -> {label: path}, in order."""
+    models: dict[str, str] = {}
+    for spec in specs:
+        label, _, path = spec.rpartition("=") if "=" in spec else (Path(spec.rstrip("/")).name, "", spec)
+        if label in models:
+            raise LayercutError(f"two models are labelled '{label}': name them with --model LABEL=PATH")
+        models[label] = path
+    return models
+
+
+def windows_of(ids: list[int], seq_len: int, tokens: int) -> list[list[int]]:
+    """The first ``tokens`` ids cut into whole windows of ``seq_len`` (a short tail is left out)."""
+    ids = ids[:tokens]
+    count = len(ids) // seq_len
+    if count == 0:
+        raise LayercutError(f"the held-out text has {len(ids)} tokens, fewer than one window of {seq_len}: "
+                            "give a longer text or a smaller --seq-len")
+    return [ids[i * seq_len:(i + 1) * seq_len] for i in range(count)]
+
+
+def held_out_ids(path: str, tokenizer_source: str, chars: int | None = None) -> list[int]:
+    """The held-out text's token ids, by the tokenizer of ``tokenizer_source`` (no special tokens added)."""
+    from prune.data.calibration import load_documents
+    from prune.loading.loader import load_tokenizer
+
+    text = "\n\n".join(load_documents(path, flag="--heldout")[0])
+    if chars:
+        text = text[:chars]
+    tokenizer = load_tokenizer(tokenizer_source)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def model_layout(path: str) -> dict:
+    """The serving entry of a model: its ``layercut.json``'s, or the layout read from its files (aliases: vanilla)."""
+    from prune.checkpoint.serving import folder_serving
+    from prune.model.layouts import VANILLA, serving_entry
+
+    folder = Path(path).expanduser()
+    return folder_serving(folder) if folder.is_dir() else serving_entry(VANILLA)
+
+
+def _engine_runs(layout: dict, engine: str) -> str | None:
+    """Why ``engine`` is not given this model (None: it is)."""
+    if engine == "transformers":
+        return None  # prune.load runs every layout
+    key = {"llamacpp": "llama_cpp", "vllm": "vllm"}.get(engine)
+    if key and not layout.get(key, True):
+        return layout.get(f"{key}_why_not") or layout.get("why") or "not servable"
+    return None
+
+
+def score_engine(engine_name: str, models: dict[str, str], windows: list[list[int]], settings,
+                 greedy_tokens: int = 32) -> dict[str, dict]:
+    """One engine's row per model: runs / perplexity / greedy ids, or the one-line reason it does not run.
+
+    The greedy ids continue the first window's first 32 tokens for ``greedy_tokens`` steps.
+    """
+    from eval.speed.engines import get_engine
+
+    engine = get_engine(engine_name)
+    engine.check()
+    rows = {}
+    for label, path in tqdm(models.items(), desc=f"serving {engine_name}", unit="model"):
+        layout = model_layout(path)
+        row = {"engine": engine_name, "version": engine.version(), "layout": layout.get("layout")}
+        why = _engine_runs(layout, engine_name)
+        if why:
+            rows[label] = {**row, "runs": False, "why": why}
+            continue
+        started = time.perf_counter()
+        try:
+            handle = engine.load(path, settings)
+        except LayercutError as err:
+            rows[label] = {**row, "runs": False, "why": str(err)}
+            continue
+        try:
+            total, count = 0.0, 0
+            for window in windows:
+                nll, n = engine.nll(handle, window)
+                total, count = total + nll, count + n
+            greedy = engine.greedy(handle, [windows[0][:32]], greedy_tokens) if greedy_tokens else []
+        finally:
+            engine.close(handle)
+        rows[label] = {**row, "runs": True, "blocks": handle.blocks, "nll": total, "predicted": count,
+                       "ppl": math.exp(total / count), "greedy": greedy, "seconds": time.perf_counter() - started}
+    return rows
+
+
+def merge(out: Path | None, setup: dict, rows: dict[str, dict[str, dict]]) -> dict:
+    """The rows of earlier engine runs in ``out`` (same setup) with these; refuses another setup's folder."""
+    result = {"setup": setup, "rows": {}}
+    if out is not None and (out / RESULTS).is_file():
+        stored = json.loads((out / RESULTS).read_text(encoding="utf-8"))
+        if stored.get("setup", {}).get("token_digest") != setup["token_digest"]:
+            raise LayercutError(f"{out} holds a serving table of other tokens (held-out text, tokenizer, windows): "
+                                "pass another --out")
+        result["rows"] = stored.get("rows", {})
+    for engine, per_model in rows.items():
+        for label, row in per_model.items():
+            before = {r.get("path") for r in result["rows"].get(label, {}).values()} - {None}
+            if before and before != {row.get("path")}:
+                raise LayercutError(f"{out} has a model labelled '{label}' at {before.pop()}, not {row.get('path')}: "
+                                    "label this one otherwise, or pass another --out")
+            result["rows"].setdefault(label, {})[engine] = row
+    return result
+
+
+def markdown(result: dict) -> str:
+    """One row per model: layout, then per engine whether it runs and its perplexity (gap to transformers')."""
+    engines = [e for e in ("transformers", "llamacpp", "vllm")
+               if any(e in row for row in result["rows"].values())]
+    names = {"transformers": "transformers", "llamacpp": "llama.cpp", "vllm": "vLLM"}
+    setup = result["setup"]
+    lines = [f"Held-out text {setup['heldout']}: {setup['windows']} windows of {setup['seq_len']} tokens "
+             f"({setup['predicted']} predicted tokens), the same ids in every engine.", "",
+             "Beside each engine's perplexity: its gap to transformers' and whether its greedy continuation of "
+             "the first window's first 32 tokens is transformers'.", "",
+             "| model | serves | " + " | ".join(f"{names[e]} ppl" for e in engines) + " |",
+             "|---|---|" + "---|" * len(engines)]
+    from prune.model.layouts import label as serving_label
+
+    for label, per_engine in result["rows"].items():
+        layout = next((r.get("serving") for r in per_engine.values() if r.get("serving")), None)
+        base = per_engine.get("transformers", {}).get("ppl")
+        cells = []
+        for engine in engines:
+            row = per_engine.get(engine)
+            if row is None:
+                cells.append("-")
+            elif not row["runs"]:
+                cells.append(f"no: {row['why']}")
+            elif engine != "transformers" and base:
+                gap = row["ppl"] / base - 1
+                mark = "" if abs(gap) <= AGREEMENT else " (beyond 0.1 %)"
+                cells.append(f"{row['ppl']:.3f} ({100 * gap:+.3f} %){mark}{_greedy_note(row, per_engine)}")
+            else:
+                cells.append(f"{row['ppl']:.3f}")
+        lines.append(f"| {label} | {serving_label(layout)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _greedy_note(row: dict, per_engine: dict) -> str:
+    """``; greedy =`` when the engine's greedy ids are transformers', else where they first part."""
+    mine, theirs = row.get("greedy"), per_engine.get("transformers", {}).get("greedy")
+    if not mine or not theirs:
+        return ""
+    if mine == theirs:
+        return f"; greedy {len(mine)} = transformers"
+    first = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
+    return f"; greedy differs from token {first}"
+
+
+def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``eval.bench serving``."""
+    parser.add_argument("--model", action="append", required=True,
+                        help="LABEL=PATH (or a path): a checkpoint folder, alias or GGUF file (repeatable)")
+    parser.add_argument("--heldout", required=True, help="held-out text (.txt/.jsonl/.parquet or datasets spec)")
+    parser.add_argument("--tokens", type=int, default=4096, help="held-out tokens scored (default: 4096)")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per window (default: 512)")
+    parser.add_argument("--greedy-tokens", type=int, default=32,
+                        help="greedy ids generated after the first window's first 32 tokens, compared with "
+                        "transformers' (0: skip; default: 32)")
+    parser.add_argument("--engines", default="transformers,llamacpp",
+                        help="comma list of transformers, llamacpp, vllm (default: transformers,llamacpp)")
+    parser.add_argument("--converter", default=None, help="llama.cpp's convert_hf_to_gguf.py (default: "
+                        "$LLAMA_CPP_CONVERTER)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the free cores)")
+    parser.add_argument("--gpu-memory", type=float, default=0.85,
+                        help="vllm: share of the GPU's memory it may take; on a CPU, of the host's (default: 0.85)")
+    parser.add_argument("--out", default=None, help="folder for serving.json and serving.md (default: print only)")
+
+
+def _resolved(path: str) -> str:
+    """A model's identity in ``serving.json``: a local path made absolute, an alias or hub id as given."""
+    local = Path(path).expanduser()
+    return str(local.resolve()) if local.exists() else path
+
+
+def run_serving(args: argparse.Namespace) -> int:
+    """Score every model in every engine on the same ids; print and save the table."""
+    import hashlib
+
+    from eval.speed.engines import EngineSettings
+    from prune.atomic import write_json
+    from prune.options import apply_threads
+
+    apply_threads(args)
+    if args.seq_len < 2 or args.tokens < args.seq_len:
+        raise LayercutError(f"--seq-len must be at least 2 and at most --tokens ({args.tokens}), got {args.seq_len}")
+    models = parse_models(args.model)
+    ids = held_out_ids(args.heldout, next(iter(models.values())))
+    windows = windows_of(ids, args.seq_len, args.tokens)
+    digest = hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]
+    setup = {"heldout": args.heldout, "seq_len": args.seq_len, "windows": len(windows),
+             "predicted": len(windows) * (args.seq_len - 1), "token_digest": digest}
+    settings = EngineSettings(threads=args.threads, context=args.seq_len, converter=args.converter,
+                              gpu_memory=args.gpu_memory)
+    rows = {engine: score_engine(engine, models, windows, settings, args.greedy_tokens)
+            for engine in args.engines.split(",")}
+    for per_model in rows.values():
+        for label, row in per_model.items():
+            row["serving"] = model_layout(models[label])
+            row["path"] = _resolved(models[label])
+    out = Path(args.out) if args.out else None
+    result = merge(out, setup, rows)
+    table = markdown(result)
+    print(table)
+    if out is not None:
+        from prune.atomic import write_file_atomic
+
+        out.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(out / RESULTS, lambda path: write_json(path, result))
+        write_file_atomic(out / TABLE, lambda path: path.write_text(table + "\n", encoding="utf-8"))
+        print(f"wrote {out / RESULTS} and {out / TABLE}")
+    return 0
+
+
+SERVING_HELP = "perplexity of each checkpoint in transformers, llama.cpp and vLLM on the same token ids"

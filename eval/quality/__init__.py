@@ -1,0 +1,1 @@
+"""Quality of a model: perplexity protocols, the lm-eval bridge, task specs, the evaluation report."""

@@ -1,0 +1,1 @@
+"""Speed and memory of a model against its original, in each serving engine."""

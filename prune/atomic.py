@@ -1,0 +1,162 @@
+"""Files and folders written all or nothing: a reader never sees half of one, a killed writer leaves nothing.
+
+Every output of layercut (checkpoints, reports, caches) goes through here: a folder is written in a staging
+sibling and renamed into place; a file is written beside its target and renamed onto it.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from prune.errors import LayercutError
+
+logger = logging.getLogger(__name__)
+
+
+def check_output_dir(out: str | Path, overwrite: bool) -> Path:
+    """Fail early (before any heavy work) if ``out`` is a non-empty folder and overwrite is off.
+
+    What an export killed with ``kill -9`` left beside ``out`` is mended first, so the check sees the output
+    that is really there (:func:`recover_killed_export`).
+    """
+    path = Path(out).expanduser()
+    recover_killed_export(path.resolve())
+    if path.exists() and not path.is_dir():
+        raise LayercutError(f"--out {out} is a file: pass a folder path")
+    if path.is_dir() and any(path.iterdir()) and not overwrite:
+        raise LayercutError(f"--out {out} exists and is not empty: pass --overwrite or choose another folder")
+    _check_writable(path)
+    return path
+
+
+def _check_writable(path: Path) -> None:
+    """Fail now, not after hours of work, when nothing can be written where ``path`` would go."""
+    ancestor = path.parent.resolve()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    try:
+        probe = tempfile.mkdtemp(prefix=".layercut-probe-", dir=ancestor)
+    except OSError as err:
+        raise LayercutError(
+            f"--out {path}: cannot write in {ancestor} ({err.strerror}); choose another folder"
+        ) from None
+    os.rmdir(probe)
+
+
+def _disk_full(err: OSError, where: Path, untouched: str) -> LayercutError | None:
+    """The one-line error for a write that failed for want of space (or quota); None for any other error."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return None
+    return LayercutError(f"no space left to write {where} ({err.strerror}): nothing was written, {untouched}; "
+                         "free some space or choose another folder")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _public_modes(folder: Path) -> None:
+    """Give ``folder`` and what it holds the modes a plain ``mkdir`` / ``open`` would (mkdtemp's are private)."""
+    mask = _umask()
+    for path in (folder, *folder.rglob("*")):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
+@contextmanager
+def atomic_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder next to ``out``; on success it replaces ``out``, on error it is removed.
+
+    Raises:
+        LayercutError: the disk (or quota) is full; the previous ``out``, if any, is untouched.
+    """
+    target = check_output_dir(out, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # the pid in the name tells a later run whether the process that made it is still writing
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent))
+    try:
+        try:
+            yield staging
+            _public_modes(staging)
+        except OSError as err:
+            untouched = f"the folder already at {target} is untouched" if target.exists() else "no folder was made"
+            full = _disk_full(err, target, untouched)
+            if full is None:
+                raise
+            raise full from None
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            target.rename(old)
+            staging.rename(target)
+            shutil.rmtree(old)
+        else:
+            staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def recover_killed_export(target: Path) -> None:
+    """Mend what an export killed with ``kill -9`` left beside ``target`` (a signal we can catch cleans up itself).
+
+    Killed between its two renames, an export leaves ``target`` missing and the earlier output under
+    ``.<name>.old-<pid>``: it comes back. Killed while writing, it leaves its staging folder
+    ``.<name>.<pid>.<random>.tmp``: a model's size of disk, removed. Folders of a process still running
+    are left alone.
+    """
+    if not target.parent.is_dir():
+        return
+    name = re.escape(target.name)
+    for path in target.parent.iterdir():
+        old = re.fullmatch(rf"\.{name}\.old-(\d+)", path.name)
+        staging = re.fullmatch(rf"\.{name}\.(\d+)\.[a-z0-9_]+\.tmp", path.name)
+        match = old or staging
+        if match is None or _alive(int(match.group(1))):
+            continue
+        if old and not target.exists():
+            path.rename(target)
+            logger.warning("restored %s: an export into it was killed before it finished", target)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            logger.warning("removed %s, left by an export that was killed", path)
+
+
+def write_file_atomic(path: Path, write) -> None:
+    """Call ``write(staging)`` on a sibling path, then rename it onto ``path``: a reader never sees half a file."""
+    staging = path.with_name(f".{path.name}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        write(staging)
+        os.replace(staging, path)
+    except OSError as err:
+        full = _disk_full(err, path, "the file already there is untouched" if path.exists() else "no file was made")
+        if full is None:
+            raise
+        raise full from None
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Pretty JSON with a trailing newline."""
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

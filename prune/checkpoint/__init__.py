@@ -1,0 +1,1 @@
+"""Writing and reading what a run makes: checkpoint folders, the card, serving layouts, GGUF, DeciLM."""

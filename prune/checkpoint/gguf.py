@@ -1,0 +1,284 @@
+"""A servable checkpoint folder as one GGUF file for llama.cpp, written by llama.cpp's own converter.
+
+    python -m prune.export_gguf slim/ [--out slim.gguf] [--outtype f32|f16|bf16|q8_0] [--converter PATH]
+    python -m prune.run --model smollm2-135m --drop 4 --replace fold --out slim/ --export gguf
+
+The conversion is llama.cpp's ``convert_hf_to_gguf.py`` (it knows each architecture's tensor names,
+permutations and tokenizer metadata; layercut does not re-implement it). It is not on PyPI as a
+module: point ``--converter`` (or ``LLAMA_CPP_CONVERTER``) at the script in a llama.cpp checkout or
+in the ``vendor/llama.cpp`` folder of the ``llama-cpp-python`` source distribution. It needs
+``sentencepiece`` (``pip install 'layercut[gguf]'``).
+
+What layercut adds around it:
+
+* a checkpoint no engine runs (replacement maps: ``serving.layout`` "layercut" in ``layercut.json``)
+  is refused in one line naming the vanilla recipe that ships instead; a sub-layer checkpoint goes
+  through the DeciLM layout first (``prune.checkpoint.decilm``), which llama.cpp runs as its ``deci`` architecture;
+* the file is written under a temporary name and renamed once read back: its block count must be the
+  checkpoint's, every block index present, no per-layer array left at the original depth (the
+  failure of llama.cpp's ``--prune-layers``, llama.cpp#27976), and every tensor the converter only
+  copies (norms, MLP and output projections, embeddings; not the permuted q/k) equal to the
+  checkpoint's within the output type's rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from prune.errors import LayercutError
+
+logger = logging.getLogger(__name__)
+
+CONVERTER_ENV = "LLAMA_CPP_CONVERTER"
+CONVERTER_NAME = "convert_hf_to_gguf.py"
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+# largest relative difference a tensor may show after the output type's rounding (q8_0: 8-bit blocks)
+TOLERANCE = {"f32": 0.0, "f16": 1e-3, "bf16": 8e-3, "q8_0": 2e-2}
+# the converter rewrites these (Llama's rotary permutation of q/k): they are not compared one to one
+_PERMUTED = re.compile(r"\.attn_(q|k)\.weight$")
+
+
+def find_converter(converter: str | Path | None = None) -> Path:
+    """llama.cpp's ``convert_hf_to_gguf.py``: the given path (file or folder holding it), else ``$LLAMA_CPP_CONVERTER``.
+
+    Raises:
+        LayercutError: none given or none there; the message says where to get it.
+    """
+    given = converter or os.environ.get(CONVERTER_ENV)
+    if not given:
+        raise LayercutError(
+            f"GGUF export runs llama.cpp's {CONVERTER_NAME}: pass --converter PATH or set {CONVERTER_ENV} (the script "
+            "is in a llama.cpp checkout, or in vendor/llama.cpp of `pip download --no-binary :all: llama-cpp-python`)")
+    path = Path(given).expanduser()
+    if path.is_dir():
+        path = path / CONVERTER_NAME
+    if not path.is_file():
+        raise LayercutError(f"no {CONVERTER_NAME} at {given}: point --converter / {CONVERTER_ENV} at the script or "
+                            "the llama.cpp folder holding it")
+    return path
+
+
+def serving_of(folder: Path) -> dict:
+    """The ``serving`` entry of a checkpoint's ``layercut.json`` ({} for a folder layercut did not write)."""
+    report = folder / "layercut.json"
+    if not report.is_file():
+        return {}
+    return json.loads(report.read_text(encoding="utf-8")).get("serving", {})
+
+
+def check_servable(folder: Path) -> str:
+    """The checkpoint's layout ("vanilla" or "decilm"); refuses one that no engine runs, naming what to ship instead.
+
+    Raises:
+        LayercutError: the folder is missing, not a checkpoint, or carries replacement maps.
+    """
+    from prune.checkpoint.serving import layout_of_folder
+    from prune.model.layouts import LAYERCUT
+
+    if not (folder / "config.json").is_file():
+        raise LayercutError(f"{folder} is not a checkpoint folder (no config.json): pass the folder prune.run wrote")
+    layout = layout_of_folder(folder)
+    if layout == LAYERCUT:
+        serving = serving_of(folder)
+        instead = serving.get("servable_instead") or "a vanilla recipe (--replace fold, none or magcomp)"
+        why = serving.get("why") or "its replacement maps run in no engine"
+        raise LayercutError(f"{folder} is not servable ({why}); export {instead} instead")
+    return layout
+
+
+def default_output(folder: Path, outtype: str) -> Path:
+    """Where the GGUF goes when not told: inside the checkpoint folder, named after it and its type."""
+    return folder / f"{folder.resolve().name}-{outtype}.gguf"
+
+
+def export_gguf(folder: str | Path, out: str | Path | None = None, outtype: str = "f32",
+                converter: str | Path | None = None) -> Path:
+    """Convert a servable checkpoint folder to one GGUF file with llama.cpp's converter, then check it.
+
+    Args:
+        folder: a checkpoint folder (``prune.run --out``, or any transformers checkpoint).
+        out: the ``.gguf`` path (default: ``FOLDER/<name>-<outtype>.gguf``).
+        outtype: ``f32``, ``f16``, ``bf16`` or ``q8_0`` (the converter's output types).
+        converter: llama.cpp's ``convert_hf_to_gguf.py`` or its folder (default: ``$LLAMA_CPP_CONVERTER``).
+
+    Returns:
+        The GGUF path, written whole (a temporary name until it was read back).
+
+    Raises:
+        LayercutError: not servable, no converter, the converter failed (its last error line), or the
+            file read back disagrees with the checkpoint.
+    """
+    return convert(folder, out, outtype, converter)[0]
+
+
+def convert(folder: str | Path, out: str | Path | None = None, outtype: str = "f32",
+            converter: str | Path | None = None) -> tuple[Path, dict]:
+    """:func:`export_gguf`, also returning what :func:`check_gguf` found."""
+    folder = Path(folder).expanduser()
+    if outtype not in OUTTYPES:
+        raise LayercutError(f"unknown GGUF output type '{outtype}': choose one of {', '.join(OUTTYPES)}")
+    layout = check_servable(folder)
+    script = find_converter(converter)
+    out = Path(out).expanduser() if out else default_output(folder, outtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    with tempfile.TemporaryDirectory(prefix="layercut-gguf-") as scratch:
+        source = folder
+        if layout == "decilm":  # sub-layer removals: llama.cpp runs them as its "deci" architecture
+            source = _decilm_source(folder, Path(scratch))
+        try:
+            _run_converter(script, source, partial, outtype)
+            checked = check_gguf(partial, source, outtype)
+        except BaseException:  # a failed check, an unreadable file or Ctrl-C: no partial file stays
+            partial.unlink(missing_ok=True)
+            raise
+    partial.replace(out)
+    logger.info("wrote %s", out)
+    return out, checked
+
+
+def is_decilm_folder(folder: Path) -> bool:
+    """Whether ``folder`` is already in the DeciLM layout (written by ``prune.checkpoint.decilm``)."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return config.get("architectures") == ["DeciLMForCausalLM"]
+
+
+def _decilm_source(folder: Path, scratch: Path) -> Path:
+    """The DeciLM folder llama.cpp converts: ``folder`` itself or its copy; refused where llama.cpp runs it wrong."""
+    from prune.checkpoint.decilm import llama_cpp_limits, write_decilm
+
+    source = folder if is_decilm_folder(folder) else write_decilm(folder, scratch / "decilm", llama_cpp=True)
+    limits = llama_cpp_limits(json.loads((source / "config.json").read_text(encoding="utf-8")))
+    if limits:
+        raise LayercutError(f"llama.cpp would run {folder} wrong: {limits[0]}")
+    return source
+
+
+def _run_converter(script: Path, source: Path, out: Path, outtype: str) -> None:
+    command = [sys.executable, str(script), str(source), "--outfile", str(out), "--outtype", outtype]
+    logger.info("running %s", " ".join(command))
+    # stdin closed: the converter's tokenizer loading may ask whether to run remote code
+    done = subprocess.run(command, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
+    if done.returncode == 0 and out.is_file():
+        return
+    out.unlink(missing_ok=True)
+    lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    missing = next((m for line in lines if (m := re.search(r"No module named '([\w.]+)'", line))), None)
+    if missing:
+        raise LayercutError(f"llama.cpp's converter needs the Python package '{missing.group(1)}': "
+                            f"pip install {missing.group(1).split('.')[0]} (or pip install 'layercut[gguf]')")
+    last = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
+    raise LayercutError(f"llama.cpp's converter failed on {source} (exit {done.returncode}): {last.strip()}")
+
+
+def _arch_enum(gguf, arch: str):
+    for enum, name in gguf.MODEL_ARCH_NAMES.items():
+        if name == arch:
+            return enum
+    raise LayercutError(f"the GGUF names architecture '{arch}', which this gguf package does not know: "
+                        "pip install -U gguf")
+
+
+def check_gguf(path: str | Path, folder: str | Path, outtype: str = "f32") -> dict:
+    """Read a GGUF back and compare it with the checkpoint folder it was converted from.
+
+    Returns:
+        ``{"architecture", "blocks", "tensors", "compared", "max_rel_diff"}``.
+
+    Raises:
+        LayercutError: a block count, block index, per-layer array or copied tensor that disagrees.
+    """
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    path, folder = Path(path), Path(folder)
+    try:
+        reader = gguf.GGUFReader(str(path))
+        arch = gguf_field(reader, "general.architecture")
+        count = gguf_field(reader, f"{arch}.block_count") if arch else None
+    except (KeyError, ValueError, TypeError, OSError) as err:
+        raise LayercutError(f"{path.name} does not read back as a GGUF model ({type(err).__name__}: {err})") from None
+    if count is None:
+        raise LayercutError(f"{path.name} has no {arch or 'general.architecture'}.block_count: it does not read "
+                            "back as a llama.cpp GGUF model")
+    blocks = int(count)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    expected = config.get("num_hidden_layers")
+    if expected is not None and blocks != expected:
+        raise LayercutError(f"{path.name}: {arch}.block_count is {blocks}, the checkpoint has {expected} blocks")
+    indices = {int(m.group(1)) for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
+    if indices and indices != set(range(blocks)):
+        raise LayercutError(f"{path.name}: tensors of blocks {sorted(set(range(blocks)) ^ indices)} are missing or "
+                            f"extra for {blocks} blocks")
+    original = _original_blocks(folder)
+    for key, field in reader.fields.items():
+        if not key.startswith(f"{arch}.") or field.types[:1] != [gguf.GGUFValueType.ARRAY]:
+            continue
+        length = len(field.data)
+        if original and length == original != blocks:
+            raise LayercutError(f"{path.name}: per-layer {key} has {length} entries, the original depth, for "
+                                f"{blocks} blocks: the config was not sliced")
+    names = gguf.get_tensor_name_map(_arch_enum(gguf, arch), blocks)
+    wanted = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as handle:
+            for name in handle.keys():
+                mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
+                if mapped:
+                    wanted[mapped] = (file, name)
+    compared, worst = 0, 0.0
+    for tensor in reader.tensors:
+        if tensor.name not in wanted or _PERMUTED.search(tensor.name):
+            continue
+        if tensor.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            continue  # bf16 / q8_0 blocks need dequantising: their block counts and indices were checked above
+        file, name = wanted[tensor.name]
+        with safe_open(str(file), "pt") as handle:
+            source = handle.get_tensor(name).float().numpy()
+        got = np.asarray(tensor.data, dtype=np.float32)
+        if got.size != source.size:
+            raise LayercutError(f"{path.name}: {tensor.name} has {got.size} values, the checkpoint's {name} "
+                                f"{source.size}")
+        got = got.reshape(source.shape)
+        if arch.startswith("gemma") and tensor.name.endswith("norm.weight"):
+            source = source + 1  # llama.cpp's Gemma converters store the norms' (1 + weight)
+        scale = float(np.abs(source).max()) or 1.0
+        diff = float(np.abs(got - source).max()) / scale
+        worst = max(worst, diff)
+        compared += 1
+        if diff > TOLERANCE[outtype] + 1e-7:
+            raise LayercutError(f"{path.name}: {tensor.name} differs from the checkpoint's {name} by {diff:.2e} "
+                                f"(relative), beyond {outtype}'s rounding")
+    return {"architecture": arch, "blocks": blocks, "tensors": len(reader.tensors), "compared": compared,
+            "max_rel_diff": worst}
+
+
+def gguf_field(reader, key: str):
+    """One metadata value of a ``gguf.GGUFReader`` (a str, a number or a list), None when absent."""
+    entry = reader.fields.get(key)
+    if entry is None:
+        return None
+    if hasattr(entry, "contents"):
+        return entry.contents()
+    value = entry.parts[entry.data[0]]
+    return bytes(value).decode("utf-8") if value.dtype.kind == "u" and value.itemsize == 1 else value.tolist()[0]
+
+
+def _original_blocks(folder: Path) -> int | None:
+    """The unpruned depth, from ``layercut.json`` (None for a folder layercut did not write)."""
+    report = folder / "layercut.json"
+    if not report.is_file():
+        return None
+    report = json.loads(report.read_text(encoding="utf-8"))
+    # every original index is either covered by a kept block's layout entry or listed as dropped
+    seen = [i for entry in report.get("layout") or [] for i in entry] + list(report.get("dropped") or [])
+    return max(seen) + 1 if seen else None

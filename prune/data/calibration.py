@@ -1,0 +1,428 @@
+"""Calibration text: read it, tokenize it, pack it into fixed-length sequences.
+
+Sources: a local ``.txt`` (one document), ``.jsonl`` / ``.json`` / ``.parquet`` (one document per row),
+a ``datasets`` spec ``name[:config[:split]]``, the built-in public-domain corpus shipped inside the
+package (Jane Austen's *Pride and Prejudice*; ``builtin`` names it in a mixture), or ``self``: text
+sampled from the model being pruned (the self-generated calibration of Ji et al., "Beware of
+Calibration Data for Pruning Large Language Models", ICLR 2025), spelled ``self`` or
+``self:temperature=0.8:top_p=0.9`` (``:batch=64`` samples that many sequences at a time: faster on a GPU,
+and other tokens than the default batch of :data:`SELF_BATCH`). Sampled text is kept on disk
+(:func:`cached_samples`): the same model, seed and options sample once.
+
+A mixture is a comma list of sources, each with an optional ``@weight`` (parsed by :mod:`prune.data.sources`)::
+
+    --data "emma.txt@0.5,ptb.txt@0.25,wikitext:wikitext-2-raw-v1:train@0.25"
+    --data "self@0.5,emma.txt@0.5"
+    --data "emma.txt,ptb.txt"            # no weights: equal shares
+
+The default (``--data`` unset) is :data:`DEFAULT_DATA`: half the built-in novel, half text sampled
+from the model. Chosen on a selection split of texts and task prompts that no reported figure
+uses (SmolLM2-135M, layercut-linear at drops 4 and 8): the mixture's geometric-mean perplexity
+was 1.445x / 2.357x dense against the novel's 1.518x / 2.871x and self-sampled text's 1.471x /
+2.501x; the model's own text covers what one novel does not, the novel keeps real prose in.
+
+Weights are normalised to sum to one; each source gives its share of ``--samples`` (largest
+remainders) and of the held-out sequences, drawn from its own windows so a source's held-out
+sequences never overlap its calibration ones. A single source is read exactly as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from prune.atomic import write_file_atomic
+from prune.data.sources import BUILTIN, SELF, SELF_DEFAULTS, Source, parse_sources, shares
+from prune.data.windows import cut_windows, token_stream
+from prune.errors import LayercutError
+from prune.loading.loader import cache_dir
+from prune.model.adapters import cache_keyword
+from prune.stamps import weights_fingerprint
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CORPUS = "austen_pride_and_prejudice.txt"
+FILE_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+SELF_BATCH = 8
+DEFAULT_DATA = f"{BUILTIN}@0.5,{SELF}@0.5"
+
+
+def check_seq_len(seq_len: int, flag: str = "--seq-len") -> None:
+    """A sequence must hold at least two tokens: one to predict from, one to predict."""
+    if not isinstance(seq_len, int) or seq_len < 2:
+        raise LayercutError(f"{flag} must be at least 2, got {seq_len}")
+
+
+@dataclass
+class DataConfig:
+    """What to calibrate on.
+
+    Attributes:
+        data: file path, ``datasets`` spec (``wikitext:wikitext-2-raw-v1:train``), ``self`` (text
+            sampled from the model), a weighted mixture of these (``a.txt@0.7,self@0.3``) or None for
+            :data:`DEFAULT_DATA` (the built-in corpus and self-sampled text, half each).
+        samples: number of packed sequences.
+        seq_len: tokens per sequence.
+        seed: picks which sequences; same seed, same tokens.
+        text_field: column holding the text in jsonl / parquet / datasets rows.
+        heldout_samples: sequences of the same text set aside, disjoint from the calibration ones, to
+            measure the pruned model on (fewer when the text has no more).
+    """
+
+    data: str | None = None
+    samples: int = 64
+    seq_len: int = 512
+    seed: int = 0
+    text_field: str = "text"
+    heldout_samples: int = 8
+
+    def __post_init__(self):
+        if self.data is None:  # spelled out, so reports and resumed comparisons name what was read
+            self.data = DEFAULT_DATA
+        if self.samples <= 0:
+            raise LayercutError(f"--samples must be positive, got {self.samples}")
+        check_seq_len(self.seq_len)
+        if not isinstance(self.heldout_samples, int) or self.heldout_samples < 0:
+            raise LayercutError(f"--heldout-samples must be an integer >= 0, got {self.heldout_samples}")
+        sources = parse_sources(self.data)
+        if len(sources) > self.samples and self.data == DEFAULT_DATA:
+            raise LayercutError(f"--samples {self.samples}: the default calibration ({DEFAULT_DATA}) takes a sequence "
+                                f"from each of its {len(sources)} sources: raise --samples to at least "
+                                f"{len(sources)} or pass --data builtin")
+        if len(sources) > self.samples:
+            raise LayercutError(f"--data mixes {len(sources)} sources but --samples is {self.samples}: raise "
+                                f"--samples to at least {len(sources)}")
+
+    @property
+    def sources(self) -> list[Source]:
+        """The sources of ``data`` with their normalised weights (one, weight 1, unless a mixture)."""
+        return parse_sources(self.data)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens asked for: samples x seq_len."""
+        return self.samples * self.seq_len
+
+
+@dataclass
+class CalibrationData:
+    """Packed token ids and where they came from."""
+
+    token_ids: torch.Tensor  # [samples, seq_len] int64
+    source: str
+    heldout_ids: torch.Tensor | None = None  # [heldout samples, seq_len], disjoint from token_ids
+    # a mixture's parts: source, weight, samples, heldout (sequences each gave); None for one source
+    mixture: list[dict] | None = None
+    # held-out sequences of each source in --data order, by source description (may hold 0 rows)
+    heldout_by_source: dict[str, torch.Tensor] = field(default_factory=dict)
+    # a mixture's source of each row of token_ids, as an index into --data's order; None for one source
+    row_sources: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of tokens in all sequences."""
+        return self.token_ids.numel()
+
+    def describe(self) -> dict:
+        """JSON-ready summary for reports."""
+        samples, seq_len = self.token_ids.shape
+        summary = {"source": self.source, "samples": samples, "seq_len": seq_len, "tokens": self.num_tokens}
+        if self.mixture is not None:
+            summary["mixture"] = [dict(part) for part in self.mixture]
+        return summary
+
+
+
+def check_sources(config: DataConfig) -> None:
+    """Read every local file of ``config.data`` now, so a bad or missing one fails before the model loads.
+
+    Datasets specs are left to the read after loading: reaching the hub is not a cheap check.
+    """
+    for source in config.sources:
+        if source.spec is None or source.is_self:
+            continue
+        path = Path(source.spec).expanduser()
+        if path.is_file() or (not path.exists() and names_a_file(source.spec)):
+            load_documents(source.spec, config.text_field)
+
+
+def names_a_file(spec: str) -> bool:
+    """Whether ``spec`` is spelled as a path (a known suffix, or starting with ``.``, ``/``, ``~``), not a dataset."""
+    return Path(spec).suffix in FILE_SUFFIXES or spec.startswith((".", "/", "~"))
+
+
+def default_corpus_text() -> str:
+    """The built-in calibration corpus (public domain, see ``prune/data/corpus/LICENSE.md``)."""
+    return resources.files("prune").joinpath("corpus", DEFAULT_CORPUS).read_text(encoding="utf-8")
+
+
+def load_documents(spec: str | None, text_field: str = "text", flag: str = "--data") -> tuple[list[str], str]:
+    """Documents named by ``spec`` and a short description of the source; errors name ``flag``."""
+    if spec is None:
+        return [default_corpus_text()], f"built-in:{DEFAULT_CORPUS}"
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _read_file(path, text_field), str(path.resolve())
+    if "," in spec or spec == SELF or spec.startswith(SELF + ":"):
+        raise LayercutError(f"{flag} takes one text source here, got '{spec}': pass a single .txt/.jsonl/.parquet "
+                            "file or datasets spec")
+    if names_a_file(spec):
+        raise LayercutError(f"data file '{spec}' not found: pass an existing .txt/.jsonl/.parquet file to {flag}")
+    return _read_dataset(spec, text_field), f"datasets:{spec}"
+
+
+def _read_file(path: Path, text_field: str) -> list[str]:
+    if path.suffix == ".txt":
+        try:
+            return [path.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as err:
+            raise LayercutError(
+                f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}): convert it, "
+                f"e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8.txt"
+            ) from None
+    if path.suffix not in FILE_SUFFIXES[1:]:
+        raise LayercutError(f"unsupported data file '{path}': use .txt, .jsonl, .json or .parquet")
+    import datasets
+
+    kind = "parquet" if path.suffix == ".parquet" else "json"
+    rows = datasets.load_dataset(kind, data_files=str(path), split="train")
+    return _column(rows, text_field, str(path))
+
+
+def _read_dataset(spec: str, text_field: str) -> list[str]:
+    import datasets
+
+    name, config, split = (spec.split(":") + [None, None])[:3]
+    try:
+        rows = datasets.load_dataset(name, config or None, split=split or "train")
+    except Exception as err:  # datasets raises many types for a bad name or no network
+        raise LayercutError(
+            f"could not load dataset '{spec}' ({type(err).__name__}): use name[:config[:split]] of a reachable "
+            "dataset, or a local .txt/.jsonl/.parquet file"
+        ) from err
+    return _column(rows, text_field, spec)
+
+
+def _column(rows, text_field: str, where: str) -> list[str]:
+    if text_field not in rows.column_names:
+        raise LayercutError(
+            f"{where} has no column '{text_field}' (columns: {', '.join(rows.column_names)}); pass --text-field"
+        )
+    return [t for t in rows[text_field] if t and t.strip()]
+
+
+def _pack(documents: list[str], tokenizer, samples: int, heldout_samples: int, seq_len: int, seed: int | str,
+          what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``samples`` windows of ``seq_len`` tokens, and up to ``heldout_samples`` others, from ``documents``.
+
+    Documents are read in a seeded order and only as many as needed, as packed text
+    (:mod:`prune.data.windows`: no special tokens, EOS after each). The windows do not overlap and are
+    drawn with the same seed, so the same arguments always give the same tokens. The held-out windows
+    are drawn afterwards from the ones calibration left, so asking for them never changes the
+    calibration tokens.
+    """
+    rng = random.Random(seed)
+    order = list(range(len(documents)))
+    rng.shuffle(order)
+    stream = token_stream(tokenizer, (documents[index] for index in order), limit=2 * samples * seq_len)
+    ids = cut_windows(stream, seq_len)  # [windows, seq_len]
+    windows = ids.shape[0]
+    if windows < samples:
+        raise LayercutError(
+            f"{what} has {stream.numel()} tokens, {windows} sequences of {seq_len}; "
+            f"{samples} were asked for: give more text with --data or lower --samples / --seq-len"
+        )
+    chosen = sorted(rng.sample(range(windows), samples))
+    rest = sorted(set(range(windows)) - set(chosen))
+    heldout = sorted(rng.sample(rest, min(heldout_samples, len(rest))))
+    if len(heldout) < heldout_samples:
+        logger.warning("the %s leaves %d held-out sequences of the %d asked for", what, len(heldout), heldout_samples)
+    return ids[chosen], ids[heldout]  # [samples, seq_len], [heldout, seq_len]
+
+
+def _top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of ``logits`` [batch, vocab] from the smallest set holding ``top_p`` of the mass."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [batch, vocab]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    # keep a token while the mass before it is under top_p: the most likely token always stays
+    keep = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
+    sorted_probs = sorted_probs * keep
+    picked = torch.multinomial(sorted_probs, 1, generator=generator)  # [batch, 1], index into the sorted order
+    return order.gather(-1, picked)  # [batch, 1]
+
+
+@torch.no_grad()
+def sample_sequences(model, tokenizer, count: int, seq_len: int, seed: int, temperature: float = 1.0,
+                     top_p: float = 0.95, batch_size: int = SELF_BATCH) -> torch.Tensor:
+    """``count`` sequences of ``seq_len`` tokens sampled from ``model``, each starting at the BOS token.
+
+    The sequences start where a document starts (BOS, else EOS, which separates documents) so the
+    model writes what it considers typical text. Sampling runs past an EOS: what follows is the next
+    document, as in packed text. Same model, seed and device give the same tokens.
+    """
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is None:
+        raise LayercutError("--data self starts sampling at the BOS or EOS token and this tokenizer has neither: "
+                            "use a text source for --data")
+    device = model.get_input_embeddings().weight.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    cache_name = cache_keyword(model)
+    rows = []
+    with tqdm(total=count * seq_len, desc="sampling calibration text", unit="tok") as bar:
+        for first in range(0, count, batch_size):
+            batch = min(batch_size, count - first)
+            ids = torch.full((batch, 1), start, dtype=torch.long, device=device)  # [batch, 1]
+            tokens, past = [ids], None
+            bar.update(batch)
+            for _ in range(seq_len - 1):
+                out = model(input_ids=tokens[-1], use_cache=True, **{cache_name: past})
+                past = getattr(out, cache_name)
+                tokens.append(_top_p_sample(out.logits[:, -1], temperature, top_p, generator))
+                bar.update(batch)
+            rows.append(torch.cat(tokens, dim=1).cpu())  # [batch, seq_len]
+    return torch.cat(rows)  # [count, seq_len]
+
+
+SELF_CACHE_FORMAT = 1  # bumped when what a cached sample means changes
+# Text the embedded model (SmolLM2-135M, float32 on a CPU) sampled for the default calibration of a first
+# run (36 x 512 tokens), shipped so that run takes 1.5 minutes on two cores rather than the 6.5 more its
+# sampling takes when idle. Keyed like the cache: only the same weights, tokenizer, seed, options and
+# device read it, so it is the text such a run would sample itself.
+SHIPPED_SAMPLES = Path(str(resources.files("prune"))) / "corpus" / "self-text"
+
+
+def self_cache_dir() -> Path:
+    """Where sampled text is kept: ``self-text`` in the converted-checkpoint cache (``$LAYERCUT_CACHE``)."""
+    return cache_dir() / "self-text"
+
+
+def _sample_key(model, tokenizer, count: int, seq_len: int, seed: int, options: dict,
+                batch_size: int = SELF_BATCH) -> str | None:
+    """What the sampled tokens depend on, hashed; ``None`` when the weights cannot be stamped."""
+    stamp = weights_fingerprint(model, sums=True)
+    if stamp is None:
+        return None
+    weight = model.get_input_embeddings().weight
+    fields = [SELF_CACHE_FORMAT, stamp, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, count,
+              seq_len, seed, {**SELF_DEFAULTS, **options}, batch_size, weight.device.type, str(weight.dtype)]
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, batch: int = SELF_BATCH,
+                   **options: float) -> torch.Tensor:
+    """:func:`sample_sequences`, kept on disk: the same model, tokenizer, seed and options sample once.
+
+    Sampling is the slow part of the default calibration on a CPU (256 x 128 tokens of SmolLM2-135M take
+    about 9 minutes on 2 cores), and every distillation and comparison cell of one model asks for the same
+    tokens. The file is named by a digest of everything the tokens depend on, the weights' values
+    included (:func:`prune.stamps.weights_fingerprint` with sums); anything else, an unreadable file or
+    weights that cannot be stamped, samples again.
+    """
+    key = _sample_key(model, tokenizer, count, seq_len, seed, options, batch)
+    if key is None:
+        return sample_sequences(model, tokenizer, count, seq_len, seed, batch_size=batch, **options)
+    path = self_cache_dir() / f"{key}.safetensors"
+    for candidate in (path, SHIPPED_SAMPLES / f"{key}.safetensors"):  # shipped: the embedded model's first run
+        ids = _read_samples(candidate, count, seq_len)
+        if ids is not None:
+            return ids
+    ids = sample_sequences(model, tokenizer, count, seq_len, seed, batch_size=batch, **options)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_file_atomic(path, lambda staging: save_file({"ids": ids.contiguous()}, str(staging)))
+    except OSError as err:
+        logger.warning("could not keep the sampled text in %s (%s): the next run samples again", path, err)
+    return ids
+
+
+def _read_samples(path: Path, count: int, seq_len: int) -> torch.Tensor | None:
+    """The [count, seq_len] token ids kept in ``path``; None when it is missing, unreadable or of another shape."""
+    if not path.is_file():
+        return None
+    try:
+        ids = load_file(path)["ids"]
+    except Exception as err:  # a truncated or foreign file is only a missed cache entry
+        logger.warning("ignoring the unreadable sample cache %s (%s): sampling again", path, err)
+        return None
+    if tuple(ids.shape) != (count, seq_len) or ids.dtype != torch.long:
+        return None
+    logger.info("sampled text read from %s (%d x %d tokens)", path, count, seq_len)
+    return ids
+
+
+def _source_seed(seed: int, index: int, mixed: bool) -> int:
+    """The seed of a mixture's ``index``-th source; a lone source keeps ``seed`` (its tokens stay as before)."""
+    if not mixed:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "big") >> 1
+
+
+def _draw_source(source: Source, tokenizer, config: DataConfig, samples: int, heldout: int, seed: int,
+                 model) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """[samples, seq_len] and [heldout, seq_len] token ids of one source, and its description."""
+    if source.is_self:
+        if model is None and config.data == DEFAULT_DATA:
+            raise LayercutError(f"the default calibration ({DEFAULT_DATA}) samples half its text from the model, and "
+                                "this command does not pass the model to the calibration step: pass --data builtin "
+                                "or another text source")
+        if model is None:
+            raise LayercutError("--data self samples text from the model, and this command does not pass the model "
+                                "to the calibration step: use a text source for --data")
+        ids = cached_samples(model, tokenizer, samples + heldout, config.seq_len, seed, **dict(source.sampling))
+        return ids[:samples], ids[samples:], source.label()
+    documents, described = load_documents(source.spec, config.text_field)
+    what = "calibration text" if source.weight == 1.0 else f"calibration text {described}"
+    calibration, held = _pack(documents, tokenizer, samples, heldout, config.seq_len, seed, what)
+    return calibration, held, described
+
+
+def calibration_data(tokenizer, config: DataConfig, model=None) -> CalibrationData:
+    """Read, tokenize and pack the calibration text described by ``config``.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        config: what to read and how much.
+        model: the model itself, needed only when ``config.data`` holds ``self`` (text it samples).
+    """
+    sources = config.sources
+    mixed = len(sources) > 1
+    weights = [source.weight for source in sources]
+    samples, heldouts = shares(config.samples, weights), shares(config.heldout_samples, weights)
+    for source, count in zip(sources, samples, strict=True):
+        if count == 0:
+            raise LayercutError(f"--data source '{source.label()}' gets 0 of {config.samples} sequences at weight "
+                                f"{source.weight:.3g}: raise --samples or its weight")
+    parts, calibration, heldout_by_source = [], [], {}
+    for index, (source, count, held) in enumerate(zip(sources, samples, heldouts, strict=True)):
+        ids, held_ids, described = _draw_source(source, tokenizer, config, count, held,
+                                                _source_seed(config.seed, index, mixed), model)
+        if described in heldout_by_source:
+            raise LayercutError(f"--data names {described} twice: give it once with the sum of its weights")
+        calibration.append(ids)
+        heldout_by_source[described] = held_ids
+        parts.append({"source": described, "weight": round(source.weight, 6), "samples": int(ids.shape[0]),
+                      "heldout": int(held_ids.shape[0])})
+    ids = torch.cat(calibration)  # [samples, seq_len]
+    row_sources = None
+    if mixed:  # interleave the sources, so any prefix of the sequences is a mixture too
+        order = list(range(ids.shape[0]))
+        random.Random(config.seed).shuffle(order)
+        ids = ids[order]
+        row_sources = torch.repeat_interleave(torch.arange(len(sources)), torch.tensor(samples))[order]
+        source = "mixture(" + ", ".join(f"{part['source']}@{part['weight']:.3g}" for part in parts) + ")"
+    else:
+        source = parts[0]["source"]
+    heldout = torch.cat(list(heldout_by_source.values()))  # [heldout, seq_len]
+    logger.info("calibration data: %d x %d tokens from %s (%d sequences held out)", ids.shape[0], ids.shape[1],
+                source, heldout.shape[0])
+    return CalibrationData(ids, source, heldout if heldout.shape[0] else None, parts if mixed else None,
+                           heldout_by_source, row_sources)

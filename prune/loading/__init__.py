@@ -1,0 +1,1 @@
+"""Opening a model: names and aliases, GGUF files, tokenizers, and skeletons whose blocks stay on disk."""

@@ -1,0 +1,157 @@
+"""GGUF files as plain checkpoints: dequantized once by transformers, cached as float32 safetensors.
+
+A ``.gguf`` file is converted on first use into a folder under :func:`cache_dir` that any tool loads with
+``AutoModelForCausalLM.from_pretrained(folder)``; later loads read that folder. The folder is written beside
+its final place and renamed into it, so a crash or a concurrent conversion never leaves a half-written copy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from prune.errors import LayercutError
+from prune.loading.names import EMBEDDED_MODEL, embedded_gguf_path, find_embedded_gguf
+from prune.loading.tokenizer import set_pad_token
+from prune.model.adapters import max_positions
+
+logger = logging.getLogger(__name__)
+
+# The GGUF weights are dequantized exactly into float32 (Q4_1/Q8_0 values are scale * int + offset with float16
+# scales, which bfloat16 would round), so the cached copy is float32; `dtype=` casts at load time.
+CONVERTED_DTYPE = torch.float32
+_MARKER = "layercut-source.json"  # written last inside a converted folder; its presence means "complete"
+
+
+def cache_dir() -> Path:
+    """Folder for converted checkpoints: ``$LAYERCUT_CACHE`` or ``~/.cache/layercut`` (not created here)."""
+    env = os.environ.get("LAYERCUT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "layercut"
+
+
+def is_converted(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished conversion (its marker is written last)."""
+    return (folder / _MARKER).is_file() and (folder / "config.json").is_file()
+
+
+def gguf_target(gguf: Path) -> Path:
+    """Cache folder for a GGUF file: a fixed one for the embedded model, else keyed by name, size and mtime."""
+    if gguf == find_embedded_gguf():
+        return cache_dir() / EMBEDDED_MODEL
+    stat = gguf.stat()
+    return cache_dir() / "gguf" / f"{gguf.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+
+
+def gguf_model_dir(gguf: str | Path) -> Path:
+    """Return the converted safetensors copy of a ``.gguf`` file (made on first call, then reused).
+
+    Args:
+        gguf: path to a ``.gguf`` file.
+
+    Returns:
+        A folder that plain ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained`` load.
+    """
+    gguf = Path(gguf).expanduser().resolve()
+    if not gguf.is_file():
+        raise LayercutError(f"GGUF file {gguf} not found: check the path")
+    target = gguf_target(gguf)
+    if not is_converted(target):
+        _convert_gguf(gguf, target)
+    return target
+
+
+def embedded_model_dir() -> Path:
+    """Return the converted safetensors copy of the embedded SmolLM2-135M-Instruct (made on first call)."""
+    target = cache_dir() / EMBEDDED_MODEL
+    if is_converted(target):
+        return target
+    return gguf_model_dir(embedded_gguf_path())
+
+
+def _gguf_model_kwargs() -> dict:
+    """Ask for a dense model: newer transformers may keep GGUF blocks packed (unsaveable, no surgery possible)."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older transformers always dequantize GGUF files
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Dequantize ``gguf`` with transformers and save it as a plain checkpoint at ``target``, atomically."""
+    logger.info("converting %s to a float32 safetensors checkpoint in %s (once)", gguf, target)
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=CONVERTED_DTYPE, **_gguf_model_kwargs()
+    )
+    _make_saveable(model)
+    set_pad_token(tokenizer)
+    max_len = max_positions(model)
+    if max_len and tokenizer.model_max_length > 10 * max_len:
+        # GGUF tokenizers come back with an "unlimited" 1e30 length; cap it at the model's context
+        tokenizer.model_max_length = max_len
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is a normal, readable checkpoint folder
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        stat = gguf.stat()
+        info = {"gguf": str(gguf), "size": stat.st_size, "mtime": stat.st_mtime, "dtype": str(CONVERTED_DTYPE)}
+        (tmp / _MARKER).write_text(json.dumps(info, indent=2) + "\n")
+        _publish(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - start)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Rename a finished folder into place; if another process got there first, keep theirs."""
+    if target.exists() and not is_converted(target):
+        # a stale folder that is not ours (e.g. hand-made); it is never a half-written one of ours
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not is_converted(target):
+            raise
+        logger.info("%s was converted by another process meanwhile; using that copy", target)
+
+
+def _make_saveable(model: PreTrainedModel) -> None:
+    """Turn a GGUF-loaded model into a plain one that ``save_pretrained`` writes as a normal checkpoint."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        # the GGUF "quantizer" marks the model unserializable even when every weight is dense
+        packed = [n for n, m in model.named_modules() if "gguf" in type(m).__name__.lower()]
+        if packed:
+            raise RuntimeError(f"GGUF weights stayed packed in {packed[:3]}...; cannot save a dense copy")
+        quantizer.remove_quantization_config(model)
+    if getattr(model.config, "quantization_config", None) is not None:
+        del model.config.quantization_config
+    _fix_tied_head(model)
+
+
+def _fix_tied_head(model: PreTrainedModel) -> None:
+    """Make ``tie_word_embeddings`` agree with the weights, so saving neither drops nor duplicates the head."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    config = model.config.get_text_config()
+    if head is None or embed is None or head.weight.shape != embed.weight.shape:
+        return
+    shared = head.weight.data_ptr() == embed.weight.data_ptr()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    if tied and not shared and not torch.equal(head.weight, embed.weight):
+        logger.info("the GGUF has its own output weight: saving it untied")
+        config.tie_word_embeddings = False
+    elif not tied and shared:
+        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
+

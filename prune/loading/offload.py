@@ -1,0 +1,253 @@
+"""Models too large for memory: a skeleton whose blocks stay in the checkpoint until a pass needs them.
+
+:func:`load_offloaded` builds the model on the meta device (``accelerate.init_empty_weights``), reads
+the few tensors outside the blocks (embeddings, final norm, an untied LM head) and leaves every block to
+``prune.measure.blockwise.CheckpointBlocks``. :func:`write_offloaded` exports a surgered skeleton by copying each
+kept tensor from the source checkpoint under its new name, one output shard at a time in CPU memory: removing
+blocks never needs the whole model in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from prune.errors import LayercutError
+from prune.loading.loader import LoadedModel
+from prune.model.adapters import OFFLOAD_ATTR, get_blocks
+
+logger = logging.getLogger(__name__)
+
+# a shard of the exported checkpoint holds about this many bytes (transformers' default is 5 GB too)
+SHARD_BYTES = 5 * 1024**3
+
+
+def _local_folder(name: str, checkpoint: str) -> Path:
+    """The local folder holding ``checkpoint``'s safetensors: a folder as given, a hub id's snapshot."""
+    folder = Path(checkpoint).expanduser()
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(checkpoint, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as err:  # noqa: BLE001 - any hub failure is the same one-line fix
+        raise LayercutError(f"{name}: --offload sequential reads the checkpoint's safetensors and could not fetch "
+                            f"them ({type(err).__name__}): download the model to a folder and pass that") from None
+
+
+def _dtype(dtype: str, config) -> torch.dtype:
+    if dtype != "auto":
+        return getattr(torch, dtype)
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return getattr(torch, stored) if isinstance(stored, str) else stored or torch.float32
+
+
+def load_offloaded(name: str, *, dtype: str = "auto", device: str = "cpu", tokenizer: str | None = None,
+                   load_in_4bit: bool = False, load_in_8bit: bool = False) -> LoadedModel:
+    """``name`` as a skeleton: every tensor outside the blocks loaded, every block's left in the checkpoint.
+
+    Args:
+        name: alias, hub id, checkpoint folder or ``.gguf`` file (as ``prune.loading.loader.load_model``).
+        dtype: the weights' dtype ("auto": the checkpoint's).
+        device: where the non-block tensors live and each block runs ("cpu", "cuda", "cuda:N").
+        tokenizer: the tokenizer to use instead of the checkpoint's.
+        load_in_4bit: refused (a block is read in ``dtype``); taken so the caller's options pass through.
+        load_in_8bit: refused, as ``load_in_4bit``.
+
+    Raises:
+        LayercutError: quantized loading or a device map asked for, or no safetensors to read.
+    """
+    from accelerate import init_empty_weights
+    from accelerate.utils import set_module_tensor_to_device
+    from transformers import AutoModelForCausalLM
+
+    from prune.loading.loader import _finish_model, _open_config, load_tokenizer, resolve_model_name
+
+    if load_in_4bit or load_in_8bit or device == "auto":
+        raise LayercutError("--offload sequential runs one block at a time on one device, in --dtype: drop "
+                            "--load-in-4bit/--load-in-8bit and pass --device cpu or cuda[:N]")
+    resolved = resolve_model_name(name)
+    checkpoint, config = _open_config(name, resolved, allow_maps=False)
+    folder = _local_folder(name, checkpoint)
+    torch_dtype = _dtype(dtype, config)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    blocks = CheckpointBlocks(folder, model, torch_dtype, device)
+    for key, _ in _outside_blocks(model, blocks.prefix):
+        set_module_tensor_to_device(model, key, device, value=blocks.read(key))
+    if getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        model.tie_weights()
+    setattr(model, OFFLOAD_ATTR, blocks)
+    tok = load_tokenizer(tokenizer or checkpoint)
+    _finish_model(model, tok)
+    logger.info("loaded %s as a skeleton from %s: its blocks are read from there one at a time", name, folder)
+    return LoadedModel(model=model, tokenizer=tok, name=name, source=resolved)
+
+
+def _tied_keys(model: nn.Module) -> set[str]:
+    """The tensors a tied model shares with another and a checkpoint does not hold (its LM head)."""
+    if not getattr(model.config.get_text_config(), "tie_word_embeddings", False):
+        return set()
+    return set(getattr(model, "_tied_weights_keys", None) or ())
+
+
+def _outside_blocks(model: nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    """The persistent meta tensors of ``model`` outside its blocks, tied ones left to ``tie_weights``."""
+    persistent = set(model.state_dict(keep_vars=True)) - _tied_keys(model)
+    seen: set[int] = set()
+    found = []
+    for key, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if key.startswith(prefix + ".") or not tensor.is_meta or key not in persistent or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        found.append((key, tensor))
+    return found
+
+
+def write_offloaded(model: nn.Module, folder: Path) -> None:
+    """Write a (surgered) skeleton's checkpoint into ``folder``: its config and every tensor, copied across.
+
+    Each block's tensors are read under the index the block had in the source and written under its
+    index now; everything else keeps its name. Shards of about :data:`SHARD_BYTES` and their index, as
+    ``save_pretrained`` writes them.
+    """
+    from safetensors.torch import save_file
+
+    blocks: CheckpointBlocks = getattr(model, OFFLOAD_ATTR)
+    names = _export_names(model, blocks)
+    tensors = model.state_dict(keep_vars=True)
+    shards: list[dict[str, str]] = [{}]
+    size = 0
+    for target, source in names.items():
+        bytes_ = tensors[target].numel() * tensors[target].element_size()
+        if shards[-1] and size + bytes_ > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][target] = source
+        size += bytes_
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))] \
+        if len(shards) > 1 else ["model.safetensors"]
+    for file, shard in zip(files, shards, strict=True):
+        # contiguous copies: a tensor read from a file may share storage with nothing else
+        read = blocks.read_many(list(shard.values()), device="cpu")  # a shard goes to disk, never to the GPU
+        save_file({t: read[s].contiguous() for t, s in shard.items()}, folder / file, metadata={"format": "pt"})
+    if len(files) > 1:
+        index = {"metadata": {}, "weight_map": {t: f for f, shard in zip(files, shards, strict=True) for t in shard}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+
+
+def _export_names(model: nn.Module, blocks: CheckpointBlocks) -> dict[str, str]:
+    """Every tensor the export writes: its name now -> its name in the source checkpoint."""
+    from prune.model.adapters import get_blocks
+
+    prefix, modules = get_blocks(model)
+    names: dict[str, str] = {}
+    skip = _tied_keys(model)
+    for key in model.state_dict(keep_vars=True):
+        if key in skip:
+            continue
+        if not key.startswith(prefix + "."):
+            names[key] = key
+            continue
+        index, rest = key[len(prefix) + 1:].split(".", 1)
+        names[key] = blocks.source_name(modules[int(index)], int(index), rest)
+    return names
+
+
+class CheckpointBlocks:
+    """Reads a skeleton model's block weights from its checkpoint's safetensors, one block at a time.
+
+    Args:
+        folder: the checkpoint folder (``model.safetensors`` or shards with ``model.safetensors.index.json``).
+        model: the skeleton (blocks on the meta device); its blocks' positions are recorded now, so a
+            surgered skeleton still finds each block's tensors under the index it had in the checkpoint.
+        dtype: the dtype the weights are cast to.
+        device: where a loaded block runs.
+    """
+
+    def __init__(self, folder: str | Path, model: nn.Module, dtype: torch.dtype, device: torch.device | str):
+        self.folder, self.dtype, self.device = Path(folder), dtype, torch.device(device)
+        self.files = _weight_files(self.folder)
+        self.prefix, blocks = get_blocks(model)
+        self.origin = {id(block): index for index, block in enumerate(blocks)}
+        self.base_prefix = getattr(model, "base_model_prefix", "") or ""
+
+    def key(self, name: str) -> str:
+        """The checkpoint's name for the model's tensor ``name`` (some checkpoints omit the base prefix)."""
+        if name in self.files:
+            return name
+        short = name.removeprefix(self.base_prefix + ".")
+        if short in self.files:
+            return short
+        raise LayercutError(f"{self.folder}: no tensor {name} in its safetensors (the model renames or fuses "
+                            "weights when it loads): score it with --offload none")
+
+    def read(self, name: str, device: torch.device | str | None = None) -> torch.Tensor:
+        """The checkpoint's tensor for the model's ``name``, in the run's dtype, on ``device`` (the run's)."""
+        return self.read_many([name], device)[name]
+
+    def read_many(self, names: list[str], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors for the model's ``names``, each file opened once (its header parsed once)."""
+        from safetensors import safe_open
+
+        keys = {name: self.key(name) for name in names}
+        by_file: dict[str, list[str]] = {}
+        for name, key in keys.items():
+            by_file.setdefault(self.files[key], []).append(name)
+        found = {}
+        for file, wanted in by_file.items():
+            with safe_open(self.folder / file, framework="pt", device="cpu") as handle:
+                for name in wanted:
+                    tensor = handle.get_tensor(keys[name])
+                    found[name] = tensor.to(device=device or self.device,
+                                            dtype=self.dtype if tensor.is_floating_point() else tensor.dtype)
+        return found
+
+    def source_name(self, block: nn.Module, index: int, name: str) -> str:
+        """The model's name, in the checkpoint, of tensor ``name`` of ``block`` (now at ``index``)."""
+        return f"{self.prefix}.{self.origin.get(id(block), index)}.{name}"
+
+    @contextmanager
+    def loaded(self, index: int, block: nn.Module) -> Iterator[nn.Module]:
+        """``block`` with its weights read in, put back on the meta device on exit (even on error)."""
+        from accelerate.utils import set_module_tensor_to_device
+
+        names = [name for name, _ in _meta_tensors(block)]
+        try:
+            values = self.read_many([self.source_name(block, index, name) for name in names])
+            for name in names:
+                set_module_tensor_to_device(block, name, self.device, value=values.pop(self.source_name(block, index,
+                                                                                                          name)))
+            yield block
+        finally:
+            for name in names:
+                set_module_tensor_to_device(block, name, "meta")
+
+
+def _meta_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+
+
+def _weight_files(folder: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file name, from the shard index or the single file's header."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise LayercutError(f"{folder}: --offload sequential reads the weights from safetensors files and found "
+                            "none: convert the checkpoint to safetensors or use --offload none")
+    with safe_open(single, framework="pt", device="cpu") as handle:
+        return dict.fromkeys(handle.keys(), single.name)

@@ -1,0 +1,188 @@
+"""One prune run's options: :class:`PruneConfig`, which a recipe maps onto key for key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prune.checkpoint.load_config import LoadConfig
+from prune.data.calibration import DataConfig
+from prune.data.sources import parse_sources
+from prune.errors import LayercutError
+from prune.measure.scores import get_score
+from prune.pipeline.resolve import Plan, resolve_plan
+from prune.pipeline.steps import SurgeryStep, build_step
+from prune.replace import ReplaceConfig
+from prune.selection.strategies import DEFAULT_PROTECT, MEASURED_SELECTIONS, SELECTIONS
+from prune.selection.sublayers import UNIT_SELECTIONS, is_sublayer, parse_units
+
+# Replacement methods a skeleton can fit: from a span's (input, output) moments alone (prune.measure.blockwise)
+OFFLOAD_METHODS = ("none", "linear")
+
+
+# Post-surgery steps a PruneConfig can switch on, in the order they run: config field -> step name.
+STEP_SECTIONS = ("distill",)
+
+
+@dataclass
+class PruneConfig:
+    """One prune run; a recipe maps key for key onto it (sections ``load``, ``data``, ``replace``, ``distill``).
+
+    Attributes:
+        load: model and how to load it (:class:`prune.checkpoint.load_config.LoadConfig`).
+        data: calibration text (:class:`prune.data.calibration.DataConfig`).
+        drop: blocks to remove, a count (4) or a share ("25%"); None only scores (or meets a target).
+        target_params: remove the fewest blocks that bring the parameters to this ("110M", "1.2B", "85%");
+            in place of ``drop`` (``prune.selection.budget``).
+        target_speedup: remove the fewest blocks whose ideal decode speed-up ``L / (L - K)`` reaches this
+            (1.25); in place of ``drop``.
+        unit: what is removed: "block" (default), or sub-layers "attention", "mlp" or "attention,mlp"
+            (``prune.selection.sublayers``; ``drop`` then counts sub-layers, ranked by ``score`` with ``select`` topk,
+            or by the measured cost of skipping each with ``select`` measured).
+        score: criterion used to rank blocks (all registered scores are reported).
+        select: a registered selection (``prune.selection.strategies.SELECTIONS``): topk, span, greedy, greedy-ppl,
+            measured, last, repaired-greedy (-kl), repaired-once, repaired-fast (``prune.selection.repaired``).
+        protect: blocks never removed ("0,-1" = first and last; "none").
+        batch_size: sequences per forward pass while streaming statistics and fitting.
+        replace: what takes the removed blocks' place (:class:`prune.replace.ReplaceConfig`); a method
+            name alone (``replace: linear``) is short for ``{method: linear}``.
+        distill: options of the distillation step after surgery (``distill.config.DistillConfig`` keys,
+            ``steps`` > 0 switches it on); prune hands them to the ``distill`` step unread.
+        oracle: also measure the calibration perplexity with each block alone removed (one pass per block)
+            and each score's Spearman rank correlation with it (``prune.selection.oracle``; into the report and
+            ``scores.md``).
+        out: output folder; None writes nothing when only scoring, and ``<model>-drop<K>`` when
+            dropping, so the first command a user types keeps its result.
+        overwrite: replace a non-empty ``out``.
+    """
+
+    load: LoadConfig = field(default_factory=LoadConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    drop: str | int | None = None
+    target_params: str | int | None = None
+    target_speedup: float | None = None
+    unit: str = "block"
+    score: str = "linearity"
+    select: str = "topk"
+    protect: str = DEFAULT_PROTECT
+    batch_size: int = 4
+    replace: ReplaceConfig | str = "none"
+    distill: dict = field(default_factory=dict)
+    oracle: bool = False
+    out: str | None = None
+    overwrite: bool = False
+
+
+    def __post_init__(self):
+        if isinstance(self.load, dict):
+            self.load = LoadConfig(**self.load)
+        if isinstance(self.data, dict):
+            self.data = DataConfig(**self.data)
+        get_score(self.score)
+        SELECTIONS.get(self.select)
+        if self.batch_size <= 0:
+            raise LayercutError(f"--batch-size must be positive, got {self.batch_size}")
+        self.replace = _replace_config(self.replace, self.batch_size)
+        if not isinstance(self.distill, dict):
+            raise LayercutError(f"distill must be a mapping of DistillConfig keys, got {type(self.distill).__name__}")
+        steps = self.distill.get("steps", 0)
+        if not isinstance(steps, int) or steps < 0:
+            raise LayercutError(f"--distill-steps (distill.steps) must be an integer >= 0, got {steps}")
+        amounts = [flag for flag, value in (("--drop", self.drop), ("--target-params", self.target_params),
+                                            ("--target-speedup", self.target_speedup)) if value is not None]
+        if len(amounts) > 1:
+            raise LayercutError(f"{' and '.join(amounts)} both say how much to remove: pass one of them")
+        if not self.removes and (self.replace.method != "none" or self.step_sections()):
+            flag = "--replace" if self.replace.method != "none" else "--distill-steps"
+            raise LayercutError(f"{flag} needs blocks to remove: pass --drop (a count or a share), --target-params "
+                                "or --target-speedup")
+        units = parse_units(self.unit)
+        self.unit = ",".join(units)
+        if is_sublayer(units):
+            self._check_sublayer_options()
+        if self.load.offload == "sequential":
+            self._check_offload_options(units)
+        if self.out is None and self.removes:
+            self.out = self._default_out(units)
+
+    def _check_sublayer_options(self) -> None:
+        """Refuse, in one line, what sub-layer removal does not do (yet)."""
+        if not self.removes:
+            raise LayercutError(f"--unit {self.unit} needs an amount: pass --drop N (sub-layers) or --target-params")
+        for flag, bad, fix in (("--select", self.select not in UNIT_SELECTIONS,
+                                "ranks sub-layers with --select topk (a score) or measured"),
+                               ("--replace", self.replace.method != "none", "removes them (--replace none)"),
+                               ("--target-speedup", self.target_speedup is not None,
+                                "meets --target-params or --drop (a speed-up counts whole blocks)"),
+                               ("--distill-steps", bool(self.step_sections()), "does not distill yet"),
+                               ("--oracle", self.oracle, "has no oracle yet (it measures whole blocks)")):
+            if bad:
+                raise LayercutError(f"{flag} with --unit {self.unit}: sub-layer removal {fix}; drop {flag} "
+                                    "or use --unit block")
+
+    def _check_offload_options(self, units: tuple[str, ...]) -> None:
+        """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
+        for flag, bad, fix in (
+            ("--unit", is_sublayer(units), "rates whole blocks (--unit block)"),
+            ("--select", self.select in MEASURED_SELECTIONS or needed_cosine_pairs(self) == "all",
+             "selects from scores of blocks (--select topk, greedy or last): perplexity and span scores of "
+             "states need the whole model"),
+            ("--oracle", self.oracle, "has no oracle (it measures perplexity with the whole model)"),
+            ("--replace", self.replace.method not in OFFLOAD_METHODS or self.replace.fit != "independent",
+             f"fits from the original model's states only (--replace {' or '.join(OFFLOAD_METHODS)}, "
+             "--fit independent)"),
+            ("--distill-steps", bool(self.step_sections()),
+             "exports the pruned checkpoint; distil it afterwards with python -m distill.run"),
+            ("--data", any(source.is_self for source in parse_sources(self.data.data)),
+             "cannot sample text from the model (the default calibration's self half): pass --data builtin, a "
+             "file or a dataset"),
+        ):
+            if bad:
+                raise LayercutError(f"{flag} with --offload sequential: a block-by-block run {fix}; change {flag} "
+                                    "or use --offload none")
+
+    def _default_out(self, units: tuple[str, ...]) -> str:
+        """``<model>-drop<K>[-<units>][-<method>]``: the first command a user types keeps its result."""
+        stem = Path(self.load.model.rstrip("/")).name.removesuffix(".gguf")
+        method = "" if self.replace.method == "none" else f"-{self.replace.method}"
+        amount = (f"drop{str(self.drop).replace('%', 'pct')}" if self.drop is not None else
+                  f"params{str(self.target_params).replace('%', 'pct')}" if self.target_params is not None
+                  else f"speedup{self.target_speedup}x")
+        unit = "" if not is_sublayer(units) else "-" + self.unit.replace(",", "-")
+        return f"{stem}-{amount}{unit}{method}"
+
+    @property
+    def removes(self) -> bool:
+        """Whether this run removes blocks (``drop`` or a target), rather than only scoring."""
+        return self.drop is not None or self.target_params is not None or self.target_speedup is not None
+
+    def step_sections(self) -> list[str]:
+        """The post-surgery steps this config switches on (a section with ``steps`` > 0)."""
+        return [name for name in STEP_SECTIONS if getattr(self, name).get("steps", 0)]
+
+    def build_steps(self) -> list[SurgeryStep]:
+        """The post-surgery steps this config asks for, built (and so validated) before any heavy work."""
+        return [build_step(name, dict(getattr(self, name)), self) for name in self.step_sections()]
+
+    def resolve(self, model) -> Plan:
+        """Amounts, protected blocks and units read against ``model`` once, every one checked (:class:`Plan`)."""
+        return resolve_plan(self, model)
+
+
+def _replace_config(value, batch_size: int) -> ReplaceConfig:
+    if isinstance(value, str):
+        value = {"method": value}
+    if isinstance(value, dict):
+        if "batch_size" in value:
+            raise LayercutError("replace: batch_size is the run's top-level batch_size; move it there")
+        return ReplaceConfig(**value, batch_size=batch_size)
+    if not isinstance(value, ReplaceConfig):
+        raise LayercutError(f"replace must be a method name or a mapping, got {type(value).__name__}")
+    if value.batch_size != batch_size:
+        raise LayercutError(f"replace.batch_size {value.batch_size} differs from batch_size {batch_size}: set one")
+    return value
+
+
+def needed_cosine_pairs(config: PruneConfig) -> str:
+    """The cosine sums ``config``'s selection reads: every pair for a span ranked by a score of states."""
+    return "all" if config.select == "span" and get_score(config.score).span is not None else "adjacent"

@@ -1,0 +1,163 @@
+"""The two ways a prune run removes: whole blocks, or attention / MLP sub-layers.
+
+:func:`prune.pipeline.runner.run_prune` is one skeleton (load, calibrate, score, remove, export); what differs
+between the ways sits here, behind one signature: :func:`remove_blocks` selects blocks (a registered
+selection, a budget met by re-selecting) and removes or replaces them; :func:`remove_units` ranks the
+candidate sub-layers and removes them (``prune.selection.sublayers``). Each returns a :class:`Removal`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from prune.data.calibration import CalibrationData
+from prune.measure.moments import StateMoments
+from prune.measure.scores import get_score
+from prune.model.adapters import get_blocks
+from prune.pipeline.resolve import Plan
+from prune.replace import parameter_count, replace_blocks_
+from prune.selection.budget import blocks_for_params
+from prune.selection.oracle import removal_cache, run_oracle
+from prune.selection.strategies import STEPS_MEMO, SelectionInput, select_blocks, span_candidates
+from prune.selection.sublayers import (
+    MEASURE_SEQUENCES,
+    Unit,
+    measured_costs,
+    rank_measured,
+    rank_units,
+    remove_units_,
+    unit_parameters,
+)
+
+if TYPE_CHECKING:
+    from prune.pipeline.config import PruneConfig
+
+
+@dataclass
+class Removal:
+    """What a run removed.
+
+    Attributes:
+        dropped: blocks removed whole (original numbering).
+        sections: entries of ``layercut.json`` only this way writes, in their order.
+        budget: the amount a target asked for and met (``target_params`` / ``target_speedup``), or None.
+        config: the run as the report records it and later steps see it (a met block budget becomes its
+            ``drop``).
+        changed: whether the model changed (its held-out perplexity is then measured again).
+    """
+
+    dropped: list[int]
+    sections: dict
+    budget: dict | None
+    config: PruneConfig
+    changed: bool
+
+
+def selection_input(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
+                    config: PruneConfig, plan: Plan, memo: dict | None = None) -> SelectionInput:
+    """What the selection strategy sees for ``plan.drop`` / ``plan.protected`` and ``config.score``."""
+    return SelectionInput(
+        score=get_score(config.score),
+        moments=moments,
+        values=scores[config.score],
+        count=plan.drop,
+        protected=list(plan.protected),
+        model=model,
+        token_ids=calibration.token_ids,
+        batch_size=config.batch_size,
+        memo=memo,
+        replace=config.replace,
+    )
+
+
+def planned_blocks(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
+                   config: PruneConfig, plan: Plan, memo: dict | None = None) -> list[int]:
+    """The blocks ``config.select`` picks for ``plan`` (none without a drop; ``memo``: ``Scored.memo``)."""
+    if plan.drop is None:
+        return []
+    return select_blocks(config.select, selection_input(model, calibration, moments, scores, config, plan, memo))
+
+
+def span_report(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
+                config: PruneConfig, plan: Plan) -> list[dict]:
+    """For ``--select span``: every candidate span with the score it was ranked by, best first."""
+    inputs = selection_input(model, calibration, moments, scores, config, plan)
+    return [{"blocks": [start, start + inputs.count - 1], config.score: inputs.score.removability([value])[0]}
+            for start, value in span_candidates(inputs)]  # removability is its own inverse: the raw score
+
+
+def block_budget(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
+                 config: PruneConfig, plan: Plan, memo: dict | None = None) -> dict | None:
+    """The block count a ``target_params`` / ``target_speedup`` asks for (None for a plain ``drop``)."""
+    if plan.target_speedup is not None:
+        count = plan.num_blocks
+        return {"target_speedup": plan.target_speedup, "drop": plan.drop, "ideal_speedup": count / (count - plan.drop)}
+    if plan.target_params is None:
+        return None
+    _, blocks = get_blocks(model)
+
+    def select(k: int) -> list[int]:
+        return planned_blocks(model, calibration, moments, scores, config, plan.with_drop(k), memo)
+
+    drop = blocks_for_params(plan.target_params, plan.params, [parameter_count(b) for b in blocks], select, plan.free)
+    return {"target_params": plan.target_params, "drop": drop}
+
+
+def remove_blocks(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
+                  config: PruneConfig, plan: Plan, memo: dict) -> Removal:
+    """Whole blocks: the oracle if asked, the budget, the selection, then removal or replacement."""
+    oracle = (run_oracle(model, calibration.token_ids, scores, config.batch_size, cache=removal_cache(memo))
+              if config.oracle else None)
+    budget = block_budget(model, calibration, moments, scores, config, plan, memo)
+    if budget is not None:
+        plan = plan.with_drop(budget["drop"])
+        config = dataclasses.replace(config, drop=budget["drop"], target_params=None, target_speedup=None)
+    memo.pop(STEPS_MEMO, None)
+    dropped = planned_blocks(model, calibration, moments, scores, config, plan, memo)
+    sections = {}
+    if memo.get(STEPS_MEMO):  # a selection that steps: what it measured at each step
+        sections["selection"] = memo.pop(STEPS_MEMO)
+    if dropped and config.select == "span":
+        sections["span_scores"] = span_report(model, calibration, moments, scores, config, plan)
+    if dropped:
+        replace_blocks_(model, dropped, calibration.token_ids, config.replace, moments)
+    if oracle is not None:
+        sections["oracle"] = oracle.as_dict()
+    return Removal(dropped, sections, budget, config, changed=bool(dropped))
+
+
+def remove_units(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
+                 config: PruneConfig, plan: Plan, memo: dict) -> Removal:
+    """Sub-layers: rank the candidates (by a score, or measured), meet the amount, remove them."""
+    candidates, ids = list(plan.candidates), calibration.token_ids
+    if config.select == "measured":
+        costs = measured_costs(model, ids, candidates, config.batch_size, memo.setdefault("sublayer-removal-ppl", {}))
+        ranked = rank_measured(costs, {u: unit_parameters(model, u) for u in candidates}, candidates)
+    else:
+        ranked = rank_units(scores[config.score], get_score(config.score).removability, candidates)
+    budget = _unit_budget(model, plan, ranked)
+    count = plan.drop if budget is None else budget["drop"]
+    removal = remove_units_(model, ranked[:count], ids[:1, : min(32, ids.shape[1])])
+    labels = [Unit.at(u).label() for u in range(2 * plan.num_blocks)]
+    # per-block scores: none; the streamed pass rated sub-layers, reported under their labels
+    sections = {"scores": {}, "unit": list(plan.units), "sublayers": removal,
+                "sublayer_scores": {"units": labels, **scores}}
+    if config.select == "measured":
+        sections["sublayer_measured"] = {"sequences": min(MEASURE_SEQUENCES, ids.shape[0]),
+                                         "perplexity": dict(costs), "ranked": [u.label() for u in ranked]}
+    return Removal(removal["blocks_removed_whole"], sections, budget, config, changed=True)
+
+
+def _unit_budget(model: nn.Module, plan: Plan, ranked: list[Unit]) -> dict | None:
+    """The sub-layer count ``target_params`` asks for, removing in ``ranked`` order (None for a plain ``drop``)."""
+    if plan.target_params is None:
+        return None
+    sizes = [unit_parameters(model, unit) for unit in ranked]
+    # ranked order: the K most removable units are positions 0..K-1
+    count = blocks_for_params(plan.target_params, plan.params, sizes, lambda k: list(range(k)), len(ranked),
+                              what="removable sub-layer")
+    return {"target_params": plan.target_params, "drop": count}

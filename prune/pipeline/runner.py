@@ -1,0 +1,274 @@
+"""The whole prune stage as one function: load, calibrate, score, select, remove or replace, export.
+
+``prune.run`` (the CLI) and recipes build a :class:`PruneConfig` and call :func:`run_prune`. Work that
+follows surgery and lives above ``prune`` (distillation) joins by composition: the caller passes
+post-surgery steps (``prune.pipeline.steps``), and prune never imports the package that provides them.
+"""
+
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prune.atomic import atomic_directory, check_output_dir, write_json
+from prune.checkpoint.save_load import save
+from prune.checkpoint.write import REPORT_FILE, library_versions
+from prune.data.calibration import CalibrationData, calibration_data, check_sources
+from prune.errors import LayercutError
+from prune.loading.loader import LoadedModel, load_config
+from prune.measure.blockwise import stream_moments_sequential
+from prune.measure.heldout import heldout_report, packed_perplexity
+from prune.measure.moments import StateMoments, stream_moments
+from prune.measure.score_report import plot_linearity_profile, score_table
+from prune.measure.scores import SCORES, block_scores, check_enough_tokens
+from prune.model.adapters import hidden_size, is_offloaded, num_blocks
+from prune.model.surgery import block_layout, replacement_records
+from prune.pipeline.config import PruneConfig, needed_cosine_pairs
+from prune.pipeline.removal import Removal, planned_blocks, remove_blocks, remove_units
+from prune.pipeline.resolve import Plan, check_against_model
+from prune.pipeline.steps import SurgeryStep
+from prune.replace import parameter_count
+from prune.selection.budget import check_params_budget
+from prune.selection.oracle import Oracle, oracle_table
+from prune.selection.sublayers import Unit, unit_moments
+
+logger = logging.getLogger(__name__)
+
+PROFILE_PNG = "linearity_profile.png"
+SCORES_MD = "scores.md"
+
+
+
+
+
+
+
+@dataclass
+class Scored:
+    """Calibration and its statistics, computed once and shared by several runs on the same model.
+
+    ``eval.compare`` scores a model once and hands this to every method's :func:`run_prune`;
+    ``moments.cosine_pairs`` says which cosine sums it holds ("all" serves every selection).
+    """
+
+    calibration: CalibrationData
+    moments: StateMoments
+    scores: dict[str, list[float]]
+    # what selections and the oracle measured on this model and calibration, reused by later runs
+    # (``prune.selection.strategies.SelectionInput.memo``); valid only while both are unchanged
+    memo: dict = field(default_factory=dict)
+
+def score_calibration(loaded: LoadedModel, config: PruneConfig, cosine_pairs: str | None = None) -> Scored:
+    """Calibration text of ``config.data`` and one streamed pass over it.
+
+    ``cosine_pairs`` defaults to what ``config`` needs; pass "all" to serve every selection.
+    """
+    calibration = calibration_data(loaded.tokenizer, config.data, model=loaded.model)
+    moments, scores = score_model(loaded.model, calibration, config, cosine_pairs)
+    return Scored(calibration, moments, scores)
+
+
+@dataclass
+class PruneResult:
+    """What a prune run produced (the model is surgered in place)."""
+
+    loaded: LoadedModel
+    calibration: CalibrationData
+    moments: StateMoments
+    scores: dict[str, list[float]]
+    dropped: list[int]
+    report: dict
+    out: Path | None
+
+
+def preflight(config: PruneConfig) -> None:
+    """Every check that needs only the model's config, before any weight is read or any token scored.
+
+    Every local calibration file must read as text; ``--drop`` and ``--protect`` are checked against the
+    block count, the calibration ``--seq-len`` against the model's positions. Models whose config is
+    not at hand without converting them (a ``.gguf`` seen for the first time) are checked after loading.
+    """
+    check_sources(config.data)  # local files: cheap to read twice
+    model_config = load_config(config.load.model)
+    if model_config is not None:
+        check_against_model(config, model_config)
+
+
+
+
+def score_model(model, calibration: CalibrationData, config: PruneConfig,
+                cosine_pairs: str | None = None) -> tuple[StateMoments, dict]:
+    """One streamed pass; every registered score for every block."""
+    check_enough_tokens(calibration.num_tokens, hidden_size(model))
+    if is_offloaded(model):  # block by block, each block's scores taken and its statistics freed at once
+        moments = stream_moments_sequential(model, calibration.token_ids, batch_size=config.batch_size,
+                                            cosine_pairs=cosine_pairs or needed_cosine_pairs(config),
+                                            scores=list(SCORES))
+    else:
+        moments = stream_moments(model, calibration.token_ids, batch_size=config.batch_size,
+                                 cosine_pairs=cosine_pairs or needed_cosine_pairs(config))
+    return moments, block_scores(moments, list(SCORES))
+
+
+def choose_blocks(model, calibration, moments, scores, config: PruneConfig, memo: dict | None = None) -> list[int]:
+    """Apply ``config.drop`` / ``select`` / ``protect`` to the scores (``memo``: see ``Scored.memo``)."""
+    if config.drop is None:
+        return []
+    return planned_blocks(model, calibration, moments, scores, config, config.resolve(model), memo)
+
+
+def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
+              steps: Sequence[SurgeryStep] | None = None, scored: Scored | None = None) -> PruneResult:
+    """Load (unless given), score, select, remove or replace, run ``steps``, export according to ``config``.
+
+    Whole blocks and sub-layers share these stages; what differs is how they are scored
+    (:func:`score_model`, ``prune.selection.sublayers.unit_moments``) and removed (``prune.pipeline.removal``).
+
+    Args:
+        config: the run.
+        loaded: an already loaded model to use instead of loading ``config.load``.
+        steps: post-surgery steps run in order on the surgered model; None builds the ones ``config``
+            switches on (``config.build_steps()``, found by name).
+        scored: calibration and statistics already computed on this model (:func:`score_calibration`); the
+            model must not have been surgered since.
+    """
+    started = time.perf_counter()
+    steps = config.build_steps() if steps is None else steps
+    if config.out is not None:
+        check_output_dir(config.out, config.overwrite)
+    if loaded is None:
+        preflight(config)
+        loaded = config.load.load()
+    model = loaded.model
+    plan = config.resolve(model)
+    calibration, memo = _calibrate(loaded, config, plan, scored)
+    # a skeleton never holds the whole model: its output is measured afterwards (eval.run)
+    heldout = calibration.heldout_ids if plan.removes and not is_offloaded(model) else None
+    original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
+    score, remove = (_score_units, remove_units) if plan.is_sublayer else (_score_blocks, remove_blocks)
+    moments, scores = score(model, calibration, config, scored, memo)
+    removal = remove(model, calibration, moments, scores, config, plan, memo)
+    if removal.budget is not None and removal.budget.get("target_params") is not None:
+        check_params_budget(parameter_count(model), removal.budget)
+    # sub-layer runs take no steps yet (PruneConfig refuses distillation with them)
+    done = {step.name: step(loaded, removal.config) for step in steps} if removal.dropped and not plan.is_sublayer \
+        else {}
+    report = build_report(loaded, removal.config, calibration, scores, removal.dropped, plan,
+                          time.perf_counter() - started)
+    report.update(removal.sections)
+    if removal.budget is not None:
+        report["budget"] = {**removal.budget, "params_before": plan.params, "params_after": parameter_count(model)}
+    if original is not None and removal.changed:
+        report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout)
+    return _finish(loaded, removal, report, done, calibration, moments, scores)
+
+
+def _calibrate(loaded: LoadedModel, config: PruneConfig, plan: Plan,
+               scored: Scored | None) -> tuple[CalibrationData, dict]:
+    """The calibration tokens (shared ones if ``scored``) and the memo of what is measured on them."""
+    if scored is None:
+        calibration, memo = calibration_data(loaded.tokenizer, config.data, model=loaded.model), {}
+    else:
+        _check_scored(scored, config, plan.num_blocks)
+        calibration, memo = scored.calibration, scored.memo
+    # every score is a fit over these tokens: too few fail before the held-out pass, not after it
+    check_enough_tokens(calibration.num_tokens, hidden_size(loaded.model))
+    return calibration, memo
+
+
+def _score_blocks(model, calibration: CalibrationData, config: PruneConfig, scored: Scored | None,
+                  _memo: dict) -> tuple[StateMoments, dict]:
+    """Every registered score for every block (the shared ones when ``scored``)."""
+    return (scored.moments, scored.scores) if scored is not None else score_model(model, calibration, config)
+
+
+def _score_units(model, calibration: CalibrationData, config: PruneConfig, _scored: Scored | None,
+                 memo: dict) -> tuple[StateMoments, dict]:
+    """Every registered score for every sub-layer, from one pass kept in ``memo``."""
+    return unit_moments(model, calibration.token_ids, config.batch_size, memo)
+
+
+def _finish(loaded: LoadedModel, removal: Removal, report: dict, done: dict, calibration: CalibrationData,
+            moments: StateMoments, scores: dict) -> PruneResult:
+    """Add the steps' reports, export, and delete the steps' work folders."""
+    report.update({name: result.report for name, result in done.items()})
+    files = [f for result in done.values() for f in result.files]
+    config = removal.config
+    out = write_outputs(loaded, report, config, files) if config.out is not None else None
+    for folder in (f for result in done.values() for f in result.cleanup):
+        shutil.rmtree(folder, ignore_errors=True)
+    return PruneResult(loaded, calibration, moments, scores, removal.dropped, report, out)
+
+
+def _check_scored(scored: Scored, config: PruneConfig, blocks: int) -> None:
+    # Shared statistics from another model, or too few cosine sums, would give silently wrong selections.
+    if scored.moments.num_states != blocks + 1:
+        raise LayercutError(f"shared statistics describe {scored.moments.num_states - 1} blocks, the model has "
+                            f"{blocks}: score this model (prune.pipeline.runner.score_calibration)")
+    if needed_cosine_pairs(config) == "all" and scored.moments.cosine_pairs != "all":
+        raise LayercutError("shared statistics lack the all-pairs cosines --select span needs: "
+                            "score with cosine_pairs='all'")
+
+
+def build_report(loaded: LoadedModel, config: PruneConfig, calibration: CalibrationData, scores: dict,
+                 dropped: list[int], plan: Plan, seconds: float) -> dict:
+    """The content of ``layercut.json``."""
+    return {
+        "source_model": loaded.source,
+        "model_name": loaded.name,
+        "architecture": loaded.model.config.model_type,
+        "num_blocks_before": plan.num_blocks,
+        "num_blocks_after": num_blocks(loaded.model),
+        "dropped": sorted(dropped),
+        "score": config.score,
+        "select": config.select,
+        "protect": list(plan.protected),
+        "replace": config.replace.method,
+        "fit": config.replace.fit if config.replace.method != "none" else None,
+        "replacements": replacement_records(loaded.model) if dropped else [],
+        "layout": block_layout(loaded.model),
+        "scores": scores,
+        "data": calibration.describe(),
+        "versions": library_versions(),
+        "seconds": round(seconds, 2),
+        "config": {**asdict(config), "replace": config.replace.to_dict()},  # the flat layout of replace:
+    }
+
+
+def write_outputs(loaded: LoadedModel, report: dict, config: PruneConfig, files: Sequence[Path] = ()) -> Path:
+    """Export the checkpoint (if blocks were dropped) or just the profile, atomically; ``files`` are copied in."""
+
+    def profile_files(folder: Path) -> None:
+        if "sublayer_scores" in report:
+            unit_files(folder)
+            return
+        title = f"{loaded.name}: block linearity ({report['data']['tokens']} tokens)"
+        plot_linearity_profile(report["scores"], folder / PROFILE_PNG, title, report["dropped"])
+        table = score_table(report["scores"], report["dropped"])
+        if "oracle" in report:
+            table += "\n\n" + oracle_table(Oracle(**report["oracle"]), report["scores"])
+        (folder / SCORES_MD).write_text(table + "\n", encoding="utf-8")
+        for path in files:
+            if path.is_file():
+                shutil.copy2(path, folder / path.name)
+
+    def unit_files(folder: Path) -> None:
+        unit_scores = {k: v for k, v in report["sublayer_scores"].items() if k != "units"}
+        removed = [Unit(int(b), k).index for b, k in (u.split(".") for u in report["sublayers"]["units"])]
+        title = (f"{loaded.name}: sub-layer linearity, attention (even) and MLP (odd) "
+                 f"({report['data']['tokens']} tokens)")
+        plot_linearity_profile(unit_scores, folder / PROFILE_PNG, title, removed, unit="sub-layer (2 x block + mlp)")
+        table = score_table(unit_scores, removed, labels=report["sublayer_scores"]["units"])
+        (folder / SCORES_MD).write_text(table + "\n", encoding="utf-8")
+
+    if report["dropped"] or report.get("sublayers"):
+        return save(loaded.model, loaded.tokenizer, config.out, report, config.overwrite, profile_files)
+    with atomic_directory(config.out, config.overwrite) as staging:
+        write_json(staging / REPORT_FILE, report)
+        profile_files(staging)
+    return Path(config.out)

@@ -1,0 +1,122 @@
+"""Bytes each stage of a run holds, per device: the memory half of ``prune.planner.estimate``.
+
+Every figure is a product of shapes (``prune.planner.shape.ModelShape``) and options
+(``prune.planner.estimate.PlanInput``), named for what it is so the printed plan can say what fills a device.
+The buffers counted are the ones the code keeps alive (read off ``prune.measure.moments``, ``prune.measure.perplexity``,
+``prune.replace`` and ``distill.losses``):
+
+- scoring: the weights, one block's forward activations and the streamed moments, one float64 [d, d]
+  Gram per residual state and one cross Gram per block (kept until the run ends);
+- evaluation: the held-out perplexity's logits, [batch, seq, vocab], three float32 copies on a CPU
+  (logits, the chunk's log-softmax, the gathered targets' work; measured on SmolLM2-135M);
+- fitting: a closed-form fit's three float64 [d, d] sums per span and the recorded span inputs and outputs;
+- distillation: student and teacher weights, what is trained with its gradient and two AdamW states,
+  the activations backward needs, and the KL's float32 logits of teacher and student.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from prune.planner.shape import ModelShape
+
+if TYPE_CHECKING:
+    from prune.planner.inputs import PlanInput
+
+# NF4 with double quantization: 4 bits, an 8-bit absmax per 64 weights, a float32 scale per 256 absmax
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+INT8_BYTES = 1.0
+# Python, torch, transformers, the tokenizer and the calibration text: VmHWM of a process that imported
+# prune.run, loaded SmolLM2-135M's tokenizer and drew its calibration, less the weights (2026-11-27, this
+# 2-core machine: 1.07 GB with 0.54 GB of weights)
+CPU_BASELINE_BYTES = 0.53e9
+# a CUDA context and cuBLAS workspace per GPU, outside torch's allocator (assumption: 0.5-1 GB on an H100)
+CUDA_CONTEXT_BYTES = 1.0e9
+# live copies of [batch, seq, vocab] float32 logits in a perplexity pass on a CPU (measured: 1.22 GB for
+# 4 x 512 x 49152 on SmolLM2-135M = 3.0 copies)
+PERPLEXITY_LOGIT_COPIES = 3
+# float32 [batch, seq, vocab] tensors alive at the KL's peak: both log-softmaxes, the teacher's
+# probabilities, their difference and product, the student's gradient (distill.losses.teacher_student_kl)
+KL_LOGIT_COPIES = 7
+# activations saved for backward per token and block, in units of (hidden, intermediate) elements: the
+# Korthikanti et al. (2022) count without the attention matrix (SDPA keeps none), for SwiGLU blocks
+TRAIN_ACT_HIDDEN, TRAIN_ACT_INTERMEDIATE = 10, 4
+# frozen weights save no inputs for their own gradients: backward through them keeps ~60 % of the above
+FROZEN_ACT_SHARE = 0.6
+# the forward of one block alive at once (no grad): residual, norm, q/k/v/o, the stats' float32 rows; MLP
+FWD_ACT_HIDDEN, FWD_ACT_INTERMEDIATE = 8, 4
+
+Parts = dict[str, float]
+
+
+def weight_bytes(shape: ModelShape, inp: PlanInput, blocks: float, *, embed: bool = True,
+                 head: bool = True) -> float:
+    """Bytes of ``blocks`` blocks (plus the embedding and head when asked) in ``inp``'s dtype and quantization."""
+    dense = inp.dtype_bytes
+    linear = {4: NF4_BYTES, 8: INT8_BYTES}.get(inp.quant_bits, dense)
+    block = shape.block_linear_params * linear + (shape.block_params - shape.block_linear_params) * dense
+    rest = (shape.embed_params if embed else 0) + (shape.head_params + shape.other_params if head else 0)
+    return blocks * block + rest * dense
+
+
+def placed(shape: ModelShape, inp: PlanInput, blocks: int, gpus: int) -> list[float]:
+    """Weight bytes per device when ``blocks`` blocks are spread over ``gpus`` devices (accelerate's device map).
+
+    The first device holds the embedding, the last the head; blocks are shared out in order.
+    """
+    gpus = max(1, gpus)
+    per = math.ceil(blocks / gpus)
+    return [weight_bytes(shape, inp, min(per, max(0, blocks - i * per)), embed=i == 0, head=i == gpus - 1)
+            for i in range(gpus)]
+
+
+def moment_bytes(shape: ModelShape) -> float:
+    """The scoring pass's float64 moments: a Gram per state (L + 1) and a cross Gram per block (L)."""
+    return (2 * shape.layers + 1) * shape.hidden ** 2 * 8
+
+
+def fit_bytes(shape: ModelShape, spans: int) -> float:
+    """A closed-form fit's float64 sums per span: the input's Gram, the cross Gram with the update, the output's."""
+    return spans * 3 * shape.hidden ** 2 * 8
+
+
+def map_params(shape: ModelShape, inp: PlanInput) -> int:
+    """Parameters of the replacement maps: ``h A + b`` per span (0 for plain removal)."""
+    return 0 if inp.replace == "none" else inp.spans * (shape.hidden ** 2 + shape.hidden)
+
+
+def forward_bytes(shape: ModelShape, inp: PlanInput, tokens: int) -> float:
+    """One block's forward activations over ``tokens`` tokens, no grad."""
+    return tokens * (FWD_ACT_HIDDEN * shape.hidden + FWD_ACT_INTERMEDIATE * shape.intermediate) * inp.act_bytes
+
+
+def perplexity_logit_bytes(shape: ModelShape, inp: PlanInput) -> float:
+    """The held-out perplexity's logits of one batch (float32 copies, and the model-dtype ones on a GPU)."""
+    tokens = inp.batch_size * inp.seq_len
+    per_token = PERPLEXITY_LOGIT_COPIES * 4 + (inp.act_bytes if inp.act_bytes != 4 else 0)
+    return tokens * shape.vocab * per_token
+
+
+def train_activation_bytes(shape: ModelShape, blocks: int, tokens: int, act_bytes: float, train: str) -> float:
+    """Activations backward keeps over ``blocks`` blocks for ``tokens`` tokens (``train`` = what has gradients)."""
+    per_token = TRAIN_ACT_HIDDEN * shape.hidden + TRAIN_ACT_INTERMEDIATE * shape.intermediate
+    share = 1.0 if train == "all" else FROZEN_ACT_SHARE
+    return share * blocks * tokens * per_token * act_bytes
+
+
+def kl_logit_bytes(shape: ModelShape, tokens: int, act_bytes: float, cached: bool) -> float:
+    """The KL's logits: float32 copies (fewer with cached top-k teacher logits) and the model-dtype outputs."""
+    copies = KL_LOGIT_COPIES - (3 if cached else 0)  # a cache hands over top-k values, not [vocab] tensors
+    return tokens * shape.vocab * (copies * 4 + 2 * act_bytes)
+
+
+def lora_params(shape: ModelShape, blocks: int, rank: int) -> float:
+    """LoRA adapters on every Linear of ``blocks`` blocks: r x (in + out) each."""
+    return blocks * rank * shape.block_linear_io
+
+
+def add(parts: Parts, name: str, value: float) -> None:
+    """Add ``value`` bytes under ``name`` (nothing for 0)."""
+    if value > 0:
+        parts[name] = parts.get(name, 0.0) + value

@@ -1,0 +1,279 @@
+"""The stages of a plan (``prune.planner.estimate``): what each holds on each device, and how long it takes.
+
+:class:`PlanInput` is a run's options as plain numbers; each ``stage_*`` function returns a :class:`Stage`
+with the bytes per device (by what fills them, from :mod:`prune.planner.memory`) and its seconds.
+Times divide each stage's arithmetic (2 x parameters a token passes through for a forward, x2 again for a
+backward through frozen weights, x3 with gradients for every weight) by a throughput: measured on this
+machine's CPU, and an assumed share of an H100's bf16 peak on a GPU; the plan names which one gave each time.
+The distillation part takes plain numbers (:class:`DistillSpec`): prune never imports ``distill``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prune.planner.inputs import DTYPE_BYTES, PlanInput
+from prune.planner.memory import (
+    CPU_BASELINE_BYTES,
+    CUDA_CONTEXT_BYTES,
+    Parts,
+    add,
+    fit_bytes,
+    forward_bytes,
+    kl_logit_bytes,
+    lora_params,
+    map_params,
+    moment_bytes,
+    perplexity_logit_bytes,
+    placed,
+    train_activation_bytes,
+    weight_bytes,
+)
+from prune.planner.shape import ModelShape
+
+# Throughput. CPU: SmolLM2-135M's scoring pass ran 718 tokens/s on 2 threads of this 2-core machine
+# (2026-11-27, prune.run --drop 4), 253 MFLOP a token (2 x 106 M block parameters + the float32 moment
+# products): 1.8e11 FLOP/s in float32. GPU: an assumption, 40 % of an H100 SXM's 989 TFLOP/s dense bf16
+# (NVIDIA H100 datasheet); bitsandbytes 4/8-bit weights at half that (they are dequantized per call).
+CPU_FLOPS = 1.8e11
+GPU_FLOPS = 0.4 * 989e12
+QUANTIZED_SPEED = 0.5
+DISK_BYTES_PER_S = 1.0e9  # assumption: a local NVMe read with a cold page cache
+CPU_SOURCE = "CPU: 1.8e11 FLOP/s measured (SmolLM2-135M scoring, 718 tokens/s, 2 threads)"
+GPU_SOURCE = "GPU: 40 % of H100 bf16 peak (989 TFLOP/s, NVIDIA datasheet) = 4.0e14 FLOP/s per GPU"
+
+
+
+
+
+
+
+
+@dataclass
+class Stage:
+    """One stage of a plan: bytes per device (by what fills them) and its time."""
+
+    name: str
+    devices: dict[str, Parts]
+    seconds: float
+    note: str = ""
+
+    def peak(self, device: str) -> float:
+        """Bytes on ``device`` in this stage."""
+        return sum(self.devices.get(device, {}).values())
+
+
+def compute_devices(inp: PlanInput) -> list[str]:
+    """The devices that hold weights: the GPUs, or the CPU."""
+    return [f"cuda:{i}" for i in range(inp.hardware.gpus)] or ["cpu"]
+
+
+def _new_devices(inp: PlanInput) -> dict[str, Parts]:
+    """Each device's fixed cost: the process on the host, a CUDA context per GPU."""
+    devices: dict[str, Parts] = {"cpu": {"python + torch": CPU_BASELINE_BYTES}}
+    for name in compute_devices(inp):
+        if name != "cpu":
+            devices[name] = {"CUDA context": CUDA_CONTEXT_BYTES}
+    return devices
+
+
+def _weights(devices: dict[str, Parts], shape: ModelShape, inp: PlanInput, blocks: int, label: str) -> None:
+    """``blocks`` blocks with embedding and head, spread over the compute devices."""
+    names = compute_devices(inp)
+    for name, value in zip(names, placed(shape, inp, blocks, len(names)), strict=True):
+        add(devices[name], label, value)
+
+
+def _moments(devices: dict[str, Parts], shape: ModelShape, inp: PlanInput, extra: float = 0.0) -> None:
+    """The scoring moments (and ``extra`` fit sums), shared over the devices that make the states.
+
+    Under offload sequential each block's scores are taken as soon as its statistics are complete and the
+    statistics freed (``prune.measure.blockwise``): three [d, d] matrices instead of 2L + 1.
+    """
+    names = compute_devices(inp)
+    moments = 3 * shape.hidden ** 2 * 8 if inp.offload == "sequential" else moment_bytes(shape)
+    for name in names[:1] if inp.offload == "sequential" else names:
+        share = 1 if inp.offload == "sequential" else 1 / len(names)
+        add(devices[name], "moments (float64)", moments * share)
+        add(devices[name], "fit sums (float64)", extra * share)
+
+
+def _streamed(devices: dict[str, Parts], shape: ModelShape, inp: PlanInput, tokens: int) -> None:
+    """Offload sequential: one block, the embedding and two [tokens, d] state buffers on the compute device."""
+    first = compute_devices(inp)[0]
+    add(devices[first], "one block + embedding", weight_bytes(shape, inp, 1, head=False))
+    add(devices[first], "2 state buffers", 2 * tokens * shape.hidden * inp.act_bytes)
+
+
+def _flops(shape: ModelShape, blocks: int, head: bool = False) -> float:
+    """FLOP of a forward per token through ``blocks`` blocks (and the head)."""
+    return 2 * (blocks * shape.block_active_params + (shape.vocab * shape.hidden if head else 0))
+
+
+def _rate(inp: PlanInput, quantized: bool | None = None, parallel: int = 1) -> float:
+    """FLOP/s: the CPU's measured, or ``parallel`` GPUs' assumed (half for bitsandbytes weights)."""
+    quantized = inp.quant_bits < 16 if quantized is None else quantized
+    if not inp.on_gpu:
+        return CPU_FLOPS
+    return GPU_FLOPS * parallel * (QUANTIZED_SPEED if quantized else 1.0)
+
+
+def stage_load(shape: ModelShape, inp: PlanInput) -> Stage:
+    """Reading the weights: the whole model, or only the embedding under offload sequential."""
+    devices = _new_devices(inp)
+    if inp.offload == "sequential":
+        _streamed(devices, shape, inp, 0)
+        read = weight_bytes(shape, inp, 0, head=False)
+    else:
+        _weights(devices, shape, inp, shape.layers, "weights")
+        read = shape.total * DTYPE_BYTES.get(inp.checkpoint_dtype, 4)
+    return Stage("load", devices, read / DISK_BYTES_PER_S, "disk at 1 GB/s (assumption)")
+
+
+def stage_scoring(shape: ModelShape, inp: PlanInput) -> Stage:
+    """The streamed pass: weights (or one block), one block's forward, the moments."""
+    devices = _new_devices(inp)
+    tokens = inp.batch_size * inp.seq_len
+    if inp.offload == "sequential":
+        _streamed(devices, shape, inp, inp.calibration_tokens)
+    else:
+        _weights(devices, shape, inp, shape.layers, "weights")
+    add(devices[compute_devices(inp)[0]], "activations", forward_bytes(shape, inp, tokens))
+    _moments(devices, shape, inp)
+    flop = inp.calibration_tokens * (_flops(shape, shape.layers) + (2 * shape.layers + 1) * 2 * shape.hidden ** 2)
+    seconds = flop / _rate(inp) + _disk_pass(shape, inp)
+    return Stage("scoring", devices, seconds, f"{inp.calibration_tokens:,} tokens")
+
+
+def _disk_pass(shape: ModelShape, inp: PlanInput) -> float:
+    """Seconds to read every block once (offload sequential reads them per pass)."""
+    if inp.offload != "sequential":
+        return 0.0
+    return shape.layers * weight_bytes(shape, inp, 1, embed=False, head=False) / DISK_BYTES_PER_S
+
+
+def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
+    """A replacement's fit: the scoring stage's memory plus the fit's sums, maps and recorded span states."""
+    if inp.replace == "none" or not inp.drop:
+        return None
+    devices = _new_devices(inp)
+    tokens = inp.batch_size * inp.seq_len
+    passes = 2 if 0 < inp.fit_short < inp.seq_len else 1  # --fit-short cuts the same tokens again
+    offloaded = inp.offload == "sequential"
+    if offloaded:  # one block-by-block pass over both cuts: every state buffer holds them both
+        _streamed(devices, shape, inp, passes * inp.calibration_tokens)
+    else:
+        _weights(devices, shape, inp, shape.layers, "weights")
+    first = compute_devices(inp)[0]
+    add(devices[first], "activations", forward_bytes(shape, inp, tokens) + 4 * tokens * shape.hidden * 4)
+    add(devices[first], "maps", map_params(shape, inp) * inp.dtype_bytes)
+    # block by block, each span is solved and freed as soon as its output is complete (prune.replace.driver),
+    # keeping its input's state buffer until then
+    if offloaded:
+        add(devices[first], "span input buffer", passes * inp.calibration_tokens * shape.hidden * inp.act_bytes)
+    _moments(devices, shape, inp, fit_bytes(shape, 1 if offloaded else inp.spans))
+    flop = passes * inp.calibration_tokens * _flops(shape, shape.layers)
+    note = f"{inp.spans} span(s) at most; closed-form sums" + ("" if inp.replace in _CLOSED_FORM else
+                                                                f" (a trained {inp.replace} counted as one)")
+    return Stage("fitting", devices, flop / _rate(inp) + passes * _disk_pass(shape, inp), note)
+
+
+_CLOSED_FORM = ("linear", "fold", "cosine", "linearpatch", "magcomp")
+
+
+def stage_evaluation(shape: ModelShape, inp: PlanInput) -> Stage | None:
+    """Held-out perplexity of the original and of the pruned model (the moments still alive), their logits.
+
+    A block-by-block run (offload sequential) never holds the whole model and leaves this to ``eval.run``.
+    """
+    if not inp.heldout_samples or inp.offload == "sequential":
+        return None
+    devices = _new_devices(inp)
+    names = compute_devices(inp)
+    tokens = inp.batch_size * inp.seq_len
+    _weights(devices, shape, inp, shape.layers - inp.drop, "weights (pruned)")
+    add(devices[names[0]], "maps", map_params(shape, inp) * inp.dtype_bytes)
+    add(devices[names[0]], "activations", forward_bytes(shape, inp, tokens))
+    add(devices[names[-1]], "logits", perplexity_logit_bytes(shape, inp))
+    _moments(devices, shape, inp)
+    flop = inp.heldout_samples * inp.seq_len * (_flops(shape, shape.layers, True) +
+                                                 _flops(shape, shape.layers - inp.drop, True))
+    return Stage("evaluation", devices, flop / _rate(inp), f"{inp.heldout_samples} x {inp.seq_len} tokens, twice")
+
+
+def _trainable_params(shape: ModelShape, inp: PlanInput) -> float:
+    """Scalars that get a gradient and two AdamW states (``--train``)."""
+    kept = shape.layers - inp.drop
+    extra = {"all": kept * shape.block_params, "lora": lora_params(shape, kept, inp.distill.lora_r)}
+    return map_params(shape, inp) + extra.get(inp.distill.train, 0)
+
+
+def _student_and_teacher(devices: dict[str, Parts], shape: ModelShape, inp: PlanInput) -> None:
+    """Student weights and training state, the teacher unless cached: sharded (FSDP) or spread (device map)."""
+    names = compute_devices(inp)
+    fsdp = inp.hardware.fsdp and len(names) > 1
+    kept = shape.layers - inp.drop
+    student = sum(placed(shape, inp, kept, 1))
+    state = 3 * _trainable_params(shape, inp) * inp.dtype_bytes  # gradient + two AdamW states
+    maps = map_params(shape, inp) * inp.dtype_bytes
+    for i, name in enumerate(names):
+        share = 1 / len(names)
+        if fsdp:
+            add(devices[name], "student (FSDP shard)", (student + maps) * share)
+        else:
+            add(devices[name], "student", placed(shape, inp, kept, len(names))[i])
+            add(devices[name], "maps", maps if i == 0 else 0)
+        add(devices[name], "grads + AdamW", state * share if fsdp or inp.distill.train == "all" else
+            (state if i == 0 else 0))
+        if not inp.distill.teacher_cache:
+            teacher = placed(shape, inp, shape.layers, 1)[0] if fsdp else placed(shape, inp, shape.layers,
+                                                                                 len(names))[i]
+            add(devices[name], "teacher" + (" (replica)" if fsdp else ""), teacher)
+
+
+def _training_buffers(devices: dict[str, Parts], shape: ModelShape, inp: PlanInput) -> None:
+    """Activations kept for backward and the KL's logits: per GPU under FSDP, spread over a device map."""
+    names = compute_devices(inp)
+    fsdp = inp.hardware.fsdp and len(names) > 1
+    spec = inp.distill
+    tokens = spec.batch_size * spec.seq_len
+    acts = train_activation_bytes(shape, shape.layers - inp.drop, tokens, inp.act_bytes, spec.train)
+    logits = kl_logit_bytes(shape, tokens, inp.act_bytes, bool(spec.teacher_cache)) if spec.kl else 0.0
+    for i, name in enumerate(names):
+        add(devices[name], "activations (backward)", acts if fsdp else acts / len(names))
+        add(devices[name], "logits (KL, float32)", logits if fsdp or i == len(names) - 1 else 0)
+
+
+def stage_distillation(shape: ModelShape, inp: PlanInput, moments_alive: bool = True) -> Stage | None:
+    """Distillation: student, teacher, training state, activations, logits (and, in prune.run, the moments)."""
+    spec = inp.distill
+    if not spec.steps or not inp.drop:
+        return None
+    devices = _new_devices(inp)
+    _student_and_teacher(devices, shape, inp)
+    _training_buffers(devices, shape, inp)
+    if moments_alive:  # prune.run holds the scoring moments until it exports
+        _moments(devices, shape, inp)
+    tokens = spec.steps * spec.grad_accum * spec.batch_size * spec.seq_len
+    backward = 3 if spec.train == "all" else 2  # frozen weights: gradients of the inputs only
+    student = backward * (_flops(shape, shape.layers - inp.drop, True) + 2 * map_params(shape, inp)) / _rate(inp)
+    teacher = 0.0 if spec.teacher_cache else _flops(shape, shape.layers, True) / _rate(inp)
+    where = "per GPU, FSDP" if inp.hardware.fsdp and inp.hardware.gpus > 1 else "device map"
+    note = f"{spec.steps} steps x {spec.grad_accum * spec.batch_size} x {spec.seq_len} tokens ({where})"
+    return Stage("distillation", devices, tokens * (student + teacher), note)
+
+
+def stage_teacher_cache(shape: ModelShape, inp: PlanInput) -> Stage | None:
+    """Filling a teacher-logit cache before training: the teacher alone, one batch's forward and logits."""
+    spec = inp.distill
+    if not (spec.steps and inp.drop and spec.teacher_cache):
+        return None
+    devices = _new_devices(inp)
+    _weights(devices, shape, inp, shape.layers, "teacher")
+    tokens = spec.batch_size * spec.seq_len
+    names = compute_devices(inp)
+    add(devices[names[0]], "activations", forward_bytes(shape, inp, tokens))
+    add(devices[names[-1]], "logits", tokens * shape.vocab * (4 + inp.act_bytes))
+    total = spec.steps * spec.grad_accum * tokens
+    return Stage("teacher cache", devices, total * _flops(shape, shape.layers, True) / _rate(inp),
+                 f"top-{spec.teacher_cache} logits of {total:,} tokens")

@@ -1,0 +1,339 @@
+"""Blocks chosen for their repair: the loss of the model with a set of blocks removed *and repaired*.
+
+SLEB (``greedy-ppl``) measures the model with a candidate block removed and nothing in its place. A run
+that repairs (a least-squares map, a fold, a patch) ships something else, and the block whose bare
+removal costs least need not be the one whose repair costs least: on SmolLM2-135M removal alone ranks
+block 11 among the worst (x4.61 perplexity), the linearity top-k leaves it in, and the two choices differ
+by ~29 points of task retention at drop 8 (``reports/smollm2-135m-tasks-draw/``).
+
+Here each candidate set is repaired by the run's own method before it is measured:
+
+- the calibration rows are split: one row in :data:`MEASURE_EVERY` measures, the others fit. A fit never
+  sees the rows its repair is judged on (a least-squares map fitted and scored on the same tokens would
+  flatter the widest span);
+- each span is fitted alone on the original model's states (``prune.replace.fit_spans``, the independent
+  fit), so a span's repair is fitted once and serves every set that contains it, at every step;
+- a candidate set is measured on the measuring rows by its perplexity and by the KL of its next-token
+  distribution from the original model's (both from one pass; the selection reads one of them). Only the
+  blocks from the first one the candidate changes onward are run: the state entering it is the one the
+  current set's model computes there, captured once per batch.
+
+``repaired-greedy`` (and ``-kl``) is SLEB's loop on these costs. ``repaired-once`` ranks every block once by
+its own repaired cost (one step of it). ``repaired-fast`` needs one pass: each block's least-squares map,
+fitted on the fitting rows, ranked by the share of its output it fails to reproduce on the measuring rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from prune.errors import LayercutError
+from prune.measure.heldout import packed_perplexity
+from prune.measure.least_squares import fit_linear_map, residual_sums, scale_update
+from prune.measure.moments import stream_moments
+from prune.model.adapters import get_blocks, input_device
+from prune.model.surgery import blocks_removed
+from prune.replace import (
+    ReplaceConfig,
+    Replacement,
+    check_span_lengths,
+    fit_spans,
+    get_method,
+    spans_of,
+    surgered_view,
+)
+from prune.selection.oracle import logits_from, states_entering
+
+logger = logging.getLogger(__name__)
+
+# One calibration row in this many measures a repair, the others fit it: on the default 32 x 512 tokens,
+# 4 rows measure (2 of each half of the default mixture) and 28 fit.
+MEASURE_EVERY = 8
+CRITERIA = ("ppl", "kl")
+# positions whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
+_CHUNK = 64
+
+
+def split_rows(token_ids: torch.Tensor, every: int = MEASURE_EVERY) -> tuple[torch.Tensor, torch.Tensor]:
+    """[samples, seq] -> (fitting rows, measuring rows): rows every-1, 2*every-1, ... measure."""
+    rows = token_ids.shape[0]
+    if rows < 2:
+        raise LayercutError("a repaired selection fits on some calibration sequences and measures on others: pass "
+                            "--samples 2 or more")
+    measure = list(range(every - 1, rows, every)) or [rows - 1]
+    fit = [row for row in range(rows) if row not in measure]
+    return token_ids[fit], token_ids[measure]
+
+
+def repair_key(config: ReplaceConfig) -> str:
+    """What a measured repaired cost depends on besides the model and its calibration: the repair's settings."""
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("progress", "batch_size", "fit")}
+    return json.dumps(settings, sort_keys=True, default=str)
+
+
+class RepairedCosts:
+    """Measured costs of block sets removed and repaired by one method, shared through a run's memo.
+
+    Args:
+        model: the original model (not surgered; it is changed only inside ``with`` blocks).
+        token_ids: [samples, seq] calibration tokens, split by :func:`split_rows`.
+        replace: the run's repair; ``none`` measures bare removal on the measuring rows.
+        batch_size: sequences per pass.
+        memo: ``prune.pipeline.runner.Scored.memo`` (fits and costs outlive one selection: a drop of 8 extends the
+            drop of 4, another cell with the same repair reads the same costs); None keeps them here.
+    """
+
+    def __init__(self, model: nn.Module, token_ids: torch.Tensor, replace: ReplaceConfig, batch_size: int = 4,
+                 memo: dict | None = None):
+        spec = get_method(replace.method)
+        if spec.fitter is not None and "independent" not in spec.fits:
+            raise LayercutError(f"a repaired selection fits each span alone on the original model's states, which "
+                                f"--replace {replace.method} does not do: use --select greedy-ppl")
+        self.model = model
+        self.fit_ids, self.measure_ids = split_rows(token_ids)
+        # the run's progress setting is for its own fit; one bar for the whole selection is enough
+        self.config = dataclasses.replace(replace, fit="independent", progress=False)
+        self.batch_size = batch_size
+        self.removes_only = spec.fitter is None
+        self.key = repair_key(self.config)
+        shared = {} if memo is None else memo.setdefault(("repaired", self.key), {})
+        self.fits: dict[tuple[int, ...], Replacement | None] = shared.setdefault("fits", {})
+        self.costs: dict[tuple[int, ...], dict[str, float]] = shared.setdefault("costs", {})
+        self._plain = False  # set when starting a pass at a later block does not reproduce the whole pass
+        self._checked = False
+
+    # ---- fitting -------------------------------------------------------------------------------------------
+
+    def _valid(self, blocks: Sequence[int]) -> bool:
+        """Whether the method can replace every span of ``blocks`` (a method with a shortest span may not)."""
+        try:
+            check_span_lengths(self.config.method, spans_of(sorted(blocks)))
+        except LayercutError:
+            return False
+        return True
+
+    def _fit(self, sets: Sequence[Sequence[int]]) -> None:
+        """Fit, in one capture pass, every span of ``sets`` not fitted yet."""
+        if self.removes_only:
+            return
+        missing = [span for blocks in sets for span in spans_of(sorted(blocks)) if span not in self.fits]
+        missing = list(dict.fromkeys(missing))
+        if missing:
+            logger.info("repaired selection: fitting %d span(s) on %d rows", len(missing), self.fit_ids.shape[0])
+            self.fits.update(fit_spans(self.model, missing, self.fit_ids, self.config))
+
+    def replacements(self, blocks: Sequence[int]) -> list[Replacement]:
+        """The fitted replacements of ``blocks``' spans (fitting those not fitted yet)."""
+        self._fit([blocks])
+        return [self.fits[span] for span in spans_of(sorted(blocks))]
+
+    @contextmanager
+    def view(self, blocks: Sequence[int]) -> Iterator[None]:
+        """The model with ``blocks`` removed and repaired, for the length of a ``with``."""
+        if self.removes_only:
+            with blocks_removed(self.model, sorted(blocks)):
+                yield
+        else:
+            with surgered_view(self.model, self.replacements(blocks)):
+                yield
+
+    def _signature(self, blocks: Sequence[int]) -> list[tuple]:
+        """One entry per block of the view of ``blocks``.
+
+        Two views' entries are equal exactly where the block computes the same thing: the same original block
+        carrying the same replacements, or the same new block.
+        """
+        removed = set(blocks)
+        done = [] if self.removes_only else self.replacements(blocks)
+        hosted: dict[int, list[int]] = {}
+        new = {r.span[0]: r for r in done if r.where == "block"}
+        for r in done:
+            if r.where != "block":
+                hosted.setdefault(r.host, []).append(id(r))
+        signature = []
+        for i in range(len(get_blocks(self.model)[1])):
+            if i in new:
+                signature.append(("new", id(new[i])))
+            if i not in removed:
+                signature.append((i, tuple(sorted(hosted.get(i, [])))))
+        return signature
+
+    # ---- measuring ----------------------------------------------------------------------------------------
+
+    def measure(self, base: Sequence[int], candidates: Sequence[int], bar=None) -> dict[int, dict[str, float]]:
+        """``{candidate: {"ppl": .., "kl": ..}}`` for the sets ``base + [candidate]``, on the measuring rows.
+
+        Sets measured before (in this memo) are not measured again; a set the method cannot replace costs inf.
+        """
+        base = sorted(set(base))
+        keys = {c: tuple(sorted([*base, c])) for c in candidates}
+        todo = [c for c in candidates if keys[c] not in self.costs]
+        for c in todo:
+            if not self._valid(keys[c]):
+                self.costs[keys[c]] = {"ppl": math.inf, "kl": math.inf}
+        todo = [c for c in todo if keys[c] not in self.costs]
+        if bar is not None:
+            bar.update(len(candidates) - len(todo))
+        if todo:
+            self._fit([keys[c] for c in todo] + [base])
+            found = self._measure_sets(base, [keys[c] for c in todo], bar)
+            for c, cost in zip(todo, found, strict=True):
+                self.costs[keys[c]] = cost
+        return {c: self.costs[keys[c]] for c in candidates}
+
+    @torch.no_grad()
+    def _measure_sets(self, base: list[int], sets: list[tuple[int, ...]], bar) -> list[dict[str, float]]:
+        base_signature = self._signature(base)
+        starts = []
+        for blocks in sets:
+            signature = self._signature(blocks)
+            starts.append(next((p for p, (a, b) in enumerate(zip(base_signature, signature, strict=False)) if a != b),
+                               min(len(base_signature), len(signature))))
+        nll, kl = [0.0] * len(sets), [0.0] * len(sets)
+        targets = 0
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for first in range(0, self.measure_ids.shape[0], self.batch_size):
+                batch = self.measure_ids[first : first + self.batch_size].to(input_device(self.model))
+                dense = torch.log_softmax(self.model(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
+                states = None
+                if not self._plain and max(starts) > 0:
+                    with self.view(base):
+                        states = states_entering(self.model, batch, max(starts))
+                    if states is None:
+                        logger.warning("repaired selection: a block ran more than once; measuring whole passes")
+                        self._plain = True
+                for i, blocks in enumerate(sets):
+                    with self.view(blocks):
+                        logits = self._logits(batch, starts[i], states)
+                    batch_nll, batch_kl = _nll_and_kl(logits[:, :-1], dense, batch[:, 1:])
+                    nll[i] += batch_nll
+                    kl[i] += batch_kl
+                    if bar is not None and first + self.batch_size >= self.measure_ids.shape[0]:
+                        bar.update(1)
+                targets += batch.shape[0] * (batch.shape[1] - 1)
+        finally:
+            self.model.train(was_training)
+        return [{"ppl": math.exp(n / targets), "kl": k / targets} for n, k in zip(nll, kl, strict=True)]
+
+    def _logits(self, batch: torch.Tensor, start: int, states: list[torch.Tensor] | None) -> torch.Tensor:
+        """The current view's logits, its blocks before ``start`` skipped when their output is at hand."""
+        whole = lambda: self.model(input_ids=batch, use_cache=False).logits  # noqa: E731
+        # nothing changed in front (start 0), or nothing left to start at (the candidate's view ends there)
+        if states is None or self._plain or not 0 < start < len(get_blocks(self.model)[1]):
+            return whole()
+        logits = logits_from(self.model, batch, start, states[start])
+        if not self._checked:  # once: a block that passes on more than its hidden state breaks the shortcut
+            self._checked = True
+            reference = whole()
+            if not torch.allclose(logits.float(), reference.float(), rtol=1e-3, atol=1e-3):
+                logger.warning("repaired selection: starting at block %d differs from the whole pass; measuring "
+                               "whole passes", start)
+                self._plain = True
+                return reference
+        return logits
+
+
+def _nll_and_kl(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+    """Summed next-token NLL of ``targets`` and summed KL(dense || model) over positions, float64."""
+    nll = kl = 0.0
+    for start in range(0, logits.shape[1], _CHUNK):
+        logp = torch.log_softmax(logits[:, start : start + _CHUNK].float(), -1)
+        ref = dense[:, start : start + _CHUNK]
+        picked = logp.gather(-1, targets[:, start : start + _CHUNK, None].to(logp.device)).squeeze(-1)
+        nll -= float(picked.double().sum())
+        kl += float((ref.exp() * (ref - logp)).sum(-1).double().sum())
+    return nll, kl
+
+
+def greedy_order(costs: RepairedCosts, count: int, protected: Sequence[int], criterion: str,
+                 memo: dict | None = None, bar=None) -> tuple[list[int], list[dict]]:
+    """SLEB's loop on repaired costs: the ``count`` blocks in the order chosen, and what each step measured.
+
+    Each step depends only on the steps before it, so a larger drop continues a smaller one's steps (kept in
+    ``memo`` per repair, criterion and protection).
+    """
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion {criterion!r}: one of {CRITERIA}")
+    key = ("repaired-greedy", costs.key, criterion, tuple(protected))
+    steps: list[dict] = [] if memo is None else memo.setdefault(key, [])
+    blocks = len(get_blocks(costs.model)[1])
+    while len(steps) < count:
+        chosen = [step["drop"] for step in steps]
+        candidates = [b for b in range(blocks) if b not in chosen and b not in protected]
+        measured = costs.measure(chosen, candidates, bar)
+        best = min(candidates, key=lambda b: (measured[b][criterion], b))
+        if math.isinf(measured[best][criterion]):
+            raise LayercutError(f"--replace {costs.config.method} can replace none of the sets left after "
+                                f"{chosen}: lower --drop or use --select span")
+        steps.append({"chosen": chosen, "drop": best, "costs": {str(b): measured[b] for b in candidates}})
+        logger.info("repaired-greedy step %d: drop block %d (measuring %s %.4f)", len(steps), best, criterion,
+                    measured[best][criterion])
+    return [step["drop"] for step in steps[:count]], steps[:count]
+
+
+def single_costs(costs: RepairedCosts, candidates: Sequence[int], bar=None) -> dict[int, dict[str, float]]:
+    """Each candidate's own repaired cost (the first step of :func:`greedy_order`)."""
+    return costs.measure([], candidates, bar)
+
+
+def update_share(replace: ReplaceConfig | None) -> float:
+    """The share of its fitted update the run's map applies (1: a method without the option, or no repair)."""
+    scale = replace.update_scale if replace is not None else None
+    return float(scale) if isinstance(scale, (int, float)) else 1.0
+
+
+def map_errors(model: nn.Module, token_ids: torch.Tensor, update_scale: float = 1.0, ridge: float = 0.0,
+               batch_size: int = 4) -> list[float]:
+    """Per block: the share of its output's energy its least-squares map misses on rows the map was not fitted on.
+
+    One pass over the calibration (the fitting rows, then the measuring rows of :func:`split_rows`); the map
+    is ``update_scale`` of the way from the identity to the least-squares fit, as ``--replace linear`` applies it.
+    """
+    fit_ids, measure_ids = split_rows(token_ids)
+    fitted = stream_moments(model, fit_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
+    held = stream_moments(model, measure_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
+    errors = []
+    for block in range(len(get_blocks(model)[1])):
+        fit = scale_update(fit_linear_map(fitted.pair(block, block + 1), ridge), update_scale)
+        moments = held.pair(block, block + 1)
+        sse = residual_sums(fit, moments)
+        energy = torch.diagonal(moments.cyy) + moments.n * moments.mean_y**2  # uncentred: the state's own size
+        errors.append(float(sse.sum() / energy.sum()))
+    return errors
+
+
+def repaired_oracle(model: nn.Module, token_ids: torch.Tensor, scores: dict[str, list[float]],
+                    replace: ReplaceConfig, batch_size: int = 4, memo: dict | None = None) -> dict:
+    """The oracle's "repaired" column: each block's own repaired cost, and every cheap ranking's Spearman with it.
+
+    Returns ``{"method", "dense", "ppl", "kl", "map_error", "spearman"}``: the original model's perplexity on the
+    measuring rows, per-block perplexity and KL of the model with that block alone removed and repaired (on
+    the same rows), the one-pass map error (:func:`map_errors`), and
+    the Spearman of each score's removability, of the map error and of the bare-removal oracle (added by the
+    caller) with the repaired perplexity (+1: ranks blocks as their repair really costs).
+    """
+    from prune.measure.scores import get_score
+    from prune.selection.oracle import spearman  # the oracle module's rank correlation, ties averaged
+
+    blocks = range(len(get_blocks(model)[1]))
+    costs = RepairedCosts(model, token_ids, replace, batch_size, memo)
+    measured = single_costs(costs, list(blocks))
+    ppl = [measured[b]["ppl"] for b in blocks]
+    errors = map_errors(model, token_ids, update_share(replace), batch_size=batch_size)
+    target = [-p for p in ppl]
+    agreement = {name: spearman(get_score(name).removability(values), target) for name, values in scores.items()}
+    agreement["map-error (repaired-fast)"] = spearman([-e for e in errors], target)
+    agreement["repaired KL"] = spearman([-measured[b]["kl"] for b in blocks], target)
+    dense = packed_perplexity(model, costs.measure_ids, batch_size, progress=False)
+    return {"method": replace.method, "dense": dense, "ppl": ppl, "kl": [measured[b]["kl"] for b in blocks],
+            "map_error": errors, "spearman": agreement}

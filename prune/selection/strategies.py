@@ -1,0 +1,306 @@
+"""Which blocks go: the K most removable, the best contiguous span, greedy re-scoring, or measured perplexity.
+
+``topk``, ``span`` and ``greedy`` rank by a score; ``greedy-ppl`` (SLEB) measures the calibration
+perplexity of every candidate removal; ``measured`` ranks once by what removing each block alone
+costs (SLEB's first step); ``last`` takes the deepest blocks (reverse-order pruning). ``repaired-greedy``
+(``-kl``), ``repaired-once`` and ``repaired-fast`` measure the model with candidate blocks removed *and
+repaired* by the run's own method (``prune.selection.repaired``).
+
+Selections are registered by name. By default the first and the last block are protected: the first
+turns token embeddings into the working representation and the last prepares the state for the
+LM head, and removing either one breaks small models (see DESIGN.md, SmolLM2 figures).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from prune.errors import LayercutError
+from prune.measure.blockwise import stream_any
+from prune.measure.moments import StateMoments
+from prune.measure.scores import Score, block_scores
+from prune.model.adapters import is_offloaded
+from prune.model.surgery import blocks_removed
+from prune.registry import Registry
+from prune.selection.oracle import removal_cache, removal_perplexities
+from prune.selection.repaired import RepairedCosts, greedy_order, map_errors, single_costs, update_share
+
+if TYPE_CHECKING:
+    from prune.replace import ReplaceConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROTECT = "0,-1"
+
+
+def parse_drop(value: str | int, num_blocks: int, protected: Sequence[int] = ()) -> int:
+    """``4`` or ``25%`` (of the model's blocks, rounded) -> a block count, validated.
+
+    Args:
+        value: the amount as typed.
+        num_blocks: the model's blocks (twice them for a sub-layer count).
+        protected: blocks that never go; a count of all the blocks names the true maximum, the blocks
+            left once the protected ones are kept, so the number it suggests is one that runs.
+    """
+    text = str(value).strip()
+    try:
+        count = round(num_blocks * float(text[:-1]) / 100) if text.endswith("%") else int(text)
+    except ValueError:
+        raise LayercutError(f"--drop must be a count like 4 or a share like 25%, got '{value}'") from None
+    if count <= 0:
+        raise LayercutError(f"--drop {value} removes no block: ask for at least 1")
+    if count >= num_blocks:
+        most = num_blocks - max(1, len(protected))
+        why = f" (blocks {list(protected)} are protected; --protect none allows {num_blocks - 1})" if protected else ""
+        raise LayercutError(
+            f"--drop {value} asks for {count} of the model's {num_blocks} blocks: drop at most {most}{why}"
+        )
+    return count
+
+
+def parse_protect(value: str | Sequence[int] | None, num_blocks: int) -> list[int]:
+    """``"0,-1"`` (negative counts from the end), ``"none"``, or a list -> sorted block indices."""
+    if value is None or value == "none" or value == "":
+        return []
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        indices = [int(i) for i in items]
+    except ValueError:
+        raise LayercutError(f"--protect takes block indices like 0,-1 or 'none', got '{value}'") from None
+    if any(not -num_blocks <= i < num_blocks for i in indices):
+        raise LayercutError(f"--protect {value}: the model has blocks 0..{num_blocks - 1}")
+    return sorted({i % num_blocks for i in indices})
+
+
+@dataclass
+class SelectionInput:
+    """What a selection strategy sees."""
+
+    score: Score
+    moments: StateMoments
+    values: list[float]  # the score for every block
+    count: int
+    protected: list[int]
+    model: nn.Module | None = None
+    token_ids: torch.Tensor | None = None
+    batch_size: int = 4
+    # measurements kept across runs on the same model and calibration (``prune.pipeline.runner.Scored.memo``):
+    # greedy selections reuse the removals a smaller drop already chose
+    memo: dict | None = None
+    # the run's repair: what the repaired selections fit and measure (None: bare removal)
+    replace: ReplaceConfig | None = None
+
+
+# Selections that run the model on the calibration (not a score of the scoring pass): a skeleton cannot
+# run them, and they need the whole model in memory.
+MEASURED_SELECTIONS = ("greedy-ppl", "measured", "repaired-greedy", "repaired-greedy-kl", "repaired-once",
+                       "repaired-fast")
+# memo entry where a selection that steps leaves what each step measured (``layercut.json``'s "selection")
+STEPS_MEMO = "selection-steps"
+
+SELECTIONS: Registry[Callable[[SelectionInput], list[int]]] = Registry("selection")
+
+
+def register_selection(name: str):
+    """Decorator registering a selection strategy in :data:`SELECTIONS` as ``name``."""
+    return SELECTIONS.decorator(name)
+
+
+def select_blocks(method: str, inputs: SelectionInput) -> list[int]:
+    """Run the named strategy; checks there are enough unprotected blocks first."""
+    strategy = SELECTIONS.get(method)
+    check_enough_free(inputs.count, len(inputs.values), inputs.protected)
+    return sorted(strategy(inputs))
+
+
+def check_enough_free(count: int, num_blocks: int, protected: Sequence[int]) -> None:
+    """``count`` blocks can go only if that many are not protected."""
+    free = num_blocks - len(protected)
+    if count > free:
+        raise LayercutError(
+            f"cannot drop {count} blocks: only {free} of {num_blocks} are not protected ({list(protected)}); "
+            "lower --drop or pass --protect none"
+        )
+
+
+@register_selection("topk")
+def _topk(inputs: SelectionInput) -> list[int]:
+    ranked = sorted(range(len(inputs.values)), key=lambda b: -inputs.score.removability(inputs.values)[b])
+    return [b for b in ranked if b not in inputs.protected][: inputs.count]
+
+
+def span_removability(inputs: SelectionInput, start: int) -> float:
+    """How removable the span ``start .. start + count - 1`` is.
+
+    A score that compares states (:attr:`prune.measure.scores.Score.span`) compares the span's endpoints
+    directly (Gromov et al.) when all pairwise cosines were streamed; otherwise the per-block values
+    are summed.
+    """
+    end = start + inputs.count
+    if inputs.score.span is not None and inputs.moments.cosine_pairs == "all":
+        return inputs.score.removability([inputs.score.span(inputs.moments, start, end)])[0]
+    return sum(inputs.score.removability(inputs.values)[start:end])
+
+
+def span_candidates(inputs: SelectionInput) -> list[tuple[int, float]]:
+    """Every unprotected span of ``count`` blocks as (first block, removability), most removable first."""
+    starts = [
+        s
+        for s in range(len(inputs.values) - inputs.count + 1)
+        if not any(b in inputs.protected for b in range(s, s + inputs.count))
+    ]
+    if not starts:
+        raise LayercutError(
+            f"no contiguous span of {inputs.count} unprotected blocks: lower --drop or change --protect"
+        )
+    return sorted(((s, span_removability(inputs, s)) for s in starts), key=lambda c: -c[1])
+
+
+@register_selection("span")
+def _span(inputs: SelectionInput) -> list[int]:
+    best = span_candidates(inputs)[0][0]
+    return list(range(best, best + inputs.count))
+
+
+@register_selection("greedy")
+def _greedy(inputs: SelectionInput) -> list[int]:
+    """Remove the most removable block, re-score the shallower model, repeat."""
+    if inputs.model is None or inputs.token_ids is None:
+        raise ValueError("greedy selection needs the model and calibration tokens")
+    # each step depends only on the steps before it: the order chosen for a smaller drop is this one's prefix
+    order = _memo(inputs, ("greedy", inputs.score.name, tuple(inputs.protected)), list)
+    chosen = order[: inputs.count]
+    while len(chosen) < inputs.count:
+        values = inputs.values
+        if chosen:
+            with blocks_removed(inputs.model, chosen):
+                # a skeleton scores block by block, each block's statistics freed once it is scored
+                early = {"scores": [inputs.score.name]} if is_offloaded(inputs.model) else {}
+                moments = stream_any(inputs.model, inputs.token_ids, batch_size=inputs.batch_size, progress=False,
+                                     **early)
+                values = block_scores(moments, [inputs.score.name])[inputs.score.name]
+        remaining = [b for b in range(len(inputs.values)) if b not in chosen]
+        removability = inputs.score.removability(values)
+        best = max((p for p, b in enumerate(remaining) if b not in inputs.protected), key=lambda p: removability[p])
+        chosen.append(remaining[best])
+        order[:] = chosen
+        logger.info("greedy step %d: drop block %d", len(chosen), remaining[best])
+    return chosen
+
+
+def _memo(inputs: SelectionInput, key: tuple, default):
+    """The memo entry ``key`` (created from ``default()``); a throwaway one without a memo."""
+    if inputs.memo is None:
+        return default()
+    return inputs.memo.setdefault(key, default())
+
+
+@register_selection("greedy-ppl")
+def _greedy_ppl(inputs: SelectionInput) -> list[int]:
+    """SLEB: remove, one at a time, the block whose removal leaves the lowest calibration perplexity.
+
+    Costs one calibration pass per remaining candidate per removal (K x N passes); the score is unused.
+    """
+    if inputs.model is None or inputs.token_ids is None:
+        raise ValueError("greedy-ppl selection needs the model and calibration tokens")
+    cache = removal_cache(inputs.memo)  # shared with the oracle: its single removals are the first step
+    chosen: list[int] = []
+    blocks = len(inputs.values)
+    free = blocks - len(inputs.protected)
+    bar = tqdm(total=sum(free - k for k in range(inputs.count)), desc="greedy-ppl", unit="pass")
+    while len(chosen) < inputs.count:
+        candidates = [b for b in range(blocks) if b not in chosen and b not in inputs.protected]
+        perplexities = removal_perplexities(inputs.model, inputs.token_ids, chosen, candidates, inputs.batch_size,
+                                            cache, bar)
+        best = min(candidates, key=lambda b: perplexities[b])
+        chosen.append(best)
+        logger.info("greedy-ppl step %d: drop block %d (calibration perplexity %.3f)", len(chosen), best,
+                    perplexities[best])
+    bar.close()
+    return chosen
+
+
+@register_selection("measured")
+def _measured(inputs: SelectionInput) -> list[int]:
+    """The ``count`` blocks whose removal alone leaves the lowest calibration perplexity.
+
+    One pass per candidate block (N, against greedy-ppl's K x N); the score is unused. Interactions
+    between removals are not measured: that is what greedy-ppl pays its extra passes for.
+    """
+    if inputs.model is None or inputs.token_ids is None:
+        raise ValueError("measured selection needs the model and calibration tokens")
+    cache = removal_cache(inputs.memo)  # the oracle's and greedy-ppl's first step measure the same sets
+    candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
+    with tqdm(total=len(candidates), desc="measured: remove each block", unit="block") as bar:
+        perplexities = removal_perplexities(inputs.model, inputs.token_ids, [], candidates, inputs.batch_size, cache,
+                                            bar)
+    return sorted(candidates, key=lambda b: perplexities[b])[: inputs.count]
+
+
+@register_selection("last")
+def _last(inputs: SelectionInput) -> list[int]:
+    """The deepest ``count`` unprotected blocks (reverse-order pruning); the score is unused."""
+    return [b for b in reversed(range(len(inputs.values))) if b not in inputs.protected][: inputs.count]
+
+
+def _repaired_costs(inputs: SelectionInput, name: str) -> RepairedCosts:
+    if inputs.model is None or inputs.token_ids is None:
+        raise ValueError(f"{name} selection needs the model and calibration tokens")
+    from prune.replace import ReplaceConfig  # the repair defaults to bare removal when a caller gives none
+
+    replace = inputs.replace if inputs.replace is not None else ReplaceConfig(method="none")
+    return RepairedCosts(inputs.model, inputs.token_ids, replace, inputs.batch_size, inputs.memo)
+
+
+def _repaired_greedy(inputs: SelectionInput, criterion: str, name: str) -> list[int]:
+    costs = _repaired_costs(inputs, name)
+    free = len(inputs.values) - len(inputs.protected)
+    with tqdm(total=sum(free - k for k in range(inputs.count)), desc=name, unit="set") as bar:
+        order, steps = greedy_order(costs, inputs.count, inputs.protected, criterion, inputs.memo, bar)
+    if inputs.memo is not None:
+        inputs.memo[STEPS_MEMO] = {"selection": name, "criterion": criterion, "repair": inputs.replace.method
+                                   if inputs.replace is not None else "none", "steps": steps}
+    return order
+
+
+@register_selection("repaired-greedy")
+def _repaired_greedy_ppl(inputs: SelectionInput) -> list[int]:
+    """SLEB's loop on what will be shipped.
+
+    At each step every remaining block is removed and repaired by the run's method, the perplexity measured on
+    calibration rows the repairs were not fitted on; the cheapest goes.
+    """
+    return _repaired_greedy(inputs, "ppl", "repaired-greedy")
+
+
+@register_selection("repaired-greedy-kl")
+def _repaired_greedy_kl(inputs: SelectionInput) -> list[int]:
+    """``repaired-greedy`` ranking each step by the KL of the next-token distribution from the original model's."""
+    return _repaired_greedy(inputs, "kl", "repaired-greedy-kl")
+
+
+@register_selection("repaired-once")
+def _repaired_once(inputs: SelectionInput) -> list[int]:
+    """The ``count`` blocks whose own repair costs least (measured perplexity; one set per block, no re-measuring)."""
+    costs = _repaired_costs(inputs, "repaired-once")
+    candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
+    with tqdm(total=len(candidates), desc="repaired-once", unit="set") as bar:
+        measured = single_costs(costs, candidates, bar)
+    return sorted(candidates, key=lambda b: (measured[b]["ppl"], b))[: inputs.count]
+
+
+@register_selection("repaired-fast")
+def _repaired_fast(inputs: SelectionInput) -> list[int]:
+    """One pass: the ``count`` blocks whose least-squares map misses the least of their output on held-out rows."""
+    if inputs.model is None or inputs.token_ids is None:
+        raise ValueError("repaired-fast selection needs the model and calibration tokens")
+    errors = map_errors(inputs.model, inputs.token_ids, update_share(inputs.replace), batch_size=inputs.batch_size)
+    candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
+    return sorted(candidates, key=lambda b: (errors[b], b))[: inputs.count]

@@ -1,0 +1,103 @@
+"""``eval.lab``: the diagnostics the reports quote, on made-up results with known answers and on the shared data."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from eval.lab.cli import main
+from eval.lab.splits import write_selection_split, write_task_prompts
+from eval.lab.tables import SHARES, best_share, hellaswag_by_source, paired_gaps, share_optimum
+from prune.errors import EXIT_BAD_INPUT, LayercutError
+
+REPORTS = Path(__file__).resolve().parents[3] / "reports"
+
+
+def _results(path: Path, dense_rows: dict, cells: dict) -> Path:
+    dense = {"tasks": {t: sum(r) / len(r) for t, r in dense_rows.items()}, "task_rows": dense_rows}
+    body = {"dense": dense, "cells": {}}
+    for key, rows in cells.items():
+        body["cells"][key] = {"tasks": {t: sum(r) / len(r) for t, r in rows.items()}, "task_rows": rows,
+                              "task_stderr": {t: 0.01 for t in rows}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body))
+    return path
+
+
+def test_paired_gaps_read_rows_of_several_comparisons(tmp_path):
+    dense = {"arc_easy": [1] * 60 + [0] * 40, "piqa": [1] * 80 + [0] * 20}  # 0.6 and 0.8: 0.35 + 0.3 above chance
+    base = _results(tmp_path / "a" / "results.json", dense, {"remove@4": {"arc_easy": [1] * 40 + [0] * 60,
+                                                                         "piqa": [1] * 70 + [0] * 30}})
+    other = _results(tmp_path / "b" / "results.json", dense, {"linear@4": {"arc_easy": [1] * 50 + [0] * 50,
+                                                                          "piqa": [1] * 70 + [0] * 30}})
+    lines = paired_gaps([f"{base}::remove@4", f"{other}::linear@4"], [["arc_easy", "piqa"]])
+    assert lines[0] == "2 tasks"
+    # retention (0.15 + 0.2) / 0.65 = 53.8 %, and (0.25 + 0.2) / 0.65 = 69.2 %: +15.4 points
+    assert lines[1].startswith("  remove@4 (a): 53.8 ± ") and lines[1].endswith("minus remove@4 (a): +0.0 ± 0.0")
+    assert lines[2].startswith("  linear@4 (b): 69.2 ± ") and "minus remove@4 (a): +15.4 ± " in lines[2]
+    _results(other, {**dense, "piqa": [0] + dense["piqa"][1:]}, {"linear@4": {"arc_easy": [1], "piqa": [1]}})
+    with pytest.raises(LayercutError, match="answered the task rows otherwise"):
+        paired_gaps([f"{base}::remove@4", f"{other}::linear@4"])
+
+
+def test_best_share_is_the_vertex_of_the_parabola(tmp_path):
+    values = {name: (share - 0.62) ** 2 + 1 for name, share in SHARES.items()}
+    assert best_share(values) == pytest.approx(0.62)
+    folder = tmp_path / "scale"
+    folder.mkdir()
+    errors = {"novel": {name: {"relative": (s - 0.9) ** 2} for name, s in SHARES.items()}}
+    logits = {"novel": {name: {"kl_relative": (s - 0.7) ** 2 + 0.1 * s ** 3} for name, s in SHARES.items()}}
+    (folder / "results.json").write_text(json.dumps({"span": [12, 15], "errors": errors, "logits": logits}))
+    lines = share_optimum([folder])
+    assert lines[:2] == ["| span | measure | novel |", "|---|---|---:|"]
+    assert lines[2] == "| 12-15 | hidden-state error | 0.90 |"
+    assert lines[3].startswith("| 12-15 | KL, five shares |") and lines[4].startswith("| 12-15 | KL, 0.5-1 |")
+    near = [float(line.split("|")[3]) for line in lines[3:]]
+    assert all(math.isfinite(v) and 0.5 < v < 0.8 for v in near)
+
+
+def test_hellaswag_by_source_on_the_reported_draw(shared_data, capsys):
+    results = REPORTS / "smollm2-135m-tasks-draw" / "results.json"
+    lines = hellaswag_by_source(results, shared_data / "hellaswag" / "hellaswag_val_full.txt")
+    assert lines[0] == "--limit 1000~:-500: 1000 rows, 678 WikiHow"
+    dense = next(line for line in lines if line.startswith("| dense |"))
+    activity, wikihow, everything = (cell.strip() for cell in dense.strip("|").split("|")[1:])
+    assert activity.endswith("(322)") and wikihow.endswith("(678)")
+    share = (322 * float(activity.split()[0]) + 678 * float(wikihow.split()[0])) / 1000
+    assert share == pytest.approx(float(everything), abs=0.06)  # the parts add up to the whole
+    assert main(["hellaswag-by-source", str(results), str(shared_data / "hellaswag" / "hellaswag_val_full.txt")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == lines[0]
+
+
+def test_splits_keep_the_selection_rows_apart_from_the_reported_ones(shared_data, tmp_path, capsys):
+    written = write_task_prompts(shared_data, tmp_path / "prompts", tasks=("piqa",), rows=3)
+    assert [path.name for path in written] == ["piqa.jsonl"]
+    assert len(written[0].read_text().splitlines()) == 3 and json.loads(written[0].read_text().splitlines()[0])["text"]
+    with pytest.raises(LayercutError, match="would meet the reported first"):
+        write_selection_split(shared_data, tmp_path / "selection", tasks=("piqa",), rows=10, reported=10 ** 6)
+    written = write_selection_split(shared_data, tmp_path / "selection", tasks=("piqa",), rows=5, reported=1000)
+    assert [path.name for path in written] == ["plays_last_fifth.txt", "piqa.jsonl"]
+    assert len(written[1].read_text().splitlines()) == 5
+
+
+def test_a_diagnostic_on_a_damaged_file_is_one_line(tmp_path, capsys):
+    bad = _results(tmp_path / "a" / "results.json", {"piqa": [1, 0]}, {"x@1": {"piqa": [1, 1]}})
+    other = _results(tmp_path / "b" / "results.json", {"piqa": [0, 0]}, {"y@1": {"piqa": [1, 1]}})
+    assert main(["paired", f"{bad}::x@1", f"{other}::y@1"]) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err.strip().startswith("error: ")
+
+
+def test_share_tasks_variants_are_removal_the_whole_update_or_a_share():
+    import torch
+
+    from eval.lab.share_tasks import variant_fit
+    from prune.measure.least_squares import LinearFit
+
+    fit = LinearFit(weight=torch.eye(3, dtype=torch.float64) * 3, bias=torch.ones(3, dtype=torch.float64))
+    assert variant_fit(fit, "removal") is None
+    whole, half = variant_fit(fit, "ls"), variant_fit(fit, "0.5")
+    assert torch.equal(whole.weight, fit.weight) and torch.equal(whole.bias, fit.bias)
+    # h + 0.5 (f(h) - h): the identity moved half way to the fitted map
+    assert torch.allclose(half.weight, torch.eye(3, dtype=torch.float64) * 2)
+    assert torch.allclose(half.bias, fit.bias / 2)

@@ -1,0 +1,137 @@
+"""Test helpers: tiny random models of every supported architecture, a tiny tokenizer, data paths."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from prune.model.adapters import cache_keyword
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+VOCAB = 320
+HIDDEN = 32
+BLOCKS = 4
+
+_SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+# Small configs, one per supported architecture; sizes passed under each config's own names.
+TINY_CONFIGS: dict[str, dict] = {
+    "llama": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
+    "mistral": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
+    "qwen2": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
+    "qwen3": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256),
+    "phi3": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
+    "gemma": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256),
+    "gemma2": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256,
+                   sliding_window=16),
+    "opt": dict(hidden_size=HIDDEN, ffn_dim=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                vocab_size=VOCAB, max_position_embeddings=256, word_embed_proj_dim=HIDDEN),
+    "gpt2": dict(n_embd=HIDDEN, n_layer=BLOCKS, n_head=4, vocab_size=VOCAB, n_positions=256),
+    "gpt_neox": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
+                     vocab_size=VOCAB, max_position_embeddings=256),
+}
+
+
+# llama.cpp's converter (prune.export_gguf): .ci/run unpacks it from the llama-cpp-python sdist and names it here
+_converter = os.environ.get("LLAMA_CPP_CONVERTER")
+CONVERTER = Path(_converter) if _converter and Path(_converter).is_file() else None
+NO_CONVERTER = "llama.cpp's convert_hf_to_gguf.py: set LLAMA_CPP_CONVERTER (.ci/run does)"
+
+
+def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
+    """A Llama-2 style tokenizer (byte-fallback BPE) of VOCAB tokens: one llama.cpp's converter reads for Llama."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for char in ["\u2581", *string.ascii_letters, *"01234567"]:
+        vocab[char] = len(vocab)
+    assert len(vocab) == VOCAB
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def make_tiny_model(model_type: str, seed: int = 0):
+    """A random ``*ForCausalLM`` of ``model_type`` with BLOCKS blocks of width HIDDEN, in eval mode."""
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **TINY_CONFIGS[model_type], **_SPECIAL)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be "
+    "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
+    "surrounding families, that he is considered the rightful property of some one or other of "
+    "their daughters. "
+)
+
+
+def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with at most VOCAB tokens, trained in code (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([_TEXT] * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def run_prune_cli(capsys, *args) -> tuple[int, str, str]:
+    """``python -m prune.run ARGS`` in process: (exit code, stdout, stderr)."""
+    from prune.run import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_cache_and_generate(model, ids: torch.Tensor) -> None:
+    """Incremental decoding through the KV cache reproduces the full forward pass, and generate() runs."""
+    with torch.no_grad():
+        full = model(ids).logits
+        prefix = model(ids[:, :8], use_cache=True)
+        cache = cache_keyword(model)
+        step = model(ids[:, 8:], **{cache: getattr(prefix, cache)}, use_cache=True).logits
+    torch.testing.assert_close(step, full[:, 8:], rtol=1e-4, atol=1e-4)
+    out = model.generate(ids[:, :4], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (ids.shape[0], 9)
+
+
+def make_student_pair(root: Path) -> dict[str, Path]:
+    """teacher/ (tiny llama, tokenizer), student/ (blocks 1 and 2 removed, plain export), data.txt under ``root``."""
+    import copy
+
+    from prune.export import export_checkpoint
+    from prune.surgery import drop_blocks_
+
+    teacher, tokenizer = make_tiny_model("llama"), make_tiny_tokenizer()
+    teacher.save_pretrained(root / "teacher")
+    tokenizer.save_pretrained(root / "teacher")
+    student = copy.deepcopy(teacher)
+    drop_blocks_(student, [1, 2])
+    report = {"source_model": str(root / "teacher"), "model_name": str(root / "teacher"), "num_blocks_before": 4,
+              "num_blocks_after": 2, "dropped": [1, 2]}
+    export_checkpoint(student, tokenizer, root / "student", report)
+    (root / "data.txt").write_text(_TEXT * 20, encoding="utf-8")
+    return {"teacher": root / "teacher", "student": root / "student", "data": root / "data.txt"}

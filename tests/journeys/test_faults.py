@@ -1,0 +1,408 @@
+"""Faults as a user meets them: ``kill -9`` inside each long command, then the same command again; NaN/inf weights.
+
+A killed run runs the real CLI in a subprocess through a small driver that sends itself SIGKILL at a
+chosen point (``LAYERCUT_FAULT``): no ``finally`` block, signal handler or atexit hook runs, as with
+``kill -9``, the OOM killer or a lost machine. The run after it is the plain ``python -m ...`` command,
+and its figures are compared with an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tests.helpers import make_tiny_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Imports the CLI module named by argv[1], arms the fault LAYERCUT_FAULT names, and runs the CLI's main.
+DRIVER = textwrap.dedent("""
+    import importlib, os, pathlib, signal, sys
+
+    def die():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def die_after(module, name, when):
+        real, calls = getattr(module, name), []
+
+        def wrapped(*args, **kwargs):
+            result = real(*args, **kwargs)
+            calls.append(args)
+            if when(len(calls), args):
+                die()
+            return result
+
+        setattr(module, name, wrapped)
+
+    fault = os.environ["LAYERCUT_FAULT"]
+    if fault == "export-staging":  # the staging folder holds the weights, tokenizer and layercut.json
+        import prune.checkpoint.write
+        die_after(prune.checkpoint.write, "write_json", lambda n, args: args[0].name == "layercut.json")
+    elif fault == "export-rename":  # the old --out moved aside, the new one not yet in its place
+        real_rename = pathlib.Path.rename
+
+        def rename(self, target):
+            if self.name.endswith(".tmp"):
+                die()
+            return real_rename(self, target)
+
+        pathlib.Path.rename = rename
+    elif fault == "distill-checkpoint":  # half of step 4's checkpoint written
+        import torch
+        real_save = torch.save
+
+        def save(obj, path, *args, **kwargs):
+            real_save(obj, path, *args, **kwargs)
+            if isinstance(obj, dict) and obj.get("step") == 4:
+                os.truncate(path, os.path.getsize(path) // 2)
+                die()
+
+        torch.save = save
+    elif fault == "compare-between":  # results.json written after the first cell, the second not begun
+        import eval.compare.grid
+        die_after(eval.compare.grid, "write_reports", lambda n, args: n == 2)
+    elif fault == "compare-inside":  # the second cell pruned and exported, not yet measured
+        import eval.compare.cells
+        die_after(eval.compare.cells, "run_prune", lambda n, args: n == 2)
+    else:
+        raise SystemExit(f"unknown fault {fault}")
+    raise SystemExit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))
+""")
+
+
+def _env(root: Path, fault: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "LAYERCUT_CACHE": str(root / "cache")}  # never the user's ~/.cache/layercut
+    env.pop("LAYERCUT_FAULT", None)
+    if fault is not None:
+        env["LAYERCUT_FAULT"] = fault
+    return env
+
+
+def run_killed(root: Path, fault: str, module: str, args: list) -> None:
+    """``module``'s CLI with ``fault`` armed; asserts it died of SIGKILL (not an error before the fault)."""
+    driver = root / "fault_driver.py"
+    driver.write_text(DRIVER, encoding="utf-8")
+    done = subprocess.run([sys.executable, str(driver), module, *map(str, args)], cwd=root, env=_env(root, fault),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+
+
+def run_again(root: Path, module: str, args: list) -> subprocess.CompletedProcess:
+    """The plain ``python -m module ARGS`` a user types after the kill; asserts exit 0."""
+    done = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=root, env=_env(root),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def in_process(main, args: list) -> int:
+    """A CLI's ``main`` in this process (the uninterrupted reference); torch's thread count restored after."""
+    threads = torch.get_num_threads()
+    try:
+        return main([str(a) for a in args])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def hidden(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def without(value, keys: set[str]):
+    """``value`` with every mapping's ``keys`` left out, at any depth (wall-clock times differ between runs)."""
+    if isinstance(value, dict):
+        return {k: without(v, keys) for k, v in value.items() if k not in keys}
+    if isinstance(value, list):
+        return [without(v, keys) for v in value]
+    return value
+
+
+def assert_same_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory, sample_text) -> Path:
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(sample_text, encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prune.run: killed while its export is staged, over an earlier output
+
+
+@pytest.fixture(scope="module")
+def prune_killed(tmp_path_factory, tiny_folder, text_file) -> dict:
+    from prune.run import main
+
+    root = tmp_path_factory.mktemp("prune-kill")
+    out = root / "slim"
+    args = ["--model", tiny_folder, "--data", text_file, "--samples", "8", "--seq-len", "32", "--drop", "2",
+            "--threads", "1", "--out", out]
+    assert in_process(main, args) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    run_killed(root, "export-staging", "prune.run", [*args, "--overwrite"])
+    state = {"root": root, "out": out, "args": args, "before": before,
+             "after_kill": {p.name: p.read_bytes() for p in out.iterdir()}, "hidden_after_kill": hidden(root)}
+    run_again(root, "prune.run", [*args, "--overwrite"])
+    state["hidden_after_rerun"] = hidden(root)
+    return state
+
+
+def test_prune_run_killed_in_its_export_keeps_the_previous_output_and_reruns_to_the_same(prune_killed):
+    out, before = prune_killed["out"], prune_killed["before"]
+    # the staging folder already held weights and layercut.json: none of it reached --out
+    assert prune_killed["after_kill"] == before
+    assert any(name.endswith(".tmp") for name in prune_killed["hidden_after_kill"]), "the fault did not fire"
+    assert_same_tensors(load_file(out / "model.safetensors"), load_safetensors(before["model.safetensors"]))
+    ignored = {"seconds", "overwrite"}  # the rerun's --overwrite is recorded in its config
+    assert without(json.loads((out / "layercut.json").read_text()), ignored) == without(
+        json.loads(before["layercut.json"]), ignored)
+
+
+def test_a_rerun_clears_the_staging_folder_a_killed_export_left(prune_killed):
+    assert prune_killed["hidden_after_rerun"] == []
+
+
+def test_prune_run_killed_between_its_two_renames_keeps_the_previous_output(prune_killed):
+    root = prune_killed["root"]
+    out = root / "slim-rename"
+    shutil.copytree(prune_killed["out"], out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    args = [*prune_killed["args"][:-1], out, "--overwrite"]
+    run_killed(root, "export-rename", "prune.run", args)
+    # the next command into that folder puts the previous output back (here: one without --overwrite, refused)
+    from prune.run import main
+
+    assert in_process(main, args[:-1]) == 2
+    assert out.is_dir(), f"--out is gone; beside it: {hidden(root)}"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert not [name for name in hidden(root) if name.startswith(".slim-rename")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NaN / inf in a model's weights
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_prune_run_refuses_a_model_with_a_non_finite_weight(tiny_folder, text_file, tmp_path, capsys, bad):
+    from prune.run import main
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = bad
+    model.save_pretrained(tmp_path / "broken")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "broken")
+    out = tmp_path / "slim"
+    code = in_process(main, ["--model", tmp_path / "broken", "--data", text_file, "--samples", "8", "--seq-len", "32",
+                             "--drop", "1", "--threads", "1", "--out", out])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "model.safetensors" in errors[0], errors
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# distill.run: killed while writing a checkpoint; NaN in training
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory, tiny_folder) -> Path:
+    """The tiny llama with blocks 1 and 2 removed, exported as prune.run would, naming tiny_folder as its teacher."""
+    from prune.checkpoint.write import export_checkpoint
+    from prune.model.surgery import drop_blocks_
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    drop_blocks_(model, [1, 2])
+    folder = tmp_path_factory.mktemp("student") / "student"
+    report = {"source_model": str(tiny_folder), "model_name": str(tiny_folder), "num_blocks_before": 4,
+              "num_blocks_after": 2, "dropped": [1, 2]}
+    export_checkpoint(model, make_tiny_tokenizer(), folder, report)
+    return folder
+
+
+def distill_args(student: Path, text_file: Path, out: Path) -> list:
+    return ["--student", student, "--data", text_file, "--samples", "8", "--seq-len", "16", "--batch-size", "4",
+            "--steps", "6", "--save-every", "2", "--log-every", "1", "--train", "all", "--lr", "1e-3",
+            "--heldout-samples", "2", "--threads", "1", "--out", out]
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory, student, text_file) -> Path:
+    """The uninterrupted run's output."""
+    from distill.run import main
+
+    out = tmp_path_factory.mktemp("distill-ref") / "healed"
+    assert in_process(main, distill_args(student, text_file, out)) == 0
+    return out
+
+
+def log_rows(folder: Path) -> list[dict]:
+    return [without(json.loads(line), {"seconds"}) for line in (folder / "train_log.jsonl").read_text().splitlines()]
+
+
+def assert_same_distillation(out: Path, reference: Path, start_step: int) -> None:
+    """Same weights, final loss, held-out figures and log as the uninterrupted run; started from ``start_step``."""
+    assert_same_tensors(load_file(out / "model.safetensors"), load_file(reference / "model.safetensors"))
+    got = json.loads((out / "layercut.json").read_text())["distill"]
+    want = json.loads((reference / "layercut.json").read_text())["distill"]
+    assert got["start_step"] == start_step and got["steps"] == want["steps"] == 6
+    assert got["final_loss"] == want["final_loss"] and got["final_terms"] == want["final_terms"]
+    assert got["generalisation"] == want["generalisation"]
+    assert log_rows(out) == log_rows(reference) and [row["step"] for row in log_rows(out)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_distill_run_killed_while_checkpointing_resumes_to_the_same_weights(tmp_path, student, text_file,
+                                                                            distilled, capsys):
+    from distill.run import main
+
+    out, work = tmp_path / "healed", tmp_path / "healed.work"
+    args = distill_args(student, text_file, out)
+    run_killed(tmp_path, "distill-checkpoint", "distill.run", args)
+    assert not out.exists()
+    checkpoints = work / "checkpoints"
+    # the half-written step-4 file stays under its temporary name; step 2 is the one a resume reads
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == ["step-00000002.pt"]
+    assert any(p.name.startswith(".step-00000004.pt.tmp") for p in checkpoints.iterdir()), "the fault did not fire"
+    assert [json.loads(line)["step"] for line in (work / "train_log.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+    # the same command again refuses, in one line, to drop the checkpoint, and says how to continue
+    assert in_process(main, args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "--resume" in errors[0] and "step 2" in errors[0], errors
+
+    done = run_again(tmp_path, "distill.run", [*args, "--resume"])
+    assert "(from step 2)" in done.stdout  # steps 1 and 2 are not trained again
+    assert_same_distillation(out, distilled, start_step=2)
+    assert not work.exists(), "the work folder (and the half checkpoint in it) is removed after the export"
+
+
+def spoil_losses_from(monkeypatch, first: int) -> None:
+    """From the ``first``-th micro-batch (0-based) on, the loss is nan."""
+    from distill.loop import Run
+
+    real = Run._micro_batch
+
+    def micro_batch(self, index):
+        loss, terms = real(self, index)
+        return (loss * float("nan") if index >= first else loss), terms
+
+    monkeypatch.setattr(Run, "_micro_batch", micro_batch)
+
+
+def test_nan_loss_stops_with_the_last_good_checkpoint_and_resumes_to_the_same_weights(tmp_path, student, text_file,
+                                                                                      distilled, capsys, monkeypatch):
+    from distill.checkpoints import load_checkpoint
+    from distill.run import main
+
+    out, work = tmp_path / "healed", tmp_path / "healed.work"
+    args = distill_args(student, text_file, out)
+    spoil_losses_from(monkeypatch, 4)  # the loss of step 5 is nan
+    assert in_process(main, args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "loss became nan at step 5" in errors[0] and "step-00000004.pt" in errors[0], errors
+    assert "--resume" in errors[0] and not out.exists()
+    kept = load_checkpoint(work / "checkpoints" / "step-00000004.pt")
+    assert kept["step"] == 4 and all(torch.isfinite(t).all() for t in kept["model"].values())
+
+    monkeypatch.undo()  # the cause fixed
+    assert in_process(main, [*args, "--resume"]) == 0
+    assert_same_distillation(out, distilled, start_step=4)
+
+
+def test_nan_weights_are_never_checkpointed_as_good(tmp_path, student, text_file, capsys, monkeypatch):
+    from distill.checkpoints import load_checkpoint
+    from distill.loop import Run
+    from distill.run import main
+
+    real_step = Run.step
+
+    def step(self, index):
+        result = real_step(self, index)
+        if index == 2:  # the third update overflows one weight (bf16 / fp16 training meets this)
+            with torch.no_grad():
+                self.trainable.parameters[0].view(-1)[0] = float("nan")
+        return result
+
+    monkeypatch.setattr(Run, "step", step)
+    args = distill_args(student, text_file, tmp_path / "healed")
+    assert in_process(main, args) == 2
+    error = next(line for line in capsys.readouterr().err.splitlines() if line.startswith("error: "))
+    named = [p for p in (tmp_path / "healed.work" / "checkpoints").glob("step-*.pt") if p.name in error]
+    assert named and named[0].name == "step-00000002.pt", error  # the checkpoint before the bad update
+    assert not (tmp_path / "healed.work" / "checkpoints" / "step-00000004.pt").exists()
+    assert all(torch.isfinite(t).all() for t in load_checkpoint(named[0])["model"].values()), (
+        f"{named[0].name} holds non-finite weights")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# eval.compare: killed between two cells and inside one
+
+
+def compare_args(tiny_folder: Path, text_file: Path, out: Path) -> list:
+    return ["--model", tiny_folder, "--data", text_file, "--samples", "8", "--seq-len", "32", "--batch-size", "4",
+            "--speed-tokens", "0", "--threads", "1", "--drop", "1", "--methods", "shortgpt,layercut-linear",
+            "--out", out]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory, tiny_folder, text_file) -> dict:
+    """The uninterrupted comparison's results.json."""
+    from eval.compare.cli import main
+
+    out = tmp_path_factory.mktemp("compare-ref") / "cmp"
+    assert in_process(main, compare_args(tiny_folder, text_file, out)) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+TIMES = {"seconds", "prune_seconds", "copy_seconds"}
+
+
+def figures(results: dict) -> dict:
+    """What a comparison measured, without its wall-clock times."""
+    return without({k: results.get(k) for k in ("dense", "cells", "calibration", "heldout", "domains", "analysis")},
+                   TIMES)
+
+
+def weight_files(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in (out / "cells").rglob("*")
+                  if p.suffix in (".safetensors", ".bin", ".pt"))
+
+
+@pytest.mark.parametrize("fault", ["compare-between", "compare-inside"])
+def test_eval_compare_killed_resumes_without_recomputing_finished_cells(tmp_path, tiny_folder, text_file, compared,
+                                                                        fault):
+    out = tmp_path / "cmp"
+    args = compare_args(tiny_folder, text_file, out)
+    run_killed(tmp_path, fault, "eval.compare.cli", args)  # the module holding main
+    # the record on disk is whole and holds the finished cell alone: nothing of the killed one is a result
+    killed = json.loads((out / "results.json").read_text())
+    assert sorted(killed["cells"]) == ["shortgpt@1"]
+    assert figures(killed)["cells"]["shortgpt@1"] == figures(compared)["cells"]["shortgpt@1"]
+    if fault == "compare-inside":  # kill -9 skips the finally that deletes a cell's weights; the rerun replaces them
+        assert weight_files(out) == ["cells/layercut-linear-drop1/model.safetensors",
+                                     "cells/layercut-linear-drop1/replacements.safetensors"]
+
+    run_again(tmp_path, "eval.compare", args)
+    results = json.loads((out / "results.json").read_text())
+    assert figures(results) == figures(compared)
+    assert [run["cells"] for run in results["timing"]["runs"]] == [1, 1]  # the rerun ran the unfinished cell alone
+    assert weight_files(out) == [] and hidden(out) == []

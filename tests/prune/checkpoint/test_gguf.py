@@ -1,0 +1,180 @@
+"""``--export gguf`` / ``python -m prune.export_gguf``: llama.cpp's converter, then the file read back and checked.
+
+The round trip is judged by transformers' own GGUF loader: the logits of the model it rebuilds from the file
+must be those of the checkpoint folder. Without llama.cpp's converter (``LLAMA_CPP_CONVERTER``) the
+conversions skip; the refusals and the read-back checks do not need it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from prune.checkpoint.gguf import check_gguf, convert, export_gguf, find_converter
+from prune.checkpoint.save_load import save
+from prune.errors import LayercutError
+from prune.export_gguf import main
+from prune.model.surgery import drop_blocks_
+from tests.helpers import CONVERTER, NO_CONVERTER, byte_fallback_tokenizer, make_tiny_model, run_prune_cli
+
+needs_converter = pytest.mark.skipif(CONVERTER is None, reason=NO_CONVERTER)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_folder(tmp_path_factory):
+    """A tiny random Llama (Llama-2 style vocabulary: one llama.cpp's converter reads) saved as a checkpoint."""
+    folder = tmp_path_factory.mktemp("tiny") / "tiny-llama"
+    model = make_tiny_model("llama")
+    tokenizer = byte_fallback_tokenizer()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def _gguf_logits(path, ids):
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    return _logits(model, ids)
+
+
+@needs_converter
+def test_a_pruned_llama_goes_through_gguf_and_back_with_its_logits(tiny_llama_folder, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_folder).eval()
+    drop_blocks_(model, [1])  # a pruned model: 3 blocks, renumbered
+    slim = save(model, byte_fallback_tokenizer(), tmp_path / "slim", {"dropped": [1]})
+    report = json.loads((slim / "layercut.json").read_text())
+    assert report["serving"]["layout"] == "vanilla" and report["serving"]["llama_cpp"]
+    path, checked = convert(slim, converter=CONVERTER)
+    assert path == slim / "slim-f32.gguf" and path.is_file() and not list(slim.glob(".*partial"))
+    assert checked["blocks"] == 3 and checked["architecture"] == "llama"
+    assert checked["compared"] >= 3 * 5 and checked["max_rel_diff"] == 0.0  # norms, MLP, o_proj, v of every block
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    expected = _logits(model, ids)
+    got = _gguf_logits(path, ids)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+
+
+@needs_converter
+def test_f16_output_is_checked_within_its_rounding(tiny_llama_folder, tmp_path):
+    path = export_gguf(tiny_llama_folder, tmp_path / "tiny-f16.gguf", outtype="f16", converter=CONVERTER)
+    checked = check_gguf(path, tiny_llama_folder, "f16")
+    assert 0 < checked["max_rel_diff"] <= 1e-3 and checked["blocks"] == 4
+
+
+@needs_converter
+def test_a_tensor_that_differs_from_the_checkpoint_is_caught(tiny_llama_folder, tmp_path):
+    path = export_gguf(tiny_llama_folder, tmp_path / "tiny.gguf", converter=CONVERTER)
+    other = tmp_path / "other"
+    model = make_tiny_model("llama", seed=1)  # same shapes, other weights
+    model.save_pretrained(other)
+    with pytest.raises(LayercutError, match="differs from the checkpoint"):
+        check_gguf(path, other)
+
+
+def _write_gguf(gguf, path, block_count, blocks, head_count=None):
+    """A GGUF of norms only: ``block_count`` in its metadata, tensors for ``blocks``."""
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(block_count)
+    if head_count is not None:
+        writer.add_array("llama.attention.head_count", head_count)
+    for block in blocks:
+        writer.add_tensor(f"blk.{block}.attn_norm.weight", np.ones(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_an_unsliced_per_layer_array_is_refused(tmp_path):
+    """The failure of llama.cpp's --prune-layers (llama.cpp#27976): per-layer metadata left at the original depth."""
+    gguf = pytest.importorskip("gguf")
+    folder = tmp_path / "slim"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 2}))
+    (folder / "layercut.json").write_text(json.dumps({"layout": [[0], [1]], "dropped": [2, 3]}))
+    path = _write_gguf(gguf, tmp_path / "bad.gguf", 2, range(2), head_count=[4, 4, 4, 4])  # the depth before pruning
+    with pytest.raises(LayercutError, match="original depth"):
+        check_gguf(path, folder)
+
+
+def test_a_missing_block_is_refused(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    folder = tmp_path / "slim"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": 3}))
+    path = _write_gguf(gguf, tmp_path / "short.gguf", 3, (0, 2))
+    with pytest.raises(LayercutError, match=r"blocks \[1\] are missing"):
+        check_gguf(path, folder)
+
+
+def test_maps_are_refused_in_one_line_naming_the_vanilla_recipe(tiny_folder, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("LLAMA_CPP_CONVERTER", raising=False)
+    code, _, err = run_prune_cli(capsys, "--model", str(tiny_folder), "--drop", "1", "--replace", "linear",
+                                 "--export", "gguf", "--samples", "4", "--seq-len", "32", "--out",
+                                 str(tmp_path / "maps"))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "layercut-linear-vanilla.yaml" in err and "no serving engine" in err
+    assert not (tmp_path / "maps").exists()  # refused before any work
+
+
+def test_a_map_checkpoint_folder_is_refused(tiny_folder, tmp_path, capsys):
+    code, _, _ = run_prune_cli(capsys, "--model", str(tiny_folder), "--drop", "1", "--replace", "linear",
+                               "--samples", "4", "--seq-len", "32", "--out", str(tmp_path / "maps"))
+    assert code == 0
+    report = json.loads((tmp_path / "maps" / "layercut.json").read_text())
+    assert report["serving"]["layout"] == "layercut" and not report["serving"]["llama_cpp"]
+    assert main([str(tmp_path / "maps"), "--converter", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not servable" in err and "layercut-linear-vanilla" in err
+
+
+def test_no_converter_is_one_line_saying_where_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("LLAMA_CPP_CONVERTER", raising=False)
+    with pytest.raises(LayercutError, match="llama-cpp-python") as err:
+        find_converter(None)
+    assert "\n" not in str(err.value)
+    with pytest.raises(LayercutError, match="no convert_hf_to_gguf.py"):
+        find_converter(tmp_path)
+
+
+@needs_converter
+def test_prune_run_export_gguf_writes_a_checked_gguf_beside_the_checkpoint(tmp_path, capsys):
+    source = tmp_path / "src"
+    model = make_tiny_model("llama")
+    model.save_pretrained(source)
+    byte_fallback_tokenizer().save_pretrained(source)
+    out = tmp_path / "slim"
+    code, stdout, err = run_prune_cli(capsys, "--model", str(source), "--drop", "1", "--replace", "fold",
+                                      "--samples", "4", "--seq-len", "32", "--out", str(out), "--export", "gguf",
+                                      "--converter", str(CONVERTER))
+    assert code == 0, err
+    assert (out / "slim-f32.gguf").is_file() and "read back" in stdout
+    pruned = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(_gguf_logits(out / "slim-f32.gguf", ids), _logits(pruned, ids), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+@needs_converter
+def test_smollm2_drop4_fold_through_gguf_keeps_its_logits(tmp_path, capsys):
+    """The embedded SmolLM2-135M, pruned and folded, written as GGUF f32 and read back by transformers."""
+    out = tmp_path / "smol"
+    code, _, err = run_prune_cli(capsys, "--model", "smollm2-135m", "--drop", "4", "--replace", "fold",
+                                 "--samples", "16", "--seq-len", "256", "--heldout-samples", "0", "--out", str(out),
+                                 "--export", "gguf", "--converter", str(CONVERTER))
+    assert code == 0, err
+    path = out / "smol-f32.gguf"
+    checked = check_gguf(path, out)
+    assert checked["blocks"] == 26 and checked["max_rel_diff"] == 0.0
+    pruned = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(_gguf_logits(path, ids), _logits(pruned, ids), atol=1e-4, rtol=1e-3)

@@ -1,0 +1,164 @@
+"""Block-by-block calibration (``--offload sequential``): the same statistics, scores, maps and checkpoints
+as the in-memory path, with one block's weights in memory at a time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prune.checkpoint.load_config import LoadConfig
+from prune.checkpoint.save_load import load
+from prune.data.calibration import DataConfig
+from prune.errors import LayercutError
+from prune.loading.offload import load_offloaded
+from prune.measure.blockwise import stream_moments_sequential
+from prune.measure.moments import stream_moments
+from prune.measure.scores import SCORES, block_scores
+from prune.model.adapters import get_blocks, is_offloaded
+from prune.pipeline.config import PruneConfig
+from prune.pipeline.runner import run_prune
+from tests.helpers import TINY_CONFIGS, make_tiny_model, make_tiny_tokenizer, run_prune_cli
+
+IDS = torch.arange(6 * 24).reshape(6, 24) % 290 + 3
+
+
+def _saved(model_type: str, folder):
+    model = make_tiny_model(model_type)
+    model.save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    return model
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+def test_block_by_block_statistics_equal_the_in_memory_pass(model_type, one_thread):
+    model = make_tiny_model(model_type)
+    whole = stream_moments(model, IDS, batch_size=4, progress=False)
+    layered = stream_moments_sequential(model, IDS, batch_size=4, progress=False)
+    assert layered.n == whole.n == IDS.numel()
+    for i in range(whole.num_states):
+        assert torch.equal(layered.grams[i], whole.grams[i])
+    for pair, cross in whole.cross.items():
+        assert torch.equal(layered.cross[pair], cross)
+    assert torch.equal(layered.cos_sum, whole.cos_sum)
+    assert torch.equal(layered.last_angle_sum, whole.last_angle_sum)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "opt", "gpt2"])
+def test_a_skeleton_scores_as_the_loaded_model(model_type, tmp_path, one_thread):
+    model = _saved(model_type, tmp_path)
+    skeleton = load_offloaded(str(tmp_path), dtype="float32").model
+    assert is_offloaded(skeleton)
+    assert all(p.is_meta for p in get_blocks(skeleton)[1].parameters())
+    whole = block_scores(stream_moments(model, IDS, batch_size=4, progress=False))
+    early = stream_moments_sequential(skeleton, IDS, batch_size=4, progress=False, scores=list(SCORES))
+    assert block_scores(early) == whole
+    # each state's statistics were freed once its block was scored; the blocks went back to the meta device
+    assert all(gram is None for gram in early.grams[:-1]) and not early.cross
+    assert all(p.is_meta for p in get_blocks(skeleton)[1].parameters())
+
+
+def test_greedy_and_skeleton_runs_export_the_same_checkpoint(tmp_path, tiny_folder, sample_text, one_thread):
+    text = tmp_path / "calibration.txt"
+    text.write_text(sample_text, encoding="utf-8")
+    data = DataConfig(data=str(text), samples=8, seq_len=32, heldout_samples=0)
+    logits = {}
+    for offload in ("none", "sequential"):
+        for method in ("none", "linear"):
+            out = tmp_path / f"{offload}-{method}"
+            result = run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder), offload=offload), data=data,
+                                           drop=2, replace={"method": method}, out=str(out)))
+            logits[offload, method] = (result.dropped, result.scores, load(str(out)).model(IDS[:2]).logits)
+    for method in ("none", "linear"):
+        assert logits["none", method][:2] == logits["sequential", method][:2]
+        assert torch.equal(logits["none", method][2], logits["sequential", method][2])
+
+
+def test_greedy_selection_runs_block_by_block(tmp_path, tiny_folder, sample_text, one_thread):
+    text = tmp_path / "calibration.txt"
+    text.write_text(sample_text, encoding="utf-8")
+    data = DataConfig(data=str(text), samples=8, seq_len=32, heldout_samples=0)
+    chosen = {offload: run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder), offload=offload), data=data,
+                                             drop=2, select="greedy", score="linearity-nores",
+                                             out=str(tmp_path / offload))).dropped
+              for offload in ("none", "sequential")}
+    assert chosen["none"] == chosen["sequential"] and len(chosen["none"]) == 2
+
+
+def test_a_skeleton_run_holds_three_hidden_squared_matrices_at_most(tmp_path, tiny_folder, sample_text, monkeypatch,
+                                                                    one_thread):
+    """Scoring and fitting free each state's statistics once read: at most two Grams and one cross Gram live."""
+    from prune.measure.moments import StateMoments
+
+    live = []
+    observe = StateMoments.observe
+
+    def counted(self, index, state):
+        observe(self, index, state)
+        live.append(sum(g is not None for g in self.grams) + len(self.cross))
+
+    monkeypatch.setattr(StateMoments, "observe", counted)
+    text = tmp_path / "calibration.txt"
+    text.write_text(sample_text, encoding="utf-8")
+    data = DataConfig(data=str(text), samples=8, seq_len=32, heldout_samples=0)
+    result = run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder), offload="sequential"), data=data, drop=2,
+                                   replace={"method": "linear"}, out=str(tmp_path / "out")))
+    assert result.report["replacements"] and live and max(live) <= 3
+
+
+def test_skeleton_keeps_one_block_in_memory_at_a_time(tmp_path, one_thread):
+    _saved("llama", tmp_path)
+    skeleton = load_offloaded(str(tmp_path), dtype="float32").model
+    _, blocks = get_blocks(skeleton)
+    resident = []
+
+    def count(_module, _args):
+        resident.append(sum(not p.is_meta for b in blocks for p in b.parameters()))
+
+    for block in blocks:
+        block.register_forward_pre_hook(count)
+    stream_moments_sequential(skeleton, IDS, batch_size=4, progress=False)
+    per_block = sum(1 for _ in blocks[0].parameters())
+    assert resident and max(resident) == per_block
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--select", "measured"], "--select"),
+    (["--replace", "fold"], "--replace"),
+    (["--replace", "linear", "--fit", "sequential"], "--replace"),
+    (["--distill-steps", "5"], "--distill-steps"),
+    (["--unit", "mlp"], "--unit"),
+    (["--select", "span", "--score", "cosine"], "--select"),
+])
+def test_what_a_skeleton_cannot_run_is_refused_before_loading(capsys, tiny_folder, flags, named):
+    code, _, err = run_prune_cli(capsys, "--model", tiny_folder, "--drop", 2, "--offload", "sequential", *flags)
+    assert code == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and named in lines[0] and "--offload none" in lines[0]
+
+
+def test_span_cosines_and_quantized_skeletons_are_refused(tmp_path):
+    _saved("llama", tmp_path)
+    with pytest.raises(LayercutError, match="every pair"):
+        stream_moments_sequential(make_tiny_model("llama"), IDS, cosine_pairs="all")
+    with pytest.raises(LayercutError, match="load-in-4bit"):
+        load_offloaded(str(tmp_path), load_in_4bit=True)
+
+
+def test_a_checkpoint_without_safetensors_is_one_line(tmp_path):
+    make_tiny_model("llama").config.save_pretrained(tmp_path)  # a config and no weights file
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(LayercutError, match="safetensors"):
+        load_offloaded(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_smollm2_scores_block_by_block_as_in_memory():
+    """The embedded SmolLM2-135M: every score of the skeleton's pass equals the in-memory one to 1e-6."""
+    whole = load("smollm2-135m")
+    skeleton = LoadConfig(model="smollm2-135m", offload="sequential").load()
+    ids = torch.randint(0, 49152, (8, 256), generator=torch.Generator().manual_seed(0))
+    expected = block_scores(stream_moments(whole.model, ids, batch_size=4, progress=False))
+    got = block_scores(stream_moments_sequential(skeleton.model, ids, batch_size=4, progress=False,
+                                                 scores=list(SCORES)))
+    worst = max(abs(a - b) for name in expected for a, b in zip(expected[name], got[name], strict=True))
+    assert worst <= 1e-6

