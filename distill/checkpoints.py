@@ -3,12 +3,17 @@
 One file per checkpoint, ``<work>/checkpoints/step-00000050.pt``; it is written to a temporary name
 and renamed, so a crash mid-write never leaves a truncated latest checkpoint, and older ones are
 deleted only after the new one is in place. ``--resume`` picks the highest step.
+
+A checkpoint holds tensors and plain data only (the RNG states as tensors, the run's options as JSON), so it is
+read with ``torch.load(weights_only=True)``: a file in a work folder never runs code when it is read.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import pickle
 import random
 import re
 from pathlib import Path
@@ -51,16 +56,22 @@ def latest_checkpoint(work: str | Path) -> Path | None:
 
 
 def rng_state() -> dict:
-    """Every random generator a training step draws from (dropout, LoRA init)."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Every random generator a training step draws from (dropout, LoRA init), as tensors and numbers."""
+    version, internal, gauss = random.getstate()
+    state = {"python": torch.tensor(internal, dtype=torch.int64), "python_version": version, "python_gauss": gauss,
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what :func:`rng_state` captured."""
-    random.setstate(state["python"])
+    """Restore what :func:`rng_state` captured (or the tuple checkpoints before it stored)."""
+    python = state["python"]
+    if isinstance(python, torch.Tensor):
+        python = (int(state.get("python_version", 3)), tuple(int(v) for v in python.tolist()),
+                  state.get("python_gauss"))
+    random.setstate(python)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -92,8 +103,9 @@ def save_checkpoint(work: str | Path, step: int, model: nn.Module, names: list[s
         "optimizer_format": "positions" if whole is None else "names",
         "scheduler": scheduler.state_dict(),
         "rng": rng_state(),
-        "config": config,
+        "config_json": json.dumps(config, default=_json_value),
     }
+    _check_plain(payload, "checkpoint")  # what torch.load(weights_only=True) reads back at --resume
     tmp = folder / f".{path.name}.tmp-{os.getpid()}"
     torch.save(payload, tmp)
     os.replace(tmp, path)
@@ -103,9 +115,52 @@ def save_checkpoint(work: str | Path, step: int, model: nn.Module, names: list[s
     return path
 
 
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor, torch.Size)
+
+
+def _check_plain(value, where: str) -> None:
+    """Fail (a bug, not bad input) on anything but tensors and plain data: it would not load with weights_only."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(key, where)
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+    elif not isinstance(value, _PLAIN):
+        raise TypeError(f"{where} is a {type(value).__name__}: a checkpoint holds tensors and plain data only")
+
+
+def _json_value(value):
+    """A number-like value JSON does not know (a numpy or 0-d tensor number) as a number, else its text."""
+    return value.item() if hasattr(value, "item") else str(value)
+
+
 def load_checkpoint(path: str | Path) -> dict:
-    """Read a checkpoint written by :func:`save_checkpoint` (our own file: it holds RNG/optimizer objects)."""
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """Read a checkpoint written by :func:`save_checkpoint`: tensors and plain data, never a pickled object.
+
+    Raises:
+        LayercutError: the file holds Python objects (it is refused unread: unpickling could run code), or is
+            damaged, or is not a training checkpoint.
+    """
+    fix = "delete it (or the work folder), or start over with --overwrite"
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise LayercutError(f"{path} holds Python objects, not only tensors: it is not a checkpoint layercut wrote "
+                            f"and is never unpickled (that could run code); {fix}") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise LayercutError(f"{path} is damaged ({reason}); {fix}") from None
+    needed = ("step", "model", "trained_names", "optimizer", "scheduler", "rng")
+    if not isinstance(payload, dict) or any(key not in payload for key in needed):
+        raise LayercutError(f"{path} is not a training checkpoint of distill.run; {fix}")
+    if "config_json" in payload:  # checkpoints before the JSON field held the dict itself
+        try:
+            payload["config"] = json.loads(payload.pop("config_json"))
+        except (TypeError, ValueError):
+            raise LayercutError(f"{path} is damaged (its options are not JSON); {fix}") from None
+    return payload
 
 
 def check_trained_names(payload: dict, names: list[str]) -> None:

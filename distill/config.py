@@ -18,13 +18,16 @@ import math
 from dataclasses import dataclass, field
 
 from distill.losses import LOSSES, cache_refusal, legacy_keys
-from prune.data.calibration import DEFAULT_DATA, DataConfig
+from prune.data.calibration import DEFAULT_DATA, DataConfig, numeric_fields
 from prune.errors import LayercutError
 
 TRAIN_MODES = ("replacements", "all", "lora")
 # Peak learning rate per --train mode. Fresh maps tolerate 3e-4; updating every pretrained weight at
 # that rate diverged on SmolLM2-135M (layerwise loss 229 -> 6117 within 5 steps), 2e-5 did not.
 DEFAULT_LR = {"replacements": 3e-4, "lora": 3e-4, "all": 2e-5}
+# AdamW moves each weight by about lr a step: above 1 a step outweighs the weights themselves, and far above it
+# (1e38) the step size overflows float32 inside torch's Adam.
+MAX_LR = 1.0
 DEFAULT_SEQ_LEN = 128
 DEFAULT_SAMPLES = 512  # 512 x 128 = 65k tokens; 200 steps of 4 sequences pass over them 1.6 times
 DEFAULT_WARMUP_SHARE = 0.1
@@ -99,6 +102,7 @@ class DistillConfig:
     teacher_cache: str | None = None
 
     def __post_init__(self):
+        numeric_fields(self, "distill")  # a recipe's lr: 3e-4 is YAML text: read as the number; "fast" refused
         if isinstance(self.data, dict):  # a partial section keeps distillation's own defaults for the rest
             self.data = dataclasses.replace(_default_data(), **self.data)
         if self.train not in TRAIN_MODES:
@@ -132,8 +136,9 @@ class DistillConfig:
             raise LayercutError(f"--warmup-steps must be in 0..{self.steps} (--steps), got {self.warmup_steps}")
 
     def _check_weights(self) -> None:
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise LayercutError(f"--lr must be a positive number, got {self.lr}")
+        if not (math.isfinite(self.lr) and 0 < self.lr <= MAX_LR):
+            raise LayercutError(f"--lr must be a positive number at most {MAX_LR:g} (AdamW moves each weight by about "
+                                f"lr a step; the default is {DEFAULT_LR[self.train]:g}), got {self.lr}")
         self.losses = checked_losses(self.losses)
         nonnegative = {"weight-decay": self.weight_decay, "max-grad-norm": self.max_grad_norm,
                        "lora-dropout": self.lora_dropout, "lora-alpha": self.lora_alpha}

@@ -38,7 +38,6 @@ from prune.options import (
     explicit_flags,
 )
 from prune.pipeline.config import PruneConfig
-from prune.pipeline.recipes import config_from_recipe
 from prune.pipeline.runner import run_prune
 from prune.planner.estimate import (
     PLAN_FLAGS,
@@ -52,7 +51,7 @@ from prune.planner.estimate import (
 )
 from prune.replace import METHODS, describe_replacement
 from prune.replace.registry import describe_option, option_specs
-from prune.selection.strategies import DEFAULT_PROTECT, SELECTIONS
+from prune.selection.strategies import DEFAULT_PROTECT, SELECTIONS, selection_help
 
 # Flags defined with a shared dataclass land in its section; the others' dest is their path in a PruneConfig
 # ("replace.update_scale"), or the top-level key of the same name.
@@ -85,14 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--score", default="linearity", choices=list(SCORES),
                        help="ranking criterion (default: linearity)")
     group.add_argument("--select", default="topk", choices=list(SELECTIONS),
-                       help="topk: the K most removable blocks; span: best contiguous K; greedy: drop one, "
-                       "re-score, repeat; greedy-ppl: drop the block whose removal costs the least calibration "
-                       "perplexity, repeat (SLEB); measured: the K whose removal alone costs the least calibration "
-                       "perplexity (one pass each); last: the deepest blocks; repaired-greedy / repaired-greedy-kl: "
-                       "SLEB's loop on the model with each candidate removed and repaired by --replace (perplexity / "
-                       "KL on calibration rows the repairs were not fitted on); repaired-once: the K whose own repair "
-                       "costs least; repaired-fast: the K whose least-squares map misses least on held-out rows "
-                       "(one pass) (default: topk)")
+                       help=selection_help().replace("%", "%%") + " (default: topk)")
     group.add_argument("--oracle", action="store_true",
                        help="also measure the calibration perplexity with each block alone removed (one pass per "
                        "block) and each score's Spearman correlation with it, into scores.md")
@@ -192,6 +184,8 @@ def config_from_args(args: argparse.Namespace, typed: set[str] | None = None) ->
     if samples is not None and samples <= 0:
         raise LayercutError(f"--distill-samples must be a positive integer, got {samples}")
     if args.recipe:
+        from prune.pipeline.recipes import config_from_recipe  # here, not at the top: yaml slows --help
+
         config = config_from_recipe(args.recipe, config_values(args, typed or set()))
     else:
         config = PruneConfig(**config_values(args))

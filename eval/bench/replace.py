@@ -12,6 +12,7 @@ with ``remove`` for the method ``none``.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import logging
 import time
@@ -21,10 +22,12 @@ from pathlib import Path
 
 import torch
 
+from eval.bench.registry import register_subcommand
 from eval.quality.perplexity import perplexity, tokenize_text
 from prune.data.calibration import CalibrationData, calibration_data, load_documents
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
+from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.runner import choose_blocks, score_model
 from prune.replace import METHODS, ReplaceConfig, check_span_lengths, replace_blocks_, spans_of
@@ -262,3 +265,51 @@ def benchmark_replacements(prune, drops: list[int], variants: str, heldout: str,
     distill = DistillConfig(steps=distill_steps) if distill_steps else None
     options = CompareOptions(drops, names, prune, distill, seq_len=prune.data.calibration.seq_len)
     return compare_replacements(loaded, calibration, text, options)
+
+
+# ---- eval.bench replace ----
+
+REPLACE_HELP = "held-out perplexity of remove / linear / sequential / fold / lowrank / distilled replacements"
+
+
+def add_replace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``eval.bench replace``."""
+    parser.add_argument("--model", default="smollm2-135m", help="model name or folder (default: smollm2-135m)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
+    parser.add_argument("--drop", default="4,8", help="comma-separated block counts to remove (default: 4,8)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
+    parser.add_argument("--heldout", required=True,
+                        help="text the calibration never saw: .txt/.jsonl/.parquet file or datasets spec")
+    parser.add_argument("--heldout-chars", type=int, default=None,
+                        help="score only the first N characters of it (default: all)")
+    parser.add_argument("--score", default="linearity", help="ranking criterion, as prune.run (default: linearity)")
+    parser.add_argument("--select", default="topk", help="topk, span or greedy, as prune.run (default: topk)")
+    add_data_arguments(parser, samples=64, seq_len=512, what="sequence and perplexity window")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
+    parser.add_argument("--distill-steps", type=int, default=100,
+                        help="steps of the +distill variants, other DistillConfig defaults (default: 100)")
+    parser.add_argument("--out", help="folder for replace.json, replace.md and replace.png (default: print only)")
+    add_threads_argument(parser)
+
+
+def run_replace(args: argparse.Namespace) -> int:
+    """Run the ablation of ``args``, print its table and write it (with its plot) under ``--out``."""
+    apply_threads(args)
+    prune = PruneConfig(load={"model": args.model, "device": args.device}, data=data_config_from_args(args),
+                        batch_size=args.batch_size, score=args.score, select=args.select)
+    results = benchmark_replacements(prune, [int(d) for d in str(args.drop).split(",")], args.variants,
+                                     args.heldout, args.heldout_chars, args.distill_steps)
+    table = compare_markdown(results)
+    print(table)
+    if args.out:
+        from prune.atomic import atomic_directory, write_json
+
+        with atomic_directory(args.out, overwrite=True) as staging:
+            write_json(staging / "replace.json", results)
+            (staging / "replace.md").write_text(table + "\n", encoding="utf-8")
+            plot_compare(results, staging / "replace.png")
+    return 0
+
+
+register_subcommand("replace", REPLACE_HELP, add_replace_arguments, run_replace)

@@ -18,6 +18,7 @@ against ``--replace linear`` of the same blocks, interleaved: what a linear map 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import multiprocessing
@@ -31,9 +32,11 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
+from eval.bench.registry import register_subcommand
 from prune.checkpoint.load_config import LoadConfig
 from prune.checkpoint.save_load import load
 from prune.data.calibration import BUILTIN, DataConfig, calibration_data
+from prune.errors import LayercutError
 from prune.loading.offload import load_offloaded
 from prune.measure.blockwise import stream_moments_sequential
 from prune.measure.moments import stream_moments
@@ -41,6 +44,7 @@ from prune.measure.scores import block_scores
 from prune.memory import peak_rss_bytes, reset_peak_rss
 from prune.model.adapters import get_blocks, hidden_size, num_blocks
 from prune.model.capture import residual_states
+from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.runner import run_prune
 
@@ -302,3 +306,49 @@ def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int
                   if end_to_end_drop else None)
     return {"model": model, "timing": timing, "memory": memory_rows_as_dicts(rows), "end_to_end": end_to_end,
             "rows": rows}
+
+
+# ---- eval.bench scoring ----
+
+SCORING_HELP = "streamed scoring time vs a plain forward pass; peak memory vs storing every hidden state"
+
+
+def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``eval.bench scoring``."""
+    parser.add_argument("--model", default="smollm2-135m", help="model name or folder (default: smollm2-135m)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    add_data_arguments(parser, samples=None, seq_len=512, data=BUILTIN,
+                       data_help="builtin, the novel alone: the text does not change what scoring it costs")
+    add_threads_argument(parser)
+    parser.add_argument("--tokens", default="8192,32768", help="token counts for the memory rows (default: 8192,32768)")
+    parser.add_argument("--time-tokens", type=int, default=8192, help="tokens per timed pass (default: 8192)")
+    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds (default: 3)")
+    parser.add_argument("--methods", default="streamed,stored", help="memory rows (default: streamed,stored)")
+    parser.add_argument("--end-to-end", type=int, default=4, metavar="DROP",
+                        help="time whole prune runs removing DROP blocks against replacing them by linear maps "
+                             "(default calibration: 64 sequences of --seq-len; default: 4; 0 skips)")
+    parser.add_argument("--out", help="folder for scoring.json and scoring.md (default: print only)")
+
+
+def run_scoring(args: argparse.Namespace) -> int:
+    """Run the benchmark of ``args``, print its table and write it under ``--out``."""
+    apply_threads(args)
+    token_counts = [int(t) for t in str(args.tokens).split(",")]
+    if args.end_to_end < 0:
+        raise LayercutError(f"--end-to-end must be a block count >= 0, got {args.end_to_end}")
+    result = benchmark_scoring(args.model, args.device, data_config_from_args(args), args.batch_size,
+                               args.time_tokens, args.repeats, token_counts, args.methods.split(","),
+                               args.end_to_end)
+    table = scoring_markdown(args.model, result["timing"], result["rows"], result["end_to_end"])
+    print(table)
+    if args.out:
+        from prune.atomic import atomic_directory, write_json
+
+        with atomic_directory(args.out, overwrite=True) as staging:
+            write_json(staging / "scoring.json", {k: v for k, v in result.items() if k != "rows"})
+            (staging / "scoring.md").write_text(table + "\n", encoding="utf-8")
+    return 0
+
+
+register_subcommand("scoring", SCORING_HELP, add_scoring_arguments, run_scoring)

@@ -7,8 +7,9 @@
 
 Every model is scored on the same token ids (the held-out text tokenized once by the first model's
 tokenizer, cut into windows of ``--seq-len``; each window's first token is not predicted), in every
-engine, through :mod:`eval.speed.engines` (``nll``). A model no engine runs (its layout, ``prune.model.layouts``) is
-not sent to the engine: its row says why. A conversion or load that fails is recorded in one line, and
+engine, through :mod:`eval.speed.engines` (``nll``); the engines, their flags and the layouts each runs
+are that registry's. A model an engine does not run (its layout, ``prune.model.layouts``) is not sent to
+that engine: its row says why. A conversion or load that fails is recorded in one line, and
 the other models go on. ``serving.json`` keeps the rows of every engine run into the folder, so a second
 environment adds its engine's column to the same table.
 """
@@ -24,6 +25,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from eval.bench.registry import register_subcommand
+from eval.speed.engines import (
+    ENGINES,
+    REFERENCE,
+    EngineSettings,
+    add_setting_arguments,
+    display_name,
+    get_engine,
+    setting_values,
+)
 from prune.errors import LayercutError
 
 logger = logging.getLogger(__name__)
@@ -31,6 +42,7 @@ logger = logging.getLogger(__name__)
 RESULTS, TABLE = "serving.json", "serving.md"
 # an engine's perplexity counts as the same as transformers' within this relative gap (the issue's 0.1 %)
 AGREEMENT = 1e-3
+DEFAULT_ENGINES = (REFERENCE, "llamacpp")  # the engines a CPU runs from one environment
 
 
 def parse_models(specs: list[str]) -> dict[str, str]:
@@ -75,31 +87,19 @@ def model_layout(path: str) -> dict:
     return folder_serving(folder) if folder.is_dir() else serving_entry(VANILLA)
 
 
-def _engine_runs(layout: dict, engine: str) -> str | None:
-    """Why ``engine`` is not given this model (None: it is)."""
-    if engine == "transformers":
-        return None  # prune.load runs every layout
-    key = {"llamacpp": "llama_cpp", "vllm": "vllm"}.get(engine)
-    if key and not layout.get(key, True):
-        return layout.get(f"{key}_why_not") or layout.get("why") or "not servable"
-    return None
-
-
 def score_engine(engine_name: str, models: dict[str, str], windows: list[list[int]], settings,
                  greedy_tokens: int = 32) -> dict[str, dict]:
     """One engine's row per model: runs / perplexity / greedy ids, or the one-line reason it does not run.
 
     The greedy ids continue the first window's first 32 tokens for ``greedy_tokens`` steps.
     """
-    from eval.speed.engines import get_engine
-
     engine = get_engine(engine_name)
     engine.check()
     rows = {}
     for label, path in tqdm(models.items(), desc=f"serving {engine_name}", unit="model"):
         layout = model_layout(path)
         row = {"engine": engine_name, "version": engine.version(), "layout": layout.get("layout")}
-        why = _engine_runs(layout, engine_name)
+        why = engine.refusal(layout)  # the layouts it runs, as it declares them
         if why:
             rows[label] = {**row, "runs": False, "why": why}
             continue
@@ -143,21 +143,21 @@ def merge(out: Path | None, setup: dict, rows: dict[str, dict[str, dict]]) -> di
 
 def markdown(result: dict) -> str:
     """One row per model: layout, then per engine whether it runs and its perplexity (gap to transformers')."""
-    engines = [e for e in ("transformers", "llamacpp", "vllm")
-               if any(e in row for row in result["rows"].values())]
-    names = {"transformers": "transformers", "llamacpp": "llama.cpp", "vllm": "vLLM"}
+    present = {e for row in result["rows"].values() for e in row}
+    # the registry's order (the reference first), then engines of the file this environment does not know
+    engines = [e for e in ENGINES.names() if e in present] + sorted(present - set(ENGINES.names()))
     setup = result["setup"]
     lines = [f"Held-out text {setup['heldout']}: {setup['windows']} windows of {setup['seq_len']} tokens "
              f"({setup['predicted']} predicted tokens), the same ids in every engine.", "",
              "Beside each engine's perplexity: its gap to transformers' and whether its greedy continuation of "
              "the first window's first 32 tokens is transformers'.", "",
-             "| model | serves | " + " | ".join(f"{names[e]} ppl" for e in engines) + " |",
+             "| model | serves | " + " | ".join(f"{display_name(e)} ppl" for e in engines) + " |",
              "|---|---|" + "---|" * len(engines)]
     from prune.model.layouts import label as serving_label
 
     for label, per_engine in result["rows"].items():
         layout = next((r.get("serving") for r in per_engine.values() if r.get("serving")), None)
-        base = per_engine.get("transformers", {}).get("ppl")
+        base = per_engine.get(REFERENCE, {}).get("ppl")
         cells = []
         for engine in engines:
             row = per_engine.get(engine)
@@ -165,7 +165,7 @@ def markdown(result: dict) -> str:
                 cells.append("-")
             elif not row["runs"]:
                 cells.append(f"no: {row['why']}")
-            elif engine != "transformers" and base:
+            elif engine != REFERENCE and base:
                 gap = row["ppl"] / base - 1
                 mark = "" if abs(gap) <= AGREEMENT else " (beyond 0.1 %)"
                 cells.append(f"{row['ppl']:.3f} ({100 * gap:+.3f} %){mark}{_greedy_note(row, per_engine)}")
@@ -177,7 +177,7 @@ def markdown(result: dict) -> str:
 
 def _greedy_note(row: dict, per_engine: dict) -> str:
     """``; greedy =`` when the engine's greedy ids are transformers', else where they first part."""
-    mine, theirs = row.get("greedy"), per_engine.get("transformers", {}).get("greedy")
+    mine, theirs = row.get("greedy"), per_engine.get(REFERENCE, {}).get("greedy")
     if not mine or not theirs:
         return ""
     if mine == theirs:
@@ -196,13 +196,10 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--greedy-tokens", type=int, default=32,
                         help="greedy ids generated after the first window's first 32 tokens, compared with "
                         "transformers' (0: skip; default: 32)")
-    parser.add_argument("--engines", default="transformers,llamacpp",
-                        help="comma list of transformers, llamacpp, vllm (default: transformers,llamacpp)")
-    parser.add_argument("--converter", default=None, help="llama.cpp's convert_hf_to_gguf.py (default: "
-                        "$LLAMA_CPP_CONVERTER)")
+    parser.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
+                        help=f"comma list of {', '.join(ENGINES.names())} (default: {','.join(DEFAULT_ENGINES)})")
+    add_setting_arguments(parser)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the free cores)")
-    parser.add_argument("--gpu-memory", type=float, default=0.85,
-                        help="vllm: share of the GPU's memory it may take; on a CPU, of the host's (default: 0.85)")
     parser.add_argument("--out", default=None, help="folder for serving.json and serving.md (default: print only)")
 
 
@@ -216,7 +213,6 @@ def run_serving(args: argparse.Namespace) -> int:
     """Score every model in every engine on the same ids; print and save the table."""
     import hashlib
 
-    from eval.speed.engines import EngineSettings
     from prune.atomic import write_json
     from prune.options import apply_threads
 
@@ -229,8 +225,7 @@ def run_serving(args: argparse.Namespace) -> int:
     digest = hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]
     setup = {"heldout": args.heldout, "seq_len": args.seq_len, "windows": len(windows),
              "predicted": len(windows) * (args.seq_len - 1), "token_digest": digest}
-    settings = EngineSettings(threads=args.threads, context=args.seq_len, converter=args.converter,
-                              gpu_memory=args.gpu_memory)
+    settings = EngineSettings.build(threads=args.threads, context=args.seq_len, **setting_values(args))
     rows = {engine: score_engine(engine, models, windows, settings, args.greedy_tokens)
             for engine in args.engines.split(",")}
     for per_model in rows.values():
@@ -251,4 +246,12 @@ def run_serving(args: argparse.Namespace) -> int:
     return 0
 
 
-SERVING_HELP = "perplexity of each checkpoint in transformers, llama.cpp and vLLM on the same token ids"
+def _in_words(names: list[str]) -> str:
+    """``a, b and c``."""
+    return " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else "".join(names)
+
+
+SERVING_HELP = (f"perplexity of each checkpoint in {_in_words([e.display for e in ENGINES.values()])} on the same "
+                "token ids")
+
+register_subcommand("serving", SERVING_HELP, add_serving_arguments, run_serving)

@@ -27,12 +27,13 @@ from pathlib import Path
 
 import torch
 
+from eval.bench.registry import register_subcommand
 from prune.errors import LayercutError
 from prune.options import add_data_arguments, add_threads_argument, apply_threads
 
 logger = logging.getLogger(__name__)
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 TEACHER_CACHE_HELP = "online distillation against training from the teacher's top-K logits cache: memory, step time, KL"
 STEP_RATIO_TARGET = 0.6  # the target: cached step time at most 0.6x the online step
 KL_GAP_TARGET = 0.05  # and a final KL within 5% of online KD's
@@ -356,3 +357,6 @@ def run_teacher_cache(args: argparse.Namespace) -> int:
             write_json(staging / "teacher_cache.json", result)
             (staging / "teacher_cache.md").write_text(table + "\n", encoding="utf-8")
     return 0
+
+
+register_subcommand("teacher-cache", TEACHER_CACHE_HELP, add_teacher_cache_arguments, run_teacher_cache)

@@ -25,7 +25,7 @@ from prune.errors import LayercutError
 from prune.registry import Registry
 
 DATA_DIR_ENV = "LAYERCUT_DATA"
-TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 
 TASK_DIRS_ENV = "LAYERCUT_TASKS"  # more folders of offline task YAMLs, separated like $PATH
 # names users type that mean a different task offline

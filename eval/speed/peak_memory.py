@@ -25,7 +25,7 @@ from prune.errors import LayercutError
 from prune.memory import vm_hwm_bytes
 from prune.model.adapters import input_device
 
-_REPO_ROOT = Path(__file__).resolve().parents[1]
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def weights_bytes(model: torch.nn.Module) -> int:

@@ -24,8 +24,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from safetensors import SafetensorError
-from safetensors.torch import save_file
 from torch import nn
 
 from prune.checkpoint.serving import sublayer_refusal
@@ -81,6 +79,8 @@ def vanilla_blocks(model: nn.Module) -> Iterator[dict[str, nn.Module]]:
 
 
 def _write_maps(maps: dict[str, nn.Module], path: Path) -> None:
+    from safetensors.torch import save_file
+
     tensors, specs = {}, {}
     for name, module in maps.items():
         specs[name] = _map_spec(module)
@@ -151,7 +151,8 @@ def serving_report(model: nn.Module, maps: bool) -> dict:
                                  why=f"removed sub-layers outside the DeciLM layout: {refusal}")
         from prune.checkpoint.decilm import decilm_config, decilm_serving
 
-        # as prune.checkpoint.gguf writes it for llama.cpp: removed MLPs as zero MLPs (llama.cpp skips an FFN-free layer)
+        # as prune.checkpoint.gguf writes it for llama.cpp: removed MLPs as zero MLPs
+        # (llama.cpp skips an FFN-free layer)
         entry = decilm_serving(decilm_config(config, records, zero_mlps=True))
         entry["export"] = serving_entry(DECILM)["export"]
         return entry
@@ -204,6 +205,8 @@ def attach_maps_(model: nn.Module, path: str | Path) -> int:
     Raises:
         LayercutError: the file is cut short or damaged (one line naming it), or names blocks the model lacks.
     """
+    from safetensors import SafetensorError
+
     path = Path(path)
     check_safetensors(path)
     try:

@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
+import re
 from pathlib import Path
 
 from prune.atomic import atomic_directory, write_json
 from prune.errors import LayercutError
-from prune.loading.names import base_model_id, model_license
+from prune.loading.names import EMBEDDED_MODEL, MODEL_ALIASES, base_model_id, model_license
 from prune.model.adapters import is_offloaded
 
 logger = logging.getLogger(__name__)
 
 REPORT_FILE = "layercut.json"
+# layercut.json's key for the original model's file or folder, relative to the checkpoint folder: the report names
+# the model portably (no path of this machine), and read_report re-opens it from here
+MODEL_PATH = "model_path"
 # a report's heldout "stage" when its figure was measured before a later distill.run
 HELDOUT_BEFORE_DISTILL = "before distill.run"
 
@@ -43,6 +48,9 @@ def read_report(folder: str | Path) -> dict:
     if not isinstance(report, dict):
         raise LayercutError(f"{path} is damaged (a JSON {type(report).__name__}, not an object): re-export the "
                             "checkpoint with prune.run or restore the file from a copy")
+    local = report.get(MODEL_PATH)
+    if isinstance(local, str) and local and not os.path.isabs(local) and (path.parent / local).exists():
+        report["model_name"] = str((path.parent / local).resolve())  # re-opened where it lies (distill.run)
     return report
 
 
@@ -62,6 +70,93 @@ def read_report(folder: str | Path) -> dict:
 
 
 
+
+
+# an absolute path inside a longer text ("a.txt@0.5,/home/me/b.txt@0.5"): it keeps its last component
+_EMBEDDED_PATH = re.compile(r"(?<![\w/.~-])~?/(?:[^\s/,@'\"`()\[\]]+/)*([^\s/,@'\"`()\[\]]+)")
+
+
+def portable_name(name: str | None, source: str | None) -> str:
+    """How a card and ``layercut.json`` name the original model: never a path of this machine.
+
+    The hub id loaded, else the alias typed (``smollm2-135m``, whose file is local), else the base name of the
+    local file or folder.
+    """
+    hub_id = base_model_id(None, source or "")  # None for a local file or folder
+    typed = (name or "").strip()
+    if hub_id is None and (typed.lower() in MODEL_ALIASES or typed.lower() == EMBEDDED_MODEL):
+        return typed
+    return hub_id or Path(str(source or name or "model")).name
+
+
+def _portable(value):
+    """``value`` with every absolute path in its text cut to the path's last component."""
+    if isinstance(value, dict):
+        return {_portable(key): _portable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_portable(item) for item in value]
+    if not isinstance(value, str):
+        return value
+    if (os.path.isabs(value) or value.startswith("~/")) and "," not in value:  # one path, spaces and all
+        return Path(value).name
+    return _EMBEDDED_PATH.sub(lambda match: match.group(1), value)
+
+
+def portable_report(report: dict) -> dict:
+    """``report`` as ``layercut.json`` and the card show it: no absolute path of this machine in it.
+
+    ``source_model`` is :func:`portable_name`; any other absolute path (``model_name`` and ``config.load.model``
+    when typed as one, ``config.out``, calibration files) keeps its last component. A relative path typed on
+    the command line, an alias and a hub id stay as typed: they still name the model where they did.
+    """
+    shown = _portable(report)
+    if report.get("source_model") is not None:
+        shown["source_model"] = portable_name(report.get("model_name"), str(report["source_model"]))
+    return shown
+
+
+def report_license(report: dict) -> str | None:
+    """The original model's licence: recorded in ``report``, else read from its files (``model_license``)."""
+    if report.get("license"):
+        return str(report["license"])
+    source = str(report.get("source_model", ""))
+    return model_license(source, base_model_id(report.get("model_name"), source))
+
+
+def written_report(report: dict, folder: str | Path | None = None) -> dict:
+    """What ``layercut.json`` in ``folder`` holds: :func:`portable_report` and two additions.
+
+    The licence, read while the model's files are at hand, and where a local original model lies relative to
+    ``folder`` (:data:`MODEL_PATH`), for :func:`read_report` to re-open it.
+    """
+    shown = portable_report(report)
+    license_ = report_license(report)
+    if license_:
+        shown["license"] = license_
+    shown.pop(MODEL_PATH, None)
+    local = _relative_model_path(report, folder) if folder is not None else None
+    if local is not None:
+        shown[MODEL_PATH] = local
+    return shown
+
+
+def _relative_model_path(report: dict, folder: str | Path) -> str | None:
+    """The local original model typed as a path, relative to ``folder``.
+
+    None for an alias or a hub id, or when the relative path would still spell out the machine (the two paths
+    meet only at ``/`` or above the home folder).
+    """
+    typed = str(report.get("model_name") or "")
+    if not typed or typed.lower() in MODEL_ALIASES or typed.lower() == EMBEDDED_MODEL:
+        return None
+    local = Path(typed).expanduser()
+    if not local.exists():
+        return None
+    local, out = local.resolve(), Path(folder).expanduser().resolve()
+    common = Path(os.path.commonpath([local, out]))
+    if common == Path(common.anchor) or (Path.home() != common and Path.home().is_relative_to(common)):
+        return None
+    return os.path.relpath(local, out)
 
 
 def library_versions() -> dict[str, str]:
@@ -108,9 +203,10 @@ def model_card(report: dict, plain: bool = True, name: str = "path/to/this/folde
             whose writer adds how to load it).
         name: the folder's name, used in the code the card shows.
     """
-    dropped = report.get("dropped", [])
     base = base_model_id(report.get("model_name"), str(report.get("source_model", "")))
-    license_ = model_license(str(report.get("source_model", "")), base)  # read once: a card file or a GGUF header
+    license_ = report_license(report)  # read once: recorded, a card file or a GGUF header
+    report = portable_report(report)  # no path of this machine in the card
+    dropped = report.get("dropped", [])
     lines = [
         *_front_matter(base, license_),
         f"# {Path(str(report.get('source_model', 'model'))).name} with {_what_removed(report)} removed",
@@ -294,8 +390,9 @@ def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite
         else:
             model.save_pretrained(staging, safe_serialization=True)
         tokenizer.save_pretrained(staging)
-        write_json(staging / REPORT_FILE, report)
-        (staging / "README.md").write_text(model_card(report, plain, Path(out).name), encoding="utf-8")
+        written = written_report(report, out)  # no path of this machine; the licence read while its files are here
+        write_json(staging / REPORT_FILE, written)
+        (staging / "README.md").write_text(model_card(written, plain, Path(out).name), encoding="utf-8")
         if extra is not None:
             extra(staging)
     return Path(out)

@@ -31,13 +31,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from prune.atomic import write_file_atomic
@@ -60,6 +60,40 @@ def check_seq_len(seq_len: int, flag: str = "--seq-len") -> None:
     """A sequence must hold at least two tokens: one to predict from, one to predict."""
     if not isinstance(seq_len, int) or seq_len < 2:
         raise LayercutError(f"{flag} must be at least 2, got {seq_len}")
+
+
+def numeric_fields(config, section: str) -> None:
+    """Read the number fields of the dataclass ``config`` as numbers, or refuse them in one line.
+
+    A recipe may spell a number as text: YAML reads ``3e-4`` (no dot) as a string, and ``"64"`` is one. Such
+    text becomes the number; anything else in an ``int`` or ``float`` field (``"eight"``, ``true``, 2.5 for a
+    count) is a one-line error naming ``section: key`` and the type it takes.
+    """
+    for spec in fields(config):
+        kinds = {part.strip() for part in str(spec.type).split("|")}
+        kind = "int" if "int" in kinds else "float" if "float" in kinds else None
+        value = getattr(config, spec.name)
+        if kind is not None and not (value is None and "None" in kinds):
+            setattr(config, spec.name, _number(value, kind, f"{section}: {spec.name}"))
+
+
+def _number(value, kind: str, where: str) -> int | float:
+    """``value`` (a number, or its text) as ``kind`` ("int" or "float"); a one-line error when it is none."""
+    number = value
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            number = int(text) if kind == "int" and text.lstrip("+-").isdigit() else float(text)
+        except ValueError:
+            number = None
+    expected = "an integer" if kind == "int" else "a number"
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
+        raise LayercutError(f"{where} must be {expected}, got {value!r}")
+    if kind == "float":
+        return float(number)
+    if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
+        raise LayercutError(f"{where} must be {expected}, got {value!r}")
+    return int(number)
 
 
 @dataclass
@@ -86,6 +120,7 @@ class DataConfig:
     heldout_samples: int = 8
 
     def __post_init__(self):
+        numeric_fields(self, "data")  # a recipe's "64" is 64; its "eight" a one-line error
         if self.data is None:  # spelled out, so reports and resumed comparisons name what was read
             self.data = DEFAULT_DATA
         if self.samples <= 0:
@@ -162,7 +197,7 @@ def names_a_file(spec: str) -> bool:
 
 def default_corpus_text() -> str:
     """The built-in calibration corpus (public domain, see ``prune/data/corpus/LICENSE.md``)."""
-    return resources.files("prune").joinpath("corpus", DEFAULT_CORPUS).read_text(encoding="utf-8")
+    return resources.files("prune.data").joinpath("corpus", DEFAULT_CORPUS).read_text(encoding="utf-8")
 
 
 def load_documents(spec: str | None, text_field: str = "text", flag: str = "--data") -> tuple[list[str], str]:
@@ -297,7 +332,7 @@ SELF_CACHE_FORMAT = 1  # bumped when what a cached sample means changes
 # run (36 x 512 tokens), shipped so that run takes 1.5 minutes on two cores rather than the 6.5 more its
 # sampling takes when idle. Keyed like the cache: only the same weights, tokenizer, seed, options and
 # device read it, so it is the text such a run would sample itself.
-SHIPPED_SAMPLES = Path(str(resources.files("prune"))) / "corpus" / "self-text"
+SHIPPED_SAMPLES = Path(str(resources.files("prune.data"))) / "corpus" / "self-text"
 
 
 def self_cache_dir() -> Path:
@@ -336,6 +371,8 @@ def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, batch:
         if ids is not None:
             return ids
     ids = sample_sequences(model, tokenizer, count, seq_len, seed, batch_size=batch, **options)
+    from safetensors.torch import save_file
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_file_atomic(path, lambda staging: save_file({"ids": ids.contiguous()}, str(staging)))
@@ -348,6 +385,8 @@ def _read_samples(path: Path, count: int, seq_len: int) -> torch.Tensor | None:
     """The [count, seq_len] token ids kept in ``path``; None when it is missing, unreadable or of another shape."""
     if not path.is_file():
         return None
+    from safetensors.torch import load_file
+
     try:
         ids = load_file(path)["ids"]
     except Exception as err:  # a truncated or foreign file is only a missed cache entry

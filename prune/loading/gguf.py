@@ -14,14 +14,17 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from prune.errors import LayercutError
 from prune.loading.names import EMBEDDED_MODEL, embedded_gguf_path, find_embedded_gguf
 from prune.loading.tokenizer import set_pad_token
 from prune.model.adapters import max_positions
+
+if TYPE_CHECKING:  # transformers is imported where it is used: it costs seconds at start-up
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +90,8 @@ def _gguf_model_kwargs() -> dict:
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """Dequantize ``gguf`` with transformers and save it as a plain checkpoint at ``target``, atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     logger.info("converting %s to a float32 safetensors checkpoint in %s (once)", gguf, target)
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -19,17 +19,9 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
 
 from prune.errors import LayercutError
 
@@ -48,6 +40,9 @@ from prune.loading.names import (
 )
 from prune.loading.tokenizer import TOKENIZER_FILES, check_tokenizer, has_tokenizer_files, set_pad_token
 from prune.model import remote_code as hf_remote_code
+
+if TYPE_CHECKING:  # transformers is imported where it is used: it costs seconds at start-up
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 __all__ = ["CONVERTED_DTYPE", "EMBEDDED_DISTRIBUTION", "EMBEDDED_INSTALL", "EMBEDDED_MODEL", "MODEL_ALIASES",
            "TOKENIZER_FILES", "LoadedModel", "cache_dir", "check_resident", "check_safetensors", "check_tokenizer",
@@ -101,6 +96,8 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
         checkpoint = str(folder)
     else:
         checkpoint = _checkpoint(resolve_model_name(name))
+    from transformers import AutoTokenizer
+
     with hub_errors(name, hub_id=not Path(checkpoint).exists()):
         base = _wrapped_base_config(checkpoint)
         # a wrapped config would make AutoTokenizer ask to run the checkpoint's code: hand it the base config
@@ -111,6 +108,8 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 def _wrapped_base_config(checkpoint: str) -> PretrainedConfig | None:
     """The base config of a checkpoint with a layercut-wrapped config.json; None for any other (or none)."""
+    from transformers import PretrainedConfig
+
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
     except OSError:
@@ -258,6 +257,8 @@ def _read_config(checkpoint: str) -> tuple[PretrainedConfig, bool]:
 
     A wrapped ``config.json`` (``model_type: "layercut"``) gives the config of the architecture it wraps.
     """
+    from transformers import AutoConfig, PretrainedConfig
+
     _check_config_file(checkpoint)
     config_dict, _ = PretrainedConfig.get_config_dict(checkpoint)
     if not hf_remote_code.is_wrapped(config_dict):
@@ -347,6 +348,9 @@ def _load_weights(name: str, checkpoint: str, config: PretrainedConfig, kwargs: 
 
     A local folder's weight files are checked first: a truncated one is a one-line error naming it.
     """
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
     folder = Path(checkpoint)
     if folder.is_dir():
         for file in sorted(folder.glob("model*.safetensors")):

@@ -16,9 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import huggingface_hub.constants
-from huggingface_hub.errors import LocalEntryNotFoundError
-
 from prune.errors import LayercutError
 
 MODEL_ALIASES: dict[str, str] = {
@@ -155,6 +152,8 @@ def resolve_model_name(name: str) -> str:
 
 def hub_offline() -> bool:
     """Whether the Hugging Face hub is switched off (``HF_HUB_OFFLINE`` / ``TRANSFORMERS_OFFLINE`` set)."""
+    import huggingface_hub.constants  # here, not at the top: huggingface_hub (httpx) slows every start
+
     flags = (os.environ.get("HF_HUB_OFFLINE", ""), os.environ.get("TRANSFORMERS_OFFLINE", ""))
     return any(flag.upper() in ("1", "ON", "YES", "TRUE") for flag in flags) or bool(
         huggingface_hub.constants.HF_HUB_OFFLINE
@@ -163,6 +162,8 @@ def hub_offline() -> bool:
 
 def _hub_unreachable(err: BaseException) -> bool:
     """Whether ``err`` means "not in the local cache and the hub could not be asked" (offline or no connection)."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
     seen: BaseException | None = err
     while seen is not None:
         if isinstance(seen, LocalEntryNotFoundError) or "couldn't connect" in str(seen):

@@ -21,6 +21,11 @@ folder's weights into it and puts each map on its block; the model it returns is
 This file is self-contained (torch, transformers and safetensors only) and is layercut's own
 definition of the format: ``prune.checkpoint.save_load`` writes the checkpoint with these names, and
 ``prune.loading.loader`` reads ``base_config`` with :func:`base_config_from_dict`.
+
+layercut imports it at start-up for its names, maps and helpers, so transformers and safetensors are imported
+where they are used (importing transformers' model code takes seconds): the two transformers classes,
+:class:`LayercutConfig` and :class:`LayercutForCausalLM`, are defined on first access (``module.LayercutConfig``,
+``from ... import``, or transformers' own ``getattr`` on the module it loads), by the module's ``__getattr__``.
 """
 
 from __future__ import annotations
@@ -28,11 +33,7 @@ from __future__ import annotations
 import json
 
 import torch
-from safetensors import safe_open
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.utils import cached_file
 
 MODEL_TYPE = "layercut"
 MODELING_FILE = "modeling_layercut.py"
@@ -103,8 +104,10 @@ def unwrap_config_dict(wrapped: dict) -> dict:
     return base
 
 
-def base_config_from_dict(base: dict) -> PretrainedConfig:
+def base_config_from_dict(base: dict) -> PretrainedConfig:  # noqa: F821 (transformers' class, imported inside)
     """The wrapped model's config (e.g. a ``LlamaConfig``) from its dict, as ``AutoConfig`` would build it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
     model_type = base.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(
@@ -114,38 +117,45 @@ def base_config_from_dict(base: dict) -> PretrainedConfig:
     return CONFIG_MAPPING[model_type].from_dict(dict(base))
 
 
-class LayercutConfig(PretrainedConfig):
-    """The config of a checkpoint with replacement maps: the wrapped model's config and where its blocks are.
+def _define_config_class() -> type:
+    """Define :class:`LayercutConfig`, a transformers ``PretrainedConfig`` (on first access, by ``__getattr__``)."""
+    from transformers import PretrainedConfig
 
-    Attributes:
-        base_config: the wrapped model's ``config.json`` dict (its ``model_type``, sizes, layercut records).
-        blocks_path: dotted path of the decoder blocks' ``nn.ModuleList`` (e.g. ``"model.layers"``).
-    """
+    class LayercutConfig(PretrainedConfig):
+        """The config of a checkpoint with replacement maps: the wrapped model's config and where its blocks are.
 
-    model_type = MODEL_TYPE
+        Attributes:
+            base_config: the wrapped model's ``config.json`` dict (its ``model_type``, sizes, layercut records).
+            blocks_path: dotted path of the decoder blocks' ``nn.ModuleList`` (e.g. ``"model.layers"``).
+        """
 
-    def __init__(self, base_config: dict | None = None, blocks_path: str | None = None, **kwargs):
-        kwargs.pop(REFUSAL_FIELD, None)  # the sentence that makes other config classes refuse the folder
-        base_type = kwargs.pop(BASE_TYPE_KEY, None)
-        self.base_config = unwrap_config_dict({"base_config": base_config, BASE_TYPE_KEY: base_type})
-        self.blocks_path = blocks_path
-        super().__init__(**kwargs)
+        model_type = MODEL_TYPE
 
-    def to_dict(self) -> dict:
-        """The ``config.json`` dict, in the layout :func:`wrap_config_dict` writes."""
-        output = super().to_dict()
-        output.update({key: value for key, value in wrap_config_dict(self.base_config, self.blocks_path).items()
-                       if key in (BASE_TYPE_KEY, "base_config", REFUSAL_FIELD)})
-        return output
+        def __init__(self, base_config: dict | None = None, blocks_path: str | None = None, **kwargs):
+            kwargs.pop(REFUSAL_FIELD, None)  # the sentence that makes other config classes refuse the folder
+            base_type = kwargs.pop(BASE_TYPE_KEY, None)
+            self.base_config = unwrap_config_dict({"base_config": base_config, BASE_TYPE_KEY: base_type})
+            self.blocks_path = blocks_path
+            super().__init__(**kwargs)
 
-    @property
-    def base_model_type(self) -> str | None:
-        """The wrapped architecture's ``model_type`` (e.g. ``"llama"``)."""
-        return self.base_config.get("model_type")
+        def to_dict(self) -> dict:
+            """The ``config.json`` dict, in the layout :func:`wrap_config_dict` writes."""
+            output = super().to_dict()
+            output.update({key: value for key, value in wrap_config_dict(self.base_config, self.blocks_path).items()
+                           if key in (BASE_TYPE_KEY, "base_config", REFUSAL_FIELD)})
+            return output
 
-    def base(self) -> PretrainedConfig:
-        """The wrapped model's config object."""
-        return base_config_from_dict(self.base_config)
+        @property
+        def base_model_type(self) -> str | None:
+            """The wrapped architecture's ``model_type`` (e.g. ``"llama"``)."""
+            return self.base_config.get("model_type")
+
+        def base(self) -> PretrainedConfig:
+            """The wrapped model's config object."""
+            return base_config_from_dict(self.base_config)
+
+    LayercutConfig.__qualname__ = "LayercutConfig"
+    return LayercutConfig
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -314,6 +324,8 @@ def attach_maps(model: nn.Module, maps_file: str, blocks_path: str | None = None
 
     ``build`` makes a map from its saved spec (default: :func:`build_map`; layercut passes its registry's).
     """
+    from safetensors import safe_open
+
     build = build or build_map
     with safe_open(maps_file, framework="pt") as handle:
         specs = json.loads((handle.metadata() or {}).get(MAPS_METADATA_KEY, "{}"))
@@ -343,47 +355,82 @@ def attach_maps(model: nn.Module, maps_file: str, blocks_path: str | None = None
 # Model
 
 
-class LayercutForCausalLM(PreTrainedModel):
-    """Loader of a checkpoint with replacement maps; ``from_pretrained`` returns the wrapped architecture.
+def _define_model_class() -> type:
+    """Define :class:`LayercutForCausalLM`, a transformers ``PreTrainedModel`` (on first access, by ``__getattr__``)."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+    from transformers.utils import cached_file
 
-    Never instantiated itself: the model it returns is the wrapped ``*ForCausalLM`` (what generation,
-    pipelines and the KV cache expect), with :class:`ReplacedBlock` wrappers on the blocks carrying maps.
-    Save a changed model with layercut's ``prune.save``: ``save_pretrained`` of the returned model writes
-    the wrappers' weight names, which plain transformers does not read back.
-    """
+    LayercutConfig = _transformers_class("LayercutConfig")
 
-    config_class = LayercutConfig
-    base_model_prefix = ""
+    class LayercutForCausalLM(PreTrainedModel):
+        """Loader of a checkpoint with replacement maps; ``from_pretrained`` returns the wrapped architecture.
 
-    def __init__(self, config: LayercutConfig, *args, **kwargs):
-        raise TypeError(
-            "LayercutForCausalLM only loads checkpoints, with AutoModelForCausalLM.from_pretrained(path, "
-            "trust_remote_code=True): no model is built from its config, so serving engines (vLLM, llama.cpp) "
-            f"cannot run it; {SERVABLE}"
-        )
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
-        """Load the wrapped model from the checkpoint's weights and attach its replacement maps.
-
-        Args:
-            pretrained_model_name_or_path: the checkpoint folder or hub id.
-            *model_args: passed to the wrapped model's ``from_pretrained``.
-            config: its :class:`LayercutConfig` (read from the checkpoint when not given).
-            **kwargs: ``from_pretrained`` options (``dtype``, ``device_map``, hub options, ...), passed on.
+        Never instantiated itself: the model it returns is the wrapped ``*ForCausalLM`` (what generation,
+        pipelines and the KV cache expect), with :class:`ReplacedBlock` wrappers on the blocks carrying maps.
+        Save a changed model with layercut's ``prune.save``: ``save_pretrained`` of the returned model writes
+        the wrappers' weight names, which plain transformers does not read back.
         """
-        path = str(pretrained_model_name_or_path)
-        hub = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
-        if not isinstance(config, LayercutConfig):
-            config = LayercutConfig.from_pretrained(path, **hub)
-        kwargs.pop("_from_auto", None)
-        # removed sub-layers have no weights in the folder: transformers initialises them, then they go
-        model = AutoModelForCausalLM.from_pretrained(path, *model_args, config=config.base(), **kwargs)
-        remove_sublayers(model, sublayer_records(config.base_config), config.blocks_path)
-        maps_file = cached_file(path, MAPS_FILE, _raise_exceptions_for_missing_entries=False, **hub)
-        if maps_file is not None:
-            attach_maps(model, maps_file, config.blocks_path)
-        elif _maps_recorded(config.base_config):
-            raise ValueError(f"{path} records replacement maps but has no {MAPS_FILE}: without them it is another "
-                             f"model; copy {MAPS_FILE} next to config.json")
-        return model
+
+        config_class = LayercutConfig
+        base_model_prefix = ""
+
+        def __init__(self, config: LayercutConfig, *args, **kwargs):
+            raise TypeError(
+                "LayercutForCausalLM only loads checkpoints, with AutoModelForCausalLM.from_pretrained(path, "
+                "trust_remote_code=True): no model is built from its config, so serving engines (vLLM, llama.cpp) "
+                f"cannot run it; {SERVABLE}"
+            )
+
+        @classmethod
+        def from_pretrained(cls, pretrained_model_name_or_path, *model_args, config=None, **kwargs):
+            """Load the wrapped model from the checkpoint's weights and attach its replacement maps.
+
+            Args:
+                pretrained_model_name_or_path: the checkpoint folder or hub id.
+                *model_args: passed to the wrapped model's ``from_pretrained``.
+                config: its :class:`LayercutConfig` (read from the checkpoint when not given).
+                **kwargs: ``from_pretrained`` options (``dtype``, ``device_map``, hub options, ...), passed on.
+            """
+            path = str(pretrained_model_name_or_path)
+            hub = {key: kwargs[key] for key in _HUB_KWARGS if key in kwargs}
+            if not isinstance(config, LayercutConfig):
+                config = LayercutConfig.from_pretrained(path, **hub)
+            kwargs.pop("_from_auto", None)
+            # removed sub-layers have no weights in the folder: transformers initialises them, then they go
+            model = AutoModelForCausalLM.from_pretrained(path, *model_args, config=config.base(), **kwargs)
+            remove_sublayers(model, sublayer_records(config.base_config), config.blocks_path)
+            maps_file = cached_file(path, MAPS_FILE, _raise_exceptions_for_missing_entries=False, **hub)
+            if maps_file is not None:
+                attach_maps(model, maps_file, config.blocks_path)
+            elif _maps_recorded(config.base_config):
+                raise ValueError(f"{path} records replacement maps but has no {MAPS_FILE}: without them it is another "
+                                 f"model; copy {MAPS_FILE} next to config.json")
+            return model
+
+    LayercutForCausalLM.__qualname__ = "LayercutForCausalLM"
+    return LayercutForCausalLM
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The transformers classes, defined on first access
+
+_LAZY_CLASSES = {"LayercutConfig": _define_config_class, "LayercutForCausalLM": _define_model_class}
+
+
+def _transformers_class(name: str) -> type:
+    """The class ``name`` of :data:`_LAZY_CLASSES`, defined once and then kept as a module attribute."""
+    if name not in globals():
+        globals()[name] = _LAZY_CLASSES[name]()
+    return globals()[name]
+
+
+def __getattr__(name: str):
+    """``LayercutConfig`` and ``LayercutForCausalLM``, defined on first access (transformers is imported then)."""
+    if name in _LAZY_CLASSES:
+        return _transformers_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """The module's names, the two classes not yet defined included."""
+    return sorted({*globals(), *_LAZY_CLASSES})

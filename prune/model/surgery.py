@@ -19,7 +19,6 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
-from huggingface_hub.errors import StrictDataclassClassValidationError
 from torch import nn
 
 from prune.errors import LayercutError
@@ -269,6 +268,8 @@ def check_config_rules(model: nn.Module, count: int, entries: dict) -> None:
     rewrites (transformers 5.24's ``dory`` splits it into input, recurrent and output groups), and
     ``save_pretrained`` would refuse them only at export, after every measurement and distillation step.
     """
+    from huggingface_hub.errors import StrictDataclassClassValidationError  # not at the top: it slows every start
+
     config = copy.deepcopy(model.config)
     text = text_config(config)
     setattr(text, arch_spec(model).layer_count, count)

@@ -13,12 +13,9 @@ from prune.measure.scores import get_score
 from prune.pipeline.resolve import Plan, resolve_plan
 from prune.pipeline.steps import SurgeryStep, build_step
 from prune.replace import ReplaceConfig
-from prune.selection.strategies import DEFAULT_PROTECT, MEASURED_SELECTIONS, SELECTIONS
-from prune.selection.sublayers import UNIT_SELECTIONS, is_sublayer, parse_units
-
-# Replacement methods a skeleton can fit: from a span's (input, output) moments alone (prune.measure.blockwise)
-OFFLOAD_METHODS = ("none", "linear")
-
+from prune.replace.registry import get_method, offloadable_methods
+from prune.selection.strategies import DEFAULT_PROTECT, SELECTIONS, measured_selections, unit_selections
+from prune.selection.sublayers import is_sublayer, parse_units
 
 # Post-surgery steps a PruneConfig can switch on, in the order they run: config field -> step name.
 STEP_SECTIONS = ("distill",)
@@ -109,8 +106,8 @@ class PruneConfig:
         """Refuse, in one line, what sub-layer removal does not do (yet)."""
         if not self.removes:
             raise LayercutError(f"--unit {self.unit} needs an amount: pass --drop N (sub-layers) or --target-params")
-        for flag, bad, fix in (("--select", self.select not in UNIT_SELECTIONS,
-                                "ranks sub-layers with --select topk (a score) or measured"),
+        for flag, bad, fix in (("--select", self.select not in unit_selections(),
+                                f"ranks sub-layers with --select {' or '.join(unit_selections())}"),
                                ("--replace", self.replace.method != "none", "removes them (--replace none)"),
                                ("--target-speedup", self.target_speedup is not None,
                                 "meets --target-params or --drop (a speed-up counts whole blocks)"),
@@ -124,12 +121,12 @@ class PruneConfig:
         """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
         for flag, bad, fix in (
             ("--unit", is_sublayer(units), "rates whole blocks (--unit block)"),
-            ("--select", self.select in MEASURED_SELECTIONS or needed_cosine_pairs(self) == "all",
+            ("--select", self.select in measured_selections() or needed_cosine_pairs(self) == "all",
              "selects from scores of blocks (--select topk, greedy or last): perplexity and span scores of "
              "states need the whole model"),
             ("--oracle", self.oracle, "has no oracle (it measures perplexity with the whole model)"),
-            ("--replace", self.replace.method not in OFFLOAD_METHODS or self.replace.fit != "independent",
-             f"fits from the original model's states only (--replace {' or '.join(OFFLOAD_METHODS)}, "
+            ("--replace", not get_method(self.replace.method).offloadable or self.replace.fit != "independent",
+             f"fits from the original model's states only (--replace {' or '.join(offloadable_methods())}, "
              "--fit independent)"),
             ("--distill-steps", bool(self.step_sections()),
              "exports the pruned checkpoint; distil it afterwards with python -m distill.run"),

@@ -16,6 +16,7 @@ command line, so the same file runs on any model at any drop.
 from __future__ import annotations
 
 import dataclasses
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -46,13 +47,26 @@ RENAMED_KEYS = {
 }
 
 
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading a number in exponent form without a dot (``3e-4``, ``1e5``) as a float.
+
+    PyYAML follows YAML 1.1, whose floats need a dot: ``lr: 3e-4`` would be the text "3e-4". YAML 1.2 (and
+    every other reader) takes it as the number it looks like.
+    """
+
+
+RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                   re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                                   list("-+0123456789"))
+
+
 def read_recipe(path: str | Path) -> dict:
     """The YAML mapping in ``path``; a clear error for a missing or malformed file."""
     path = Path(path)
     if not path.is_file():
         raise LayercutError(f"recipe '{path}' not found: pass a YAML file such as recipes/smollm2-drop4.yaml")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=RecipeLoader)  # a SafeLoader: data only
     except yaml.YAMLError as err:
         raise LayercutError(f"recipe '{path}' is not valid YAML: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prune.atomic import atomic_directory, check_output_dir, write_json
+from prune.atomic import atomic_directory, check_output_dir, output_lock, write_json
 from prune.checkpoint.save_load import save
-from prune.checkpoint.write import REPORT_FILE, library_versions
+from prune.checkpoint.write import REPORT_FILE, library_versions, written_report
 from prune.data.calibration import CalibrationData, calibration_data, check_sources
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel, load_config
@@ -136,7 +136,16 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
             switches on (``config.build_steps()``, found by name).
         scored: calibration and statistics already computed on this model (:func:`score_calibration`); the
             model must not have been surgered since.
+
+    ``config.out``'s lock (``prune.atomic.output_lock``) is held from the first check to the export: a second
+    run writing the same folder meanwhile is refused in one line.
     """
+    with output_lock(config.out):
+        return _run_prune(config, loaded, steps, scored)
+
+
+def _run_prune(config: PruneConfig, loaded: LoadedModel | None, steps: Sequence[SurgeryStep] | None,
+               scored: Scored | None) -> PruneResult:
     started = time.perf_counter()
     steps = config.build_steps() if steps is None else steps
     if config.out is not None:
@@ -269,6 +278,6 @@ def write_outputs(loaded: LoadedModel, report: dict, config: PruneConfig, files:
     if report["dropped"] or report.get("sublayers"):
         return save(loaded.model, loaded.tokenizer, config.out, report, config.overwrite, profile_files)
     with atomic_directory(config.out, config.overwrite) as staging:
-        write_json(staging / REPORT_FILE, report)
+        write_json(staging / REPORT_FILE, written_report(report, config.out))  # no path of this machine in it
         profile_files(staging)
     return Path(config.out)

@@ -38,7 +38,8 @@ from prune.planner.stages import (
     stage_scoring,
     stage_teacher_cache,
 )
-from prune.selection.strategies import MEASURED_SELECTIONS
+from prune.replace.registry import offloadable_methods
+from prune.selection.strategies import measured_selections
 
 logger = logging.getLogger(__name__)
 
@@ -272,8 +273,8 @@ def _candidate_fixes(inp: PlanInput) -> list[_Fix]:
 
 def _offload_applies(inp: PlanInput) -> bool:
     """Whether ``--offload sequential`` could run these options (``PruneConfig`` refuses the others)."""
-    return (inp.offload != "sequential" and inp.replace in ("none", "linear")
-            and inp.select != "span" and inp.select not in MEASURED_SELECTIONS and not inp.distill.steps)
+    return (inp.offload != "sequential" and inp.replace in offloadable_methods()
+            and inp.select != "span" and inp.select not in measured_selections() and not inp.distill.steps)
 
 
 def fixes(plan: RunPlan, most: int = 3) -> list[str]:

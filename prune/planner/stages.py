@@ -30,6 +30,7 @@ from prune.planner.memory import (
     weight_bytes,
 )
 from prune.planner.shape import ModelShape
+from prune.replace.registry import closed_form_methods
 
 # Throughput. CPU: SmolLM2-135M's scoring pass ran 718 tokens/s on 2 threads of this 2-core machine
 # (2026-11-27, prune.run --drop 4), 253 MFLOP a token (2 x 106 M block parameters + the float32 moment
@@ -173,12 +174,9 @@ def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
         add(devices[first], "span input buffer", passes * inp.calibration_tokens * shape.hidden * inp.act_bytes)
     _moments(devices, shape, inp, fit_bytes(shape, 1 if offloaded else inp.spans))
     flop = passes * inp.calibration_tokens * _flops(shape, shape.layers)
-    note = f"{inp.spans} span(s) at most; closed-form sums" + ("" if inp.replace in _CLOSED_FORM else
+    note = f"{inp.spans} span(s) at most; closed-form sums" + ("" if inp.replace in closed_form_methods() else
                                                                 f" (a trained {inp.replace} counted as one)")
     return Stage("fitting", devices, flop / _rate(inp) + passes * _disk_pass(shape, inp), note)
-
-
-_CLOSED_FORM = ("linear", "fold", "cosine", "linearpatch", "magcomp")
 
 
 def stage_evaluation(shape: ModelShape, inp: PlanInput) -> Stage | None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from prune.model.capture import block_output
+from prune.model.layouts import VANILLA
 from prune.model.remote_code import float_param
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement
@@ -59,6 +60,6 @@ class BlockFitter(CachingFitter):
 
 
 register_method(Method(
-    "block", "one trained block of the architecture per span", vanilla=True, options=BlockOptions,
+    "block", "one trained block of the architecture per span", serving=VANILLA, options=BlockOptions,
     fitter=BlockFitter, trained_module=lambda _model, block, _record: block, min_span=2,
 ))

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.pytorch_utils import Conv1D
 
 from prune.model.adapters import arch_spec
+from prune.model.layouts import VANILLA
 from prune.replace.capture import Recorder, SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement, WeightPatch
 from prune.replace.fold import check_fold_architecture, check_foldable, mlp_output_projection
@@ -99,6 +99,8 @@ class CosineFitter(CachingFitter):
 
     def finish(self) -> Replacement:
         """``T`` (least squares, then the cosine steps), folded into the host's MLP output projection."""
+        from transformers.pytorch_utils import Conv1D  # here, not at the top: transformers takes seconds to import
+
         transform = self.least_squares()
         training = {"steps": 0}
         if self.config.steps and self.rows:
@@ -119,7 +121,7 @@ class CosineFitter(CachingFitter):
 
 register_method(Method(
     "cosine", "ReplaceMe: T on the previous block's MLP output (cosine objective; steps 0: least squares), "
-    "folded into it", vanilla=True, options=CosineOptions, fitter=CosineFitter,
+    "folded into it", serving=VANILLA, closed_form=True, options=CosineOptions, fitter=CosineFitter,
     check_model=check_fold_architecture, check_spans=check_foldable,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=lambda record: f"{record['objective']} T folded into the previous block's {record['rewrites']}",

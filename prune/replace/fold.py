@@ -22,12 +22,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from prune.errors import LayercutError
 from prune.measure.least_squares import LinearFit, fit_linear_map, scale_update
 from prune.measure.moments import PairMoments
 from prune.model.adapters import arch_spec, get_blocks, get_submodule
+from prune.model.layouts import VANILLA
 from prune.replace.capture import PairAccumulator, Recorder, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
 from prune.replace.options import MethodOptions, ridge_option, update_scale_option
@@ -40,6 +40,8 @@ def mlp_output_projection(model: nn.Module, block: nn.Module) -> nn.Module:
     Raises:
         LayercutError: the architecture has no known projection, or it is not a plain dense layer.
     """
+    from transformers.pytorch_utils import Conv1D  # here, not at the top: transformers takes seconds to import
+
     spec = arch_spec(model)
     model_type = model.config.model_type
     if not spec.mlp_out:
@@ -128,6 +130,8 @@ class FoldFitter(SpanFitter):
 
     def finish(self) -> Replacement:
         """Least squares for the new weights; a :class:`WeightPatch` of the projection."""
+        from transformers.pytorch_utils import Conv1D
+
         moments = self.moments.moments()
         if not self.intercept:
             moments = _uncentred(moments)
@@ -169,7 +173,8 @@ def _uncentred(moments: PairMoments) -> PairMoments:
 
 
 register_method(Method(
-    "fold", "linear map folded into the previous block's MLP", vanilla=True, options=FoldOptions,
+    "fold", "linear map folded into the previous block's MLP", serving=VANILLA, closed_form=True,
+    options=FoldOptions,
     fitter=FoldFitter, check_model=check_fold_architecture, check_spans=check_foldable,
     # the folded map lives in the host block's projection: training that trains the map
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),

@@ -9,6 +9,7 @@ import torch
 
 from prune.measure.least_squares import LinearFit, fit_linear_map, scale_update
 from prune.measure.moments import PairMoments
+from prune.model.layouts import LAYERCUT
 from prune.model.remote_code import LinearMap  # one definition: the one checkpoints carry
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
@@ -70,7 +71,8 @@ class LinearFitter(SpanFitter):
 
 
 register_method(Method(
-    "linear", "closed-form h -> h A + b per span", vanilla=False, options=LinearOptions, fitter=LinearFitter,
+    "linear", "closed-form h -> h A + b per span", serving=LAYERCUT, closed_form=True, offloadable=True,
+    options=LinearOptions, fitter=LinearFitter,
     module=LinearMap, spec=lambda module: {"dim": module.proj.in_features},
     build=lambda spec: LinearMap(spec["dim"]), trained_module=map_on_block,
 ))

@@ -25,6 +25,7 @@ from torch import nn
 
 from prune.errors import LayercutError
 from prune.model.adapters import arch_spec
+from prune.model.layouts import LAYERCUT
 from prune.model.remote_code import LinearMap
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
@@ -107,7 +108,7 @@ class LinearPatchFitter(SpanFitter):
 
 register_method(Method(
     "linearpatch", "LinearPatch: h -> h H D H^T, Hadamard rotation and channel scales from calibration",
-    vanilla=False, options=LinearPatchOptions, fitter=LinearPatchFitter,
+    serving=LAYERCUT, closed_form=True, options=LinearPatchOptions, fitter=LinearPatchFitter,
     check_model=check_linearpatch_architecture,
     # saved as the same module type as ``linear`` (a d x d map), so checkpoints load with either code path
     module=LinearMap, spec=lambda module: {"dim": module.proj.in_features},

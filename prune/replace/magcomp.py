@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from prune.errors import LayercutError
 from prune.model.adapters import arch_spec, get_blocks, get_submodule
+from prune.model.layouts import VANILLA
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.fold import mlp_output_projection
@@ -42,6 +42,8 @@ def attention_output_projection(model: nn.Module, block: nn.Module) -> nn.Module
     Raises:
         LayercutError: none of :data:`ATTENTION_OUTPUT_NAMES` is a dense layer of the attention module.
     """
+    from transformers.pytorch_utils import Conv1D  # here, not at the top: transformers takes seconds to import
+
     attention = get_submodule(block, arch_spec(model).attention)
     for name in ATTENTION_OUTPUT_NAMES:
         module = getattr(attention, name, None)
@@ -133,7 +135,8 @@ class MagCompFitter(SpanFitter):
 
 register_method(Method(
     "magcomp", "Prune&Comp: later blocks' output projections scaled by mean|x| / mean|y| of the span",
-    vanilla=True, options=MagCompOptions, fitter=MagCompFitter, check_model=check_magcomp_architecture,
+    serving=VANILLA, closed_form=True, options=MagCompOptions, fitter=MagCompFitter,
+    check_model=check_magcomp_architecture,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=lambda record: (f"magnitude factor {record['factor']:.3f} folded into "
                              f"{record['scaled_blocks']} later block(s)"),

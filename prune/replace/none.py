@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prune.model.layouts import VANILLA
 from prune.replace.options import MethodOptions
 from prune.replace.registry import Method, register_method
 
@@ -14,4 +15,5 @@ class NoneOptions(MethodOptions):
 
 
 # no fitter: the driver only removes the blocks; one fit, because there is nothing to fit in sequence
-register_method(Method("none", "remove the blocks", vanilla=True, options=NoneOptions, fits=("independent",)))
+register_method(Method("none", "remove the blocks", serving=VANILLA, offloadable=True, options=NoneOptions,
+                       fits=("independent",)))

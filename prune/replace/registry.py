@@ -40,7 +40,13 @@ class Method:
     Attributes:
         name: the ``--replace`` value; also the map ``type`` in ``replacements.safetensors``.
         description: one line, for ``--help``.
-        vanilla: the export stays a plain transformers checkpoint (no ``replacements.safetensors``).
+        serving: how its checkpoints reach serving engines (``prune.model.layouts``): "vanilla" (a plain
+            transformers checkpoint every engine runs, no ``replacements.safetensors``) or "layercut" (maps no
+            engine runs).
+        closed_form: it is fitted in closed form, from moments summed over the calibration, with no training
+            steps (``--plan`` counts a fit that trains as one such fit).
+        offloadable: it fits a span from the span's (input, output) moments alone, so a skeleton whose blocks
+            stay on disk can run it (``--offload sequential``, with ``--fit independent``).
         options: its :class:`MethodOptions` subclass (which options it takes, their defaults).
         fitter: the :class:`~prune.replace.fitter.SpanFitter` class that fits one span; None: the
             blocks are only removed.
@@ -56,13 +62,13 @@ class Method:
         trained_module: ``(model, block, record) -> module | None``, what ``--train replacements``
             trains for a record whose replacement sits on ``block``.
         describe: ``(record) -> str``, what the replacement added, for the CLI's summary line.
-        serving: how its checkpoints reach serving engines (``prune.model.layouts``): "vanilla" (a plain
-            checkpoint every engine runs) or "layercut" (maps no engine runs); default: from ``vanilla``.
     """
 
     name: str
     description: str
-    vanilla: bool
+    serving: str
+    closed_form: bool = False
+    offloadable: bool = False
     options: type[MethodOptions] = MethodOptions
     fitter: type[SpanFitter] | None = None
     fits: tuple[str, ...] = FITS
@@ -74,19 +80,24 @@ class Method:
     build: Callable[[dict], nn.Module] | None = None
     trained_module: Callable[[nn.Module, nn.Module, dict], nn.Module | None] | None = None
     describe: Callable[[dict], str] = params_added
-    serving: str = ""
 
     def __post_init__(self):
-        if not self.serving:  # frozen: the default follows from vanilla
-            object.__setattr__(self, "serving", VANILLA if self.vanilla else LAYERCUT)
         if self.serving not in (VANILLA, LAYERCUT):
             raise ValueError(f"method {self.name}: serving must be '{VANILLA}' or '{LAYERCUT}', got '{self.serving}'")
-        if self.vanilla != (self.serving == VANILLA):
-            raise ValueError(f"method {self.name}: a vanilla method serves as '{VANILLA}', "
-                             f"one with maps as '{LAYERCUT}'")
         saved = (self.module, self.spec, self.build)
-        if not self.vanilla and any(part is None for part in saved):
-            raise ValueError(f"method {self.name}: a non-vanilla method needs module, spec and build to be saved")
+        if not self.servable and any(part is None for part in saved):
+            raise ValueError(f"method {self.name}: a method serving as '{LAYERCUT}' needs module, spec and build "
+                             "to be saved")
+
+    @property
+    def servable(self) -> bool:
+        """Whether its export is a plain transformers checkpoint (``serving`` is "vanilla"): no maps to save."""
+        return self.serving == VANILLA
+
+    @property
+    def vanilla(self) -> bool:
+        """Old name of :attr:`servable`, kept for readers not yet moved to it; ``serving`` is the one fact."""
+        return self.servable
 
 
 # name -> Method, in registration order (the order --help and error messages list them in)
@@ -126,6 +137,16 @@ def get_method(name: str) -> Method:
         LayercutError: no such method; the message lists the known ones.
     """
     return METHODS.get(name)
+
+
+def closed_form_methods() -> tuple[str, ...]:
+    """The registered methods that declare ``closed_form``, in registration order."""
+    return tuple(name for name, method in METHODS.items() if method.closed_form)
+
+
+def offloadable_methods() -> tuple[str, ...]:
+    """The registered methods that declare ``offloadable`` (``--offload sequential`` runs them)."""
+    return tuple(name for name, method in METHODS.items() if method.offloadable)
 
 
 def option_specs() -> dict[str, OptionSpec]:

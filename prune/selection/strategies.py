@@ -6,9 +6,13 @@ costs (SLEB's first step); ``last`` takes the deepest blocks (reverse-order prun
 (``-kl``), ``repaired-once`` and ``repaired-fast`` measure the model with candidate blocks removed *and
 repaired* by the run's own method (``prune.selection.repaired``).
 
-Selections are registered by name. By default the first and the last block are protected: the first
-turns token embeddings into the working representation and the last prepares the state for the
-LM head, and removing either one breaks small models (see DESIGN.md, SmolLM2 figures).
+Selections are registered by name, each declaring what it is (:class:`Selection`: its help line, whether
+it measures the model, whether it ranks sub-layers); ``prune.run --select``'s help and the checks of
+``prune.pipeline.config`` read those declarations.
+
+By default the first and the last block are protected: the first turns token embeddings into the
+working representation and the last prepares the state for the LM head, and removing either one
+breaks small models (see DESIGN.md, SmolLM2 figures).
 """
 
 from __future__ import annotations
@@ -98,19 +102,62 @@ class SelectionInput:
     replace: ReplaceConfig | None = None
 
 
-# Selections that run the model on the calibration (not a score of the scoring pass): a skeleton cannot
-# run them, and they need the whole model in memory.
-MEASURED_SELECTIONS = ("greedy-ppl", "measured", "repaired-greedy", "repaired-greedy-kl", "repaired-once",
-                       "repaired-fast")
 # memo entry where a selection that steps leaves what each step measured (``layercut.json``'s "selection")
 STEPS_MEMO = "selection-steps"
 
-SELECTIONS: Registry[Callable[[SelectionInput], list[int]]] = Registry("selection")
+
+@dataclass(frozen=True)
+class Selection:
+    """A registered selection: its strategy and what it declares of itself when it registers.
+
+    Attributes:
+        name: the ``--select`` value.
+        run: ``(SelectionInput) -> blocks``, the strategy (calling the selection calls it).
+        help: one line for ``prune.run --select``'s help.
+        measures: it runs the model on the calibration rather than reading the scoring pass's scores, so it
+            needs the whole model in memory (a skeleton, ``--offload sequential``, cannot run it).
+        units: it also ranks sub-layer units (``--unit attention,mlp``, ``prune.selection.sublayers``).
+    """
+
+    name: str
+    run: Callable[[SelectionInput], list[int]]
+    help: str = ""
+    measures: bool = False
+    units: bool = False
+
+    def __call__(self, inputs: SelectionInput) -> list[int]:
+        """The blocks (or units) the strategy chooses."""
+        return self.run(inputs)
 
 
-def register_selection(name: str):
-    """Decorator registering a selection strategy in :data:`SELECTIONS` as ``name``."""
-    return SELECTIONS.decorator(name)
+SELECTIONS: Registry[Selection] = Registry("selection")
+
+
+def register_selection(name: str, help: str = "", *, measures: bool = False, units: bool = False):
+    """Decorator registering a selection strategy in :data:`SELECTIONS` as ``name``, with what it declares.
+
+    Args:
+        name: the ``--select`` value.
+        help: one line for ``--select``'s help.
+        measures: it needs the whole model in memory (:attr:`Selection.measures`).
+        units: it ranks sub-layer units too (:attr:`Selection.units`).
+    """
+    return SELECTIONS.decorator(name, lambda run: Selection(name, run, help, measures, units))
+
+
+def measured_selections() -> tuple[str, ...]:
+    """The selections that declare ``measures``: they run the model, so a skeleton cannot run them."""
+    return tuple(name for name, selection in SELECTIONS.items() if selection.measures)
+
+
+def unit_selections() -> tuple[str, ...]:
+    """The selections that declare ``units``: those that rank sub-layers (``--unit attention,mlp``)."""
+    return tuple(name for name, selection in SELECTIONS.items() if selection.units)
+
+
+def selection_help() -> str:
+    """``--select``'s help: each registered selection's name and help line, in registration order."""
+    return "; ".join(f"{name}: {selection.help}" if selection.help else name for name, selection in SELECTIONS.items())
 
 
 def select_blocks(method: str, inputs: SelectionInput) -> list[int]:
@@ -130,7 +177,7 @@ def check_enough_free(count: int, num_blocks: int, protected: Sequence[int]) -> 
         )
 
 
-@register_selection("topk")
+@register_selection("topk", "the K most removable blocks", units=True)
 def _topk(inputs: SelectionInput) -> list[int]:
     ranked = sorted(range(len(inputs.values)), key=lambda b: -inputs.score.removability(inputs.values)[b])
     return [b for b in ranked if b not in inputs.protected][: inputs.count]
@@ -163,13 +210,13 @@ def span_candidates(inputs: SelectionInput) -> list[tuple[int, float]]:
     return sorted(((s, span_removability(inputs, s)) for s in starts), key=lambda c: -c[1])
 
 
-@register_selection("span")
+@register_selection("span", "best contiguous K")
 def _span(inputs: SelectionInput) -> list[int]:
     best = span_candidates(inputs)[0][0]
     return list(range(best, best + inputs.count))
 
 
-@register_selection("greedy")
+@register_selection("greedy", "drop one, re-score, repeat")
 def _greedy(inputs: SelectionInput) -> list[int]:
     """Remove the most removable block, re-score the shallower model, repeat."""
     if inputs.model is None or inputs.token_ids is None:
@@ -202,7 +249,8 @@ def _memo(inputs: SelectionInput, key: tuple, default):
     return inputs.memo.setdefault(key, default())
 
 
-@register_selection("greedy-ppl")
+@register_selection("greedy-ppl", "drop the block whose removal costs the least calibration perplexity, repeat (SLEB)",
+                    measures=True)
 def _greedy_ppl(inputs: SelectionInput) -> list[int]:
     """SLEB: remove, one at a time, the block whose removal leaves the lowest calibration perplexity.
 
@@ -227,7 +275,8 @@ def _greedy_ppl(inputs: SelectionInput) -> list[int]:
     return chosen
 
 
-@register_selection("measured")
+@register_selection("measured", "the K whose removal alone costs the least calibration perplexity (one pass each)",
+                    measures=True, units=True)
 def _measured(inputs: SelectionInput) -> list[int]:
     """The ``count`` blocks whose removal alone leaves the lowest calibration perplexity.
 
@@ -244,7 +293,7 @@ def _measured(inputs: SelectionInput) -> list[int]:
     return sorted(candidates, key=lambda b: perplexities[b])[: inputs.count]
 
 
-@register_selection("last")
+@register_selection("last", "the deepest blocks")
 def _last(inputs: SelectionInput) -> list[int]:
     """The deepest ``count`` unprotected blocks (reverse-order pruning); the score is unused."""
     return [b for b in reversed(range(len(inputs.values))) if b not in inputs.protected][: inputs.count]
@@ -270,7 +319,8 @@ def _repaired_greedy(inputs: SelectionInput, criterion: str, name: str) -> list[
     return order
 
 
-@register_selection("repaired-greedy")
+@register_selection("repaired-greedy", "SLEB's loop on the model with each candidate removed and repaired by "
+                    "--replace (perplexity on calibration rows the repairs were not fitted on)", measures=True)
 def _repaired_greedy_ppl(inputs: SelectionInput) -> list[int]:
     """SLEB's loop on what will be shipped.
 
@@ -280,13 +330,14 @@ def _repaired_greedy_ppl(inputs: SelectionInput) -> list[int]:
     return _repaired_greedy(inputs, "ppl", "repaired-greedy")
 
 
-@register_selection("repaired-greedy-kl")
+@register_selection("repaired-greedy-kl", "repaired-greedy ranking each step by the KL of the next-token "
+                    "distribution from the original model's (on the same rows)", measures=True)
 def _repaired_greedy_kl(inputs: SelectionInput) -> list[int]:
     """``repaired-greedy`` ranking each step by the KL of the next-token distribution from the original model's."""
     return _repaired_greedy(inputs, "kl", "repaired-greedy-kl")
 
 
-@register_selection("repaired-once")
+@register_selection("repaired-once", "the K whose own repair costs least", measures=True)
 def _repaired_once(inputs: SelectionInput) -> list[int]:
     """The ``count`` blocks whose own repair costs least (measured perplexity; one set per block, no re-measuring)."""
     costs = _repaired_costs(inputs, "repaired-once")
@@ -296,7 +347,8 @@ def _repaired_once(inputs: SelectionInput) -> list[int]:
     return sorted(candidates, key=lambda b: (measured[b]["ppl"], b))[: inputs.count]
 
 
-@register_selection("repaired-fast")
+@register_selection("repaired-fast", "the K whose least-squares map misses least on held-out rows (one pass)",
+                    measures=True)
 def _repaired_fast(inputs: SelectionInput) -> list[int]:
     """One pass: the ``count`` blocks whose least-squares map misses the least of their output on held-out rows."""
     if inputs.model is None or inputs.token_ids is None:

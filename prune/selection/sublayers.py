@@ -50,8 +50,6 @@ from prune.replace.modules import parameter_count
 
 UNITS = ("block", "attention", "mlp")
 KINDS = ("attention", "mlp")
-# topk ranks sub-layers by a score from the streamed pass; measured skips each one and measures
-UNIT_SELECTIONS = ("topk", "measured")
 
 
 def parse_units(value: str | Sequence[str] | None) -> tuple[str, ...]:

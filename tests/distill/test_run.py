@@ -53,7 +53,9 @@ def test_cli_distills_and_exports_a_checkpoint(pair, tmp_path, capsys):
     report = json.loads((out / "layercut.json").read_text())
     assert report["dropped"] == [1, 2]  # the student's own report is kept
     section = report["distill"]
-    assert section["steps"] == 4 and section["layout"] == [[0], [3]] and section["teacher"] == str(pair["teacher"])
+    # the teacher named without the path of this machine (found from the student's model_path)
+    assert section["steps"] == 4 and section["layout"] == [[0], [3]] and section["teacher"] == pair["teacher"].name
+    assert str(pair["root"]) not in (out / "layercut.json").read_text() + (out / "README.md").read_text()
     assert section["config"]["train"] == "all" and section["peak_memory_bytes"] > 0
     assert section["final_loss"] > 0 and section["steps_per_second"] > 0
     # the loss on 3 sequences training never drew, beside 3 it did, before and after the 4 steps

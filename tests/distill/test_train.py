@@ -12,7 +12,7 @@ from torch import nn
 
 from distill import trainable as trainable_module
 from distill.batches import BatchOrder
-from distill.checkpoints import list_checkpoints
+from distill.checkpoints import list_checkpoints, load_checkpoint, rng_state, set_rng_state
 from distill.checks import check_models, check_tokenizers
 from distill.config import DistillConfig
 from distill.layout import layout_from_dropped, resolve_layout, teacher_targets
@@ -181,6 +181,29 @@ def test_config_defaults_and_validation():
                 dict(losses={}), dict(losses={"mse": 1.0}), dict(batch_size=0)):
         with pytest.raises(LayercutError):
             DistillConfig(**bad)
+
+
+def test_config_reads_numbers_written_as_text_and_refuses_the_rest():
+    # YAML 1.1 reads lr: 3e-4 as the text "3e-4": it is the number it spells
+    config = DistillConfig.from_dict({"lr": "3e-4", "steps": "20", "batch_size": 2.0, "data": {"samples": "16"}})
+    assert (config.lr, config.steps, config.batch_size, config.data.samples) == (3e-4, 20, 2, 16)
+    assert isinstance(config.steps, int) and isinstance(config.lr, float)
+    for values, message in (({"lr": "fast"}, "distill: lr must be a number, got 'fast'"),
+                            ({"steps": "ten"}, "distill: steps must be an integer, got 'ten'"),
+                            ({"batch_size": 2.5}, "distill: batch_size must be an integer, got 2.5"),
+                            ({"steps": True}, "distill: steps must be an integer, got True"),
+                            ({"data": {"samples": "eight"}}, "data: samples must be an integer, got 'eight'")):
+        with pytest.raises(LayercutError) as caught:
+            DistillConfig.from_dict(values)
+        assert str(caught.value) == message
+
+
+@pytest.mark.parametrize("lr", [1e38, float("inf"), float("nan"), 2.0, 0.0])
+def test_an_absurd_learning_rate_is_refused_before_training(lr):
+    # 1e38 used to end in "value cannot be converted to type float without overflow" inside torch's Adam
+    with pytest.raises(LayercutError, match=r"--lr must be a positive number at most 1 .*got"):
+        DistillConfig(lr=lr)
+    assert DistillConfig(lr=1.0).lr == 1.0
 
 
 def test_batch_order_is_a_function_of_the_index_and_covers_each_epoch():
@@ -417,6 +440,67 @@ def test_resume_without_a_checkpoint_is_an_error(tmp_path):
         distill(student, teacher, None, _config(), out=tmp_path, resume=True, token_ids=_ids())
     with pytest.raises(LayercutError, match="no checkpoint found"):
         distill(student, teacher, None, _config(), resume=True, token_ids=_ids())
+
+
+def test_a_checkpoint_is_tensors_and_json_read_with_weights_only(tmp_path):
+    import random
+
+    student, teacher = _dropped_pair([1])
+    distill(student, teacher, None, _config(steps=2, save_every=2), out=tmp_path, token_ids=_ids())
+    (_, path), = list_checkpoints(tmp_path)
+    raw = torch.load(path, map_location="cpu", weights_only=True)  # no pickled object: no weights_only=False
+    assert isinstance(raw["config_json"], str) and isinstance(raw["rng"]["python"], torch.Tensor)
+    payload = load_checkpoint(path)
+    assert payload["step"] == 2 and payload["config"]["config"]["steps"] == 2
+    state = rng_state()
+    drawn = (random.random(), torch.rand(3))
+    set_rng_state(payload["rng"])
+    set_rng_state(state)  # the tensor form restores the Python and torch generators exactly
+    assert (random.random(), torch.rand(3).tolist()) == (drawn[0], drawn[1].tolist())
+
+
+class _RunsCode:
+    """Unpickled, it would run a shell command (a crafted file; no checkpoint layercut writes holds one)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_a_pickle_in_the_work_folder_is_refused_unread(tmp_path, how):
+    import pickle
+
+    marker = tmp_path / "code-ran"
+    folder = tmp_path / "work" / "checkpoints"
+    folder.mkdir(parents=True)
+    payload = {"step": 2, "model": {}, "trained_names": [], "optimizer": _RunsCode(marker)}
+    path = folder / "step-00000002.pt"
+    if how == "pickle":
+        path.write_bytes(pickle.dumps(payload))
+    else:
+        torch.save(payload, path)
+    with pytest.raises(LayercutError, match="holds Python objects.*never unpickled.*--overwrite") as caught:
+        load_checkpoint(path)
+    assert "\n" not in str(caught.value) and not marker.exists()
+    student, teacher = _dropped_pair([1])
+    with pytest.raises(LayercutError, match="holds Python objects"):
+        distill(student, teacher, None, _config(), out=tmp_path / "work", resume=True, token_ids=_ids())
+    assert not marker.exists()
+
+
+def test_a_damaged_checkpoint_is_one_line(tmp_path):
+    path = tmp_path / "step-00000002.pt"
+    path.write_bytes(b"PK\x03\x04 not a whole zip")
+    with pytest.raises(LayercutError, match=r"step-00000002\.pt is damaged .*--overwrite"):
+        load_checkpoint(path)
+    torch.save({"step": 1}, path)
+    with pytest.raises(LayercutError, match="not a training checkpoint of distill.run"):
+        load_checkpoint(path)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -191,3 +195,151 @@ def test_lens_precision_panels_are_labelled_with_their_k(tmp_path, drawn):
     axes = drawn[0].axes
     assert [ax.get_ylabel() for ax in axes] == [f"Precision@{k}" for k in ks]
     assert [ax.get_title() for ax in axes] == [f"Precision@{k}" for k in ks]
+
+
+# ---- recipes: numbers written as text are read as numbers; other text in a number field is one line ----
+
+
+def test_recipe_numbers_in_exponent_form_are_numbers(tmp_path):
+    from prune.pipeline.recipes import config_from_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("load: {model: tiny}\ndata: {samples: '16', seq_len: 32}\ndrop: 1\n"
+                      "distill: {steps: 2, lr: 3e-4}\nout: o\n")  # YAML 1.1 reads 3e-4 as text
+    config = config_from_recipe(recipe)
+    assert config.distill["lr"] == 3e-4 and config.data.samples == 16
+    (step,) = config.build_steps()
+    assert step.config.lr == 3e-4
+
+
+@pytest.mark.parametrize(("section", "message"), [
+    ("data: {samples: eight, seq_len: 32}", "error: data: samples must be an integer, got 'eight'"),
+    ("data: {samples: 8, seq_len: 32}\ndistill: {steps: 2, lr: fast}",
+     "error: distill: lr must be a number, got 'fast'"),
+])
+def test_recipe_values_of_the_wrong_type_are_one_line(tiny_folder, tmp_path, capsys, no_model_load, section, message):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"load: {{model: {tiny_folder}}}\n{section}\ndrop: 1\nout: {tmp_path / 'o'}\n")
+    code, _, err = run_prune(capsys, "--recipe", recipe)
+    assert code == EXIT_BAD_INPUT and one_error_line(err) == message
+
+
+# ---- distill.run: a student without layercut.json under --plan, an absurd --lr ----
+
+
+def test_distill_plan_of_a_student_without_a_report_is_one_line(tiny_folder, tmp_path, capsys):
+    from distill.run import main
+
+    assert main(["--student", str(tiny_folder), "--teacher", str(tiny_folder), "--out", str(tmp_path / "o"),
+                 "--plan"]) == EXIT_BAD_INPUT
+    line = one_error_line(capsys.readouterr().err)
+    assert "has 4 blocks, the teacher 4 (by its config; it has no layercut.json): it is not a pruned model" in line
+
+
+def test_distill_refuses_an_absurd_learning_rate_before_loading(tmp_path, capsys):
+    from distill.run import main
+
+    # the student does not exist: the refusal comes first, before anything is read
+    assert main(["--student", str(tmp_path / "none"), "--out", str(tmp_path / "o"), "--lr", "1e38"]) == EXIT_BAD_INPUT
+    assert one_error_line(capsys.readouterr().err).startswith("error: --lr must be a positive number at most 1 ")
+
+
+# ---- distill.run --resume: a pickle in the work folder is refused unread ----
+
+
+class _RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_crafted_pickle_in_the_work_folder_is_refused_without_running_it(tiny_folder, tmp_path, capsys, text_file):
+    import pickle
+
+    from distill.run import main
+    from prune.checkpoint.write import export_checkpoint
+    from prune.model.surgery import drop_blocks_
+
+    student = make_tiny_model("llama")
+    drop_blocks_(student, [1, 2])
+    report = {"source_model": str(tiny_folder), "model_name": str(tiny_folder), "num_blocks_before": 4,
+              "num_blocks_after": 2, "dropped": [1, 2]}
+    export_checkpoint(student, make_tiny_tokenizer(), tmp_path / "student", report)
+    work, marker = tmp_path / "work", tmp_path / "code-ran"
+    (work / "checkpoints").mkdir(parents=True)
+    crafted = work / "checkpoints" / "step-00000002.pt"
+    crafted.write_bytes(pickle.dumps({"step": 2, "optimizer": _RunsCode(marker)}))
+    code = main(["--student", str(tmp_path / "student"), "--out", str(tmp_path / "o"), "--work-dir", str(work),
+                 "--resume", "--data", str(text_file), "--samples", "8", "--seq-len", "16", "--steps", "4",
+                 "--train", "all", "--threads", "1"])
+    assert code == EXIT_BAD_INPUT and not marker.exists()
+    err = capsys.readouterr().err  # the models loaded first: their progress bars are on stderr too
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: {crafted} holds Python objects") and "never unpickled" in errors[0]
+
+
+# ---- the card and layercut.json name no path of this machine ----
+
+
+def test_card_and_report_hold_no_local_path(tiny_folder, tmp_path, capsys, one_thread, sample_text):
+    data = tmp_path / "calibration.txt"
+    data.write_text(sample_text)
+    out = tmp_path / "out"
+    code, _, err = run_prune(capsys, "--model", tiny_folder, "--data", data, "--samples", "8", "--seq-len", "32",
+                             "--drop", "1", "--out", out, "--threads", "1")
+    assert code == 0, err
+    for name in ("README.md", "layercut.json", "scores.md", "config.json"):
+        text = (out / name).read_text()
+        assert str(tmp_path) not in text and str(tiny_folder) not in text, name
+    report = json.loads((out / "layercut.json").read_text())
+    assert report["source_model"] == tiny_folder.name and report["config"]["out"] == "out"
+    assert report["data"]["source"].startswith("calibration.txt")
+    assert f"Made with layercut from `{tiny_folder.name}`" in (out / "README.md").read_text()
+    # what re-opens the model is relative to the checkpoint: distill.run still finds its teacher
+    from prune.checkpoint.write import read_report
+
+    assert (out / report["model_path"]).resolve() == tiny_folder.resolve()
+    assert read_report(out)["model_name"] == str(tiny_folder.resolve())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no lock or staging folder left
+
+
+# ---- one writer per --out ----
+
+
+def _hold_lock(out) -> subprocess.Popen:
+    """Another process holding ``out``'s lock (as a running prune.run does) until it is killed."""
+    script = ("import sys, time; from prune.atomic import output_lock\n"
+              "with output_lock(sys.argv[1]):\n    print('held', flush=True); time.sleep(120)\n")
+    child = subprocess.Popen([sys.executable, "-c", script, str(out)], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[2])
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_a_second_writer_of_the_same_out_is_refused_while_the_first_runs(tiny_folder, tmp_path, capsys,
+                                                                       no_model_load):
+    from prune.atomic import lock_path, output_lock
+
+    out = tmp_path / "o"
+    child = _hold_lock(out)
+    try:
+        code, _, err = run_prune(capsys, "--model", tiny_folder, "--samples", "8", "--seq-len", "32", "--drop", "1",
+                                 "--out", out)
+        assert code == EXIT_BAD_INPUT
+        assert one_error_line(err).startswith(f"error: --out {out} is being written by another run (process "
+                                              f"{child.pid}; lock {lock_path(out)})")
+    finally:
+        child.kill()
+        child.wait()
+    assert lock_path(out).read_text().strip() == str(child.pid)  # killed: its lock stays, stale
+    with output_lock(out):  # a lock whose process is gone is taken over
+        assert lock_path(out).read_text().strip() == str(os.getpid())
+        with output_lock(out):  # the same run's export takes it again
+            pass
+        assert lock_path(out).exists()
+    assert not lock_path(out).exists() and not out.exists()

@@ -189,3 +189,18 @@ def test_greedy_ids_of_the_transformers_engine_are_generates(tiny_folder, one_th
     model = AutoModelForCausalLM.from_pretrained(tiny_folder).eval()
     expected = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
     assert got == expected[0, len(prompt):].tolist() and len(got) == 8
+
+
+def test_the_serving_table_and_flags_name_the_registered_engines():
+    from eval.bench.cli import build_parser
+    from eval.bench.serving import markdown
+
+    setup = {"heldout": "t.txt", "windows": 1, "seq_len": 8, "predicted": 7}
+    rows = {"m": {"vllm": {"runs": True, "ppl": 10.0}, "other": {"runs": False, "why": "not here"},
+                  "transformers": {"runs": True, "ppl": 10.0}}}
+    table = markdown({"setup": setup, "rows": rows})
+    # the registry's order and display names; an engine this environment does not know keeps its name
+    assert "| model | serves | transformers ppl | vLLM ppl | other ppl |" in table
+    assert "| m | - | 10.000 | 10.000 (+0.000 %) | no: not here |" in table
+    usage = build_parser()._subparsers._group_actions[0].choices["serving"].format_help()
+    assert "comma list of transformers, llamacpp, vllm" in " ".join(usage.split())

@@ -1,5 +1,6 @@
 import importlib.machinery
 import json
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -7,9 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import eval.speed.engines as engines
+import eval.speed.engines.vllm as vllm_engine
 from eval.bench.cli import main
-from eval.speed.engines import ENGINES, Engine, EngineModel, EngineSettings, LlamaCppEngine, VllmEngine, get_engine
+from eval.speed.engines import ENGINES, Engine, EngineModel, EngineSettings, get_engine
+from eval.speed.engines.llamacpp import LlamaCppEngine
+from eval.speed.engines.vllm import VllmEngine
 from eval.speed.measure import SpeedOptions, benchmark_engine_speed, measure_engine_speed, memory_mode, noise_warnings
 from prune.checkpoint.load_config import LoadConfig
 from prune.errors import LayercutError
@@ -31,6 +34,103 @@ def test_engines_are_a_registry():
     message = str(info.value)
     assert message.startswith("unknown engine 'tensorrt' (--engine): choose one of transformers, llamacpp, vllm")
     assert "\n" not in message
+
+
+def test_engines_are_registered_lazily_one_module_each():
+    import pkgutil
+
+    import eval.speed.engines as package
+    from eval.speed.engines.base import EngineRegistry
+
+    modules = {info.name for info in pkgutil.iter_modules(package.__path__)} - package.NOT_ENGINES
+    assert set(ENGINES.names()) == modules  # a new engine is a new module: nothing else to list
+    registry = EngineRegistry("engine", flag="--engine")
+    registry.register("vllm", "eval.speed.engines.vllm:ENGINE")
+    assert isinstance(registry._entries["vllm"], str)  # nothing imported until the engine is named
+    assert registry.get("vllm") is vllm_engine.ENGINE and registry["vllm"] is vllm_engine.ENGINE
+    registry.register("other", "eval.speed.engines.vllm:VllmEngine")  # a class is made once
+    with pytest.raises(ValueError, match="calls itself 'vllm'"):
+        registry.get("other")
+    with pytest.raises(ValueError, match="module:object"):
+        registry.register("bad", "eval.speed.engines.vllm")
+
+
+def test_naming_an_engine_imports_its_package_only_when_it_loads():
+    # a finder that records every look-up of an engine's package (installed or not)
+    code = ("import sys\n"
+            "asked = []\n"
+            "class Spy:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('llama_cpp', 'vllm'): asked.append(name)\n"
+            "sys.meta_path.insert(0, Spy())\n"
+            "from eval.bench.cli import build_parser\n"
+            "import eval.speed.engines as e\n"
+            "build_parser()\n"
+            "e.get_engine('vllm').describe(e.EngineSettings.build(gpu_memory=0.5))\n"
+            "print(asked)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _extras() -> dict[str, list[str]]:
+    import tomllib
+
+    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    return tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
+
+
+@pytest.mark.parametrize("name", ENGINES.names())
+def test_each_engine_declares_its_extra_layouts_and_settings(name):
+    from prune.model.layouts import ENGINE_NAMES, LAYOUTS, VANILLA, serving_entry
+
+    engine = get_engine(name)
+    assert engine.name == name and type(engine).__module__ == f"eval.speed.engines.{name}"
+    assert engine.display and engine.summary and ENGINE_NAMES[name] == engine.display
+    if engine.extra is not None:  # the extra installs the package: pip install 'layercut[<extra>]'
+        assert any(dep.startswith(engine.distribution) for dep in _extras()[engine.extra])
+    assert VANILLA in engine.layouts and set(engine.layouts) <= set(LAYOUTS)
+    for layout, spec in LAYOUTS.items():
+        entry = serving_entry(layout)
+        if engine.entry_key is not None:  # a serving engine: prune.model.layouts lists it where it runs
+            listed = {ENGINE_NAMES.get(e, e) for e in spec.engines}  # layercut.json spells them vllm, llama.cpp
+            assert (engine.display in listed) == (layout in engine.layouts) == entry[engine.entry_key]
+        assert (engine.refusal(entry) is None) == (layout in engine.layouts)
+    for key, spec in engine.options.specs().items():
+        assert spec.flag.startswith("--") and spec.help and key in engine.options.defaults()
+
+
+def test_a_serving_entry_says_why_an_engine_does_not_run_it():
+    llamacpp, transformers = get_engine("llamacpp"), get_engine("transformers")
+    entry = {"layout": "decilm", "vllm": True, "llama_cpp": False, "llama_cpp_why_not": "no deci for this one"}
+    assert llamacpp.refusal(entry) == "no deci for this one" and get_engine("vllm").refusal(entry) is None
+    maps = {"layout": "layercut", "why": "maps are part of no vLLM or llama.cpp"}
+    assert "vLLM or llama.cpp" in llamacpp.refusal(maps)
+    assert transformers.refusal({"layout": "layercut", "llama_cpp": False}) is None  # prune.load runs every layout
+    assert llamacpp.refusal({"layout": "something new"}) is None  # its load says what it cannot run
+
+
+def test_each_engine_reads_its_own_settings_and_flags():
+    from eval.bench.cli import build_parser
+    from eval.speed.engines import setting_specs, setting_values
+
+    llamacpp, vllm = get_engine("llamacpp"), get_engine("vllm")
+    assert EngineSettings().of(llamacpp).gpu_layers == 0 and EngineSettings().of(vllm).gpu_memory == 0.85
+    settings = EngineSettings.build(context=64, gpu_layers=3, eager=True)
+    assert settings.of(llamacpp).values() == {"gpu_layers": 3, "converter": None}
+    assert settings.of(vllm).values() == {"gpu_memory": 0.85, "eager": True}
+    assert llamacpp.describe(settings)["gpu_layers"] == 3 and vllm.describe(settings)["enforce_eager"] is True
+    with pytest.raises(TypeError, match="no engine has the setting"):
+        EngineSettings.build(n_gpu=1)
+    specs = setting_specs()
+    assert [spec.flag for spec in specs.values()] == ["--gpu-layers", "--converter", "--gpu-memory", "--eager"]
+    for command in ("speed", "serving"):  # every engine's flags, in both subcommands that load engines
+        usage = build_parser()._subparsers._group_actions[0].choices[command].format_help()
+        assert all(spec.flag in usage for spec in specs.values())
+    args = build_parser().parse_args(["speed", "--baseline", "a", "--model", "b", "--gpu-memory", "0.5", "--eager"])
+    assert setting_values(args) == {"gpu_memory": 0.5, "eager": True}  # flags not given: each engine's default
+    assert not hasattr(args, "gpu_layers")
 
 
 @pytest.mark.parametrize(("name", "module", "line"), [
@@ -80,7 +180,7 @@ def test_engine_settings_are_validated():
     with pytest.raises(LayercutError, match="--threads"):
         EngineSettings(threads=0)
     with pytest.raises(LayercutError, match="--gpu-memory"):
-        EngineSettings(gpu_memory=1.5)
+        EngineSettings.build(gpu_memory=1.5)
 
 
 # ---- the interleaved rounds, the ideal and the noise flags, with a fake engine ----
@@ -249,7 +349,7 @@ def fake_vllm(monkeypatch):
 
 def test_vllm_engine_calls(fake_vllm, tiny_folder, monkeypatch):
     engine = VllmEngine()
-    settings = EngineSettings(context=64, gpu_memory=0.8, sharing=2)
+    settings = EngineSettings.build(context=64, gpu_memory=0.8, sharing=2)
     handle = engine.load(str(tiny_folder), settings)
     (llm,) = _FakeLLM.instances
     assert llm.kwargs["enable_prefix_caching"] is False and llm.kwargs["dtype"] == "float32"
@@ -260,7 +360,7 @@ def test_vllm_engine_calls(fake_vllm, tiny_folder, monkeypatch):
     assert (total, count) == (pytest.approx(0.5 + 1.0 + 1.5), 3)
     prompt = torch.tensor([[5, 6, 7], [8, 9, 10]])  # two concurrent requests
     clock = iter([0.0, 1.0, 1.0, 3.5])  # max_tokens=1 takes 1 s, max_tokens=5 takes 2.5 s
-    monkeypatch.setattr(engines.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(vllm_engine.time, "perf_counter", lambda: next(clock))
     assert engine.decode_seconds(handle, prompt, 4) == pytest.approx(1.5)
     prompts, params = llm.requests[-1]
     assert prompts == [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9, 10]}]
@@ -319,7 +419,7 @@ def llamacpp_setup(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_llamacpp_nll_matches_transformers(llamacpp_setup, one_thread):
     converter, folders = llamacpp_setup
-    settings = EngineSettings(load=LoadConfig(dtype="float32"), threads=1, context=256, converter=str(converter))
+    settings = EngineSettings.build(load=LoadConfig(dtype="float32"), threads=1, context=256, converter=str(converter))
     llamacpp, transformers = get_engine("llamacpp"), get_engine("transformers")
     handle = llamacpp.load(str(folders[4]), settings)
     try:

@@ -3,6 +3,7 @@
 Also: an export has the modes of any file the user writes (0o755 / 0o644 under umask 022), not mkdtemp's private ones.
 """
 
+import json
 import os
 import stat
 
@@ -31,6 +32,30 @@ def test_base_model_is_the_hub_id_not_a_local_path():
     assert f"base_model: {EMBEDDED_HUB_ID}" in card and "base_model: /" not in card
     assert base_model_id("gpt2", "openai-community/gpt2") == "openai-community/gpt2"
     assert base_model_id(None, "/some/folder") is None
+
+
+def test_the_card_and_report_name_the_model_without_a_local_path(tmp_path):
+    from prune.checkpoint.write import portable_name, read_report, written_report
+
+    card = model_card(REPORT)
+    assert GGUF not in card and "Made with layercut from `smollm2-135m`" in card and "# smollm2-135m with" in card
+    assert portable_name("gpt2", "openai-community/gpt2") == "openai-community/gpt2"
+    assert portable_name("/models/tiny", "/models/tiny") == "tiny"
+    local = {**REPORT, "source_model": "/data/runs/llama", "model_name": "/data/runs/llama",
+             "config": {"out": "/data/slim", "data": {"data": "/data/a.txt@0.5,/data/b.txt@0.5"}}}
+    written = written_report(local)
+    assert written["source_model"] == written["model_name"] == "llama" and written["config"]["out"] == "slim"
+    assert written["config"]["data"]["data"] == "a.txt@0.5,b.txt@0.5" and "/data" not in model_card(local)
+    assert written_report({"model_name": "org/name", "source_model": "org/name"})["model_name"] == "org/name"
+    # a local model typed as a path: recorded relative to the checkpoint, re-opened from there
+    (tmp_path / "teacher").mkdir()
+    written = written_report({"model_name": str(tmp_path / "teacher"), "source_model": str(tmp_path / "teacher")},
+                             tmp_path / "runs" / "slim")
+    assert written["model_path"] == "../../teacher" and str(tmp_path) not in str(written)
+    (tmp_path / "runs" / "slim").mkdir(parents=True)
+    (tmp_path / "runs" / "slim" / "layercut.json").write_text(json.dumps(written))
+    assert read_report(tmp_path / "runs" / "slim")["model_name"] == str((tmp_path / "teacher").resolve())
+    assert "model_path" not in written_report({"model_name": "/", "source_model": "/"}, tmp_path)  # meet at /
 
 
 def test_list_models_says_the_embedded_model_is_instruct():

@@ -96,7 +96,8 @@ def test_least_squares_map_and_r_squared_match_direct_fit():
     torch.testing.assert_close(fit(x), design @ direct, rtol=1e-7, atol=1e-7)
     residual = y - fit(x)
     direct_r2 = float((1 - (residual**2).sum(0) / ((y - y.mean(0)) ** 2).sum(0)).mean())
-    assert r_squared(fit, moments.pair(1, 3)) == pytest.approx(direct_r2, abs=1e-8)
+    # the moment form subtracts sums of squares (float32 batch products): a few 1e-8 of cancellation
+    assert r_squared(fit, moments.pair(1, 3)) == pytest.approx(direct_r2, abs=1e-7)
     ridge = fit_linear_map(moments.pair(1, 3), ridge=10.0)
     assert r_squared(ridge, moments.pair(1, 3)) < r_squared(fit, moments.pair(1, 3))
 

@@ -65,7 +65,7 @@ def test_every_layercut_recipe_with_maps_has_a_vanilla_twin_on_the_same_blocks()
             continue
         twin = yaml.safe_load(recipes[f"{name}-vanilla"].read_text())
         twin_method = METHODS[twin["replace"] if isinstance(twin["replace"], str) else twin["replace"]["method"]]
-        assert twin_method.serving == "vanilla" and twin_method.vanilla, name
+        assert twin_method.serving == "vanilla" and twin_method.servable, name
         assert (twin["score"], twin["select"]) == (values["score"], values["select"]), name
         assert twin.get("distill") == values.get("distill"), name
 

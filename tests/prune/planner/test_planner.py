@@ -224,7 +224,8 @@ def test_distill_plan_keeps_its_stages_and_reads_no_weights(tiny_folder, tmp_pat
 
 
 def test_cli_refuses_up_front_in_one_line(tiny_folder, capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr("prune.checkpoint.load_config.LoadConfig.load", lambda *a, **k: pytest.fail("refused runs load nothing"))
+    monkeypatch.setattr("prune.checkpoint.load_config.LoadConfig.load",
+                        lambda *a, **k: pytest.fail("refused runs load nothing"))
     code, _, err = run_prune_cli(capsys, "--model", tiny_folder, "--drop", "1", "--out", tmp_path / "o",
                                  "--plan-gpus", "1", "--plan-gpu-memory", "1MB")
     assert code == 2

@@ -35,7 +35,7 @@ class ToyOptions(MethodOptions):
 
 @pytest.fixture
 def toy():
-    method = register_method(Method("toy", "a toy with one option (test only)", vanilla=True, options=ToyOptions))
+    method = register_method(Method("toy", "a toy with one option (test only)", serving="vanilla", options=ToyOptions))
     try:
         yield method
     finally:
@@ -81,7 +81,7 @@ def test_an_option_shared_by_methods_is_declared_the_same_way():
         ridge: float = option(0.0, "a ridge under another flag", flag="--other-ridge")
 
     with pytest.raises(ValueError, match="option 'ridge' differs from the one of --replace linear, lowrank, fold"):
-        register_method(Method("clash", "test only", vanilla=True, options=Clash))
+        register_method(Method("clash", "test only", serving="vanilla", options=Clash))
     assert "clash" not in METHODS
 
 

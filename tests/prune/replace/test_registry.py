@@ -80,14 +80,14 @@ def test_method_fits_exports_and_reloads_with_equal_logits(name, tmp_path, tiny_
     if records:  # the fit changed something: not the same as only removing the blocks
         assert (expected - logits(removed)).abs().max() > 1e-4
     out = prune.save(model, tiny_tokenizer, tmp_path / name, {"dropped": DROPPED})
-    assert (out / REPLACEMENTS_FILE).is_file() == (not method.vanilla)
+    assert (out / REPLACEMENTS_FILE).is_file() == (not method.servable)
     loaded = prune.load(out).model
     torch.testing.assert_close(logits(loaded), expected, rtol=0, atol=1e-5)
     assert block_layout(loaded) == block_layout(model)
     assert_layout(loaded, records)
     assert loaded.config.layercut_replacements == records
     assert len(replacement_modules(loaded)) == len(records)  # --train replacements finds them after a reload
-    if method.vanilla:  # plain transformers reads the same model
+    if method.servable:  # plain transformers reads the same model
         plain = AutoModelForCausalLM.from_pretrained(out).eval()
         torch.testing.assert_close(logits(plain), expected, rtol=0, atol=1e-5)
     for record in records:
@@ -156,7 +156,7 @@ class ScaleFitter(SpanFitter):
 @pytest.fixture
 def toy_method():
     method = register_method(Method(
-        "scale", "per-channel scale (test only)", vanilla=False, options=ScaleOptions, fitter=ScaleFitter,
+        "scale", "per-channel scale (test only)", serving="layercut", options=ScaleOptions, fitter=ScaleFitter,
         module=ScaleMap, spec=lambda m: {"dim": m.scale.numel()}, build=lambda spec: ScaleMap(spec["dim"]),
         trained_module=map_on_block,
     ))
@@ -199,4 +199,19 @@ def test_a_method_registers_once_and_saves_what_it_installs():
     with pytest.raises(ValueError, match="already registered"):
         register_method(get_method("linear"))
     with pytest.raises(ValueError, match="needs module, spec and build"):
-        Method("broken", "no way to save it", vanilla=False, fitter=ScaleFitter)
+        Method("broken", "no way to save it", serving="layercut", fitter=ScaleFitter)
+
+
+def test_capabilities_are_declared_where_each_method_registers():
+    from prune.model.layouts import LAYERCUT, VANILLA
+    from prune.replace.registry import closed_form_methods, offloadable_methods
+
+    # the lists --plan and --offload sequential used to keep by hand, now read from the registrations
+    assert set(closed_form_methods()) == {"linear", "fold", "cosine", "linearpatch", "magcomp"}
+    assert set(offloadable_methods()) == {"none", "linear"}
+    assert {name for name, method in METHODS.items() if method.serving == LAYERCUT} == {"linear", "lowrank",
+                                                                                      "linearpatch"}
+    for method in METHODS.values():
+        assert method.servable == (method.serving == VANILLA) == method.vanilla, method.name
+    with pytest.raises(ValueError, match="serving must be 'vanilla' or 'layercut'"):
+        Method("odd", "test only", serving="decilm")

@@ -117,7 +117,8 @@ def _count_passes(monkeypatch) -> list:
 
     monkeypatch.setattr(prune.selection.oracle, "_measure", measure)
     real_stream = prune.selection.strategies.stream_any
-    monkeypatch.setattr(prune.selection.strategies, "stream_any", lambda *a, **k: calls.append(1) or real_stream(*a, **k))
+    monkeypatch.setattr(prune.selection.strategies, "stream_any",
+                        lambda *a, **k: calls.append(1) or real_stream(*a, **k))
     return calls
 
 
@@ -166,3 +167,32 @@ def test_measured_takes_the_blocks_whose_removal_alone_costs_least_and_reuses_th
     assert calls == []  # the oracle measured every single removal already
     assert chosen == sorted(sorted((1, 2, 3), key=lambda b: oracle.removed[b])[:2])
     assert len(set(oracle.removed[1:])) == 3  # distinct costs: the order is not a tie broken by position
+
+
+def test_capabilities_are_declared_where_each_selection_registers():
+    from prune.selection.strategies import (
+        SELECTIONS,
+        Selection,
+        measured_selections,
+        register_selection,
+        selection_help,
+        unit_selections,
+    )
+
+    # the tuples offload and sub-layer checks used to keep by hand, now read from the registrations
+    assert measured_selections() == ("greedy-ppl", "measured", "repaired-greedy", "repaired-greedy-kl",
+                                     "repaired-once", "repaired-fast")
+    assert unit_selections() == ("topk", "measured")
+    assert all(isinstance(entry, Selection) and entry.help and "\n" not in entry.help for entry in SELECTIONS.values())
+    assert selection_help().startswith("topk: the K most removable blocks; span: ")
+    assert all(f"{name}: " in selection_help() for name in SELECTIONS)
+
+    register_selection("toy-first", "the first K blocks (test only)", measures=True)(
+        lambda inputs: list(range(inputs.count)))
+    try:
+        assert "toy-first" in measured_selections() and "toy-first" not in unit_selections()
+        assert "toy-first: the first K blocks (test only)" in selection_help()
+        assert select_blocks("toy-first", inputs([0.5] * 4, 2)) == [0, 1]
+    finally:
+        SELECTIONS.unregister("toy-first")
+    assert "toy-first" not in measured_selections()

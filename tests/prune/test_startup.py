@@ -1,0 +1,40 @@
+"""``import prune.run`` and ``python -m prune.run --help`` stay light: heavy libraries are imported where used.
+
+transformers' model code (``modeling_utils``, ``models.*.modeling_*``), lm-eval, matplotlib, datasets, ...
+cost seconds at start-up; ``prune.model.remote_code`` defines its transformers classes on first access.
+Checked on the modules a fresh interpreter holds, not on timings.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# imported in a fresh interpreter: the modules after `import prune.run`, then after `--help` too
+SCRIPT = textwrap.dedent("""
+    import contextlib, io, json, sys
+    import prune.run
+    after_import = sorted(sys.modules)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+        prune.run.main(["--help"])
+    print(json.dumps({"import": after_import, "help": sorted(sys.modules)}))
+""")
+
+HEAVY = ("transformers", "lm_eval", "matplotlib", "datasets", "accelerate", "peft", "safetensors", "gguf", "scipy")
+
+
+def test_import_prune_run_loads_no_model_code():
+    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=True)
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    for when, modules in loaded.items():
+        assert "transformers.models.llama.modeling_llama" not in modules, when
+        model_code = [m for m in modules if m == "transformers.modeling_utils" or ".modeling_" in m]
+        assert not model_code, f"{when}: {model_code[:5]}"
+        heavy = sorted({m.split(".")[0] for m in modules} & set(HEAVY))
+        assert not heavy, f"{when} imports {heavy}: import them inside the functions that use them"
