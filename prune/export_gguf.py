@@ -16,7 +16,7 @@ from prune.errors import cli_entry
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m prune.export_gguf``."""
-    parser = argparse.ArgumentParser(prog="python -m prune.export_gguf", description="A servable checkpoint folder as one GGUF file for llama.cpp, written by llama.cpp's own converter.")
+    parser = argparse.ArgumentParser(prog="python -m prune.export_gguf", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", help="a checkpoint folder written by prune.run (or any transformers checkpoint)")
     parser.add_argument("--out", default=None, help="the .gguf path (default: FOLDER/<name>-<outtype>.gguf)")
     parser.add_argument("--outtype", default="f32", choices=OUTTYPES, help="tensor type (default: f32)")

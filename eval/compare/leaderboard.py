@@ -95,7 +95,7 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
 
 
 def serves(row: dict) -> str:
-    """The engines that run the row's checkpoint (``prune.model.layouts``); rows from before the label: from ``vanilla``."""
+    """The engines that run the row's checkpoint (``prune.model.layouts``); older rows: from ``vanilla``."""
     return label(row.get("serving"), row.get("vanilla"))
 
 

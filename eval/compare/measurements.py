@@ -37,7 +37,7 @@ def _parse_block_set(text: str) -> tuple[int, ...]:
     return tuple(int(block) for block in text.split(",")) if text else ()
 
 
-# memo entry -> how its keys are written and read back (prune.selection.oracle.removal_cache, prune.pipeline.runner's sub-layers)
+# memo entry -> how its keys are written and read back (prune.selection.oracle.removal_cache; sub-layers)
 KINDS = {"removal-ppl": (_block_set, _parse_block_set), "sublayer-removal-ppl": (str, str)}
 
 

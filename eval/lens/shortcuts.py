@@ -126,7 +126,7 @@ class AffineBank(ShortcutBank):
 
     @classmethod
     def from_fits(cls, fits: Sequence[LinearFit]) -> AffineBank:
-        """Stack closed-form :class:`~prune.measure.least_squares.LinearFit` maps ([d_in, d_out] weights), one per layer."""
+        """Stack closed-form :class:`~prune.measure.least_squares.LinearFit` maps ([d_in, d_out]), one per layer."""
         bank = cls(len(fits), fits[0].weight.shape[0])
         for layer, fit in enumerate(fits):
             bank.weight.data[layer] = fit.weight.cpu()

@@ -23,7 +23,7 @@ accuracy of a random guess) is one :class:`TaskSpec` in :func:`task_table`, read
 ``metadata: {layercut: ...}`` block of its YAML; tasks with no YAML here are :data:`HUB_TASKS`. Adding an
 offline task is adding its YAML.
 
-The task table and the data folder are :mod:`eval.quality.task_specs`, the rows a ``limit`` reads :mod:`eval.quality.rows`;
+The task table and data folder are :mod:`eval.quality.task_specs`, the rows a ``limit`` reads :mod:`eval.quality.rows`;
 both are re-exported here, so ``from eval.quality.lmeval import task_table, task_rows`` keeps working.
 
 Tested with lm-eval :data:`LM_EVAL_TESTED` (the task registry and ``custom_dataset`` hooks change

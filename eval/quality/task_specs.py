@@ -42,7 +42,7 @@ class TaskSpec:
 
     Attributes:
         name: lm-eval's task name.
-        primary_metric: The metric to quote, a key of :func:`eval.quality.lmeval.run_lm_eval`'s per-task dicts (``acc_norm``
+        primary_metric: The metric to quote, a key of :func:`eval.quality.lmeval.run_lm_eval`'s task dicts (``acc_norm``
             where the length-normalised score is the convention).
         chance: Accuracy of a random guess: 1 / the choices a row offers, 0 for an open answer.
         files: The files the task reads, relative to the data folder; empty for a task only lm-eval's
@@ -206,7 +206,7 @@ def primary_metric(task: str) -> str:
         task: A standard lm-eval task name.
 
     Returns:
-        A key of the per-task dicts that :func:`eval.quality.lmeval.run_lm_eval` returns (``acc_norm`` for ARC and HellaSwag).
+        A key of the task dicts :func:`eval.quality.lmeval.run_lm_eval` returns (``acc_norm`` for ARC and HellaSwag).
     """
     table = task_table()
     return table[task].primary_metric if task in table else "acc"

@@ -225,7 +225,7 @@ def _maps_needed(model: nn.Module) -> list[str]:
     """The methods of the model's replacement records whose maps live in ``replacements.safetensors``."""
     # records name their method under "method" ("kind" in checkpoints written before the rename)
     methods = [record_method(r) for r in replacement_records(model)]
-    return [m for m in methods if m in METHODS and not METHODS[m].vanilla]
+    return [m for m in methods if m in METHODS and not METHODS[m].servable]
 
 
 def _maps_file(path: str | Path, source: str, fetch: bool) -> Path | None:

@@ -19,6 +19,7 @@ from prune.atomic import atomic_directory, write_json
 from prune.errors import LayercutError
 from prune.loading.names import EMBEDDED_MODEL, MODEL_ALIASES, base_model_id, model_license
 from prune.model.adapters import is_offloaded
+from prune.replace.registry import describe_replacement
 
 logger = logging.getLogger(__name__)
 
@@ -230,18 +231,6 @@ def model_card(report: dict, plain: bool = True, name: str = "path/to/this/folde
         lines += ["## Replacements", "", *(f"- {describe_replacement(r)}" for r in replacements), ""]
     lines += _distill_section(report.get("distill")) + _heldout_section(report.get("heldout"))
     return "\n".join(lines + use_section(name, plain, report.get("serving")))
-
-
-def describe_replacement(record: dict) -> str:
-    """One line for a replacement record: ``blocks [2, 3] -> linear (after the block before; 1,056 parameters)``."""
-    if not isinstance(record, dict):
-        return str(record)
-    # records name their method under "method" ("kind" in checkpoints written before the rename)
-    method = record.get("method", record.get("kind", "?"))
-    details = [f"placed {record['where']}"] if record.get("where") else []
-    details += [f"{record['params']:,} parameters"] if isinstance(record.get("params"), int) else []
-    details += [f"fitted on {record['tokens']:,} tokens"] if isinstance(record.get("tokens"), int) else []
-    return f"blocks {record.get('replaces', '?')} -> `{method}`" + (f" ({'; '.join(details)})" if details else "")
 
 
 def _number(value) -> str:

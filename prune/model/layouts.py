@@ -12,7 +12,10 @@ Three layouts (what the engines' own code accepts, read in llama.cpp's converter
   layer in a block's place), so its label names the vanilla recipe that ships the same blocks.
 
 A replacement method declares its layout when it is registered (``prune.replace.registry.Method.serving``);
-a checkpoint folder's entry is read by :mod:`prune.checkpoint.serving`.
+a checkpoint folder's entry is read by :mod:`prune.checkpoint.serving`. Each engine of ``eval.bench``
+declares the layouts it runs (``eval.speed.engines``, ``Engine.layouts`` and ``Engine.entry_key``), and
+``tests/eval/speed/test_engines.py`` keeps them in agreement with the table here. ``engines`` is data written
+into ``layercut.json``: ``vllm`` and ``llama.cpp`` (the engine ``--engine llamacpp``) as written so far.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from prune.data.calibration import DataConfig
 from prune.data.sources import parse_sources
 from prune.errors import LayercutError
 from prune.measure.scores import get_score
-from prune.pipeline.resolve import Plan, resolve_plan
+from prune.pipeline.resolve import Amounts, resolve_amounts
 from prune.pipeline.steps import SurgeryStep, build_step
 from prune.replace import ReplaceConfig
 from prune.replace.registry import get_method, offloadable_methods
@@ -161,9 +161,9 @@ class PruneConfig:
         """The post-surgery steps this config asks for, built (and so validated) before any heavy work."""
         return [build_step(name, dict(getattr(self, name)), self) for name in self.step_sections()]
 
-    def resolve(self, model) -> Plan:
-        """Amounts, protected blocks and units read against ``model`` once, every one checked (:class:`Plan`)."""
-        return resolve_plan(self, model)
+    def resolve(self, model) -> Amounts:
+        """Amounts, protected blocks and units read against ``model`` once, every one checked (:class:`Amounts`)."""
+        return resolve_amounts(self, model)
 
 
 def _replace_config(value, batch_size: int) -> ReplaceConfig:

@@ -8,8 +8,7 @@ candidate sub-layers and removes them (``prune.selection.sublayers``). Each retu
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -18,7 +17,7 @@ from prune.data.calibration import CalibrationData
 from prune.measure.moments import StateMoments
 from prune.measure.scores import get_score
 from prune.model.adapters import get_blocks
-from prune.pipeline.resolve import Plan
+from prune.pipeline.resolve import Amounts
 from prune.replace import parameter_count, replace_blocks_
 from prune.selection.budget import blocks_for_params
 from prune.selection.oracle import removal_cache, run_oracle
@@ -45,27 +44,34 @@ class Removal:
         dropped: blocks removed whole (original numbering).
         sections: entries of ``layercut.json`` only this way writes, in their order.
         budget: the amount a target asked for and met (``target_params`` / ``target_speedup``), or None.
-        config: the run as the report records it and later steps see it (a met block budget becomes its
-            ``drop``).
+        amounts: the amounts the removal met (a met block budget is its ``drop``); the caller's config is
+            never changed.
         changed: whether the model changed (its held-out perplexity is then measured again).
     """
 
     dropped: list[int]
     sections: dict
     budget: dict | None
-    config: PruneConfig
+    amounts: Amounts
     changed: bool
+
+    def recorded(self, config: PruneConfig) -> dict:
+        """``config`` as ``layercut.json`` records it: a met block budget is written as the ``drop`` it became."""
+        written = {**asdict(config), "replace": config.replace.to_dict()}  # the flat layout of replace:
+        if self.budget is not None and not self.amounts.is_sublayer:
+            written.update(drop=self.budget["drop"], target_params=None, target_speedup=None)
+        return written
 
 
 def selection_input(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
-                    config: PruneConfig, plan: Plan, memo: dict | None = None) -> SelectionInput:
-    """What the selection strategy sees for ``plan.drop`` / ``plan.protected`` and ``config.score``."""
+                    config: PruneConfig, amounts: Amounts, memo: dict | None = None) -> SelectionInput:
+    """What the selection strategy sees for ``amounts.drop`` / ``amounts.protected`` and ``config.score``."""
     return SelectionInput(
         score=get_score(config.score),
         moments=moments,
         values=scores[config.score],
-        count=plan.drop,
-        protected=list(plan.protected),
+        count=amounts.drop,
+        protected=list(amounts.protected),
         model=model,
         token_ids=calibration.token_ids,
         batch_size=config.batch_size,
@@ -75,89 +81,89 @@ def selection_input(model: nn.Module, calibration: CalibrationData, moments: Sta
 
 
 def planned_blocks(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
-                   config: PruneConfig, plan: Plan, memo: dict | None = None) -> list[int]:
-    """The blocks ``config.select`` picks for ``plan`` (none without a drop; ``memo``: ``Scored.memo``)."""
-    if plan.drop is None:
+                   config: PruneConfig, amounts: Amounts, memo: dict | None = None) -> list[int]:
+    """The blocks ``config.select`` picks for ``amounts`` (none without a drop; ``memo``: ``Scored.memo``)."""
+    if amounts.drop is None:
         return []
-    return select_blocks(config.select, selection_input(model, calibration, moments, scores, config, plan, memo))
+    return select_blocks(config.select, selection_input(model, calibration, moments, scores, config, amounts, memo))
 
 
 def span_report(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
-                config: PruneConfig, plan: Plan) -> list[dict]:
+                config: PruneConfig, amounts: Amounts) -> list[dict]:
     """For ``--select span``: every candidate span with the score it was ranked by, best first."""
-    inputs = selection_input(model, calibration, moments, scores, config, plan)
+    inputs = selection_input(model, calibration, moments, scores, config, amounts)
     return [{"blocks": [start, start + inputs.count - 1], config.score: inputs.score.removability([value])[0]}
             for start, value in span_candidates(inputs)]  # removability is its own inverse: the raw score
 
 
 def block_budget(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
-                 config: PruneConfig, plan: Plan, memo: dict | None = None) -> dict | None:
+                 config: PruneConfig, amounts: Amounts, memo: dict | None = None) -> dict | None:
     """The block count a ``target_params`` / ``target_speedup`` asks for (None for a plain ``drop``)."""
-    if plan.target_speedup is not None:
-        count = plan.num_blocks
-        return {"target_speedup": plan.target_speedup, "drop": plan.drop, "ideal_speedup": count / (count - plan.drop)}
-    if plan.target_params is None:
+    if amounts.target_speedup is not None:
+        count, drop = amounts.num_blocks, amounts.drop
+        return {"target_speedup": amounts.target_speedup, "drop": drop, "ideal_speedup": count / (count - drop)}
+    if amounts.target_params is None:
         return None
     _, blocks = get_blocks(model)
 
     def select(k: int) -> list[int]:
-        return planned_blocks(model, calibration, moments, scores, config, plan.with_drop(k), memo)
+        return planned_blocks(model, calibration, moments, scores, config, amounts.with_drop(k), memo)
 
-    drop = blocks_for_params(plan.target_params, plan.params, [parameter_count(b) for b in blocks], select, plan.free)
-    return {"target_params": plan.target_params, "drop": drop}
+    sizes = [parameter_count(b) for b in blocks]
+    drop = blocks_for_params(amounts.target_params, amounts.params, sizes, select, amounts.free)
+    return {"target_params": amounts.target_params, "drop": drop}
 
 
 def remove_blocks(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
-                  config: PruneConfig, plan: Plan, memo: dict) -> Removal:
+                  config: PruneConfig, amounts: Amounts, memo: dict) -> Removal:
     """Whole blocks: the oracle if asked, the budget, the selection, then removal or replacement."""
     oracle = (run_oracle(model, calibration.token_ids, scores, config.batch_size, cache=removal_cache(memo))
               if config.oracle else None)
-    budget = block_budget(model, calibration, moments, scores, config, plan, memo)
+    budget = block_budget(model, calibration, moments, scores, config, amounts, memo)
     if budget is not None:
-        plan = plan.with_drop(budget["drop"])
-        config = dataclasses.replace(config, drop=budget["drop"], target_params=None, target_speedup=None)
+        amounts = amounts.with_drop(budget["drop"])
     memo.pop(STEPS_MEMO, None)
-    dropped = planned_blocks(model, calibration, moments, scores, config, plan, memo)
+    dropped = planned_blocks(model, calibration, moments, scores, config, amounts, memo)
     sections = {}
     if memo.get(STEPS_MEMO):  # a selection that steps: what it measured at each step
         sections["selection"] = memo.pop(STEPS_MEMO)
     if dropped and config.select == "span":
-        sections["span_scores"] = span_report(model, calibration, moments, scores, config, plan)
+        sections["span_scores"] = span_report(model, calibration, moments, scores, config, amounts)
     if dropped:
         replace_blocks_(model, dropped, calibration.token_ids, config.replace, moments)
     if oracle is not None:
         sections["oracle"] = oracle.as_dict()
-    return Removal(dropped, sections, budget, config, changed=bool(dropped))
+    return Removal(dropped, sections, budget, amounts, changed=bool(dropped))
 
 
 def remove_units(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
-                 config: PruneConfig, plan: Plan, memo: dict) -> Removal:
+                 config: PruneConfig, amounts: Amounts, memo: dict) -> Removal:
     """Sub-layers: rank the candidates (by a score, or measured), meet the amount, remove them."""
-    candidates, ids = list(plan.candidates), calibration.token_ids
+    candidates, ids = list(amounts.candidates), calibration.token_ids
     if config.select == "measured":
         costs = measured_costs(model, ids, candidates, config.batch_size, memo.setdefault("sublayer-removal-ppl", {}))
         ranked = rank_measured(costs, {u: unit_parameters(model, u) for u in candidates}, candidates)
     else:
         ranked = rank_units(scores[config.score], get_score(config.score).removability, candidates)
-    budget = _unit_budget(model, plan, ranked)
-    count = plan.drop if budget is None else budget["drop"]
+    budget = _unit_budget(model, amounts, ranked)
+    count = amounts.drop if budget is None else budget["drop"]
     removal = remove_units_(model, ranked[:count], ids[:1, : min(32, ids.shape[1])])
-    labels = [Unit.at(u).label() for u in range(2 * plan.num_blocks)]
+    labels = [Unit.at(u).label() for u in range(2 * amounts.num_blocks)]
     # per-block scores: none; the streamed pass rated sub-layers, reported under their labels
-    sections = {"scores": {}, "unit": list(plan.units), "sublayers": removal,
+    sections = {"scores": {}, "unit": list(amounts.units), "sublayers": removal,
                 "sublayer_scores": {"units": labels, **scores}}
     if config.select == "measured":
         sections["sublayer_measured"] = {"sequences": min(MEASURE_SEQUENCES, ids.shape[0]),
                                          "perplexity": dict(costs), "ranked": [u.label() for u in ranked]}
-    return Removal(removal["blocks_removed_whole"], sections, budget, config, changed=True)
+    return Removal(removal["blocks_removed_whole"], sections, budget, amounts.with_drop(count), changed=True)
 
 
-def _unit_budget(model: nn.Module, plan: Plan, ranked: list[Unit]) -> dict | None:
+def _unit_budget(model: nn.Module, amounts: Amounts, ranked: list[Unit]) -> dict | None:
     """The sub-layer count ``target_params`` asks for, removing in ``ranked`` order (None for a plain ``drop``)."""
-    if plan.target_params is None:
+    if amounts.target_params is None:
         return None
     sizes = [unit_parameters(model, unit) for unit in ranked]
     # ranked order: the K most removable units are positions 0..K-1
-    count = blocks_for_params(plan.target_params, plan.params, sizes, lambda k: list(range(k)), len(ranked),
+    count = blocks_for_params(amounts.target_params, amounts.params, sizes, lambda k: list(range(k)), len(ranked),
                               what="removable sub-layer")
-    return {"target_params": plan.target_params, "drop": count}
+    return {"target_params": amounts.target_params, "drop": count}

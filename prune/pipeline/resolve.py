@@ -1,9 +1,9 @@
-"""What a prune run will remove from one model, parsed and checked once: :class:`Plan`.
+"""What a prune run will remove from one model, parsed and checked once: :class:`Amounts`.
 
 A :class:`prune.pipeline.config.PruneConfig` keeps what the user wrote (``drop: 25%``, ``protect: 0,-1``,
-``unit: attention,mlp``, ``target_params: 110M``). :func:`resolve_plan` reads it against the loaded
+``unit: attention,mlp``, ``target_params: 110M``). :func:`resolve_amounts` reads it against the loaded
 model once, before any token is scored, into numbers and indices; every later stage of the run reads
-the plan. The checks that need only the model's config, before any weight is read, are
+the amounts. The checks that need only the model's config, before any weight is read, are
 :func:`check_against_model`.
 """
 
@@ -33,7 +33,7 @@ from prune.selection.sublayers import (
 
 
 @dataclass(frozen=True)
-class Plan:
+class Amounts:
     """A run's amounts and protected blocks, read against the model before surgery.
 
     Attributes:
@@ -73,8 +73,8 @@ class Plan:
         """Blocks not protected."""
         return self.num_blocks - len(self.protected)
 
-    def with_drop(self, count: int) -> Plan:
-        """The same plan removing ``count`` units: the count a target asked for, once found."""
+    def with_drop(self, count: int) -> Amounts:
+        """The same amounts removing ``count`` units: the count a target asked for, once found."""
         return dataclasses.replace(self, drop=count, target_params=None, target_speedup=None)
 
 
@@ -82,7 +82,7 @@ def check_counts(config, blocks: int, units: Sequence[str]) -> tuple[list[int], 
     """``protect`` and ``drop`` against a block count: (protected blocks, units to drop or None).
 
     A sub-layer ``drop`` counts against twice the blocks here; the candidates bound it once the model is
-    at hand (:func:`resolve_plan`).
+    at hand (:func:`resolve_amounts`).
     """
     protected = parse_protect(config.protect, blocks)
     if config.drop is None:
@@ -128,7 +128,7 @@ def check_against_model(config, model_config) -> None:
     check_tokens(config, model_config)
 
 
-def resolve_plan(config, model: nn.Module) -> Plan:
+def resolve_amounts(config, model: nn.Module) -> Amounts:
     """Read ``config`` (a :class:`prune.pipeline.config.PruneConfig`) against ``model``, once, checking every amount.
 
     Raises:
@@ -151,7 +151,7 @@ def resolve_plan(config, model: nn.Module) -> Plan:
     if speedup is not None:
         drop = parse_drop(blocks_for_speedup(speedup, blocks), blocks)
         check_enough_free(drop, blocks, protected)
-    return Plan(blocks, params, units, tuple(protected), drop, target, speedup, tuple(candidates))
+    return Amounts(blocks, params, units, tuple(protected), drop, target, speedup, tuple(candidates))
 
 
 def _unit_candidates(model: nn.Module, units: tuple[str, ...], protected: list[int]) -> list[Unit]:

@@ -12,7 +12,7 @@ import logging
 import shutil
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prune.atomic import atomic_directory, check_output_dir, output_lock, write_json
@@ -30,7 +30,7 @@ from prune.model.adapters import hidden_size, is_offloaded, num_blocks
 from prune.model.surgery import block_layout, replacement_records
 from prune.pipeline.config import PruneConfig, needed_cosine_pairs
 from prune.pipeline.removal import Removal, planned_blocks, remove_blocks, remove_units
-from prune.pipeline.resolve import Plan, check_against_model
+from prune.pipeline.resolve import Amounts, check_against_model
 from prune.pipeline.steps import SurgeryStep
 from prune.replace import parameter_count
 from prune.selection.budget import check_params_budget
@@ -154,36 +154,36 @@ def _run_prune(config: PruneConfig, loaded: LoadedModel | None, steps: Sequence[
         preflight(config)
         loaded = config.load.load()
     model = loaded.model
-    plan = config.resolve(model)
-    calibration, memo = _calibrate(loaded, config, plan, scored)
+    amounts = config.resolve(model)
+    calibration, memo = _calibrate(loaded, config, amounts, scored)
     # a skeleton never holds the whole model: its output is measured afterwards (eval.run)
-    heldout = calibration.heldout_ids if plan.removes and not is_offloaded(model) else None
+    heldout = calibration.heldout_ids if amounts.removes and not is_offloaded(model) else None
     original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
-    score, remove = (_score_units, remove_units) if plan.is_sublayer else (_score_blocks, remove_blocks)
+    score, remove = (_score_units, remove_units) if amounts.is_sublayer else (_score_blocks, remove_blocks)
     moments, scores = score(model, calibration, config, scored, memo)
-    removal = remove(model, calibration, moments, scores, config, plan, memo)
+    removal = remove(model, calibration, moments, scores, config, amounts, memo)
     if removal.budget is not None and removal.budget.get("target_params") is not None:
         check_params_budget(parameter_count(model), removal.budget)
     # sub-layer runs take no steps yet (PruneConfig refuses distillation with them)
-    done = {step.name: step(loaded, removal.config) for step in steps} if removal.dropped and not plan.is_sublayer \
+    done = {step.name: step(loaded, config) for step in steps} if removal.dropped and not amounts.is_sublayer \
         else {}
-    report = build_report(loaded, removal.config, calibration, scores, removal.dropped, plan,
+    report = build_report(loaded, config, calibration, scores, removal, amounts,
                           time.perf_counter() - started)
     report.update(removal.sections)
     if removal.budget is not None:
-        report["budget"] = {**removal.budget, "params_before": plan.params, "params_after": parameter_count(model)}
+        report["budget"] = {**removal.budget, "params_before": amounts.params, "params_after": parameter_count(model)}
     if original is not None and removal.changed:
         report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout)
-    return _finish(loaded, removal, report, done, calibration, moments, scores)
+    return _finish(loaded, config, removal, report, done, calibration, moments, scores)
 
 
-def _calibrate(loaded: LoadedModel, config: PruneConfig, plan: Plan,
+def _calibrate(loaded: LoadedModel, config: PruneConfig, amounts: Amounts,
                scored: Scored | None) -> tuple[CalibrationData, dict]:
     """The calibration tokens (shared ones if ``scored``) and the memo of what is measured on them."""
     if scored is None:
         calibration, memo = calibration_data(loaded.tokenizer, config.data, model=loaded.model), {}
     else:
-        _check_scored(scored, config, plan.num_blocks)
+        _check_scored(scored, config, amounts.num_blocks)
         calibration, memo = scored.calibration, scored.memo
     # every score is a fit over these tokens: too few fail before the held-out pass, not after it
     check_enough_tokens(calibration.num_tokens, hidden_size(loaded.model))
@@ -202,12 +202,11 @@ def _score_units(model, calibration: CalibrationData, config: PruneConfig, _scor
     return unit_moments(model, calibration.token_ids, config.batch_size, memo)
 
 
-def _finish(loaded: LoadedModel, removal: Removal, report: dict, done: dict, calibration: CalibrationData,
-            moments: StateMoments, scores: dict) -> PruneResult:
+def _finish(loaded: LoadedModel, config: PruneConfig, removal: Removal, report: dict, done: dict,
+            calibration: CalibrationData, moments: StateMoments, scores: dict) -> PruneResult:
     """Add the steps' reports, export, and delete the steps' work folders."""
     report.update({name: result.report for name, result in done.items()})
     files = [f for result in done.values() for f in result.files]
-    config = removal.config
     out = write_outputs(loaded, report, config, files) if config.out is not None else None
     for folder in (f for result in done.values() for f in result.cleanup):
         shutil.rmtree(folder, ignore_errors=True)
@@ -225,27 +224,27 @@ def _check_scored(scored: Scored, config: PruneConfig, blocks: int) -> None:
 
 
 def build_report(loaded: LoadedModel, config: PruneConfig, calibration: CalibrationData, scores: dict,
-                 dropped: list[int], plan: Plan, seconds: float) -> dict:
+                 removal: Removal, amounts: Amounts, seconds: float) -> dict:
     """The content of ``layercut.json``."""
     return {
         "source_model": loaded.source,
         "model_name": loaded.name,
         "architecture": loaded.model.config.model_type,
-        "num_blocks_before": plan.num_blocks,
+        "num_blocks_before": amounts.num_blocks,
         "num_blocks_after": num_blocks(loaded.model),
-        "dropped": sorted(dropped),
+        "dropped": sorted(removal.dropped),
         "score": config.score,
         "select": config.select,
-        "protect": list(plan.protected),
+        "protect": list(amounts.protected),
         "replace": config.replace.method,
         "fit": config.replace.fit if config.replace.method != "none" else None,
-        "replacements": replacement_records(loaded.model) if dropped else [],
+        "replacements": replacement_records(loaded.model) if removal.dropped else [],
         "layout": block_layout(loaded.model),
         "scores": scores,
         "data": calibration.describe(),
         "versions": library_versions(),
         "seconds": round(seconds, 2),
-        "config": {**asdict(config), "replace": config.replace.to_dict()},  # the flat layout of replace:
+        "config": removal.recorded(config),
     }
 
 

@@ -94,11 +94,6 @@ class Method:
         """Whether its export is a plain transformers checkpoint (``serving`` is "vanilla"): no maps to save."""
         return self.serving == VANILLA
 
-    @property
-    def vanilla(self) -> bool:
-        """Old name of :attr:`servable`, kept for readers not yet moved to it; ``serving`` is the one fact."""
-        return self.servable
-
 
 # name -> Method, in registration order (the order --help and error messages list them in)
 METHODS: Registry[Method] = Registry("replacement")
@@ -238,13 +233,20 @@ def method_for_module(module: nn.Module) -> Method:
 
 
 def describe_replacement(record: dict) -> str:
-    """The CLI's line for one replacement record.
+    """The one line for a replacement record, as the CLI prints it and the model card lists it.
 
     Example: ``replaced blocks [1, 2] by linear (1056 parameters, 0.7 of the fitted update, independent fit, 0.1s)``.
     """
     name = record_method(record)
-    added = get_method(name).describe(record)
+    added = get_method(name).describe(record) if name in METHODS else f"{record.get('params', '?')} parameters"
     if record.get("update_scale", 1) != 1:  # the default is not least squares: say which map was built
         added += f", {record['update_scale']:g} of the fitted update"
-    return (f"replaced blocks {record['replaces']} by {name} "
-            f"({added}, {record['fit']} fit, {record['fit_seconds']:.1f}s)")
+    if record.get("fit"):
+        added += f", {record['fit']} fit"
+    if isinstance(record.get("fit_seconds"), (int, float)):
+        added += f", {record['fit_seconds']:.1f}s"
+    if record.get("where"):
+        added += f", placed {record['where']}"
+    if isinstance(record.get("tokens"), int):
+        added += f", fitted on {record['tokens']:,} tokens"
+    return f"replaced blocks {record.get('replaces', '?')} by {name} ({added})"

@@ -80,7 +80,7 @@ def test_eval_run_missing_ppl_file_is_one_line(tmp_path, capsys, tiny_folder):
 
 
 def test_every_tool_loads_through_prune_load():
-    """No tool module opens a model with the plain loader (only prune.checkpoint.save_load and the loader itself may)."""
+    """No tool opens a model with the plain loader (only prune.checkpoint.save_load and the loader itself may)."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]

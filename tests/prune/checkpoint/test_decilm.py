@@ -1,4 +1,4 @@
-"""The DeciLM layout of sub-layer removals (``prune.checkpoint.decilm``): config, tensors, a reference forward, refusals."""
+"""The DeciLM layout of sub-layer removals (``prune.checkpoint.decilm``): config, tensors, forward, refusals."""
 
 import json
 import shutil

@@ -1,4 +1,4 @@
-"""Tests for prune.loading.loader: name resolution, local and GGUF round trips, one-line errors, the embedded SmolLM2."""
+"""prune.loading.loader: name resolution, local and GGUF round trips, one-line errors, the embedded SmolLM2."""
 
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_remote_code_knows_every_saved_map_type():
     """A new method that saves maps must teach the checkpoint's modeling code its module too."""
     from prune.replace import METHODS
 
-    saved = {name for name, method in METHODS.items() if not method.vanilla}
+    saved = {name for name, method in METHODS.items() if not method.servable}
     assert saved <= set(hf_remote_code.MAP_TYPES), f"add {saved - set(hf_remote_code.MAP_TYPES)} to MAP_TYPES"
 
 

@@ -5,7 +5,7 @@ import pytest
 import prune.pipeline.resolve
 from prune.errors import LayercutError
 from prune.pipeline.config import PruneConfig
-from prune.pipeline.resolve import Plan
+from prune.pipeline.resolve import Amounts
 from prune.replace import parameter_count
 from prune.selection.sublayers import Unit
 from tests.helpers import make_tiny_model
@@ -13,32 +13,32 @@ from tests.helpers import make_tiny_model
 PARAMS = parameter_count(make_tiny_model("llama"))  # 4 blocks
 
 
-def resolve(**fields) -> Plan:
+def resolve(**fields) -> Amounts:
     return PruneConfig(out="unused", data={"seq_len": 32}, **fields).resolve(make_tiny_model("llama"))
 
 
 def test_resolve_reads_every_amount_once_into_numbers():
-    plan = resolve(drop="25%", protect="0,-1")
-    assert plan == Plan(num_blocks=4, params=PARAMS, units=("block",), protected=(0, 3), drop=1)
-    assert plan.removes and not plan.is_sublayer and plan.free == 2
+    amounts = resolve(drop="25%", protect="0,-1")
+    assert amounts == Amounts(num_blocks=4, params=PARAMS, units=("block",), protected=(0, 3), drop=1)
+    assert amounts.removes and not amounts.is_sublayer and amounts.free == 2
     assert resolve(protect="none").protected == () and not resolve().removes
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.drop = 2
+        amounts.drop = 2
 
 
 def test_resolve_sublayer_units_and_their_candidates():
-    plan = resolve(unit="attention,mlp", drop=3, protect="0")
-    assert plan.units == ("attention", "mlp") and plan.is_sublayer and plan.drop == 3
+    amounts = resolve(unit="attention,mlp", drop=3, protect="0")
+    assert amounts.units == ("attention", "mlp") and amounts.is_sublayer and amounts.drop == 3
     # block 0 is protected (and holds the first attention, which the KV cache needs)
-    assert plan.candidates == tuple(Unit(b, k) for b in (1, 2, 3) for k in ("attention", "mlp"))
+    assert amounts.candidates == tuple(Unit(b, k) for b in (1, 2, 3) for k in ("attention", "mlp"))
     assert resolve(unit="block", drop=1).candidates == ()
 
 
 def test_resolve_targets():
-    plan = resolve(target_params="90%")
-    assert plan.target_params == round(PARAMS * 0.9) and plan.drop is None and plan.removes
+    amounts = resolve(target_params="90%")
+    assert amounts.target_params == round(PARAMS * 0.9) and amounts.drop is None and amounts.removes
     assert resolve(target_params="50K").target_params == 50_000
-    assert plan.with_drop(2) == dataclasses.replace(plan, drop=2, target_params=None)
+    assert amounts.with_drop(2) == dataclasses.replace(amounts, drop=2, target_params=None)
     speedup = resolve(target_speedup=1.25)  # 4 / (4 - 1) = 1.33 >= 1.25
     assert speedup.target_speedup == 1.25 and speedup.drop == 1
 

@@ -212,6 +212,6 @@ def test_capabilities_are_declared_where_each_method_registers():
     assert {name for name, method in METHODS.items() if method.serving == LAYERCUT} == {"linear", "lowrank",
                                                                                       "linearpatch"}
     for method in METHODS.values():
-        assert method.servable == (method.serving == VANILLA) == method.vanilla, method.name
+        assert method.servable == (method.serving == VANILLA), method.name
     with pytest.raises(ValueError, match="serving must be 'vanilla' or 'layercut'"):
         Method("odd", "test only", serving="decilm")
