@@ -122,8 +122,8 @@ def make_student_pair(root: Path) -> dict[str, Path]:
     """teacher/ (tiny llama, tokenizer), student/ (blocks 1 and 2 removed, plain export), data.txt under ``root``."""
     import copy
 
-    from prune.export import export_checkpoint
-    from prune.surgery import drop_blocks_
+    from prune.checkpoint.write import export_checkpoint
+    from prune.model.surgery import drop_blocks_
 
     teacher, tokenizer = make_tiny_model("llama"), make_tiny_tokenizer()
     teacher.save_pretrained(root / "teacher")

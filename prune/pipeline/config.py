@@ -10,7 +10,7 @@ from prune.data.calibration import DataConfig
 from prune.data.sources import parse_sources
 from prune.errors import LayercutError
 from prune.measure.scores import get_score
-from prune.pipeline.resolve import Amounts, resolve_amounts
+from prune.pipeline.resolve import Amounts, resolve_for_model
 from prune.pipeline.steps import SurgeryStep, build_step
 from prune.replace import ReplaceConfig
 from prune.replace.registry import get_method, offloadable_methods
@@ -163,7 +163,7 @@ class PruneConfig:
 
     def resolve(self, model) -> Amounts:
         """Amounts, protected blocks and units read against ``model`` once, every one checked (:class:`Amounts`)."""
-        return resolve_amounts(self, model)
+        return resolve_for_model(self, model)
 
 
 def _replace_config(value, batch_size: int) -> ReplaceConfig:

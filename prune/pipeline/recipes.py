@@ -50,8 +50,9 @@ RENAMED_KEYS = {
 class RecipeLoader(yaml.SafeLoader):
     """PyYAML's safe loader, reading a number in exponent form without a dot (``3e-4``, ``1e5``) as a float.
 
-    PyYAML follows YAML 1.1, whose floats need a dot: ``lr: 3e-4`` would be the text "3e-4". YAML 1.2 (and
-    every other reader) takes it as the number it looks like.
+    PyYAML follows YAML 1.1, whose floats need a dot: ``lr: 3e-4`` would be the text "3e-4". YAML 1.2 takes it
+    as the number it looks like, and so does a recipe; quoted text in a number field is read by the config
+    classes (``prune.data.calibration.numeric_fields``).
     """
 
 

@@ -1,10 +1,10 @@
 """What a prune run will remove from one model, parsed and checked once: :class:`Amounts`.
 
 A :class:`prune.pipeline.config.PruneConfig` keeps what the user wrote (``drop: 25%``, ``protect: 0,-1``,
-``unit: attention,mlp``, ``target_params: 110M``). :func:`resolve_amounts` reads it against the loaded
-model once, before any token is scored, into numbers and indices; every later stage of the run reads
-the amounts. The checks that need only the model's config, before any weight is read, are
-:func:`check_against_model`.
+``unit: attention,mlp``, ``target_params: 110M``). :func:`resolve_amounts` reads it once, against the
+model's config before any weight is read, into numbers and indices; every later stage of the run is
+handed the result and never parses an amount again. Once the weights are loaded, :func:`bind_model`
+checks them against it and adds the sub-layer candidates.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def check_counts(config, blocks: int, units: Sequence[str]) -> tuple[list[int], 
     """``protect`` and ``drop`` against a block count: (protected blocks, units to drop or None).
 
     A sub-layer ``drop`` counts against twice the blocks here; the candidates bound it once the model is
-    at hand (:func:`resolve_amounts`).
+    at hand (:func:`bind_model`).
     """
     protected = parse_protect(config.protect, blocks)
     if config.drop is None:
@@ -119,39 +119,64 @@ def check_tokens(config, model_config) -> None:
         check_enough_tokens(config.data.num_tokens, width)
 
 
-def check_against_model(config, model_config) -> None:
-    """``--drop``, ``--protect``, ``--seq-len`` and the calibration tokens against a model config."""
-    blocks = config_layer_count(model_config)
-    if blocks is not None:
-        check_counts(config, blocks, parse_units(config.unit))
-    check_positions(config, model_config)
-    check_tokens(config, model_config)
+def resolve_amounts(config, model_config, params: int) -> Amounts:
+    """Read ``config``'s amounts against a model config, once, before any weight is read: every amount checked.
 
-
-def resolve_amounts(config, model: nn.Module) -> Amounts:
-    """Read ``config`` (a :class:`prune.pipeline.config.PruneConfig`) against ``model``, once, checking every amount.
+    Args:
+        config: a :class:`prune.pipeline.config.PruneConfig` (what the user wrote: ``25%``, ``0,-1``, ``110M``).
+        model_config: the model's config (``config.json``, or a loaded model's ``model.config``).
+        params: the model's parameters (counted on the meta device from ``model_config`` before loading).
 
     Raises:
         LayercutError: an amount, a protected block or a unit the model cannot take (one line).
     """
-    arch_spec(model)
-    check_replacement_supported(model, config.replace.method)
-    blocks, units = num_blocks(model), parse_units(config.unit)
+    blocks = config_layer_count(model_config)
+    if blocks is None:
+        raise LayercutError(f"{config.load.model}: its config names no layer count, so --drop cannot be read "
+                            "against it; pass a model of a supported architecture")
+    units = parse_units(config.unit)
     protected, drop = check_counts(config, blocks, units)
-    check_positions(config, model.config)
-    params = parameter_count(model)
-    if sublayer_records(model.config):
+    check_positions(config, model_config)
+    check_tokens(config, model_config)
+    if sublayer_records(model_config):
         raise LayercutError(f"{config.load.model} already has attention/MLP sub-layers removed: prune the original "
                             "model instead")
-    candidates = _unit_candidates(model, units, protected)
     target = None if config.target_params is None else parse_param_target(config.target_params, params)
-    if is_sublayer(units) and drop is not None:
-        check_unit_count(drop, candidates)
     speedup = None if config.target_speedup is None else float(config.target_speedup)
     if speedup is not None:
         drop = parse_drop(blocks_for_speedup(speedup, blocks), blocks)
         check_enough_free(drop, blocks, protected)
-    return Amounts(blocks, params, units, tuple(protected), drop, target, speedup, tuple(candidates))
+    return Amounts(blocks, params, tuple(units), tuple(protected), drop, target, speedup)
+
+
+def bind_model(amounts: Amounts, config, model: nn.Module) -> Amounts:
+    """The amounts checked against the loaded ``model`` (no amount is parsed again): its blocks, its candidates.
+
+    Raises:
+        LayercutError: the weights disagree with the config the amounts were read from, or the model cannot
+            take the run's replacement or units (one line).
+    """
+    arch_spec(model)
+    check_replacement_supported(model, config.replace.method)
+    if num_blocks(model) != amounts.num_blocks:
+        raise LayercutError(f"{config.load.model}: its config says {amounts.num_blocks} blocks but the loaded model "
+                            f"has {num_blocks(model)}: the folder's config.json does not describe its weights")
+    loaded = parameter_count(model)
+    if loaded != amounts.params:
+        if amounts.target_params is not None:
+            raise LayercutError(f"--target-params counts the architecture's {amounts.params:,} parameters, but the "
+                                f"loaded model holds {loaded:,} (quantized or tied differently): pass --drop instead")
+        amounts = dataclasses.replace(amounts, params=loaded)
+    candidates = _unit_candidates(model, amounts.units, list(amounts.protected))
+    if amounts.is_sublayer and amounts.drop is not None:
+        check_unit_count(amounts.drop, candidates)
+    return dataclasses.replace(amounts, candidates=tuple(candidates))
+
+
+def resolve_for_model(config, model: nn.Module) -> Amounts:
+    """:func:`resolve_amounts` then :func:`bind_model`, for a model already in memory (its config and its count)."""
+    arch_spec(model)
+    return bind_model(resolve_amounts(config, model.config, parameter_count(model)), config, model)
 
 
 def _unit_candidates(model: nn.Module, units: tuple[str, ...], protected: list[int]) -> list[Unit]:

@@ -30,8 +30,9 @@ from prune.model.adapters import hidden_size, is_offloaded, num_blocks
 from prune.model.surgery import block_layout, replacement_records
 from prune.pipeline.config import PruneConfig, needed_cosine_pairs
 from prune.pipeline.removal import Removal, planned_blocks, remove_blocks, remove_units
-from prune.pipeline.resolve import Amounts, check_against_model
+from prune.pipeline.resolve import Amounts, bind_model, check_positions, resolve_amounts
 from prune.pipeline.steps import SurgeryStep
+from prune.planner.shape import shape_of_config
 from prune.replace import parameter_count
 from prune.selection.budget import check_params_budget
 from prune.selection.oracle import Oracle, oracle_table
@@ -86,19 +87,26 @@ class PruneResult:
     out: Path | None
 
 
-def preflight(config: PruneConfig) -> None:
+def preflight(config: PruneConfig) -> Amounts | None:
     """Every check that needs only the model's config, before any weight is read or any token scored.
 
-    Every local calibration file must read as text; ``--drop`` and ``--protect`` are checked against the
-    block count, the calibration ``--seq-len`` against the model's positions. Models whose config is
-    not at hand without converting them (a ``.gguf`` seen for the first time) are checked after loading.
+    Every local calibration file must read as text; the amounts (``--drop``, ``--protect``, units, targets)
+    are resolved once against the block count and the parameters counted on the meta device, the
+    calibration ``--seq-len`` against the model's positions. Returns those amounts, which the run is
+    handed; None for a model whose config is not at hand without converting it (a ``.gguf`` seen for the
+    first time), resolved once it is loaded.
     """
     check_sources(config.data)  # local files: cheap to read twice
     model_config = load_config(config.load.model)
-    if model_config is not None:
-        check_against_model(config, model_config)
-
-
+    if model_config is None:
+        return None
+    try:
+        params = shape_of_config(model_config).total
+    except Exception:  # noqa: BLE001 - a config transformers cannot build on the meta device: resolved once loaded
+        logger.debug("no meta-device count for %s: its amounts are resolved once it is loaded", config.load.model)
+        check_positions(config, model_config)
+        return None
+    return resolve_amounts(config, model_config, params)
 
 
 def score_model(model, calibration: CalibrationData, config: PruneConfig,
@@ -150,11 +158,11 @@ def _run_prune(config: PruneConfig, loaded: LoadedModel | None, steps: Sequence[
     steps = config.build_steps() if steps is None else steps
     if config.out is not None:
         check_output_dir(config.out, config.overwrite)
+    amounts = preflight(config) if loaded is None else None
     if loaded is None:
-        preflight(config)
         loaded = config.load.load()
     model = loaded.model
-    amounts = config.resolve(model)
+    amounts = config.resolve(model) if amounts is None else bind_model(amounts, config, model)
     calibration, memo = _calibrate(loaded, config, amounts, scored)
     # a skeleton never holds the whole model: its output is measured afterwards (eval.run)
     heldout = calibration.heldout_ids if amounts.removes and not is_offloaded(model) else None

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 from prune.checkpoint.load_config import LoadConfig
 from prune.errors import EXIT_BAD_INPUT, LayercutError
 from prune.pipeline.config import PruneConfig
-from prune.pipeline.resolve import check_against_model
+from prune.pipeline.resolve import resolve_amounts
 from tests.helpers import make_tiny_model, make_tiny_tokenizer
 from tests.helpers import run_prune_cli as run_prune
 
@@ -110,7 +110,7 @@ def test_the_maximum_drop_named_is_accepted_on_a_30_block_model():
                                   max_position_embeddings=512)
 
     def check(drop, protect="0,-1"):
-        check_against_model(PruneConfig(drop=drop, protect=protect, out="o", data={"seq_len": 32}), config)
+        resolve_amounts(PruneConfig(drop=drop, protect=protect, out="o", data={"seq_len": 32}), config, 10**6)
 
     with pytest.raises(LayercutError, match=r"drop at most 28 \(blocks \[0, 29\] are protected"):
         check(30)

@@ -74,7 +74,8 @@ def test_licence_from_the_gguf_or_a_note():
 def test_replacements_are_sentences_not_dicts():
     card = model_card(REPORT)
     # the same line the CLI prints (prune.replace.describe_replacement)
-    assert "- replaced blocks [12, 13, 14, 15] by linear (332352 parameters, placed after, fitted on 65,536 tokens)" in card
+    line = "- replaced blocks [12, 13, 14, 15] by linear (332352 parameters, placed after, fitted on 65,536 tokens)"
+    assert line in card
     assert "{'method'" not in card
 
 
