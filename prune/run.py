@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from prune.checkpoint.exports import EXPORTS, export_targets
 from prune.checkpoint.load_config import LoadConfig
 from prune.checkpoint.write import describe_generalisation
 from prune.data.calibration import DataConfig
@@ -56,9 +57,8 @@ from prune.selection.strategies import DEFAULT_PROTECT, SELECTIONS, selection_he
 # Flags defined with a shared dataclass land in its section; the others' dest is their path in a PruneConfig
 # ("replace.update_scale"), or the top-level key of the same name.
 SHARED_SECTIONS = {"load": LoadConfig, "data": DataConfig}
-NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures", "plan_teacher_cache", "export", "gguf_type",
-              "converter", *PLAN_FLAGS}
-EXPORTS = ("gguf",)
+NOT_CONFIG = {"recipe", "threads", "list_models", "list_architectures", "plan_teacher_cache", *PLAN_FLAGS}
+EXPORT_GROUP = "serving export"  # flags of the export targets: none of them is a PruneConfig key
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,14 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "prunes it (each built tiny and read; about a minute), then exit")
     add_output_arguments(parser, what="the checkpoint and reports (default: <model>-drop<K> when dropping, "
                          "nothing when only scoring)")
-    group = parser.add_argument_group("serving export")
-    group.add_argument("--export", choices=EXPORTS, default=None,
-                       help="also write the checkpoint for a serving engine: gguf, a GGUF for llama.cpp inside the "
-                       "output folder, converted by llama.cpp's own converter and read back (prune.checkpoint.gguf)")
-    group.add_argument("--gguf-type", default="f32", choices=("f32", "f16", "bf16", "q8_0"),
-                       help="the GGUF's tensor type (default: f32)")
-    group.add_argument("--converter", default=None,
-                       help="llama.cpp's convert_hf_to_gguf.py or its folder (default: $LLAMA_CPP_CONVERTER)")
+    group = parser.add_argument_group(EXPORT_GROUP)
+    targets = export_targets()
+    group.add_argument("--export", choices=targets.names(), default=None,
+                       help="also write the checkpoint for a serving engine: "
+                       + "; ".join(f"{name}, {target.help}" for name, target in targets.items()))
+    for target in targets.values():
+        target.add_arguments(group)
     add_threads_argument(parser)
     add_plan_arguments(parser)
     parser.add_argument("--plan-teacher-cache", type=int, default=None, metavar="K",
@@ -160,11 +159,19 @@ def _config_path(dest: str) -> tuple[str, ...]:
     return (dest,)
 
 
+def export_dests() -> set[str]:
+    """The dests of ``--export`` and of every export target's own flags (none is a PruneConfig key)."""
+    group = argparse.ArgumentParser(add_help=False).add_argument_group(EXPORT_GROUP)
+    for target in export_targets().values():
+        target.add_arguments(group)
+    return {"export", *(action.dest for action in group._group_actions)}
+
+
 def config_values(args: argparse.Namespace, only: set[str] | None = None) -> dict:
     """The flags as nested :class:`PruneConfig` keys; ``only`` keeps just those flags (the ones typed)."""
     values: dict = {}
     for dest, value in vars(args).items():
-        if dest in NOT_CONFIG or (only is not None and dest not in only):
+        if dest in NOT_CONFIG or dest in export_dests() or (only is not None and dest not in only):
             continue
         if value is None:
             continue  # not given: the config's own default (a method's, the loader's)
@@ -273,34 +280,16 @@ def main(argv: list[str] | None = None) -> int:
         print(format_plan(plan))
         write_plan_json(plan, args.plan_json)
         return 0
-    if args.export:
-        check_export(config, args.converter)
+    target = EXPORTS.get(args.export) if args.export else None
+    if target is not None:
+        target.check(config, args)
     if not args.no_plan_check:
         refuse_if_too_big(config, lambda: plan_of(args, config))
     result = run_prune(config, steps=config.build_steps())
     print_summary(result)
-    if args.export == "gguf" and result.out is not None:
-        from prune.checkpoint.gguf import convert
-
-        path, checked = convert(result.out, outtype=args.gguf_type, converter=args.converter)
-        print(f"wrote {path} ({checked['architecture']}, {checked['blocks']} blocks, read back: {checked['compared']} "
-              f"tensors equal to the checkpoint's within {args.gguf_type} rounding)")
+    if target is not None and result.out is not None:
+        print(target.write(result.out, args))
     return 0
-
-
-def check_export(config: PruneConfig, converter: str | None) -> None:
-    """Refuse ``--export gguf`` before any work when it cannot succeed: no output, maps no engine runs, no converter."""
-    from prune.checkpoint.gguf import find_converter
-    from prune.model.layouts import LAYERCUT, VANILLA_RECIPE
-    from prune.replace import METHODS
-
-    if not config.removes:
-        raise LayercutError("--export gguf converts the pruned checkpoint: pass --drop K (or a --target-*)")
-    method = METHODS[config.replace.method]
-    if method.serving == LAYERCUT:
-        raise LayercutError(f"--export gguf: --replace {method.name} writes maps that no serving engine runs; "
-                            f"use {VANILLA_RECIPE} instead (same blocks, the map folded into standard weights)")
-    find_converter(converter)
 
 
 def console_main() -> None:

@@ -32,6 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from prune.checkpoint.exports import ExportTarget, check_removes, register_export
 from prune.errors import LayercutError
 
 logger = logging.getLogger(__name__)
@@ -282,3 +283,33 @@ def _original_blocks(folder: Path) -> int | None:
     # every original index is either covered by a kept block's layout entry or listed as dropped
     seen = [i for entry in report.get("layout") or [] for i in entry] + list(report.get("dropped") or [])
     return max(seen) + 1 if seen else None
+
+
+def _add_export_arguments(group) -> None:
+    group.add_argument("--gguf-type", default="f32", choices=OUTTYPES, help="the GGUF's tensor type (default: f32)")
+    group.add_argument("--converter", default=None,
+                       help=f"llama.cpp's {CONVERTER_NAME} or its folder (default: ${CONVERTER_ENV})")
+
+
+def _check_export(config, args) -> None:
+    """Refuse ``--export gguf`` before any work when it cannot succeed: no output, maps no engine runs, no converter."""
+    from prune.model.layouts import LAYERCUT, VANILLA_RECIPE
+    from prune.replace import METHODS
+
+    check_removes(config, "gguf")
+    method = METHODS[config.replace.method]
+    if method.serving == LAYERCUT:
+        raise LayercutError(f"--export gguf: --replace {method.name} writes maps that no serving engine runs; "
+                            f"use {VANILLA_RECIPE} instead (same blocks, the map folded into standard weights)")
+    find_converter(args.converter)
+
+
+def _write_export(folder: Path, args) -> str:
+    path, checked = convert(folder, outtype=args.gguf_type, converter=args.converter)
+    return (f"wrote {path} ({checked['architecture']}, {checked['blocks']} blocks, read back: {checked['compared']} "
+            f"tensors equal to the checkpoint's within {args.gguf_type} rounding)")
+
+
+register_export(ExportTarget(
+    "gguf", "a GGUF for llama.cpp inside the output folder, converted by llama.cpp's own converter and read back",
+    _add_export_arguments, _check_export, _write_export))

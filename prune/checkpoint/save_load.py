@@ -89,30 +89,6 @@ def _write_maps(maps: dict[str, nn.Module], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt", _METADATA_KEY: json.dumps(specs)})
 
 
-_CARD_NOTE = """
-## Loading
-
-This checkpoint carries {what}, so it is not a plain
-transformers checkpoint. Load it with layercut:
-
-```python
-import prune
-loaded = prune.load("{name}")   # loaded.model, loaded.tokenizer
-```
-
-or, without layercut installed, with the modeling code it carries (`{code}`):
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)  # reads the wrapped config
-```
-
-Plain `AutoModelForCausalLM.from_pretrained("{name}")` refuses it (model type `{model_type}`): loading
-the kept blocks without {without} would give another model.
-"""
-
-
 def _write_remote_code(staging: Path, blocks_path: str) -> None:
     """Make a folder with maps self-describing: wrapped ``config.json`` and the modeling file it names."""
     config_file = staging / "config.json"
@@ -120,18 +96,6 @@ def _write_remote_code(staging: Path, blocks_path: str) -> None:
     wrapped = hf_remote_code.wrap_config_dict(base, blocks_path)
     config_file.write_text(json.dumps(wrapped, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     shutil.copyfile(hf_remote_code.__file__, staging / hf_remote_code.MODELING_FILE)
-
-
-def _add_card_note(staging: Path, name: str, maps: bool, sublayers: int) -> None:
-    card = staging / "README.md"
-    text = card.read_text(encoding="utf-8")
-    what = [f"replacement maps for the removed blocks in `{REPLACEMENTS_FILE}`"] if maps else []
-    what += [f"{sublayers} removed attention/MLP sub-layer(s), listed in its config as "
-             f"`{hf_remote_code.SUBLAYERS_KEY}`"] if sublayers else []
-    without = " and ".join((["their maps"] if maps else []) + (["the sub-layer removals"] if sublayers else []))
-    note = _CARD_NOTE.format(what=" and ".join(what), name=name, code=hf_remote_code.MODELING_FILE,
-                             model_type=hf_remote_code.MODEL_TYPE, without=without)
-    card.write_text(text + note, encoding="utf-8")
 
 
 # layercut.json of a checkpoint that only layercut and trust_remote_code load: what serves, and what to export instead
@@ -189,12 +153,13 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
                 _write_maps(maps, staging / REPLACEMENTS_FILE)
             if maps or sublayers:
                 _write_remote_code(staging, blocks_path)
-                _add_card_note(staging, Path(out).name, bool(maps), sublayers)
             if extra is not None:
                 extra(staging)
 
         plain = not maps and not sublayers
-        return export_checkpoint(model, tokenizer, out, report, overwrite, write_extra, plain=plain)
+        remote = (bool(maps), sublayers) if maps or sublayers else None
+        return export_checkpoint(model, tokenizer, out, report, overwrite, write_extra, plain=plain,
+                                 remote=remote)
 
 
 def attach_maps_(model: nn.Module, path: str | Path) -> int:

@@ -357,8 +357,44 @@ def use_section(name: str, plain: bool, serving: dict | None = None) -> list[str
     return ["", text.format(name=name, instead=f"`{instead}`").rstrip("\n"), ""]
 
 
+_CARD_NOTE = """
+## Loading
+
+This checkpoint carries {what}, so it is not a plain
+transformers checkpoint. Load it with layercut:
+
+```python
+import prune
+loaded = prune.load("{name}")   # loaded.model, loaded.tokenizer
+```
+
+or, without layercut installed, with the modeling code it carries (`{code}`):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("{name}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("{name}", trust_remote_code=True)  # reads the wrapped config
+```
+
+Plain `AutoModelForCausalLM.from_pretrained("{name}")` refuses it (model type `{model_type}`): loading
+the kept blocks without {without} would give another model.
+"""
+
+
+def remote_code_note(name: str, maps: bool, sublayers: int) -> str:
+    """The card's "Loading" section of a checkpoint that carries modeling code: what it holds, how to load it."""
+    from prune.model import remote_code
+
+    what = [f"replacement maps for the removed blocks in `{remote_code.MAPS_FILE}`"] if maps else []
+    what += [f"{sublayers} removed attention/MLP sub-layer(s), listed in its config as "
+             f"`{remote_code.SUBLAYERS_KEY}`"] if sublayers else []
+    without = " and ".join((["their maps"] if maps else []) + (["the sub-layer removals"] if sublayers else []))
+    return _CARD_NOTE.format(what=" and ".join(what), name=name, code=remote_code.MODELING_FILE,
+                             model_type=remote_code.MODEL_TYPE, without=without)
+
+
 def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite: bool = False, extra=None,
-                      plain: bool = True) -> Path:
+                      plain: bool = True, remote: tuple[bool, int] | None = None) -> Path:
     """Save ``model`` and ``tokenizer`` with ``layercut.json`` and README.md into ``out`` atomically.
 
     Args:
@@ -369,6 +405,8 @@ def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite
         overwrite: replace a non-empty ``out``.
         extra: optional callable ``(staging_folder) -> None`` writing more files (plots, tables).
         plain: the checkpoint loads with plain transformers (the model card says so).
+        remote: ``(maps, sublayers)`` of a checkpoint that carries its modeling code (the card says how to
+            load it); None for one that does not. This module is the card's one author.
     """
     with atomic_directory(out, overwrite) as staging:
         logger.info("saving checkpoint to %s", out)
@@ -381,7 +419,10 @@ def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite
         tokenizer.save_pretrained(staging)
         written = written_report(report, out)  # no path of this machine; the licence read while its files are here
         write_json(staging / REPORT_FILE, written)
-        (staging / "README.md").write_text(model_card(written, plain, Path(out).name), encoding="utf-8")
+        card = model_card(written, plain, Path(out).name)
+        if remote is not None:
+            card += remote_code_note(Path(out).name, *remote)
+        (staging / "README.md").write_text(card, encoding="utf-8")
         if extra is not None:
             extra(staging)
     return Path(out)

@@ -21,7 +21,7 @@ from prune.pipeline.resolve import Amounts
 from prune.replace import parameter_count, replace_blocks_
 from prune.selection.budget import blocks_for_params
 from prune.selection.oracle import removal_cache, run_oracle
-from prune.selection.strategies import STEPS_MEMO, SelectionInput, select_blocks, span_candidates
+from prune.selection.strategies import Chosen, SelectionInput, choose_blocks, span_candidates
 from prune.selection.sublayers import (
     MEASURE_SEQUENCES,
     Unit,
@@ -85,7 +85,15 @@ def planned_blocks(model: nn.Module, calibration: CalibrationData, moments: Stat
     """The blocks ``config.select`` picks for ``amounts`` (none without a drop; ``memo``: ``Scored.memo``)."""
     if amounts.drop is None:
         return []
-    return select_blocks(config.select, selection_input(model, calibration, moments, scores, config, amounts, memo))
+    return chosen_blocks(model, calibration, moments, scores, config, amounts, memo).blocks
+
+
+def chosen_blocks(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
+                  config: PruneConfig, amounts: Amounts, memo: dict | None = None) -> Chosen:
+    """What ``config.select`` chooses for ``amounts``: the blocks and, for a selection that steps, its trace."""
+    if amounts.drop is None:
+        return Chosen([])
+    return choose_blocks(config.select, selection_input(model, calibration, moments, scores, config, amounts, memo))
 
 
 def span_report(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
@@ -122,11 +130,11 @@ def remove_blocks(model: nn.Module, calibration: CalibrationData, moments: State
     budget = block_budget(model, calibration, moments, scores, config, amounts, memo)
     if budget is not None:
         amounts = amounts.with_drop(budget["drop"])
-    memo.pop(STEPS_MEMO, None)
-    dropped = planned_blocks(model, calibration, moments, scores, config, amounts, memo)
+    chosen = chosen_blocks(model, calibration, moments, scores, config, amounts, memo)
+    dropped = chosen.blocks
     sections = {}
-    if memo.get(STEPS_MEMO):  # a selection that steps: what it measured at each step
-        sections["selection"] = memo.pop(STEPS_MEMO)
+    if chosen.trace:  # a selection that steps: what it measured at each step
+        sections["selection"] = chosen.trace
     if dropped and config.select == "span":
         sections["span_scores"] = span_report(model, calibration, moments, scores, config, amounts)
     if dropped:

@@ -10,7 +10,7 @@ import torch
 from prune.measure.least_squares import LinearFit, fit_linear_map, scale_update
 from prune.measure.moments import PairMoments
 from prune.model.layouts import LAYERCUT
-from prune.model.remote_code import LinearMap  # one definition: the one checkpoints carry
+from prune.model.remote_code import LinearMap, build_map  # one definition and builder: the ones checkpoints carry
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import map_on_block, parameter_count
@@ -74,5 +74,5 @@ register_method(Method(
     "linear", "closed-form h -> h A + b per span", serving=LAYERCUT, closed_form=True, offloadable=True,
     options=LinearOptions, fitter=LinearFitter,
     module=LinearMap, spec=lambda module: {"dim": module.proj.in_features},
-    build=lambda spec: LinearMap(spec["dim"]), trained_module=map_on_block,
+    build=build_map, trained_module=map_on_block,
 ))

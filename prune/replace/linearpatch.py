@@ -26,7 +26,7 @@ from torch import nn
 from prune.errors import LayercutError
 from prune.model.adapters import arch_spec
 from prune.model.layouts import LAYERCUT
-from prune.model.remote_code import LinearMap
+from prune.model.remote_code import LinearMap, build_map
 from prune.replace.capture import SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import map_on_block, parameter_count
@@ -112,5 +112,5 @@ register_method(Method(
     check_model=check_linearpatch_architecture,
     # saved as the same module type as ``linear`` (a d x d map), so checkpoints load with either code path
     module=LinearMap, spec=lambda module: {"dim": module.proj.in_features},
-    build=lambda spec: LinearMap(spec["dim"]), trained_module=map_on_block,
+    build=build_map, trained_module=map_on_block,
 ))

@@ -17,7 +17,7 @@ import torch
 from prune.measure.least_squares import fit_linear_map
 from prune.measure.moments import PairMoments
 from prune.model.layouts import LAYERCUT
-from prune.model.remote_code import LowRankMap  # one definition: the one checkpoints carry
+from prune.model.remote_code import LowRankMap, build_map  # one definition and builder: the ones checkpoints carry
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import CachingFitter, Replacement
 from prune.replace.modules import map_on_block, parameter_count
@@ -104,6 +104,6 @@ def spec(module: LowRankMap) -> dict:
 register_method(Method(
     "lowrank", "h -> h + BN(h) U V, rank max(1, d // 100)", serving=LAYERCUT, options=LowRankOptions,
     fitter=LowRankFitter, module=LowRankMap, spec=spec,
-    build=lambda saved: LowRankMap(saved["dim"], saved["rank"], saved["residual"]),
+    build=build_map,
     trained_module=map_on_block, describe=describe,
 ))

@@ -102,8 +102,18 @@ class SelectionInput:
     replace: ReplaceConfig | None = None
 
 
-# memo entry where a selection that steps leaves what each step measured (``layercut.json``'s "selection")
-STEPS_MEMO = "selection-steps"
+@dataclass(frozen=True)
+class Chosen:
+    """What a selection chose: the blocks (or units) and, for a selection that steps, what each step measured.
+
+    Attributes:
+        blocks: the chosen blocks, in the strategy's order.
+        trace: ``layercut.json``'s ``selection`` entry (the selection, its criterion and repair, every step's
+            candidates and costs); None for a selection that does not step.
+    """
+
+    blocks: list[int]
+    trace: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -112,7 +122,7 @@ class Selection:
 
     Attributes:
         name: the ``--select`` value.
-        run: ``(SelectionInput) -> blocks``, the strategy (calling the selection calls it).
+        run: ``(SelectionInput) -> blocks`` (or a :class:`Chosen` with its trace), the strategy.
         help: one line for ``prune.run --select``'s help.
         measures: it runs the model on the calibration rather than reading the scoring pass's scores, so it
             needs the whole model in memory (a skeleton, ``--offload sequential``, cannot run it).
@@ -120,14 +130,19 @@ class Selection:
     """
 
     name: str
-    run: Callable[[SelectionInput], list[int]]
+    run: Callable[[SelectionInput], list[int] | Chosen]
     help: str = ""
     measures: bool = False
     units: bool = False
 
     def __call__(self, inputs: SelectionInput) -> list[int]:
         """The blocks (or units) the strategy chooses."""
-        return self.run(inputs)
+        return self.choose(inputs).blocks
+
+    def choose(self, inputs: SelectionInput) -> Chosen:
+        """The blocks (or units) the strategy chooses, with its trace when it steps."""
+        chosen = self.run(inputs)
+        return chosen if isinstance(chosen, Chosen) else Chosen(list(chosen))
 
 
 SELECTIONS: Registry[Selection] = Registry("selection")
@@ -162,9 +177,15 @@ def selection_help() -> str:
 
 def select_blocks(method: str, inputs: SelectionInput) -> list[int]:
     """Run the named strategy; checks there are enough unprotected blocks first."""
+    return choose_blocks(method, inputs).blocks
+
+
+def choose_blocks(method: str, inputs: SelectionInput) -> Chosen:
+    """Run the named strategy (enough unprotected blocks checked first): its blocks sorted, and its trace."""
     strategy = SELECTIONS.get(method)
     check_enough_free(inputs.count, len(inputs.values), inputs.protected)
-    return sorted(strategy(inputs))
+    chosen = strategy.choose(inputs)
+    return Chosen(sorted(chosen.blocks), chosen.trace)
 
 
 def check_enough_free(count: int, num_blocks: int, protected: Sequence[int]) -> None:
@@ -308,15 +329,13 @@ def _repaired_costs(inputs: SelectionInput, name: str) -> RepairedCosts:
     return RepairedCosts(inputs.model, inputs.token_ids, replace, inputs.batch_size, inputs.memo)
 
 
-def _repaired_greedy(inputs: SelectionInput, criterion: str, name: str) -> list[int]:
+def _repaired_greedy(inputs: SelectionInput, criterion: str, name: str) -> Chosen:
     costs = _repaired_costs(inputs, name)
     free = len(inputs.values) - len(inputs.protected)
     with tqdm(total=sum(free - k for k in range(inputs.count)), desc=name, unit="set") as bar:
         order, steps = greedy_order(costs, inputs.count, inputs.protected, criterion, inputs.memo, bar)
-    if inputs.memo is not None:
-        inputs.memo[STEPS_MEMO] = {"selection": name, "criterion": criterion, "repair": inputs.replace.method
-                                   if inputs.replace is not None else "none", "steps": steps}
-    return order
+    repair = inputs.replace.method if inputs.replace is not None else "none"
+    return Chosen(order, {"selection": name, "criterion": criterion, "repair": repair, "steps": steps})
 
 
 @register_selection("repaired-greedy", "SLEB's loop on the model with each candidate removed and repaired by "

@@ -14,7 +14,7 @@ from prune.measure.scores import get_score
 from prune.model.surgery import drop_blocks_
 from prune.replace import ReplaceConfig, replace_blocks_
 from prune.selection.repaired import RepairedCosts, greedy_order, map_errors, split_rows
-from prune.selection.strategies import STEPS_MEMO, SelectionInput, select_blocks
+from prune.selection.strategies import SelectionInput, choose_blocks, select_blocks
 from tests.helpers import make_tiny_model
 
 IDS = torch.randint(3, 320, (16, 32), generator=torch.Generator().manual_seed(0))
@@ -105,9 +105,10 @@ def selection_input(model, count, protected=(), replace="linear", memo=None):
 def test_repaired_greedy_and_kl_and_once_respect_protection_and_record_their_steps(one_thread):
     model = make_tiny_model("llama", seed=4)
     memo = {}
-    chosen = select_blocks("repaired-greedy", selection_input(model, 2, [0, 3], memo=memo))
-    assert chosen == [1, 2]
-    steps = json.loads(json.dumps(memo[STEPS_MEMO]))  # layercut.json carries it
+    chosen = choose_blocks("repaired-greedy", selection_input(model, 2, [0, 3], memo=memo))
+    assert chosen.blocks == [1, 2]
+    steps = json.loads(json.dumps(chosen.trace))  # layercut.json carries it, a typed return (not the memo)
+    assert "selection-steps" not in memo
     assert steps["selection"] == "repaired-greedy" and steps["repair"] == "linear"
     first, second = steps["steps"]
     assert set(first["costs"]) == {"1", "2"} and set(second["costs"]) == {str(second["drop"])}
