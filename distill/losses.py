@@ -223,7 +223,7 @@ def consecutive_cosine_distance(inputs: LossInputs) -> torch.Tensor:
     """Secretly Linear's regulariser: sum over consecutive student states of ``1 - cos(h_i, h_{i-1})``.
 
     The cosine is taken per token over the hidden dimension and averaged over unmasked tokens.
-    Minimising it pulls each block's output towards the direction of its input (the DESIGN.md form,
+    Minimising it pulls each block's output towards the direction of its input (the paper's form,
     ``lambda * sum(1 - cos(h_i, h_{i-1}))``); the paper reports that this regulariser, used in
     pretraining, lowers its measured linearity scores.
     """

@@ -36,6 +36,39 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 @pytest.fixture(scope="session")
+def novel_stream(tiny_tokenizer) -> torch.Tensor:
+    """The shipped novel (``--data builtin``) as the tiny tokenizer's token stream: 680 kB tokenised once a session."""
+    from prune.data.calibration import default_corpus_text
+    from prune.data.windows import token_stream
+
+    return token_stream(tiny_tokenizer, [default_corpus_text()])
+
+
+@pytest.fixture
+def tokenised_novel(monkeypatch, tiny_tokenizer, novel_stream):
+    """``prune.data.calibration`` reads the novel's tokens from :func:`novel_stream` rather than tokenising it again.
+
+    Only the novel, read whole by a tokenizer equal to the tiny one, is served from the session's copy (the same
+    ids: it was made by the same function); any other text is tokenised as usual.
+    """
+    import prune.data.calibration as calibration
+
+    real, novel = calibration.token_stream, calibration.default_corpus_text()
+    vocabulary = tiny_tokenizer.backend_tokenizer.to_str()
+
+    def token_stream(tokenizer, documents, **kwargs):
+        documents = list(documents)
+        same_tokenizer = getattr(tokenizer, "backend_tokenizer", None) is not None and (
+            tokenizer is tiny_tokenizer or tokenizer.backend_tokenizer.to_str() == vocabulary)
+        if same_tokenizer and not kwargs.get("special_tokens") and documents == [novel]:
+            return novel_stream.clone()
+        return real(tokenizer, documents, **kwargs)
+
+    monkeypatch.setattr(calibration, "token_stream", token_stream)
+    return tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
 def sample_text() -> str:
     return _TEXT * 40
 

@@ -38,7 +38,7 @@ from prune.checkpoint.save_load import load
 from prune.data.calibration import BUILTIN, DataConfig, calibration_data
 from prune.errors import LayercutError
 from prune.loading.offload import load_offloaded
-from prune.measure.blockwise import stream_moments_sequential
+from prune.measure.blockwise import stream_moments_blockwise
 from prune.measure.moments import stream_moments
 from prune.measure.scores import block_scores
 from prune.memory import peak_rss_bytes, reset_peak_rss
@@ -72,7 +72,7 @@ def run_method(method: str, model, token_ids: torch.Tensor, batch_size: int) -> 
         moments = stream_moments(model, token_ids, batch_size=batch_size, progress=False)
         return block_scores(moments, ["linearity"])["linearity"]
     if method == "sequential":  # what --offload sequential runs: each block scored, then its statistics freed
-        moments = stream_moments_sequential(model, token_ids, batch_size=batch_size, progress=False,
+        moments = stream_moments_blockwise(model, token_ids, batch_size=batch_size, progress=False,
                                             scores=["linearity"])
         return block_scores(moments, ["linearity"])["linearity"]
     if method == "stored":
@@ -164,7 +164,7 @@ def measure_time_ratio(loaded, tokens: int, seq_len: int, batch_size: int, repea
     }
 
 
-def measure_sequential(model: str, device: str, tokens: int, seq_len: int, batch_size: int, repeats: int,
+def measure_blockwise(model: str, device: str, tokens: int, seq_len: int, batch_size: int, repeats: int,
                        data: str | None = None) -> dict:
     """Block-by-block scoring from a skeleton against the in-memory pass: time (interleaved), equality, sizes.
 
@@ -285,7 +285,7 @@ def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int
         token_counts: token counts of the memory rows.
         methods: memory rows to run (``streamed``, ``sequential``, ``stored``, ``plain``), each in a fresh
             process; ``sequential`` also times the block-by-block pass against the in-memory one
-            (:func:`measure_sequential`, into ``timing["sequential"]``).
+            (:func:`measure_blockwise`, into ``timing["sequential"]``).
         end_to_end_drop: blocks removed in the end-to-end rows (:func:`measure_end_to_end`, ``repeats``
             rounds over ``data``); 0 skips them.
 
@@ -297,7 +297,7 @@ def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int
     timing = measure_time_ratio(loaded, time_tokens, data.seq_len, batch_size, repeats, data.data)
     del loaded
     if "sequential" in methods:
-        timing["sequential"] = measure_sequential(model, device, time_tokens, data.seq_len, batch_size, repeats,
+        timing["sequential"] = measure_blockwise(model, device, time_tokens, data.seq_len, batch_size, repeats,
                                                   data.data)
     cells = [(tokens, method) for tokens in token_counts for method in methods]
     rows = [measure_memory(model, device, method, tokens, data.seq_len, batch_size, data.data)

@@ -14,7 +14,7 @@ the statistics; a 70B model scores on one 24 GB GPU, or on a CPU with less RAM t
 
 The statistics equal the in-memory pass's (``prune.measure.moments.stream_moments``): each state is folded in
 batch by batch in the same order, and a block called on the states it would have been called on
-inside the model gives the same values (``tests/test_sequential.py``).
+inside the model gives the same values (``tests/prune/measure/test_blockwise.py``).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _partners(pairs: list[tuple[int, int]], cosine_pairs: str, count: int) -> di
 
 
 @torch.no_grad()
-def stream_moments_sequential(
+def stream_moments_blockwise(
     model: nn.Module,
     token_ids: torch.Tensor | None = None,
     *,
@@ -216,5 +216,5 @@ def _score_block(moments: StateMoments, block: int, names: list[str]) -> None:
 def stream_any(model: nn.Module, token_ids: torch.Tensor, **options) -> StateMoments:
     """Statistics of ``model`` over ``token_ids``: block by block for a skeleton, else in one pass per batch."""
     if is_offloaded(model):
-        return stream_moments_sequential(model, token_ids, **options)
+        return stream_moments_blockwise(model, token_ids, **options)
     return stream_moments(model, token_ids, **options)

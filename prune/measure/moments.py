@@ -339,7 +339,7 @@ def stream_moments(
     """
     if is_offloaded(model):
         raise LayercutError("this pass runs the whole model, and its blocks are offloaded: use "
-                            "prune.measure.blockwise.stream_moments_sequential, or --offload none")
+                            "prune.measure.blockwise.stream_moments_blockwise, or --offload none")
     count = num_blocks(model) * (1 if mlp_contribution is None else 2)
     moments = StateMoments(count + 1, adjacent_pairs(count) if pairs is None else pairs, cosine_pairs, stats_device,
                            precision)

@@ -144,6 +144,6 @@ def block_scores(moments: StateMoments, names: list[str] | None = None) -> dict[
     if any(gram is None for gram in moments.grams[:-1]):
         missing = [name for name in names if name not in moments.early_scores]
         raise LayercutError(f"the block-by-block pass freed its statistics without taking {', '.join(missing)}: "
-                            "pass every score wanted to prune.measure.blockwise.stream_moments_sequential(scores=...)")
+                            "pass every score wanted to prune.measure.blockwise.stream_moments_blockwise(scores=...)")
     blocks = range(moments.num_states - 1)
     return {name: [get_score(name).compute(moments, b) for b in blocks] for name in names}

@@ -21,7 +21,7 @@ from prune.checkpoint.write import REPORT_FILE, library_versions, written_report
 from prune.data.calibration import CalibrationData, calibration_data, check_sources
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel, load_config
-from prune.measure.blockwise import stream_moments_sequential
+from prune.measure.blockwise import stream_moments_blockwise
 from prune.measure.heldout import heldout_report, packed_perplexity
 from prune.measure.moments import StateMoments, stream_moments
 from prune.measure.score_report import plot_linearity_profile, score_table
@@ -114,7 +114,7 @@ def score_model(model, calibration: CalibrationData, config: PruneConfig,
     """One streamed pass; every registered score for every block."""
     check_enough_tokens(calibration.num_tokens, hidden_size(model))
     if is_offloaded(model):  # block by block, each block's scores taken and its statistics freed at once
-        moments = stream_moments_sequential(model, calibration.token_ids, batch_size=config.batch_size,
+        moments = stream_moments_blockwise(model, calibration.token_ids, batch_size=config.batch_size,
                                             cosine_pairs=cosine_pairs or needed_cosine_pairs(config),
                                             scores=list(SCORES))
     else:

@@ -188,7 +188,7 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
     that need nothing but a span's (input, output) moments can run this way: the others read activations
     inside blocks, or the surgered model's outputs, which a skeleton never holds.
     """
-    from prune.measure.blockwise import stream_moments_sequential
+    from prune.measure.blockwise import stream_moments_blockwise
 
     if config.fit != "independent":
         raise LayercutError("--offload sequential fits every span on the original model's states: use --fit "
@@ -211,7 +211,7 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
 
     # the batches of the capture pass, without its progress bar: the block-by-block pass shows its own
     batches = list(_batches(token_ids, dataclasses.replace(config, progress=False), ""))
-    stream_moments_sequential(model, batches=batches, pairs=list(by_pair), cosine_pairs="none",
+    stream_moments_blockwise(model, batches=batches, pairs=list(by_pair), cosine_pairs="none",
                               progress=config.progress, after_block=fit_ending_here, observed=needed)
     shared = (time.perf_counter() - started) / len(fitters)
     for replacement in done.values():

@@ -245,7 +245,7 @@ def describe_replacement(record: dict) -> str:
         added += f", {record['fit']} fit"
     if isinstance(record.get("fit_seconds"), (int, float)):
         added += f", {record['fit_seconds']:.1f}s"
-    if record.get("where"):
+    if record.get("where") in ("before", "after"):  # a map's side of the cut (a fold says where it went already)
         added += f", placed {record['where']}"
     if isinstance(record.get("tokens"), int):
         added += f", fitted on {record['tokens']:,} tokens"

@@ -12,7 +12,7 @@ it measures the model, whether it ranks sub-layers); ``prune.run --select``'s he
 
 By default the first and the last block are protected: the first turns token embeddings into the
 working representation and the last prepares the state for the LM head, and removing either one
-breaks small models (see DESIGN.md, SmolLM2 figures).
+breaks small models.
 """
 
 from __future__ import annotations

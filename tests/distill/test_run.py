@@ -143,7 +143,7 @@ def test_cli_inf_weights_exit_2_before_training(pair, tmp_path, capsys):
     argv[1] = str(tmp_path / "broken")
     assert main(argv) == 2
     message = _error(capsys)
-    # refused on load, naming the file and the tensor, before a step runs (a NaN loss mid-run: tests/test_faults.py)
+    # refused on load, naming the file and the tensor, before a step runs (a NaN loss mid-run: journeys/test_faults)
     assert "broken/model.safetensors holds NaN or inf in model.layers.1.mlp.down_proj.weight" in message
     assert "\n" not in message and not (tmp_path / "out").exists()
 

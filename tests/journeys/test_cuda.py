@@ -1,6 +1,6 @@
 """The GPU paths users run on: bf16, accelerate device maps, blocks split over devices, bitsandbytes 4/8-bit.
 
-CI has no GPU, so these skip there; run ``pytest tests/test_cuda.py`` on a CUDA machine. Each run prunes,
+CI has no GPU, so these skip there; run ``pytest tests/journeys/test_cuda.py`` on a CUDA machine. Each run prunes,
 replaces and exports on the GPU, then reloads the export and checks it is the same model as on the CPU,
 maps included: a GPU path that silently dropped a map or a block would measure another model.
 """

@@ -38,3 +38,28 @@ def test_import_prune_run_loads_no_model_code():
         assert not model_code, f"{when}: {model_code[:5]}"
         heavy = sorted({m.split(".")[0] for m in modules} & set(HEAVY))
         assert not heavy, f"{when} imports {heavy}: import them inside the functions that use them"
+
+
+# A room's package holds its docstring only (prune.replace alone imports its methods, so that they register):
+# importing one is free, whatever its modules need.
+ROOMS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import prune.checkpoint
+    import prune.data
+    import prune.loading
+    import prune.measure
+    import prune.model
+    import prune.pipeline
+    import prune.planner
+    import prune.selection
+    print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("prune", "torch"))))
+""")
+
+
+def test_the_rooms_packages_import_nothing():
+    done = subprocess.run([sys.executable, "-c", ROOMS_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          check=True)
+    loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    rooms = ["prune." + room for room in ("checkpoint", "data", "loading", "measure", "model", "pipeline", "planner",
+                                          "selection")]
+    assert loaded == sorted(["prune", "prune.errors", *rooms]), "a room's __init__ imports a module"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pkgutil
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,10 @@ def test_the_library_modules_do_not_import_the_cli():
     assert done.stdout.strip().splitlines()[-1] == "False"
 
 
-def test_python_dash_m_eval_bench_lists_the_subcommands():
-    done = subprocess.run([sys.executable, "-m", "eval.bench", "--help"], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
-    assert done.returncode == 0, done.stderr
-    assert "{replace,scoring,serving,speed,teacher-cache}" in done.stdout
+def test_python_dash_m_eval_bench_lists_the_subcommands(capsys, monkeypatch):
+    """``python -m eval.bench --help``, run in this process: ``__main__`` reaches the CLI, which exits 0."""
+    monkeypatch.setattr(sys, "argv", ["eval.bench", "--help"])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_module("eval.bench", run_name="__main__")
+    assert done.value.code == 0
+    assert "{replace,scoring,serving,speed,teacher-cache}" in capsys.readouterr().out

@@ -52,7 +52,7 @@ def test_replacement_checkpoint_round_trip(tmp_path, model_type, method, dropped
     assert loaded.model.config.layercut_replacements == records
     cls = LinearMap if method == "linear" else LowRankMap
     assert [type(m) for m in replacement_modules(loaded.model)] == [cls] * len(records)
-    # plain transformers must not read the folder as the kept blocks without the maps (tests/test_remote_code.py)
+    # plain transformers must not read the folder as the kept blocks without the maps (model/test_remote_code.py)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "layercut" and config["base_model_type"] == model_type
     assert (out / "modeling_layercut.py").is_file()

@@ -13,8 +13,8 @@ def test_builtin_corpus_is_real_english_text():
     assert len(text) > 500_000 and "Elizabeth" in text and "Darcy" in text
 
 
-def test_same_seed_same_tokens_other_seed_other_tokens():
-    tok = make_tiny_tokenizer()
+def test_same_seed_same_tokens_other_seed_other_tokens(tokenised_novel, novel_stream):
+    tok = tokenised_novel  # the novel tokenised once a session (conftest), not once per call
     a = calibration_data(tok, DataConfig("builtin", samples=6, seq_len=64, seed=3)).token_ids
     b = calibration_data(tok, DataConfig("builtin", samples=6, seq_len=64, seed=3)).token_ids
     c = calibration_data(tok, DataConfig("builtin", samples=6, seq_len=64, seed=4)).token_ids
@@ -23,6 +23,8 @@ def test_same_seed_same_tokens_other_seed_other_tokens():
     assert not torch.equal(a, c)
     # Packed windows are distinct slices of the token stream.
     assert len({tuple(row.tolist()) for row in a}) == 6
+    windows = {tuple(row.tolist()) for row in novel_stream[: novel_stream.numel() // 64 * 64].view(-1, 64)}
+    assert {tuple(row.tolist()) for row in a} <= windows
 
 
 def test_local_files(tmp_path):

@@ -3,15 +3,8 @@
 import pytest
 import torch
 
-from prune.data.calibration import (
-    DataConfig,
-    _top_p_sample,
-    calibration_data,
-    load_documents,
-    parse_sources,
-    sample_sequences,
-    shares,
-)
+from prune.data.calibration import DataConfig, _top_p_sample, calibration_data, load_documents, sample_sequences
+from prune.data.sources import parse_sources, shares
 from prune.errors import LayercutError
 from tests.helpers import make_tiny_model, make_tiny_tokenizer
 
@@ -44,6 +37,8 @@ def test_weights_are_normalised_and_default_to_equal_shares(two_texts):
                                                   (None, 0.5)]
     assert [s.weight for s in parse_sources(f"{a},{b},self")] == pytest.approx([1 / 3] * 3)
     assert dict(parse_sources("self:temperature=0.7:top_p=0.5")[0].sampling) == {"temperature": 0.7, "top_p": 0.5}
+    assert [s.label() for s in mixed] == [str(a), "wikitext:wikitext-2-raw-v1:train", "builtin"]
+    assert parse_sources("self:top_p=0.5:batch=8")[0].label() == "self(temperature=1, top_p=0.5, batch=8)"
     assert shares(8, [0.75, 0.25]) == [6, 2] and shares(10, [1 / 3] * 3) == [4, 3, 3]
     assert shares(0, [0.5, 0.5]) == [0, 0]
 
@@ -66,6 +61,9 @@ def test_bad_spellings_are_one_line_errors(spec, message):
     with pytest.raises(LayercutError, match=None) as err:
         DataConfig(data=spec)
     assert message in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(LayercutError) as parsed:  # the parser's own error, unchanged by DataConfig
+        parse_sources(spec)
+    assert str(parsed.value) == str(err.value)
 
 
 def test_mixture_draws_each_source_in_proportion_and_keeps_heldout_disjoint(two_texts):
@@ -190,13 +188,13 @@ def test_prune_run_self_calibration(tiny_folder, tmp_path, capsys, one_thread):
     assert data["source"].startswith("self(") and data["tokens"] == 8 * 32
 
 
-def test_the_default_calibration_is_half_the_novel_half_the_models_own_text():
+def test_the_default_calibration_is_half_the_novel_half_the_models_own_text(tokenised_novel):
     from prune.data.calibration import DEFAULT_DATA, SELF, _source_seed
 
     config = DataConfig(samples=6, seq_len=32, heldout_samples=2)
     assert config.data == DEFAULT_DATA  # spelled out: reports and resumed comparisons name it
     assert [(s.spec, s.weight) for s in config.sources] == [(None, 0.5), (SELF, 0.5)]
-    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    tok, model = tokenised_novel, make_tiny_model("llama")  # the novel tokenised once a session (conftest)
     data = calibration_data(tok, config, model=model)
     assert [(p["samples"], p["heldout"]) for p in data.mixture] == [(3, 1), (3, 1)]
     # the second half is the model's own text: the 3 + 1 sequences it samples with the source's seed

@@ -11,7 +11,7 @@ from prune.checkpoint.save_load import load
 from prune.data.calibration import DataConfig
 from prune.errors import LayercutError
 from prune.loading.offload import load_offloaded
-from prune.measure.blockwise import stream_moments_sequential
+from prune.measure.blockwise import stream_moments_blockwise
 from prune.measure.moments import stream_moments
 from prune.measure.scores import SCORES, block_scores
 from prune.model.adapters import get_blocks, is_offloaded
@@ -33,7 +33,7 @@ def _saved(model_type: str, folder):
 def test_block_by_block_statistics_equal_the_in_memory_pass(model_type, one_thread):
     model = make_tiny_model(model_type)
     whole = stream_moments(model, IDS, batch_size=4, progress=False)
-    layered = stream_moments_sequential(model, IDS, batch_size=4, progress=False)
+    layered = stream_moments_blockwise(model, IDS, batch_size=4, progress=False)
     assert layered.n == whole.n == IDS.numel()
     for i in range(whole.num_states):
         assert torch.equal(layered.grams[i], whole.grams[i])
@@ -50,7 +50,7 @@ def test_a_skeleton_scores_as_the_loaded_model(model_type, tmp_path, one_thread)
     assert is_offloaded(skeleton)
     assert all(p.is_meta for p in get_blocks(skeleton)[1].parameters())
     whole = block_scores(stream_moments(model, IDS, batch_size=4, progress=False))
-    early = stream_moments_sequential(skeleton, IDS, batch_size=4, progress=False, scores=list(SCORES))
+    early = stream_moments_blockwise(skeleton, IDS, batch_size=4, progress=False, scores=list(SCORES))
     assert block_scores(early) == whole
     # each state's statistics were freed once its block was scored; the blocks went back to the meta device
     assert all(gram is None for gram in early.grams[:-1]) and not early.cross
@@ -116,7 +116,7 @@ def test_skeleton_keeps_one_block_in_memory_at_a_time(tmp_path, one_thread):
 
     for block in blocks:
         block.register_forward_pre_hook(count)
-    stream_moments_sequential(skeleton, IDS, batch_size=4, progress=False)
+    stream_moments_blockwise(skeleton, IDS, batch_size=4, progress=False)
     per_block = sum(1 for _ in blocks[0].parameters())
     assert resident and max(resident) == per_block
 
@@ -139,7 +139,7 @@ def test_what_a_skeleton_cannot_run_is_refused_before_loading(capsys, tiny_folde
 def test_span_cosines_and_quantized_skeletons_are_refused(tmp_path):
     _saved("llama", tmp_path)
     with pytest.raises(LayercutError, match="every pair"):
-        stream_moments_sequential(make_tiny_model("llama"), IDS, cosine_pairs="all")
+        stream_moments_blockwise(make_tiny_model("llama"), IDS, cosine_pairs="all")
     with pytest.raises(LayercutError, match="load-in-4bit"):
         load_offloaded(str(tmp_path), load_in_4bit=True)
 
@@ -158,7 +158,7 @@ def test_smollm2_scores_block_by_block_as_in_memory():
     skeleton = LoadConfig(model="smollm2-135m", offload="sequential").load()
     ids = torch.randint(0, 49152, (8, 256), generator=torch.Generator().manual_seed(0))
     expected = block_scores(stream_moments(whole.model, ids, batch_size=4, progress=False))
-    got = block_scores(stream_moments_sequential(skeleton.model, ids, batch_size=4, progress=False,
+    got = block_scores(stream_moments_blockwise(skeleton.model, ids, batch_size=4, progress=False,
                                                  scores=list(SCORES)))
     worst = max(abs(a - b) for name in expected for a, b in zip(expected[name], got[name], strict=True))
     assert worst <= 1e-6

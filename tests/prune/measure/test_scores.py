@@ -133,7 +133,7 @@ def test_linearity_equals_least_squares_on_real_smollm2_states():
         # n = 2560 > d = 576 tokens: X has full column rank and QR (gelsy) solves it exactly and fast.
         assert scores["linearity"][block] == pytest.approx(lstsq_linearity(x, y, "gelsy"), abs=1e-6)
         assert scores["linearity-nores"][block] == pytest.approx(lstsq_linearity(x, y - x, "gelsy"), abs=1e-6)
-    # The shape DESIGN.md reports: middle blocks ~0.9996 with the residual, much lower without.
+    # The shape the Secretly Linear paper reports: middle blocks ~0.9996 with the residual, much lower without.
     assert min(scores["linearity"][12:19]) > 0.999
     assert max(scores["linearity-nores"][12:19]) < 0.8
 

@@ -29,8 +29,17 @@ from prune.planner.estimate import (
     refusal,
 )
 from prune.planner.inputs import DistillSpec, PlanInput
-from prune.planner.memory import weight_bytes
+from prune.planner.memory import CPU_BASELINE_BYTES, CUDA_CONTEXT_BYTES, weight_bytes
 from prune.planner.shape import shape_of_config, shape_of_model
+from prune.planner.stages import (
+    DISK_BYTES_PER_S,
+    compute_devices,
+    stage_distillation,
+    stage_fitting,
+    stage_load,
+    stage_scoring,
+    stage_teacher_cache,
+)
 from tests.helpers import TINY_CONFIGS, make_tiny_model, run_prune_cli
 
 LLAMA3_8B = dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
@@ -250,3 +259,30 @@ def test_smollm2_estimate_within_20_percent_of_the_measured_peak(tmp_path):
                              capture_output=True, text=True, check=True)
     estimate = json.loads((tmp_path / "p").read_text())["peak"]["cpu"]
     assert 0.8 < estimate / measured < 1.2, (estimate, measured, planned.stdout)
+
+
+def test_each_stage_holds_its_parts_on_each_device_and_a_stage_not_run_is_none():
+    shape = shape_of_config(LlamaConfig(**LLAMA3_8B))
+    on_cpu = PlanInput(model="llama-3-8b", drop=4, checkpoint_dtype="bfloat16")
+    two_gpus = dataclasses.replace(on_cpu, hardware=Hardware(gpus=2, gpu_memory=80e9, host_memory=256e9))
+    assert compute_devices(on_cpu) == ["cpu"] and compute_devices(two_gpus) == ["cuda:0", "cuda:1"]
+    load = stage_load(shape, on_cpu)
+    assert load.devices == {"cpu": {"python + torch": CPU_BASELINE_BYTES,
+                                    "weights": weight_bytes(shape, on_cpu, shape.layers)}}  # float32 on a CPU
+    assert load.seconds == pytest.approx(shape.total * 2 / DISK_BYTES_PER_S)  # the bfloat16 checkpoint read once
+    spread = stage_load(shape, two_gpus)
+    assert spread.devices["cpu"] == {"python + torch": CPU_BASELINE_BYTES}
+    assert [spread.devices[gpu]["CUDA context"] for gpu in ("cuda:0", "cuda:1")] == [CUDA_CONTEXT_BYTES] * 2
+    assert spread.devices["cuda:0"]["weights"] + spread.devices["cuda:1"]["weights"] == weight_bytes(
+        shape, two_gpus, shape.layers)
+    # offload sequential holds one block, not the model
+    streamed = dataclasses.replace(on_cpu, offload="sequential")
+    assert stage_scoring(shape, streamed).peak("cpu") < stage_scoring(shape, on_cpu).peak("cpu") / 4
+    assert stage_fitting(shape, on_cpu) is None  # --replace none fits nothing
+    assert stage_fitting(shape, dataclasses.replace(on_cpu, replace="linear")).name == "fitting"
+    assert stage_distillation(shape, on_cpu) is None and stage_teacher_cache(shape, on_cpu) is None
+    cached = dataclasses.replace(on_cpu, distill=DistillSpec(steps=10, teacher_cache=16))
+    assert stage_teacher_cache(shape, cached).name == "teacher cache"
+    assert "teacher" not in stage_distillation(shape, cached).devices["cpu"]  # the cache stands in for it
+    assert "teacher" in stage_distillation(shape, dataclasses.replace(cached, distill=DistillSpec(steps=10))).devices[
+        "cpu"]

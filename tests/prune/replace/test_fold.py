@@ -6,9 +6,11 @@ from transformers import AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
 import prune
+from prune.errors import LayercutError
 from prune.model.adapters import block_part, get_blocks
 from prune.model.capture import block_output
 from prune.replace import ReplaceConfig, replace_blocks_
+from prune.replace.fold import FoldOptions, check_foldable, mlp_output_projection
 from tests.helpers import make_tiny_model, make_tiny_tokenizer
 
 FOLDABLE = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "opt", "gpt2", "gpt_neox"]
@@ -106,3 +108,13 @@ def test_sequential_fold_only_changes_later_spans():
     weights = [[block_part(b, m, "mlp_out").weight for b in get_blocks(m)[1]] for m in (independent, sequential)]
     torch.testing.assert_close(weights[0][0], weights[1][0])  # the first span sees the original inputs
     assert not torch.allclose(weights[0][1], weights[1][1], atol=1e-5)  # the second sees the folded block 0
+
+
+def test_the_projection_a_fold_writes_and_the_spans_it_refuses():
+    llama, gpt2 = make_tiny_model("llama"), make_tiny_model("gpt2")
+    assert mlp_output_projection(llama, get_blocks(llama)[1][1]) is get_blocks(llama)[1][1].mlp.down_proj
+    assert isinstance(mlp_output_projection(gpt2, get_blocks(gpt2)[1][2]), Conv1D)  # GPT-2's c_proj
+    check_foldable(llama, [(2, 3)])
+    with pytest.raises(LayercutError, match="span starting at block 0 has no previous block"):
+        check_foldable(llama, [(2,), (0, 1)])
+    assert (FoldOptions().update_scale, FoldOptions().ridge) == (0.7, 0.0)

@@ -4,7 +4,7 @@ A toy method with one toy option, registered here, gets its ``prune.run`` flag, 
 checks and the one-line refusal for other methods without any other file changing.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
 
@@ -22,6 +22,7 @@ from prune.replace import (
     unset_options,
 )
 from prune.replace.lowrank import LowRankOptions
+from prune.replace.options import NO_NEUTRAL, OptionSpec, is_unset, ridge_option, spec_of
 from prune.run import build_parser, config_from_args
 
 
@@ -98,3 +99,23 @@ def test_the_built_in_options_keep_their_flags_and_recipe_keys():
     assert ReplaceConfig(method="block").to_dict() == {
         "method": "block", "fit": "independent", "short": 0, "batch_size": 4, "cache_bytes": 1 << 30, "seed": 0,
         "progress": True, "rank": None, "ridge": 0.0, "steps": 200, "lr": 1e-4, "update_scale": None}
+
+
+def test_an_option_spec_checks_given_values_and_lets_the_unset_one_through():
+    spec = OptionSpec("a share", flag="--share", check=lambda v: 0 < v <= 1, expect="must be in (0, 1]", unset=None)
+    spec.validate(0.5)
+    spec.validate(None)  # not given: never checked
+    assert is_unset(None, spec) and not is_unset(0.5, spec) and spec.neutral is NO_NEUTRAL
+    with pytest.raises(LayercutError, match=r"^--share must be in \(0, 1\], got 2$"):
+        spec.validate(2)
+    assert OptionSpec("no flag", label="the thing").name_in_messages == "the thing"
+
+    @dataclass
+    class Plain(MethodOptions):
+        ridge: float = ridge_option()
+        loose: int = 3  # not made by option(): a declaration error, found when its spec is read
+
+    declared = {item.name: item for item in fields(Plain)}
+    assert spec_of(declared["ridge"]).flag == "--ridge"
+    with pytest.raises(TypeError, match="option field 'loose' needs its metadata"):
+        spec_of(declared["loose"])

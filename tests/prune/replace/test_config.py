@@ -1,0 +1,43 @@
+"""``ReplaceConfig``: a recipe's ``replace:`` section, the method's options resolved and readable flat."""
+
+import dataclasses
+
+import pytest
+
+from prune.errors import LayercutError
+from prune.replace.config import DEFAULT_CACHE_BYTES, ReplaceConfig
+from prune.replace.linear import LinearOptions
+
+
+def test_options_are_resolved_with_the_methods_defaults_and_read_flat():
+    config = ReplaceConfig(method="linear", ridge=0.1)
+    assert isinstance(config.options, LinearOptions)
+    assert (config.ridge, config.update_scale, config.short) == (0.1, 0.7, 64)  # linear's defaults filled in
+    assert config.rank is None and config.steps is None  # options linear does not take read as unset
+    assert config.cache_bytes == DEFAULT_CACHE_BYTES == 1 << 30
+    with pytest.raises(AttributeError, match="has no attribute 'rank_of_nothing'"):
+        config.rank_of_nothing  # noqa: B018
+    assert ReplaceConfig(method="block").short == 0
+
+
+def test_to_dict_is_flat_and_covers_every_recipe_key():
+    config = ReplaceConfig(method="lowrank", rank=4)
+    flat = config.to_dict()
+    assert flat["method"] == "lowrank" and flat["rank"] == 4 and flat["update_scale"] is None
+    assert "options" not in flat
+    assert set(ReplaceConfig.recipe_keys()) == set(flat) | {"options"}
+    # an options object or a mapping is taken as given, the keywords winning over it
+    again = ReplaceConfig(method="lowrank", options=config.options, rank=2)
+    assert again.rank == 2 and again.steps == config.steps
+    assert dataclasses.replace(config, seed=3).rank == 4
+
+
+@pytest.mark.parametrize("values,message", [
+    (dict(fit="sideways"), "unknown --fit 'sideways'"),
+    (dict(short=1), "--fit-short takes a sequence length of at least 2"),
+    (dict(batch_size=-1), "--batch-size must be positive"),
+])
+def test_bad_settings_are_one_line_errors(values, message):
+    with pytest.raises(LayercutError, match=message) as err:
+        ReplaceConfig(method="linear", **values)
+    assert "\n" not in str(err.value)
