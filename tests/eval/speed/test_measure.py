@@ -7,17 +7,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 import eval.speed.measure as speed
 from eval.bench.cli import SUBCOMMANDS, main
-from eval.speed.measure import (
-    SpeedOptions,
-    Spread,
-    checkpoint_bytes,
-    greedy_decode,
-    ideal_speedup,
-    measure_speed,
-    peak_memory_inprocess,
-    peak_memory_subprocess,
-    weights_bytes,
-)
+from eval.speed.measure import SpeedOptions, Spread, checkpoint_bytes, greedy_decode, measure_speed, weights_bytes
 from prune.checkpoint.save_load import load
 from prune.errors import LayercutError
 from prune.replace import parameter_count
@@ -59,23 +49,11 @@ def save(tmp_path, name: str, blocks: int, with_tokenizer: bool = True):
 SMALL = SpeedOptions(prompt_len=12, new_tokens=4, repeats=3, warmup=1)
 
 
-def test_spread_of_samples():
-    spread = Spread.of([5.0, 1.0, 4.0, 2.0, 3.0])
-    assert (spread.median, spread.min, spread.max, spread.q1, spread.q3) == (3.0, 1.0, 5.0, 2.0, 4.0)
-    assert Spread.of([7.0]) == Spread(7.0, 7.0, 7.0, 7.0, 7.0)
-
-
 def test_options_are_validated():
     with pytest.raises(LayercutError, match="repeats"):
         SpeedOptions(repeats=0)
     with pytest.raises(LayercutError, match="warmup"):
         SpeedOptions(warmup=-1)
-
-
-def test_ideal_speedup():
-    assert ideal_speedup(30, 26) == pytest.approx(30 / 26)
-    with pytest.raises(LayercutError):
-        ideal_speedup(30, 0)
 
 
 def test_greedy_decode_with_cache_matches_generate():
@@ -135,33 +113,6 @@ def test_sizes(tmp_path):
     assert weights_bytes(model) >= 4 * parameter_count(model)
 
 
-def test_peak_memory_inprocess_counts_weights():
-    model = tiny_llama(2)
-    peak, method = peak_memory_inprocess(model, SMALL)
-    assert peak >= weights_bytes(model)
-    assert method.startswith("cpu")
-
-
-def test_peak_memory_subprocess_grows_with_the_model(tmp_path):
-    sizes = {}
-    for blocks in (1, 12):
-        torch.manual_seed(0)
-        config = AutoConfig.for_model(
-            "llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=1024, num_hidden_layers=blocks,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        )  # fmt: skip
-        model = AutoModelForCausalLM.from_config(config)
-        model.save_pretrained(tmp_path / str(blocks))
-        tiny_tokenizer().save_pretrained(tmp_path / str(blocks))
-        peak, method = peak_memory_subprocess(str(tmp_path / str(blocks)), SMALL)
-        sizes[blocks] = (peak, weights_bytes(model))
-        assert "fresh process" in method
-    # 11 more blocks of ~0.8 MiB each: the peak grows by at least their weights, and not by hundreds of MiB
-    extra_weights = sizes[12][1] - sizes[1][1]
-    assert 0.8 * extra_weights <= sizes[12][0] - sizes[1][0] < extra_weights + 200 * 1024**2
-    assert sizes[12][0] >= sizes[12][1]
-
-
 def test_folder_without_tokenizer(tmp_path):
     bare = save(tmp_path, "bare", 2, with_tokenizer=False)
     with pytest.raises(LayercutError, match="has no tokenizer files") as info:
@@ -208,19 +159,3 @@ def test_bench_bad_input_is_one_line(tmp_path, capsys):
 def test_bench_has_a_subcommand_registry():
     assert "speed" in SUBCOMMANDS
     assert callable(SUBCOMMANDS["speed"].add_arguments) and callable(SUBCOMMANDS["speed"].run)
-
-
-def test_noisy_timings_are_flagged():
-    def model(name, prefill, decode):
-        return speed.ModelSpeed(name, 2, 10, 40, None, Spread.of(prefill), Spread.of(decode), [1.0] * len(prefill),
-                                [1.0] * len(decode), None, None)
-
-    steady = model("base", [100, 101, 99], [50, 50, 51])
-    wild = model("cut", [87, 292, 150], [60, 61, 60])  # 8.7-29.2-like spread
-    ratio = speed.speed_ratio(steady, wild)
-    comparison = speed.SpeedComparison(steady, [wild], [ratio], SpeedOptions(), "cpu", 2)
-    lines = speed.noise_warnings(comparison)
-    assert any(line.startswith("cut prefill: 87.0-292.0 tokens/s") for line in lines)
-    assert not any("decode" in line and line.startswith("cut decode:") for line in lines)
-    steady_only = speed.SpeedComparison(steady, [], [], SpeedOptions(), "cpu", 2)
-    assert speed.noise_warnings(steady_only) == []
