@@ -303,7 +303,7 @@ def _source_config(src: Path) -> tuple[dict, list[dict]]:
                             "checkpoint needs no DeciLM layout, vLLM and llama.cpp serve it as it is")
     base = hf_remote_code.unwrap_config_dict(wrapped)
     maps = [r for r in base.get(hf_remote_code.RECORDS_KEY) or []
-            if isinstance(r, dict) and r.get("method", r.get("kind")) in hf_remote_code.MAP_TYPES]
+            if isinstance(r, dict) and (r.get("maps") or r.get("method", r.get("kind")) in hf_remote_code.MAP_TYPES)]
     if maps:
         raise LayercutError(f"{src} records replacement maps, which no DeciLM engine runs: export --replace fold, "
                             "--replace none or the magcomp recipe for a plain checkpoint")

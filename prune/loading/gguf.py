@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -67,8 +70,95 @@ def gguf_model_dir(gguf: str | Path) -> Path:
         raise LayercutError(f"GGUF file {gguf} not found: check the path")
     target = gguf_target(gguf)
     if not is_converted(target):
+        check_gguf_file(gguf)
         _convert_gguf(gguf, target)
     return target
+
+
+# fixed-size GGUF metadata value types (u8, i8, u16, i16, u32, i32, f32, bool, u64, i64, f64) and their widths;
+# 8 is a string, 9 an array
+_VALUE_WIDTH = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+class _CutShort(Exception):
+    """The header of a GGUF file runs past its end."""
+
+
+def _gguf_bytes_needed(blob: mmap.mmap) -> int:
+    """Bytes a whole GGUF file has, by its header: the aligned tensor table's end plus the last tensor's end."""
+    import gguf
+
+    def take(fmt: str) -> tuple:
+        nonlocal pos
+        values = struct.unpack_from(fmt, blob, pos)
+        pos += struct.calcsize(fmt)
+        return values
+
+    def skip_string() -> None:
+        nonlocal pos
+        (length,) = take("<Q")
+        pos += length
+
+    pos = 4
+    _, tensors, fields = take("<IQQ")
+    alignment = 32  # llama.cpp's default, unless general.alignment says otherwise
+    for _ in range(fields):
+        (length,) = take("<Q")
+        key = bytes(blob[pos:pos + length])
+        pos += length
+        (kind,) = take("<I")
+        if kind == 9:
+            kind, count = take("<IQ")
+            if kind in _VALUE_WIDTH:
+                pos += count * _VALUE_WIDTH[kind]
+            else:
+                for _ in range(count):
+                    skip_string()
+                    if pos > len(blob):
+                        raise _CutShort
+        elif kind == 8:
+            skip_string()
+        elif key == b"general.alignment" and kind == 4:
+            (alignment,) = take("<I")
+        else:
+            pos += _VALUE_WIDTH[kind]
+        if pos > len(blob):
+            raise _CutShort
+    ends = []
+    for _ in range(tensors):
+        skip_string()
+        (dims,) = take("<I")
+        shape = take(f"<{min(dims, 8)}Q")
+        kind, offset = take("<IQ")
+        block, size = gguf.GGML_QUANT_SIZES.get(kind, (1, 0))  # a type this gguf does not know: its offset only
+        ends.append(offset + math.prod(shape) // block * size)
+    return (pos + alignment - 1) // alignment * alignment + max(ends, default=0)
+
+
+def check_gguf_file(path: Path) -> None:
+    """Fail in one line when a ``.gguf`` file is cut short (an interrupted download or copy).
+
+    The header gives every tensor's offset and size, so the bytes a whole file has are known before
+    transformers reads it (and fails on a truncated file with a numpy reshape error); flipped bytes inside
+    a tensor carry no checksum and pass.
+
+    Raises:
+        LayercutError: the file is not a GGUF file, its header is unreadable or it is shorter than its header says.
+    """
+    size = path.stat().st_size
+    fix = "download it again (or copy it whole)"
+    with path.open("rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise LayercutError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes): "
+                                f"{fix}" if size else f"{path} is empty: {fix}")
+        try:
+            with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+                needed = _gguf_bytes_needed(blob)
+        except (_CutShort, struct.error, KeyError, ValueError, OverflowError, MemoryError):
+            raise LayercutError(f"{path} is damaged or truncated (its header is cut short or unreadable at "
+                                f"{size:,} bytes): {fix}") from None
+    if needed > size:
+        raise LayercutError(f"{path} is damaged or truncated (cut short: {size:,} of its {needed:,} bytes): {fix}")
 
 
 def embedded_model_dir() -> Path:

@@ -183,6 +183,9 @@ def read_config(name: str):
         raise LayercutError(f"--plan: no config found for {name!r}: pass a model with a config.json or a .gguf file")
     from transformers import AutoConfig
 
+    from prune.loading.gguf import check_gguf_file
+
+    check_gguf_file(path)  # a truncated file: one line, not the GGUF reader's struct error
     return AutoConfig.from_pretrained(path.parent, gguf_file=path.name).get_text_config()
 
 

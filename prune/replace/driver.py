@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from prune.errors import LayercutError
 from prune.measure.moments import StateMoments, span_pairs
 from prune.model.adapters import get_blocks, is_offloaded
+from prune.model.layouts import LAYERCUT
 from prune.model.surgery import (
     RECORDS_ATTR,
     block_layout,
@@ -316,7 +317,9 @@ def install_replacements_(model: nn.Module, replacements: Sequence[Replacement])
             r.patch.apply()
     records = replacement_records(model)
     set_blocks_(model, blocks, sources, new_layout)
-    new = [{"method": r.method, "replaces": [i for k in r.span for i in layout[k]], "where": r.where, **r.record}
+    # "maps": the record's map lives in the maps file, which the shipped modeling code then requires
+    new = [{"method": r.method, "replaces": [i for k in r.span for i in layout[k]], "where": r.where,
+            **({"maps": True} if get_method(r.method).serving == LAYERCUT else {}), **r.record}
            for r in replacements]
     for entry in new:
         entry.pop("init_block_position", None)  # assembly bookkeeping, not part of the record

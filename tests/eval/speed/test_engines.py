@@ -12,13 +12,16 @@ import eval.speed.engines.vllm as vllm_engine
 from eval.bench.cli import main
 from eval.speed.engines import ENGINES, Engine, EngineModel, EngineSettings, get_engine
 from eval.speed.engines.llamacpp import LlamaCppEngine
+from eval.speed.engines.transformers import ENGINE as TRANSFORMERS
+from eval.speed.engines.transformers import TransformersEngine
 from eval.speed.engines.vllm import VllmEngine
 from eval.speed.measure import SpeedOptions, benchmark_engine_speed, measure_engine_speed, memory_mode, noise_warnings
+from eval.speed.timing import greedy_decode
 from prune.checkpoint.load_config import LoadConfig
 from prune.errors import LayercutError
 from prune.measure.perplexity import Window, stream_nll
 from prune.registry import Registry
-from tests.helpers import make_tiny_model, make_tiny_tokenizer
+from tests.helpers import make_tiny_model
 
 SMALL = SpeedOptions(prompt_len=12, new_tokens=4, repeats=3, warmup=1)
 
@@ -290,12 +293,10 @@ def test_bench_speed_with_an_engine_end_to_end(fake_engine, tmp_path, capsys):
 # ---- the transformers engine ----
 
 
-def test_transformers_engine_nll_is_the_one_perplexity(tmp_path, one_thread):
-    folder = tmp_path / "tiny"
-    make_tiny_model("llama").save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
+def test_transformers_engine_nll_is_the_one_perplexity(tiny_folder, one_thread):
     engine = get_engine("transformers")
-    handle = engine.load(str(folder), EngineSettings(load=LoadConfig(dtype="float32")))
+    assert engine is TRANSFORMERS and isinstance(engine, TransformersEngine)  # the registry's entry is the module's
+    handle = engine.load(str(tiny_folder), EngineSettings(load=LoadConfig(dtype="float32")))
     ids = torch.randint(3, 320, (40,), generator=torch.Generator().manual_seed(0))
     total, count = engine.nll(handle, ids)
     assert count == 39
@@ -304,6 +305,9 @@ def test_transformers_engine_nll_is_the_one_perplexity(tmp_path, one_thread):
     result = measure_engine_speed(engine, {"a": handle}, "a", SpeedOptions(prompt_len=8, new_tokens=2, repeats=1),
                                   progress=False)  # fmt: skip
     assert result.baseline.num_blocks == 4 and result.baseline.decode_s[0] > 0
+    prompt = ids[:6].reshape(1, -1)
+    expected = greedy_decode(handle.model, prompt, 3)[0][0].tolist()
+    assert engine.greedy(handle, prompt, 3) == expected and len(expected) == 3  # the new tokens only
 
 
 # ---- vLLM's calls, against a stand-in module (vLLM itself needs a GPU and is not installed here) ----

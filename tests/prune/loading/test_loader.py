@@ -449,6 +449,25 @@ def test_publish_keeps_the_first_finished_copy(tmp_path):
     assert (tmp_path / "other" / "layercut-source.json").read_text() == "x" and not fresh.exists()
 
 
+@pytest.mark.parametrize("keep", [100, 2 / 3], ids=["in-header", "in-tensors"])
+def test_a_truncated_gguf_is_one_line_naming_the_file(tmp_path, capsys, one_thread, keep):
+    from prune.run import main
+
+    whole, cut = tmp_path / "tiny.gguf", tmp_path / "cut.gguf"
+    tokenizer = _byte_level_tokenizer()
+    _write_tiny_gguf(whole, _tiny_llama(len(tokenizer)), tokenizer)
+    data = whole.read_bytes()
+    cut.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])  # an interrupted download
+    prune_gguf.check_gguf_file(whole)  # the whole file passes
+    code = main(["--model", str(cut), "--drop", "1", "--samples", "8", "--seq-len", "32", "--out",
+                 str(tmp_path / "o"), "--threads", "1"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: {cut} is damaged or truncated (") and "download it again" in errors[0]
+    assert not (tmp_path / "cache" / "gguf").exists() and not (tmp_path / "o").exists()  # nothing converted
+
+
 # ------------------------------------------------------------------------------------------------ embedded (slow)
 
 
