@@ -239,6 +239,25 @@ def check_safetensors(path: Path) -> None:
         raise damaged(path, f"cut short: {size:,} of its {needed:,} bytes")
 
 
+def check_weights_present(folder: Path) -> None:
+    """Fail in one line when a checkpoint folder holds a config but no weight file.
+
+    ``eval.compare`` leaves such folders under ``cells/`` (its report, ``config.json`` and ``layercut.json``)
+    unless ``--keep-checkpoints`` kept the weights; transformers would fail with an ``OSError`` naming files.
+    """
+    patterns = ("model*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "*.bin.index.json")
+    if any(next(folder.glob(pattern), None) is not None for pattern in patterns):
+        return
+    if (folder / "layercut.json").is_file():
+        raise LayercutError(
+            f"{folder} holds no weights (no model.safetensors): it kept only its report, as eval.compare leaves a "
+            "cell without --keep-checkpoints; get them by rerunning eval.compare with --keep-checkpoints, or make "
+            "the checkpoint with python -m prune.run"
+        )
+    raise LayercutError(f"{folder} holds no weights (no model.safetensors or pytorch_model.bin): copy them next to "
+                        "its config.json, or name a complete checkpoint folder")
+
+
 def _check_config_file(checkpoint: str) -> None:
     """Fail in one line on a local ``config.json`` that is not a JSON object."""
     path = Path(checkpoint) / "config.json"
@@ -353,6 +372,7 @@ def _load_weights(name: str, checkpoint: str, config: PretrainedConfig, kwargs: 
 
     folder = Path(checkpoint)
     if folder.is_dir():
+        check_weights_present(folder)
         for file in sorted(folder.glob("model*.safetensors")):
             check_safetensors(file)
     try:

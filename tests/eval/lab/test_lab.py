@@ -2,11 +2,15 @@
 
 import json
 import math
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from eval.lab.cli import main
+import eval.lab
+from eval.lab.cli import build_parser, main
 from eval.lab.splits import write_selection_split, write_task_prompts
 from eval.lab.tables import SHARES, best_share, hellaswag_by_source, paired_gaps, share_optimum
 from prune.errors import EXIT_BAD_INPUT, LayercutError
@@ -101,3 +105,24 @@ def test_share_tasks_variants_are_removal_the_whole_update_or_a_share():
     # h + 0.5 (f(h) - h): the identity moved half way to the fitted map
     assert torch.allclose(half.weight, torch.eye(3, dtype=torch.float64) * 2)
     assert torch.allclose(half.bias, fit.bias / 2)
+
+
+def test_every_eval_lab_call_in_a_reports_run_script_is_a_subcommand(capsys):
+    """The package's promise: the reports' run.sh files call eval.lab, so a figure in a report is code a test runs."""
+    assert "run.sh" in eval.lab.__doc__
+    used = {name for script in REPORTS.rglob("run.sh")
+            for name in re.findall(r"python -m eval\.lab ([\w-]+)", script.read_text())}
+    assert {"selection-split", "task-prompts", "share-tasks", "share-optimum"} <= used
+    for name in sorted(used):
+        with pytest.raises(SystemExit) as done:
+            build_parser().parse_args([name, "--help"])
+        assert done.value.code == 0, name
+    capsys.readouterr()
+
+
+def test_import_eval_lab_imports_none_of_its_modules():
+    code = "import json, sys\nimport eval.lab\nprint(json.dumps(sorted(m for m in sys.modules if m.startswith('eval'))))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=REPORTS.parent)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["eval", "eval.lab"]

@@ -1,10 +1,16 @@
 """Lens library: shortcuts, R^2, Precision@k / surprisal, early exit, heatmap, stand-ins, save/reload."""
 
+import json
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import eval.lens
 from eval.lens.metrics import (
     PRECISION_KS,
     early_exit_sweep,
@@ -336,3 +342,15 @@ def test_low_rank_bank_equals_per_layer_batchnorm_reference(residual):
     with torch.no_grad():
         for layer in range(layers):
             assert torch.allclose(bank(layer, x[layer]), reference(layer, x[layer]), atol=1e-5)
+
+
+def test_import_eval_lens_is_light_and_its_docstring_names_every_module():
+    code = ("import json, sys\nimport eval.lens\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in ('eval', 'torch'))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == ["eval", "eval.lens"]  # nothing imported until a module is used
+    named = set(re.findall(r":mod:`~eval\.lens\.(\w+)`", eval.lens.__doc__))
+    modules = {path.stem for path in Path(eval.lens.__file__).parent.glob("*.py")} - {"__init__", "__main__"}
+    assert named == modules
