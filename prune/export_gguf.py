@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m prune.export_gguf``."""
     parser = argparse.ArgumentParser(prog="python -m prune.export_gguf", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", help="a checkpoint folder written by prune.run (or any transformers checkpoint)")
-    parser.add_argument("--out", default=None, help="the .gguf path (default: FOLDER/<name>-<outtype>.gguf)")
+    parser.add_argument("--out", default=None, help="the .gguf path (default: FOLDER/gguf/<name>-<outtype>.gguf)")
     parser.add_argument("--outtype", default="f32", choices=OUTTYPES, help="tensor type (default: f32)")
     parser.add_argument("--converter", default=None,
                         help=f"llama.cpp's {CONVERTER_NAME} or its folder (default: ${CONVERTER_ENV})")

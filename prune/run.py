@@ -39,7 +39,7 @@ from prune.options import (
     explicit_flags,
 )
 from prune.pipeline.config import PruneConfig
-from prune.pipeline.runner import run_prune
+from prune.pipeline.runner import preflight, run_prune
 from prune.planner.estimate import (
     PLAN_FLAGS,
     RunPlan,
@@ -284,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     if target is not None:
         target.check(config, args)
     if not args.no_plan_check:
+        preflight(config)  # the inputs first: a --seq-len past the model's positions is the error, not its memory
         refuse_if_too_big(config, lambda: plan_of(args, config))
     result = run_prune(config, steps=config.build_steps())
     print_summary(result)

@@ -6,41 +6,28 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from prune.model.adapters import cache_keyword
+from prune.model.tiny import TINY_BLOCKS, TINY_VOCAB, build_tiny
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
-VOCAB = 320
+VOCAB = TINY_VOCAB  # 320
 HIDDEN = 32
-BLOCKS = 4
+BLOCKS = TINY_BLOCKS  # 4
 
 _SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
-# Small configs, one per supported architecture; sizes passed under each config's own names.
-TINY_CONFIGS: dict[str, dict] = {
-    "llama": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
-    "mistral": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
-                    num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
-    "qwen2": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
-    "qwen3": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256),
-    "phi3": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256),
-    "gemma": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256),
-    "gemma2": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=256,
-                   sliding_window=16),
-    "opt": dict(hidden_size=HIDDEN, ffn_dim=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
-                vocab_size=VOCAB, max_position_embeddings=256, word_embed_proj_dim=HIDDEN),
-    "gpt2": dict(n_embd=HIDDEN, n_layer=BLOCKS, n_head=4, vocab_size=VOCAB, n_positions=256),
-    "gpt_neox": dict(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=BLOCKS, num_attention_heads=4,
-                     vocab_size=VOCAB, max_position_embeddings=256),
+# The supported architectures the tests build tiny: prune.model.tiny shrinks each one's own default config, here
+# narrower than its default (width 32, MLP 64, heads of 8), under whatever names the config gives those sizes.
+TINY_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "opt", "gpt2", "gpt_neox")
+TINY_SIZES = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embed_dim", "n_embed", "dim", "word_embed_proj_dim"), HIDDEN),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff"), 64),
+    "head_dim": 8,
 }
+_OVERRIDES = {"gemma2": {"sliding_window": 16}}  # a window shorter than the tests' sequences, so it is exercised
 
 
 # llama.cpp's converter (prune.export_gguf): .ci/run unpacks it from the llama-cpp-python sdist and names it here
@@ -66,11 +53,15 @@ def byte_fallback_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
-def make_tiny_model(model_type: str, seed: int = 0):
-    """A random ``*ForCausalLM`` of ``model_type`` with BLOCKS blocks of width HIDDEN, in eval mode."""
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(model_type, **TINY_CONFIGS[model_type], **_SPECIAL)
-    return AutoModelForCausalLM.from_config(config).eval()
+def make_tiny_model(model_type: str, seed: int = 0, **overrides):
+    """A random ``*ForCausalLM`` of ``model_type`` with BLOCKS blocks of width HIDDEN, in eval mode.
+
+    ``overrides`` go to the config as they are (``hidden_size=48``). ``id2label=None``: prune.model.tiny passes the
+    default config's ``id2label`` (keys 0, 1) on as if it were a per-layer entry, and transformers then leaves
+    ``label2id`` unset; None gives both their defaults, as in a config made from scratch.
+    """
+    return build_tiny(model_type, seed=seed, sizes=TINY_SIZES,
+                      **{**_SPECIAL, "id2label": None, **_OVERRIDES.get(model_type, {}), **overrides})
 
 
 _TEXT = (

@@ -239,6 +239,7 @@ def run(options: EvalOptions) -> dict:
     # written beside --out and renamed into place: a crash or kill never leaves half a report
     with atomic_directory(options.out, options.overwrite) as staging:
         write_report(results, staging)
+    logger.info("report written to %s", options.out)  # renamed into place: not the staging folder's name
     return results
 
 

@@ -196,8 +196,7 @@ def write_report(results: dict, out_dir: str | Path) -> dict[str, Path]:
     if blocks_plot is not None:
         plots["blocks_plot"] = blocks_plot
     written["markdown"].write_text(_readme(results, plots))
-    written.update(plots)
-    logger.info("report written to %s", out)
+    written.update(plots)  # the caller names the folder: eval.run writes a staging folder renamed into --out
     return written
 
 

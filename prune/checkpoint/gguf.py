@@ -94,9 +94,18 @@ def check_servable(folder: Path) -> str:
     return layout
 
 
+GGUF_FOLDER = "gguf"  # the checkpoint's sub-folder a GGUF export goes to when not told
+
+
 def default_output(folder: Path, outtype: str) -> Path:
-    """Where the GGUF goes when not told: inside the checkpoint folder, named after it and its type."""
-    return folder / f"{folder.resolve().name}-{outtype}.gguf"
+    """Where the GGUF goes when not told: ``FOLDER/gguf/<name>-<type>.gguf``, apart from the checkpoint's tokenizer.
+
+    transformers reads ``from_pretrained(folder, gguf_file=...)`` against the folder: beside the checkpoint's
+    ``tokenizer.json`` the GGUF's own tokenizer is replaced by it and its chat template and special tokens are
+    read from neither file (``chat_template`` and ``eos_token`` come back None). In a folder of its own the GGUF
+    loads whole in transformers, as in llama.cpp, and the checkpoint stays one folder to copy or upload.
+    """
+    return folder / GGUF_FOLDER / f"{folder.resolve().name}-{outtype}.gguf"
 
 
 def export_gguf(folder: str | Path, out: str | Path | None = None, outtype: str = "f32",
@@ -105,7 +114,7 @@ def export_gguf(folder: str | Path, out: str | Path | None = None, outtype: str 
 
     Args:
         folder: a checkpoint folder (``prune.run --out``, or any transformers checkpoint).
-        out: the ``.gguf`` path (default: ``FOLDER/<name>-<outtype>.gguf``).
+        out: the ``.gguf`` path (default: ``FOLDER/gguf/<name>-<outtype>.gguf``, see :func:`default_output`).
         outtype: ``f32``, ``f16``, ``bf16`` or ``q8_0`` (the converter's output types).
         converter: llama.cpp's ``convert_hf_to_gguf.py`` or its folder (default: ``$LLAMA_CPP_CONVERTER``).
 
@@ -311,5 +320,5 @@ def _write_export(folder: Path, args) -> str:
 
 
 register_export(ExportTarget(
-    "gguf", "a GGUF for llama.cpp inside the output folder, converted by llama.cpp's own converter and read back",
+    "gguf", "a GGUF for llama.cpp in the output folder's gguf/, converted by llama.cpp's own converter and read back",
     _add_export_arguments, _check_export, _write_export))

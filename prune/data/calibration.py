@@ -206,7 +206,12 @@ def load_documents(spec: str | None, text_field: str = "text", flag: str = "--da
         return [default_corpus_text()], f"built-in:{DEFAULT_CORPUS}"
     path = Path(spec).expanduser()
     if path.exists():
-        return _read_file(path, text_field), str(path.resolve())
+        documents = _read_file(path, text_field)
+        if not any(document.strip() for document in documents):  # else "0 sequences" only after the model loads
+            why = ("it is empty or only whitespace" if path.suffix == ".txt" or _blank(path)
+                   else f"no row has text in its '{text_field}' field")
+            raise LayercutError(f"{flag} file {path} holds no text ({why}): pass a file with the text to read")
+        return documents, str(path.resolve())
     if "," in spec or spec == SELF or spec.startswith(SELF + ":"):
         raise LayercutError(f"{flag} takes one text source here, got '{spec}': pass a single .txt/.jsonl/.parquet "
                             "file or datasets spec")
@@ -226,11 +231,22 @@ def _read_file(path: Path, text_field: str) -> list[str]:
             ) from None
     if path.suffix not in FILE_SUFFIXES[1:]:
         raise LayercutError(f"unsupported data file '{path}': use .txt, .jsonl, .json or .parquet")
+    if _blank(path):  # datasets fails on an empty file with a StopIteration traceback
+        return []
     import datasets
 
     kind = "parquet" if path.suffix == ".parquet" else "json"
     rows = datasets.load_dataset(kind, data_files=str(path), split="train")
     return _column(rows, text_field, str(path))
+
+
+def _blank(path: Path) -> bool:
+    """Whether a file holds only whitespace (read until its first other byte: at once for any real file)."""
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
 
 
 def _read_dataset(spec: str, text_field: str) -> list[str]:

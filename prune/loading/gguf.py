@@ -7,6 +7,7 @@ its final place and renamed into it, so a crash or a concurrent conversion never
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -16,6 +17,7 @@ import shutil
 import struct
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +25,7 @@ import torch
 
 from prune.errors import LayercutError
 from prune.loading.names import EMBEDDED_MODEL, embedded_gguf_path, find_embedded_gguf
-from prune.loading.tokenizer import set_pad_token
+from prune.loading.tokenizer import TOKENIZER_FILES, set_pad_token
 from prune.model.adapters import max_positions
 
 if TYPE_CHECKING:  # transformers is imported where it is used: it costs seconds at start-up
@@ -184,10 +186,11 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
 
     logger.info("converting %s to a float32 safetensors checkpoint in %s (once)", gguf, target)
     start = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=CONVERTED_DTYPE, **_gguf_model_kwargs()
-    )
+    with _alone(gguf) as folder:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf.name, dtype=CONVERTED_DTYPE, **_gguf_model_kwargs()
+        )
     _make_saveable(model)
     set_pad_token(tokenizer)
     max_len = max_positions(model)
@@ -207,6 +210,27 @@ def _convert_gguf(gguf: Path, target: Path) -> None:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _alone(gguf: Path) -> Iterator[Path]:
+    """A folder holding ``gguf`` and no other file: its parent when that holds no checkpoint files, else a link.
+
+    transformers reads ``gguf_file=`` against its folder: a ``tokenizer.json`` there replaces the GGUF's own
+    tokenizer, and its chat template and special tokens are then read from neither (a GGUF written inside the
+    checkpoint folder it came from, or one from a repository that ships both).
+    """
+    if not any((gguf.parent / name).is_file() for name in (*TOKENIZER_FILES, "config.json")):
+        yield gguf.parent
+        return
+    with tempfile.TemporaryDirectory(prefix="layercut-gguf-") as scratch:
+        try:
+            (Path(scratch) / gguf.name).symlink_to(gguf)
+        except OSError:  # no symbolic links here (some Windows setups): read it where it is
+            logger.warning("%s sits beside tokenizer files that transformers reads instead of its own", gguf)
+            yield gguf.parent
+            return
+        yield Path(scratch)
 
 
 def _publish(tmp: Path, target: Path) -> None:

@@ -138,17 +138,21 @@ _TINY_LAYOUTS = {
 }
 
 
-def tiny_config(model_type: str, **overrides):
+def tiny_config(model_type: str, sizes: dict | None = None, **overrides):
     """A small config of ``model_type`` (few blocks, width 64, vocab 320), from its defaults.
 
     Per-layer entries (``layer_types``, index lists, per-layer dicts) are cut to a few representative
     layers, at least one of each kind, so that hybrids keep both their attention and recurrent blocks.
+    ``sizes`` changes the size table, whose entries apply under each config's own names wherever the config
+    has them (``{"hidden_size": 32, "n_embd": 32, ...}``: width 32 whatever the architecture calls it);
+    ``overrides`` are passed to the config as they are.
     """
     from transformers import AutoConfig
 
     keep = next((v for k, v in overrides.items() if k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers")),
                 TINY_BLOCKS)
-    kwargs = _shrink(_default_dict(model_type), {**_TINY_SIZES, **dict.fromkeys(_LAYER_NAMES, keep)}, keep)
+    table = {**_TINY_SIZES, **(sizes or {}), **dict.fromkeys(_LAYER_NAMES, keep)}
+    kwargs = _shrink(_default_dict(model_type), table, keep)
     return AutoConfig.for_model(model_type, **{**kwargs, **_TINY_LAYOUTS.get(model_type, {}), **overrides})
 
 
@@ -166,11 +170,14 @@ def quiet():
             logger.setLevel(level)
 
 
-def build_tiny(model_type: str, device: str = "cpu", seed: int = 0, **overrides):
-    """A tiny random causal LM of ``model_type`` in eval mode (``device='meta'``: structure only)."""
+def build_tiny(model_type: str, device: str = "cpu", seed: int = 0, sizes: dict | None = None, **overrides):
+    """A tiny random causal LM of ``model_type`` in eval mode (``device='meta'``: structure only).
+
+    ``sizes`` and ``overrides``: as :func:`tiny_config` takes them.
+    """
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config(model_type, **overrides)
+    config = tiny_config(model_type, sizes, **overrides)
     torch.manual_seed(seed)
     with quiet(), torch.device(device):
         model = AutoModelForCausalLM.from_config(config)

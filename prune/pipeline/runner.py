@@ -30,9 +30,9 @@ from prune.model.adapters import hidden_size, is_offloaded, num_blocks
 from prune.model.surgery import block_layout, replacement_records
 from prune.pipeline.config import PruneConfig, needed_cosine_pairs
 from prune.pipeline.removal import Removal, planned_blocks, remove_blocks, remove_units
-from prune.pipeline.resolve import Amounts, bind_model, check_positions, resolve_amounts
+from prune.pipeline.resolve import Amounts, bind_model, check_positions, check_tokens, resolve_amounts
 from prune.pipeline.steps import SurgeryStep
-from prune.planner.shape import shape_of_config
+from prune.planner.shape import read_config, shape_of_config
 from prune.replace import parameter_count
 from prune.selection.budget import check_params_budget
 from prune.selection.oracle import Oracle, oracle_table
@@ -99,6 +99,7 @@ def preflight(config: PruneConfig) -> Amounts | None:
     check_sources(config.data)  # local files: cheap to read twice
     model_config = load_config(config.load.model)
     if model_config is None:
+        _check_gguf_header(config)
         return None
     try:
         params = shape_of_config(model_config).total
@@ -107,6 +108,22 @@ def preflight(config: PruneConfig) -> Amounts | None:
         check_positions(config, model_config)
         return None
     return resolve_amounts(config, model_config, params)
+
+
+def _check_gguf_header(config: PruneConfig) -> None:
+    """``--seq-len`` and the tokens against the header of a ``.gguf`` not converted yet (the planner reads it too).
+
+    A header transformers cannot read is left to the conversion, which says why in one line.
+    """
+    try:
+        model_config = read_config(config.load.model)
+    except LayercutError:
+        raise
+    except Exception:  # noqa: BLE001 - the conversion gives the one-line error of a file it cannot read
+        logger.debug("no header config for %s: its --seq-len is checked once it is loaded", config.load.model)
+        return
+    check_positions(config, model_config)
+    check_tokens(config, model_config)
 
 
 def score_model(model, calibration: CalibrationData, config: PruneConfig,

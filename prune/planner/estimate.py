@@ -6,9 +6,9 @@ r"""A run's peak memory per device and its time, per stage, from the model's con
 
 No weight is read: :mod:`prune.planner.shape` counts the parameters of the model built from its config on
 the meta device, :mod:`prune.planner.stages` turns them and the options into bytes per device and seconds
-per stage (load, scoring, fitting, distillation, evaluation). A run whose stage needs clearly more than a
-device holds is refused before anything loads (:func:`check_plan`), in one line naming the options that
-make it fit (:func:`fixes`); ``--no-plan-check`` skips the check.
+per stage (load, scoring, a selection that measures the model, fitting, distillation, evaluation). A run whose
+stage needs clearly more than a device holds is refused before anything loads (:func:`check_plan`), in one
+line naming the options that make it fit (:func:`fixes`); ``--no-plan-check`` skips the check.
 """
 
 from __future__ import annotations
@@ -36,10 +36,11 @@ from prune.planner.stages import (
     stage_fitting,
     stage_load,
     stage_scoring,
+    stage_selection,
     stage_teacher_cache,
 )
 from prune.replace.registry import offloadable_methods
-from prune.selection.strategies import measured_selections
+from prune.selection.strategies import measured_selections, parse_protect
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +125,8 @@ def write_plan_json(plan: RunPlan, path: str | None) -> None:
 
 def plan_run(shape: ModelShape, inp: PlanInput, moments_alive: bool = True) -> RunPlan:
     """Every stage of a prune run (those its options switch on) and each device's memory."""
-    stages = [stage_load(shape, inp), stage_scoring(shape, inp), stage_fitting(shape, inp),
+    stages = [stage_load(shape, inp), stage_scoring(shape, inp),
+              stage_selection(shape, inp, inp.select in measured_selections()), stage_fitting(shape, inp),
               stage_teacher_cache(shape, inp), stage_distillation(shape, inp, moments_alive),
               stage_evaluation(shape, inp)]
     limits = {"cpu": inp.hardware.host_memory}
@@ -221,7 +223,8 @@ def plan_input(config, shape: ModelShape, hardware: Hardware) -> PlanInput:
         quant_bits=4 if load.load_in_4bit else 8 if load.load_in_8bit else 16,
         offload=getattr(load, "offload", "none"), samples=config.data.samples, seq_len=config.data.seq_len,
         heldout_samples=config.data.heldout_samples, batch_size=config.batch_size,
-        fit_short=config.replace.short or 0, select=config.select, checkpoint_dtype=shape.dtype,
+        fit_short=config.replace.short or 0, select=config.select,
+        protected=len(parse_protect(config.protect, shape.layers)), checkpoint_dtype=shape.dtype,
         distill=distill_spec(config.distill, DistillSpec().seq_len), hardware=hardware)
 
 

@@ -67,6 +67,7 @@ class PlanInput:
     batch_size: int = 4
     fit_short: int = 0
     select: str = "topk"
+    protected: int = 2  # blocks no selection removes (--protect; "0,-1" by default)
     checkpoint_dtype: str = "float32"
     distill: DistillSpec = field(default_factory=DistillSpec)
     hardware: Hardware = field(default_factory=Hardware)

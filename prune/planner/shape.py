@@ -9,6 +9,8 @@ token passes through (the router's top-k of the experts), which is what the time
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import io
 import logging
 import warnings
@@ -181,12 +183,23 @@ def read_config(name: str):
     path = Path(resolve_model_name(name))
     if path.suffix.lower() != ".gguf" or not path.is_file():
         raise LayercutError(f"--plan: no config found for {name!r}: pass a model with a config.json or a .gguf file")
-    from transformers import AutoConfig
-
     from prune.loading.gguf import check_gguf_file
 
     check_gguf_file(path)  # a truncated file: one line, not the GGUF reader's struct error
-    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name).get_text_config()
+    stat = path.stat()
+    return copy.deepcopy(_gguf_header_config(str(path), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_header_config(path: str, size: int, mtime_ns: int):
+    """A ``.gguf`` file's (text) config from its header: seconds for a real vocabulary, so read once per file.
+
+    ``size`` and ``mtime_ns`` are part of the key: a file written again is read again. Callers get a copy.
+    """
+    from transformers import AutoConfig
+
+    gguf = Path(path)
+    return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).get_text_config()
 
 
 def shape_of_name(name: str) -> ModelShape:

@@ -31,6 +31,7 @@ from prune.planner.memory import (
 )
 from prune.planner.shape import ModelShape
 from prune.replace.registry import closed_form_methods
+from prune.selection.repaired import MEASURE_EVERY
 
 # Throughput. CPU: SmolLM2-135M's scoring pass ran 718 tokens/s on 2 threads of this 2-core machine
 # (2026-11-27, prune.run --drop 4), 253 MFLOP a token (2 x 106 M block parameters + the float32 moment
@@ -177,6 +178,69 @@ def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
     note = f"{inp.spans} span(s) at most; closed-form sums" + ("" if inp.replace in closed_form_methods() else
                                                                 f" (a trained {inp.replace} counted as one)")
     return Stage("fitting", devices, flop / _rate(inp) + passes * _disk_pass(shape, inp), note)
+
+
+def _measuring(select: str) -> tuple[str, bool, bool]:
+    """(how ``select`` steps, whether it repairs each set, whether it declared that) from its registration."""
+    from prune.selection.strategies import SELECTIONS
+
+    selection = SELECTIONS.get(select) if select in SELECTIONS else None
+    if selection is None or not selection.measures:
+        return "once", False, False
+    return selection.measures, selection.repairs, True
+
+
+def selection_sets(inp: PlanInput, free: int) -> tuple[int, int]:
+    """(steps, candidate sets measured) of ``inp.select`` over ``free`` unprotected blocks."""
+    kind, _, _ = _measuring(inp.select)
+    count = min(inp.drop, free)
+    if kind == "greedy":
+        return count, sum(free - step for step in range(count))
+    return (1, free) if kind == "once" else (1, 0)
+
+
+def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage | None:
+    """A selection that measures the model (``measuring``: it declares ``measures``): its passes and their logits.
+
+    Time, at the planner's measured FLOP rate (the scoring pass's; assumed to hold for these passes too):
+
+    - each candidate set is a forward over the measuring rows from the first block it changes on, half the
+      blocks on average, and the LM head (``prune.selection.oracle.removal_perplexities``);
+    - each step also runs the current set's model once over those rows (the states the candidates start
+      from) and, for a repaired selection, the original model (the KL's reference) and one capture pass over
+      the fitting rows that fits the spans its sets add (a span is fitted once and reused at every step);
+    - the measuring rows are every calibration row for a bare selection (greedy-ppl, measured), one row in
+      ``MEASURE_EVERY`` for a repaired one (the others fit).
+
+    SmolLM2-135M, repaired-greedy with fold at drop 8 (28 free blocks, 196 sets): 788 s measured on an idle
+    2-core machine, about 1,100 s by this count (the plan's other stages: about 96 s).
+    """
+    if not measuring or not inp.drop:
+        return None
+    kind, repaired, declared = _measuring(inp.select)
+    free = max(shape.layers - inp.protected, 0)
+    steps, sets = selection_sets(inp, free)
+    tokens = inp.calibration_tokens
+    if kind == "pass":  # one pass over the fitting rows and one over the measuring rows, streaming moments
+        flop = tokens * (_flops(shape, shape.layers) + (2 * shape.layers + 1) * 2 * shape.hidden ** 2)
+        note = f"one pass of {tokens:,} tokens"
+    else:
+        measure = max(1, inp.samples // MEASURE_EVERY) * inp.seq_len if repaired else tokens  # split_rows' rows
+        per_step = measure * _flops(shape, shape.layers, True) * (2 if repaired else 1)
+        if repaired:  # the capture pass fitting the step's new spans
+            per_step += (tokens - measure) * _flops(shape, shape.layers)
+        flop = steps * per_step + sets * measure * _flops(shape, shape.layers / 2, True)
+        note = (f"{sets} candidate set(s) in {steps} step(s), each {'repaired, ' if repaired else ''}measured on "
+                f"{measure:,} tokens" + ("" if declared else " (assumed one set per block)"))
+    devices = _new_devices(inp)
+    names = compute_devices(inp)
+    _weights(devices, shape, inp, shape.layers, "weights")
+    add(devices[names[0]], "activations", forward_bytes(shape, inp, inp.batch_size * inp.seq_len))
+    add(devices[names[-1]], "logits", perplexity_logit_bytes(shape, inp))
+    if repaired and inp.replace != "none":  # every span fitted stays in the run's memo: one per block, and merged
+        add(devices[names[0]], "fitted maps", (free + inp.drop) * (shape.hidden ** 2 + shape.hidden) * inp.dtype_bytes)
+    _moments(devices, shape, inp)
+    return Stage("selection", devices, flop / _rate(inp), note)
 
 
 def stage_evaluation(shape: ModelShape, inp: PlanInput) -> Stage | None:

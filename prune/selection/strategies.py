@@ -124,16 +124,21 @@ class Selection:
         name: the ``--select`` value.
         run: ``(SelectionInput) -> blocks`` (or a :class:`Chosen` with its trace), the strategy.
         help: one line for ``prune.run --select``'s help.
-        measures: it runs the model on the calibration rather than reading the scoring pass's scores, so it
-            needs the whole model in memory (a skeleton, ``--offload sequential``, cannot run it).
+        measures: how it runs the model on the calibration rather than reading the scoring pass's scores
+            ("" for a selection that only reads them): "greedy" measures every remaining block at each of its K
+            steps, "once" each free block once, "pass" takes one pass. A measuring selection needs the whole
+            model in memory (a skeleton, ``--offload sequential``, cannot run it), and the planner times it
+            by this pattern.
         units: it also ranks sub-layer units (``--unit attention,mlp``, ``prune.selection.sublayers``).
+        repairs: each candidate set is repaired by the run's method before it is measured.
     """
 
     name: str
     run: Callable[[SelectionInput], list[int] | Chosen]
     help: str = ""
-    measures: bool = False
+    measures: str = ""
     units: bool = False
+    repairs: bool = False
 
     def __call__(self, inputs: SelectionInput) -> list[int]:
         """The blocks (or units) the strategy chooses."""
@@ -148,16 +153,19 @@ class Selection:
 SELECTIONS: Registry[Selection] = Registry("selection")
 
 
-def register_selection(name: str, help: str = "", *, measures: bool = False, units: bool = False):
+def register_selection(name: str, help: str = "", *, measures: str | bool = "", units: bool = False,
+                       repairs: bool = False):
     """Decorator registering a selection strategy in :data:`SELECTIONS` as ``name``, with what it declares.
 
     Args:
         name: the ``--select`` value.
         help: one line for ``--select``'s help.
-        measures: it needs the whole model in memory (:attr:`Selection.measures`).
+        measures: how it measures the model (:attr:`Selection.measures`; True: "once").
         units: it ranks sub-layer units too (:attr:`Selection.units`).
+        repairs: it repairs each candidate set before measuring it (:attr:`Selection.repairs`).
     """
-    return SELECTIONS.decorator(name, lambda run: Selection(name, run, help, measures, units))
+    pattern = "once" if measures is True else measures or ""
+    return SELECTIONS.decorator(name, lambda run: Selection(name, run, help, pattern, units, repairs))
 
 
 def measured_selections() -> tuple[str, ...]:
@@ -271,7 +279,7 @@ def _memo(inputs: SelectionInput, key: tuple, default):
 
 
 @register_selection("greedy-ppl", "drop the block whose removal costs the least calibration perplexity, repeat (SLEB)",
-                    measures=True)
+                    measures="greedy")
 def _greedy_ppl(inputs: SelectionInput) -> list[int]:
     """SLEB: remove, one at a time, the block whose removal leaves the lowest calibration perplexity.
 
@@ -297,7 +305,7 @@ def _greedy_ppl(inputs: SelectionInput) -> list[int]:
 
 
 @register_selection("measured", "the K whose removal alone costs the least calibration perplexity (one pass each)",
-                    measures=True, units=True)
+                    measures="once", units=True)
 def _measured(inputs: SelectionInput) -> list[int]:
     """The ``count`` blocks whose removal alone leaves the lowest calibration perplexity.
 
@@ -339,7 +347,8 @@ def _repaired_greedy(inputs: SelectionInput, criterion: str, name: str) -> Chose
 
 
 @register_selection("repaired-greedy", "SLEB's loop on the model with each candidate removed and repaired by "
-                    "--replace (perplexity on calibration rows the repairs were not fitted on)", measures=True)
+                    "--replace (perplexity on calibration rows the repairs were not fitted on)", measures="greedy",
+                    repairs=True)
 def _repaired_greedy_ppl(inputs: SelectionInput) -> list[int]:
     """SLEB's loop on what will be shipped.
 
@@ -350,13 +359,14 @@ def _repaired_greedy_ppl(inputs: SelectionInput) -> list[int]:
 
 
 @register_selection("repaired-greedy-kl", "repaired-greedy ranking each step by the KL of the next-token "
-                    "distribution from the original model's (on the same rows)", measures=True)
+                    "distribution from the original model's (on the same rows)", measures="greedy",
+                    repairs=True)
 def _repaired_greedy_kl(inputs: SelectionInput) -> list[int]:
     """``repaired-greedy`` ranking each step by the KL of the next-token distribution from the original model's."""
     return _repaired_greedy(inputs, "kl", "repaired-greedy-kl")
 
 
-@register_selection("repaired-once", "the K whose own repair costs least", measures=True)
+@register_selection("repaired-once", "the K whose own repair costs least", measures="once", repairs=True)
 def _repaired_once(inputs: SelectionInput) -> list[int]:
     """The ``count`` blocks whose own repair costs least (measured perplexity; one set per block, no re-measuring)."""
     costs = _repaired_costs(inputs, "repaired-once")
@@ -367,7 +377,7 @@ def _repaired_once(inputs: SelectionInput) -> list[int]:
 
 
 @register_selection("repaired-fast", "the K whose least-squares map misses least on held-out rows (one pass)",
-                    measures=True)
+                    measures="pass", repairs=True)
 def _repaired_fast(inputs: SelectionInput) -> list[int]:
     """One pass: the ``count`` blocks whose least-squares map misses the least of their output on held-out rows."""
     if inputs.model is None or inputs.token_ids is None:

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from distill.processes import many_on_cpu
 from tests.helpers import REPO, make_student_pair
 
-pytestmark = pytest.mark.slow  # each run starts fresh interpreters (two of them under accelerate launch)
+# the runs are slow: each starts fresh interpreters (two of them under accelerate launch)
 
 STEPS = 4
 
@@ -40,6 +41,7 @@ def _distill(pair: dict, out: Path, processes: int, grad_accum: int, *extra: str
     return [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()]
 
 
+@pytest.mark.slow
 def test_two_processes_follow_the_one_process_loss_curve(pair, tmp_path):
     one = _distill(pair, tmp_path / "one", 1, grad_accum=2)
     two = _distill(pair, tmp_path / "two", 2, grad_accum=1)
@@ -55,6 +57,7 @@ def test_two_processes_follow_the_one_process_loss_curve(pair, tmp_path):
     assert moved > 1e-4 and apart < 1e-5 * max(moved, 1.0)
 
 
+@pytest.mark.slow
 def test_a_two_process_checkpoint_resumes_on_one_process(pair, tmp_path):
     work = tmp_path / "work"
     _distill(pair, tmp_path / "two", 2, 1, "--work-dir", str(work), "--save-every", "2", "--save-total-limit", "2",
@@ -67,6 +70,7 @@ def test_a_two_process_checkpoint_resumes_on_one_process(pair, tmp_path):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_fsdp_shards_the_student_and_its_checkpoint_resumes_without_it(pair, tmp_path):
     """FSDP2 over gloo (LAYERCUT_CPU_FSDP): the one-process curve, and a checkpoint by name that a plain run reads."""
     one = _distill(pair, tmp_path / "one", 1, grad_accum=2)
@@ -105,3 +109,14 @@ def test_deepspeed_and_lora_under_fsdp_are_refused_in_one_line():
     with pytest.raises(LayercutError, match="ddp.yaml"):
         check_sharded_options(SimpleNamespace(distributed_type=DistributedType.FSDP), "lora")
     check_sharded_options(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU), "lora")  # DDP runs LoRA
+
+
+@pytest.mark.parametrize("world_size,cuda,expected", [(None, False, False), ("1", False, False), ("2", False, True),
+                                                      ("2", True, False)])
+def test_several_processes_talk_over_gloo_only_without_a_gpu(monkeypatch, world_size, cuda, expected):
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: cuda)
+    assert many_on_cpu() is expected

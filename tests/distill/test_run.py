@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from distill.run import main
 from prune.checkpoint.write import export_checkpoint
 from prune.model.surgery import drop_blocks_
-from tests.helpers import _TEXT, TINY_CONFIGS, make_tiny_model, make_tiny_tokenizer
+from tests.helpers import _TEXT, make_tiny_model, make_tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,8 +101,7 @@ def test_cli_refuses_to_discard_old_checkpoints(pair, tmp_path, capsys):
 
 
 def test_cli_rejects_a_teacher_with_another_hidden_size(pair, tmp_path, capsys):
-    config = AutoConfig.for_model("llama", **dict(TINY_CONFIGS["llama"], hidden_size=48))
-    wide = AutoModelForCausalLM.from_config(config)
+    wide = make_tiny_model("llama", hidden_size=48)
     wide.save_pretrained(tmp_path / "wide")
     make_tiny_tokenizer().save_pretrained(tmp_path / "wide")
     assert main(_args(pair, tmp_path / "out", "--teacher", str(tmp_path / "wide"))) == 2

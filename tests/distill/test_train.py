@@ -235,13 +235,8 @@ def test_student_as_deep_as_the_teacher_without_layout_is_rejected():
 
 
 def test_mismatched_hidden_size_is_rejected():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from tests.helpers import TINY_CONFIGS
-
     student, _ = _dropped_pair()
-    wide = dict(TINY_CONFIGS["llama"], hidden_size=48)
-    teacher = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **wide))
+    teacher = make_tiny_model("llama", hidden_size=48)
     with pytest.raises(LayercutError, match="hidden size differs: student 32, teacher 48"):
         check_models(student, teacher)
     with pytest.raises(LayercutError, match="hidden size"):

@@ -69,6 +69,21 @@ def test_eval_run_refuses_a_non_empty_out_and_takes_overwrite(tiny_folder, text_
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left
 
 
+def test_eval_run_logs_the_report_folder_not_its_staging_folder(tiny_folder, text_file, tmp_path, caplog,
+                                                                one_thread):
+    import logging
+
+    from eval.run import main
+
+    out = tmp_path / "report"
+    with caplog.at_level(logging.INFO):
+        assert main(["--model", str(tiny_folder), "--tasks", f"ppl:{text_file}", "--seq-len", "32", "--out", str(out),
+                     "--no-progress", "--threads", "1"]) == 0
+    messages = [record.getMessage() for record in caplog.records]
+    assert [m for m in messages if "report written" in m] == [f"report written to {out}"]
+    assert not [m for m in messages if f"{tmp_path}/." in m], messages  # no staging folder named anywhere
+
+
 def test_eval_run_checks_out_before_loading_a_model(tiny_folder, text_file, tmp_path, capsys, no_model_load):
     from eval.run import main
 
@@ -97,12 +112,38 @@ def test_a_missing_data_file_fails_before_the_model_loads(tiny_folder, tmp_path,
     assert "data file 'missing.txt' not found" in one_error_line(err)
 
 
+@pytest.mark.parametrize(("name", "content", "why"), [
+    ("empty.txt", "", "it is empty or only whitespace"), ("blank.txt", " \n\n", "it is empty or only whitespace"),
+    ("empty.jsonl", "", "it is empty or only whitespace"),  # datasets' own StopIteration traceback before
+    ("blank.jsonl", '{"text": ""}\n{"text": " "}\n', "no row has text in its 'text' field"),
+])
+def test_an_empty_data_file_fails_before_the_model_loads(tiny_folder, tmp_path, capsys, no_model_load, name,
+                                                         content, why):
+    data = tmp_path / name
+    data.write_text(content)
+    code, _, err = run_prune(capsys, "--model", tiny_folder, "--data", data, "--samples", "8", "--seq-len", "32",
+                             "--drop", "1", "--out", tmp_path / "o")
+    assert code == EXIT_BAD_INPUT and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]  # a .jsonl: datasets' progress bar too
+    assert errors == [f"error: --data file {data} holds no text ({why}): pass a file with the text to read"]
+
+
 def test_too_large_a_drop_names_the_maximum_that_runs(tiny_folder, tmp_path, capsys, no_model_load):
     code, _, err = run_prune(capsys, "--model", tiny_folder, "--samples", "8", "--seq-len", "32", "--drop", "4",
                              "--out", tmp_path / "o")
     assert code == EXIT_BAD_INPUT
     assert one_error_line(err) == ("error: --drop 4 asks for 4 of the model's 4 blocks: drop at most 2 (blocks "
                                    "[0, 3] are protected; --protect none allows 3)")
+
+
+def test_a_seq_len_past_the_positions_is_named_before_any_memory_advice(tiny_folder, tmp_path, capsys,
+                                                                      no_model_load):
+    # 10 MB of host memory: the planner would refuse the run for memory, with --offload advice that cannot help
+    code, _, err = run_prune(capsys, "--model", tiny_folder, "--seq-len", "100000", "--drop", "1",
+                             "--plan-host-memory", "10MB", "--out", tmp_path / "o")
+    assert code == EXIT_BAD_INPUT
+    assert one_error_line(err) == ("error: --seq-len 100000 exceeds the model's 256 positions: lower --seq-len (and "
+                                   "raise --samples to keep the tokens)")
 
 
 def test_the_maximum_drop_named_is_accepted_on_a_30_block_model():

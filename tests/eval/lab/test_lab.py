@@ -121,7 +121,8 @@ def test_every_eval_lab_call_in_a_reports_run_script_is_a_subcommand(capsys):
 
 
 def test_import_eval_lab_imports_none_of_its_modules():
-    code = "import json, sys\nimport eval.lab\nprint(json.dumps(sorted(m for m in sys.modules if m.startswith('eval'))))"
+    code = ("import json, sys\nimport eval.lab\n"
+            "print(json.dumps(sorted(m for m in sys.modules if m.startswith('eval'))))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=REPORTS.parent)
     assert done.returncode == 0, done.stderr

@@ -13,14 +13,11 @@ def results() -> dict:
         metrics.update({"precision@5": [1.0] * 5, "precision@10": [1.0] * 5, "surprisal": [2.0, 1.5, 1.0, 0.5, 0.0]})
     shortcuts = {"id": {"description": "h", "params_per_layer": 0, "params_total": 0, "share_of_mat": 0.0},
                  "mat": {"description": "h A + b", "params_per_layer": 1056, "params_total": 4224, "share_of_mat": 1.0}}
+    exits = {"id": {"layers_used_at_goal": 3.5, "layers_saved_at_goal": 0.5, "saved_share": 0.125},
+             "mat": {"layers_used_at_goal": None, "layers_saved_at_goal": None, "saved_share": None}}
     return {"model": "tiny", "num_blocks": 4, "hidden_size": 32, "layers": [0, 1, 2, 3, 4], "per_layer": per_layer,
-            "shortcuts": shortcuts, "early_exit": {"goal": 0.95, "exit_layers": [1, 3], "mat_minus_id_saved_share": 0.125,
-                                                   "shortcuts": {"id": {"layers_used_at_goal": 3.5,
-                                                                        "layers_saved_at_goal": 0.5,
-                                                                        "saved_share": 0.125},
-                                                                 "mat": {"layers_used_at_goal": None,
-                                                                         "layers_saved_at_goal": None,
-                                                                         "saved_share": None}}},
+            "shortcuts": shortcuts,
+            "early_exit": {"goal": 0.95, "exit_layers": [1, 3], "mat_minus_id_saved_share": 0.125, "shortcuts": exits},
             "data": {"fit": {"tokens": 256, "source": "fit.txt"}, "eval": {"tokens": 64, "source": "eval.txt"},
                      "split": "disjoint windows"}}
 
@@ -44,5 +41,6 @@ def test_the_tables_have_a_row_per_layer_and_per_shortcut():
     assert "| id | 3.50 | 0.50 | 12.5% |" in exits and "| mat | - | - | - |" in exits
     assert exits[-1] == "mat saves +12.5% of the layers more than id."
     readme = lens_readme({**run, "claims": claims(run)}, ["heatmap.png"])
-    assert readme.startswith("# Lens: what each layer of tiny already predicts") and "![heatmap.png](heatmap.png)" in readme
+    assert readme.startswith("# Lens: what each layer of tiny already predicts")
+    assert "![heatmap.png](heatmap.png)" in readme
     assert "## Early exit" in readme and "## Sub-module stand-ins" not in readme

@@ -53,7 +53,7 @@ def test_a_pruned_llama_goes_through_gguf_and_back_with_its_logits(tiny_llama_fo
     report = json.loads((slim / "layercut.json").read_text())
     assert report["serving"]["layout"] == "vanilla" and report["serving"]["llama_cpp"]
     path, checked = convert(slim, converter=CONVERTER)
-    assert path == slim / "slim-f32.gguf" and path.is_file() and not list(slim.glob(".*partial"))
+    assert path == slim / "gguf" / "slim-f32.gguf" and path.is_file() and not list(slim.rglob(".*partial"))
     assert checked["blocks"] == 3 and checked["architecture"] == "llama"
     assert checked["compared"] >= 3 * 5 and checked["max_rel_diff"] == 0.0  # norms, MLP, o_proj, v of every block
     ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -137,6 +137,47 @@ def test_a_map_checkpoint_folder_is_refused(tiny_folder, tmp_path, capsys):
     assert len(err.splitlines()) == 1 and "not servable" in err and "layercut-linear-vanilla" in err
 
 
+_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+
+
+def test_the_gguf_goes_apart_from_the_checkpoint_tokenizer_and_loads_whole(tmp_path, monkeypatch):
+    """Beside the checkpoint's tokenizer.json, transformers would read that instead of the GGUF's own tokenizer,
+    and its chat template and special tokens from neither; the export's own folder keeps them."""
+    from transformers import AutoTokenizer
+
+    import prune.checkpoint.gguf as export
+    from tests.prune.loading.test_loader import _byte_level_tokenizer, _tiny_llama, _write_tiny_gguf
+
+    tokenizer = _byte_level_tokenizer()
+    tokenizer.chat_template = _TEMPLATE
+    model = _tiny_llama(len(tokenizer))
+    slim = save(model, tokenizer, tmp_path / "slim8", {"dropped": []})
+
+    def stand_in(script, source, out, outtype):  # llama.cpp's converter: the tokenizer and its template go in
+        _write_tiny_gguf(out, model, tokenizer, chat_template=tokenizer.chat_template)
+
+    monkeypatch.setattr(export, "_run_converter", stand_in)
+    monkeypatch.setattr(export, "check_gguf", lambda *args: {})
+    (tmp_path / "convert_hf_to_gguf.py").touch()
+    path = export_gguf(slim, converter=tmp_path)
+    assert path == slim / "gguf" / "slim8-f32.gguf" and sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    loaded = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert loaded.chat_template == _TEMPLATE and loaded.eos_token == tokenizer.eos_token
+
+
+@needs_converter
+def test_an_exported_gguf_keeps_the_chat_template_and_special_tokens(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = byte_fallback_tokenizer()
+    tokenizer.chat_template = _TEMPLATE
+    tokenizer.eos_token = "<unk>"  # not transformers' default "</s>": read from the GGUF or from nowhere
+    slim = save(make_tiny_model("llama"), tokenizer, tmp_path / "slim8", {"dropped": []})
+    path = export_gguf(slim, converter=CONVERTER)
+    loaded = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    assert (loaded.chat_template, loaded.eos_token, loaded.bos_token) == (_TEMPLATE, "<unk>", "<s>")
+
+
 def test_no_converter_is_one_line_saying_where_to_get_it(tmp_path, monkeypatch):
     monkeypatch.delenv("LLAMA_CPP_CONVERTER", raising=False)
     with pytest.raises(LayercutError, match="llama-cpp-python") as err:
@@ -157,10 +198,11 @@ def test_prune_run_export_gguf_writes_a_checked_gguf_beside_the_checkpoint(tmp_p
                                       "--samples", "4", "--seq-len", "32", "--out", str(out), "--export", "gguf",
                                       "--converter", str(CONVERTER))
     assert code == 0, err
-    assert (out / "slim-f32.gguf").is_file() and "read back" in stdout
+    assert (out / "gguf" / "slim-f32.gguf").is_file() and "read back" in stdout
     pruned = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(3, 300, (1, 16), generator=torch.Generator().manual_seed(1))
-    assert torch.allclose(_gguf_logits(out / "slim-f32.gguf", ids), _logits(pruned, ids), atol=1e-4, rtol=1e-4)
+    assert torch.allclose(_gguf_logits(out / "gguf" / "slim-f32.gguf", ids), _logits(pruned, ids), atol=1e-4,
+                          rtol=1e-4)
 
 
 @pytest.mark.slow
@@ -172,7 +214,7 @@ def test_smollm2_drop4_fold_through_gguf_keeps_its_logits(tmp_path, capsys):
                                  "--samples", "16", "--seq-len", "256", "--heldout-samples", "0", "--out", str(out),
                                  "--export", "gguf", "--converter", str(CONVERTER))
     assert code == 0, err
-    path = out / "smol-f32.gguf"
+    path = out / "gguf" / "smol-f32.gguf"
     checked = check_gguf(path, out)
     assert checked["blocks"] == 26 and checked["max_rel_diff"] == 0.0
     pruned = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -79,3 +79,36 @@ def test_cli_exits_2_with_one_line(tmp_path, one_thread, capsys):
     assert main(["--student", str(out), "--teacher", str(out), "--out", str(tmp_path / "distilled")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and "model.safetensors is damaged" in err[-1]
+
+
+def without_weights(tmp_path):
+    """A checkpoint as an eval.compare cell keeps it without --keep-checkpoints: its report and config only."""
+    out = save(tmp_path, maps=False)
+    for file in out.glob("*.safetensors"):
+        file.unlink()
+    assert {"config.json", "layercut.json", "README.md"} <= {p.name for p in out.iterdir()}
+    return out
+
+
+@pytest.mark.parametrize("loader", [prune.load, load_model])
+def test_a_folder_without_weights_is_one_line(tmp_path, one_thread, loader):
+    out = without_weights(tmp_path)
+    with pytest.raises(LayercutError) as caught:
+        loader(str(out))
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"{out} holds no weights"), message
+    assert "kept only its report" in message and "--keep-checkpoints" in message and "prune.run" in message
+
+
+def test_eval_run_of_a_folder_without_weights_exits_2(tmp_path, one_thread, capsys, sample_text):
+    from eval.run import main
+
+    out = without_weights(tmp_path)
+    text = tmp_path / "text.txt"
+    text.write_text(sample_text)
+    code = main(["--model", str(out), "--tasks", f"ppl:{text}", "--seq-len", "32", "--out", str(tmp_path / "report"),
+                 "--no-progress", "--threads", "1"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err
+    assert errors[0].startswith(f"error: {out} holds no weights") and not (tmp_path / "report").exists()

@@ -366,8 +366,8 @@ def _gguf_tensors(model) -> dict[str, np.ndarray]:
     return out
 
 
-def _write_tiny_gguf(path: Path, model, tokenizer: PreTrainedTokenizerFast) -> None:
-    """Write ``model`` + its byte-level BPE tokenizer as a float32 llama GGUF file."""
+def _write_tiny_gguf(path: Path, model, tokenizer: PreTrainedTokenizerFast, chat_template: str | None = None) -> None:
+    """Write ``model`` + its byte-level BPE tokenizer (and a chat template) as a float32 llama GGUF file."""
     gguf = pytest.importorskip("gguf")
     config = model.config
     spec = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
@@ -392,6 +392,8 @@ def _write_tiny_gguf(path: Path, model, tokenizer: PreTrainedTokenizerFast) -> N
     writer.add_bos_token_id(tokenizer.bos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_unk_token_id(tokenizer.unk_token_id)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
     for name, array in _gguf_tensors(model).items():
         writer.add_tensor(name, array)
     writer.write_header_to_file()
@@ -431,6 +433,41 @@ def test_gguf_file_converts_once_and_matches(tmp_path, monkeypatch, tie):
     monkeypatch.setattr(prune_gguf, "_convert_gguf", no_second_conversion)
     assert load_model(str(path)).model.config.num_hidden_layers == 2
     assert load_config(str(path)).num_hidden_layers == 2
+
+
+def test_a_seq_len_past_a_gguf_header_positions_fails_before_converting(tmp_path, capsys, monkeypatch):
+    from prune.run import main
+
+    path = tmp_path / "tiny.gguf"
+    tokenizer = _byte_level_tokenizer()
+    _write_tiny_gguf(path, _tiny_llama(len(tokenizer)), tokenizer)
+    monkeypatch.setattr(prune_gguf, "_convert_gguf", lambda *args: pytest.fail("converted before the check"))
+    limit = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name).max_position_embeddings
+    # 10 MB of host memory: the planner would refuse the run for memory first, advising --offload
+    code = main(["--model", str(path), "--seq-len", "100000", "--drop", "1", "--plan-host-memory", "10MB", "--out",
+                 str(tmp_path / "o")])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and errors == [f"error: --seq-len 100000 exceeds the model's {limit} positions: lower --seq-len "
+                                    "(and raise --samples to keep the tokens)"]
+
+
+def test_a_gguf_beside_other_tokenizer_files_converts_with_its_own_tokenizer(tmp_path, one_thread):
+    """A GGUF inside a checkpoint folder (llama.cpp's converter writes it there): the folder's tokenizer.json
+    would replace the GGUF's tokenizer, and its chat template and special tokens be read from neither."""
+    from tests.helpers import make_tiny_tokenizer
+
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    tokenizer = _byte_level_tokenizer()
+    folder = tmp_path / "checkpoint"
+    make_tiny_tokenizer().save_pretrained(folder)  # another vocabulary, no chat template
+    (folder / "config.json").write_text("{}")
+    path = folder / "checkpoint-f32.gguf"
+    _write_tiny_gguf(path, _tiny_llama(len(tokenizer)), tokenizer, chat_template=template)
+    loaded = load_model(str(path)).tokenizer
+    assert loaded.chat_template == template and loaded.eos_token == tokenizer.eos_token
+    assert loaded("the lazy dog")["input_ids"] == tokenizer("the lazy dog")["input_ids"]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(  # nothing written beside it
+        ["checkpoint-f32.gguf", "config.json", "tokenizer.json", "tokenizer_config.json"])
 
 
 def test_publish_keeps_the_first_finished_copy(tmp_path):

@@ -17,7 +17,7 @@ from prune.measure.scores import SCORES, block_scores
 from prune.model.adapters import get_blocks, is_offloaded
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.runner import run_prune
-from tests.helpers import TINY_CONFIGS, make_tiny_model, make_tiny_tokenizer, run_prune_cli
+from tests.helpers import TINY_TYPES, make_tiny_model, make_tiny_tokenizer, run_prune_cli
 
 IDS = torch.arange(6 * 24).reshape(6, 24) % 290 + 3
 
@@ -29,7 +29,7 @@ def _saved(model_type: str, folder):
     return model
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(TINY_TYPES))
 def test_block_by_block_statistics_equal_the_in_memory_pass(model_type, one_thread):
     model = make_tiny_model(model_type)
     whole = stream_moments(model, IDS, batch_size=4, progress=False)

@@ -15,7 +15,7 @@ from prune.model.adapters import (
     num_blocks,
 )
 from prune.model.architectures import build_tiny
-from tests.helpers import BLOCKS, HIDDEN, TINY_CONFIGS, make_tiny_model
+from tests.helpers import BLOCKS, HIDDEN, TINY_TYPES, make_tiny_model
 
 
 def test_overrides_are_few_and_lookups_read_structure():
@@ -26,7 +26,7 @@ def test_overrides_are_few_and_lookups_read_structure():
     assert "llama" not in dict(ARCHITECTURES), "a looked-up spec is not stored as an override"
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(TINY_TYPES))
 def test_adapter_paths_resolve(model_type):
     model = make_tiny_model(model_type)
     spec = arch_spec(model)

@@ -4,7 +4,7 @@ import torch
 from prune.errors import LayercutError
 from prune.model.adapters import arch_spec, get_blocks
 from prune.model.surgery import blocks_removed, drop_blocks_
-from tests.helpers import TINY_CONFIGS, assert_cache_and_generate, make_tiny_model
+from tests.helpers import TINY_TYPES, assert_cache_and_generate, make_tiny_model
 
 
 def attention_indices(model):
@@ -12,7 +12,7 @@ def attention_indices(model):
     return [m.layer_idx for b in blocks for m in b.modules() if hasattr(m, "layer_idx")]
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(TINY_TYPES))
 def test_drop_blocks_renumbers_and_generates_with_cache(model_type):
     model = make_tiny_model(model_type)
     ids = torch.randint(3, 320, (2, 12))

@@ -26,7 +26,7 @@ from prune.replace import (
 )
 from prune.replace.linear import LinearFitter
 from prune.replace.lowrank import reduced_rank_fit
-from tests.helpers import TINY_CONFIGS, assert_cache_and_generate, make_tiny_model
+from tests.helpers import TINY_TYPES, assert_cache_and_generate, make_tiny_model
 
 HIDDEN = 32
 
@@ -170,7 +170,7 @@ def test_update_scale_applies_that_share_of_the_fitted_update(method):
         assert isinstance(replacement_modules(half)[0], LinearMap)
 
 
-@pytest.mark.parametrize("model_type", sorted(TINY_CONFIGS))
+@pytest.mark.parametrize("model_type", sorted(TINY_TYPES))
 def test_linear_beats_removal_on_the_final_state(model_type):
     ids, heldout = calibration(), calibration(4, 32, seed=7)
     reference = final_state(make_tiny_model(model_type), heldout)
