@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -10,7 +12,9 @@ from pathlib import Path
 # trust_remote_code loads goes to a throw-away folder, not the user's ~/.cache/huggingface/modules
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-os.environ.setdefault("HF_MODULES_CACHE", tempfile.mkdtemp(prefix="layercut-test-modules-"))
+if "HF_MODULES_CACHE" not in os.environ:  # a folder of this run's own, removed when the run ends
+    os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="layercut-test-modules-")
+    atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
