@@ -283,10 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     target = EXPORTS.get(args.export) if args.export else None
     if target is not None:
         target.check(config, args)
+    amounts = None
     if not args.no_plan_check:
-        preflight(config)  # the inputs first: a --seq-len past the model's positions is the error, not its memory
+        # the inputs first: a --seq-len past the model's positions is the error, not its memory; run_prune reuses them
+        amounts = preflight(config)
         refuse_if_too_big(config, lambda: plan_of(args, config))
-    result = run_prune(config, steps=config.build_steps())
+    result = run_prune(config, steps=config.build_steps(), amounts=amounts)
     print_summary(result)
     if target is not None and result.out is not None:
         print(target.write(result.out, args))

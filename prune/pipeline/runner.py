@@ -148,7 +148,8 @@ def choose_blocks(model, calibration, moments, scores, config: PruneConfig, memo
 
 
 def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
-              steps: Sequence[SurgeryStep] | None = None, scored: Scored | None = None) -> PruneResult:
+              steps: Sequence[SurgeryStep] | None = None, scored: Scored | None = None,
+              amounts: Amounts | None = None) -> PruneResult:
     """Load (unless given), score, select, remove or replace, run ``steps``, export according to ``config``.
 
     Whole blocks and sub-layers share these stages; what differs is how they are scored
@@ -161,21 +162,24 @@ def run_prune(config: PruneConfig, loaded: LoadedModel | None = None,
             switches on (``config.build_steps()``, found by name).
         scored: calibration and statistics already computed on this model (:func:`score_calibration`); the
             model must not have been surgered since.
+        amounts: what :func:`preflight` already resolved for ``config`` (a caller that checked first), so the
+            config and the data files are not read again.
 
     ``config.out``'s lock (``prune.atomic.output_lock``) is held from the first check to the export: a second
     run writing the same folder meanwhile is refused in one line.
     """
     with output_lock(config.out):
-        return _run_prune(config, loaded, steps, scored)
+        return _run_prune(config, loaded, steps, scored, amounts)
 
 
 def _run_prune(config: PruneConfig, loaded: LoadedModel | None, steps: Sequence[SurgeryStep] | None,
-               scored: Scored | None) -> PruneResult:
+               scored: Scored | None, amounts: Amounts | None) -> PruneResult:
     started = time.perf_counter()
     steps = config.build_steps() if steps is None else steps
     if config.out is not None:
         check_output_dir(config.out, config.overwrite)
-    amounts = preflight(config) if loaded is None else None
+    if loaded is None and amounts is None:
+        amounts = preflight(config)
     if loaded is None:
         loaded = config.load.load()
     model = loaded.model
