@@ -122,8 +122,9 @@ def slim(model, tokenizer, drop: int | str | None = 4, data: str | Sequence[str]
         recipe: a method recipe by name (a file stem of ``recipes/methods/``, as ``eval.compare --methods``
             takes: ``"layercut-linear-vanilla"``) or a recipe file; ``drop``, ``replace`` and ``options`` win
             over it.
-        replace: a replacement method (``"fold"``, ``"linear"``, ...; default ``"none"``), or a mapping of
-            ``replace:`` keys.
+        replace: a replacement method (``"fold"``, ``"linear"``, ``"none"``, ...; default ``"auto"``, as
+            ``prune.run``'s: the best training-free repair whose checkpoint every engine runs, for this model's
+            layout), or a mapping of ``replace:`` keys.
         **options: ``prune.run``'s options as Python names: the fields of
             :class:`~prune.pipeline.config.PruneConfig` (``score``, ``select``, ``protect``, ``unit``,
             ``target_params``, ``target_speedup``, ``batch_size``, ``oracle``), of its ``data`` section
@@ -312,9 +313,10 @@ def _slim_config(drop, data, recipe, replace, options: dict) -> tuple[PruneConfi
         values["drop"] = drop
     replace_section = ({"method": replace} if isinstance(replace, str) else dict(replace or {}))
     replace_section.update(replace_options)
+    if "method" not in replace_section and "replace" not in written and path is None:
+        # ReplaceConfig's own default is linear; slim's, as prune.run's, the best servable repair of the model
+        replace_section["method"] = "auto"
     if replace_section:
-        if "method" not in replace_section and "replace" not in written:
-            replace_section["method"] = "none"  # ReplaceConfig's own default is linear; slim's, as prune.run's, none
         values["replace"] = replace_section
     config = config_from_recipe(path, values) if path is not None else PruneConfig(**values)
     config.out = None  # set after construction: PruneConfig names a default folder when dropping

@@ -1,8 +1,8 @@
 """Score every block of a decoder, drop (or replace) the most linear ones, export a checkpoint.
 
-    python -m prune.run --model smollm2-135m --drop 4 --out slim/
-    python -m prune.run --model smollm2-135m --drop 4 --replace linear --out slim-lin/
-    python -m prune.run --model smollm2-135m --drop 4 --replace fold --out slim-fold/   # vanilla checkpoint
+    python -m prune.run --model smollm2-135m --drop 4 --out slim/     # repaired: --replace auto (fold here)
+    python -m prune.run --model smollm2-135m --drop 4 --replace none --out slim-rm/   # removal only
+    python -m prune.run --model smollm2-135m --drop 4 --replace linear --out slim-lin/   # maps no engine runs
     python -m prune.run --model opt-1.3b --drop 4 --replace linear --distill-steps 2000 --out opt-slim/
     python -m prune.run --model opt-1.3b --drop 25% --select span --out opt-1.3b-slim/
     python -m prune.run --recipe recipes/smollm2-drop4.yaml --samples 8      # flags win over the recipe
@@ -120,9 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_replacement_arguments(parser: argparse.ArgumentParser) -> None:
     """``--replace``, ``--fit``, every option of the registered methods, ``--fit-short`` and distillation."""
     group = parser.add_argument_group("replacement")
-    group.add_argument("--replace", dest="replace.method", default="none", metavar="METHOD",
+    group.add_argument("--replace", dest="replace.method", default="auto", metavar="METHOD",
                        help="what takes the removed blocks' place: " + "; ".join(
-                           f"{name}: {spec.description}" for name, spec in METHODS.items()) + " (default: none)")
+                           f"{name}: {spec.description}" for name, spec in METHODS.items())
+                       + " (default: auto: the best training-free repair whose checkpoint every engine runs, for the "
+                       "model's layout: " + ", ".join(m.name for m in METHODS.values() if m.default_for)
+                       + " or, where none applies, none)")
     group.add_argument("--fit", dest="replace.fit", default="independent", metavar="FIT",
                        help="independent: fit each span on the original model's states; sequential: on the states "
                        "of the model with the earlier spans already replaced (two passes per later span) "
@@ -223,12 +226,17 @@ def print_summary(result) -> None:
         best = ", ".join(f"{span['blocks'][0]}-{span['blocks'][1]}: {span[report['score']]:.4f}"
                          for span in report["span_scores"][:3])
         print(f"spans by {report['score']} (best first): {best}")
+    if report.get("config", {}).get("auto_replace"):
+        print(f"--replace auto: {report['replace']}, the best training-free repair of a plain {report['architecture']} "
+              "checkpoint here (--replace none removes only)")
     for record in report["replacements"]:
         print(describe_replacement(record))
     if "heldout" in report:
         h = report["heldout"]
         print(f"held-out perplexity ({h['samples']} x {h['seq_len']} tokens of the calibration source, unseen by "
               f"scoring and fitting): original {h['original']:.3f} -> {h['pruned']:.3f} (x{h['ratio']:.3f})"
+              + (f"; removal of the same blocks alone: {h['removal']:.3f} (x{h['removal_ratio']:.3f})"
+                 if "removal" in h else "")
               + ("; distillation drew its own sequences from the same text" if "distill" in report else ""))
     if "distill" in report:
         fit = describe_generalisation(report["distill"].get("generalisation"))

@@ -88,11 +88,18 @@ def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def run_prune_cli(capsys, *args) -> tuple[int, str, str]:
-    """``python -m prune.run ARGS`` in process: (exit code, stdout, stderr)."""
+def run_prune_cli(capsys, *args, default_repair: bool = False) -> tuple[int, str, str]:
+    """``python -m prune.run ARGS`` in process: (exit code, stdout, stderr).
+
+    Without ``--replace`` or ``--recipe`` the run removes only (``--replace none``), as the tests written for
+    removal expect; ``default_repair=True`` leaves the command's own default (``auto``).
+    """
     from prune.run import main
 
-    code = main([str(a) for a in args])
+    argv = [str(a) for a in args]
+    if not default_repair and not {"--replace", "--recipe"} & set(argv):
+        argv += ["--replace", "none"]
+    code = main(argv)
     out, err = capsys.readouterr()
     return code, out, err
 

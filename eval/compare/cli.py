@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m eval.compare", description="The field in one command: every "
                                      "method recipe x every drop on one model, one calibration set, one table.")
     add_load_arguments(parser)
-    add_data_arguments(parser, samples=32, seq_len=512, heldout_samples=8)
+    add_data_arguments(parser, samples=64, seq_len=512, heldout_samples=8)  # prune.run's: a cell is its checkpoint
     group = parser.add_argument_group("comparison")
     group.add_argument("--drop", default=None, help="block counts to remove, comma list (2,4,6,8)")
     group.add_argument("--methods", default="all",
@@ -101,7 +101,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
         raise LayercutError("--out is required: the folder for results.json, README.md and the plots")
     tasks = [task.strip() for task in (args.tasks or "").split(",") if task.strip()]
     return CompareConfig(load=load_config_from_args(args), data=data_config_from_args(args),
-                         drops=parse_drops(args.drop), methods=parse_methods(args.methods), out=args.out,
+                         drops=parse_drops(args.drop, args.model), methods=parse_methods(args.methods), out=args.out,
                          heldout=args.heldout, heldout_tokens=args.heldout_tokens, tasks=tasks, limit=args.limit,
                          data_dir=args.data_dir, batch_size=args.batch_size, speed_tokens=args.speed_tokens,
                          engine=args.engine, oracle=args.oracle, keep_checkpoints=args.keep_checkpoints,

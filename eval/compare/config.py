@@ -14,6 +14,7 @@ from prune.model.adapters import get_blocks
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.recipes import config_from_recipe, method_recipes, method_summary, resolve_method
 from prune.replace import parameter_count
+from prune.selection.strategies import parse_drop
 from prune.selection.sublayers import is_sublayer, parse_units
 
 
@@ -92,17 +93,35 @@ class CompareConfig:
                 "speed_tokens": self.speed_tokens, "engine": self.engine}
 
 
-def parse_drops(text: str | None) -> list[int]:
-    """``"2,4,6,8"`` -> ``[2, 4, 6, 8]`` (sorted, unique, positive)."""
+def parse_drops(text: str | None, model: str | None = None) -> list[int]:
+    """``"2,4,6,8"`` -> ``[2, 4, 6, 8]`` (sorted, unique, positive); ``"25%"`` as ``prune.run`` reads it.
+
+    A share counts the blocks of ``model``'s config (read without its weights), as ``prune.run --drop 25%`` does.
+    """
     if not text:
         raise LayercutError("--drop is required: block counts to remove, e.g. --drop 4 or --drop 2,4,6,8")
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    blocks = _blocks_of(model, text) if any(part.endswith("%") for part in parts) else 0
     try:
-        drops = sorted({int(part) for part in text.split(",") if part.strip()})
+        drops = sorted({parse_drop(part, blocks) if part.endswith("%") else int(part) for part in parts})
     except ValueError:
-        raise LayercutError(f"--drop takes block counts like 2,4,6,8, got '{text}'") from None
+        raise LayercutError(f"--drop takes block counts like 2,4,6,8 or shares like 25%, got '{text}'") from None
     if not drops or drops[0] <= 0:
         raise LayercutError(f"--drop takes positive block counts like 2,4,6,8, got '{text}'")
     return drops
+
+
+def _blocks_of(model: str | None, text: str) -> int:
+    """The block count a share of ``--drop`` is taken of."""
+    from prune.loading.loader import load_config
+    from prune.model.adapters import config_layer_count
+
+    model_config = load_config(model) if model else None
+    count = config_layer_count(model_config) if model_config is not None else None
+    if count is None:
+        raise LayercutError(f"--drop {text}: a share needs the model's block count, which its config does not give "
+                            "before conversion: pass block counts (--drop 2,4)")
+    return count
 
 
 def parse_methods(text: str) -> dict[str, Path]:
@@ -122,10 +141,22 @@ def parse_methods(text: str) -> dict[str, Path]:
 
 
 def method_list() -> str:
-    """One line per known method: its name and its recipe's summary."""
+    """One line per known method: its name, what its checkpoint serves in, and its recipe's summary."""
     methods = method_recipes()
     width = max((len(name) for name in methods), default=0)
-    return "\n".join(f"{name:<{width}}  {method_summary(path)}" for name, path in methods.items())
+    lines = [f"{'method':<{width}}  {'serves':<9}  what it does", f"{'':-<{width}}  {'':-<9}  {'':-<12}"]
+    lines += [f"{name:<{width}}  {method_serving(path):<9}  {method_summary(path)}" for name, path in methods.items()]
+    return "\n".join(lines)
+
+
+def method_serving(path: Path) -> str:
+    """``plain`` (every engine runs its checkpoint), ``DeciLM`` (per-layer shapes) or ``maps`` (prune.load only)."""
+    from prune.replace.registry import get_method
+
+    config = config_from_recipe(path, {"drop": 1})
+    if is_sublayer(parse_units(config.unit)):
+        return "DeciLM"
+    return "plain" if get_method(config.replace.method).servable else "maps"
 
 
 def cell_config(config: CompareConfig, path: Path, drop: int, out: Path | None,

@@ -37,6 +37,8 @@ def resolved_method(path: Path) -> dict:
     # replace: and distill: in the layout they had before their options became fields, so digests stay put
     resolved = {**dataclasses.asdict(config), "replace": config.replace.to_dict()}
     method = {key: value for key, value in resolved.items() if key not in RUN_KEYS}
+    if not method.get("auto_replace"):
+        method.pop("auto_replace", None)  # added after results were recorded: absent unless a recipe says auto
     for step in config.build_steps():  # a step's section is a raw mapping until its step fills in the defaults
         options = getattr(step, "config", None)
         if dataclasses.is_dataclass(options):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from eval.compare.digest import STALE_MARKS, recipe_state, stale_note
 from eval.compare.metrics import METRICS
 from eval.compare.results import NO_TASKS, Results
 from eval.compare.stats import TIE_SE, analyse, task_stderr
 from eval.quality.lmeval import describe_rows
 from eval.speed.results import NOISY_RUN_SPREAD
+from prune.checkpoint.write import portable
 from prune.model.layouts import ENGINE_NAMES, LAYOUTS, VANILLA, label
 
 PPL_PNG = "perplexity_vs_blocks.png"
@@ -33,13 +37,26 @@ def leaderboard(results: Results) -> str:
     return "\n".join(lines)
 
 
+def shown_path(value: str) -> str:
+    """A file as a shared page names it, never by this machine's absolute path.
+
+    Relative to the working folder when close to it (``../shared/data/...``), else its folder and name; other
+    text keeps its words.
+    """
+    if not os.path.isabs(value):
+        return portable(value)
+    relative = os.path.relpath(value)
+    return relative if not relative.startswith(("../../", "..\\..\\")) else "/".join(Path(value).parts[-2:])
+
+
 def _preamble(results: Results, analysis: dict, cells: dict, states: dict) -> list[str]:
     """The title and the notes that say what each column measured."""
     setup, timing, names = results.setup, results.timing, analysis["domains"]
-    texts = "; ".join(f"{name}: {d['source']} ({d['tokens']} tokens)"
+    # no path of this machine in a page that is shared: a file keeps its name
+    texts = "; ".join(f"{name}: {shown_path(d['source'])} ({d['tokens']} tokens)"
                       for name, d in results.heldout.get("domains", {}).items() if name in names)
-    calibration = results.calibration or {}
-    lines = [f"# Method comparison: {setup['model']}", "",
+    calibration = portable(results.calibration or {})
+    lines = [f"# Method comparison: {shown_path(setup['model'])}", "",
              f"Held-out perplexity on {texts or '?'}; with several domains, \"held-out ppl\" is their geometric "
              f"mean. Calibration {calibration.get('tokens', '?')} tokens of "
              f"{calibration.get('source', '?')}, scored once for every cell "

@@ -90,12 +90,12 @@ def portable_name(name: str | None, source: str | None) -> str:
     return hub_id or Path(str(source or name or "model")).name
 
 
-def _portable(value):
-    """``value`` with every absolute path in its text cut to the path's last component."""
+def portable(value):
+    """``value`` (text, or a mapping or list of them) with every absolute path cut to the path's last component."""
     if isinstance(value, dict):
-        return {_portable(key): _portable(item) for key, item in value.items()}
+        return {portable(key): portable(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_portable(item) for item in value]
+        return [portable(item) for item in value]
     if not isinstance(value, str):
         return value
     if (os.path.isabs(value) or value.startswith("~/")) and "," not in value:  # one path, spaces and all
@@ -110,7 +110,7 @@ def portable_report(report: dict) -> dict:
     when typed as one, ``config.out``, calibration files) keeps its last component. A relative path typed on
     the command line, an alias and a hub id stay as typed: they still name the model where they did.
     """
-    shown = _portable(report)
+    shown = portable(report)
     if report.get("source_model") is not None:
         shown["source_model"] = portable_name(report.get("model_name"), str(report["source_model"]))
     return shown

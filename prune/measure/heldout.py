@@ -41,8 +41,11 @@ def packed_perplexity(model: torch.nn.Module, token_ids: torch.Tensor, batch_siz
     return math.exp(total / (samples * (seq_len - 1)))  # every position but each row's first is a target
 
 
-def heldout_report(original: float, pruned: float, token_ids: torch.Tensor) -> dict:
-    """The ``heldout`` section of ``layercut.json``."""
+def heldout_report(original: float, pruned: float, token_ids: torch.Tensor, removal: float | None = None) -> dict:
+    """The ``heldout`` section of ``layercut.json``; ``removal``: the same blocks only removed (a repaired run)."""
     samples, seq_len = token_ids.shape
-    return {"samples": samples, "seq_len": seq_len, "tokens": samples * seq_len, "original": original,
-            "pruned": pruned, "ratio": pruned / original}
+    report = {"samples": samples, "seq_len": seq_len, "tokens": samples * seq_len, "original": original,
+              "pruned": pruned, "ratio": pruned / original}
+    if removal is not None:
+        report.update(removal=removal, removal_ratio=removal / original)
+    return report

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from prune.measure.scores import get_score
 from prune.pipeline.resolve import Amounts, resolve_for_model
 from prune.pipeline.steps import SurgeryStep, build_step
 from prune.replace import ReplaceConfig
-from prune.replace.registry import get_method, offloadable_methods
+from prune.replace.options import is_unset
+from prune.replace.registry import AUTO, default_method, get_method, offloadable_methods, option_specs
 from prune.selection.strategies import DEFAULT_PROTECT, SELECTIONS, measured_selections, unit_selections
 from prune.selection.sublayers import is_sublayer, parse_units
 
@@ -42,7 +44,10 @@ class PruneConfig:
         protect: blocks never removed ("0,-1" = first and last; "none").
         batch_size: sequences per forward pass while streaming statistics and fitting.
         replace: what takes the removed blocks' place (:class:`prune.replace.ReplaceConfig`); a method
-            name alone (``replace: linear``) is short for ``{method: linear}``.
+            name alone (``replace: linear``) is short for ``{method: linear}``. ``auto`` (``prune.run``'s
+            default) is the best training-free repair whose checkpoint every engine runs, chosen for the loaded
+            model (``prune.replace.registry.default_method``); removal where none applies, or where the run
+            scores only, removes sub-layers or runs block by block.
         distill: options of the distillation step after surgery (``distill.config.DistillConfig`` keys,
             ``steps`` > 0 switches it on); prune hands them to the ``distill`` step unread.
         oracle: also measure the calibration perplexity with each block alone removed (one pass per block)
@@ -51,6 +56,8 @@ class PruneConfig:
         out: output folder; None writes nothing when only scoring, and ``<model>-drop<K>`` when
             dropping, so the first command a user types keeps its result.
         overwrite: replace a non-empty ``out``.
+        auto_replace: ``replace`` was ``auto``: the method is chosen once the model is loaded
+            (:meth:`with_default_repair`); set by ``replace: auto``, not by hand.
     """
 
     load: LoadConfig = field(default_factory=LoadConfig)
@@ -68,6 +75,7 @@ class PruneConfig:
     oracle: bool = False
     out: str | None = None
     overwrite: bool = False
+    auto_replace: bool = False
 
 
     def __post_init__(self):
@@ -79,7 +87,7 @@ class PruneConfig:
         SELECTIONS.get(self.select)
         if self.batch_size <= 0:
             raise LayercutError(f"--batch-size must be positive, got {self.batch_size}")
-        self.replace = _replace_config(self.replace, self.batch_size)
+        self.replace = _replace_config(self._take_auto(self.replace), self.batch_size)
         if not isinstance(self.distill, dict):
             raise LayercutError(f"distill must be a mapping of DistillConfig keys, got {type(self.distill).__name__}")
         steps = self.distill.get("steps", 0)
@@ -99,8 +107,41 @@ class PruneConfig:
             self._check_sublayer_options()
         if self.load.offload == "sequential":
             self._check_offload_options(units)
+        if self.auto_replace and (not self.removes or is_sublayer(units) or self.load.offload == "sequential"):
+            self.auto_replace = False  # nothing to repair, or no repair applies: removal
         if self.out is None and self.removes:
             self.out = self._default_out(units)
+
+    def _take_auto(self, replace):
+        """``replace`` with ``auto`` read as removal until the model is loaded (``auto_replace`` remembers it)."""
+        method = replace if isinstance(replace, str) else replace.get("method") if isinstance(replace, dict) else None
+        if method != AUTO:
+            return replace
+        self.auto_replace = True
+        if isinstance(replace, str):
+            return "none"
+        specs = option_specs()
+        given = sorted(specs[key].name_in_messages for key, value in replace.items()
+                       if key in specs and not is_unset(value, specs[key]))
+        if given:
+            raise LayercutError(f"{', '.join(given)}: an option of a method, and --replace auto chooses the method once "
+                                "the model is loaded; name it (--replace fold, fold-rotate, ...)")
+        return {**replace, "method": "none"}
+
+    def with_default_repair(self, model) -> PruneConfig:
+        """The config with ``replace: auto`` turned into the method it means for ``model`` (itself otherwise)."""
+        if not self.auto_replace or self.replace.method != "none":
+            return self
+        chosen = default_method(model)
+        if chosen == "none":
+            return self
+        settings = self.replace.to_dict()
+        replace = ReplaceConfig(method=chosen, fit=settings["fit"], short=None, batch_size=self.batch_size,
+                                cache_bytes=settings["cache_bytes"], seed=settings["seed"],
+                                progress=settings["progress"])
+        chosen_config = dataclasses.replace(self, replace=replace)
+        chosen_config.out = self.out  # as given: None writes nothing (prune.slim), not a default folder
+        return chosen_config
 
     def _check_sublayer_options(self) -> None:
         """Refuse, in one line, what sub-layer removal does not do (yet)."""

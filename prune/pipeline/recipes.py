@@ -61,11 +61,31 @@ RecipeLoader.add_implicit_resolver("tag:yaml.org,2002:float",
                                    list("-+0123456789"))
 
 
+def find_recipe(name: str | Path) -> Path:
+    """A recipe by path, or by name from any folder.
+
+    A name is a method's (``layercut-linear-vanilla``) or a shipped recipe's path inside ``recipes/``, with or
+    without the folder and suffix (``repairs/fold``, ``recipes/smollm2-drop4.yaml``). The shipped recipes live in
+    the installed package, so a name works from any working folder.
+    """
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    inside = Path(*path.parts[1:]) if path.parts[:1] == ("recipes",) else path
+    shipped = {p.relative_to(RECIPES_DIR).with_suffix("").as_posix(): p for p in RECIPES_DIR.rglob("*.yaml")}
+    key = inside.with_suffix("").as_posix() if inside.suffix in (".yaml", ".yml") else inside.as_posix()
+    by_stem = {p.stem: p for p in sorted(shipped.values()) if p.parent.name == "methods"}
+    found = shipped.get(key) or by_stem.get(key)
+    if found is None:
+        names = ", ".join(sorted(by_stem))
+        raise LayercutError(f"recipe '{name}' not found: pass a YAML file, a method name ({names}) or a shipped "
+                            "recipe such as repairs/fold or smollm2-drop4")
+    return found
+
+
 def read_recipe(path: str | Path) -> dict:
-    """The YAML mapping in ``path``; a clear error for a missing or malformed file."""
-    path = Path(path)
-    if not path.is_file():
-        raise LayercutError(f"recipe '{path}' not found: pass a YAML file such as recipes/smollm2-drop4.yaml")
+    """The YAML mapping in ``path`` (found by :func:`find_recipe`); a clear error for a missing or malformed file."""
+    path = find_recipe(path)
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=RecipeLoader)  # a SafeLoader: data only
     except yaml.YAMLError as err:
@@ -136,8 +156,11 @@ def resolve_method(name: str, folder: str | Path = METHODS_DIR) -> Path:
     if name in known:
         return known[name]
     path = Path(name).expanduser()
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return path
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            return find_recipe(path)
+        except LayercutError:
+            pass
     raise LayercutError(f"unknown method '{name}': choose one of {', '.join(known) or '(none found)'} or pass a "
                         "recipe file (.yaml)")
 

@@ -8,6 +8,7 @@ candidate sub-layers and removes them (``prune.selection.sublayers``). Each retu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from prune.data.calibration import CalibrationData
 from prune.measure.moments import StateMoments
 from prune.measure.scores import get_score
 from prune.model.adapters import get_blocks
+from prune.model.surgery import blocks_removed
 from prune.pipeline.resolve import Amounts
 from prune.replace import parameter_count, replace_blocks_
 from prune.selection.budget import blocks_for_params
@@ -47,6 +49,7 @@ class Removal:
         amounts: the amounts the removal met (a met block budget is its ``drop``); the caller's config is
             never changed.
         changed: whether the model changed (its held-out perplexity is then measured again).
+        removal_only: a repaired run's held-out perplexity with the same blocks only removed, where measured.
     """
 
     dropped: list[int]
@@ -54,6 +57,7 @@ class Removal:
     budget: dict | None
     amounts: Amounts
     changed: bool
+    removal_only: float | None = None
 
     def recorded(self, config: PruneConfig) -> dict:
         """``config`` as ``layercut.json`` records it: a met block budget is written as the ``drop`` it became."""
@@ -123,8 +127,13 @@ def block_budget(model: nn.Module, calibration: CalibrationData, moments: StateM
 
 
 def remove_blocks(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
-                  config: PruneConfig, amounts: Amounts, memo: dict) -> Removal:
-    """Whole blocks: the oracle if asked, the budget, the selection, then removal or replacement."""
+                  config: PruneConfig, amounts: Amounts, memo: dict,
+                  measure: Callable[[nn.Module], float] | None = None) -> Removal:
+    """Whole blocks: the oracle if asked, the budget, the selection, then removal or replacement.
+
+    ``measure`` (a held-out perplexity) is also taken with the chosen blocks only removed, before the repair, so
+    that the run says what its repair gained over removal of the same blocks.
+    """
     oracle = (run_oracle(model, calibration.token_ids, scores, config.batch_size, cache=removal_cache(memo))
               if config.oracle else None)
     budget = block_budget(model, calibration, moments, scores, config, amounts, memo)
@@ -137,15 +146,19 @@ def remove_blocks(model: nn.Module, calibration: CalibrationData, moments: State
         sections["selection"] = chosen.trace
     if dropped and config.select == "span":
         sections["span_scores"] = span_report(model, calibration, moments, scores, config, amounts)
+    removal_only = None
+    if dropped and measure is not None:
+        with blocks_removed(model, dropped):
+            removal_only = measure(model)
     if dropped:
         replace_blocks_(model, dropped, calibration.token_ids, config.replace, moments)
     if oracle is not None:
         sections["oracle"] = oracle.as_dict()
-    return Removal(dropped, sections, budget, amounts, changed=bool(dropped))
+    return Removal(dropped, sections, budget, amounts, changed=bool(dropped), removal_only=removal_only)
 
 
 def remove_units(model: nn.Module, calibration: CalibrationData, moments: StateMoments, scores: dict,
-                 config: PruneConfig, amounts: Amounts, memo: dict) -> Removal:
+                 config: PruneConfig, amounts: Amounts, memo: dict, _measure: object = None) -> Removal:
     """Sub-layers: rank the candidates (by a score, or measured), meet the amount, remove them."""
     candidates, ids = list(amounts.candidates), calibration.token_ids
     if config.select == "measured":

@@ -183,6 +183,7 @@ def _run_prune(config: PruneConfig, loaded: LoadedModel | None, steps: Sequence[
     if loaded is None:
         loaded = config.load.load()
     model = loaded.model
+    config = config.with_default_repair(model)  # replace: auto needs the loaded model's layout
     amounts = config.resolve(model) if amounts is None else bind_model(amounts, config, model)
     calibration, memo = _calibrate(loaded, config, amounts, scored)
     # a skeleton never holds the whole model: its output is measured afterwards (eval.run)
@@ -190,7 +191,10 @@ def _run_prune(config: PruneConfig, loaded: LoadedModel | None, steps: Sequence[
     original = packed_perplexity(model, heldout, config.batch_size) if heldout is not None else None
     score, remove = (_score_units, remove_units) if amounts.is_sublayer else (_score_blocks, remove_blocks)
     moments, scores = score(model, calibration, config, scored, memo)
-    removal = remove(model, calibration, moments, scores, config, amounts, memo)
+    # a repair is measured against plain removal of the same blocks, on the same held-out rows
+    measure = (lambda m: packed_perplexity(m, heldout, config.batch_size)) \
+        if original is not None and config.replace.method != "none" else None
+    removal = remove(model, calibration, moments, scores, config, amounts, memo, measure)
     if removal.budget is not None and removal.budget.get("target_params") is not None:
         check_params_budget(parameter_count(model), removal.budget)
     # sub-layer runs take no steps yet (PruneConfig refuses distillation with them)
@@ -202,7 +206,8 @@ def _run_prune(config: PruneConfig, loaded: LoadedModel | None, steps: Sequence[
     if removal.budget is not None:
         report["budget"] = {**removal.budget, "params_before": amounts.params, "params_after": parameter_count(model)}
     if original is not None and removal.changed:
-        report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout)
+        report["heldout"] = heldout_report(original, packed_perplexity(model, heldout, config.batch_size), heldout,
+                                           removal.removal_only)
     return _finish(loaded, config, removal, report, done, calibration, moments, scores)
 
 

@@ -1,7 +1,7 @@
 """Replace removed blocks instead of only dropping them: one module per method, found by name.
 
 Each maximal run (span) of removed blocks gets one replacement, fitted to reproduce the span's output
-from its input on calibration text. The methods (``METHODS``, in this order):
+from its input on calibration text. The methods (``METHODS``; these five first, then the other modules of this folder):
 
 * ``none`` (``none.py``): the blocks are only removed.
 * ``linear`` (``linear.py``): ``h -> h A + b``, closed-form least squares (float64) from streamed moments,
@@ -12,6 +12,11 @@ from its input on calibration text. The methods (``METHODS``, in this order):
   projection (0.7 of its update by default, as ``linear``); the checkpoint stays a vanilla architecture.
 * ``block`` (``block.py``): one standard block of the architecture per span, a copy of the span's
   first block, trained with Adam on the MSE to the span's output; a vanilla checkpoint.
+* ``fold-rotate`` (``rotate.py``): the span's map restricted to what a plain checkpoint carries exactly,
+  ``s r Q + z W'``: the scale and rotation as a change of basis of every weight before the cut, the rest
+  folded as ``fold`` does (RMSNorm blocks; unties a tied LM head).
+* ``local`` (``local.py``): the kept block before the span, retrained block-locally (Adam on recorded
+  inputs) to give the span's linear map's output; a vanilla checkpoint, for any block layout.
 
 ``fit="independent"`` fits every span on the original model's states (one streamed pass);
 ``fit="sequential"`` fits span by span, each on the inputs the already-surgered model produces

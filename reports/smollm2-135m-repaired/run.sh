@@ -9,7 +9,7 @@ SHARED="--heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,
   --speed-tokens 0 --out reports/smollm2-135m-repaired"
 # 1. removal and layercut's map on the linearity top-k (the draw's rows), against the repaired-greedy selection
 #    with the map; the oracle with its repaired column.
-python -m eval.compare --drop 4,8 --methods recipes/repairs/remove.yaml,layercut-linear,layercut-best \
+python -m eval.compare --samples 32 --drop 4,8 --methods recipes/repairs/remove.yaml,layercut-linear,layercut-best \
   --oracle $SHARED
 
 # 2. Which criterion and fit layercut-best uses, chosen on the selection split (texts and task prompts no reported
@@ -18,7 +18,7 @@ python -m eval.compare --drop 4,8 --methods recipes/repairs/remove.yaml,layercut
 #    (best-sequential, iterative compensation), against the linearity top-k (layercut-linear), at drops 4 and 8.
 S=/tmp/layercut-selection
 [ -f $S/piqa.jsonl ] || python -m eval.lab selection-split $D $S
-python -m eval.compare --drop 4,8 \
+python -m eval.compare --samples 32 --drop 4,8 \
   --methods layercut-linear,layercut-best,recipes/repairs/best-kl.yaml,recipes/repairs/best-sequential.yaml \
   --heldout novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl \
   --heldout-tokens 4096 --speed-tokens 0 --threads 2 --out reports/smollm2-135m-repaired/selection

@@ -7,13 +7,13 @@ DOMAINS="novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/w
 # 1. layercut's map recipes and their vanilla twins (same blocks, the map folded into the previous block's MLP):
 #    four domains of 4,096 held-out tokens, four tasks on 200 rows drawn at random from all but each task's last
 #    500 (the selection split's); the checkpoints are kept for the engine table.
-python -m eval.compare --drop 4,8 \
+python -m eval.compare --samples 32 --drop 4,8 \
   --methods layercut-linear,layercut-linear-vanilla,layercut-linear-distill,layercut-linear-distill-vanilla \
   --heldout $DOMAINS --heldout-tokens 4096 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit "200~:-500" \
   --data-dir $D --threads 2 --speed-tokens 0 --keep-checkpoints --out reports/smollm2-135m-serving/compare
 # 2. the peers whose layouts differ (removal, folds, magnitude compensation, a trained block, a patch, sub-layers),
 #    one domain only: their checkpoints are what the engine table needs.
-python -m eval.compare --drop 4,8 \
+python -m eval.compare --samples 32 --drop 4,8 \
   --methods shortgpt,gromov,replaceme-ls,replaceme-cosine,prune-comp,llm-streamline,linearpatch,layercut-sublayer \
   --heldout news=$D/ptb/ptb.test.txt --heldout-tokens 2048 --threads 2 --speed-tokens 0 --keep-checkpoints \
   --out reports/smollm2-135m-serving/peers

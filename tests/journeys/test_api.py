@@ -69,6 +69,9 @@ def test_slim_writes_nothing(nothing_written, tiny_tokenizer, one_thread):
     assert result.report["config"]["out"] is None and result.report["config"]["load"]["dtype"] == "float32"
     scores = prune.score(model, tiny_tokenizer, data=[_TEXT * 40], samples=8, seq_len=32)
     assert len(scores) == BLOCKS - 1
+    # nor does the default repair, chosen once the model is known
+    default = prune.slim(make_tiny_model("llama"), tiny_tokenizer, drop=1, data=[_TEXT * 40], **SMALL)
+    assert default.report["replace"] == "fold-rotate" and default.report["config"]["out"] is None
 
 
 def test_drop_share_and_data_file_take_what_prune_run_takes(tmp_path, tiny_tokenizer, one_thread):
@@ -77,6 +80,11 @@ def test_drop_share_and_data_file_take_what_prune_run_takes(tmp_path, tiny_token
     result = prune.slim(make_tiny_model("llama"), tiny_tokenizer, drop="50%", data=str(text), protect="0",
                         **SMALL)
     assert len(result.dropped) == 2 and 0 not in result.dropped and result.report["protect"] == [0]
+    # the default repair is prune.run's: the best servable one this layout takes (untied head: fold-rotate)
+    assert result.report["replace"] == "fold-rotate" and result.report["config"]["auto_replace"]
+    tied = prune.slim(make_tiny_model("llama", tie_word_embeddings=True), tiny_tokenizer, drop=1, data=str(text),
+                      **SMALL)
+    assert tied.report["replace"] == "fold"
     # a list of texts calibrates on the windows the same text read from a file gives
     model = make_tiny_model("llama")
     assert prune.score(model, tiny_tokenizer, data=[_TEXT * 40], **SMALL).scores == \

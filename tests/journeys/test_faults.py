@@ -174,7 +174,7 @@ def test_prune_run_killed_in_its_export_keeps_the_previous_output_and_reruns_to_
     assert prune_killed["after_kill"] == before
     assert any(name.endswith(".tmp") for name in prune_killed["hidden_after_kill"]), "the fault did not fire"
     assert_same_tensors(load_file(out / "model.safetensors"), load_safetensors(before["model.safetensors"]))
-    ignored = {"seconds", "overwrite"}  # the rerun's --overwrite is recorded in its config
+    ignored = {"seconds", "fit_seconds", "overwrite"}  # the rerun's --overwrite is recorded in its config
     assert without(json.loads((out / "layercut.json").read_text()), ignored) == without(
         json.loads(before["layercut.json"]), ignored)
 

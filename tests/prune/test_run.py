@@ -115,3 +115,28 @@ def test_subprocess_exit_code(tiny_folder):
     proc = subprocess.run(argv, capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --drop 0 removes no block")
+
+
+def test_the_default_repairs_with_the_best_servable_method_and_says_what_it_gained(tiny_folder, tmp_path, capsys):
+    """``--drop K`` alone: the tiny llama (untied head, RMSNorm) gets fold-rotate, a plain checkpoint, and the summary
+    puts its held-out perplexity beside removal of the same blocks; ``--replace none`` still removes only."""
+    out = tmp_path / "slim"
+    code, stdout, err = run(capsys, *small(tiny_folder), "--drop", "1", "--heldout-samples", "2", "--out", out,
+                            default_repair=True)
+    assert code == 0, err
+    report = json.loads((out / "layercut.json").read_text())
+    assert report["replace"] == "fold-rotate" and report["config"]["auto_replace"] is True
+    assert [r["method"] for r in report["replacements"]] == ["fold-rotate"]
+    held = report["heldout"]
+    assert held["removal"] > 0 and held["removal_ratio"] == pytest.approx(held["removal"] / held["original"])
+    assert "--replace auto: fold-rotate" in stdout and "removal of the same blocks alone:" in stdout
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_hidden_layers == 3  # plain transformers loads it
+    code, stdout, _ = run(capsys, *small(tiny_folder), "--drop", "1", "--replace", "none", "--out", tmp_path / "rm",
+                          default_repair=True)
+    report = json.loads((tmp_path / "rm" / "layercut.json").read_text())
+    assert code == 0 and report["replace"] == "none" and not report["config"]["auto_replace"]
+    assert "removal of the same blocks" not in stdout
+    # a method's option with the method not named yet: one line that says to name it
+    code, _, err = run(capsys, *small(tiny_folder), "--drop", "1", "--update-scale", "0.5", default_repair=True)
+    assert code == EXIT_BAD_INPUT and err.count("\n") == 1
+    assert "--update-scale: an option of a method, and --replace auto chooses the method" in err

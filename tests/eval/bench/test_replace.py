@@ -97,7 +97,7 @@ def test_unknown_variant_and_missing_distill_config(setup, sample_text, capsys, 
 
 def test_variants_come_from_the_method_registry():
     assert list(VARIANTS) == ["remove", "linear", "linear+sequential", "fold", "lowrank", "linear+distill",
-                              "block+distill", "cosine", "linearpatch", "magcomp"]
+                              "block+distill", "cosine", "linearpatch", "local", "magcomp", "fold-rotate"]
     assert parse_variants("block, lowrank+sequential+distill,remove+distill") == [
         "block", "lowrank+sequential+distill", "remove+distill"]
     assert VARIANTS["lowrank+sequential+distill"] == Variant("lowrank", "sequential", True)

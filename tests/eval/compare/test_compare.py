@@ -94,6 +94,9 @@ def test_compare_cells_leaderboard_plots_and_resume(tiny_folder, tmp_path, capsy
     assert cells["shortgpt@2"]["heldout_ppl"] == pytest.approx(packed_perplexity(model, heldout, progress=False),
                                                                rel=1e-5)
     readme = (out / "README.md").read_text()
+    # the page is shared: the model folder and the text files show by name, never by this machine's paths
+    assert str(tmp_path) not in readme and str(tiny_folder) not in readme
+    assert f"# Method comparison: {tiny_folder.name}" in readme and "novel: novel.txt" in readme
     for drop in (1, 2):
         section = readme.split(f"## Drop {drop}")[1].split("##")[0]
         rows = [line for line in section.splitlines() if line.startswith("| ") and "rank" not in line]
@@ -167,9 +170,12 @@ def test_unknown_method_lists_the_known_ones(tiny_folder, tmp_path, capsys):
 
 def test_methods_list_prints_one_line_per_method(capsys):
     code, stdout, _ = run(capsys, "--methods", "list")
-    lines = stdout.strip().splitlines()
+    lines = stdout.strip().splitlines()[2:]  # after the header and its rule
     assert code == 0 and len(lines) == len(method_recipes())
     assert any(line.startswith("sleb ") and "2402.09025" in line for line in lines)
+    serves = {line.split()[0]: line.split()[1] for line in lines}  # what a user ships, at a glance
+    assert serves["layercut-linear"] == "maps" and serves["layercut-rotate"] == "plain"
+    assert serves["llm-streamline"] == "plain" and serves["layercut-sublayer"] == "DeciLM"
 
 
 @pytest.mark.parametrize("args,message", [(["--methods", "shortgpt"], "--drop is required"),
@@ -669,3 +675,14 @@ def test_resuming_on_other_calibration_tokens_is_refused(tiny_folder, tmp_path, 
     code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1,2", "--methods", "shortgpt")
     assert code == 0, err  # the same model, seed and options draw the same tokens again
     assert json.loads((out / "results.json").read_text())["calibration"]["digest"] == digest
+
+
+def test_a_share_of_the_blocks_reads_as_prune_run_reads_it(tiny_folder):
+    """``--drop 25%,50%`` counts the model's blocks from its config (4 here), without loading its weights."""
+    from eval.compare.config import parse_drops
+    from prune.errors import LayercutError
+
+    assert parse_drops("25%,50%,3", str(tiny_folder)) == [1, 2, 3]
+    assert parse_drops("2,4") == [2, 4]  # counts need no model
+    with pytest.raises(LayercutError, match="a share needs the model's block count"):
+        parse_drops("25%", None)

@@ -13,8 +13,10 @@ from prune.pipeline.recipes import (
     METHOD_KEYS,
     METHODS_DIR,
     config_from_recipe,
+    find_recipe,
     method_recipes,
     method_summary,
+    read_recipe,
     resolve_method,
 )
 from prune.replace import METHODS
@@ -26,7 +28,8 @@ PEERS = {"shortgpt": "2403.03853", "gromov": "2403.17887", "gromov-heal": "2403.
          "linearpatch": "2505.24680", "linearpatch-distill": "2505.24680", "prune-comp": "2507.18212",
          "reassessing": "2411.15558"}
 OURS = ("layercut-linear", "layercut-linear-distill", "layercut-sublayer", "layercut-linear-vanilla",
-        "layercut-linear-distill-vanilla", "layercut-best", "layercut-best-vanilla")
+        "layercut-linear-distill-vanilla", "layercut-best", "layercut-best-vanilla", "layercut-rotate",
+        "layercut-local")
 
 
 def small(folder):
@@ -109,6 +112,22 @@ def test_resolve_method_by_name_or_path_and_unknown_lists_the_known(tmp_path):
     assert resolve_method(str(path)) == path
     with pytest.raises(LayercutError, match="unknown method 'squash': choose one of gromov, gromov-heal, "):
         resolve_method("squash")
+
+
+def test_a_recipe_is_found_by_name_or_shipped_path_from_any_folder(tmp_path, monkeypatch):
+    """``--recipe layercut-linear-vanilla`` and ``--recipe recipes/smollm2-drop4.yaml`` work outside the checkout."""
+    monkeypatch.chdir(tmp_path)
+    assert find_recipe("layercut-linear-vanilla") == METHODS_DIR / "layercut-linear-vanilla.yaml"
+    assert find_recipe("recipes/smollm2-drop4.yaml") == METHODS_DIR.parent / "smollm2-drop4.yaml"
+    assert find_recipe("repairs/fold") == METHODS_DIR.parent / "repairs" / "fold.yaml"
+    assert resolve_method("recipes/repairs/remove.yaml") == METHODS_DIR.parent / "repairs" / "remove.yaml"
+    own = tmp_path / "layercut-linear.yaml"  # a file of the user's wins over a shipped name
+    own.write_text("method: mine\nscore: bi\nselect: topk\n")
+    assert find_recipe("layercut-linear.yaml") == own.relative_to(tmp_path)
+    assert config_from_recipe("layercut-linear-vanilla", {"drop": 2}).replace.method == "fold"
+    with pytest.raises(LayercutError, match="recipe 'squash' not found: pass a YAML file, a method name") as error:
+        read_recipe("squash")
+    assert "\n" not in str(error.value)
 
 
 def test_repair_baselines_are_method_recipes_outside_the_all_grid():

@@ -93,12 +93,14 @@ def test_the_built_in_options_keep_their_flags_and_recipe_keys():
     keys = set(ReplaceConfig.recipe_keys())
     assert {"rank", "ridge", "steps", "lr", "update_scale", "method", "fit", "short"} <= keys
     # the values that mean "not given", and the one option added after results were recorded
-    assert unset_options() == {"ridge": 0.0, "update_scale": None, "rank": None, "steps": None, "lr": None}
-    assert neutral_options() == {"update_scale": (None, 1.0)}
+    assert unset_options() == {"ridge": 0.0, "update_scale": None, "rank": None, "steps": None, "lr": None,
+                             "rotate_iterations": None}
+    assert neutral_options() == {"update_scale": (None, 1.0), "rotate_iterations": (None, 50)}
     # the flat view is the layout every config had before the options became fields
     assert ReplaceConfig(method="block").to_dict() == {
         "method": "block", "fit": "independent", "short": 0, "batch_size": 4, "cache_bytes": 1 << 30, "seed": 0,
-        "progress": True, "rank": None, "ridge": 0.0, "steps": 200, "lr": 1e-4, "update_scale": None}
+        "progress": True, "rank": None, "ridge": 0.0, "steps": 200, "lr": 1e-4, "update_scale": None,
+        "rotate_iterations": None}
 
 
 def test_an_option_spec_checks_given_values_and_lets_the_unset_one_through():

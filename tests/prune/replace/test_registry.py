@@ -207,7 +207,7 @@ def test_capabilities_are_declared_where_each_method_registers():
     from prune.replace.registry import closed_form_methods, offloadable_methods
 
     # the lists --plan and --offload sequential used to keep by hand, now read from the registrations
-    assert set(closed_form_methods()) == {"linear", "fold", "cosine", "linearpatch", "magcomp"}
+    assert set(closed_form_methods()) == {"linear", "fold", "fold-rotate", "cosine", "linearpatch", "magcomp"}
     assert set(offloadable_methods()) == {"none", "linear"}
     assert {name for name, method in METHODS.items() if method.serving == LAYERCUT} == {"linear", "lowrank",
                                                                                       "linearpatch"}
@@ -215,3 +215,15 @@ def test_capabilities_are_declared_where_each_method_registers():
         assert method.servable == (method.serving == VANILLA), method.name
     with pytest.raises(ValueError, match="serving must be 'vanilla' or 'layercut'"):
         Method("odd", "test only", serving="decilm")
+
+
+@pytest.mark.parametrize(("model_type", "overrides", "chosen"), [
+    ("llama", {"tie_word_embeddings": False}, "fold-rotate"),  # rotation costs nothing with an untied head
+    ("llama", {"tie_word_embeddings": True}, "fold"),  # it would untie the head: fold
+    ("opt", {}, "fold"),  # a LayerNorm takes no rotation, the fold still applies
+    ("gemma3_text", {}, "none"),  # sandwich norms: no closed-form repair folds, removal
+])
+def test_the_default_repair_is_the_best_servable_one_the_layout_takes(model_type, overrides, chosen):
+    from prune.replace.registry import default_method
+
+    assert default_method(make_tiny_model(model_type, **overrides)) == chosen

