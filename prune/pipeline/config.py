@@ -124,8 +124,8 @@ class PruneConfig:
         given = sorted(specs[key].name_in_messages for key, value in replace.items()
                        if key in specs and not is_unset(value, specs[key]))
         if given:
-            raise LayercutError(f"{', '.join(given)}: an option of a method, and --replace auto chooses the method once "
-                                "the model is loaded; name it (--replace fold, fold-rotate, ...)")
+            raise LayercutError(f"{', '.join(given)}: an option of a method, and --replace auto chooses the method "
+                                "once the model is loaded; name it (--replace fold, fold-rotate, ...)")
         return {**replace, "method": "none"}
 
     def with_default_repair(self, model) -> PruneConfig:
