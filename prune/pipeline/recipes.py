@@ -74,10 +74,10 @@ def find_recipe(name: str | Path) -> Path:
     inside = Path(*path.parts[1:]) if path.parts[:1] == ("recipes",) else path
     shipped = {p.relative_to(RECIPES_DIR).with_suffix("").as_posix(): p for p in RECIPES_DIR.rglob("*.yaml")}
     key = inside.with_suffix("").as_posix() if inside.suffix in (".yaml", ".yml") else inside.as_posix()
-    by_stem = {p.stem: p for p in sorted(shipped.values()) if p.parent.name == "methods"}
-    found = shipped.get(key) or by_stem.get(key)
+    methods = method_recipes()
+    found = shipped.get(key) or methods.get(key)
     if found is None:
-        names = ", ".join(sorted(by_stem))
+        names = ", ".join(methods)
         raise LayercutError(f"recipe '{name}' not found: pass a YAML file, a method name ({names}) or a shipped "
                             "recipe such as repairs/fold or smollm2-drop4")
     return found
