@@ -1,6 +1,6 @@
 """A servable checkpoint folder as one GGUF file for llama.cpp, written by llama.cpp's own converter.
 
-    python -m prune.export_gguf slim/ [--out slim.gguf] [--outtype f32|f16|bf16|q8_0] [--converter PATH]
+    python -m prune.export_gguf slim/ [--out slim.gguf] [--outtype f32|f16|bf16|q8_0|q4_k_m] [--converter PATH]
     python -m prune.run --model smollm2-135m --drop 4 --replace fold --out slim/ --export gguf
 
 The conversion is llama.cpp's ``convert_hf_to_gguf.py`` (it knows each architecture's tensor names,
@@ -39,24 +39,101 @@ logger = logging.getLogger(__name__)
 
 CONVERTER_ENV = "LLAMA_CPP_CONVERTER"
 CONVERTER_NAME = "convert_hf_to_gguf.py"
-OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-# largest relative difference a tensor may show after the output type's rounding (q8_0: 8-bit blocks)
-TOLERANCE = {"f32": 0.0, "f16": 1e-3, "bf16": 8e-3, "q8_0": 2e-2}
+# the types llama.cpp's own quantizer writes from the converter's f16 file: what llama.cpp users serve. The
+# quantizer is a C function of llama.cpp, reached through llama-cpp-python (``pip install 'layercut[llamacpp]'``)
+QUANTIZER_TYPES = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+OUTTYPES = ("f32", "f16", "bf16", "q8_0", *QUANTIZER_TYPES)
+# largest relative difference a tensor may show after the output type's rounding (q8_0: 8-bit blocks; a
+# quantizer type keeps its small tensors, the norms, in f32 and compares only those)
+TOLERANCE = {"f32": 0.0, "f16": 1e-3, "bf16": 8e-3, "q8_0": 2e-2, **{name: 1e-3 for name in QUANTIZER_TYPES}}
 # the converter rewrites these (Llama's rotary permutation of q/k): they are not compared one to one
 _PERMUTED = re.compile(r"\.attn_(q|k)\.weight$")
 
 
+# the llama-cpp-python source distribution whose vendored converter --fetch-converter unpacks (as CI does); the
+# installed llama-cpp-python's own version when there is one, so the converter matches the engine
+CONVERTER_PACKAGE, CONVERTER_VERSION = "llama-cpp-python", "0.3.36"
+# what of that source distribution the converter needs: the script, its conversion modules and its gguf-py
+_CONVERTER_PARTS = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion", "vendor/llama.cpp/gguf-py")
+
+
+def converter_version() -> str:
+    """The llama-cpp-python version whose converter is fetched: the installed one's, else the tested pin."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(CONVERTER_PACKAGE)
+    except metadata.PackageNotFoundError:
+        return CONVERTER_VERSION
+
+
+def cached_converter(version: str | None = None) -> Path:
+    """Where :func:`fetch_converter` puts the converter: under ``$LAYERCUT_CACHE`` (``~/.cache/layercut``)."""
+    from prune.loading.gguf import cache_dir
+
+    version = version or converter_version()
+    root = cache_dir() / "llama.cpp-converter" / version
+    return root / f"llama_cpp_python-{version}" / _CONVERTER_PARTS[0]
+
+
+def fetch_converter(version: str | None = None) -> Path:
+    """Download llama-cpp-python's source distribution (nothing is built) and unpack its converter into the cache.
+
+    ``pip download --no-deps --no-binary :all: llama-cpp-python==VERSION``, then only the converter's files
+    are unpacked, under a temporary name renamed when whole. Returns the script's path.
+    """
+    import shutil
+    import tarfile
+
+    version = version or converter_version()
+    script = cached_converter(version)
+    if script.is_file():
+        return script
+    root = script.parents[3]
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root.parent) as scratch:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+                   f"{CONVERTER_PACKAGE}=={version}", "-d", scratch]
+        logger.info("fetching llama.cpp's converter: %s", " ".join(command[1:]))
+        done = subprocess.run(command, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
+        archives = sorted(Path(scratch).glob("*.tar.gz"))
+        if done.returncode != 0 or not archives:
+            last = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()][-1:]
+            raise LayercutError(f"could not download {CONVERTER_PACKAGE}=={version}'s source for llama.cpp's "
+                                f"converter ({last[0] if last else 'pip failed'}): pass --converter PATH to a "
+                                f"llama.cpp checkout's {CONVERTER_NAME}")
+        unpacked = Path(scratch) / "unpacked"
+        prefix = f"llama_cpp_python-{version}/"
+        with tarfile.open(archives[0]) as archive:
+            members = [m for m in archive.getmembers()
+                       if any(m.name == prefix + part or m.name.startswith(prefix + part + "/")
+                              for part in _CONVERTER_PARTS)]
+            archive.extractall(unpacked, members=members, filter="data")
+        if root.exists():
+            shutil.rmtree(root)
+        (unpacked).rename(root)
+    if not script.is_file():
+        raise LayercutError(f"{CONVERTER_PACKAGE}=={version}'s source has no {_CONVERTER_PARTS[0]}: pass --converter")
+    return script
+
+
 def find_converter(converter: str | Path | None = None) -> Path:
-    """llama.cpp's ``convert_hf_to_gguf.py``: the given path (file or folder holding it), else ``$LLAMA_CPP_CONVERTER``.
+    """llama.cpp's ``convert_hf_to_gguf.py``: the given path, ``$LLAMA_CPP_CONVERTER``, else the one fetched.
+
+    The path may be the script or a folder holding it; "the one fetched" is what :func:`fetch_converter` put in the
+    cache.
 
     Raises:
-        LayercutError: none given or none there; the message says where to get it.
+        LayercutError: none given, set or fetched, or none there; the message says how to get it.
     """
     given = converter or os.environ.get(CONVERTER_ENV)
+    if not given and cached_converter().is_file():
+        return cached_converter()
     if not given:
         raise LayercutError(
-            f"GGUF export runs llama.cpp's {CONVERTER_NAME}: pass --converter PATH or set {CONVERTER_ENV} (the script "
-            "is in a llama.cpp checkout, or in vendor/llama.cpp of `pip download --no-binary :all: llama-cpp-python`)")
+            f"GGUF export runs llama.cpp's {CONVERTER_NAME}: fetch it once with python -m prune.export_gguf "
+            f"--fetch-converter (downloads {CONVERTER_PACKAGE}'s source, builds nothing), or pass --converter PATH / "
+            f"set {CONVERTER_ENV} to a llama.cpp checkout's script")
     path = Path(given).expanduser()
     if path.is_dir():
         path = path / CONVERTER_NAME
@@ -115,7 +192,8 @@ def export_gguf(folder: str | Path, out: str | Path | None = None, outtype: str 
     Args:
         folder: a checkpoint folder (``prune.run --out``, or any transformers checkpoint).
         out: the ``.gguf`` path (default: ``FOLDER/gguf/<name>-<outtype>.gguf``, see :func:`default_output`).
-        outtype: ``f32``, ``f16``, ``bf16`` or ``q8_0`` (the converter's output types).
+        outtype: ``f32``, ``f16``, ``bf16`` or ``q8_0`` (the converter's output types), or ``q4_k_m``
+            (the converter's f16, then llama.cpp's quantizer through llama-cpp-python).
         converter: llama.cpp's ``convert_hf_to_gguf.py`` or its folder (default: ``$LLAMA_CPP_CONVERTER``).
 
     Returns:
@@ -136,6 +214,8 @@ def convert(folder: str | Path, out: str | Path | None = None, outtype: str = "f
         raise LayercutError(f"unknown GGUF output type '{outtype}': choose one of {', '.join(OUTTYPES)}")
     layout = check_servable(folder)
     script = find_converter(converter)
+    if outtype in QUANTIZER_TYPES:
+        check_quantizer(outtype)
     out = Path(out).expanduser() if out else default_output(folder, outtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
@@ -144,7 +224,16 @@ def convert(folder: str | Path, out: str | Path | None = None, outtype: str = "f
         if layout == "decilm":  # sub-layer removals: llama.cpp runs them as its "deci" architecture
             source = _decilm_source(folder, Path(scratch))
         try:
-            _run_converter(script, source, partial, outtype)
+            if outtype in QUANTIZER_TYPES:  # the f16 file beside the output: a large model's is large
+                wide = partial.with_name(f".{out.name}.f16.partial")
+                try:
+                    _run_converter(script, source, wide, "f16")
+                    check_gguf(wide, source, "f16")
+                    _quantize(wide, partial, outtype)
+                finally:
+                    wide.unlink(missing_ok=True)
+            else:
+                _run_converter(script, source, partial, outtype)
             checked = check_gguf(partial, source, outtype)
         except BaseException:  # a failed check, an unreadable file or Ctrl-C: no partial file stays
             partial.unlink(missing_ok=True)
@@ -184,8 +273,36 @@ def _run_converter(script: Path, source: Path, out: Path, outtype: str) -> None:
     if missing:
         raise LayercutError(f"llama.cpp's converter needs the Python package '{missing.group(1)}': "
                             f"pip install {missing.group(1).split('.')[0]} (or pip install 'layercut[gguf]')")
+    if any("No space left on device" in line or "[Errno 28]" in line for line in lines):
+        raise LayercutError(f"the disk is full: llama.cpp's converter could not write {out.name} in {out.parent} "
+                            "(free space there or pass --out elsewhere; nothing was replaced)")
     last = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
     raise LayercutError(f"llama.cpp's converter failed on {source} (exit {done.returncode}): {last.strip()}")
+
+
+def check_quantizer(outtype: str) -> None:
+    """Refuse ``outtype`` in one line where llama.cpp's quantizer (llama-cpp-python) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise LayercutError(f"--gguf-type {outtype} is written by llama.cpp's quantizer, reached through "
+                            "llama-cpp-python: pip install 'layercut[llamacpp]', or choose f32, f16, bf16 or q8_0")
+
+
+def _quantize(source: Path, out: Path, outtype: str) -> None:
+    """llama.cpp's ``llama_model_quantize`` of the f16 GGUF ``source`` into ``out``."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANTIZER_TYPES[outtype])
+    params.nthread = os.cpu_count() or 1
+    logger.info("quantizing %s to %s with llama.cpp", source.name, outtype)
+    code = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
+    if code != 0 or not out.is_file():
+        out.unlink(missing_ok=True)
+        raise LayercutError(f"llama.cpp's quantizer failed to write {outtype} (code {code})")
 
 
 def _arch_enum(gguf, arch: str):
@@ -311,6 +428,8 @@ def _check_export(config, args) -> None:
         raise LayercutError(f"--export gguf: --replace {method.name} writes maps that no serving engine runs; "
                             f"use {VANILLA_RECIPE} instead (same blocks, the map folded into standard weights)")
     find_converter(args.converter)
+    if args.gguf_type in QUANTIZER_TYPES:
+        check_quantizer(args.gguf_type)
 
 
 def _write_export(folder: Path, args) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib.metadata
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from prune.errors import LayercutError
+
+logger = logging.getLogger(__name__)
 
 MODEL_ALIASES: dict[str, str] = {
     "opt-125m": "facebook/opt-125m",
@@ -133,12 +136,15 @@ def resolve_model_name(name: str) -> str:
     if not name:
         raise LayercutError("empty model name: pass an alias such as smollm2-135m, a hub id, a folder or a .gguf")
     local = Path(name).expanduser()
+    if local.is_file() and local.name == "config.json":  # a hub model's config alone, downloaded to plan it
+        local = local.parent
     if local.exists():
         _check_local(local)
         return str(local.resolve())
     if name.lower() == EMBEDDED_MODEL:
         return str(embedded_gguf_path())
     if name.lower() in MODEL_ALIASES:
+        probe_hub()
         return MODEL_ALIASES[name.lower()]
     if _looks_like_path(name):
         kind = "GGUF file" if name.lower().endswith(".gguf") else "path"
@@ -147,7 +153,46 @@ def resolve_model_name(name: str) -> str:
     if close and "/" not in name:  # a typo of an alias: say so now, not after the hub's retries
         raise LayercutError(f"unknown model '{name}': did you mean '{close[0]}'? (python -m prune.run --list-models "
                             "lists the names; a hub model without an organisation is loaded as org/name)")
+    probe_hub()
     return name
+
+
+# set by probe_hub: the hub's host did not answer, so this process reads the local cache only
+_UNREACHABLE: list[bool] = []
+PROBE_SECONDS = 3.0
+
+
+def probe_hub() -> bool:
+    """Whether the hub's host cannot be reached, asked once per process (a TCP connection, ``PROBE_SECONDS``).
+
+    Unreachable, this process goes offline as ``HF_HUB_OFFLINE=1`` would: a model in the local cache loads at once,
+    and one that is not fails in one line, where huggingface_hub would retry each file for half a minute (twice:
+    the planner, then the loader). Skipped when the hub is switched off already, or a proxy is set (a direct
+    connection says nothing about one through the proxy).
+    """
+    if not _UNREACHABLE:
+        proxied = any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"))
+        _UNREACHABLE.append(False if hub_offline() or proxied else not _host_answers())
+        if _UNREACHABLE[0]:
+            import huggingface_hub.constants
+
+            huggingface_hub.constants.HF_HUB_OFFLINE = True
+            logger.info("the Hugging Face hub cannot be reached: models load from the local cache only")
+    return _UNREACHABLE[0]
+
+
+def _host_answers() -> bool:
+    import socket
+    from urllib.parse import urlparse
+
+    import huggingface_hub.constants
+
+    host = urlparse(huggingface_hub.constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=PROBE_SECONDS).close()
+    except OSError:
+        return False
+    return True
 
 
 def hub_offline() -> bool:
@@ -176,12 +221,14 @@ def _not_cached(name: str, offline: bool) -> LayercutError:
     """One-line error for a hub model whose files are not in the local cache while the hub cannot be reached."""
     alias = MODEL_ALIASES.get(name.lower())
     what = f"'{name}' (hub id {alias})" if alias else f"'{name}'"
+    unreachable = bool(_UNREACHABLE and _UNREACHABLE[0])
+    offline = offline and not unreachable  # probe_hub's offline mode: the hub did not answer, nobody set the flag
     why = "the hub is offline (HF_HUB_OFFLINE is set)" if offline else "the Hugging Face hub cannot be reached"
     online = "run once with HF_HUB_OFFLINE unset" if offline else "run once with a network connection"
     check = "" if alias else ", check the hub id"
     return LayercutError(
-        f"model {what} is not in the local Hugging Face cache and {why}: {online} to download it{check}, or pass "
-        "a local checkpoint folder or a .gguf file"
+        f"model {what} is not in the local Hugging Face cache and {why}: {online} to download it{check}, pass "
+        f"a local checkpoint folder or a .gguf file, or try the embedded {EMBEDDED_MODEL} (works offline)"
     )
 
 

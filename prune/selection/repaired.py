@@ -130,6 +130,10 @@ class RepairedCosts:
             logger.info("repaired selection: fitting %d span(s) on %d rows", len(missing), self.fit_ids.shape[0])
             self.fits.update(fit_spans(self.model, missing, self.fit_ids, self.config))
 
+    def fit_sets(self, sets: Sequence[Sequence[int]]) -> None:
+        """Fit every span of ``sets`` not fitted yet, all in one capture pass (rather than one pass per set)."""
+        self._fit([s for s in sets if self._valid(s)])
+
     def replacements(self, blocks: Sequence[int]) -> list[Replacement]:
         """The fitted replacements of ``blocks``' spans (fitting those not fitted yet)."""
         self._fit([blocks])
@@ -189,6 +193,24 @@ class RepairedCosts:
                 self.costs[keys[c]] = cost
         return {c: self.costs[keys[c]] for c in candidates}
 
+    def measure_sets(self, sets: Sequence[Sequence[int]], bar=None) -> list[dict[str, float]]:
+        """``{"ppl": .., "kl": ..}`` of each whole set removed and repaired, on the measuring rows, in order.
+
+        Shares the memo with :meth:`measure` (a set measured by either is not measured again); a set the
+        method cannot replace costs inf; the empty set is the original model.
+        """
+        keys = [tuple(sorted(set(blocks))) for blocks in sets]
+        todo = list(dict.fromkeys(key for key in keys if key not in self.costs))
+        for key in todo:
+            if key and not self._valid(key):
+                self.costs[key] = {"ppl": math.inf, "kl": math.inf}
+        todo = [key for key in todo if key not in self.costs]
+        if todo:
+            self._fit(todo)
+            for key, cost in zip(todo, self._measure_sets([], todo, bar), strict=True):
+                self.costs[key] = cost
+        return [self.costs[key] for key in keys]
+
     @torch.no_grad()
     def _measure_sets(self, base: list[int], sets: list[tuple[int, ...]], bar) -> list[dict[str, float]]:
         base_signature = self._signature(base)
@@ -206,9 +228,11 @@ class RepairedCosts:
                 batch = self.measure_ids[first : first + self.batch_size].to(input_device(self.model))
                 dense = torch.log_softmax(self.model(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
                 states = None
-                if not self._plain and max(starts) > 0:
+                # a view that differs from the base nowhere (the empty set against none) runs whole
+                deepest = max((s for s in starts if s < len(get_blocks(self.model)[1])), default=0)
+                if not self._plain and deepest > 0:
                     with self.view(base):
-                        states = states_entering(self.model, batch, max(starts))
+                        states = states_entering(self.model, batch, deepest)
                     if states is None:
                         logger.warning("repaired selection: a block ran more than once; measuring whole passes")
                         self._plain = True

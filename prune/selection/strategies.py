@@ -382,6 +382,11 @@ def _repaired_fast(inputs: SelectionInput) -> list[int]:
     """One pass: the ``count`` blocks whose least-squares map misses the least of their output on held-out rows."""
     if inputs.model is None or inputs.token_ids is None:
         raise ValueError("repaired-fast selection needs the model and calibration tokens")
-    errors = map_errors(inputs.model, inputs.token_ids, update_share(inputs.replace), batch_size=inputs.batch_size)
+    share = update_share(inputs.replace)
+    # one pass per share of the update: the repairs applying the same share (prune.ship tries several) share it
+    memo = inputs.memo if inputs.memo is not None else {}
+    if ("map_errors", share) not in memo:
+        memo["map_errors", share] = map_errors(inputs.model, inputs.token_ids, share, batch_size=inputs.batch_size)
+    errors = memo["map_errors", share]
     candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
     return sorted(candidates, key=lambda b: (errors[b], b))[: inputs.count]

@@ -173,3 +173,29 @@ def test_cli_rejects_bad_numbers_before_loading_anything(pair, tmp_path, capsys)
     assert "--threads" in _error(capsys)
     assert main(_args(pair, tmp_path / "out", "--warmup-steps", "9")) == 2  # more than --steps 4
     assert "--warmup-steps" in _error(capsys)
+
+
+@pytest.mark.parametrize(("argv", "samples"), [
+    (["--steps", "20"], 80),  # 20 steps of 4: sampling the default 512 took 15 minutes for 80 sequences
+    (["--steps", "20", "--grad-accum", "2", "--batch-size", "2"], 80),
+    (["--steps", "1000"], 512),  # at most the default
+    (["--steps", "20", "--samples", "300"], 300),  # typed: as typed
+])
+def test_without_samples_only_the_sequences_the_steps_read_are_drawn(argv, samples, monkeypatch):
+    from distill.run import build_parser, config_from_args
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = config_from_args(build_parser().parse_args(["--student", "s", "--out", "o", *argv]))
+    assert config.data.samples == samples
+    monkeypatch.setenv("WORLD_SIZE", "2")  # accelerate launch: each process reads its own sequences
+    config = config_from_args(build_parser().parse_args(["--student", "s", "--out", "o", *argv]))
+    assert config.data.samples == (samples if "--samples" in argv else min(512, 2 * samples))
+
+
+def test_the_summary_compares_means_of_steps_not_two_single_batches():
+    from distill.run import loss_trend
+
+    # a falling loss whose last batch is harder than the first: the single-batch comparison read 0.44 -> 0.451
+    losses = [0.44, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.3, 0.3] * 2 + [0.451]
+    assert loss_trend(losses, 0.451) == "loss 0.67 -> 0.3755 (means of the first and last 2 steps)"
+    assert loss_trend([0.5], 0.5) == "loss 0.5"

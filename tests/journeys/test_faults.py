@@ -23,7 +23,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from tests.helpers import make_tiny_tokenizer
+from tests.helpers import CONVERTER, NO_CONVERTER, byte_fallback_tokenizer, make_tiny_model, make_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,6 +78,23 @@ DRIVER = textwrap.dedent("""
     elif fault == "compare-inside":  # the second cell pruned and exported, not yet measured
         import eval.compare.cells
         die_after(eval.compare.cells, "run_prune", lambda n, args: n == 2)
+    elif fault == "gguf-converted":  # llama.cpp's converter wrote the file, not yet read back nor renamed
+        import prune.checkpoint.gguf
+        die_after(prune.checkpoint.gguf, "_run_converter", lambda n, args: True)
+    elif fault == "ship-shortlist":  # the first candidate measured, the shortlist not written
+        import prune.selection.repaired
+        cls = prune.selection.repaired.RepairedCosts
+        die_after(cls, "measure_sets", lambda n, args: n == 2)
+    elif fault == "ship-build":  # the checkpoint written, its stage not marked done
+        import prune.pipeline.ship
+        die_after(prune.pipeline.ship, "run_prune", lambda n, args: True)
+    elif fault == "ship-verify":  # the first engine check done, the next not begun
+        import prune.pipeline.ship
+        die_after(prune.pipeline.ship.subprocess, "run", lambda n, args: True)
+    elif fault == "ship-card":  # the card written into the checkpoint, the checkpoint not yet moved to --out
+        import prune.pipeline.ship
+        die_after(prune.pipeline.ship, "_write_atomic", lambda n, args: args[0].name == "ship.json"
+                  and args[0].parent.name == "checkpoint")
     else:
         raise SystemExit(f"unknown fault {fault}")
     raise SystemExit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))
@@ -406,3 +423,71 @@ def test_eval_compare_killed_resumes_without_recomputing_finished_cells(tmp_path
     assert figures(results) == figures(compared)
     assert [run["cells"] for run in results["timing"]["runs"]] == [1, 1]  # the rerun ran the unfinished cell alone
     assert weight_files(out) == [] and hidden(out) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prune.ship: killed in each stage, then the same command
+
+
+@pytest.fixture(scope="module")
+def ship_args(tiny_folder, text_file) -> list:
+    return ["--model", tiny_folder, "--data", text_file, "--samples", "16", "--seq-len", "32", "--heldout-samples",
+            "2", "--drop", "2", "--engine", "transformers", "--threads", "1", "--repeats", "1", "--prompt-len", "16",
+            "--new-tokens", "4"]
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory, ship_args) -> Path:
+    """The uninterrupted run, without the engine checks (the faults before them compare with it)."""
+    from prune.ship import main
+
+    root = tmp_path_factory.mktemp("ship-ref")
+    assert in_process(main, [*ship_args, "--no-verify", "--out", root / "slim"]) == 0
+    return root / "slim"
+
+
+def _shortlist(folder: Path) -> dict:
+    return without(json.loads((folder / "ship.json").read_text())["shortlist"], {"seconds"})
+
+
+@pytest.mark.parametrize("fault", ["ship-shortlist", "ship-build", "ship-card"])
+def test_prune_ship_killed_in_a_stage_continues_to_the_same_checkpoint(tmp_path, ship_args, shipped, fault):
+    args = [*ship_args, "--no-verify", "--out", "slim"]
+    run_killed(tmp_path, fault, "prune.ship", args)
+    assert not (tmp_path / "slim").exists(), "a killed run left a partial --out"
+    done = run_again(tmp_path, "prune.ship", args)
+    assert "continuing the run kept in" in done.stdout
+    assert _shortlist(tmp_path / "slim") == _shortlist(shipped)
+    assert_same_tensors(load_file(tmp_path / "slim" / "model.safetensors"), load_file(shipped / "model.safetensors"))
+    card = (tmp_path / "slim" / "README.md").read_text()
+    assert card.startswith("---\n") and card.count("<!-- prune.ship -->") == 1
+
+
+def test_prune_ship_killed_between_engine_checks_runs_only_the_checks_left(tmp_path, ship_args):
+    args = [*ship_args, "--out", "slim"]
+    run_killed(tmp_path, "ship-verify", "prune.ship", args)
+    work = tmp_path / "slim.work"
+    assert (work / "verify" / "0-heldout" / "serving.json").is_file()
+    assert not (work / "verify" / "speed" / "speed.json").is_file()
+    done = run_again(tmp_path, "prune.ship", args)
+    assert done.stdout.count("verifying:") == 1, done.stdout  # the speed check alone
+    assert "## Speed in transformers" in (tmp_path / "slim" / "README.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prune.export_gguf: killed once the converter wrote its file, before the file was checked and renamed
+
+
+@pytest.mark.skipif(CONVERTER is None, reason=NO_CONVERTER)
+def test_gguf_export_killed_before_its_check_keeps_the_earlier_file_and_reruns_whole(tmp_path):
+    folder = tmp_path / "slim"
+    make_tiny_model("llama").save_pretrained(folder)
+    byte_fallback_tokenizer().save_pretrained(folder)
+    out = tmp_path / "slim.gguf"
+    out.write_bytes(b"the earlier export")
+    args = [folder, "--out", out, "--converter", CONVERTER]
+    run_killed(tmp_path, "gguf-converted", "prune.export_gguf", args)
+    assert out.read_bytes() == b"the earlier export"  # the new file never replaced it unchecked
+    assert [p.name for p in tmp_path.glob(".slim.gguf*")], "the fault did not fire"
+    run_again(tmp_path, "prune.export_gguf", args)
+    assert out.read_bytes()[:4] == b"GGUF" and not list(tmp_path.glob(".slim.gguf*"))

@@ -8,6 +8,7 @@ conversions skip; the refusals and the read-back checks do not need it.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +221,93 @@ def test_smollm2_drop4_fold_through_gguf_keeps_its_logits(tmp_path, capsys):
     pruned = AutoModelForCausalLM.from_pretrained(out).eval()
     ids = torch.randint(0, 49152, (1, 32), generator=torch.Generator().manual_seed(0))
     assert torch.allclose(_gguf_logits(path, ids), _logits(pruned, ids), atol=1e-4, rtol=1e-3)
+
+
+needs_quantizer = pytest.mark.skipif(
+    __import__("importlib.util").util.find_spec("llama_cpp") is None,
+    reason="llama.cpp's quantizer comes with llama-cpp-python: pip install 'layercut[llamacpp]'")
+
+
+@needs_converter
+@needs_quantizer
+def test_q4_k_m_is_written_by_llama_cpps_quantizer_and_runs_there(tiny_llama_folder, tmp_path):
+    import gguf
+    import llama_cpp
+
+    path, checked = convert(tiny_llama_folder, tmp_path / "tiny-q4.gguf", outtype="q4_k_m", converter=CONVERTER)
+    assert checked["blocks"] == 4 and not list(tmp_path.glob(".*partial"))
+    reader = gguf.GGUFReader(str(path))
+    from prune.checkpoint.gguf import gguf_field
+
+    assert gguf_field(reader, "general.file_type") == llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    types = {t.tensor_type.name for t in reader.tensors}
+    assert types & {"Q4_K", "Q5_0", "Q8_0", "Q6_K"}, types  # quantized blocks (small rows fall back to other types)
+    model = llama_cpp.Llama(model_path=str(path), n_ctx=32, logits_all=True, verbose=False)
+    model.eval([5, 6, 7])
+    assert np.isfinite(np.asarray(model.scores[:3])).all()
+
+
+def test_q4_k_m_without_llama_cpp_python_is_one_line(tiny_llama_folder, tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    monkeypatch.setenv("LLAMA_CPP_CONVERTER", str(tmp_path / "convert_hf_to_gguf.py"))
+    (tmp_path / "convert_hf_to_gguf.py").write_text("")
+    with pytest.raises(LayercutError, match=r"pip install 'layercut\[llamacpp\]'") as err:
+        convert(tiny_llama_folder, tmp_path / "q.gguf", outtype="q4_k_m")
+    assert "\n" not in str(err.value) and not (tmp_path / "q.gguf").exists()
+
+
+def test_fetch_converter_unpacks_only_the_converter_into_the_cache_and_exports_find_it(tmp_path, monkeypatch):
+    import io
+    import subprocess
+    import tarfile
+
+    from prune.checkpoint import gguf as module
+
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("LLAMA_CPP_CONVERTER", raising=False)
+    calls = []
+
+    def pip(command, **_kwargs):  # what `pip download` leaves: the source distribution
+        calls.append(command)
+        folder = Path(command[command.index("-d") + 1])
+        with tarfile.open(folder / "llama_cpp_python-9.9.9.tar.gz", "w:gz") as archive:
+            for name in ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/base.py",
+                         "vendor/llama.cpp/gguf-py/gguf/__init__.py", "vendor/llama.cpp/src/llama.cpp"):
+                data = b"# " + name.encode()
+                info = tarfile.TarInfo(f"llama_cpp_python-9.9.9/{name}")
+                info.size = len(data)
+                archive.addfile(info, io.BytesIO(data))
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(module.subprocess, "run", pip)
+    monkeypatch.setattr(module, "converter_version", lambda: "9.9.9")
+    with pytest.raises(LayercutError, match="--fetch-converter"):
+        find_converter(None)
+    script = module.fetch_converter()
+    assert "llama-cpp-python==9.9.9" in calls[0] and "--no-binary" in calls[0] and "--no-deps" in calls[0]
+    assert find_converter(None) == script and script.read_text() == "# vendor/llama.cpp/convert_hf_to_gguf.py"
+    assert (script.parent / "conversion" / "base.py").is_file()
+    assert not (script.parent / "src").exists()  # llama.cpp's sources are not unpacked
+    assert module.fetch_converter() == script and len(calls) == 1  # kept: not fetched again
+    assert not [p for p in script.parents[4].iterdir() if p.name.startswith(".fetch-")]
+
+
+def test_a_full_disk_in_the_conversion_is_one_line_and_keeps_the_earlier_file(tiny_llama_folder, tmp_path):
+    converter = tmp_path / "convert_hf_to_gguf.py"  # llama.cpp's converter as it fails on a full disk
+    converter.write_text(
+        "import sys\n"
+        "out = sys.argv[sys.argv.index('--outfile') + 1]\n"
+        "open(out, 'wb').write(b'GGUF' + bytes(100))\n"
+        "print('Traceback (most recent call last):', file=sys.stderr)\n"
+        "print('OSError: [Errno 28] No space left on device', file=sys.stderr)\n"
+        "sys.exit(1)\n")
+    earlier = tmp_path / "tiny.gguf"
+    earlier.write_bytes(b"the earlier export")
+    with pytest.raises(LayercutError, match="the disk is full") as err:
+        convert(tiny_llama_folder, earlier, converter=converter)
+    assert "\n" not in str(err.value) and "nothing was replaced" in str(err.value)
+    assert earlier.read_bytes() == b"the earlier export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["convert_hf_to_gguf.py", "tiny.gguf"]

@@ -236,8 +236,8 @@ def test_offline_alias_not_cached_says_so(empty_hub_cache, call):
     message = _one_line_error(call, "opt-1.3b")
     assert message == (
         "model 'opt-1.3b' (hub id facebook/opt-1.3b) is not in the local Hugging Face cache and the hub is offline "
-        "(HF_HUB_OFFLINE is set): run once with HF_HUB_OFFLINE unset to download it, or pass a local checkpoint "
-        "folder or a .gguf file"
+        "(HF_HUB_OFFLINE is set): run once with HF_HUB_OFFLINE unset to download it, pass a local checkpoint "
+        "folder or a .gguf file, or try the embedded smollm2-135m (works offline)"
     )
     assert "unknown" not in message and "did you mean" not in message
 
@@ -256,6 +256,7 @@ def test_unreachable_hub_says_so(monkeypatch, empty_hub_cache):
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(model_names, "_UNREACHABLE", [False])  # the probe answered; the download fails later
 
     def no_connection(*args, **kwargs):
         try:
@@ -268,6 +269,33 @@ def test_unreachable_hub_says_so(monkeypatch, empty_hub_cache):
     assert message.startswith("model 'gpt2' (hub id openai-community/gpt2) is not in the local Hugging Face cache and "
                               "the Hugging Face hub cannot be reached: run once with a network connection")  # fmt: skip
     assert "unknown" in _one_line_error(load_model, "gtp2-mediun")  # not an alias: unknown, whatever the hub says
+
+
+def test_a_hub_that_does_not_answer_is_probed_once_and_the_run_goes_offline(monkeypatch, empty_hub_cache):
+    """Without the probe, each file was retried for ~30 s, twice (the planner, then the loader), ~40 log lines."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(model_names, "_UNREACHABLE", [])
+    probes = []
+    monkeypatch.setattr(model_names, "_host_answers", lambda: probes.append(1) or False)
+    start = time.perf_counter()
+    message = _one_line_error(load_config, "opt-1.3b")
+    assert "the Hugging Face hub cannot be reached: run once with a network connection" in message
+    assert message.endswith("or try the embedded smollm2-135m (works offline)")
+    assert _one_line_error(load_model, "opt-1.3b") == message
+    assert probes == [1] and huggingface_hub.constants.HF_HUB_OFFLINE is True
+    assert time.perf_counter() - start < 10
+
+
+def test_the_probe_is_skipped_offline_and_behind_a_proxy(monkeypatch):
+    monkeypatch.setattr(model_names, "_host_answers", lambda: pytest.fail("probed"))
+    monkeypatch.setattr(model_names, "_UNREACHABLE", [])
+    assert model_names.probe_hub() is False  # HF_HUB_OFFLINE=1 in the tests
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(model_names, "_UNREACHABLE", [])
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert model_names.probe_hub() is False
 
 
 def test_suggestions_never_repeat_the_input():
@@ -537,3 +565,18 @@ def test_embedded_smollm2_converts_and_reloads(monkeypatch):
     torch.testing.assert_close(_logits(direct, first.tokenizer), expected, rtol=0, atol=0)
     top = expected[1, -1].argmax().item()  # after "...the lazy dog jumps": a real model, not noise
     assert expected[1, -1].softmax(-1)[top] > 0.05
+
+
+def test_a_config_json_alone_names_its_folder_so_a_hub_model_plans_offline(tmp_path, capsys):
+    from transformers import LlamaConfig
+
+    from tests.helpers import run_prune_cli
+
+    LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256).save_pretrained(tmp_path / "llama-3-8b")
+    config = tmp_path / "llama-3-8b" / "config.json"
+    assert model_names.resolve_model_name(str(config)) == str((tmp_path / "llama-3-8b").resolve())
+    code, out, err = run_prune_cli(capsys, "--model", config, "--drop", "8", "--plan", "--plan-gpus", "1",
+                                   "--plan-gpu-memory", "80GB")
+    assert code == 0, err
+    assert "8.03B parameters, 32 blocks, d=4096" in out and "(fits)" in out

@@ -1,0 +1,183 @@
+"""``prune.ship``: the shortlist it measures, the checkpoint it builds, the card, and its one-line refusals.
+
+The engine checks run ``eval.bench`` in child processes; these tests skip them (``--no-verify``) where they are
+not the point. ``tests/journeys/test_faults.py`` kills the command in each stage.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from prune.pipeline.ship import ShipConfig, parse_duration, servable_repairs
+from prune.replace import METHODS
+from tests.helpers import make_tiny_model, make_tiny_tokenizer, run_prune_cli
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Loading a model fails the test: the check under test must come before it."""
+    from prune.checkpoint.load_config import LoadConfig
+
+    monkeypatch.setattr(LoadConfig, "load", lambda self, model=None: pytest.fail("the model was loaded"))
+
+
+@pytest.fixture
+def text_file(tmp_path, sample_text):
+    path = tmp_path / "text.txt"
+    path.write_text(sample_text * 3)
+    return path
+
+
+def ship(capsys, *args) -> tuple[int, str, str]:
+    from prune.ship import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def base_args(model, text_file) -> list:
+    return ["--model", model, "--data", text_file, "--samples", "16", "--seq-len", "32", "--heldout-samples", "2",
+            "--drop", "2", "--engine", "transformers", "--threads", "1"]
+
+
+@pytest.fixture
+def shipped(tmp_path, tiny_folder, text_file, capsys, one_thread):
+    out = tmp_path / "slim"
+    code, stdout, err = ship(capsys, *base_args(tiny_folder, text_file), "--no-verify", "--out", out)
+    assert code == 0, err
+    return out, stdout
+
+
+def test_ship_keeps_the_measured_candidate_of_lowest_kl_and_prune_run_rebuilds_it(shipped, tmp_path, capsys,
+                                                                                    tiny_folder, text_file, one_thread):
+    out, stdout = shipped
+    shortlist = json.loads((out / "ship.json").read_text())["shortlist"]
+    measured = [c for c in shortlist["candidates"] if c["kl"] is not None and math.isfinite(c["kl"])]
+    assert len(measured) >= 3  # several repairs of the chosen blocks at least
+    chosen = shortlist["candidates"][shortlist["chosen"]]
+    assert chosen["kl"] == min(c["kl"] for c in measured)
+    report = json.loads((out / "layercut.json").read_text())
+    assert report["dropped"] == chosen["blocks"] and report["replace"] == chosen["repair"]
+    assert report["num_blocks_after"] == report["num_blocks_before"] - 2
+    # the card's prune.run command writes the same weights
+    card = (out / "README.md").read_text()
+    command = re.search(r"^python -m prune\.run .*$", card, re.M).group(0)
+    argv = shlex.split(command)[3:]
+    argv[argv.index("--out") + 1] = str(tmp_path / "again")
+    # the card names files without this machine's folders
+    argv[argv.index("--model") + 1], argv[argv.index("--data") + 1] = str(tiny_folder), str(text_file)
+    code, _, err = run_prune_cli(capsys, *argv, "--threads", "1")
+    assert code == 0, err
+    again, first = load_file(tmp_path / "again" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert sorted(again) == sorted(first)
+    for name, tensor in first.items():
+        assert torch.equal(again[name], tensor), name
+
+
+def test_the_card_opens_with_the_hub_metadata_then_the_choice_and_its_table(shipped):
+    out, _ = shipped
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers")
+    assert card.index("<!-- prune.ship -->") < card.index("## What was chosen, and why") < card.index("## Reproduce")
+    assert "| **chosen** |" in card
+    assert "Not verified in an engine (--no-verify)." in card
+    assert str(out.parent) not in card  # no path of this machine
+
+
+def test_every_applicable_training_free_plain_repair_is_a_candidate(shipped):
+    out, _ = shipped
+    shortlist = json.loads((out / "ship.json").read_text())["shortlist"]
+    repairs = {c["repair"] for c in shortlist["candidates"]} | set(shortlist["not_applicable"])
+    assert repairs == {n for n, m in METHODS.items() if m.servable and m.closed_form} | {"none"}
+    assert servable_repairs()[-1] == "none"
+
+
+def test_a_second_call_finds_the_shipped_folder_and_a_changed_budget_is_refused(shipped, tiny_folder, text_file,
+                                                                                   capsys, one_thread):
+    out, _ = shipped
+    args = base_args(tiny_folder, text_file)
+    code, stdout, _ = ship(capsys, *args, "--no-verify", "--out", out)
+    assert code == 0 and "shipped already" in stdout
+    args[args.index("--drop") + 1] = "1"
+    code, _, err = ship(capsys, *args, "--no-verify", "--out", out)
+    assert code == 2 and "shipped with other settings" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_repair_that_unties_a_tied_head_is_not_a_candidate_when_it_makes_the_model_bigger(tmp_path, text_file,
+                                                                                              capsys, one_thread):
+    folder = tmp_path / "tied"
+    make_tiny_model("llama", tie_word_embeddings=True, vocab_size=2000).save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    code, _, err = ship(capsys, *base_args(folder, text_file), "--drop", "1", "--no-verify", "--out", tmp_path / "o")
+    assert code == 0, err
+    shortlist = json.loads((tmp_path / "o" / "ship.json").read_text())["shortlist"]
+    rotated = [c for c in shortlist["candidates"] if c["repair"] == "fold-rotate"]
+    assert rotated and all(c["kl"] is None and "more than the original's" in c["note"] for c in rotated)
+    assert all(c["params"] > shortlist["params_before"] for c in rotated)
+    assert shortlist["candidates"][shortlist["chosen"]]["repair"] != "fold-rotate"
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--time-budget", "1s"], "--time-budget 1s: the planner gives"),
+    (["--time-budget", "soon"], "give a duration such as 30m"),
+    (["--unit", "mlp"], "unrecognized"),
+])
+def test_bad_input_is_one_line_before_any_weight_is_read(tiny_folder, text_file, tmp_path, capsys, extra, words,
+                                                         monkeypatch, no_model_load):
+    monkeypatch.setattr("prune.pipeline.ship.PLAN_FACTOR", 1e9)  # the tiny model's plan is well under a second
+    args = base_args(tiny_folder, text_file)
+    with pytest.raises(SystemExit) if extra[0] == "--unit" else _nothing():
+        code, _, err = ship(capsys, *args, *extra, "--no-verify", "--out", tmp_path / "o")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_no_budget_and_a_missing_engine_are_refused_in_one_line(tiny_folder, text_file, tmp_path, capsys,
+                                                               monkeypatch):
+    args = base_args(tiny_folder, text_file)
+    del args[args.index("--drop"):args.index("--drop") + 2]
+    code, _, err = ship(capsys, *args, "--out", tmp_path / "o")
+    assert code == 2 and "needs a budget" in err
+    monkeypatch.delenv("LLAMA_CPP_CONVERTER", raising=False)
+    args = base_args(tiny_folder, text_file)
+    args[args.index("--engine") + 1] = "llamacpp"
+    code, _, err = ship(capsys, *args, "--no-verify", "--out", tmp_path / "o")
+    assert code == 2 and "convert_hf_to_gguf.py" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_work_folder_of_other_settings_is_refused(tiny_folder, text_file, tmp_path, capsys):
+    work = tmp_path / "o.work"
+    work.mkdir()
+    (work / "ship.json").write_text(json.dumps({"settings": {"model": "another"}}))
+    code, _, err = ship(capsys, *base_args(tiny_folder, text_file), "--no-verify", "--out", tmp_path / "o")
+    assert code == 2 and "holds a run with other settings" in err
+
+
+def test_durations():
+    assert parse_duration("30m") == 1800 and parse_duration("1h") == 3600 and parse_duration("90") == 90
+    with pytest.raises(Exception, match="positive"):
+        parse_duration("0s")
+
+
+def test_the_settings_a_resumed_run_must_match_hold_the_budget_and_the_engine(tiny_folder):
+    from prune.pipeline.config import PruneConfig
+
+    config = ShipConfig(PruneConfig(load={"model": str(tiny_folder)}, drop=2), out="o", engine="transformers")
+    assert config.settings()["drop"] == 2 and config.settings()["engine"] == "transformers"
+    assert config.work.name == "o.work"
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
