@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -246,7 +247,7 @@ class Shipper:
         marker = out / SETTINGS
         if not marker.is_file():
             return False
-        if json.loads(marker.read_text(encoding="utf-8")).get("settings") != self.config.settings():
+        if json.loads(marker.read_text(encoding="utf-8")).get("digest") != settings_digest(self.config):
             raise LayercutError(f"{out} was shipped with other settings: choose another --out or remove it")
         return True
 
@@ -343,10 +344,10 @@ class Shipper:
                         candidate.note = "not measured: --time-budget spent"
                     bar.update(len(todo))
                     continue
-                cost.fit_sets([c.blocks for c in todo])
-                for candidate in todo:  # a fitted repair's size (an untied head counts)
-                    self._size(candidate, cost, dense, target)
+                for candidate in todo:  # sized before any fit: a repair that makes the model bigger is not fitted
+                    self._size(candidate, model, dense, target)
                 todo = [c for c in todo if not c.note]
+                cost.fit_sets([c.blocks for c in todo])
                 for candidate, measured in zip(todo, cost.measure_sets([c.blocks for c in todo]), strict=True):
                     candidate.kl, candidate.ppl = measured["kl"], measured["ppl"]
                     if not math.isfinite(candidate.kl):
@@ -406,10 +407,14 @@ class Shipper:
         first = [c for c in found.values() if f"{FIRST[0]}/{FIRST[1]}" in c.chosen_by and c.repair == repairs[0]]
         return first + [c for c in found.values() if c not in first]
 
-    def _size(self, candidate: Candidate, costs: RepairedCosts, dense: int, target: int | None) -> None:
-        """Its parameter count; a candidate above the original's (or ``--target-params``) is noted as not one."""
-        with costs.view(candidate.blocks):
-            candidate.params = parameter_count(costs.model)
+    def _size(self, candidate: Candidate, model, dense: int, target: int | None) -> None:
+        """Its parameter count: the kept blocks' and what its repair declares it adds (``Method.adds_params``).
+
+        A candidate above the original's count (or ``--target-params``) is noted as not one.
+        """
+        removed = sum(p.numel() for b in candidate.blocks for p in get_blocks(model)[1][b].parameters())
+        method = METHODS[candidate.repair]
+        candidate.params = dense - removed + (method.adds_params(model) if method.adds_params else 0)
         if candidate.params > dense:
             candidate.note = f"not a candidate: {candidate.params:,} parameters, more than the original's {dense:,}"
         elif target is not None and candidate.params > target:
@@ -463,17 +468,19 @@ class Shipper:
         config = self.config
         folder = self.work / VERIFY
         folder.mkdir(exist_ok=True)
-        heldout = list(config.heldout) or [str(self._heldout_text())]
+        heldout = list(config.heldout) or [f"calibration held-out rows={self._heldout_text()}"]
         engines = REFERENCE if config.engine == REFERENCE else f"{REFERENCE},{config.engine}"
         domains = {}
-        for index, text in enumerate(heldout):
-            name = f"{index}-{Path(text).stem}"[:60]
+        for index, spec in enumerate(heldout):
+            label, text = heldout_label(spec)
+            name = f"{index}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}"[:60]
             args = ["serving", "--model", f"original={config.prune.load.model}", "--model", f"slim={checkpoint}",
                     "--heldout", text, "--engines", engines, *self._windows()]
-            domains[name] = self._child(args, folder / name, "serving.json")
+            domains[label] = self._child(args, folder / name, "serving.json")
         quantized = None
         if config.engine == "llamacpp" and config.gguf_type != "f32":
-            args = ["serving", "--model", f"slim-{config.gguf_type}={self.gguf(checkpoint)}", "--heldout", heldout[0],
+            args = ["serving", "--model", f"slim-{config.gguf_type}={self.gguf(checkpoint)}", "--heldout",
+                    heldout_label(heldout[0])[1],
                     "--engines", "llamacpp", "--greedy-tokens", "0", *self._windows()]
             quantized = self._child(args, folder / "quantized", "serving.json")
         speed_model = str(self.gguf(checkpoint)) if config.engine == "llamacpp" and config.gguf_type == "f32" \
@@ -532,8 +539,10 @@ class Shipper:
         # the hub reads its metadata from a YAML block that must open the file: prune.run's card has one
         front, body = _front_matter(previous)
         _write_text_atomic(checkpoint / CARD, front + text + "\n\n" + _PRUNE_CARD_MARK + "\n\n" + body)
-        _write_atomic(checkpoint / SETTINGS, {"settings": self.config.settings(), "shortlist": shortlist,
-                                              "verified": _shipped_figures(verified)})
+        # in the shipped folder (what a user uploads): no path of this machine
+        _write_atomic(checkpoint / SETTINGS, {"settings": portable(self.config.settings()),
+                                              "digest": settings_digest(self.config), "shortlist": shortlist,
+                                              "verified": portable(_shipped_figures(verified))})
 
 
 # ---- the card ------------------------------------------------------------------------------------------------
@@ -649,7 +658,7 @@ def prune_command(config: PruneConfig, num_blocks: int) -> str:
 def _domain_row(domain: str, serving: dict, engine: str) -> str:
     original, slim = _row(serving, "original", REFERENCE), _row(serving, "slim", REFERENCE)
     served = _row(serving, "slim", engine) if engine != REFERENCE else slim
-    label = domain.split("-", 1)[-1]
+    label = domain
     if not (original and slim):
         return f"| {label} | not measured | | |"
     if engine == REFERENCE:
@@ -734,6 +743,15 @@ def _quote(text: str) -> str:
 
 def _duration(seconds: float) -> str:
     return f"{seconds / 60:.0f}m" if seconds >= 120 else f"{seconds:.0f}s"
+
+
+def heldout_label(spec: str) -> tuple[str, str]:
+    """``LABEL=TEXT`` (as ``eval.compare --heldout`` takes) or a bare TEXT, labelled by its folder and name."""
+    label, sep, text = spec.partition("=")
+    if sep and label and "/" not in label and not Path(spec).exists():  # a label, not a path holding "="
+        return label, text
+    path = Path(spec)
+    return (f"{path.parent.name}/{path.stem}" if path.parent.name else path.stem), spec
 
 
 def parse_duration(text: str) -> float:

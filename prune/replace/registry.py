@@ -66,6 +66,9 @@ class Method:
             (``--replace auto``): 0 where it does not apply; the highest wins, and removal where none applies.
             Only training-free methods whose checkpoint every engine runs declare it, ranked by what the
             selection split measured.
+        adds_params: ``(model) -> int``, parameters its checkpoint of ``model`` carries beyond the kept blocks',
+            whatever the spans (fold-rotate's untied head); None: none beyond what ``describe`` reports per
+            record. Read before any fit (``prune.ship`` sizes its candidates with it).
     """
 
     name: str
@@ -85,6 +88,7 @@ class Method:
     trained_module: Callable[[nn.Module, nn.Module, dict], nn.Module | None] | None = None
     describe: Callable[[dict], str] = params_added
     default_for: Callable[[nn.Module], int] | None = None
+    adds_params: Callable[[nn.Module], int] | None = None
 
     def __post_init__(self):
         if self.serving not in (VANILLA, LAYERCUT):

@@ -368,6 +368,12 @@ def rotate_default(model: nn.Module) -> int:
     return 2
 
 
+def untie_cost(model: nn.Module) -> int:
+    """Parameters fold-rotate adds to ``model``: its embedding's, where the LM head shares them (a tied head)."""
+    head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+    return embed.weight.numel() if head is not None and head.weight is embed.weight else 0
+
+
 def _describe(record: dict) -> str:
     head = f", head untied (+{record['head_params_added']:,} parameters)" if record.get("unties_head") else ""
     return f"scale and rotation as a change of basis upstream, the rest folded into {record['rewrites']}{head}"
@@ -378,5 +384,5 @@ register_method(Method(
     "the previous block's MLP (plain checkpoint; unties a tied head)", serving=VANILLA, closed_form=True,
     options=RotateOptions, fitter=RotateFitter, check_model=check_rotatable, check_spans=check_foldable,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
-    describe=_describe, default_for=rotate_default,
+    describe=_describe, default_for=rotate_default, adds_params=untie_cost,
 ))

@@ -78,6 +78,13 @@ DRIVER = textwrap.dedent("""
     elif fault == "compare-inside":  # the second cell pruned and exported, not yet measured
         import eval.compare.cells
         die_after(eval.compare.cells, "run_prune", lambda n, args: n == 2)
+    elif fault == "teacher-cache":  # every array of the teacher cache written, the folder not yet renamed
+        import distill.teacher_cache
+        die_after(distill.teacher_cache, "_write_arrays", lambda n, args: True)
+    elif fault == "distill-rank-1":  # the second of two processes dies in its third step (step 2 checkpointed)
+        if os.environ.get("RANK") == "1":
+            import distill.loop
+            die_after(distill.loop.Run, "_micro_batch", lambda n, args: n == 3)
     elif fault == "gguf-converted":  # llama.cpp's converter wrote the file, not yet read back nor renamed
         import prune.checkpoint.gguf
         die_after(prune.checkpoint.gguf, "_run_converter", lambda n, args: True)
@@ -312,6 +319,24 @@ def test_distill_run_killed_while_checkpointing_resumes_to_the_same_weights(tmp_
     assert not work.exists(), "the work folder (and the half checkpoint in it) is removed after the export"
 
 
+def test_distill_run_killed_while_writing_its_teacher_cache_reruns_to_the_same_weights(tmp_path, student,
+                                                                                       text_file):
+    from distill.run import main
+
+    cached = ["--teacher-cache", "topk=8"]
+    reference = tmp_path / "reference"
+    assert in_process(main, [*distill_args(student, text_file, reference / "healed"), *cached]) == 0
+    out, work = tmp_path / "healed", tmp_path / "healed.work"
+    args = [*distill_args(student, text_file, out), *cached]
+    run_killed(tmp_path, "teacher-cache", "distill.run", args)
+    assert not out.exists() and not (work / "teacher_cache").exists()
+    assert [p.name for p in work.iterdir() if p.name.startswith(".teacher_cache.tmp-")], "the fault did not fire"
+    done = run_again(tmp_path, "distill.run", args)  # nothing was trained: the same command starts again
+    assert "teacher cache: top-8" in done.stdout and "written in" in done.stdout
+    assert_same_tensors(load_file(out / "model.safetensors"), load_file(reference / "healed" / "model.safetensors"))
+    assert not work.exists(), "the work folder (and the dead writer's staging folder) is removed after the export"
+
+
 def spoil_losses_from(monkeypatch, first: int) -> None:
     """From the ``first``-th micro-batch (0-based) on, the loss is nan."""
     from distill.loop import Run
@@ -491,3 +516,44 @@ def test_gguf_export_killed_before_its_check_keeps_the_earlier_file_and_reruns_w
     assert [p.name for p in tmp_path.glob(".slim.gguf*")], "the fault did not fire"
     run_again(tmp_path, "prune.export_gguf", args)
     assert out.read_bytes()[:4] == b"GGUF" and not list(tmp_path.glob(".slim.gguf*"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# distill.run on two processes (accelerate launch, gloo): one of them killed mid-step
+
+
+def _launch_two(root: Path, pair: dict, out: Path, *extra, fault: str | None = None) -> subprocess.CompletedProcess:
+    driver = root / "fault_driver.py"
+    driver.write_text(DRIVER, encoding="utf-8")
+    args = ["--student", pair["student"], "--out", out, "--data", pair["data"], "--seq-len", "16", "--samples", "16",
+            "--heldout-samples", "0", "--batch-size", "2", "--steps", "4", "--save-every", "2", "--train", "all",
+            "--lr", "1e-3", "--log-every", "1", *extra]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    target = [str(driver), "distill.run"] if fault else ["-m", "distill.run"]
+    env = {**_env(root, fault), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([*launch, *target, *map(str, args)], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_one_of_two_distill_processes_killed_ends_the_launch_naming_it_and_resume_reaches_the_same_weights(
+        tmp_path):
+    import time
+
+    from tests.helpers import make_student_pair
+
+    pair = make_student_pair(tmp_path / "pair")
+    reference = _launch_two(tmp_path, pair, tmp_path / "reference")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    out = tmp_path / "healed"
+    started = time.perf_counter()
+    killed = _launch_two(tmp_path, pair, out, fault="distill-rank-1")
+    # the launcher sees its worker die and stops the other, which would wait in the collective: no hang
+    assert killed.returncode != 0 and time.perf_counter() - started < 120
+    assert "local_rank: 1" in killed.stderr and "Signal 9 (SIGKILL)" in killed.stderr, killed.stderr[-3000:]
+    checkpoints = tmp_path / "healed.work" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir() if not p.name.startswith(".")) == ["step-00000002.pt"]
+    resumed = _launch_two(tmp_path, pair, out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_tensors(load_file(out / "model.safetensors"), load_file(tmp_path / "reference" / "model.safetensors"))

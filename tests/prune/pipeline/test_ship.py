@@ -90,6 +90,7 @@ def test_the_card_opens_with_the_hub_metadata_then_the_choice_and_its_table(ship
     assert "| **chosen** |" in card
     assert "Not verified in an engine (--no-verify)." in card
     assert str(out.parent) not in card  # no path of this machine
+    assert str(out.parent) not in (out / "ship.json").read_text()
 
 
 def test_every_applicable_training_free_plain_repair_is_a_candidate(shipped):

@@ -9,7 +9,14 @@ from transformers import AutoModelForCausalLM
 from prune.errors import LayercutError
 from prune.measure.moments import PairMoments
 from prune.model.adapters import block_part, get_blocks
-from prune.replace import ReplaceConfig, fit_replacements, install_replacements_, replace_blocks_, surgered_view
+from prune.replace import (
+    METHODS,
+    ReplaceConfig,
+    fit_replacements,
+    install_replacements_,
+    replace_blocks_,
+    surgered_view,
+)
 from prune.replace.rotate import check_rotatable, fit_rotation, share_of
 from tests.helpers import make_tiny_model
 
@@ -72,8 +79,12 @@ def test_folded_checkpoint_gives_the_logits_of_the_restricted_maps(model_type, t
 def test_untying_costs_vocab_times_hidden_where_the_head_was_tied():
     """The parameter cost, both ways: fold keeps the tie, fold-rotate adds exactly one vocab x hidden matrix."""
     counts = {}
+    declared = METHODS["fold-rotate"].adds_params  # what prune.ship reads before any fit
+    assert declared(make_tiny_model("llama", tie_word_embeddings=False)) == 0
     for method in ("fold", "fold-rotate"):
         model = make_tiny_model("llama", tie_word_embeddings=True)
+        if method == "fold-rotate":
+            assert declared(model) == model.get_input_embeddings().weight.numel()
         records = replace_blocks_(model, [2], ids(), ReplaceConfig(method=method, progress=False))
         counts[method] = sum(p.numel() for p in model.parameters())
     embedding = model.get_input_embeddings().weight
