@@ -178,6 +178,7 @@ def test_gguf_export_of_a_result_with_maps_is_refused_before_writing(tmp_path, t
 
 def test_gguf_export_without_a_converter_is_refused_before_writing(tmp_path, tiny_tokenizer, monkeypatch, one_thread):
     monkeypatch.delenv("LLAMA_CPP_CONVERTER", raising=False)
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))  # none fetched there
     result = prune.slim(make_tiny_model("llama"), tiny_tokenizer, drop=1, replace="fold", data=[_TEXT * 40], **SMALL)
     with pytest.raises(LayercutError, match="llama-cpp-python"):
         prune.save(result, tmp_path / "slim", export="gguf")

@@ -85,6 +85,9 @@ DRIVER = textwrap.dedent("""
         if os.environ.get("RANK") == "1":
             import distill.loop
             die_after(distill.loop.Run, "_micro_batch", lambda n, args: n == 3)
+    elif fault == "decilm-staged":  # the DeciLM folder written under its temporary name, not yet renamed
+        import prune.checkpoint.decilm
+        die_after(prune.checkpoint.decilm, "_write_card", lambda n, args: True)
     elif fault == "gguf-converted":  # llama.cpp's converter wrote the file, not yet read back nor renamed
         import prune.checkpoint.gguf
         die_after(prune.checkpoint.gguf, "_run_converter", lambda n, args: True)
@@ -557,3 +560,39 @@ def test_one_of_two_distill_processes_killed_ends_the_launch_naming_it_and_resum
     resumed = _launch_two(tmp_path, pair, out, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_same_tensors(load_file(out / "model.safetensors"), load_file(tmp_path / "reference" / "model.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prune.decilm: killed with the DeciLM folder staged, over an earlier output
+
+
+def test_decilm_export_killed_when_staged_keeps_the_earlier_output_and_reruns_to_the_same(tmp_path, text_file):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prune.decilm import main as decilm
+    from prune.run import main
+
+    # a width DeciLM's ffn_mult can say (tests/prune/checkpoint/test_decilm.py's tiny llama)
+    model_folder = tmp_path / "tiny-decilm"
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=48, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=320, max_position_embeddings=256, pad_token_id=0,
+                                 bos_token_id=1, eos_token_id=2)).save_pretrained(model_folder)
+    make_tiny_tokenizer().save_pretrained(model_folder)
+    source = tmp_path / "units"
+    assert in_process(main, ["--model", model_folder, "--data", text_file, "--samples", "8", "--seq-len", "32",
+                             "--unit", "attention,mlp", "--drop", "2", "--replace", "none", "--threads", "1",
+                             "--out", source]) == 0
+    reference = tmp_path / "reference"
+    assert in_process(decilm, [source, "--out", reference]) == 0
+    out = tmp_path / "decilm"
+    shutil.copytree(reference, out)
+    (out / "earlier.txt").write_text("the earlier output")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    run_killed(tmp_path, "decilm-staged", "prune.decilm", [source, "--out", out, "--overwrite"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert any(name.endswith(".tmp") for name in hidden(tmp_path)), "the fault did not fire"
+    run_again(tmp_path, "prune.decilm", [source, "--out", out, "--overwrite"])
+    assert not (out / "earlier.txt").exists() and not [n for n in hidden(tmp_path) if n.startswith(".decilm")]
+    assert_same_tensors(load_file(out / "model.safetensors"), load_file(reference / "model.safetensors"))
+    assert json.loads((out / "config.json").read_text()) == json.loads((reference / "config.json").read_text())

@@ -181,6 +181,7 @@ def test_an_exported_gguf_keeps_the_chat_template_and_special_tokens(tmp_path):
 
 def test_no_converter_is_one_line_saying_where_to_get_it(tmp_path, monkeypatch):
     monkeypatch.delenv("LLAMA_CPP_CONVERTER", raising=False)
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))  # none fetched there
     with pytest.raises(LayercutError, match="llama-cpp-python") as err:
         find_converter(None)
     assert "\n" not in str(err.value)

@@ -148,6 +148,7 @@ def test_no_budget_and_a_missing_engine_are_refused_in_one_line(tiny_folder, tex
     code, _, err = ship(capsys, *args, "--out", tmp_path / "o")
     assert code == 2 and "needs a budget" in err
     monkeypatch.delenv("LLAMA_CPP_CONVERTER", raising=False)
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))  # no converter fetched there
     args = base_args(tiny_folder, text_file)
     args[args.index("--engine") + 1] = "llamacpp"
     code, _, err = ship(capsys, *args, "--no-verify", "--out", tmp_path / "o")
