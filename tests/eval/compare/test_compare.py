@@ -276,6 +276,10 @@ def test_heldout_domains_resume_when_a_domain_is_added(tiny_folder, tmp_path, ca
     speech.write_text(" ".join(sample_text.split()[::-1]))
     news.write_text(sample_text.upper())
     out = tmp_path / "cmp"
+    # a working folder far from both the model and the texts, wherever the checkout lies
+    far = tmp_path / "a" / "b" / "c"
+    far.mkdir(parents=True)
+    monkeypatch.chdir(far)
     base = [*small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt", "--speed-tokens", "0"]
     code, _, err = run(capsys, *base, "--heldout", f"{novel},talk={speech}")
     assert code == 0, err
