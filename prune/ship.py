@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("output")
     group.add_argument("--out", required=True, help="folder of the shipped checkpoint (OUT.work/ keeps each stage)")
     group.add_argument("--overwrite", action="store_true",
-                       help="start again: delete OUT.work/ (and refuse nothing in OUT/ left by a failed run)")
+                       help="start again: delete OUT.work/ first (a shipped OUT/ is never replaced: remove it)")
     add_threads_argument(parser)
     return parser
 
