@@ -74,8 +74,6 @@ SHORTLIST_SHARE = 0.5
 # Measured on a 2-core CPU (reports/ship/): 22x (Gemma-3-270M, drop 4), 37x and 43x (SmolLM2-135M, drops 4, 8),
 # four held-out texts each
 PLAN_FACTOR = 40.0
-# the selection whose candidate is measured first and always (prune.run's default): the others follow while time is left
-FIRST = ("topk", "linearity")
 
 
 @dataclass
@@ -226,7 +224,7 @@ class Shipper:
             check_output_dir(out, overwrite=False)
             self._start_work()
             plan = self._stage(PLAN, self.plan)
-            shortlist = self._stage(SHORTLIST, lambda: self.shortlist(plan))
+            shortlist = self._stage(SHORTLIST, self.shortlist)
             checkpoint = self.work / CHECKPOINT
             if not (checkpoint / REPORT_FILE).is_file() or (config.engine == "llamacpp"
                                                             and not self.gguf(checkpoint).is_file()):
@@ -313,7 +311,7 @@ class Shipper:
             self.loaded = self.config.prune.load.load()
         return self.loaded
 
-    def shortlist(self, plan: dict) -> dict:
+    def shortlist(self) -> dict:
         """Score once, list the candidates, measure them on rows no fit saw; the lowest KL is chosen."""
         config = self.config.prune
         loaded = self._load()
@@ -324,7 +322,7 @@ class Shipper:
         if heldout is not None and not self.config.heldout:
             _write_text_atomic(self.work / HELDOUT, "\n\n".join(loaded.tokenizer.decode(row)
                                                                 for row in heldout.tolist()))
-        count = self._count(model, plan)
+        count = self._count(model)
         base = dataclasses.replace(config, drop=count, target_params=None, target_speedup=None, replace="none",
                                    auto_replace=False, out=None)
         amounts = base.resolve(model)
@@ -367,7 +365,7 @@ class Shipper:
                 "not_applicable": {name: why for name, why in repairs if why is not None},
                 "candidates": [dataclasses.asdict(c) for c in candidates], "chosen": candidates.index(best)}
 
-    def _count(self, model, plan: dict) -> int:
+    def _count(self, model) -> int:
         """The budget as a block count: ``--drop`` and ``--target-speedup`` say it; ``--target-params`` by sizes."""
         config = self.config.prune
         amounts = config.resolve(model)
@@ -405,8 +403,7 @@ class Shipper:
                 blocks = tuple(planned_blocks(model, calibration, moments, scores, variant, amounts, self.scored.memo))
                 found.setdefault((blocks, repair), Candidate(list(blocks), repair, [])).chosen_by.append(
                     f"{name}/linearity")
-        first = [c for c in found.values() if f"{FIRST[0]}/{FIRST[1]}" in c.chosen_by and c.repair == repairs[0]]
-        return first + [c for c in found.values() if c not in first]
+        return list(found.values())
 
     def _size(self, candidate: Candidate, model, dense: int, target: int | None) -> None:
         """Its parameter count: the kept blocks' and what its repair declares it adds (``Method.adds_params``).

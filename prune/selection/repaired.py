@@ -179,18 +179,7 @@ class RepairedCosts:
         """
         base = sorted(set(base))
         keys = {c: tuple(sorted([*base, c])) for c in candidates}
-        todo = [c for c in candidates if keys[c] not in self.costs]
-        for c in todo:
-            if not self._valid(keys[c]):
-                self.costs[keys[c]] = {"ppl": math.inf, "kl": math.inf}
-        todo = [c for c in todo if keys[c] not in self.costs]
-        if bar is not None:
-            bar.update(len(candidates) - len(todo))
-        if todo:
-            self._fit([keys[c] for c in todo] + [base])
-            found = self._measure_sets(base, [keys[c] for c in todo], bar)
-            for c, cost in zip(todo, found, strict=True):
-                self.costs[keys[c]] = cost
+        self._fill(base, list(keys.values()), bar)
         return {c: self.costs[keys[c]] for c in candidates}
 
     def measure_sets(self, sets: Sequence[Sequence[int]], bar=None) -> list[dict[str, float]]:
@@ -200,16 +189,22 @@ class RepairedCosts:
         method cannot replace costs inf; the empty set is the original model.
         """
         keys = [tuple(sorted(set(blocks))) for blocks in sets]
+        self._fill([], keys, bar)
+        return [self.costs[key] for key in keys]
+
+    def _fill(self, base: list[int], keys: list[tuple[int, ...]], bar) -> None:
+        """Measure, against ``base``'s view, every set of ``keys`` not in the memo; inf where it cannot be repaired."""
         todo = list(dict.fromkeys(key for key in keys if key not in self.costs))
         for key in todo:
             if key and not self._valid(key):
                 self.costs[key] = {"ppl": math.inf, "kl": math.inf}
         todo = [key for key in todo if key not in self.costs]
+        if bar is not None:
+            bar.update(len(keys) - len(todo))
         if todo:
-            self._fit(todo)
-            for key, cost in zip(todo, self._measure_sets([], todo, bar), strict=True):
+            self._fit([*todo, base])
+            for key, cost in zip(todo, self._measure_sets(base, todo, bar), strict=True):
                 self.costs[key] = cost
-        return [self.costs[key] for key in keys]
 
     @torch.no_grad()
     def _measure_sets(self, base: list[int], sets: list[tuple[int, ...]], bar) -> list[dict[str, float]]:

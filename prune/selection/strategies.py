@@ -275,7 +275,9 @@ def _memo(inputs: SelectionInput, key: tuple, default):
     """The memo entry ``key`` (created from ``default()``); a throwaway one without a memo."""
     if inputs.memo is None:
         return default()
-    return inputs.memo.setdefault(key, default())
+    if key not in inputs.memo:  # built only when missing: an entry may be a whole pass over the calibration
+        inputs.memo[key] = default()
+    return inputs.memo[key]
 
 
 @register_selection("greedy-ppl", "drop the block whose removal costs the least calibration perplexity, repeat (SLEB)",
@@ -384,9 +386,7 @@ def _repaired_fast(inputs: SelectionInput) -> list[int]:
         raise ValueError("repaired-fast selection needs the model and calibration tokens")
     share = update_share(inputs.replace)
     # one pass per share of the update: the repairs applying the same share (prune.ship tries several) share it
-    memo = inputs.memo if inputs.memo is not None else {}
-    if ("map_errors", share) not in memo:
-        memo["map_errors", share] = map_errors(inputs.model, inputs.token_ids, share, batch_size=inputs.batch_size)
-    errors = memo["map_errors", share]
+    errors = _memo(inputs, ("map_errors", share),
+                   lambda: map_errors(inputs.model, inputs.token_ids, share, batch_size=inputs.batch_size))
     candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
     return sorted(candidates, key=lambda b: (errors[b], b))[: inputs.count]
