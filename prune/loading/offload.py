@@ -4,14 +4,16 @@
 the few tensors outside the blocks (embeddings, final norm, an untied LM head) and leaves every block to
 ``prune.measure.blockwise.CheckpointBlocks``. :func:`write_offloaded` exports a surgered skeleton by copying each
 kept tensor from the source checkpoint under its new name, one output shard at a time in CPU memory: removing
-blocks never needs the whole model in memory.
+blocks never needs the whole model in memory. A repair that rewrites block weights (a fold, a compensation)
+registers the change with :func:`rewrite_tensors`; passes and the export read the tensor through it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 # a shard of the exported checkpoint holds about this many bytes (transformers' default is 5 GB too)
 SHARD_BYTES = 5 * 1024**3
+
+# every module inside a skeleton's blocks -> (its CheckpointBlocks, the checkpoint name of its tensors' prefix)
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _local_folder(name: str, checkpoint: str) -> Path:
@@ -115,7 +120,7 @@ def write_offloaded(model: nn.Module, folder: Path) -> None:
     """Write a (surgered) skeleton's checkpoint into ``folder``: its config and every tensor, copied across.
 
     Each block's tensors are read under the index the block had in the source and written under its
-    index now; everything else keeps its name. Shards of about :data:`SHARD_BYTES` and their index, as
+    index now, with the changes repairs made to it (:func:`rewrite_tensors`); everything else keeps its name. Shards of about :data:`SHARD_BYTES` and their index, as
     ``save_pretrained`` writes them.
     """
     from safetensors.torch import save_file
@@ -181,6 +186,11 @@ class CheckpointBlocks:
         self.prefix, blocks = get_blocks(model)
         self.origin = {id(block): index for index, block in enumerate(blocks)}
         self.base_prefix = getattr(model, "base_model_prefix", "") or ""
+        # checkpoint name -> the changes a repair made to that tensor (rewrite_tensors), applied on every read
+        self.changes: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {}
+        for index, block in enumerate(blocks):
+            for path, module in block.named_modules():
+                _SOURCES[module] = (self, f"{self.prefix}.{index}" + (f".{path}" if path else ""))
 
     def key(self, name: str) -> str:
         """The checkpoint's name for the model's tensor ``name`` (some checkpoints omit the base prefix)."""
@@ -197,7 +207,10 @@ class CheckpointBlocks:
         return self.read_many([name], device)[name]
 
     def read_many(self, names: list[str], device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors for the model's ``names``, each file opened once (its header parsed once)."""
+        """The checkpoint's tensors for the model's ``names``, each file opened once (its header parsed once).
+
+        A tensor a repair changed (:func:`rewrite_tensors`) is returned changed.
+        """
         from safetensors import safe_open
 
         keys = {name: self.key(name) for name in names}
@@ -211,6 +224,8 @@ class CheckpointBlocks:
                     tensor = handle.get_tensor(keys[name])
                     found[name] = tensor.to(device=device or self.device,
                                             dtype=self.dtype if tensor.is_floating_point() else tensor.dtype)
+                    for change in self.changes.get(name, ()):
+                        found[name] = change(found[name])
         return found
 
     def source_name(self, block: nn.Module, index: int, name: str) -> str:
@@ -232,6 +247,49 @@ class CheckpointBlocks:
         finally:
             for name in names:
                 set_module_tensor_to_device(block, name, "meta")
+
+
+def rewrite_tensors(changes: Iterable[tuple[nn.Module, str, Callable[[torch.Tensor], torch.Tensor]]]
+                    ) -> Callable[[], None]:
+    """Change tensors of modules inside a skeleton's blocks wherever they are read next; returns the undo.
+
+    A skeleton holds no block weights to overwrite, so a repair that rewrites some (a fold's projection,
+    a compensation's scaled writers) registers ``(module, attribute, change)`` triples instead, ``change``
+    taking the tensor as read to the new one: every later pass that loads the block, and the export, read
+    the tensor through it. Changes of one tensor compose in the order they were made; the undo takes these
+    back.
+    """
+    made = []
+    for module, attr, change in changes:
+        owner, prefix = _owner(module)
+        name = f"{prefix}.{attr}"
+        owner.changes.setdefault(name, []).append(change)
+        made.append((owner, name, change))
+
+    def undo() -> None:
+        for owner, name, change in reversed(made):
+            known = owner.changes.get(name, [])
+            owner.changes[name] = [c for c in known if c is not change]
+            if not owner.changes[name]:
+                del owner.changes[name]
+
+    return undo
+
+
+def current_tensor(module: nn.Module, attr: str) -> torch.Tensor:
+    """``module``'s tensor ``attr`` as a pass sees it: itself, or for a skeleton's block, read with its changes."""
+    tensor = getattr(module, attr)
+    if tensor is None or not tensor.is_meta:
+        return tensor
+    owner, prefix = _owner(module)
+    return owner.read(f"{prefix}.{attr}")
+
+
+def _owner(module: nn.Module) -> tuple[CheckpointBlocks, str]:
+    try:
+        return _SOURCES[module]
+    except KeyError:
+        raise ValueError(f"{type(module).__name__} is not part of a skeleton's blocks") from None
 
 
 def _meta_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

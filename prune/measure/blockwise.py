@@ -151,6 +151,7 @@ def stream_moments_blockwise(
     scores: list[str] | None = None,
     after_block: Callable[[StateMoments, int], None] | None = None,
     observed: set[int] | None = None,
+    after_call: Callable[[int, int], None] | None = None,
 ) -> StateMoments:
     """``prune.measure.moments.stream_moments``, block by block: the same statistics with one block in memory.
 
@@ -165,6 +166,8 @@ def stream_moments_blockwise(
     adjacent pairs can be released this way. ``after_block(moments, b)`` is called once block ``b``'s output
     (state ``b + 1``) has been folded in for every batch: what it reads of the moments is then complete.
     ``observed``: the only states whose statistics are taken (None: all); a fit reads its spans' ends alone.
+    ``after_call(b, k)`` is called as soon as block ``b`` has run on batch ``k`` (forward hooks on the
+    block's modules have fired for that batch).
     """
     if scores and pairs is not None and any(j != i + 1 for i, j in pairs):
         raise ValueError("early scores release each state's statistics: pass adjacent pairs only")
@@ -186,9 +189,12 @@ def stream_moments_blockwise(
     weights = block_weights(model)
     _, blocks = get_blocks(model)
     for index in tqdm(range(count), desc="capture (block by block)", unit="block", disable=not progress):
+        outputs = []
         with weights.loaded(index, blocks[index]) as block:
-            outputs = [block_output(block(kept[index][b], *call.args, **call.kwargs))
-                       for b, call in enumerate(calls[index])]
+            for b, call in enumerate(calls[index]):
+                outputs.append(block_output(block(kept[index][b], *call.args, **call.kwargs)))
+                if after_call is not None:
+                    after_call(index, b)
         kept[index + 1] = outputs
         for b, output in enumerate(outputs if observed is None or index + 1 in observed else ()):
             moments.begin_batch(None)
@@ -202,7 +208,8 @@ def stream_moments_blockwise(
         if after_block is not None:
             after_block(moments, index)
         _return_freed_memory()
-    logger.info("streamed statistics of %d states over %d tokens, one block at a time", count + 1, moments.n)
+    if moments.n:
+        logger.info("streamed statistics of %d states over %d tokens, one block at a time", count + 1, moments.n)
     return moments
 
 

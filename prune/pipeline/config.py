@@ -107,7 +107,7 @@ class PruneConfig:
             self._check_sublayer_options()
         if self.load.offload == "sequential":
             self._check_offload_options(units)
-        if self.auto_replace and (not self.removes or is_sublayer(units) or self.load.offload == "sequential"):
+        if self.auto_replace and (not self.removes or is_sublayer(units)):
             self.auto_replace = False  # nothing to repair, or no repair applies: removal
         if self.out is None and self.removes:
             self.out = self._default_out(units)
@@ -132,7 +132,7 @@ class PruneConfig:
         """The config with ``replace: auto`` turned into the method it means for ``model`` (itself otherwise)."""
         if not self.auto_replace or self.replace.method != "none":
             return self
-        chosen = default_method(model)
+        chosen = default_method(model, offloaded=self.load.offload == "sequential")
         if chosen == "none":
             return self
         settings = self.replace.to_dict()

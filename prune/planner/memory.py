@@ -76,9 +76,11 @@ def moment_bytes(shape: ModelShape) -> float:
     return (2 * shape.layers + 1) * shape.hidden ** 2 * 8
 
 
-def fit_bytes(shape: ModelShape, spans: int) -> float:
-    """A closed-form fit's float64 sums per span: the input's Gram, the cross Gram with the update, the output's."""
-    return spans * 3 * shape.hidden ** 2 * 8
+def fit_bytes(shape: ModelShape, spans: int, width: int | None = None) -> float:
+    """A closed-form fit's float64 sums per span: the regressor's Gram (``width``, the hidden size unless the
+    method says otherwise), its cross Gram with the target and the target's."""
+    width = shape.hidden if width is None else width
+    return spans * (width ** 2 + width * shape.hidden + shape.hidden ** 2) * 8
 
 
 def map_params(shape: ModelShape, inp: PlanInput) -> int:

@@ -30,7 +30,7 @@ from prune.planner.memory import (
     weight_bytes,
 )
 from prune.planner.shape import ModelShape
-from prune.replace.registry import closed_form_methods
+from prune.replace.registry import METHODS, closed_form_methods
 from prune.selection.repaired import MEASURE_EVERY
 
 # Throughput. CPU: SmolLM2-135M's scoring pass ran 718 tokens/s on 2 threads of this 2-core machine
@@ -169,15 +169,23 @@ def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
     first = compute_devices(inp)[0]
     add(devices[first], "activations", forward_bytes(shape, inp, tokens) + 4 * tokens * shape.hidden * 4)
     add(devices[first], "maps", map_params(shape, inp) * inp.dtype_bytes)
+    width = _fit_width(shape, inp.replace)
     # block by block, each span is solved and freed as soon as its output is complete (prune.replace.driver),
-    # keeping its input's state buffer until then
+    # keeping its input's state buffer (and what a fold records of its host's MLP) until then
     if offloaded:
-        add(devices[first], "span input buffer", passes * inp.calibration_tokens * shape.hidden * inp.act_bytes)
-    _moments(devices, shape, inp, fit_bytes(shape, 1 if offloaded else inp.spans))
+        kept = shape.hidden + (width + shape.hidden if width != shape.hidden else 0)
+        add(devices[first], "span input buffer", passes * inp.calibration_tokens * kept * inp.act_bytes)
+    _moments(devices, shape, inp, fit_bytes(shape, 1 if offloaded else inp.spans, width))
     flop = passes * inp.calibration_tokens * _flops(shape, shape.layers)
     note = f"{inp.spans} span(s) at most; closed-form sums" + ("" if inp.replace in closed_form_methods() else
                                                                 f" (a trained {inp.replace} counted as one)")
     return Stage("fitting", devices, flop / _rate(inp) + passes * _disk_pass(shape, inp), note)
+
+
+def _fit_width(shape: ModelShape, method: str) -> int:
+    """The width ``method``'s fit regresses on (its registration's ``fit_width``)."""
+    spec = METHODS.get(method) if method in METHODS else None
+    return spec.fit_width(shape.hidden, shape.intermediate) if spec is not None else shape.hidden
 
 
 def _measuring(select: str) -> tuple[str, bool, bool]:

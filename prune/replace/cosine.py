@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from prune.loading.offload import current_tensor
 from prune.model.adapters import arch_spec
 from prune.model.layouts import VANILLA
 from prune.replace.capture import Recorder, SpanBatch
@@ -105,13 +106,13 @@ class CosineFitter(CachingFitter):
         training = {"steps": 0}
         if self.config.steps and self.rows:
             transform, training = self.cosine_steps(transform)
-        param = self.projection.weight
+        param = current_tensor(self.projection, "weight")  # a skeleton's is read from its checkpoint
         weight = param.data.double()
         if isinstance(self.projection, Conv1D):  # Conv1D stores [in, out]: m = z W + b
             new_weight = weight @ transform
         else:  # nn.Linear stores [out, in]: m = z W^T + b, so W^T T is stored transposed
             new_weight = transform.T @ weight
-        bias = self.projection.bias
+        bias = current_tensor(self.projection, "bias")
         new_bias = (bias.data.double() @ transform).to(dtype=param.dtype) if bias is not None else None
         patch = WeightPatch(self.projection, new_weight.to(dtype=param.dtype).contiguous(), new_bias)
         return Replacement(self.config.method, self.span, "fold", self.host, None, patch, record={
@@ -121,7 +122,7 @@ class CosineFitter(CachingFitter):
 
 register_method(Method(
     "cosine", "ReplaceMe: T on the previous block's MLP output (cosine objective; steps 0: least squares), "
-    "folded into it", serving=VANILLA, closed_form=True, options=CosineOptions, fitter=CosineFitter,
+    "folded into it", serving=VANILLA, closed_form=True, offloadable=True, options=CosineOptions, fitter=CosineFitter,
     check_model=check_fold_architecture, check_spans=check_foldable,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=lambda record: f"{record['objective']} T folded into the previous block's {record['rewrites']}",

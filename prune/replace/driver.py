@@ -184,10 +184,13 @@ def surgered_view(model: nn.Module, replacements: Sequence[Replacement]):
 def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[Replacement]:
     """A skeleton's spans, fitted from one block-by-block pass over the batches the capture pass would run.
 
-    Each span is solved as soon as its output state is complete, and its statistics are freed then, as are
-    those of every state no span reads: the pass holds one span's three d x d matrices at a time. Only fits
-    that need nothing but a span's (input, output) moments can run this way: the others read activations
-    inside blocks, or the surgered model's outputs, which a skeleton never holds.
+    A fit that needs only a span's (input, output) moments (``from_moments``) takes them from the pass;
+    the others hook the skeleton's modules as the capture pass does and observe each batch as soon as the
+    span's last block has run on it (what a hook recorded for a batch is kept until then: a fold holds its
+    host's MLP activations across the span). Each span is solved as soon as its output state is complete,
+    and its statistics are freed then, as are those of every state no span reads. Only methods whose fit
+    reads the original model's activations can run this way (``offloadable``): none that needs the
+    surgered model's outputs, which a skeleton never holds.
     """
     from prune.measure.blockwise import stream_moments_blockwise
 
@@ -195,25 +198,45 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
         raise LayercutError("--offload sequential fits every span on the original model's states: use --fit "
                             "independent, or --offload none")
     started = time.perf_counter()
-    by_pair = {(f.span[0], f.span[-1] + 1): f for f in fitters}
-    needed = {state for pair in by_pair for state in pair}
+    by_pair = {(f.span[0], f.span[-1] + 1): f for f in fitters if f.from_moments}
+    hooked = [f for f in fitters if not f.from_moments]
+    recorder = Recorder()
+    for fitter in hooked:
+        _hook_both(fitter, recorder)
+    recorded: dict[int, dict[str, object]] = {}  # batch -> what the hooks recorded of it, until a span needs it
     done: dict[tuple[int, ...], Replacement] = {}
+
+    def observe_ending_here(block: int, batch: int) -> None:
+        values = recorded.setdefault(batch, {})
+        values.update(recorder.values)
+        recorder.values.clear()
+        for fitter in hooked:
+            if fitter.span[-1] == block:
+                fitter.observe(fitter.batch(values, values))
+                for key in [key for key in values if key.startswith(f"{fitter.span}.")]:
+                    del values[key]  # frees the host's activations once its span has them
 
     def fit_ending_here(moments: StateMoments, block: int) -> None:
         for (first, last), fitter in by_pair.items():
             if last == block + 1:
-                if not fitter.use_moments(moments.pair(first, last)):
-                    raise LayercutError(f"--replace {config.method} reads activations inside the blocks, which "
-                                        "--offload sequential never holds: use --replace linear or none, or "
-                                        "--offload none")
+                fitter.use_moments(moments.pair(first, last))
                 done[fitter.span] = fitter.finish()
                 moments.release(first)
                 moments.release(last)
+        for fitter in hooked:
+            if fitter.span[-1] == block:
+                with torch.enable_grad():  # the pass runs without gradients; a fit that trains needs them
+                    done[fitter.span] = fitter.finish()
 
     # the batches of the capture pass, without its progress bar: the block-by-block pass shows its own
     batches = list(_batches(token_ids, dataclasses.replace(config, progress=False), ""))
-    stream_moments_blockwise(model, batches=batches, pairs=list(by_pair), cosine_pairs="none",
-                              progress=config.progress, after_block=fit_ending_here, observed=needed)
+    try:
+        stream_moments_blockwise(model, batches=batches, pairs=list(by_pair), cosine_pairs="none",
+                                  progress=config.progress, after_block=fit_ending_here,
+                                  observed={state for pair in by_pair for state in pair},
+                                  after_call=observe_ending_here if hooked else None)
+    finally:
+        recorder.close()
     shared = (time.perf_counter() - started) / len(fitters)
     for replacement in done.values():
         replacement.record["fit_seconds"] = round(shared, 2)

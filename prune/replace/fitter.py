@@ -44,7 +44,17 @@ class WeightPatch:
     bias: torch.Tensor | None = None
 
     def apply(self) -> Callable[[], None]:
-        """Write the new weights; the returned function restores the old ones."""
+        """Write the new weights; the returned function restores the old ones.
+
+        On a skeleton's block (weights on the meta device) the new weights are what every later read of
+        the module's tensors returns (``prune.loading.offload.rewrite_tensors``).
+        """
+        if self.module.weight.is_meta:
+            from prune.loading.offload import rewrite_tensors
+
+            return rewrite_tensors([(self.module, "weight", lambda old: self.weight.to(old)),
+                                    *([(self.module, "bias", lambda old: self.bias.to(old))] if self.bias is not None
+                                      else [])])
         old_weight = self.module.weight.data
         old_bias = self.module.bias.data if self.bias is not None else None
         self.module.weight.data = self.weight
@@ -91,6 +101,8 @@ class SpanFitter:
     """
 
     needs_call = False
+    # the fit needs nothing but the span's (input, output) moments, which use_moments takes
+    from_moments = False
 
     def __init__(self, model: nn.Module, original: Sequence[nn.Module], span: tuple[int, ...], config: FitSettings):
         self.model = model

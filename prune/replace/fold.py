@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from prune.errors import LayercutError
+from prune.loading.offload import current_tensor
 from prune.measure.least_squares import LinearFit, fit_linear_map, scale_update
 from prune.measure.moments import PairMoments
 from prune.model.adapters import arch_spec, get_blocks, get_submodule
@@ -150,12 +151,12 @@ class FoldFitter(SpanFitter):
             moments = uncentred(moments)
         fit = fit_linear_map(moments, self.config.ridge)  # weight [intermediate, d]
         conv = isinstance(self.projection, Conv1D)  # Conv1D stores [in, out], Linear [out, in]
-        param = self.projection.weight
+        param = current_tensor(self.projection, "weight")  # a skeleton's is read from its checkpoint
         if self.config.update_scale != 1:
             # the projection's own weights give the span's input: a share of the way from them is a share
             # of the fitted update, as with ``linear``
             own = param.detach().to(device=fit.weight.device, dtype=fit.weight.dtype)
-            bias = self.projection.bias
+            bias = current_tensor(self.projection, "bias")
             fit = scale_update(fit, self.config.update_scale, LinearFit(
                 own if conv else own.T,
                 bias.detach().to(fit.bias) if bias is not None else torch.zeros_like(fit.bias)))
@@ -186,11 +187,11 @@ def uncentred(moments: PairMoments) -> PairMoments:
 
 
 register_method(Method(
-    "fold", "linear map folded into the previous block's MLP", serving=VANILLA, closed_form=True,
+    "fold", "linear map folded into the previous block's MLP", serving=VANILLA, closed_form=True, offloadable=True,
     options=FoldOptions,
     fitter=FoldFitter, check_model=check_fold_architecture, check_spans=check_foldable,
     # the folded map lives in the host block's projection: training that trains the map
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=lambda record: f"folded into the previous block's {record['rewrites']}",
-    default_for=fold_default,
+    default_for=fold_default, fit_width=lambda _hidden, intermediate: intermediate,
 ))

@@ -47,6 +47,8 @@ class LinearOptions(MethodOptions):
 class LinearFitter(SpanFitter):
     """Closed-form ``A, b`` from streamed float64 moments of (span input, span output)."""
 
+    from_moments = True
+
     def __init__(self, *args):
         super().__init__(*args)
         self.moments = PairAccumulator()

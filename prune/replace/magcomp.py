@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from prune.errors import LayercutError
@@ -85,7 +86,16 @@ class ScalePatch:
     factor: float
 
     def apply(self) -> Callable[[], None]:
-        """Scale in place (new tensors, so the originals can be put back)."""
+        """Scale in place (new tensors, so the originals can be put back).
+
+        On a skeleton's blocks the scaling is what every later read of their tensors returns
+        (``prune.loading.offload.rewrite_tensors``): no block is read for it.
+        """
+        if any(m.weight.is_meta for m in self.modules):
+            from prune.loading.offload import rewrite_tensors
+
+            return rewrite_tensors((m, attr, self._scaled) for m in self.modules for attr in ("weight", "bias")
+                                   if getattr(m, attr, None) is not None)
         saved = [(m, m.weight.data, m.bias.data if m.bias is not None else None) for m in self.modules]
         for module, weight, bias in saved:
             module.weight.data = weight * self.factor
@@ -99,6 +109,9 @@ class ScalePatch:
                     module.bias.data = bias
 
         return undo
+
+    def _scaled(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor * self.factor
 
 
 @dataclass
@@ -135,7 +148,7 @@ class MagCompFitter(SpanFitter):
 
 register_method(Method(
     "magcomp", "Prune&Comp: later blocks' output projections scaled by mean|x| / mean|y| of the span",
-    serving=VANILLA, closed_form=True, options=MagCompOptions, fitter=MagCompFitter,
+    serving=VANILLA, closed_form=True, offloadable=True, options=MagCompOptions, fitter=MagCompFitter,
     check_model=check_magcomp_architecture,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=lambda record: (f"magnitude factor {record['factor']:.3f} folded into "

@@ -45,8 +45,9 @@ class Method:
             engine runs).
         closed_form: it is fitted in closed form, from moments summed over the calibration, with no training
             steps (``--plan`` counts a fit that trains as one such fit).
-        offloadable: it fits a span from the span's (input, output) moments alone, so a skeleton whose blocks
-            stay on disk can run it (``--offload sequential``, with ``--fit independent``).
+        offloadable: its fit reads only the original model's activations (the span's input and output,
+            hooks inside the blocks) and rewrites block weights only through their patches, so a skeleton
+            whose blocks stay on disk can run it (``--offload sequential``, with ``--fit independent``).
         options: its :class:`MethodOptions` subclass (which options it takes, their defaults).
         fitter: the :class:`~prune.replace.fitter.SpanFitter` class that fits one span; None: the
             blocks are only removed.
@@ -69,6 +70,9 @@ class Method:
         adds_params: ``(model) -> int``, parameters its checkpoint of ``model`` carries beyond the kept blocks',
             whatever the spans (fold-rotate's untied head); None: none beyond what ``describe`` reports per
             record. Read before any fit (``prune.ship`` sizes its candidates with it).
+        fit_width: ``(hidden, intermediate) -> int``, the width of what its closed-form fit regresses on (the
+            span input's: hidden; a fold's MLP activations: intermediate). The planner sizes the fit's
+            float64 sums and, block by block, the activations a span keeps until its output, with it.
     """
 
     name: str
@@ -89,6 +93,7 @@ class Method:
     describe: Callable[[dict], str] = params_added
     default_for: Callable[[nn.Module], int] | None = None
     adds_params: Callable[[nn.Module], int] | None = None
+    fit_width: Callable[[int, int], int] = lambda hidden, _intermediate: hidden
 
     def __post_init__(self):
         if self.serving not in (VANILLA, LAYERCUT):
@@ -137,10 +142,13 @@ def unregister_method(name: str) -> None:
 AUTO = "auto"
 
 
-def default_method(model: nn.Module) -> str:
-    """What ``--replace auto`` runs on ``model``: the registered method ranking highest for it, else ``"none"``."""
+def default_method(model: nn.Module, offloaded: bool = False) -> str:
+    """What ``--replace auto`` runs on ``model``: the registered method ranking highest for it, else ``"none"``.
+
+    ``offloaded``: only methods a skeleton can run (``offloadable``) compete.
+    """
     ranked = [(method.default_for(model), index, method.name) for index, method in enumerate(METHODS.values())
-              if method.default_for is not None]
+              if method.default_for is not None and (method.offloadable or not offloaded)]
     best = max(((rank, -index, name) for rank, index, name in ranked if rank > 0), default=None)
     return best[2] if best is not None else "none"
 

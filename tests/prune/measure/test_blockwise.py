@@ -57,20 +57,48 @@ def test_a_skeleton_scores_as_the_loaded_model(model_type, tmp_path, one_thread)
     assert all(p.is_meta for p in get_blocks(skeleton)[1].parameters())
 
 
-def test_greedy_and_skeleton_runs_export_the_same_checkpoint(tmp_path, tiny_folder, sample_text, one_thread):
+SERVABLE_OFFLOADED = ("fold", "magcomp", "cosine")
+
+
+@pytest.mark.parametrize("method", ["none", "linear", *SERVABLE_OFFLOADED])
+def test_in_memory_and_skeleton_runs_export_the_same_checkpoint(tmp_path, tiny_folder, sample_text, one_thread,
+                                                                 method):
     text = tmp_path / "calibration.txt"
     text.write_text(sample_text, encoding="utf-8")
     data = DataConfig(data=str(text), samples=8, seq_len=32, heldout_samples=0)
-    logits = {}
+    found = {}
     for offload in ("none", "sequential"):
-        for method in ("none", "linear"):
-            out = tmp_path / f"{offload}-{method}"
-            result = run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder), offload=offload), data=data,
-                                           drop=2, replace={"method": method}, out=str(out)))
-            logits[offload, method] = (result.dropped, result.scores, load(str(out)).model(IDS[:2]).logits)
-    for method in ("none", "linear"):
-        assert logits["none", method][:2] == logits["sequential", method][:2]
-        assert torch.equal(logits["none", method][2], logits["sequential", method][2])
+        out = tmp_path / offload
+        result = run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder), offload=offload), data=data,
+                                       drop=2, protect="0,-1", replace={"method": method}, out=str(out)))
+        found[offload] = (result.dropped, result.scores, load(str(out)).model(IDS[:2]).logits)
+    assert found["none"][:2] == found["sequential"][:2]
+    torch.testing.assert_close(found["sequential"][2], found["none"][2], rtol=0, atol=1e-5)
+    if method != "none":  # the repair changed the checkpoint: the comparison is not one of two removals
+        removal = run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder)), data=data, drop=2, protect="0,-1",
+                                        out=str(tmp_path / "removal")))
+        assert removal.dropped == found["none"][0]
+        assert (load(str(tmp_path / "removal")).model(IDS[:2]).logits - found["none"][2]).abs().max() > 1e-3
+
+
+def test_a_repair_changes_a_skeleton_only_where_it_is_read(tmp_path, one_thread):
+    """A fold's new projection is what the skeleton's passes and export read; its undo restores the checkpoint's."""
+    from prune.loading.offload import current_tensor
+    from prune.replace.fitter import WeightPatch
+    from prune.replace.fold import mlp_output_projection
+
+    model = _saved("llama", tmp_path)
+    skeleton = load_offloaded(str(tmp_path), dtype="float32").model
+    projection = mlp_output_projection(skeleton, get_blocks(skeleton)[1][1])
+    stored = mlp_output_projection(model, get_blocks(model)[1][1]).weight.detach()
+    new = torch.randn_like(stored)
+    undo = WeightPatch(projection, new).apply()
+    assert projection.weight.is_meta and torch.equal(current_tensor(projection, "weight"), new)
+    with load_offloaded.__globals__["CheckpointBlocks"].loaded(getattr(skeleton, "_layercut_offload"), 1,
+                                                               get_blocks(skeleton)[1][1]):
+        assert torch.equal(projection.weight, new)
+    undo()
+    assert torch.equal(current_tensor(projection, "weight"), stored)
 
 
 def test_greedy_selection_runs_block_by_block(tmp_path, tiny_folder, sample_text, one_thread):
@@ -123,7 +151,7 @@ def test_skeleton_keeps_one_block_in_memory_at_a_time(tmp_path, one_thread):
 
 @pytest.mark.parametrize(("flags", "named"), [
     (["--select", "measured"], "--select"),
-    (["--replace", "fold"], "--replace"),
+    (["--replace", "fold-rotate"], "--replace"),
     (["--replace", "linear", "--fit", "sequential"], "--replace"),
     (["--distill-steps", "5"], "--distill-steps"),
     (["--unit", "mlp"], "--unit"),

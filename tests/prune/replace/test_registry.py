@@ -208,7 +208,7 @@ def test_capabilities_are_declared_where_each_method_registers():
 
     # the lists --plan and --offload sequential used to keep by hand, now read from the registrations
     assert set(closed_form_methods()) == {"linear", "fold", "fold-rotate", "cosine", "linearpatch", "magcomp"}
-    assert set(offloadable_methods()) == {"none", "linear"}
+    assert set(offloadable_methods()) == {"none", "linear", "fold", "cosine", "magcomp"}
     assert {name for name, method in METHODS.items() if method.serving == LAYERCUT} == {"linear", "lowrank",
                                                                                       "linearpatch"}
     for method in METHODS.values():
@@ -227,3 +227,11 @@ def test_the_default_repair_is_the_best_servable_one_the_layout_takes(model_type
     from prune.replace.registry import default_method
 
     assert default_method(make_tiny_model(model_type, **overrides)) == chosen
+
+
+def test_a_skeleton_defaults_to_the_best_repair_it_can_run_block_by_block():
+    from prune.replace.registry import default_method
+
+    untied = make_tiny_model("llama", tie_word_embeddings=False)
+    assert default_method(untied) == "fold-rotate"  # in memory
+    assert default_method(untied, offloaded=True) == "fold"  # fold-rotate rewrites every block: not block by block
