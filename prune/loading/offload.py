@@ -120,8 +120,8 @@ def write_offloaded(model: nn.Module, folder: Path) -> None:
     """Write a (surgered) skeleton's checkpoint into ``folder``: its config and every tensor, copied across.
 
     Each block's tensors are read under the index the block had in the source and written under its
-    index now, with the changes repairs made to it (:func:`rewrite_tensors`); everything else keeps its name. Shards of about :data:`SHARD_BYTES` and their index, as
-    ``save_pretrained`` writes them.
+    index now, with the changes repairs made to it (:func:`rewrite_tensors`); everything else keeps its
+    name. Shards of about :data:`SHARD_BYTES` and their index, as ``save_pretrained`` writes them.
     """
     from safetensors.torch import save_file
 

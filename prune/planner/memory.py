@@ -77,8 +77,10 @@ def moment_bytes(shape: ModelShape) -> float:
 
 
 def fit_bytes(shape: ModelShape, spans: int, width: int | None = None) -> float:
-    """A closed-form fit's float64 sums per span: the regressor's Gram (``width``, the hidden size unless the
-    method says otherwise), its cross Gram with the target and the target's."""
+    """A closed-form fit's float64 sums per span: the regressor's Gram, its cross Gram with the target, the target's.
+
+    ``width``: the regressor's (the method's ``fit_width``; None: the hidden size).
+    """
     width = shape.hidden if width is None else width
     return spans * (width ** 2 + width * shape.hidden + shape.hidden ** 2) * 8
 
