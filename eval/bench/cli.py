@@ -6,6 +6,7 @@
     python -m eval.bench serving --model dense=smollm2-135m --model slim=slim/ --heldout ptb.txt [--out serving/]
     python -m eval.bench replace --model smollm2-135m --drop 4,8 --heldout emma.txt [--out bench-replace/]
     python -m eval.bench teacher-cache --model smollm2-135m --drop 4 --steps 100 [--out bench-teacher-cache/]
+    python -m eval.bench scale --shape llama-3-8b --dtype float32 [--drop 8] [--out bench-scale/]
 
 Each subcommand is a module of :mod:`eval.bench` that registers itself in ``eval.bench.registry.SUBCOMMANDS``
 (name -> how to add its arguments, how to run it); this module imports every module of the package and

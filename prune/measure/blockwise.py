@@ -9,8 +9,9 @@ batch, its output becomes state ``b + 1``, and the statistics see both before th
 With :func:`load_offloaded` the model is a skeleton: every block's weights stay on the meta device and
 :class:`CheckpointBlocks` reads one block at a time from the checkpoint's safetensors (memory-mapped,
 so only that block's bytes are read) and puts it back on the meta device after its pass. Peak memory is
-the embeddings, one block and two state buffers [calibration tokens, hidden] in the model's dtype, plus
-the statistics; a 70B model scores on one 24 GB GPU, or on a CPU with less RAM than the model.
+the embeddings, one block, one state buffer [calibration tokens, hidden] in the model's dtype and one
+batch of the next (each batch of a state goes once its output is folded in), one sequence's activations,
+plus the statistics; a 70B model scores on one 24 GB GPU, or on a CPU with less RAM than the model.
 
 The statistics equal the in-memory pass's (``prune.measure.moments.stream_moments``): each state is folded in
 batch by batch in the same order, and a block called on the states it would have been called on
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -113,18 +115,27 @@ def block_weights(model: nn.Module) -> CheckpointBlocks | ResidentBlocks:
     return getattr(model, OFFLOAD_ATTR, None) or ResidentBlocks()
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    # found once: find_library runs ldconfig in a subprocess, too slow for a call per batch
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def _return_freed_memory() -> None:
     """Hand the C heap's free blocks back to the system (glibc's ``malloc_trim``; nothing elsewhere).
 
-    Each block's pass frees a state buffer and a block's weights, and glibc keeps such freed blocks in its
-    heap: on SmolLM2-135M (32k tokens) the resident memory grew 8 MB a block without this, and stays flat
-    with it.
+    Each batch's pass frees a block's activations and a batch of a state, and glibc keeps such freed
+    blocks in its heap, where the next batch's tensors, of other sizes, do not fit them all: on
+    SmolLM2-135M (32k tokens) the resident memory grew 5 MB a batch, 125 MB a block, without this, and
+    stays within one batch's activations with it (``reports/smollm2-135m-offload``).
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _partners(pairs: list[tuple[int, int]], cosine_pairs: str, count: int) -> dict[int, list[int]]:
@@ -152,11 +163,12 @@ def stream_moments_blockwise(
     after_block: Callable[[StateMoments, int], None] | None = None,
     observed: set[int] | None = None,
     after_call: Callable[[int, int], None] | None = None,
+    rows: int | None = 1,
 ) -> StateMoments:
     """``prune.measure.moments.stream_moments``, block by block: the same statistics with one block in memory.
 
     States are kept only while a later state is paired with them, so the default (adjacent) pairs hold
-    two state buffers. Cosines between every pair of states (``cosine_pairs="all"``, span selection by a
+    one state buffer and a batch. Cosines between every pair of states (``cosine_pairs="all"``, span selection by a
     score of states) would hold every state at once and are refused. ``batches`` [batch, seq] (of any
     lengths) replace ``token_ids`` cut into ``batch_size`` rows.
 
@@ -168,6 +180,11 @@ def stream_moments_blockwise(
     ``observed``: the only states whose statistics are taken (None: all); a fit reads its spans' ends alone.
     ``after_call(b, k)`` is called as soon as block ``b`` has run on batch ``k`` (forward hooks on the
     block's modules have fired for that batch).
+    ``rows``: the sequences of a batch one block call runs (None: the whole batch). A block's activations
+    are most of the pass's transient memory (SmolLM2-135M, 4 x 512 tokens: about 190 MiB against a 13.5
+    MiB block), so by default each sequence runs alone and the outputs are put back together before the
+    statistics see them (:func:`_in_rows`). Hooks see one call per batch, so ``after_call`` runs whole
+    batches.
     """
     if scores and pairs is not None and any(j != i + 1 for i, j in pairs):
         raise ValueError("early scores release each state's statistics: pass adjacent pairs only")
@@ -189,20 +206,30 @@ def stream_moments_blockwise(
     weights = block_weights(model)
     _, blocks = get_blocks(model)
     for index in tqdm(range(count), desc="capture (block by block)", unit="block", disable=not progress):
-        outputs = []
+        # states no later block reads: each batch of them goes as soon as its output is folded in, so the
+        # pass holds one state buffer and a batch, not two buffers
+        spent = [i for i in kept if last_use[i] <= index + 1 and i <= index]
+        # without hooks holding a block's input (a fit's), a spent input's memory takes its output: fresh
+        # tensors per batch would be carved from a heap the block's activations fragment, and grow it
+        overwrite = after_call is None and index in spent
+        kept[index + 1] = []
         with weights.loaded(index, blocks[index]) as block:
             for b, call in enumerate(calls[index]):
-                outputs.append(block_output(block(kept[index][b], *call.args, **call.kwargs)))
+                output = _in_rows(block, kept[index][b], call, None if after_call is not None else rows)
                 if after_call is not None:
                     after_call(index, b)
-        kept[index + 1] = outputs
-        for b, output in enumerate(outputs if observed is None or index + 1 in observed else ()):
-            moments.begin_batch(None)
-            for earlier in partners[index + 1]:
-                moments.recall(earlier, kept[earlier][b])
-            moments.observe(index + 1, output)
-        for done in [i for i in kept if last_use[i] <= index + 1 and i <= index]:
-            del kept[done]
+                if observed is None or index + 1 in observed:
+                    moments.begin_batch(None)
+                    for earlier in partners[index + 1]:
+                        moments.recall(earlier, kept[earlier][b])
+                    moments.observe(index + 1, output)
+                if overwrite and output.shape == kept[index][b].shape and output.dtype == kept[index][b].dtype:
+                    output = kept[index][b].copy_(output)
+                kept[index + 1].append(output)
+                for i in spent:
+                    kept[i][b] = None
+        for i in spent:
+            del kept[i]
         if scores:
             _score_block(moments, index, scores)
         if after_block is not None:
@@ -211,6 +238,31 @@ def stream_moments_blockwise(
     if moments.n:
         logger.info("streamed statistics of %d states over %d tokens, one block at a time", count + 1, moments.n)
     return moments
+
+
+def _in_rows(block: nn.Module, hidden: torch.Tensor, call: BlockCall, rows: int | None) -> torch.Tensor:
+    """``block``'s output on ``hidden`` [batch, seq, d], ``rows`` sequences per call, put back together.
+
+    A call argument with the batch's leading size (a padding mask [batch, 1, seq, seq], per-sequence
+    positions) is cut with the rows; one of size 1 is broadcast and passed whole, as is everything else.
+    Sequences do not mix inside a block, so the output is the batch's; on CPU it is bit for bit the
+    same (``tests/prune/measure/test_blockwise.py``).
+    """
+    size = hidden.shape[0]
+    if rows is None or rows >= size:
+        return block_output(block(hidden, *call.args, **call.kwargs))
+
+    def cut(value, start: int):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[0] == size:
+            return value[start : start + rows]
+        if isinstance(value, (tuple, list)):
+            return type(value)(cut(item, start) for item in value)
+        return value
+
+    parts = [block_output(block(hidden[start : start + rows], *cut(call.args, start),
+                                **{key: cut(value, start) for key, value in call.kwargs.items()}))
+             for start in range(0, size, rows)]
+    return torch.cat(parts)
 
 
 def _score_block(moments: StateMoments, block: int, names: list[str]) -> None:

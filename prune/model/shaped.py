@@ -11,12 +11,15 @@ perplexity or generated text measured on it is meaningless. The checkpoint says 
 entry of its ``config.json`` (which a slimmed copy keeps) and its ``SHAPED.md``.
 
 Each tensor is drawn from its own generator, seeded by the checkpoint's seed and the tensor's name, in chunks of
-:data:`CHUNK_ELEMENTS` written to the shard file as they are drawn. The writer's peak memory is therefore the
-interpreter and one chunk (about 100 MB), whatever the shape; a shard is never held whole.
+:data:`CHUNK_ELEMENTS` written to the shard file as they are drawn: a shard, or even a tensor, is never held whole.
+The writer's peak memory is the interpreter, transformers' modelling code and one chunk (about 100 MB), whatever
+the shape: writing Qwen2.5-0.5B in bfloat16 (1 GB in 4 shards) peaked 0.3 GB above the process's resident set
+before the call, with the tokenizer loaded.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -65,7 +68,8 @@ class Shape:
         """A fresh transformers config of this shape."""
         import transformers
 
-        return getattr(transformers, self.config_class)(**self.values)
+        # a config may keep (and change) the nested dicts it is given, such as rope_scaling
+        return getattr(transformers, self.config_class)(**copy.deepcopy(self.values))
 
 
 SHAPES: Registry[Shape] = Registry("shape", "--shape")
@@ -242,9 +246,10 @@ def shaped_record(folder: str | Path) -> dict | None:
     """The ``layercut_shaped`` record of a checkpoint folder (shape, dtype, seed); None when it has none."""
     config = Path(folder) / "config.json"
     try:
-        return json.loads(config.read_text(encoding="utf-8")).get(SHAPED_KEY)
+        found = json.loads(config.read_text(encoding="utf-8")).get(SHAPED_KEY)
     except (OSError, ValueError, AttributeError):
         return None
+    return found if isinstance(found, dict) else None
 
 
 def _weights_present(folder: Path) -> bool:
@@ -266,6 +271,9 @@ def _reusable(folder: Path, record: dict) -> bool:
     same = found is not None and all(found.get(k) == record[k] for k in ("shape", "dtype", "seed"))
     if same and _weights_present(folder):
         return True
+    if same:
+        raise LayercutError(f"{folder} holds {record['shape']} with weight files missing: delete the folder and "
+                            "write it again")
     what = (f"a shaped checkpoint of {found.get('shape')} ({found.get('dtype')}, seed {found.get('seed')})"
             if found else "other files")
     raise LayercutError(f"{folder} holds {what}, not {record['shape']} ({record['dtype']}, seed {record['seed']}): "
@@ -300,6 +308,20 @@ def _shaped_card(shape: str, dtype: str, seed: int, size: int) -> str:
             "within this vocabulary), and the config's special-token ids are that tokenizer's.\n")
 
 
+def _write_config(folder: Path, config, tokenizer, record: dict) -> None:
+    """``config.json`` with the shaped record, ``generation_config.json`` and the tokenizer."""
+    from transformers import GenerationConfig
+
+    # the run's tokenizer decides which ids are special: the config agrees with it, not with the real model
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        setattr(config, key, getattr(tokenizer, key, None))
+    config.dtype = record["dtype"]
+    setattr(config, SHAPED_KEY, record)
+    config.save_pretrained(folder)
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def write_shaped(shape: str, folder: str | Path, *, tokenizer, dtype: str = "float32", seed: int = 0,
                  shard_bytes: int | None = None, progress: bool = True) -> Path:
     """Write a random-weight checkpoint of ``shape`` into ``folder``, shard by shard; reuse one already there.
@@ -307,7 +329,8 @@ def write_shaped(shape: str, folder: str | Path, *, tokenizer, dtype: str = "flo
     The folder holds the shards (``model-0000K-of-0000N.safetensors`` and ``model.safetensors.index.json``, or
     ``model.safetensors`` alone), ``config.json`` with its ``layercut_shaped`` record, ``generation_config.json``,
     the tokenizer and ``SHAPED.md``. It is written in a sibling folder renamed into place, so a folder there is
-    complete. Peak memory: the interpreter and one chunk of :data:`CHUNK_ELEMENTS` values, whatever the shape.
+    complete. Peak memory: transformers' modelling code and one chunk of :data:`CHUNK_ELEMENTS` values, whatever the
+    shape.
 
     Args:
         shape: a registered shape (:func:`shape_names`).
@@ -328,7 +351,6 @@ def write_shaped(shape: str, folder: str | Path, *, tokenizer, dtype: str = "flo
             something else, or too little disk space.
     """
     from tqdm.auto import tqdm
-    from transformers import GenerationConfig
 
     folder = Path(folder).expanduser()
     torch_dtype, config = _torch_dtype(dtype), shape_config(shape)
@@ -338,10 +360,9 @@ def write_shaped(shape: str, folder: str | Path, *, tokenizer, dtype: str = "flo
     _check_tokenizer(shape, config, tokenizer)
     if sys.byteorder != "little":
         raise LayercutError("shaped checkpoints are written on little-endian machines only (safetensors' order)")
-    tensors = _tensors(shape)
-    total = sum(t.numel for t in tensors) * torch_dtype.itemsize
+    total = shape_bytes(shape, dtype)
     _check_space(folder, total)
-    shards = _plan_shards(tensors, torch_dtype.itemsize, shard_bytes or SHARD_BYTES)
+    shards = _plan_shards(_tensors(shape), torch_dtype.itemsize, shard_bytes or SHARD_BYTES)
     files = _shard_files(len(shards))
     std = float(getattr(config, "initializer_range", None) or 0.02)
     with atomic_directory(folder) as staging, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
@@ -352,13 +373,6 @@ def write_shaped(shape: str, folder: str | Path, *, tokenizer, dtype: str = "flo
             index = {"metadata": {"total_size": total},
                      "weight_map": dict(sorted((t.name, f) for f, s in zip(files, shards, strict=True) for t in s))}
             (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        # the run's tokenizer decides which ids are special: the config agrees with it, not with the real model
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            setattr(config, key, getattr(tokenizer, key, None))
-        config.dtype = dtype
-        setattr(config, SHAPED_KEY, record)
-        config.save_pretrained(staging)
-        GenerationConfig.from_model_config(config).save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        _write_config(staging, config, tokenizer, record)
         (staging / "SHAPED.md").write_text(_shaped_card(shape, dtype, seed, total), encoding="utf-8")
     return folder
