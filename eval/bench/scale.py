@@ -91,6 +91,8 @@ class ScaleOptions:
         device: the run's ``--device``.
         threads: torch's CPU threads here and in each run (None: prune.run's default).
         seed: the checkpoint's seed.
+        in_memory: also run the same prune with the whole model in memory and compare (scores, fitted
+            tensors, time, peak memory): for shapes that fit.
     """
 
     shape: str
@@ -106,6 +108,7 @@ class ScaleOptions:
     device: str = "cpu"
     threads: int | None = None
     seed: int = 0
+    in_memory: bool = False
 
     def __post_init__(self):
         if self.shape not in shape_names():
@@ -141,9 +144,9 @@ class ScaleOptions:
         return max(DEFAULT_SAMPLES, math.ceil(MIN_TOKENS_PER_DIM * hidden / self.seq_len))
 
 
-def prune_argv(options: ScaleOptions) -> list[str]:
+def prune_argv(options: ScaleOptions, offload: str = "sequential") -> list[str]:
     """``prune.run``'s arguments for the run on the shaped checkpoint (``--plan`` and ``--out`` added by the caller)."""
-    argv = ["--model", str(options.checkpoint_dir), "--offload", "sequential", "--dtype", options.dtype,
+    argv = ["--model", str(options.checkpoint_dir), "--offload", offload, "--dtype", options.dtype,
             "--device", options.device, "--drop", str(options.drop), "--replace", options.replace,
             "--data", "builtin", "--samples", str(options.calibration_samples()), "--seq-len", str(options.seq_len),
             "--heldout-samples", str(options.heldout_samples)]
@@ -368,6 +371,51 @@ def run_stage(options: ScaleOptions, logs: Path) -> dict:
             "replace": report.get("replace")}
 
 
+def in_memory_stage(options: ScaleOptions, logs: Path) -> dict:
+    """The same prune with the whole model in memory, exported to ``OUT/slim-in-memory``."""
+    log = logs / "run-in-memory.txt"
+    out = Path(options.out) / "slim-in-memory"
+    child = _checked(run_prune_child([*prune_argv(options, "none"), "--out", str(out), "--overwrite"], log),
+                     "prune.run --offload none", log)
+    report = json.loads((out / "layercut.json").read_text(encoding="utf-8"))
+    return {**_child_dict(child), "run_seconds": report.get("seconds"), "dropped": report.get("dropped")}
+
+
+def compare_runs(block_by_block: str | Path, in_memory: str | Path) -> dict:
+    """How far two exports of the same prune are apart: their scores and every tensor (largest differences).
+
+    Returns:
+        ``dropped_equal``, ``score_difference`` (largest absolute, over every score of every block),
+        ``tensor_difference`` (largest absolute over every tensor, read one at a time) and the tensor it is in.
+    """
+    from safetensors import safe_open
+
+    reports = [json.loads((Path(f) / "layercut.json").read_text(encoding="utf-8")) for f in (block_by_block, in_memory)]
+    scores = [reports[0]["scores"], reports[1]["scores"]]
+    score_difference = max((abs(a - b) for name in scores[0] for a, b in zip(scores[0][name], scores[1][name],
+                                                                            strict=True)), default=0.0)
+    maps = [_weight_map(Path(f)) for f in (block_by_block, in_memory)]
+    largest, where = 0.0, None
+    with contextlib.ExitStack() as stack:
+        opened: dict[Path, object] = {}
+
+        def tensor(folder, files, name):
+            path = Path(folder) / files[name]
+            if path not in opened:
+                opened[path] = stack.enter_context(safe_open(path, framework="pt"))
+            return opened[path].get_tensor(name).double()
+
+        for name in sorted(maps[0]):
+            if name not in maps[1]:
+                return {"dropped_equal": False, "score_difference": score_difference, "tensor_difference": None,
+                        "tensor": name}
+            gap = float((tensor(block_by_block, maps[0], name) - tensor(in_memory, maps[1], name)).abs().max())
+            if where is None or gap > largest:
+                largest, where = gap, name
+    return {"dropped_equal": reports[0]["dropped"] == reports[1]["dropped"], "score_difference": score_difference,
+            "tensor_difference": largest, "tensor": where}
+
+
 def _child_dict(child: ChildRun) -> dict:
     return {key: value for key, value in asdict(child).items() if key not in ("returncode", "last_line")}
 
@@ -416,6 +464,12 @@ def benchmark_scale(options: ScaleOptions) -> dict:
                                                                      layers))
     result["check"] = {**check, "seconds": seconds, "peak_rss": peak}
     result["ratios"] = ratios(result)
+    if options.in_memory:
+        result["in_memory"] = in_memory_stage(options, logs)
+        result["in_memory"]["compare"] = compare_runs(options.slim_dir, Path(options.out) / "slim-in-memory")
+        for key in ("seconds", "peak_rss"):
+            if result["run"].get(key) and result["in_memory"].get(key):
+                result["in_memory"][f"{key}_ratio"] = result["run"][key] / result["in_memory"][key]
     return result
 
 
@@ -454,6 +508,19 @@ def scale_markdown(result: dict) -> str:
         "for the plan and the run); the time ratio sets prune.run's own time (Python's start excluded) against the "
         "planner's.", "",
         "The run: `python -m prune.run " + " ".join(run["argv"]) + "`"]
+    if "in_memory" in result:
+        memory, compare = result["in_memory"], result["in_memory"]["compare"]
+        lines += ["", "### Block by block against in memory", "",
+                  "| run | wall s | its own s | peak RSS GB |", "|---|---:|---:|---:|",
+                  f"| in memory (`--offload none`) | {_s(memory['seconds'])} | {_s(memory['run_seconds'] or 0)} | "
+                  f"{_gb(memory['peak_rss'])} |",
+                  f"| block by block (`--offload sequential`) | {_s(run['seconds'])} | {_s(run['run_seconds'] or 0)} | "
+                  f"{_gb(run['peak_rss'])} |", "",
+                  f"Block by block / in memory: time {memory.get('seconds_ratio', float('nan')):.2f}x, peak memory "
+                  f"{memory.get('peak_rss_ratio', float('nan')):.2f}x. The same blocks dropped: "
+                  f"{'yes' if compare['dropped_equal'] else 'NO'}; largest score difference "
+                  f"{compare['score_difference']:.1e}; largest difference of any exported tensor "
+                  f"{compare['tensor_difference']:.1e} (in {compare['tensor']})."]
     return "\n".join(lines) + "\n"
 
 
@@ -494,6 +561,9 @@ def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
                        help="held-out sequences whose perplexity ends the run (meaningless on random weights; "
                        "default: 0 = skipped)")
     group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    group.add_argument("--in-memory", action="store_true",
+                       help="also run the same prune with the whole model in memory and compare scores, exported "
+                       "tensors, time and peak memory (for a shape that fits)")
     add_threads_argument(parser)
 
 
@@ -507,7 +577,7 @@ def run_scale(args: argparse.Namespace) -> int:
     options = ScaleOptions(shape=args.shape, dtype=args.dtype, out=args.out, checkpoint=args.checkpoint,
                            write_only=args.write_only, drop=args.drop, samples=args.samples, seq_len=args.seq_len,
                            replace=args.replace, heldout_samples=args.heldout_samples, device=args.device,
-                           threads=args.threads, seed=args.seed)
+                           threads=args.threads, seed=args.seed, in_memory=args.in_memory)
     result = benchmark_scale(options)
     table = scale_markdown(result)
     print(table)

@@ -25,7 +25,7 @@ def scale_run(tmp_path_factory) -> tuple[int, Path]:
         pytest.skip("the embedded SmolLM2-135M (the shapes' tokenizer) is not installed")
     out = tmp_path_factory.mktemp("scale") / "bench"
     code = main(["scale", "--shape", "llama-tiny", "--drop", "1", "--samples", "4", "--seq-len", "64",
-                 "--replace", REPLACE, "--out", str(out), "--threads", "1"])
+                 "--replace", REPLACE, "--out", str(out), "--threads", "1", "--in-memory"])
     return code, out
 
 
@@ -53,6 +53,26 @@ def test_the_bench_writes_plans_runs_and_checks_the_tiny_shape(scale_run):
     assert "Export check passed" in table and (out / "logs" / "run.txt").is_file()
     slim = json.loads((out / "slim" / "config.json").read_text())
     assert slim["num_hidden_layers"] == 3 and slim["layercut_shaped"]["shape"] == "llama-tiny"  # still says random
+
+
+def test_the_block_by_block_run_exports_what_the_in_memory_run_does(scale_run, tmp_path):
+    from eval.bench.scale import compare_runs
+
+    _, out = scale_run
+    result = json.loads((out / "scale.json").read_text())
+    compare = result["in_memory"]["compare"]
+    assert compare["dropped_equal"] and compare["score_difference"] < 1e-6 and compare["tensor_difference"] < 1e-6
+    assert result["in_memory"]["peak_rss_ratio"] > 0 and "Block by block / in memory" in (out / "scale.md").read_text()
+    # a changed tensor in one of them is found and named
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "slim"
+    shutil.copytree(out / "slim-in-memory", copy)
+    tensors = load_file(copy / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 0.5
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    found = compare_runs(out / "slim", copy)
+    assert found["tensor"] == "model.norm.weight" and found["tensor_difference"] == pytest.approx(0.5)
 
 
 def test_a_corrupted_kept_tensor_fails_the_export_check(scale_run, tmp_path):
