@@ -55,9 +55,10 @@ def fit_linear_map(moments: PairMoments, ridge: float = 0.0) -> LinearFit:
     """
     cxx, cxy = moments.cxx, moments.cxy
     if ridge > 0:
-        lam = ridge * torch.diagonal(cxx).mean()
-        eye = torch.eye(cxx.shape[0], dtype=cxx.dtype, device=cxx.device)
-        weight = torch.linalg.solve(cxx + lam * eye, cxy)
+        ridged = cxx.clone()  # one copy, not an identity and two sums: a fold's Gram is the MLP width squared
+        ridged.diagonal().add_(ridge * torch.diagonal(cxx).mean())
+        weight = torch.linalg.solve(ridged, cxy)
+        del ridged
     else:
         evals, evecs, keep = _spectrum(cxx, moments.cxx_eigh())
         basis = evecs[:, keep]  # [d_in, rank]

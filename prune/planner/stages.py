@@ -176,6 +176,9 @@ def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
         kept = shape.hidden + (width + shape.hidden if width != shape.hidden else 0)
         add(devices[first], "span input buffer", passes * inp.calibration_tokens * kept * inp.act_bytes)
     _moments(devices, shape, inp, fit_bytes(shape, 1 if offloaded else inp.spans, width))
+    # the solve, one span at a time: the uncentred Gram, the ridged copy and its factor, in float64
+    # (prune.measure.least_squares); a fold's are the MLP width squared (1B shape: 1.6 GB)
+    add(devices[first], "solve workspace (float64)", 3 * width ** 2 * 8)
     flop = passes * inp.calibration_tokens * _flops(shape, shape.layers)
     note = f"{inp.spans} span(s) at most; closed-form sums" + ("" if inp.replace in closed_form_methods() else
                                                                 f" (a trained {inp.replace} counted as one)")
