@@ -35,6 +35,7 @@ import torch
 from eval.bench.registry import register_subcommand
 from prune.atomic import write_file_atomic, write_json
 from prune.errors import LayercutError
+from prune.loading.offload import weight_files
 from prune.measure.scores import MIN_TOKENS_PER_DIM
 from prune.memory import peak_rss_bytes, reset_peak_rss
 from prune.model.shaped import (
@@ -211,17 +212,6 @@ def _checked(child: ChildRun, what: str, log: Path) -> ChildRun:
 # ---- the export check ----
 
 
-def _weight_map(folder: Path) -> dict[str, str]:
-    """Tensor name -> safetensors file of a checkpoint folder."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
-    with safe_open(folder / "model.safetensors", framework="pt") as handle:
-        return dict.fromkeys(handle.keys(), "model.safetensors")
-
-
 def _rewritten(config, prefix: str, layout: list[list[int]]) -> list[str]:
     """Name prefixes of the tensors the run's repairs declare they rewrite (``rewrites`` of each record)."""
     from prune.model.surgery import host_position
@@ -297,7 +287,7 @@ def check_export(source: str | Path, slim: str | Path, expected_layers: int | No
         model = AutoModelForCausalLM.from_config(config)
     tied = set(getattr(model, "_tied_weights_keys", None) or ()) if config.tie_word_embeddings else set()
     wanted = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items() if name not in tied}
-    slim_files, source_files = _weight_map(slim), _weight_map(source)
+    slim_files, source_files = weight_files(slim), weight_files(source)
     sources = _source_names(sorted(slim_files), spec.blocks, layout)
     rewritten = _rewritten(config, spec.blocks, layout)
     result = {"layers": layers, "expected_layers": expected_layers, "layout": layout, "tensors": 0, "equal": 0,
@@ -394,7 +384,7 @@ def compare_runs(block_by_block: str | Path, in_memory: str | Path) -> dict:
     scores = [reports[0]["scores"], reports[1]["scores"]]
     score_difference = max((abs(a - b) for name in scores[0] for a, b in zip(scores[0][name], scores[1][name],
                                                                             strict=True)), default=0.0)
-    maps = [_weight_map(Path(f)) for f in (block_by_block, in_memory)]
+    maps = [weight_files(Path(f)) for f in (block_by_block, in_memory)]
     largest, where = 0.0, None
     with contextlib.ExitStack() as stack:
         opened: dict[Path, object] = {}

@@ -182,7 +182,7 @@ class CheckpointBlocks:
 
     def __init__(self, folder: str | Path, model: nn.Module, dtype: torch.dtype, device: torch.device | str):
         self.folder, self.dtype, self.device = Path(folder), dtype, torch.device(device)
-        self.files = _weight_files(self.folder)
+        self.files = weight_files(self.folder)
         self.prefix, blocks = get_blocks(model)
         self.origin = {id(block): index for index, block in enumerate(blocks)}
         self.base_prefix = getattr(model, "base_model_prefix", "") or ""
@@ -296,7 +296,7 @@ def _meta_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
 
 
-def _weight_files(folder: Path) -> dict[str, str]:
+def weight_files(folder: Path) -> dict[str, str]:
     """Tensor name -> safetensors file name, from the shard index or the single file's header."""
     from safetensors import safe_open
 

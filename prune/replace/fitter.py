@@ -52,9 +52,10 @@ class WeightPatch:
         if self.module.weight.is_meta:
             from prune.loading.offload import rewrite_tensors
 
-            return rewrite_tensors([(self.module, "weight", lambda old: self.weight.to(old)),
-                                    *([(self.module, "bias", lambda old: self.bias.to(old))] if self.bias is not None
-                                      else [])])
+            changes = [(self.module, "weight", lambda old: self.weight.to(old))]
+            if self.bias is not None:
+                changes.append((self.module, "bias", lambda old: self.bias.to(old)))
+            return rewrite_tensors(changes)
         old_weight = self.module.weight.data
         old_bias = self.module.bias.data if self.bias is not None else None
         self.module.weight.data = self.weight
