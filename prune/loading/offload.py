@@ -2,10 +2,13 @@
 
 :func:`load_offloaded` builds the model on the meta device (``accelerate.init_empty_weights``), reads
 the few tensors outside the blocks (embeddings, final norm, an untied LM head) and leaves every block to
-``prune.measure.blockwise.CheckpointBlocks``. :func:`write_offloaded` exports a surgered skeleton by copying each
+:class:`CheckpointBlocks`. :func:`write_offloaded` exports a surgered skeleton by copying each
 kept tensor from the source checkpoint under its new name, one output shard at a time in CPU memory: removing
 blocks never needs the whole model in memory. A repair that rewrites block weights (a fold, a compensation)
 registers the change with :func:`rewrite_tensors`; passes and the export read the tensor through it.
+Under :func:`streamed` the skeleton runs whole forward passes, each block read as it is called (what a
+selection that measures perplexity needs), and :func:`materialized` copies one block into memory (what a
+repair that trains a block needs).
 """
 
 from __future__ import annotations
@@ -184,6 +187,7 @@ class CheckpointBlocks:
         self.folder, self.dtype, self.device = Path(folder), dtype, torch.device(device)
         self.files = weight_files(self.folder)
         self.prefix, blocks = get_blocks(model)
+        self.originals = list(blocks)  # the checkpoint's blocks, whatever list a surgery puts them in later
         self.origin = {id(block): index for index, block in enumerate(blocks)}
         self.base_prefix = getattr(model, "base_model_prefix", "") or ""
         # checkpoint name -> the changes a repair made to that tensor (rewrite_tensors), applied on every read
@@ -235,18 +239,100 @@ class CheckpointBlocks:
     @contextmanager
     def loaded(self, index: int, block: nn.Module) -> Iterator[nn.Module]:
         """``block`` with its weights read in, put back on the meta device on exit (even on error)."""
+        names = []
+        try:
+            names = self._read_in(index, block)
+            yield block
+        finally:
+            _to_meta(block, names)
+
+    def _read_in(self, index: int, block: nn.Module) -> list[str]:
+        """Read ``block``'s meta tensors in (through the repairs' changes); their names, for :func:`_to_meta`."""
         from accelerate.utils import set_module_tensor_to_device
 
         names = [name for name, _ in _meta_tensors(block)]
+        values = self.read_many([self.source_name(block, index, name) for name in names])
+        for name in names:
+            value = values.pop(self.source_name(block, index, name))
+            set_module_tensor_to_device(block, name, self.device, value=value)
+        return names
+
+    @contextmanager
+    def streamed(self) -> Iterator[None]:
+        """The skeleton's own forward runs: each block reads its weights as it is called and drops them after.
+
+        For what runs whole forward passes (a selection measuring perplexity, a model with some blocks removed
+        and repaired): the block objects are hooked, so a surgered list of them (a removal, a wrapper holding
+        a map) streams too, and a repair's changes are read with each block. One block is in memory at a
+        time: a block whose forward was cut short (a pass stopped at a state) goes when the next one loads. A
+        block already in memory (a block-by-block pass loaded it) is left as it is.
+        """
+        held: dict[nn.Module, list[str]] = {}
+
+        def drop_all() -> None:
+            for block, names in list(held.items()):
+                _to_meta(block, names)
+                del held[block]
+
+        def enter(index: int):
+            def read_in(block, _args, _kwargs):
+                if block not in held and _meta_tensors(block):
+                    drop_all()
+                    held[block] = self._read_in(index, block)
+            return read_in
+
+        def leave(block, _args, _kwargs, _output):
+            if block in held:
+                _to_meta(block, held.pop(block))
+
+        handles = []
         try:
-            values = self.read_many([self.source_name(block, index, name) for name in names])
-            for name in names:
-                set_module_tensor_to_device(block, name, self.device, value=values.pop(self.source_name(block, index,
-                                                                                                          name)))
-            yield block
+            for index, block in enumerate(self.originals):
+                handles.append(block.register_forward_pre_hook(enter(index), with_kwargs=True))
+                handles.append(block.register_forward_hook(leave, with_kwargs=True))
+            yield
         finally:
-            for name in names:
-                set_module_tensor_to_device(block, name, "meta")
+            for handle in handles:
+                handle.remove()
+            drop_all()
+
+
+def _to_meta(block: nn.Module, names: list[str]) -> None:
+    from accelerate.utils import set_module_tensor_to_device
+
+    for name in names:
+        set_module_tensor_to_device(block, name, "meta")
+
+
+@contextmanager
+def streamed(model: nn.Module) -> Iterator[None]:
+    """Whole forward passes of ``model``: a skeleton's blocks stream (:meth:`CheckpointBlocks.streamed`); else as is."""
+    blocks = getattr(model, OFFLOAD_ATTR, None)
+    if blocks is None:
+        yield
+        return
+    with blocks.streamed():
+        yield
+
+
+def materialized(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` in memory: a skeleton block's tensors read from its checkpoint (with the changes made)."""
+    import copy
+
+    copied = copy.deepcopy(module)
+    for path, part in module.named_modules():
+        for attr, _ in _meta_tensors_here(part):
+            target = copied.get_submodule(path) if path else copied
+            value = current_tensor(part, attr)
+            if attr in part._parameters:
+                value = nn.Parameter(value, requires_grad=part._parameters[attr].requires_grad)
+            setattr(target, attr, value)
+    return copied
+
+
+def _meta_tensors_here(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(n, t) for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            if t is not None and t.is_meta]
 
 
 def rewrite_tensors(changes: Iterable[tuple[nn.Module, str, Callable[[torch.Tensor], torch.Tensor]]]

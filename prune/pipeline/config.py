@@ -16,7 +16,7 @@ from prune.pipeline.steps import SurgeryStep, build_step
 from prune.replace import ReplaceConfig
 from prune.replace.options import is_unset
 from prune.replace.registry import AUTO, default_method, get_method, offloadable_methods, option_specs
-from prune.selection.strategies import DEFAULT_PROTECT, SELECTIONS, measured_selections, unit_selections
+from prune.selection.strategies import DEFAULT_PROTECT, SELECTIONS, unit_selections
 from prune.selection.sublayers import is_sublayer, parse_units
 
 # Post-surgery steps a PruneConfig can switch on, in the order they run: config field -> step name.
@@ -162,9 +162,9 @@ class PruneConfig:
         """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
         for flag, bad, fix in (
             ("--unit", is_sublayer(units), "rates whole blocks (--unit block)"),
-            ("--select", self.select in measured_selections() or needed_cosine_pairs(self) == "all",
-             "selects from scores of blocks (--select topk, greedy or last): perplexity and span scores of "
-             "states need the whole model"),
+            ("--select", needed_cosine_pairs(self) == "all",
+             "keeps two states at a time, and a span's score compares every pair of states (--select topk, "
+             "greedy, repaired-fast, repaired-greedy, ...)"),
             ("--oracle", self.oracle, "has no oracle (it measures perplexity with the whole model)"),
             ("--replace", not get_method(self.replace.method).offloadable or self.replace.fit != "independent",
              f"fits from the original model's states only (--replace {' or '.join(offloadable_methods())}, "

@@ -221,7 +221,9 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
       from) and, for a repaired selection, the original model (the KL's reference) and one capture pass over
       the fitting rows that fits the spans its sets add (a span is fitted once and reused at every step);
     - the measuring rows are every calibration row for a bare selection (greedy-ppl, measured), one row in
-      ``MEASURE_EVERY`` for a repaired one (the others fit).
+      ``MEASURE_EVERY`` for a repaired one (the others fit);
+    - under offload sequential each whole pass reads every block it runs, once per batch of those rows
+      (``prune.loading.offload.streamed``; the scoring stage's disk rate), and one block is in memory.
 
     SmolLM2-135M, repaired-greedy with fold at drop 8 (28 free blocks, 196 sets): 788 s measured on an idle
     2-core machine, about 1,100 s by this count (the plan's other stages: about 96 s).
@@ -245,13 +247,21 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
                 f"{measure:,} tokens" + ("" if declared else " (assumed one set per block)"))
     devices = _new_devices(inp)
     names = compute_devices(inp)
-    _weights(devices, shape, inp, shape.layers, "weights")
+    reading = 0.0
+    if inp.offload == "sequential":  # a whole pass reads each block as it is called, once per batch
+        add(devices[names[0]], "one block + embedding", weight_bytes(shape, inp, 1, head=False))
+        rows = max(1, inp.samples // MEASURE_EVERY) if repaired else inp.samples
+        batches = -(-rows // inp.batch_size)
+        reads = 2 if kind == "pass" else (steps * (3 if repaired else 1) + sets) * batches
+        reading = reads * _disk_pass(shape, inp)
+    else:
+        _weights(devices, shape, inp, shape.layers, "weights")
     add(devices[names[0]], "activations", forward_bytes(shape, inp, inp.batch_size * inp.seq_len))
     add(devices[names[-1]], "logits", perplexity_logit_bytes(shape, inp))
     if repaired and inp.replace != "none":  # every span fitted stays in the run's memo: one per block, and merged
         add(devices[names[0]], "fitted maps", (free + inp.drop) * (shape.hidden ** 2 + shape.hidden) * inp.dtype_bytes)
     _moments(devices, shape, inp)
-    return Stage("selection", devices, flop / _rate(inp), note)
+    return Stage("selection", devices, flop / _rate(inp) + reading, note)
 
 
 def stage_evaluation(shape: ModelShape, inp: PlanInput) -> Stage | None:

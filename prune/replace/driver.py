@@ -173,7 +173,8 @@ def fit_spans(model: nn.Module, spans: Sequence[tuple[int, ...]], token_ids: tor
         return {}
     original = list(get_blocks(model)[1])
     fitters = [spec.fitter(model, original, tuple(span), config) for span in dict.fromkeys(map(tuple, spans))]
-    return {r.span: r for r in _fit_independent(model, fitters, token_ids, config)}
+    fit = _fit_offloaded if is_offloaded(model) else _fit_independent
+    return {r.span: r for r in fit(model, fitters, token_ids, config)}
 
 
 def surgered_view(model: nn.Module, replacements: Sequence[Replacement]):
@@ -217,12 +218,14 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
                     del values[key]  # frees the host's activations once its span has them
 
     def fit_ending_here(moments: StateMoments, block: int) -> None:
-        for (first, last), fitter in by_pair.items():
-            if last == block + 1:
-                fitter.use_moments(moments.pair(first, last))
-                done[fitter.span] = fitter.finish()
-                moments.release(first)
-                moments.release(last)
+        ending = [(pair, fitter) for pair, fitter in by_pair.items() if pair[1] == block + 1]
+        for (first, last), fitter in ending:
+            fitter.use_moments(moments.pair(first, last))
+            done[fitter.span] = fitter.finish()
+        # a state goes once no span left reads it (a selection's candidate spans share states)
+        later = {state for pair in by_pair if pair[1] > block + 1 for state in pair}
+        for state in {state for pair, _ in ending for state in pair} - later:
+            moments.release(state)
         for fitter in hooked:
             if fitter.span[-1] == block:
                 with torch.enable_grad():  # the pass runs without gradients; a fit that trains needs them

@@ -15,13 +15,13 @@ The copy starts from the least-squares fold of the map into its MLP output proje
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from prune.errors import LayercutError
+from prune.loading.offload import materialized
 from prune.measure.least_squares import fit_linear_map, scale_update
 from prune.model.adapters import arch_spec, get_submodule
 from prune.model.capture import block_output
@@ -50,7 +50,17 @@ class StatePatch:
         self.block, self.trained = block, trained
 
     def apply(self):
-        """Put the trained weights into the block; the returned function puts the old ones back."""
+        """Put the trained weights into the block; the returned function puts the old ones back.
+
+        On a skeleton's block (weights on the meta device) the trained weights are what every later read of
+        the block returns (``prune.loading.offload.rewrite_tensors``).
+        """
+        if any(param.is_meta for param in self.block.parameters()):
+            from prune.loading.offload import rewrite_tensors
+
+            trained = dict(self.trained.named_parameters())
+            return rewrite_tensors((self.block.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2],
+                                    _replaced_by(trained[name])) for name, _ in self.block.named_parameters())
         pairs = list(zip(self.block.parameters(), self.trained.parameters(), strict=True))
         old = [param.data for param, _ in pairs]
         for param, new in pairs:
@@ -61,6 +71,11 @@ class StatePatch:
                 param.data = value
 
         return undo
+
+
+def _replaced_by(new: torch.Tensor):
+    """A tensor change (``rewrite_tensors``) that returns ``new`` in the read tensor's dtype and device."""
+    return lambda old: new.detach().to(old)
 
 
 def check_local_spans(_model: nn.Module, spans) -> None:
@@ -106,7 +121,7 @@ class LocalFitter(CachingFitter):
             self.cache[i] = SpanBatch(batch.x, (batch.x.float() @ weight.to(batch.x.device) + bias.to(batch.x.device)
                                                 ).to(batch.x.dtype), batch.args, batch.kwargs, batch.z)
         host = self.original[self.host]
-        module = copy.deepcopy(host)
+        module = materialized(host)  # a skeleton's block is read from its checkpoint; any other is copied
         folded = self._fold_towards_targets(module)
 
         def forward(block: nn.Module, batch: SpanBatch) -> torch.Tensor:
@@ -164,7 +179,7 @@ class LocalFitter(CachingFitter):
 
 register_method(Method(
     "local", "the block before each span retrained block-locally to give the span's linear map's output (plain "
-    "checkpoint; any block layout)", serving=VANILLA, options=LocalOptions, fitter=LocalFitter,
+    "checkpoint; any block layout)", serving=VANILLA, offloadable=True, options=LocalOptions, fitter=LocalFitter,
     check_spans=check_local_spans,
     # the retrained block is what further training trains
     trained_module=lambda _model, block, _record: block,

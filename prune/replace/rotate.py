@@ -27,6 +27,7 @@ What it costs and where it stops:
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
 from collections.abc import Callable, Sequence
@@ -152,6 +153,11 @@ def _check_gain_norm(model: nn.Module, norm: nn.Module) -> None:
     if weight is None or weight.dim() != 1 or getattr(norm, "bias", None) is not None:
         raise _unsupported(model, f"uses {type(norm).__name__}, not an RMSNorm with a gain (a LayerNorm "
                               "subtracts the mean, which a rotation does not keep)")
+    if weight.is_meta:  # a model built on the meta device (the planner's): the form is probed on a filled copy
+        norm = copy.deepcopy(norm).to_empty(device="cpu")
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(weight.shape, generator=torch.Generator().manual_seed(1)) + 0.5)
+        weight = norm.weight
     probe = torch.randn(3, weight.shape[0], generator=torch.Generator().manual_seed(0)) * 100
     probe = probe.to(device=weight.device, dtype=weight.dtype)
     with torch.no_grad():

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 
 from prune.errors import LayercutError
+from prune.measure.blockwise import stream_any
 from prune.measure.heldout import packed_perplexity
 from prune.measure.least_squares import fit_linear_map, residual_sums, scale_update
-from prune.measure.moments import stream_moments
 from prune.model.adapters import get_blocks, input_device
 from prune.model.surgery import blocks_removed
 from prune.replace import (
@@ -319,8 +319,8 @@ def map_errors(model: nn.Module, token_ids: torch.Tensor, update_scale: float = 
     is ``update_scale`` of the way from the identity to the least-squares fit, as ``--replace linear`` applies it.
     """
     fit_ids, measure_ids = split_rows(token_ids)
-    fitted = stream_moments(model, fit_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
-    held = stream_moments(model, measure_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
+    fitted = stream_any(model, fit_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
+    held = stream_any(model, measure_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
     errors = []
     for block in range(len(get_blocks(model)[1])):
         fit = scale_update(fit_linear_map(fitted.pair(block, block + 1), ridge), update_scale)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from prune.errors import LayercutError
+from prune.loading.offload import streamed
 from prune.measure.blockwise import stream_any
 from prune.measure.moments import StateMoments
 from prune.measure.scores import Score, block_scores
@@ -126,9 +128,9 @@ class Selection:
         help: one line for ``prune.run --select``'s help.
         measures: how it runs the model on the calibration rather than reading the scoring pass's scores
             ("" for a selection that only reads them): "greedy" measures every remaining block at each of its K
-            steps, "once" each free block once, "pass" takes one pass. A measuring selection needs the whole
-            model in memory (a skeleton, ``--offload sequential``, cannot run it), and the planner times it
-            by this pattern.
+            steps, "once" each free block once, "pass" takes one pass. The planner times it by this pattern; on
+            a skeleton (``--offload sequential``) its whole passes read each block as it is called
+            (:func:`choose_blocks`).
         units: it also ranks sub-layer units (``--unit attention,mlp``, ``prune.selection.sublayers``).
         repairs: each candidate set is repaired by the run's method before it is measured.
     """
@@ -169,7 +171,7 @@ def register_selection(name: str, help: str = "", *, measures: str | bool = "", 
 
 
 def measured_selections() -> tuple[str, ...]:
-    """The selections that declare ``measures``: they run the model, so a skeleton cannot run them."""
+    """The selections that declare ``measures``: they run the model on the calibration (the planner times them)."""
     return tuple(name for name, selection in SELECTIONS.items() if selection.measures)
 
 
@@ -192,7 +194,9 @@ def choose_blocks(method: str, inputs: SelectionInput) -> Chosen:
     """Run the named strategy (enough unprotected blocks checked first): its blocks sorted, and its trace."""
     strategy = SELECTIONS.get(method)
     check_enough_free(inputs.count, len(inputs.values), inputs.protected)
-    chosen = strategy.choose(inputs)
+    # a skeleton (--offload sequential) runs the whole passes a measuring selection takes one block at a time
+    with streamed(inputs.model) if inputs.model is not None else nullcontext():
+        chosen = strategy.choose(inputs)
     return Chosen(sorted(chosen.blocks), chosen.trace)
 
 

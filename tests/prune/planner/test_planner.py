@@ -313,3 +313,33 @@ def test_a_selection_that_re_fits_and_measures_every_candidate_set_is_in_the_pla
     selection = next(s for s in repaired.stages if s.name == "selection")
     assert "196 candidate set(s) in 8 step(s)" in selection.note  # 28 + 27 + ... + 21 over 28 free blocks
     assert "selection" not in [s.name for s in plain.stages] and "selection" in format_plan(repaired)
+
+
+def test_replace_auto_is_planned_as_the_repair_the_run_chooses(tiny_folder):
+    """``--replace auto`` (the default) plans the fit of the repair the loaded model will get, not a removal."""
+    from prune.checkpoint.load_config import LoadConfig
+    from prune.data.calibration import DataConfig
+    from prune.planner.estimate import plan_config
+    from prune.replace.registry import default_method
+
+    cpu = Hardware(host_memory=25e9)
+    model = make_tiny_model("llama")
+    for offload in ("none", "sequential"):
+        config = PruneConfig(load=LoadConfig(model=str(tiny_folder), offload=offload), drop=2, replace="auto",
+                             data=DataConfig(data="builtin"))
+        assert config.auto_replace and config.replace.method == "none"
+        plan = plan_config(config, cpu)
+        chosen = default_method(model, offloaded=offload == "sequential")
+        assert chosen != "none" and plan.inp.replace == chosen
+        assert "fitting" in [s.name for s in plan.stages], format_plan(plan)
+
+
+def test_a_measuring_selection_block_by_block_holds_one_block_and_reads_the_disk_per_pass():
+    shape = shape_of_config(LlamaConfig(**LLAMA3_8B))
+    inp = PlanInput(model="llama-3-8b", drop=4, replace="fold", select="repaired-greedy", samples=32, seq_len=512,
+                    dtype="float32", hardware=Hardware(host_memory=25e9))
+    whole, streamed = plan_run(shape, inp), plan_run(shape, dataclasses.replace(inp, offload="sequential"))
+    in_memory, block_by_block = (next(s for s in plan.stages if s.name == "selection") for plan in (whole, streamed))
+    assert "weights" in in_memory.devices["cpu"] and "weights" not in block_by_block.devices["cpu"]
+    assert block_by_block.peak("cpu") < in_memory.peak("cpu") / 3
+    assert block_by_block.seconds > in_memory.seconds  # every pass reads the blocks it runs
