@@ -164,6 +164,7 @@ def stream_moments_blockwise(
     observed: set[int] | None = None,
     after_call: Callable[[int, int], None] | None = None,
     rows: int | None = 1,
+    upto: int | None = None,
 ) -> StateMoments:
     """``prune.measure.moments.stream_moments``, block by block: the same statistics with one block in memory.
 
@@ -184,7 +185,7 @@ def stream_moments_blockwise(
     are most of the pass's transient memory (SmolLM2-135M, 4 x 512 tokens: about 190 MiB against a 13.5
     MiB block), so by default each sequence runs alone and the outputs are put back together before the
     statistics see them (:func:`_in_rows`). Hooks see one call per batch, so ``after_call`` runs whole
-    batches.
+    batches. ``upto``: only blocks ``0..upto-1`` run (a fit needs nothing behind its last span).
     """
     if scores and pairs is not None and any(j != i + 1 for i, j in pairs):
         raise ValueError("early scores release each state's statistics: pass adjacent pairs only")
@@ -205,7 +206,8 @@ def stream_moments_blockwise(
         moments.observe(0, batch)
     weights = block_weights(model)
     _, blocks = get_blocks(model)
-    for index in tqdm(range(count), desc="capture (block by block)", unit="block", disable=not progress):
+    for index in tqdm(range(count if upto is None else min(upto, count)), desc="capture (block by block)",
+                      unit="block", disable=not progress):
         # states no later block reads: each batch of them goes as soon as its output is folded in, so the
         # pass holds one state buffer and a batch, not two buffers
         spent = [i for i in kept if last_use[i] <= index + 1 and i <= index]

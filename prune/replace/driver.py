@@ -237,7 +237,8 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
         stream_moments_blockwise(model, batches=batches, pairs=list(by_pair), cosine_pairs="none",
                                   progress=config.progress, after_block=fit_ending_here,
                                   observed={state for pair in by_pair for state in pair},
-                                  after_call=observe_ending_here if hooked else None)
+                                  after_call=observe_ending_here if hooked else None,
+                                  upto=max(f.span[-1] for f in fitters) + 1)  # nothing behind the last span
     finally:
         recorder.close()
     shared = (time.perf_counter() - started) / len(fitters)

@@ -248,3 +248,17 @@ def test_smollm2_block_by_block_exports_the_in_memory_checkpoint(tmp_path):
         found[offload] = (result.dropped, load(str(tmp_path / offload)).model(IDS[:2] * 7).logits)
     assert found["none"][0] == found["sequential"][0]
     torch.testing.assert_close(found["sequential"][1], found["none"][1], rtol=0, atol=1e-5)
+
+
+def test_a_skeleton_fit_runs_no_block_behind_its_last_span(tmp_path, one_thread):
+    from prune.replace import ReplaceConfig, fit_replacements
+
+    _saved("llama", tmp_path)
+    skeleton = load_offloaded(str(tmp_path), dtype="float32").model
+    _, blocks = get_blocks(skeleton)
+    ran = []
+    for index, block in enumerate(blocks):  # a block that ran with its weights (the stubbed first pass has none)
+        block.register_forward_hook(lambda module, *_, index=index: ran.append(index)
+                                    if not next(module.parameters()).is_meta else None)
+    fit_replacements(skeleton, [1], IDS, ReplaceConfig(method="fold", progress=False))
+    assert len(blocks) > 2 and sorted(set(ran)) == [0, 1]
