@@ -167,8 +167,9 @@ class PruneConfig:
              "greedy, repaired-fast, repaired-greedy, ...)"),
             ("--oracle", self.oracle, "has no oracle (it measures perplexity with the whole model)"),
             ("--replace", not get_method(self.replace.method).offloadable or self.replace.fit != "independent",
-             f"fits from the original model's states only (--replace {' or '.join(offloadable_methods())}, "
-             "--fit independent)"),
+             (f"cannot run --replace {self.replace.method}, which {get_method(self.replace.method).blockwise_refusal}"
+              if get_method(self.replace.method).blockwise_refusal else "fits each span on the original model's "
+              "states") + f"; it runs --replace {', '.join(offloadable_methods())} with --fit independent"),
             ("--distill-steps", bool(self.step_sections()),
              "exports the pruned checkpoint; distil it afterwards with python -m distill.run"),
             ("--data", any(source.is_self for source in parse_sources(self.data.data)),

@@ -62,4 +62,6 @@ class BlockFitter(CachingFitter):
 register_method(Method(
     "block", "one trained block of the architecture per span", serving=VANILLA, options=BlockOptions,
     fitter=BlockFitter, trained_module=lambda _model, block, _record: block, min_span=2,
+    blockwise_refusal="puts a new block in the span's place, and a skeleton's export (tensors copied from the "
+    "checkpoint) cannot write one (--replace local retrains the block before the cut instead)",
 ))

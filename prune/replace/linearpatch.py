@@ -108,7 +108,7 @@ class LinearPatchFitter(SpanFitter):
 
 register_method(Method(
     "linearpatch", "LinearPatch: h -> h H D H^T, Hadamard rotation and channel scales from calibration",
-    serving=LAYERCUT, closed_form=True, options=LinearPatchOptions, fitter=LinearPatchFitter,
+    serving=LAYERCUT, closed_form=True, offloadable=True, options=LinearPatchOptions, fitter=LinearPatchFitter,
     check_model=check_linearpatch_architecture,
     # saved as the same module type as ``linear`` (a d x d map), so checkpoints load with either code path
     module=LinearMap, spec=lambda module: {"dim": module.proj.in_features},

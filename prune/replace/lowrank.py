@@ -102,7 +102,7 @@ def spec(module: LowRankMap) -> dict:
 
 
 register_method(Method(
-    "lowrank", "h -> h + BN(h) U V, rank max(1, d // 100)", serving=LAYERCUT, options=LowRankOptions,
+    "lowrank", "h -> h + BN(h) U V, rank max(1, d // 100)", serving=LAYERCUT, offloadable=True, options=LowRankOptions,
     fitter=LowRankFitter, module=LowRankMap, spec=spec,
     build=build_map,
     trained_module=map_on_block, describe=describe,

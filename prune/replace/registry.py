@@ -48,6 +48,7 @@ class Method:
         offloadable: its fit reads only the original model's activations (the span's input and output,
             hooks inside the blocks) and rewrites block weights only through their patches, so a skeleton
             whose blocks stay on disk can run it (``--offload sequential``, with ``--fit independent``).
+        blockwise_refusal: for a method that is not ``offloadable``, why (the refusal's one line says it).
         options: its :class:`MethodOptions` subclass (which options it takes, their defaults).
         fitter: the :class:`~prune.replace.fitter.SpanFitter` class that fits one span; None: the
             blocks are only removed.
@@ -80,6 +81,7 @@ class Method:
     serving: str
     closed_form: bool = False
     offloadable: bool = False
+    blockwise_refusal: str = ""
     options: type[MethodOptions] = MethodOptions
     fitter: type[SpanFitter] | None = None
     fits: tuple[str, ...] = FITS

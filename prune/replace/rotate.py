@@ -387,7 +387,9 @@ def _describe(record: dict) -> str:
 
 register_method(Method(
     "fold-rotate", "the map's scale and rotation as a change of basis upstream of the cut, the rest folded into "
-    "the previous block's MLP (plain checkpoint; unties a tied head)", serving=VANILLA, closed_form=True,
+    "the previous block's MLP (plain checkpoint; unties a tied head)", serving=VANILLA,
+    blockwise_refusal="rewrites every weight before the cut, the embedding's included (a change of basis of the "
+    "residual stream)", closed_form=True,
     options=RotateOptions, fitter=RotateFitter, check_model=check_rotatable, check_spans=check_foldable,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=_describe, default_for=rotate_default, adds_params=untie_cost,

@@ -57,10 +57,10 @@ def test_a_skeleton_scores_as_the_loaded_model(model_type, tmp_path, one_thread)
     assert all(p.is_meta for p in get_blocks(skeleton)[1].parameters())
 
 
-SERVABLE_OFFLOADED = ("fold", "magcomp", "cosine", "local")
+REPAIRS_OFFLOADED = ("fold", "magcomp", "cosine", "local", "lowrank", "linearpatch")
 
 
-@pytest.mark.parametrize("method", ["none", "linear", *SERVABLE_OFFLOADED])
+@pytest.mark.parametrize("method", ["none", "linear", *REPAIRS_OFFLOADED])
 def test_in_memory_and_skeleton_runs_export_the_same_checkpoint(tmp_path, tiny_folder, sample_text, one_thread,
                                                                  method):
     text = tmp_path / "calibration.txt"
@@ -193,7 +193,8 @@ def test_skeleton_keeps_one_block_in_memory_at_a_time(tmp_path, one_thread):
 
 @pytest.mark.parametrize(("flags", "named"), [
     (["--oracle"], "--oracle"),
-    (["--replace", "fold-rotate"], "--replace"),
+    (["--replace", "fold-rotate"], "change of basis"),
+    (["--replace", "block"], "new block"),
     (["--replace", "linear", "--fit", "sequential"], "--replace"),
     (["--distill-steps", "5"], "--distill-steps"),
     (["--unit", "mlp"], "--unit"),
