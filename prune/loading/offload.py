@@ -320,19 +320,13 @@ def materialized(module: nn.Module) -> nn.Module:
     import copy
 
     copied = copy.deepcopy(module)
-    for path, part in module.named_modules():
-        for attr, _ in _meta_tensors_here(part):
-            target = copied.get_submodule(path) if path else copied
-            value = current_tensor(part, attr)
-            if attr in part._parameters:
-                value = nn.Parameter(value, requires_grad=part._parameters[attr].requires_grad)
-            setattr(target, attr, value)
+    for name, tensor in _meta_tensors(module):
+        path, _, attr = name.rpartition(".")
+        value = current_tensor(module.get_submodule(path), attr)
+        if isinstance(tensor, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        setattr(copied.get_submodule(path), attr, value)
     return copied
-
-
-def _meta_tensors_here(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [(n, t) for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-            if t is not None and t.is_meta]
 
 
 def rewrite_tensors(changes: Iterable[tuple[nn.Module, str, Callable[[torch.Tensor], torch.Tensor]]]
