@@ -165,7 +165,6 @@ class PruneConfig:
             ("--select", needed_cosine_pairs(self) == "all",
              "keeps two states at a time, and a span's score compares every pair of states (--select topk, "
              "greedy, repaired-fast, repaired-greedy, ...)"),
-            ("--oracle", self.oracle, "has no oracle (it measures perplexity with the whole model)"),
             ("--replace", not get_method(self.replace.method).offloadable or self.replace.fit != "independent",
              (f"cannot run --replace {self.replace.method}, which {get_method(self.replace.method).blockwise_refusal}"
               if get_method(self.replace.method).blockwise_refusal else "fits each span on the original model's "

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from prune.data.calibration import CalibrationData
+from prune.loading.offload import streamed
 from prune.measure.moments import StateMoments
 from prune.measure.scores import get_score
 from prune.model.adapters import get_blocks
@@ -134,8 +135,10 @@ def remove_blocks(model: nn.Module, calibration: CalibrationData, moments: State
     ``measure`` (a held-out perplexity) is also taken with the chosen blocks only removed, before the repair, so
     that the run says what its repair gained over removal of the same blocks.
     """
-    oracle = (run_oracle(model, calibration.token_ids, scores, config.batch_size, cache=removal_cache(memo))
-              if config.oracle else None)
+    oracle = None
+    if config.oracle:
+        with streamed(model):  # a skeleton's passes read each block as it is called
+            oracle = run_oracle(model, calibration.token_ids, scores, config.batch_size, cache=removal_cache(memo))
     budget = block_budget(model, calibration, moments, scores, config, amounts, memo)
     if budget is not None:
         amounts = amounts.with_drop(budget["drop"])

@@ -129,6 +129,17 @@ def test_measuring_selections_run_block_by_block(tmp_path, tiny_folder, sample_t
     torch.testing.assert_close(found["sequential"][1], found["none"][1], rtol=0, atol=1e-5)
 
 
+def test_the_oracle_measures_a_skeleton_as_the_loaded_model(tmp_path, tiny_folder, sample_text, one_thread):
+    text = tmp_path / "calibration.txt"
+    text.write_text(sample_text, encoding="utf-8")
+    data = DataConfig(data=str(text), samples=8, seq_len=32, heldout_samples=0)
+    oracles = [run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder), offload=offload), data=data, drop=2,
+                                     oracle=True, out=str(tmp_path / offload))).report["oracle"]
+               for offload in ("none", "sequential")]
+    assert oracles[0]["removed"] and oracles[0]["removed"] == pytest.approx(oracles[1]["removed"], rel=1e-5)
+    assert oracles[0]["dense"] == pytest.approx(oracles[1]["dense"], rel=1e-5)
+
+
 def test_a_streamed_skeleton_runs_whole_passes_with_one_block_in_memory(tmp_path, one_thread):
     """Whole forward passes of a skeleton, with blocks removed and a fold's patch in place, give the loaded
     model's logits, and never hold two blocks."""
@@ -192,10 +203,9 @@ def test_skeleton_keeps_one_block_in_memory_at_a_time(tmp_path, one_thread):
 
 
 @pytest.mark.parametrize(("flags", "named"), [
-    (["--oracle"], "--oracle"),
+    (["--replace", "linear", "--fit", "sequential"], "original model's states"),
     (["--replace", "fold-rotate"], "change of basis"),
     (["--replace", "block"], "new block"),
-    (["--replace", "linear", "--fit", "sequential"], "--replace"),
     (["--distill-steps", "5"], "--distill-steps"),
     (["--unit", "mlp"], "--unit"),
     (["--select", "span", "--score", "cosine"], "--select"),
