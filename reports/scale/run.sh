@@ -3,7 +3,7 @@
 # shape against its in-memory run, the planner's estimates, and the memory of the block-by-block pass on
 # SmolLM2-135M. The weights are random: scores are meaningless, time and memory are real.
 #
-#   bash reports/scale/run.sh     # about 30 minutes on 2 idle cores, 45 GB of disk
+#   bash reports/scale/run.sh     # about 3 hours on 2 idle cores, 70 GB of disk
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/layercut-scale}
@@ -13,12 +13,13 @@ mkdir -p "$OUT" "$HERE/llama-3.2-1b" "$HERE/llama-3-8b"
 python -m eval.bench scale --shape llama-3.2-1b --drop 4 --in-memory --out "$OUT/1b"
 cp "$OUT/1b/scale.json" "$OUT/1b/scale.md" "$HERE/llama-3.2-1b/"
 rm -rf "$OUT/1b/slim" "$OUT/1b/slim-in-memory"  # 8 GB: the 8B run below needs the disk
-# the 8B shape, larger than this machine's memory: written shard by shard, then planned (the run needs
-# about two hours of these two cores: python -m eval.bench scale --shape llama-3-8b --out "$OUT/8b")
+# the 8B shape, larger than this machine's memory: written shard by shard, planned, then pruned block by
+# block (about 2 h 15 min of these two cores)
 python -m eval.bench scale --shape llama-3-8b --write-only --out "$OUT/8b"
-cp "$OUT/8b/scale.json" "$OUT/8b/scale.md" "$HERE/llama-3-8b/"
 python -m prune.run --model "$OUT/8b/llama-3-8b-float32" --offload sequential --drop 8 --data builtin --samples 32 \
     --seq-len 512 --plan --plan-json "$HERE/llama-3-8b/plan.json" | tee "$HERE/llama-3-8b/plan.txt"
+python -m eval.bench scale --shape llama-3-8b --out "$OUT/8b"
+cp "$OUT/8b/scale.json" "$OUT/8b/scale.md" "$HERE/llama-3-8b/"
 # the block-by-block pass's memory on SmolLM2-135M at 32,768 tokens (a fresh process; base: the skeleton paged in)
 python -m eval.bench scoring --methods sequential --tokens 32768 --time-tokens 8192 --repeats 3 --end-to-end 0 \
     --out "$OUT/scoring"
