@@ -305,7 +305,7 @@ def _to_meta(block: nn.Module, names: list[str]) -> None:
 
 
 @contextmanager
-def streamed(model: nn.Module) -> Iterator[None]:
+def streamed(model: nn.Module | None) -> Iterator[None]:
     """Whole forward passes of ``model``: a skeleton's blocks stream (:meth:`CheckpointBlocks.streamed`); else as is."""
     blocks = getattr(model, OFFLOAD_ATTR, None)
     if blocks is None:

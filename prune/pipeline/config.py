@@ -160,15 +160,16 @@ class PruneConfig:
 
     def _check_offload_options(self, units: tuple[str, ...]) -> None:
         """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
+        method = get_method(self.replace.method)
         for flag, bad, fix in (
             ("--unit", is_sublayer(units), "rates whole blocks (--unit block)"),
             ("--select", needed_cosine_pairs(self) == "all",
              "keeps two states at a time, and a span's score compares every pair of states (--select topk, "
              "greedy, repaired-fast, repaired-greedy, ...)"),
-            ("--replace", not get_method(self.replace.method).offloadable or self.replace.fit != "independent",
-             (f"cannot run --replace {self.replace.method}, which {get_method(self.replace.method).blockwise_refusal}"
-              if get_method(self.replace.method).blockwise_refusal else "fits each span on the original model's "
-              "states") + f"; it runs --replace {', '.join(offloadable_methods())} with --fit independent"),
+            ("--replace", not method.offloadable or self.replace.fit != "independent",
+             (f"cannot run --replace {method.name}, which {method.blockwise_refusal}" if method.blockwise_refusal
+              else "fits each span on the original model's states")
+             + f"; it runs --replace {', '.join(offloadable_methods())} with --fit independent"),
             ("--distill-steps", bool(self.step_sections()),
              "exports the pruned checkpoint; distil it afterwards with python -m distill.run"),
             ("--data", any(source.is_self for source in parse_sources(self.data.data)),

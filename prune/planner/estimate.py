@@ -26,7 +26,7 @@ from pathlib import Path
 from prune.errors import LayercutError
 from prune.planner.inputs import DistillSpec, Hardware, PlanInput
 from prune.planner.memory import add
-from prune.planner.shape import ModelShape, build_on_meta, read_config, shape_of_name
+from prune.planner.shape import ModelShape, build_on_meta, read_config, shape_of_model, shape_of_name
 from prune.planner.stages import (
     CPU_SOURCE,
     GPU_SOURCE,
@@ -234,25 +234,20 @@ def plan_config(config, hardware: Hardware, shape: ModelShape | None = None, kee
     ``keeps_original``: the caller holds the original model beside the run's copy (``eval.compare`` prunes
     a copy of it in each cell), so every stage after loading also holds its weights.
     """
-    shape = shape or shape_of_name(config.load.model)
-    plan = plan_run(shape, plan_input(_with_default_repair(config), shape, hardware))
+    built = None
+    if getattr(config, "auto_replace", False) and config.replace.method == "none":
+        # --replace auto: the run chooses once the model is loaded (PruneConfig.with_default_repair); the plan
+        # reads the same choice from the model built on the meta device, so it sizes that fit, not a removal
+        built = build_on_meta(read_config(config.load.model))
+        config = config.with_default_repair(built)
+    shape = shape or (shape_of_model(built) if built is not None else shape_of_name(config.load.model))
+    plan = plan_run(shape, plan_input(config, shape, hardware))
     if keeps_original:
         original = plan_run(shape, dataclasses.replace(plan.inp, offload="none")).stages[0]
         for stage in plan.stages[1:]:
             for device, parts in original.devices.items():
                 add(stage.devices.setdefault(device, {}), "original (kept)", parts.get("weights", 0.0))
     return plan
-
-
-def _with_default_repair(config):
-    """``config`` with ``--replace auto`` read as the repair the run will choose for the model (its meta build).
-
-    The run chooses once the model is loaded (``PruneConfig.with_default_repair``); the plan reads the same
-    choice from the model built on the meta device, so it sizes the fit the run will do, not a removal.
-    """
-    if not getattr(config, "auto_replace", False) or config.replace.method != "none":
-        return config
-    return config.with_default_repair(build_on_meta(read_config(config.load.model)))
 
 
 # What may make a plan fit, most preferred first: (the words of the fix, whether it applies, the changed input).

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -195,7 +194,7 @@ def choose_blocks(method: str, inputs: SelectionInput) -> Chosen:
     strategy = SELECTIONS.get(method)
     check_enough_free(inputs.count, len(inputs.values), inputs.protected)
     # a skeleton (--offload sequential) runs the whole passes a measuring selection takes one block at a time
-    with streamed(inputs.model) if inputs.model is not None else nullcontext():
+    with streamed(inputs.model):
         chosen = strategy.choose(inputs)
     return Chosen(sorted(chosen.blocks), chosen.trace)
 
