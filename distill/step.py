@@ -47,30 +47,37 @@ class DistillStep:
     def __init__(self, options: dict, prune_config):
         self.config = step_config(options, prune_config)
 
-    def __call__(self, loaded: LoadedModel, prune_config) -> StepResult:
-        """Distil ``loaded.model`` in place; the report section, the log to copy and the work folder to delete."""
-        logger.info("loading the teacher (%s) for %d distillation steps", prune_config.load.model, self.config.steps)
-        teacher = prune_config.load.load()
+    def __call__(self, loaded: LoadedModel, prune_config, *, token_ids=None, heldout_ids=None,
+                 teacher: LoadedModel | None = None) -> StepResult:
+        """Distil ``loaded.model`` in place; the report section, the log to copy and the work folder to delete.
+
+        ``token_ids`` / ``heldout_ids``: the caller's sequences (``prune.ship`` trains on its calibration rows);
+        ``teacher``: the original already in memory (else a fresh load of the model the run pruned).
+        """
+        if teacher is None:
+            logger.info("loading the teacher (%s) for %d distillation steps", prune_config.load.model,
+                        self.config.steps)
+            teacher = prune_config.load.load()
         work = default_work_folder(prune_config.out) if prune_config.out is not None else None
         if work is not None and work.exists():
             shutil.rmtree(work)  # a fresh run: prune.run has no --resume (distill.run has)
-        teacher_model, layout, cache = self._teacher_side(loaded, teacher, work)
+        teacher_model, layout, cache = self._teacher_side(loaded, teacher, work, token_ids, heldout_ids)
         del teacher
         gc.collect()  # with a cache, the teacher's weights go before training starts
         result = distill(loaded.model, teacher_model, loaded.tokenizer, self.config, out=work, layout=layout,
-                         teacher_cache=cache)
+                         teacher_cache=cache, token_ids=token_ids, heldout_ids=heldout_ids)
         del teacher_model
         files = [result.log_path] if result.log_path is not None else []
         report = {"teacher": prune_config.load.model, **result.report(self.config)}
         return StepResult(report, files=files, cleanup=[work] if work is not None else [])
 
-    def _teacher_side(self, student: LoadedModel, teacher: LoadedModel, work):
+    def _teacher_side(self, student: LoadedModel, teacher: LoadedModel, work, token_ids=None, heldout_ids=None):
         """(teacher model, layout, cache): with ``teacher_cache``, the cache is written and the teacher freed."""
         if self.config.teacher_cache is None:
             return teacher.model, None, None
         layout = resolve_layout(student.model, teacher.model)
         meta = {"teacher_name": teacher.name, "teacher_source": teacher.source,
                 "teacher_blocks": num_blocks(teacher.model), "layout": layout}
-        data = training_ids(student.tokenizer, teacher.model, self.config, None, None)
+        data = training_ids(student.tokenizer, teacher.model, self.config, token_ids, heldout_ids)
         cache = write_teacher_cache(teacher.model, self.config, work, data, student.model, meta=meta)
         return None, layout, cache

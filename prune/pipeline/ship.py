@@ -13,14 +13,18 @@ stopped when the same command is typed again:
    original model's, and its perplexity. The lowest KL wins; a candidate with more parameters than the
    original model (a repair that unties a tied head) or than ``--target-params`` is not one.
 3. **build** (``checkpoint/``): ``prune.run`` with the winner's selection, score and repair, written as
-   ``prune.run --out`` writes it; the card names that command, which rebuilds the same checkpoint. For
-   llama.cpp, the GGUF of ``--gguf-type`` beside it (``checkpoint/gguf/``).
-4. **verify** (``verify/``): the checkpoint in the engine, against transformers on the same token ids
+   ``prune.run --out`` writes it; the card names that command, which rebuilds the same checkpoint.
+4. **heal** (``heal.json``, ``healed/``): at most ``--heal-steps`` steps of distillation towards the original
+   (KL of the next-token distributions; LoRA on the kept blocks, merged, so the checkpoint stays plain), as
+   many as the time left allows, on the calibration rows the fits read; kept only when it lowers the KL on the
+   rows no fit saw.
+5. **export**: for llama.cpp, the GGUF of ``--gguf-type`` beside the checkpoint (``gguf/``).
+6. **verify** (``verify/``): the checkpoint in the engine, against transformers on the same token ids
    (``python -m eval.bench serving``: perplexity of the original and the slim model on each held-out text, the
    same greedy ids) and its speed against the original's (``python -m eval.bench speed``). The engines live
    above ``prune`` (``eval``), so they run as child processes: their memory and their failures stay theirs.
-5. **card**: ``OUT/README.md`` says what was chosen and why (the shortlist's table), what was lost, the speed
-   in the engine and the commands that reproduce it; then ``checkpoint/`` becomes ``OUT``.
+7. **card**: ``OUT/README.md`` says what was chosen and why (the shortlist's table), what was lost, the speed
+   in the engine and the commands that reproduce it; then the checkpoint (healed or not) becomes ``OUT``.
 
 Random choices are seeded and every stage is deterministic, so a resumed run gives the result the
 uninterrupted one would.
@@ -56,7 +60,7 @@ from prune.pipeline.config import PruneConfig
 from prune.pipeline.removal import planned_blocks
 from prune.pipeline.runner import Scored, preflight, run_prune, score_calibration
 from prune.replace import METHODS, ReplaceConfig, parameter_count
-from prune.selection.repaired import RepairedCosts
+from prune.selection.repaired import RepairedCosts, divergence, split_rows
 from prune.selection.strategies import SELECTIONS
 
 logger = logging.getLogger(__name__)
@@ -66,6 +70,19 @@ ENGINES = {name.replace(".", ""): name for name in LAYOUTS[VANILLA].engines}
 REFERENCE = "transformers"
 PLAN, SHORTLIST, CHECKPOINT, VERIFY, SETTINGS = "plan.json", "shortlist.json", "checkpoint", "verify", "ship.json"
 HELDOUT, BUILD, VERIFIED = "heldout.txt", "build.json", "verify.json"
+HEAL, HEALED, EXPORT, CALIBRATION = "heal.json", "healed", "export.json", "calibration.safetensors"
+# the healing: KL on the logits (distill's default objective) through LoRA on every Linear of the kept blocks and
+# the fold's projections trained in full, merged at the end (a plain checkpoint). LoRA, not the projections alone:
+# on the selection split (SmolLM2-135M, drop 8, fold-rotate, 200 steps; reports/servable-repairs/) it left the
+# lower perplexity on every text
+HEAL_OPTIONS = {"train": "lora"}
+# sequences of this many tokens (distill's default length): calibration rows are cut into them
+HEAL_SEQ_LEN = 128
+# the planner's distillation time is multiplied by this before the steps are fitted into the time left
+# (SmolLM2-135M, 2-core CPU: 2.1 s a step planned, 3 s measured)
+HEAL_MARGIN = 1.5
+# fewer steps than this are not worth a teacher's load: healing is skipped
+HEAL_MIN_STEPS = 20
 CARD = "README.md"
 # the share of --time-budget the shortlist may spend measuring; building and verifying take the rest
 SHORTLIST_SHARE = 0.5
@@ -95,6 +112,8 @@ class ShipConfig:
         prompt_len: prompt tokens of the speed check (its prefill).
         new_tokens: tokens it generates (its decode).
         threads: CPU threads passed to the engines (None: theirs).
+        heal_steps: at most this many distillation steps after the build (0: no healing); with
+            ``time_budget``, as many as fit in the time left.
     """
 
     prune: PruneConfig
@@ -109,6 +128,7 @@ class ShipConfig:
     prompt_len: int = 256
     new_tokens: int = 64
     threads: int | None = None
+    heal_steps: int = 200
 
     def __post_init__(self):
         if self.engine not in ENGINES:
@@ -122,6 +142,8 @@ class ShipConfig:
                                 "(block by block: python -m prune.run --offload sequential)")
         if self.time_budget is not None and self.time_budget <= 0:
             raise LayercutError(f"--time-budget must be positive, got {self.time_budget:g} s")
+        if self.heal_steps < 0:
+            raise LayercutError(f"--heal-steps must be 0 (no healing) or more, got {self.heal_steps}")
 
     @property
     def work(self) -> Path:
@@ -134,7 +156,8 @@ class ShipConfig:
         return {"model": config.load.model, "dtype": config.load.dtype, "data": dataclasses.asdict(config.data),
                 "drop": config.drop, "target_params": config.target_params, "target_speedup": config.target_speedup,
                 "protect": config.protect, "batch_size": config.batch_size, "engine": self.engine,
-                "heldout": list(self.heldout), "gguf_type": self.gguf_type if self.engine == "llamacpp" else None}
+                "heldout": list(self.heldout), "gguf_type": self.gguf_type if self.engine == "llamacpp" else None,
+                "heal_steps": self.heal_steps}
 
 
 @dataclass
@@ -226,15 +249,21 @@ class Shipper:
             plan = self._stage(PLAN, self.plan)
             shortlist = self._stage(SHORTLIST, self.shortlist)
             checkpoint = self.work / CHECKPOINT
-            if not (checkpoint / REPORT_FILE).is_file() or (config.engine == "llamacpp"
-                                                            and not self.gguf(checkpoint).is_file()):
-                (self.work / BUILD).unlink(missing_ok=True)  # its output went (moved to OUT, or removed)
+            if not (checkpoint / REPORT_FILE).is_file():  # its output went (removed): build and heal again
+                for stage in (BUILD, HEAL, EXPORT):
+                    (self.work / stage).unlink(missing_ok=True)
             built = self._stage(BUILD, lambda: self.build(shortlist))
-            verified = self._stage(VERIFIED, lambda: self.verify(checkpoint)) if config.verify else None
+            healed = self._stage(HEAL, lambda: self.heal(plan, [plan, shortlist, built]))
+            final = self.work / HEALED if healed["kept"] else checkpoint
+            if config.engine == "llamacpp" and not self.gguf(final).is_file():
+                (self.work / EXPORT).unlink(missing_ok=True)
+            exported = self._stage(EXPORT, lambda: self.export(final))
+            verified = self._stage(VERIFIED, lambda: self.verify(final)) if config.verify else None
             times = {"plan": plan["seconds"], "shortlist": shortlist["seconds"], "build": built["seconds"],
+                     "heal": healed["seconds"], "export": exported["seconds"],
                      "verify": verified["seconds"] if verified else 0.0}
-            self.card(checkpoint, plan, shortlist, verified, times)
-            os.replace(checkpoint, out)
+            self.card(final, plan, shortlist, verified, times, healed)
+            os.replace(final, out)
         self.say(f"wrote {out}/ ({self.elapsed():.0f} s); every stage's output is in {self.work}/")
         return out
 
@@ -300,8 +329,24 @@ class Shipper:
                   "drop": None if amounts is None else amounts.drop}
         if planned is not None:
             result.update(planned_seconds=planned.seconds, planned_peak=planned.to_dict()["peak"])
+            result["planned_heal_seconds"] = self._planned_heal(config)
         self.say(_plan_line(result, self.config))
         return result
+
+    def _planned_heal(self, config: PruneConfig) -> float | None:
+        """The planner's seconds for ``--heal-steps`` steps of the healing (None: no healing, or no plan)."""
+        from prune.planner.estimate import hardware_for, plan_config
+
+        if not self.config.heal_steps:
+            return None
+        options = {**HEAL_OPTIONS, "steps": self.config.heal_steps}
+        try:
+            planned = plan_config(dataclasses.replace(config, distill=options), hardware_for(config.load.device))
+        except Exception as err:  # noqa: BLE001 - the heal is then fitted to the time by its steps alone
+            logger.info("no plan for the healing (%s)", err)
+            return None
+        stage = next((s for s in planned.stages if s.name == "distillation"), None)
+        return None if stage is None else stage.seconds
 
     # ---- shortlist -----------------------------------------------------------------------------------------
 
@@ -319,6 +364,7 @@ class Shipper:
         self.say("scoring every block (one pass)")
         self.scored = score_calibration(loaded, config, cosine_pairs="all")
         heldout = self.scored.calibration.heldout_ids
+        self._keep_calibration(self.scored.calibration.token_ids)
         if heldout is not None and not self.config.heldout:
             _write_text_atomic(self.work / HELDOUT, "\n\n".join(loaded.tokenizer.decode(row)
                                                                 for row in heldout.tolist()))
@@ -429,7 +475,7 @@ class Shipper:
                                    auto_replace=False, out=str(self.work / CHECKPOINT), overwrite=True)
 
     def build(self, shortlist: dict) -> dict:
-        """``checkpoint/``: prune.run's checkpoint of the chosen candidate (and the GGUF llama.cpp loads)."""
+        """``checkpoint/``: prune.run's checkpoint of the chosen candidate."""
         folder = self.work / CHECKPOINT
         config = self.chosen_config(shortlist)
         chosen = Candidate(**shortlist["candidates"][shortlist["chosen"]])
@@ -443,15 +489,120 @@ class Shipper:
             if result.dropped != chosen.blocks:
                 raise LayercutError(f"prune.run chose blocks {result.dropped} where the shortlist measured "
                                     f"{chosen.blocks}: report this (its selection is not deterministic)")
-        gguf = None
-        if self.config.engine == "llamacpp":
-            from prune.checkpoint.gguf import export_gguf
+        return {"blocks": chosen.blocks, "repair": chosen.repair}
 
-            gguf = self.gguf(folder)
-            if not gguf.is_file():
-                self.say(f"writing the {self.config.gguf_type} GGUF")
-                export_gguf(folder, gguf, self.config.gguf_type, self.config.converter)
-        return {"blocks": chosen.blocks, "repair": chosen.repair, "gguf": None if gguf is None else gguf.name}
+    # ---- heal ----------------------------------------------------------------------------------------------
+
+    def _keep_calibration(self, token_ids) -> None:
+        """The calibration rows, for the healing of a resumed run (drawing them again may sample text)."""
+        from safetensors.torch import save_file
+
+        path = self.work / CALIBRATION
+        if not path.is_file():
+            partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+            save_file({"token_ids": token_ids.contiguous()}, str(partial))
+            os.replace(partial, path)
+
+    def _calibration(self):
+        from safetensors.torch import load_file
+
+        if self.scored is not None:
+            return self.scored.calibration.token_ids
+        path = self.work / CALIBRATION
+        if not path.is_file():
+            raise LayercutError(f"{path} is missing: remove {self.work} and run again")
+        return load_file(str(path))["token_ids"]
+
+    def heal_steps(self, plan: dict, done: Sequence[dict]) -> tuple[int, str]:
+        """(steps, why): ``--heal-steps``, or fewer when ``--time-budget`` leaves time for fewer.
+
+        The time left is the budget less the stages done and a reserve for the engine checks (the build's time
+        per held-out text and two more: measured on a 2-core CPU, reports/ship/); a step costs the planner's
+        time x ``HEAL_MARGIN``.
+        """
+        steps = self.config.heal_steps
+        if not steps:
+            return 0, "--heal-steps 0"
+        budget = self.config.time_budget
+        planned = plan.get("planned_heal_seconds")
+        if budget is None:
+            return steps, f"--heal-steps {steps}"
+        if not planned:
+            return 0, "no plan of its time to hold against --time-budget"
+        spent = sum(stage.get("seconds", 0.0) for stage in done)
+        reserve = done[-1].get("seconds", 0.0) * (max(len(self.config.heldout), 1) + 2) if self.config.verify else 0
+        left = budget - spent - reserve
+        per_step = planned / self.config.heal_steps * HEAL_MARGIN
+        fits = max(int(left // per_step), 0)
+        if fits < HEAL_MIN_STEPS:
+            return 0, (f"--time-budget leaves {_duration(max(left, 0))} after the engine checks' reserve: "
+                       f"{fits} steps at the planned {per_step:.1f} s each, under {HEAL_MIN_STEPS}")
+        if fits < steps:
+            return fits, f"{fits} of --heal-steps {steps}: what --time-budget leaves ({_duration(left)})"
+        return steps, f"--heal-steps {steps}"
+
+    def heal(self, plan: dict, done: Sequence[dict]) -> dict:
+        """Distil the built checkpoint towards the original; kept (``healed/``) when the KL on unseen rows falls."""
+        from prune.checkpoint.save_load import load, save
+        from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL, read_report
+        from prune.model.surgery import LAYOUT_ATTR
+        from prune.pipeline.steps import build_step
+
+        steps, why = self.heal_steps(plan, done)
+        result = {"steps": steps, "why": why, "kept": False, **HEAL_OPTIONS}
+        healed = self.work / HEALED
+        shutil.rmtree(healed, ignore_errors=True)  # a killed heal's: this one starts again
+        if not steps:
+            self.say(f"not healing: {why}")
+            return result
+        config = self.config.prune
+        fit_ids, measure_ids = split_rows(self._calibration())
+        train, unseen = _cut(fit_ids, HEAL_SEQ_LEN), _cut(measure_ids, HEAL_SEQ_LEN)
+        original = self._load()
+        checkpoint = self.work / CHECKPOINT
+        student = load(checkpoint, dtype=config.load.dtype, device=config.load.device)
+        report = read_report(checkpoint)
+        if getattr(student.model.config, LAYOUT_ATTR, None) is None:
+            setattr(student.model.config, LAYOUT_ATTR, report.get("layout"))
+        before = divergence(student.model, original.model, measure_ids, config.batch_size)
+        self.say(f"healing: {steps} steps of distillation towards the original ({why}); KL before {before['kl']:.4f}")
+        options = {**HEAL_OPTIONS, "steps": steps, "seed": config.data.seed}
+        step = build_step("distill", options, dataclasses.replace(config, out=str(healed)))
+        done_step = step(student, dataclasses.replace(config, out=str(healed)), token_ids=train, heldout_ids=unseen,
+                         teacher=original)
+        for folder in done_step.cleanup:
+            shutil.rmtree(folder, ignore_errors=True)
+        after = divergence(student.model, original.model, measure_ids, config.batch_size)
+        result.update(kl_before=before["kl"], kl_after=after["kl"], ppl_before=before["ppl"], ppl_after=after["ppl"],
+                      kept=after["kl"] < before["kl"], tokens=int(train.numel()),
+                      distill_seconds=done_step.report.get("seconds"))
+        self.say(f"healed: KL {before['kl']:.4f} -> {after['kl']:.4f} on rows no fit saw; "
+                 + ("kept" if result["kept"] else "not kept (the built checkpoint ships)"))
+        if result["kept"]:
+            if isinstance(report.get("heldout"), dict):  # measured before healing: say so
+                report["heldout"] = {**report["heldout"], "stage": HELDOUT_BEFORE_DISTILL}
+            report["heal"] = {**done_step.report, "kl_before": before["kl"], "kl_after": after["kl"]}
+
+            def card(staging: Path) -> None:
+                if (checkpoint / CARD).is_file():
+                    shutil.copy2(checkpoint / CARD, staging / CARD)
+
+            save(student.model, student.tokenizer, healed, report, extra=card)
+        return result
+
+    # ---- export --------------------------------------------------------------------------------------------
+
+    def export(self, final: Path) -> dict:
+        """For llama.cpp, the GGUF of ``--gguf-type`` beside the checkpoint that ships."""
+        if self.config.engine != "llamacpp":
+            return {"gguf": None}
+        from prune.checkpoint.gguf import export_gguf
+
+        gguf = self.gguf(final)
+        if not gguf.is_file():
+            self.say(f"writing the {self.config.gguf_type} GGUF")
+            export_gguf(final, gguf, self.config.gguf_type, self.config.converter)
+        return {"gguf": gguf.name}
 
     def gguf(self, folder: Path) -> Path:
         """Where the GGUF of ``folder`` goes: ``gguf/<OUT's name>-<type>.gguf`` (so it keeps OUT's name)."""
@@ -526,14 +677,15 @@ class Shipper:
     # ---- card ----------------------------------------------------------------------------------------------
 
     def card(self, checkpoint: Path, plan: dict, shortlist: dict, verified: dict | None,
-             times: dict[str, float]) -> None:
+             times: dict[str, float], healed: dict | None = None) -> None:
         """``OUT/README.md`` above prune.run's card, and the settings that mark the folder shipped."""
         report = json.loads((checkpoint / REPORT_FILE).read_text(encoding="utf-8"))
         previous = (checkpoint / CARD).read_text(encoding="utf-8") if (checkpoint / CARD).is_file() else ""
         if _CARD_MARK in previous:  # a resumed run wrote it already
             front, body = _front_matter(previous)
             previous = front + body.split(_PRUNE_CARD_MARK, 1)[-1].lstrip("\n")
-        text = ship_card(self.config, report, plan, shortlist, verified, self.chosen_config(shortlist), times)
+        text = ship_card(self.config, report, plan, shortlist, verified, self.chosen_config(shortlist), times,
+                         healed)
         # the hub reads its metadata from a YAML block that must open the file: prune.run's card has one
         front, body = _front_matter(previous)
         _write_text_atomic(checkpoint / CARD, front + text + "\n\n" + _PRUNE_CARD_MARK + "\n\n" + body)
@@ -550,7 +702,7 @@ _PRUNE_CARD_MARK = "<!-- prune.run's card -->"
 
 
 def ship_card(config: ShipConfig, report: dict, plan: dict, shortlist: dict, verified: dict | None,
-              chosen: PruneConfig, times: dict[str, float]) -> str:
+              chosen: PruneConfig, times: dict[str, float], healed: dict | None = None) -> str:
     """The page of a shipped checkpoint: the choice and its evidence, the loss, the speed, the commands."""
     name = portable_name(report.get("model_name"), report.get("source_model"))
     before, after = report["num_blocks_before"], report["num_blocks_after"]
@@ -578,6 +730,8 @@ def ship_card(config: ShipConfig, report: dict, plan: dict, shortlist: dict, ver
                      f"{_count(c['params'])} | {_num(c['kl'], 4)} | {_num(c['ppl'], 3)} | {c['note']} |")
     for repair, why in shortlist.get("not_applicable", {}).items():
         lines.append(f"\n`--replace {repair}` does not apply to this model: {why}")
+    if healed is not None:
+        lines += ["", _heal_words(healed)]
     lines += ["", "## What was lost", ""]
     heldout = report.get("heldout")
     if heldout:
@@ -601,12 +755,35 @@ def ship_card(config: ShipConfig, report: dict, plan: dict, shortlist: dict, ver
         lines += ["", f"## Speed in {engine}", "", _speed_words(verified["speed"], before, after)]
     else:
         lines += ["", "Not verified in an engine (--no-verify)."]
-    lines += ["", "## Reproduce", "", "```bash", ship_command(config), "# the same checkpoint, without the shortlist:",
-              prune_command(chosen, before), "```"]
+    kept = bool(healed and healed.get("kept"))
+    lines += ["", "## Reproduce", "", "```bash", ship_command(config),
+              "# the checkpoint before healing, without the shortlist:" if kept
+              else "# the same checkpoint, without the shortlist:", prune_command(chosen, before), "```"]
     if config.engine == "llamacpp":
         name = f"gguf/{Path(str(config.out)).resolve().name}-{config.gguf_type}.gguf"
         lines += ["", f"The GGUF for llama.cpp is `{name}`."]
     return "\n".join(portable(line) for line in lines)
+
+
+def _heal_words(healed: dict) -> str:
+    """The card's paragraph on the healing: how many steps and why, and whether it was kept."""
+    if not healed.get("steps"):
+        return f"Not healed: {healed.get('why', '')}."
+    said = (f"Healed: {healed['steps']} steps of distillation towards the original ({healed['why']}; KL of the "
+            f"next-token distributions, LoRA on every Linear of the kept blocks, merged, so the checkpoint stays "
+            f"plain), on {healed.get('tokens', 0):,} calibration tokens the fits read. On the rows no fit saw: KL "
+            f"{healed['kl_before']:.4f} -> {healed['kl_after']:.4f}, perplexity {healed['ppl_before']:.3f} -> "
+            f"{healed['ppl_after']:.3f}: ")
+    return said + ("kept." if healed["kept"] else "not kept; the checkpoint is the one built, unhealed.")
+
+
+def _cut(token_ids, length: int):
+    """Rows of ``token_ids`` [n, seq] cut into rows of ``length`` tokens (the rows as they are when shorter)."""
+    rows, seq = token_ids.shape
+    if seq <= length:
+        return token_ids
+    usable = seq // length * length
+    return token_ids[:, :usable].reshape(rows * (usable // length), length)
 
 
 def _front_matter(card: str) -> tuple[str, str]:
@@ -629,6 +806,8 @@ def ship_command(config: ShipConfig) -> str:
     parts += [f"--heldout {_quote(text)}" for text in config.heldout]
     if config.engine == "llamacpp" and config.gguf_type != "f32":
         parts.append(f"--gguf-type {config.gguf_type}")
+    if config.heal_steps != ShipConfig.heal_steps:
+        parts.append(f"--heal-steps {config.heal_steps}")
     parts += _data_flags(p)
     parts.append(f"--out {_quote(Path(str(config.out)).name)}")
     return " ".join(parts)

@@ -50,8 +50,13 @@ class SurgeryStep(Protocol):
 
     name: str
 
-    def __call__(self, loaded: LoadedModel, config) -> StepResult:
-        """Change ``loaded.model`` in place; ``config`` is the run's ``PruneConfig``."""
+    def __call__(self, loaded: LoadedModel, config, *, token_ids=None, heldout_ids=None,
+                 teacher: LoadedModel | None = None) -> StepResult:
+        """Change ``loaded.model`` in place; ``config`` is the run's ``PruneConfig``.
+
+        A step that trains may be handed its sequences (``token_ids`` [n, seq], ``heldout_ids`` never trained
+        on) and the original model already in memory (``teacher``); without them it draws and loads its own.
+        """
 
 
 StepFactory = Callable[[dict, object], SurgeryStep]

@@ -262,6 +262,32 @@ class RepairedCosts:
         return logits
 
 
+@torch.no_grad()
+def divergence(model: nn.Module, original: nn.Module, token_ids: torch.Tensor, batch_size: int = 4) -> dict[str, float]:
+    """``{"ppl": .., "kl": ..}`` of ``model`` on ``token_ids``, measured against ``original``.
+
+    Its perplexity and the mean KL divergence of its next-token distribution from ``original``'s per predicted
+    token: what a repaired selection measures of a view, here for two models.
+    """
+    nll = kl = 0.0
+    targets = 0
+    modes = model.training, original.training
+    model.eval()
+    original.eval()
+    try:
+        for first in range(0, token_ids.shape[0], batch_size):
+            batch = token_ids[first : first + batch_size]
+            dense = torch.log_softmax(original(input_ids=batch.to(input_device(original)), use_cache=False)
+                                      .logits[:, :-1].float(), -1)
+            logits = model(input_ids=batch.to(input_device(model)), use_cache=False).logits[:, :-1]
+            n, k = _nll_and_kl(logits, dense.to(logits.device), batch[:, 1:])
+            nll, kl, targets = nll + n, kl + k, targets + batch.shape[0] * (batch.shape[1] - 1)
+    finally:
+        model.train(modes[0])
+        original.train(modes[1])
+    return {"ppl": math.exp(nll / targets), "kl": kl / targets}
+
+
 def _nll_and_kl(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
     """Summed next-token NLL of ``targets`` and summed KL(dense || model) over positions, float64."""
     nll = kl = 0.0

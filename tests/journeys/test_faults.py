@@ -98,6 +98,9 @@ DRIVER = textwrap.dedent("""
     elif fault == "ship-build":  # the checkpoint written, its stage not marked done
         import prune.pipeline.ship
         die_after(prune.pipeline.ship, "run_prune", lambda n, args: True)
+    elif fault == "ship-heal":  # the healing trained and measured, its stage not marked done
+        import prune.pipeline.ship
+        die_after(prune.pipeline.ship, "divergence", lambda n, args: n == 2)
     elif fault == "ship-verify":  # the first engine check done, the next not begun
         import prune.pipeline.ship
         die_after(prune.pipeline.ship.subprocess, "run", lambda n, args: True)
@@ -461,7 +464,7 @@ def test_eval_compare_killed_resumes_without_recomputing_finished_cells(tmp_path
 def ship_args(tiny_folder, text_file) -> list:
     return ["--model", tiny_folder, "--data", text_file, "--samples", "16", "--seq-len", "32", "--heldout-samples",
             "2", "--drop", "2", "--engine", "transformers", "--threads", "1", "--repeats", "1", "--prompt-len", "16",
-            "--new-tokens", "4"]
+            "--new-tokens", "4", "--heal-steps", "20"]
 
 
 @pytest.fixture(scope="module")
@@ -478,7 +481,7 @@ def _shortlist(folder: Path) -> dict:
     return without(json.loads((folder / "ship.json").read_text())["shortlist"], {"seconds"})
 
 
-@pytest.mark.parametrize("fault", ["ship-shortlist", "ship-build", "ship-card"])
+@pytest.mark.parametrize("fault", ["ship-shortlist", "ship-build", "ship-heal", "ship-card"])
 def test_prune_ship_killed_in_a_stage_continues_to_the_same_checkpoint(tmp_path, ship_args, shipped, fault):
     args = [*ship_args, "--no-verify", "--out", "slim"]
     run_killed(tmp_path, fault, "prune.ship", args)

@@ -45,7 +45,7 @@ def ship(capsys, *args) -> tuple[int, str, str]:
 
 def base_args(model, text_file) -> list:
     return ["--model", model, "--data", text_file, "--samples", "16", "--seq-len", "32", "--heldout-samples", "2",
-            "--drop", "2", "--engine", "transformers", "--threads", "1"]
+            "--drop", "2", "--engine", "transformers", "--threads", "1", "--heal-steps", "0"]
 
 
 @pytest.fixture
@@ -80,6 +80,50 @@ def test_ship_keeps_the_measured_candidate_of_lowest_kl_and_prune_run_rebuilds_i
     assert sorted(again) == sorted(first)
     for name, tensor in first.items():
         assert torch.equal(again[name], tensor), name
+
+
+def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_no_fit_saw_and_the_card_says_so(
+        shipped, tmp_path, tiny_folder, text_file, capsys, one_thread):
+    unhealed, _ = shipped
+    args = base_args(tiny_folder, text_file)
+    args[args.index("--heal-steps") + 1] = "30"
+    code, stdout, err = ship(capsys, *args, "--no-verify", "--out", tmp_path / "healed")
+    assert code == 0, err
+    heal = json.loads((tmp_path / "healed.work" / "heal.json").read_text())
+    assert heal["steps"] == 30 and heal["train"] == "lora"
+    assert heal["kept"] == (heal["kl_after"] < heal["kl_before"])
+    assert heal["kept"], heal  # 30 steps towards the original on a tiny model do lower its KL
+    out = tmp_path / "healed"
+    report = json.loads((out / "layercut.json").read_text())
+    assert report["heal"]["steps"] == 30 and report["heal"]["kl_after"] == heal["kl_after"]
+    assert report["dropped"] == json.loads((unhealed / "layercut.json").read_text())["dropped"]
+    # a plain checkpoint (LoRA merged), other weights than the unhealed one of the same blocks
+    healed, before = load_file(out / "model.safetensors"), load_file(unhealed / "model.safetensors")
+    assert sorted(healed) == sorted(before)
+    assert any(not torch.equal(healed[name], before[name]) for name in before)
+    card = (out / "README.md").read_text()
+    assert "Healed: 30 steps of distillation towards the original" in card and "kept." in card
+    assert "--heal-steps 30" in card and "# the checkpoint before healing, without the shortlist:" in card
+
+
+def test_the_heal_takes_the_steps_the_time_budget_leaves(tmp_path, tiny_folder):
+    from prune.pipeline.config import PruneConfig
+    from prune.pipeline.ship import HEAL_MARGIN, HEAL_MIN_STEPS, Shipper
+
+    def steps(budget, heldout=(), verify=True):
+        config = ShipConfig(prune=PruneConfig(load={"model": str(tiny_folder)}, drop=2), out=str(tmp_path / "o"),
+                            engine="transformers", time_budget=budget, heldout=list(heldout), verify=verify)
+        plan = {"seconds": 10.0, "planned_heal_seconds": 200.0}  # 1 s a step planned
+        return Shipper(config).heal_steps(plan, [plan, {"seconds": 100.0}, {"seconds": 20.0}])
+
+    # spent 130 s; the reserve for the checks: the build's 20 s x (1 text + 2) = 60 s; a step 1 s x HEAL_MARGIN
+    assert steps(None) == (200, "--heal-steps 200")
+    assert steps(190 + 100 * HEAL_MARGIN)[0] == 100
+    assert steps(190 + 100 * HEAL_MARGIN, heldout=["a", "b"])[0] == 100 - math.ceil(20 / HEAL_MARGIN)  # 20 s more
+    assert steps(130 + 100 * HEAL_MARGIN, verify=False)[0] == 100
+    assert steps(10_000)[0] == 200
+    few, why = steps(190 + (HEAL_MIN_STEPS - 1) * HEAL_MARGIN)
+    assert few == 0 and f"under {HEAL_MIN_STEPS}" in why
 
 
 def test_the_card_opens_with_the_hub_metadata_then_the_choice_and_its_table(shipped):
