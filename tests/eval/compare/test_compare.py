@@ -172,6 +172,7 @@ def test_methods_list_prints_one_line_per_method(capsys):
     assert any(line.startswith("sleb ") and "2402.09025" in line for line in lines)
     serves = {line.split()[0]: line.split()[1] for line in lines}  # what a user ships, at a glance
     assert serves["layercut-linear"] == "maps" and serves["layercut-rotate"] == "plain"
+    assert serves["layercut-rotate-heal"] == "plain"  # LoRA merged: still the original architecture
     assert serves["llm-streamline"] == "plain" and serves["layercut-sublayer"] == "DeciLM"
 
 

@@ -29,7 +29,7 @@ PEERS = {"shortgpt": "2403.03853", "gromov": "2403.17887", "gromov-heal": "2403.
          "reassessing": "2411.15558"}
 OURS = ("layercut-linear", "layercut-linear-distill", "layercut-sublayer", "layercut-linear-vanilla",
         "layercut-linear-distill-vanilla", "layercut-best", "layercut-best-vanilla", "layercut-rotate",
-        "layercut-local")
+        "layercut-local", "layercut-rotate-heal")
 
 
 def small(folder):
@@ -215,7 +215,8 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert (scaled_distill.score, scaled_distill.select) == (short.score, short.select)
 
 
-@pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill"])
+@pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill",
+                                  "layercut-rotate-heal"])
 def test_every_distilling_recipe_has_something_to_learn_where_its_selection_cuts(name, tiny_folder, tmp_path, capsys):
     out = tmp_path / "slim"
     code, _, err = run(capsys, "--recipe", METHODS_DIR / f"{name}.yaml", *small(tiny_folder), "--drop", "1",
