@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--heal-steps", type=int, default=200, metavar="N",
                        help="at most N steps of distillation towards the original after the build (KL, LoRA merged: "
                        "the checkpoint stays plain), as many as --time-budget leaves; kept only when it lowers the "
-                       "KL on calibration rows no fit saw (default: 200; 0: no healing)")
+                       "KL on the calibration rows it does not train on (default: 200; 0: no healing)")
     group.add_argument("--no-verify", action="store_true", help="skip the engine checks (the card says so)")
     group = parser.add_argument_group("output")
     group.add_argument("--out", required=True, help="folder of the shipped checkpoint (OUT.work/ keeps each stage)")

