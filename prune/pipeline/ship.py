@@ -739,9 +739,9 @@ def ship_card(config: ShipConfig, report: dict, plan: dict, shortlist: dict, ver
     lines += ["", "## What was lost", ""]
     heldout = report.get("heldout")
     if heldout:
-        before = " before healing" if heldout.get("stage") else ""  # prune.run measured it; the heal came after
+        stage = " before healing" if heldout.get("stage") else ""  # prune.run measured it; the heal came after
         lines.append(f"Held-out rows of the calibration source ({heldout['tokens']:,} tokens), in transformers"
-                     f"{before}: "
+                     f"{stage}: "
                      f"perplexity {heldout['original']:.3f} -> {heldout['pruned']:.3f} (x{heldout['ratio']:.3f})"
                      + (f"; removing the same blocks with nothing in their place: {heldout['removal']:.3f} "
                         f"(x{heldout['removal_ratio']:.3f})." if "removal" in heldout else "."))
