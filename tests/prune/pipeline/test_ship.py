@@ -82,7 +82,7 @@ def test_ship_keeps_the_measured_candidate_of_lowest_kl_and_prune_run_rebuilds_i
         assert torch.equal(again[name], tensor), name
 
 
-def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_no_fit_saw_and_the_card_says_so(
+def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_it_never_trained_on_and_the_card_says_so(
         shipped, tmp_path, tiny_folder, text_file, capsys, one_thread):
     unhealed, _ = shipped
     args = base_args(tiny_folder, text_file)
