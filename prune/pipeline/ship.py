@@ -50,7 +50,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from prune.atomic import check_output_dir, output_lock
+from prune.atomic import check_output_dir, output_lock, write_file_atomic
 from prune.checkpoint.write import REPORT_FILE, portable, portable_name
 from prune.errors import LayercutError
 from prune.measure.scores import SCORES
@@ -500,9 +500,7 @@ class Shipper:
 
         path = self.work / CALIBRATION
         if not path.is_file():
-            partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-            save_file({"token_ids": token_ids.contiguous()}, str(partial))
-            os.replace(partial, path)
+            write_file_atomic(path, lambda staging: save_file({"token_ids": token_ids.contiguous()}, str(staging)))
 
     def _calibration(self):
         from safetensors.torch import load_file
@@ -571,9 +569,9 @@ class Shipper:
         before = divergence(student.model, original.model, measure_ids, config.batch_size)
         self.say(f"healing: {steps} steps of distillation towards the original ({why}); KL before {before['kl']:.4f}")
         options = {**HEAL_OPTIONS, "steps": steps, "seed": config.data.seed}
-        step = build_step("distill", options, dataclasses.replace(config, out=str(healed)))
-        done_step = step(student, dataclasses.replace(config, out=str(healed)), token_ids=train, heldout_ids=unseen,
-                         teacher=original)
+        step_config = dataclasses.replace(config, out=str(healed))  # the step's work folder goes beside healed/
+        step = build_step("distill", options, step_config)
+        done_step = step(student, step_config, token_ids=train, heldout_ids=unseen, teacher=original)
         for folder in done_step.cleanup:
             shutil.rmtree(folder, ignore_errors=True)
         after = divergence(student.model, original.model, measure_ids, config.batch_size)
@@ -959,9 +957,7 @@ def _write_atomic(path: Path, data: dict) -> None:
 
 def _write_text_atomic(path: Path, text: str) -> None:
     """``text`` into ``path`` under a temporary name first: a kill leaves the old file or none, never half."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
+    write_file_atomic(path, lambda staging: staging.write_text(text, encoding="utf-8"))
 
 
 def settings_digest(config: ShipConfig) -> str:
