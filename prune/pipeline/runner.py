@@ -32,8 +32,8 @@ from prune.pipeline.config import PruneConfig, needed_cosine_pairs
 from prune.pipeline.removal import Removal, planned_blocks, remove_blocks, remove_units
 from prune.pipeline.resolve import Amounts, bind_model, check_positions, check_tokens, resolve_amounts
 from prune.pipeline.steps import SurgeryStep
-from prune.planner.shape import read_config, shape_of_config
-from prune.replace import parameter_count
+from prune.planner.shape import build_on_meta, read_config, shape_of_model
+from prune.replace import check_replacement_supported, parameter_count
 from prune.selection.budget import check_params_budget
 from prune.selection.oracle import Oracle, oracle_table
 from prune.selection.sublayers import Unit, unit_moments
@@ -102,11 +102,14 @@ def preflight(config: PruneConfig) -> Amounts | None:
         _check_gguf_header(config)
         return None
     try:
-        params = shape_of_config(model_config).total
+        skeleton = build_on_meta(model_config)
+        params = shape_of_model(skeleton).total
     except Exception:  # noqa: BLE001 - a config transformers cannot build on the meta device: resolved once loaded
         logger.debug("no meta-device count for %s: its amounts are resolved once it is loaded", config.load.model)
         check_positions(config, model_config)
         return None
+    # a layout the repair cannot take (a fold on sandwich norms) is refused before any weight is read
+    check_replacement_supported(skeleton, config.replace.method)
     return resolve_amounts(config, model_config, params)
 
 

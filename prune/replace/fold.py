@@ -72,7 +72,8 @@ def check_fold_architecture(model: nn.Module) -> None:
     if normed:
         raise LayercutError(
             f"--replace fold: '{model_type}' normalises the MLP output ({normed}) before "
-            "the residual add, so no linear map folds into it; use --replace linear or block"
+            "the residual add, so no linear map folds into it; use --replace local (a plain checkpoint; recipe "
+            "layercut-local-heal), linear or block"
         )
     if getattr(model, "hf_quantizer", None) is not None:
         raise LayercutError("--replace fold rewrites weights: load the model without --load-in-4bit/--load-in-8bit")

@@ -50,3 +50,16 @@ python -m eval.compare --drop 8 --threads 2 --speed-tokens 0 --samples 64 \
 python -m eval.compare --samples 32 --model smollm2-135m --drop 8,4 --threads 2 --methods layercut-rotate-heal \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --heldout-tokens 4096 --out reports/smollm2-135m-compare
+# 5. Tasks (2026-11-28): the servable rows and their maps on 400 rows of each task drawn at random from all but its last
+#    500 (the selection split's prompts), the calibration and four domains of step 4's grid, in their own folder (a
+#    comparison takes every task figure at one --limit; the grid's are the first 200 rows).
+python -m eval.compare --samples 32 --model smollm2-135m --drop 4,8 --threads 2 --speed-tokens 0 \
+  --methods layercut-linear,layercut-rotate,layercut-rotate-heal \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --heldout-tokens 4096 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D \
+  --out reports/smollm2-135m-servable
+# 6. Gemma-3-270M (2026-11-28): layercut-local-heal (local, then 200 steps of KL distillation, LoRA merged), the
+#    servable <= 200-step recipe that takes sandwich norms, added to step 2's Gemma grid.
+python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4,2 --methods layercut-local-heal \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --heldout-tokens 2048 --threads 2 --speed-tokens 0 --out reports/gemma3-270m-compare

@@ -21,6 +21,7 @@ from prune.pipeline.recipes import (
 )
 from prune.replace import METHODS
 from prune.selection.strategies import SELECTIONS
+from tests.helpers import BLOCKS, make_tiny_model, make_tiny_tokenizer
 from tests.helpers import run_prune_cli as run
 
 PEERS = {"shortgpt": "2403.03853", "gromov": "2403.17887", "gromov-heal": "2403.17887", "sleb": "2402.09025",
@@ -29,7 +30,7 @@ PEERS = {"shortgpt": "2403.03853", "gromov": "2403.17887", "gromov-heal": "2403.
          "reassessing": "2411.15558"}
 OURS = ("layercut-linear", "layercut-linear-distill", "layercut-sublayer", "layercut-linear-vanilla",
         "layercut-linear-distill-vanilla", "layercut-best", "layercut-best-vanilla", "layercut-rotate",
-        "layercut-local", "layercut-rotate-heal")
+        "layercut-local", "layercut-rotate-heal", "layercut-local-heal")
 
 
 def small(folder):
@@ -216,7 +217,7 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
 
 
 @pytest.mark.parametrize("name", ["reassessing", "gromov-heal", "layercut-linear-distill", "linearpatch-distill",
-                                  "layercut-rotate-heal"])
+                                  "layercut-rotate-heal", "layercut-local-heal"])
 def test_every_distilling_recipe_has_something_to_learn_where_its_selection_cuts(name, tiny_folder, tmp_path, capsys):
     out = tmp_path / "slim"
     code, _, err = run(capsys, "--recipe", METHODS_DIR / f"{name}.yaml", *small(tiny_folder), "--drop", "1",
@@ -224,3 +225,25 @@ def test_every_distilling_recipe_has_something_to_learn_where_its_selection_cuts
     assert code == 0, err
     report = json.loads((out / "layercut.json").read_text())["distill"]
     assert report["steps"] == 2 and report["first_loss"] > 0
+
+
+def test_the_local_heal_serves_a_sandwich_norm_model_that_the_rotate_heal_refuses(tmp_path, capsys):
+    folder = tmp_path / "gemma2"
+    make_tiny_model("gemma2").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    capsys.readouterr()  # the save's progress bar is not the run's
+    code, _, err = run(capsys, "--recipe", METHODS_DIR / "layercut-rotate-heal.yaml", *small(folder), "--drop", "1",
+                       "--out", tmp_path / "rotated")
+    # refused from the config alone, before any weight is read, and the fix names the recipe that serves it
+    assert code == EXIT_BAD_INPUT and err.count("\n") == 1 and "no linear map folds" in err
+    assert "layercut-local-heal" in err
+    assert not (tmp_path / "rotated").exists()
+    out = tmp_path / "slim"
+    code, _, err = run(capsys, "--recipe", METHODS_DIR / "layercut-local-heal.yaml", *small(folder), "--drop", "1",
+                       "--distill-steps", "30", "--out", out)
+    assert code == 0, err
+    report = json.loads((out / "layercut.json").read_text())
+    assert report["distill"]["steps"] == 30 and report["distill"]["final_loss"] < 0.9 * report["distill"]["first_loss"]
+    saved = json.loads((out / "config.json").read_text())  # the original architecture, one block fewer: plain
+    assert saved["model_type"] == "gemma2" and saved["num_hidden_layers"] == BLOCKS - 1
+    assert saved["architectures"] == ["Gemma2ForCausalLM"] and "auto_map" not in saved
