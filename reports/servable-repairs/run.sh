@@ -58,8 +58,10 @@ python -m eval.compare --samples 32 --model smollm2-135m --drop 4,8 --threads 2 
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --heldout-tokens 4096 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D \
   --out reports/smollm2-135m-servable
+# (stopped after drop 4; the same command resumes with drop 8)
 # 6. Gemma-3-270M (2026-11-28): layercut-local-heal (local, then 200 steps of KL distillation, LoRA merged), the
-#    servable <= 200-step recipe that takes sandwich norms, added to step 2's Gemma grid.
+#    servable <= 200-step recipe that takes sandwich norms, added to step 2's Gemma grid. Drops run in ascending
+#    order; it was stopped after drop 2 (drop 4: about 55 min).
 python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4,2 --methods layercut-local-heal \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --heldout-tokens 2048 --threads 2 --speed-tokens 0 --out reports/gemma3-270m-compare
