@@ -59,7 +59,7 @@ from prune.model.layouts import LAYOUTS, VANILLA
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.removal import planned_blocks
 from prune.pipeline.runner import Scored, preflight, run_prune, score_calibration
-from prune.replace import METHODS, ReplaceConfig, parameter_count
+from prune.replace import METHODS, ReplaceConfig, check_replacement_supported, parameter_count
 from prune.selection.repaired import RepairedCosts, divergence, split_rows
 from prune.selection.strategies import SELECTIONS
 
@@ -194,12 +194,8 @@ def servable_repairs() -> list[str]:
 
 def applicable(method: str, model) -> str | None:
     """None where ``method`` can repair ``model``'s layout, else why not (its one-line refusal)."""
-    if method == "none":
-        return None
-    check = METHODS[method].check_model
     try:
-        if check is not None:
-            check(model)
+        check_replacement_supported(model, method)
     except LayercutError as err:
         return str(err)
     return None
