@@ -40,7 +40,8 @@ class PruneConfig:
             or by the measured cost of skipping each with ``select`` measured).
         score: criterion used to rank blocks (all registered scores are reported).
         select: a registered selection (``prune.selection.strategies.SELECTIONS``): topk, span, greedy, greedy-ppl,
-            measured, last, repaired-greedy (-kl), repaired-once, repaired-fast (``prune.selection.repaired``).
+            measured, last, repaired-greedy (-kl, -crossfit), repaired-once, repaired-fast
+            (``prune.selection.repaired``).
         protect: blocks never removed ("0,-1" = first and last; "none").
         batch_size: sequences per forward pass while streaming statistics and fitting.
         replace: what takes the removed blocks' place (:class:`prune.replace.ReplaceConfig`); a method

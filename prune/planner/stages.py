@@ -201,6 +201,18 @@ def _measuring(select: str) -> tuple[str, bool, bool]:
     return selection.measures, selection.repairs, True
 
 
+def _crossfit(inp: PlanInput) -> bool:
+    """Whether ``inp.select`` measures every row by repairs fitted on the other half (its registration says)."""
+    from prune.selection.strategies import SELECTIONS
+
+    return inp.select in SELECTIONS and SELECTIONS.get(inp.select).rows == "crossfit"
+
+
+def _measuring_rows(inp: PlanInput, repaired: bool) -> int:
+    """The calibration rows a set is measured on: all for a bare or cross-fitted selection, else one in eight."""
+    return inp.samples if not repaired or _crossfit(inp) else max(1, inp.samples // MEASURE_EVERY)
+
+
 def selection_sets(inp: PlanInput, free: int) -> tuple[int, int]:
     """(steps, candidate sets measured) of ``inp.select`` over ``free`` unprotected blocks."""
     kind, _, _ = _measuring(inp.select)
@@ -220,8 +232,9 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
     - each step also runs the current set's model once over those rows (the states the candidates start
       from) and, for a repaired selection, the original model (the KL's reference) and one capture pass over
       the fitting rows that fits the spans its sets add (a span is fitted once and reused at every step);
-    - the measuring rows are every calibration row for a bare selection (greedy-ppl, measured), one row in
-      ``MEASURE_EVERY`` for a repaired one (the others fit);
+    - the measuring rows are every calibration row for a bare selection (greedy-ppl, measured) and a cross-fitted
+      one (each half fitted on the other: the capture passes read every row once), one row in ``MEASURE_EVERY``
+      for another repaired one (the others fit);
     - under offload sequential each whole pass reads every block it runs, once per batch of those rows
       (``prune.loading.offload.streamed``; the scoring stage's disk rate), and one block is in memory.
 
@@ -238,10 +251,10 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
         flop = tokens * (_flops(shape, shape.layers) + (2 * shape.layers + 1) * 2 * shape.hidden ** 2)
         note = f"one pass of {tokens:,} tokens"
     else:
-        measure = max(1, inp.samples // MEASURE_EVERY) * inp.seq_len if repaired else tokens  # split_rows' rows
+        measure = _measuring_rows(inp, repaired) * inp.seq_len  # split_rows' or crossfit_halves' rows
         per_step = measure * _flops(shape, shape.layers, True) * (2 if repaired else 1)
-        if repaired:  # the capture pass fitting the step's new spans
-            per_step += (tokens - measure) * _flops(shape, shape.layers)
+        if repaired:  # the capture passes fitting the step's new spans (crossfit: each half's, every row)
+            per_step += (tokens if _crossfit(inp) else tokens - measure) * _flops(shape, shape.layers)
         flop = steps * per_step + sets * measure * _flops(shape, shape.layers / 2, True)
         note = (f"{sets} candidate set(s) in {steps} step(s), each {'repaired, ' if repaired else ''}measured on "
                 f"{measure:,} tokens" + ("" if declared else " (assumed one set per block)"))
@@ -250,8 +263,7 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
     reading = 0.0
     if inp.offload == "sequential":  # a whole pass reads each block as it is called, once per batch
         add(devices[names[0]], "one block + embedding", weight_bytes(shape, inp, 1, head=False))
-        rows = max(1, inp.samples // MEASURE_EVERY) if repaired else inp.samples
-        batches = -(-rows // inp.batch_size)
+        batches = -(-_measuring_rows(inp, repaired) // inp.batch_size)
         reads = 2 if kind == "pass" else (steps * (3 if repaired else 1) + sets) * batches
         reading = reads * _disk_pass(shape, inp)
     else:
@@ -259,7 +271,9 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
     add(devices[names[0]], "activations", forward_bytes(shape, inp, inp.batch_size * inp.seq_len))
     add(devices[names[-1]], "logits", perplexity_logit_bytes(shape, inp))
     if repaired and inp.replace != "none":  # every span fitted stays in the run's memo: one per block, and merged
-        add(devices[names[0]], "fitted maps", (free + inp.drop) * (shape.hidden ** 2 + shape.hidden) * inp.dtype_bytes)
+        folds = 2 if _crossfit(inp) else 1  # a cross-fitted selection keeps one fit per half
+        add(devices[names[0]], "fitted maps",
+            folds * (free + inp.drop) * (shape.hidden ** 2 + shape.hidden) * inp.dtype_bytes)
     _moments(devices, shape, inp)
     return Stage("selection", devices, flop / _rate(inp) + reading, note)
 

@@ -10,7 +10,9 @@ Here each candidate set is repaired by the run's own method before it is measure
 
 - the calibration rows are split: one row in :data:`MEASURE_EVERY` measures, the others fit. A fit never
   sees the rows its repair is judged on (a least-squares map fitted and scored on the same tokens would
-  flatter the widest span);
+  flatter the widest span). ``rows="crossfit"`` measures on every row instead: the even rows fit the
+  repairs measured on the odd ones and the other way round, the two halves' costs pooled (eight times the
+  measuring rows, each span fitted twice on half the text);
 - each span is fitted alone on the original model's states (``prune.replace.fit_spans``, the independent
   fit), so a span's repair is fitted once and serves every set that contains it, at every step;
 - a candidate set is measured on the measuring rows by its perplexity and by the KL of its next-token
@@ -58,6 +60,8 @@ logger = logging.getLogger(__name__)
 # 4 rows measure (2 of each half of the default mixture) and 28 fit.
 MEASURE_EVERY = 8
 CRITERIA = ("ppl", "kl")
+# which calibration rows measure a repaired set: "eighth" (split_rows) or "crossfit" (crossfit_halves)
+ROWS = ("eighth", "crossfit")
 # positions whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
 _CHUNK = 64
 
@@ -71,6 +75,19 @@ def split_rows(token_ids: torch.Tensor, every: int = MEASURE_EVERY) -> tuple[tor
     measure = list(range(every - 1, rows, every)) or [rows - 1]
     fit = [row for row in range(rows) if row not in measure]
     return token_ids[fit], token_ids[measure]
+
+
+def crossfit_halves(token_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[samples, seq] -> [(even rows, odd rows), (odd rows, even rows)]: (fitting, measuring) rows of each half.
+
+    Every row measures once, by repairs fitted on the other half; alternate rows keep a mixture's sources in
+    both halves.
+    """
+    if token_ids.shape[0] < 2:
+        raise LayercutError("a repaired selection fits on some calibration sequences and measures on others: pass "
+                            "--samples 2 or more")
+    even, odd = token_ids[0::2], token_ids[1::2]
+    return [(even, odd), (odd, even)]
 
 
 def repair_key(config: ReplaceConfig) -> str:
@@ -89,26 +106,59 @@ class RepairedCosts:
         batch_size: sequences per pass.
         memo: ``prune.pipeline.runner.Scored.memo`` (fits and costs outlive one selection: a drop of 8 extends the
             drop of 4, another cell with the same repair reads the same costs); None keeps them here.
+        rows: which rows measure (:data:`ROWS`): "eighth", one row in :data:`MEASURE_EVERY` (:func:`split_rows`),
+            or "crossfit", every row, by repairs fitted on the other half (:func:`crossfit_halves`).
     """
 
     def __init__(self, model: nn.Module, token_ids: torch.Tensor, replace: ReplaceConfig, batch_size: int = 4,
-                 memo: dict | None = None):
+                 memo: dict | None = None, rows: str = "eighth"):
         spec = get_method(replace.method)
         if spec.fitter is not None and "independent" not in spec.fits:
             raise LayercutError(f"a repaired selection fits each span alone on the original model's states, which "
                                 f"--replace {replace.method} does not do: use --select greedy-ppl")
+        if rows not in ROWS:
+            raise ValueError(f"rows {rows!r}: one of {ROWS}")
         self.model = model
-        self.fit_ids, self.measure_ids = split_rows(token_ids)
+        self.rows = rows
+        # (fitting rows, measuring rows) of each fold; the costs pool every fold's measuring rows
+        self.folds = [split_rows(token_ids)] if rows == "eighth" else crossfit_halves(token_ids)
         # the run's progress setting is for its own fit; one bar for the whole selection is enough
         self.config = dataclasses.replace(replace, fit="independent", progress=False)
         self.batch_size = batch_size
         self.removes_only = spec.fitter is None
-        self.key = repair_key(self.config)
+        # eighth keeps the key it had before crossfit existed: a memo written by an older run still reads
+        self.key = repair_key(self.config) + ("" if rows == "eighth" else f" rows={rows}")
         shared = {} if memo is None else memo.setdefault(("repaired", self.key), {})
-        self.fits: dict[tuple[int, ...], Replacement | None] = shared.setdefault("fits", {})
+        # per fold: a span fitted on one fold's rows serves every set of that fold
+        self._fold_fits: list[dict[tuple[int, ...], Replacement | None]] = [
+            shared.setdefault("fits" if fold == 0 else f"fits-{fold}", {}) for fold in range(len(self.folds))]
         self.costs: dict[tuple[int, ...], dict[str, float]] = shared.setdefault("costs", {})
+        self._fold = 0  # the fold whose fits the views put in place
         self._plain = False  # set when starting a pass at a later block does not reproduce the whole pass
         self._checked = False
+
+    @property
+    def fit_ids(self) -> torch.Tensor:
+        """The current fold's fitting rows."""
+        return self.folds[self._fold][0]
+
+    @property
+    def measure_ids(self) -> torch.Tensor:
+        """Every row a cost is measured on (all folds' measuring rows)."""
+        return torch.cat([measure for _, measure in self.folds])
+
+    @property
+    def fits(self) -> dict[tuple[int, ...], Replacement | None]:
+        """The current fold's fitted spans."""
+        return self._fold_fits[self._fold]
+
+    @contextmanager
+    def _on_fold(self, fold: int) -> Iterator[None]:
+        previous, self._fold = self._fold, fold
+        try:
+            yield
+        finally:
+            self._fold = previous
 
     # ---- fitting -------------------------------------------------------------------------------------------
 
@@ -121,14 +171,17 @@ class RepairedCosts:
         return True
 
     def _fit(self, sets: Sequence[Sequence[int]]) -> None:
-        """Fit, in one capture pass, every span of ``sets`` not fitted yet."""
+        """Fit, in one capture pass per fold, every span of ``sets`` not fitted yet on that fold's rows."""
         if self.removes_only:
             return
-        missing = [span for blocks in sets for span in spans_of(sorted(blocks)) if span not in self.fits]
-        missing = list(dict.fromkeys(missing))
-        if missing:
-            logger.info("repaired selection: fitting %d span(s) on %d rows", len(missing), self.fit_ids.shape[0])
-            self.fits.update(fit_spans(self.model, missing, self.fit_ids, self.config))
+        for fold in range(len(self.folds)):
+            with self._on_fold(fold):
+                missing = [span for blocks in sets for span in spans_of(sorted(blocks)) if span not in self.fits]
+                missing = list(dict.fromkeys(missing))
+                if missing:
+                    logger.info("repaired selection: fitting %d span(s) on %d rows", len(missing),
+                                self.fit_ids.shape[0])
+                    self.fits.update(fit_spans(self.model, missing, self.fit_ids, self.config))
 
     def fit_sets(self, sets: Sequence[Sequence[int]]) -> None:
         """Fit every span of ``sets`` not fitted yet, all in one capture pass (rather than one pass per set)."""
@@ -208,19 +261,29 @@ class RepairedCosts:
 
     @torch.no_grad()
     def _measure_sets(self, base: list[int], sets: list[tuple[int, ...]], bar) -> list[dict[str, float]]:
+        nll, kl = [0.0] * len(sets), [0.0] * len(sets)
+        targets = 0
+        for fold in range(len(self.folds)):
+            with self._on_fold(fold):
+                targets += self._measure_fold(base, sets, nll, kl, bar, last=fold == len(self.folds) - 1)
+        return [{"ppl": math.exp(n / targets), "kl": k / targets} for n, k in zip(nll, kl, strict=True)]
+
+    def _measure_fold(self, base: list[int], sets: list[tuple[int, ...]], nll: list[float], kl: list[float], bar,
+                      last: bool) -> int:
+        """Add each set's summed NLL and KL on the current fold's measuring rows; the targets counted."""
         base_signature = self._signature(base)
         starts = []
         for blocks in sets:
             signature = self._signature(blocks)
             starts.append(next((p for p, (a, b) in enumerate(zip(base_signature, signature, strict=False)) if a != b),
                                min(len(base_signature), len(signature))))
-        nll, kl = [0.0] * len(sets), [0.0] * len(sets)
+        measure_ids = self.folds[self._fold][1]
         targets = 0
         was_training = self.model.training
         self.model.eval()
         try:
-            for first in range(0, self.measure_ids.shape[0], self.batch_size):
-                batch = self.measure_ids[first : first + self.batch_size].to(input_device(self.model))
+            for first in range(0, measure_ids.shape[0], self.batch_size):
+                batch = measure_ids[first : first + self.batch_size].to(input_device(self.model))
                 dense = torch.log_softmax(self.model(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
                 states = None
                 # a view that differs from the base nowhere (the empty set against none) runs whole
@@ -237,12 +300,12 @@ class RepairedCosts:
                     batch_nll, batch_kl = _nll_and_kl(logits[:, :-1], dense, batch[:, 1:])
                     nll[i] += batch_nll
                     kl[i] += batch_kl
-                    if bar is not None and first + self.batch_size >= self.measure_ids.shape[0]:
+                    if bar is not None and last and first + self.batch_size >= measure_ids.shape[0]:
                         bar.update(1)
                 targets += batch.shape[0] * (batch.shape[1] - 1)
         finally:
             self.model.train(was_training)
-        return [{"ppl": math.exp(n / targets), "kl": k / targets} for n, k in zip(nll, kl, strict=True)]
+        return targets
 
     def _logits(self, batch: torch.Tensor, start: int, states: list[torch.Tensor] | None) -> torch.Tensor:
         """The current view's logits, its blocks before ``start`` skipped when their output is at hand."""

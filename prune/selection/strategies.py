@@ -132,6 +132,8 @@ class Selection:
             (:func:`choose_blocks`).
         units: it also ranks sub-layer units (``--unit attention,mlp``, ``prune.selection.sublayers``).
         repairs: each candidate set is repaired by the run's method before it is measured.
+        rows: for a repaired selection, which calibration rows measure a set (``prune.selection.repaired.ROWS``):
+            "eighth" (one in eight; the others fit) or "crossfit" (every row, by repairs fitted on the other half).
     """
 
     name: str
@@ -140,6 +142,7 @@ class Selection:
     measures: str = ""
     units: bool = False
     repairs: bool = False
+    rows: str = "eighth"
 
     def __call__(self, inputs: SelectionInput) -> list[int]:
         """The blocks (or units) the strategy chooses."""
@@ -155,7 +158,7 @@ SELECTIONS: Registry[Selection] = Registry("selection")
 
 
 def register_selection(name: str, help: str = "", *, measures: str | bool = "", units: bool = False,
-                       repairs: bool = False):
+                       repairs: bool = False, rows: str = "eighth"):
     """Decorator registering a selection strategy in :data:`SELECTIONS` as ``name``, with what it declares.
 
     Args:
@@ -164,9 +167,10 @@ def register_selection(name: str, help: str = "", *, measures: str | bool = "", 
         measures: how it measures the model (:attr:`Selection.measures`; True: "once").
         units: it ranks sub-layer units too (:attr:`Selection.units`).
         repairs: it repairs each candidate set before measuring it (:attr:`Selection.repairs`).
+        rows: the rows a repaired selection measures on (:attr:`Selection.rows`).
     """
     pattern = "once" if measures is True else measures or ""
-    return SELECTIONS.decorator(name, lambda run: Selection(name, run, help, pattern, units, repairs))
+    return SELECTIONS.decorator(name, lambda run: Selection(name, run, help, pattern, units, repairs, rows))
 
 
 def measured_selections() -> tuple[str, ...]:
@@ -339,7 +343,8 @@ def _repaired_costs(inputs: SelectionInput, name: str) -> RepairedCosts:
     from prune.replace import ReplaceConfig  # the repair defaults to bare removal when a caller gives none
 
     replace = inputs.replace if inputs.replace is not None else ReplaceConfig(method="none")
-    return RepairedCosts(inputs.model, inputs.token_ids, replace, inputs.batch_size, inputs.memo)
+    return RepairedCosts(inputs.model, inputs.token_ids, replace, inputs.batch_size, inputs.memo,
+                         rows=SELECTIONS.get(name).rows)
 
 
 def _repaired_greedy(inputs: SelectionInput, criterion: str, name: str) -> Chosen:
@@ -369,6 +374,25 @@ def _repaired_greedy_ppl(inputs: SelectionInput) -> list[int]:
 def _repaired_greedy_kl(inputs: SelectionInput) -> list[int]:
     """``repaired-greedy`` ranking each step by the KL of the next-token distribution from the original model's."""
     return _repaired_greedy(inputs, "kl", "repaired-greedy-kl")
+
+
+@register_selection("repaired-greedy-crossfit", "repaired-greedy measured on every calibration row, each by repairs "
+                    "fitted on the other half (two fits per span, eight times the measuring rows)", measures="greedy",
+                    repairs=True, rows="crossfit")
+def _repaired_greedy_crossfit(inputs: SelectionInput) -> list[int]:
+    """``repaired-greedy`` whose perplexity pools both halves of the calibration, each measured by the other's fits.
+
+    One row in eight (``repaired-greedy``) is 4 rows of the default 32: a step's choice can turn on which rows
+    those are. Here every row measures, and still no repair is judged on a row it was fitted on.
+    """
+    return _repaired_greedy(inputs, "ppl", "repaired-greedy-crossfit")
+
+
+@register_selection("repaired-greedy-kl-crossfit", "repaired-greedy-kl measured on every calibration row, each by "
+                    "repairs fitted on the other half", measures="greedy", repairs=True, rows="crossfit")
+def _repaired_greedy_kl_crossfit(inputs: SelectionInput) -> list[int]:
+    """``repaired-greedy-kl`` on every calibration row, each measured by repairs fitted on the other half."""
+    return _repaired_greedy(inputs, "kl", "repaired-greedy-kl-crossfit")
 
 
 @register_selection("repaired-once", "the K whose own repair costs least", measures="once", repairs=True)

@@ -112,7 +112,8 @@ def test_greedy_selection_runs_block_by_block(tmp_path, tiny_folder, sample_text
 
 
 @pytest.mark.parametrize(("select", "method"), [("repaired-fast", "fold"), ("repaired-greedy", "fold"),
-                                              ("repaired-greedy-kl", "linear"), ("greedy-ppl", "none")])
+                                              ("repaired-greedy-kl", "linear"), ("greedy-ppl", "none"),
+                                              ("repaired-greedy-crossfit", "fold")])
 def test_measuring_selections_run_block_by_block(tmp_path, tiny_folder, sample_text, one_thread, select, method):
     """A selection that measures perplexity or map errors chooses the same blocks on a skeleton, and the same
     checkpoint comes out."""

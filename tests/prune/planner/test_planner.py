@@ -315,6 +315,19 @@ def test_a_selection_that_re_fits_and_measures_every_candidate_set_is_in_the_pla
     assert "selection" not in [s.name for s in plain.stages] and "selection" in format_plan(repaired)
 
 
+def test_a_crossfit_selection_is_planned_on_every_row_with_a_fit_per_half():
+    shape = shape_of_config(LlamaConfig(**SMOLLM2_135M))
+    inp = PlanInput(model="smollm2-135m", drop=8, replace="fold-rotate", select="repaired-greedy", samples=32,
+                    seq_len=512, dtype="float32", hardware=Hardware(host_memory=25e9))
+    eighth = next(s for s in plan_run(shape, inp).stages if s.name == "selection")
+    crossfit = next(s for s in plan_run(shape, dataclasses.replace(inp, select="repaired-greedy-crossfit")).stages
+                    if s.name == "selection")
+    assert "measured on 2,048 tokens" in eighth.note and "measured on 16,384 tokens" in crossfit.note
+    # the candidate sets dominate: eight times the rows is nearly eight times the time
+    assert 6 * eighth.seconds < crossfit.seconds < 8 * eighth.seconds
+    assert crossfit.devices["cpu"]["fitted maps"] == 2 * eighth.devices["cpu"]["fitted maps"]
+
+
 def test_replace_auto_is_planned_as_the_repair_the_run_chooses(tiny_folder):
     """``--replace auto`` (the default) plans the fit of the repair the loaded model will get, not a removal."""
     from prune.checkpoint.load_config import LoadConfig

@@ -13,7 +13,7 @@ from prune.measure.moments import StateMoments
 from prune.measure.scores import get_score
 from prune.model.surgery import drop_blocks_
 from prune.replace import ReplaceConfig, replace_blocks_
-from prune.selection.repaired import RepairedCosts, greedy_order, map_errors, split_rows
+from prune.selection.repaired import RepairedCosts, crossfit_halves, greedy_order, map_errors, split_rows
 from prune.selection.strategies import SelectionInput, choose_blocks, select_blocks
 from tests.helpers import make_tiny_model
 
@@ -39,7 +39,7 @@ def test_split_rows_measures_every_eighth_row_and_fits_on_the_others():
         split_rows(torch.zeros(1, 8, dtype=torch.long))
 
 
-@pytest.mark.parametrize("method,options", [("linear", {}), ("none", {}), ("fold", {})])
+@pytest.mark.parametrize("method,options", [("linear", {}), ("none", {}), ("fold", {}), ("fold-rotate", {})])
 def test_each_cost_is_the_perplexity_of_the_model_as_it_will_be_shipped(one_thread, method, options):
     model = make_tiny_model("llama", seed=1)
     costs = RepairedCosts(model, IDS, ReplaceConfig(method=method, progress=False, **options))
@@ -51,6 +51,51 @@ def test_each_cost_is_the_perplexity_of_the_model_as_it_will_be_shipped(one_thre
     assert grown[2]["ppl"] == pytest.approx(shipped_perplexity(model, [1, 2], method), rel=1e-4)
     assert grown[3]["ppl"] == pytest.approx(shipped_perplexity(model, [1, 3], method), rel=1e-4)
     assert model.config.num_hidden_layers == 4  # every view restored
+
+
+def test_crossfit_halves_measure_every_row_once_and_never_on_its_own_fit():
+    rows = torch.arange(6)[:, None]
+    (fit_a, measure_a), (fit_b, measure_b) = crossfit_halves(rows)
+    assert measure_a[:, 0].tolist() == [1, 3, 5] and measure_b[:, 0].tolist() == [0, 2, 4]
+    assert fit_a.equal(measure_b) and fit_b.equal(measure_a)
+    with pytest.raises(LayercutError, match="--samples 2"):
+        crossfit_halves(torch.zeros(1, 8, dtype=torch.long))
+
+
+@pytest.mark.parametrize("method", ["linear", "fold-rotate"])
+def test_a_crossfit_cost_pools_both_halves_each_measured_by_the_other_halfs_repair(one_thread, method):
+    model = make_tiny_model("llama", seed=1)
+    costs = RepairedCosts(model, IDS, ReplaceConfig(method=method, progress=False), rows="crossfit")
+    measured = costs.measure([], [1, 2])
+    assert costs.measure_ids.shape[0] == IDS.shape[0]  # every row measures, against 2 of 16 for one in eight
+
+    def shipped(blocks, fit_ids, measure_ids):
+        copy_ = copy.deepcopy(model)
+        replace_blocks_(copy_, blocks, fit_ids, ReplaceConfig(method=method, progress=False))
+        return packed_perplexity(copy_, measure_ids, progress=False)
+
+    for block in (1, 2):
+        halves = [shipped([block], fit, measure) for fit, measure in crossfit_halves(IDS)]
+        # equal halves (8 rows of 32 tokens each): the pooled perplexity is the halves' geometric mean
+        assert measured[block]["ppl"] == pytest.approx(math.sqrt(halves[0] * halves[1]), rel=1e-4)
+        # not the one-in-eight cost under another name: the rows differ, so do the numbers
+        assert measured[block]["ppl"] != pytest.approx(RepairedCosts(model, IDS, ReplaceConfig(
+            method=method, progress=False)).measure([], [block])[block]["ppl"], rel=1e-3)
+    grown = costs.measure([1], [2])[2]  # a greedy step on top of a chosen block, with the shortcut
+    halves = [shipped([1, 2], fit, measure) for fit, measure in crossfit_halves(IDS)]
+    assert grown["ppl"] == pytest.approx(math.sqrt(halves[0] * halves[1]), rel=1e-4)
+
+
+def test_crossfit_and_one_in_eight_keep_apart_in_a_shared_memo(one_thread):
+    model = make_tiny_model("llama", seed=2)
+    memo = {}
+    config = ReplaceConfig(method="linear", progress=False)
+    eighth = RepairedCosts(model, IDS, config, memo=memo).measure([], [1])[1]
+    crossfit = RepairedCosts(model, IDS, config, memo=memo, rows="crossfit").measure([], [1])[1]
+    assert eighth != crossfit
+    assert RepairedCosts(model, IDS, config, memo=memo, rows="crossfit").measure([], [1])[1] == crossfit  # read back
+    with pytest.raises(ValueError, match="crossfit"):
+        RepairedCosts(model, IDS, config, rows="halves")
 
 
 def test_the_shortcut_runs_the_same_numbers_as_whole_passes(one_thread):
@@ -116,6 +161,19 @@ def test_repaired_greedy_and_kl_and_once_respect_protection_and_record_their_ste
     once = select_blocks("repaired-once", selection_input(model, 1, [0]))
     kl = select_blocks("repaired-greedy-kl", selection_input(model, 1, [0]))
     assert once[0] in (1, 2, 3) and kl[0] in (1, 2, 3)
+
+
+@pytest.mark.parametrize("name,criterion", [("repaired-greedy-crossfit", "ppl"), ("repaired-greedy-kl-crossfit", "kl")])
+def test_a_crossfit_selection_takes_the_cheapest_set_on_every_row(one_thread, name, criterion):
+    model = make_tiny_model("llama", seed=4)
+    chosen = choose_blocks(name, selection_input(model, 2, [0], replace="fold-rotate"))
+    trace = chosen.trace
+    assert trace["selection"] == name and trace["criterion"] == criterion and trace["repair"] == "fold-rotate"
+    first = trace["steps"][0]
+    assert first["drop"] == int(min(first["costs"], key=lambda b: first["costs"][b][criterion]))
+    # the costs it ranked are the cross-fitted ones
+    costs = RepairedCosts(model, IDS, ReplaceConfig(method="fold-rotate", progress=False), rows="crossfit")
+    assert first["costs"]["1"][criterion] == pytest.approx(costs.measure([], [1])[1][criterion], rel=1e-6)
 
 
 def test_a_block_that_is_linear_has_no_map_error_and_repaired_fast_takes_it(one_thread):

@@ -181,7 +181,10 @@ def test_capabilities_are_declared_where_each_selection_registers():
 
     # the tuples offload and sub-layer checks used to keep by hand, now read from the registrations
     assert measured_selections() == ("greedy-ppl", "measured", "repaired-greedy", "repaired-greedy-kl",
-                                     "repaired-once", "repaired-fast")
+                                     "repaired-greedy-crossfit", "repaired-greedy-kl-crossfit", "repaired-once",
+                                     "repaired-fast")
+    assert [name for name, entry in SELECTIONS.items() if entry.rows == "crossfit"] == [
+        "repaired-greedy-crossfit", "repaired-greedy-kl-crossfit"]
     assert unit_selections() == ("topk", "measured")
     assert all(isinstance(entry, Selection) and entry.help and "\n" not in entry.help for entry in SELECTIONS.values())
     assert selection_help().startswith("topk: the K most removable blocks; span: ")
