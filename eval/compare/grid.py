@@ -27,6 +27,7 @@ from eval.compare.results import (
     write_text,
 )
 from eval.speed.engines import checkpoint_folder
+from prune.data.calibration import samples_kept_in
 from prune.loading.loader import LoadedModel
 from prune.pipeline.runner import Scored, preflight, score_calibration
 from prune.replace import ReplaceConfig, check_drop_for_method
@@ -49,6 +50,9 @@ class Session:
     store: MeasurementStore
     run: dict  # this invocation's entry under ``timing.runs``
     begun: float
+
+
+SAMPLES_FOLDER = "self-text"  # in a comparison's folder: the sampled text its cells were measured on
 
 
 def check_methods(config: CompareConfig) -> None:
@@ -181,19 +185,22 @@ def run_comparison(config: CompareConfig) -> Results:
         refresh_rows(results, names)
         write_reports(results, config.out, results.dense["blocks"])
         return results
-    session = _open_session(config, results, domains)
-    _measure_dense(results, session, config)
-    refresh_rows(results, session.heldout.names())
-    if need_oracle:
-        _oracle(results, session, config)
-    write_reports(results, config.out, results.dense["blocks"], plots=False)
-    reused = session.run["removal_sets_read_back"]
-    try:
-        _run_cells(results, session, config, todo)
-    finally:  # also after Ctrl-C: the plots show the cells finished so far
-        session.run["seconds"] = round(time.perf_counter() - session.begun, 2)
-        session.run["removal_sets_measured"] = sum(len(c) for c in session.store.caches.values()) - reused
-        write_reports(results, config.out, results.dense["blocks"])
+    # the text the model samples (calibration, distillation) is kept beside the results: sampling on another
+    # machine draws other tokens, and the comparison could not be resumed there
+    with samples_kept_in(Path(config.out) / SAMPLES_FOLDER):
+        session = _open_session(config, results, domains)
+        _measure_dense(results, session, config)
+        refresh_rows(results, session.heldout.names())
+        if need_oracle:
+            _oracle(results, session, config)
+        write_reports(results, config.out, results.dense["blocks"], plots=False)
+        reused = session.run["removal_sets_read_back"]
+        try:
+            _run_cells(results, session, config, todo)
+        finally:  # also after Ctrl-C: the plots show the cells finished so far
+            session.run["seconds"] = round(time.perf_counter() - session.begun, 2)
+            session.run["removal_sets_measured"] = sum(len(c) for c in session.store.caches.values()) - reused
+            write_reports(results, config.out, results.dense["blocks"])
     return results
 
 

@@ -33,6 +33,8 @@ import json
 import logging
 import math
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -356,6 +358,26 @@ def self_cache_dir() -> Path:
     return cache_dir() / "self-text"
 
 
+# folders that also keep every sampled text read or drawn while they are set (samples_kept_in)
+_KEPT_IN: list[Path] = []
+
+
+@contextmanager
+def samples_kept_in(folder: str | Path) -> Iterator[None]:
+    """Inside the ``with``, sampled text is read from ``folder`` first, and whatever is read or drawn is kept there.
+
+    Sampling is not bit-for-bit the same on every machine (the float order of another CPU's or GPU's kernels
+    changes a token, and every token after it): a comparison resumed elsewhere would draw other text and
+    could no longer add cells to its table. Its folder keeps the sampled tokens it was measured on, under the
+    cache's names (the digest of the weights, tokenizer, seed and options), so only the same model reads them.
+    """
+    _KEPT_IN.append(Path(folder))
+    try:
+        yield
+    finally:
+        _KEPT_IN.pop()
+
+
 def _sample_key(model, tokenizer, count: int, seq_len: int, seed: int, options: dict,
                 batch_size: int = SELF_BATCH) -> str | None:
     """What the sampled tokens depend on, hashed; ``None`` when the weights cannot be stamped."""
@@ -381,12 +403,26 @@ def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, batch:
     key = _sample_key(model, tokenizer, count, seq_len, seed, options, batch)
     if key is None:
         return sample_sequences(model, tokenizer, count, seq_len, seed, batch_size=batch, **options)
-    path = self_cache_dir() / f"{key}.safetensors"
-    for candidate in (path, SHIPPED_SAMPLES / f"{key}.safetensors"):  # shipped: the embedded model's first run
+    name = f"{key}.safetensors"
+    path = self_cache_dir() / name
+    # a folder keeping its own samples first: it holds what an earlier run, maybe on another machine, measured on
+    kept = [folder / name for folder in reversed(_KEPT_IN)]
+    ids = source = None
+    for candidate in (*kept, path, SHIPPED_SAMPLES / name):  # shipped: the embedded model's first run
         ids = _read_samples(candidate, count, seq_len)
         if ids is not None:
-            return ids
-    ids = sample_sequences(model, tokenizer, count, seq_len, seed, batch_size=batch, **options)
+            source = candidate
+            break
+    if ids is None:
+        ids = sample_sequences(model, tokenizer, count, seq_len, seed, batch_size=batch, **options)
+        _keep_samples(ids, path)
+    for target in kept:  # the cache is not filled from a folder: its copy would outlive the folder's run
+        if target != source and _read_samples(target, count, seq_len) is None:
+            _keep_samples(ids, target)
+    return ids
+
+
+def _keep_samples(ids: torch.Tensor, path: Path) -> None:
     from safetensors.torch import save_file
 
     try:
@@ -394,7 +430,6 @@ def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, batch:
         write_file_atomic(path, lambda staging: save_file({"ids": ids.contiguous()}, str(staging)))
     except OSError as err:
         logger.warning("could not keep the sampled text in %s (%s): the next run samples again", path, err)
-    return ids
 
 
 def _read_samples(path: Path, count: int, seq_len: int) -> torch.Tensor | None:

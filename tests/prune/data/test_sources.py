@@ -293,6 +293,33 @@ def test_an_unreadable_sample_cache_is_sampled_again_and_mended(sample_cache, on
     assert torch.equal(calibration_data(tok, config, model=model).token_ids, first) and len(passes) == 2
 
 
+def test_a_folder_keeps_the_text_sampled_for_it_and_serves_it_where_sampling_would_draw_other_tokens(
+        sample_cache, one_thread, tmp_path, monkeypatch):
+    import prune.data.calibration
+    from prune.data.calibration import samples_kept_in
+
+    folder, passes = sample_cache
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    config = DataConfig(data="self", samples=4, seq_len=16, heldout_samples=0)
+    results = tmp_path / "comparison" / "self-text"
+    with samples_kept_in(results):
+        first = calibration_data(tok, config, model=model).token_ids
+    (kept,) = results.glob("*.safetensors")
+    assert len(passes) == 1 and (folder / kept.name).is_file()  # drawn once, kept in both places
+    # another machine: an empty cache, and a sampler that draws other tokens (other kernels, other rounding)
+    monkeypatch.setattr(prune.data.calibration, "self_cache_dir", lambda: tmp_path / "elsewhere")
+    other = torch.zeros(4, 16, dtype=torch.long)
+    monkeypatch.setattr(prune.data.calibration, "sample_sequences", lambda *a, **k: other)
+    with samples_kept_in(results):
+        assert torch.equal(calibration_data(tok, config, model=model).token_ids, first)
+    assert not (tmp_path / "elsewhere").exists()  # read from the folder; the cache is not filled from it
+    assert not torch.equal(calibration_data(tok, config, model=model).token_ids, first)  # outside: drawn again
+    # another model never reads the folder's text
+    with samples_kept_in(results):
+        calibration_data(tok, config, model=make_tiny_model("llama", seed=7))
+    assert len(list(results.glob("*.safetensors"))) == 2
+
+
 def test_weights_on_the_meta_device_have_no_stamp():
     from prune.stamps import weights_fingerprint
 
