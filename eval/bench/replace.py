@@ -261,9 +261,9 @@ def benchmark_replacements(prune, drops: list[int], variants: str, heldout: str,
     documents, _ = load_documents(heldout, flag="--heldout")
     text = "\n\n".join(documents)[:heldout_chars]
     loaded = prune.load.load()
-    calibration = calibration_data(loaded.tokenizer, prune.data.calibration, model=loaded.model)
+    calibration = calibration_data(loaded.tokenizer, prune.data, model=loaded.model)
     distill = DistillConfig(steps=distill_steps) if distill_steps else None
-    options = CompareOptions(drops, names, prune, distill, seq_len=prune.data.calibration.seq_len)
+    options = CompareOptions(drops, names, prune, distill, seq_len=prune.data.seq_len)
     return compare_replacements(loaded, calibration, text, options)
 
 

@@ -105,3 +105,15 @@ def test_variants_come_from_the_method_registry():
     for bad in ("none", "remove+sequential", "linear+distill+sequential", "linear+linear", "block+block"):
         with pytest.raises(LayercutError, match=r"unknown variant\(s\) " + bad.replace("+", r"\+")):
             parse_variants(bad)
+
+
+def test_the_command_runs_end_to_end_and_writes_its_table(tiny_folder, sample_text, tmp_path, capsys, one_thread):
+    text = tmp_path / "held.txt"
+    text.write_text(sample_text, encoding="utf-8")
+    out = tmp_path / "bench"
+    code = main(["replace", "--model", str(tiny_folder), "--heldout", str(text), "--heldout-chars", "2000",
+                 "--drop", "1", "--variants", "remove,linear", "--data", str(text), "--samples", "8",
+                 "--seq-len", "32", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert {p.name for p in out.iterdir()} == {"replace.json", "replace.md", "replace.png"}
+    assert "| 1 | linear (0.7 of the update) |" in (out / "replace.md").read_text()

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_every_module_of_the_package_registers_its_subcommand():
     modules = {info.name for info in pkgutil.iter_modules(eval.bench.__path__)
                if info.name not in NOT_SUBCOMMANDS and not info.name.startswith("_")}
-    assert discover_subcommands() == ["replace", "scale", "scoring", "serving", "speed", "teacher-cache"]
+    assert discover_subcommands() == ["heal-cost", "replace", "scale", "scoring", "serving", "speed", "teacher-cache"]
     assert {name.replace("-", "_") for name in SUBCOMMANDS.names()} == modules  # one module, one subcommand
     for name, command in SUBCOMMANDS.items():
         assert command.help and callable(command.add_arguments) and callable(command.run), name
@@ -61,4 +61,4 @@ def test_python_dash_m_eval_bench_lists_the_subcommands(capsys, monkeypatch):
     with pytest.raises(SystemExit) as done:
         runpy.run_module("eval.bench", run_name="__main__")
     assert done.value.code == 0
-    assert "{replace,scale,scoring,serving,speed,teacher-cache}" in capsys.readouterr().out
+    assert "{heal-cost,replace,scale,scoring,serving,speed,teacher-cache}" in capsys.readouterr().out
