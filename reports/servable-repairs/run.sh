@@ -65,3 +65,16 @@ python -m eval.compare --samples 32 --model smollm2-135m --drop 4,8 --threads 2 
 python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4,2 --methods layercut-local-heal \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --heldout-tokens 2048 --threads 2 --speed-tokens 0 --out reports/gemma3-270m-compare
+# 7. One grid with the peers on the drawn tasks (2026-11-28): a new folder, as the calibration of steps 4 and 5
+#    cannot be drawn again (its self-sampled half came out differently on another machine; eval.compare now keeps
+#    the sampled text in <out>/self-text/, so this folder resumes anywhere). Drop 8 first; the same command with
+#    --drop 4,6,8 and every peer recipe completes it (a comparison resumes).
+python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --speed-tokens 0 \
+  --methods layercut-rotate,layercut-rotate-heal,llm-streamline,linearpatch-distill,layercut-linear \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --heldout-tokens 4096 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D \
+  --out reports/smollm2-135m-grid
+# 8. Local distillation against global healing at the quality local reaches (SmolLM2-135M, drop 4, the
+#    linearity top-k; global: removal of the same blocks, then 25, 50, 100 steps of KL with LoRA merged)
+python -m eval.bench heal-cost --model smollm2-135m --drop 4 --samples 32 --threads 2 --steps 25,50,100 \
+  --heldout $D/wikitext-2-raw-v1/test.jsonl --heldout-chars 40000 --out reports/servable-repairs/heal-cost-smollm2
