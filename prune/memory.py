@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 
 def vm_hwm_bytes() -> int | None:
@@ -51,3 +54,21 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+def measured_stage(fn: Callable[[], Any]) -> tuple[Any, dict]:
+    """``fn()``'s result and ``{"seconds", "peak_rss_bytes", "peak_cuda_bytes"}`` of the stage it ran.
+
+    The resident high-water mark starts afresh first (:func:`reset_peak_rss`), so what ran before (imports,
+    loading, another stage) is not this stage's peak; on a GPU torch's allocated peak is read too (None else).
+    """
+    import torch
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    reset_peak_rss()
+    started = time.perf_counter()
+    value = fn()
+    return value, {"seconds": time.perf_counter() - started, "peak_rss_bytes": peak_rss_bytes(),
+                   "peak_cuda_bytes": torch.cuda.max_memory_allocated() if cuda else None}

@@ -22,11 +22,8 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -34,7 +31,7 @@ from eval.bench.registry import register_subcommand
 from eval.quality.perplexity import perplexity, tokenize_text
 from prune.data.calibration import calibration_data, load_documents
 from prune.errors import LayercutError
-from prune.memory import peak_rss_bytes, reset_peak_rss
+from prune.memory import measured_stage
 from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.runner import choose_blocks, score_model
@@ -76,23 +73,6 @@ class HealCostOptions:
                                 f"{', '.join(m for m in METHODS if m != 'local')}")
 
 
-def measured(fn: Callable[[], Any]) -> tuple[Any, dict]:
-    """``fn()``'s result and ``{"seconds", "peak_rss_bytes", "peak_cuda_bytes"}`` of the stage it ran.
-
-    The resident high-water mark is started afresh first (where Linux allows), so what loading touched and
-    freed before the stage is not its peak; the models alive during it are.
-    """
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    reset_peak_rss()
-    started = time.perf_counter()
-    value = fn()
-    cost = {"seconds": round(time.perf_counter() - started, 2), "peak_rss_bytes": peak_rss_bytes(),
-            "peak_cuda_bytes": torch.cuda.max_memory_allocated() if cuda else None}
-    return value, cost
-
-
 def heal_cost(loaded, calibration, heldout_ids: torch.Tensor, options: HealCostOptions) -> dict:
     """The local row, the global rows and which global run first matched local (see the module's docstring)."""
     from distill.config import DistillConfig  # the global runs' trainer (eval may use distill; prune may not)
@@ -113,7 +93,7 @@ def heal_cost(loaded, calibration, heldout_ids: torch.Tensor, options: HealCostO
         replace_blocks_(student, dropped, calibration.token_ids, ReplaceConfig(method="local", batch_size=batch))
         return student
 
-    student, cost = measured(local_run)
+    student, cost = measured_stage(local_run)
     local = {"repair": "local", "steps": 0, **cost, "perplexity": score(student)}
     del student
     logger.info("local: %.2f held-out perplexity in %.1f s", local["perplexity"], local["seconds"])
@@ -128,7 +108,7 @@ def heal_cost(loaded, calibration, heldout_ids: torch.Tensor, options: HealCostO
             result = distill(student, model, loaded.tokenizer, config)
             return student, result
 
-        (student, result), cost = measured(global_run)
+        (student, result), cost = measured_stage(global_run)
         rows.append({"repair": f"{options.start} + {steps} steps ({options.train})", "steps": steps, **cost,
                      "final_loss": result.final_loss, "perplexity": score(student)})
         del student

@@ -37,7 +37,7 @@ from prune.atomic import write_file_atomic, write_json
 from prune.errors import LayercutError
 from prune.loading.offload import weight_files
 from prune.measure.scores import MIN_TOKENS_PER_DIM
-from prune.memory import peak_rss_bytes, reset_peak_rss
+from prune.memory import measured_stage
 from prune.model.shaped import (
     DTYPES,
     RANDOM_WEIGHTS,
@@ -320,10 +320,8 @@ def check_export(source: str | Path, slim: str | Path, expected_layers: int | No
 
 def _measured_in_process(fn):
     """``fn()``'s result, wall seconds and this process's peak resident bytes while it ran."""
-    reset_peak_rss()  # what ran before (imports, another stage) is not this stage's peak
-    started = time.perf_counter()
-    value = fn()
-    return value, time.perf_counter() - started, peak_rss_bytes()
+    value, cost = measured_stage(fn)
+    return value, cost["seconds"], cost["peak_rss_bytes"]
 
 
 def write_stage(options: ScaleOptions) -> dict:

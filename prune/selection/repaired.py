@@ -66,12 +66,17 @@ ROWS = ("eighth", "crossfit")
 _CHUNK = 64
 
 
-def split_rows(token_ids: torch.Tensor, every: int = MEASURE_EVERY) -> tuple[torch.Tensor, torch.Tensor]:
-    """[samples, seq] -> (fitting rows, measuring rows): rows every-1, 2*every-1, ... measure."""
-    rows = token_ids.shape[0]
-    if rows < 2:
+def _two_rows_or_more(token_ids: torch.Tensor) -> int:
+    """The row count of ``token_ids``; refused under 2 (a fit and a measure need a row each)."""
+    if token_ids.shape[0] < 2:
         raise LayercutError("a repaired selection fits on some calibration sequences and measures on others: pass "
                             "--samples 2 or more")
+    return token_ids.shape[0]
+
+
+def split_rows(token_ids: torch.Tensor, every: int = MEASURE_EVERY) -> tuple[torch.Tensor, torch.Tensor]:
+    """[samples, seq] -> (fitting rows, measuring rows): rows every-1, 2*every-1, ... measure."""
+    rows = _two_rows_or_more(token_ids)
     measure = list(range(every - 1, rows, every)) or [rows - 1]
     fit = [row for row in range(rows) if row not in measure]
     return token_ids[fit], token_ids[measure]
@@ -83,9 +88,7 @@ def crossfit_halves(token_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
     Every row measures once, by repairs fitted on the other half; alternate rows keep a mixture's sources in
     both halves.
     """
-    if token_ids.shape[0] < 2:
-        raise LayercutError("a repaired selection fits on some calibration sequences and measures on others: pass "
-                            "--samples 2 or more")
+    _two_rows_or_more(token_ids)
     even, odd = token_ids[0::2], token_ids[1::2]
     return [(even, odd), (odd, even)]
 
