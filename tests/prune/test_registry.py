@@ -53,8 +53,8 @@ def test_steps_and_bench_subcommands_are_registries():
     from prune.pipeline.steps import STEPS, register_step, step_factory, unregister_step
 
     assert isinstance(SUBCOMMANDS, Registry)
-    assert SUBCOMMANDS.names()[:5] == ["replace", "scale", "scoring", "serving", "speed"]
-    assert "{replace,scale,scoring,serving,speed" in build_parser().format_usage()  # each module of eval.bench, by name
+    assert SUBCOMMANDS.names()[:6] == ["heal-cost", "replace", "scale", "scoring", "serving", "speed"]
+    assert "{heal-cost,replace,scale,scoring,serving,speed" in build_parser().format_usage()  # each module of eval.bench, by name
 
     def factory(options, config):
         return None
