@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from prune.atomic import write_file_atomic
+from prune.selection.repaired import COSTS_STORE
 from prune.stamps import weights_fingerprint
 
 logger = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ KINDS = {"removal-ppl": (_block_set, _parse_block_set), "sublayer-removal-ppl": 
 
 
 FORMAT = 1  # bumped when what a measurement means changes
+# the section of the file keeping a repaired selection's costs: repair key -> block set -> {"ppl": .., "kl": ..}
+REPAIRED = "repaired-costs"
 
 
 def calibration_digest(model: nn.Module | str, token_ids: torch.Tensor, extra: object = None) -> str:
@@ -77,6 +80,8 @@ class MeasurementStore:
         self.path = Path(folder) / MEASUREMENTS
         self.digest = digest
         self.caches: dict[str, _SavedCache] = {}
+        self.repaired: dict[str, _SavedCache] = {}  # repair key -> its costs (prune.selection.repaired)
+        self._saved_repaired: dict[str, dict] = {}
 
     def attach(self, memo: dict) -> int:
         """Put the saved caches into ``memo`` (entries measured in this process are kept); how many were read."""
@@ -84,7 +89,15 @@ class MeasurementStore:
         for kind in KINDS:
             items = {**saved.get(kind, {}), **memo.get(kind, {})}
             self.caches[kind] = memo[kind] = _SavedCache(self, items)
-        return sum(len(saved.get(kind, {})) for kind in KINDS)
+        self._saved_repaired = saved.get(REPAIRED, {})
+        memo[COSTS_STORE] = self._repaired_costs
+        return sum(len(saved.get(kind, {})) for kind in KINDS) + sum(map(len, self._saved_repaired.values()))
+
+    def _repaired_costs(self, key: str) -> _SavedCache:
+        """The costs of one repair (``prune.selection.repaired.RepairedCosts.key``), read back and kept saved."""
+        if key not in self.repaired:
+            self.repaired[key] = _SavedCache(self, self._saved_repaired.get(key, {}))
+        return self.repaired[key]
 
     def _read(self) -> dict:
         """The saved measurements by kind, keys parsed; empty when there are none for this digest."""
@@ -95,8 +108,12 @@ class MeasurementStore:
             if data.get("digest") != self.digest:
                 logger.info("%s was measured on another model or calibration: not reused", self.path)
                 return {}
-            return {kind: {parse(key): float(value) for key, value in data.get(kind, {}).items()}
-                    for kind, (_, parse) in KINDS.items()}
+            saved = {kind: {parse(key): float(value) for key, value in data.get(kind, {}).items()}
+                     for kind, (_, parse) in KINDS.items()}
+            saved[REPAIRED] = {repair: {_parse_block_set(blocks): {name: float(v) for name, v in cost.items()}
+                                        for blocks, cost in costs.items()}
+                               for repair, costs in data.get(REPAIRED, {}).items()}
+            return saved
         except (ValueError, TypeError, AttributeError) as err:
             logger.warning("%s cannot be read (%s): measuring again", self.path, err)
             return {}
@@ -107,5 +124,10 @@ class MeasurementStore:
         for kind, cache in self.caches.items():
             write, _ = KINDS[kind]
             data[kind] = {write(key): value for key, value in cache.items()}
+        # a repair not touched by this process keeps what an earlier one saved
+        repaired = {**self._saved_repaired, **self.repaired}
+        if repaired:
+            data[REPAIRED] = {repair: {_block_set(key): cost for key, cost in costs.items()}
+                              for repair, costs in repaired.items()}
         text = json.dumps(data, indent=1, sort_keys=True) + "\n"
         write_file_atomic(self.path, lambda path: path.write_text(text, encoding="utf-8"))

@@ -27,6 +27,7 @@ from prune.model.adapters import arch_spec, get_submodule
 from prune.model.capture import block_output
 from prune.model.layouts import VANILLA
 from prune.replace.capture import PairAccumulator, Recorder, SpanBatch, move
+from prune.replace.config import ReplaceConfig
 from prune.replace.fitter import CachingFitter, Replacement, relative_mse
 from prune.replace.fold import uncentred
 from prune.replace.options import MethodOptions, lr_option, ridge_option, steps_option, update_scale_option
@@ -76,6 +77,16 @@ class StatePatch:
 def _replaced_by(new: torch.Tensor):
     """A tensor change (``rewrite_tensors``) that returns ``new`` in the read tensor's dtype and device."""
     return lambda old: new.detach().to(old)
+
+
+def measured_as_map(config: ReplaceConfig) -> ReplaceConfig:
+    """The map ``local`` trains towards (``linear`` with its ridge and share, fitted on whole sequences, as here).
+
+    A repaired selection measures each candidate set through it: a block retrained for every one of a greedy
+    loop's candidate sets would cost 200 steps each, and the trained block is fitted to give this map's output.
+    """
+    return ReplaceConfig(method="linear", ridge=config.ridge, update_scale=config.update_scale,
+                         short=config.short or 0, batch_size=config.batch_size, seed=config.seed)
 
 
 def check_local_spans(_model: nn.Module, spans) -> None:
@@ -180,7 +191,7 @@ class LocalFitter(CachingFitter):
 register_method(Method(
     "local", "the block before each span retrained block-locally to give the span's linear map's output (plain "
     "checkpoint; any block layout)", serving=VANILLA, offloadable=True, options=LocalOptions, fitter=LocalFitter,
-    check_spans=check_local_spans,
+    check_spans=check_local_spans, measured_as=measured_as_map,
     # the retrained block is what further training trains
     trained_module=lambda _model, block, _record: block,
     describe=lambda record: "the block before the span retrained towards its linear map",

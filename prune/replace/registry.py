@@ -23,6 +23,7 @@ from prune.registry import Registry
 from prune.replace.options import NO_NEUTRAL, MethodOptions, OptionSpec, is_unset
 
 if TYPE_CHECKING:
+    from prune.replace.config import ReplaceConfig
     from prune.replace.fitter import SpanFitter
 
 FITS = ("independent", "sequential")
@@ -71,6 +72,9 @@ class Method:
         adds_params: ``(model) -> int``, parameters its checkpoint of ``model`` carries beyond the kept blocks',
             whatever the spans (fold-rotate's untied head); None: none beyond what ``describe`` reports per
             record. Read before any fit (``prune.ship`` sizes its candidates with it).
+        measured_as: ``(config) -> ReplaceConfig``, what a repaired selection (``--select repaired-*``) fits and
+            measures in this method's place, for a method whose own fit trains: fitting it for each of a
+            greedy loop's hundreds of candidate sets would cost its training every time. None: the method itself.
         fit_width: ``(hidden, intermediate) -> int``, the width of what its closed-form fit regresses on (the
             span input's: hidden; a fold's MLP activations: intermediate). The planner sizes the fit's
             float64 sums and, block by block, the activations a span keeps until its output, with it.
@@ -95,6 +99,7 @@ class Method:
     describe: Callable[[dict], str] = params_added
     default_for: Callable[[nn.Module], int] | None = None
     adds_params: Callable[[nn.Module], int] | None = None
+    measured_as: Callable[[ReplaceConfig], ReplaceConfig] | None = None
     fit_width: Callable[[int, int], int] = lambda hidden, _intermediate: hidden
 
     def __post_init__(self):

@@ -62,6 +62,9 @@ MEASURE_EVERY = 8
 CRITERIA = ("ppl", "kl")
 # which calibration rows measure a repaired set: "eighth" (split_rows) or "crossfit" (crossfit_halves)
 ROWS = ("eighth", "crossfit")
+# a run's memo may hold, under this name, ``(repair key) -> dict`` making the costs dict of a repair (eval.compare
+# keeps them on disk that way, so a comparison killed mid-selection resumes from its last finished step)
+COSTS_STORE = "repaired-costs"
 # positions whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
 _CHUNK = 64
 
@@ -115,6 +118,12 @@ class RepairedCosts:
 
     def __init__(self, model: nn.Module, token_ids: torch.Tensor, replace: ReplaceConfig, batch_size: int = 4,
                  memo: dict | None = None, rows: str = "eighth"):
+        shipped = get_method(replace.method)
+        # a method whose fit trains is measured through the closed-form repair it declares in its place, which
+        # must still refuse the spans the shipped method refuses
+        self._shipped_checks = None
+        if shipped.measured_as is not None:
+            replace, self._shipped_checks = shipped.measured_as(replace), shipped.check_spans
         spec = get_method(replace.method)
         if spec.fitter is not None and "independent" not in spec.fits:
             raise LayercutError(f"a repaired selection fits each span alone on the original model's states, which "
@@ -135,7 +144,10 @@ class RepairedCosts:
         # per fold: a span fitted on one fold's rows serves every set of that fold
         self._fold_fits: list[dict[tuple[int, ...], Replacement | None]] = [
             shared.setdefault("fits" if fold == 0 else f"fits-{fold}", {}) for fold in range(len(self.folds))]
-        self.costs: dict[tuple[int, ...], dict[str, float]] = shared.setdefault("costs", {})
+        if "costs" not in shared:
+            store = memo.get(COSTS_STORE) if memo is not None else None
+            shared["costs"] = store(self.key) if store is not None else {}
+        self.costs: dict[tuple[int, ...], dict[str, float]] = shared["costs"]
         self._fold = 0  # the fold whose fits the views put in place
         self._plain = False  # set when starting a pass at a later block does not reproduce the whole pass
         self._checked = False
@@ -167,8 +179,11 @@ class RepairedCosts:
 
     def _valid(self, blocks: Sequence[int]) -> bool:
         """Whether the method can replace every span of ``blocks`` (a method with a shortest span may not)."""
+        spans = spans_of(sorted(blocks))
         try:
-            check_span_lengths(self.config.method, spans_of(sorted(blocks)))
+            check_span_lengths(self.config.method, spans)
+            if self._shipped_checks is not None:  # what the shipped method refuses, its stand-in may not
+                self._shipped_checks(self.model, spans)
         except LayercutError:
             return False
         return True

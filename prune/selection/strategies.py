@@ -353,7 +353,10 @@ def _repaired_greedy(inputs: SelectionInput, criterion: str, name: str) -> Chose
     with tqdm(total=sum(free - k for k in range(inputs.count)), desc=name, unit="set") as bar:
         order, steps = greedy_order(costs, inputs.count, inputs.protected, criterion, inputs.memo, bar)
     repair = inputs.replace.method if inputs.replace is not None else "none"
-    return Chosen(order, {"selection": name, "criterion": criterion, "repair": repair, "steps": steps})
+    trace = {"selection": name, "criterion": criterion, "repair": repair, "steps": steps}
+    if costs.config.method != repair and repair != "none":  # measured through the method's stand-in
+        trace["measured_as"] = costs.config.method
+    return Chosen(order, trace)
 
 
 @register_selection("repaired-greedy", "SLEB's loop on the model with each candidate removed and repaired by "

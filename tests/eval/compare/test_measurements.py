@@ -91,3 +91,32 @@ def test_a_comparison_stopped_in_the_oracle_resumes_with_its_measurements(tiny_f
     monkeypatch.setattr(oracle_module, "_measure", lambda *a: passes.append(1) or real(*a))
     assert main([str(a) for a in common]) == 0, capsys.readouterr().err
     assert not passes and json.loads((tmp_path / "cmp" / "results.json").read_text())["oracle"]["removed"]
+
+
+def test_a_resumed_repaired_greedy_measures_only_the_steps_it_has_not(tiny_folder, tmp_path, capsys, monkeypatch):
+    from prune.selection.repaired import RepairedCosts
+
+    measured = []  # candidate sets measured (each removed, repaired and run on the measuring rows)
+    real = RepairedCosts._measure_sets
+    monkeypatch.setattr(RepairedCosts, "_measure_sets",
+                        lambda self, base, sets, bar: measured.extend(sets) or real(self, base, sets, bar))
+    recipe = tmp_path / "rg.yaml"
+    recipe.write_text("method: repaired greedy\nscore: linearity\nselect: repaired-greedy-kl\nreplace: linear\n")
+    common = ["--model", tiny_folder, "--samples", "8", "--seq-len", "32", "--speed-tokens", "0", "--threads", "1",
+              "--methods", recipe]
+    out = tmp_path / "cmp"
+    assert main([str(a) for a in [*common, "--drop", "1", "--out", out]]) == 0
+    assert sorted(measured) == [(1,), (2,)]  # the first and last block are kept
+    (key, costs), = json.loads((out / MEASUREMENTS).read_text())["repaired-costs"].items()
+    assert '"method": "linear"' in key and set(costs) == {"1", "2"} and set(costs["1"]) == {"ppl", "kl"}
+    measured.clear()
+    # a later process on the same folder, one drop more: the first step is read back, only the second measured
+    assert main([str(a) for a in [*common, "--drop", "1,2", "--out", out]]) == 0
+    capsys.readouterr()
+    assert measured == [(1, 2)]
+    resumed = json.loads((out / "results.json").read_text())["cells"]["rg@2"]["dropped"]
+    measured.clear()
+    fresh = tmp_path / "fresh"
+    assert main([str(a) for a in [*common, "--drop", "2", "--out", fresh]]) == 0
+    assert len(measured) == 2 + 1  # measured afresh: both steps
+    assert json.loads((fresh / "results.json").read_text())["cells"]["rg@2"]["dropped"] == resumed

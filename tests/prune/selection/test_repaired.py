@@ -176,6 +176,28 @@ def test_a_crossfit_selection_takes_the_cheapest_set_on_every_row(one_thread, na
     assert first["costs"]["1"][criterion] == pytest.approx(costs.measure([], [1])[1][criterion], rel=1e-6)
 
 
+def test_local_is_measured_through_the_map_it_trains_towards_and_its_refusals_still_hold(one_thread):
+    model = make_tiny_model("llama", seed=4)
+    local = RepairedCosts(model, IDS, ReplaceConfig(method="local", progress=False))
+    # the map local's block is trained to give: linear at local's share of the update, on whole sequences
+    teacher = RepairedCosts(model, IDS, ReplaceConfig(method="linear", update_scale=0.7, short=0, progress=False))
+    measured, expected = local.measure([], [1, 2, 3]), teacher.measure([], [1, 2, 3])
+    for block in (1, 2, 3):
+        assert measured[block]["ppl"] == pytest.approx(expected[block]["ppl"], rel=1e-6)
+        assert measured[block]["ppl"] == pytest.approx(shipped_perplexity(model, [block], "linear", update_scale=0.7,
+                                                                          short=0), rel=1e-4)
+    # local's own share of the update is the map's share
+    half = RepairedCosts(model, IDS, ReplaceConfig(method="local", update_scale=0.5, progress=False))
+    assert half.measure([], [1])[1]["ppl"] == pytest.approx(
+        shipped_perplexity(model, [1], "linear", update_scale=0.5, short=0), rel=1e-4)
+    assert half.measure([], [1])[1]["ppl"] != pytest.approx(measured[1]["ppl"], rel=1e-4)
+    # local retrains the block before the span, so a span from block 0 stays refused, as local itself refuses it
+    assert math.isinf(local.measure([], [0])[0]["ppl"]) and not math.isinf(teacher.measure([], [0])[0]["ppl"])
+    chosen = choose_blocks("repaired-greedy-kl", selection_input(model, 2, [3], replace="local"))
+    assert 0 not in chosen.blocks
+    assert chosen.trace["repair"] == "local" and chosen.trace["measured_as"] == "linear"
+
+
 def test_a_block_that_is_linear_has_no_map_error_and_repaired_fast_takes_it(one_thread):
     model = make_tiny_model("llama", seed=5)
     block = model.model.layers[2]
