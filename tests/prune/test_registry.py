@@ -54,7 +54,8 @@ def test_steps_and_bench_subcommands_are_registries():
 
     assert isinstance(SUBCOMMANDS, Registry)
     assert SUBCOMMANDS.names()[:6] == ["heal-cost", "replace", "scale", "scoring", "serving", "speed"]
-    assert "{heal-cost,replace,scale,scoring,serving,speed" in build_parser().format_usage()  # each module of eval.bench, by name
+    # each module of eval.bench, by name
+    assert "{heal-cost,replace,scale,scoring,serving,speed" in build_parser().format_usage()
 
     def factory(options, config):
         return None
