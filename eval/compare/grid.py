@@ -199,7 +199,7 @@ def run_comparison(config: CompareConfig) -> Results:
             _run_cells(results, session, config, todo)
         finally:  # also after Ctrl-C: the plots show the cells finished so far
             session.run["seconds"] = round(time.perf_counter() - session.begun, 2)
-            session.run["removal_sets_measured"] = sum(len(c) for c in session.store.caches.values()) - reused
+            session.run["removal_sets_measured"] = session.store.count() - reused
             write_reports(results, config.out, results.dense["blocks"])
     return results
 

@@ -171,7 +171,8 @@ def _wall_time_note(timing: dict) -> list[str]:
     return [f"Wall time so far: {total / 3600:.2f} h over {len(runs)} invocation(s) and "
             f"{sum(run.get('cells', 0) for run in runs)} cell(s) (each invocation loads the model, draws and "
             f"scores the calibration once: {', '.join(str(run.get('setup_seconds', '?')) for run in runs)} s). "
-            f"Calibration passes with blocks or sub-layers removed (SLEB, the oracle, measured rankings): "
+            f"Calibration passes with blocks or sub-layers removed (SLEB, the oracle, measured rankings, repaired "
+            f"selections): "
             f"{measured} set(s) measured, each once; every later use reads it back (`measurements.json`).", ""]
 
 

@@ -93,6 +93,11 @@ class MeasurementStore:
         memo[COSTS_STORE] = self._repaired_costs
         return sum(len(saved.get(kind, {})) for kind in KINDS) + sum(map(len, self._saved_repaired.values()))
 
+    def count(self) -> int:
+        """The sets measured in the attached memo: removals, sub-layer removals and repaired sets."""
+        repaired = {**self._saved_repaired, **self.repaired}
+        return sum(map(len, self.caches.values())) + sum(map(len, repaired.values()))
+
     def _repaired_costs(self, key: str) -> _SavedCache:
         """The costs of one repair (``prune.selection.repaired.RepairedCosts.key``), read back and kept saved."""
         if key not in self.repaired:

@@ -78,3 +78,31 @@ python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --
 #    linearity top-k; global: removal of the same blocks, then 25, 50, 100 steps of KL with LoRA merged)
 python -m eval.bench heal-cost --model smollm2-135m --drop 4 --samples 32 --threads 2 --steps 25,50,100 \
   --heldout $D/wikitext-2-raw-v1/test.jsonl --heldout-chars 40000 --out reports/servable-repairs/heal-cost-smollm2
+# 9. The selection split of the selection for the servable repair (2026-11-28): the linearity top-k against
+#    repaired-greedy ranking by perplexity and by KL (one calibration row in eight measures, the others fit), each
+#    shipping fold-rotate, on SmolLM2-135M at drops 4 and 8 (the default calibration, kept in the folder). The
+#    cross-fitted rows (repaired-greedy-crossfit, -kl-crossfit) measure 8x the rows: about 2 h a cell here, not run.
+for sel in repaired-greedy repaired-greedy-kl; do cat > /tmp/sel/rotate-$sel.yaml <<RECIPE
+# fold-rotate on the blocks --select $sel picks (selection split only)
+method: "$sel, fold-rotate"
+score: linearity
+select: $sel
+replace: fold-rotate
+RECIPE
+done
+python -m eval.compare --model smollm2-135m --drop 4,8 --threads 2 --speed-tokens 0 --samples 32 \
+  --methods layercut-rotate,/tmp/sel/rotate-repaired-greedy.yaml,/tmp/sel/rotate-repaired-greedy-kl.yaml \
+  --heldout $SELECTION --heldout-tokens 4096 --out reports/servable-repairs/selection-rows-smollm2
+# 10. The same on Gemma-3-270M, whose servable repair is local (no fold takes sandwich norms): each candidate set
+#     measured through the map local trains towards, at drops 2 and 4, on the Gemma grid's calibration (builtin)
+for sel in repaired-greedy repaired-greedy-kl; do cat > /tmp/sel/local-$sel.yaml <<RECIPE
+# local on the blocks --select $sel picks, each candidate set measured through local's map (selection split only)
+method: "$sel, local"
+score: linearity
+select: $sel
+replace: local
+RECIPE
+done
+python -m eval.compare --model "$GEMMA" --data builtin --drop 2,4 --threads 2 --speed-tokens 0 --samples 32 \
+  --methods layercut-local,/tmp/sel/local-repaired-greedy.yaml,/tmp/sel/local-repaired-greedy-kl.yaml \
+  --heldout $SELECTION --heldout-tokens 2048 --out reports/servable-repairs/selection-rows-gemma3

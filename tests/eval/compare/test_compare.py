@@ -112,8 +112,9 @@ def test_compare_cells_leaderboard_plots_and_resume(tiny_folder, tmp_path, capsy
     assert not list((out / "cells" / "shortgpt-drop1").glob("*.safetensors"))  # reports only by default
     assert (out / "cells" / "shortgpt-drop1" / "layercut.json").is_file()
     assert "drop 2: best " in stdout
-    (first,) = results["timing"]["runs"]  # the oracle: the dense model and each of the 4 blocks alone, measured once
-    assert first["cells"] == 4 and first["seconds"] > 0 and first["removal_sets_measured"] == 5
+    # the oracle: the dense model and each of the 4 blocks alone, removed (5) and repaired by its map (4), once
+    (first,) = results["timing"]["runs"]
+    assert first["cells"] == 4 and first["seconds"] > 0 and first["removal_sets_measured"] == 5 + 4
     assert first["removal_sets_read_back"] == 0 and "Wall time so far" in readme
 
     # rerun with one method more: only its cells run, the finished ones are kept
@@ -125,7 +126,7 @@ def test_compare_cells_leaderboard_plots_and_resume(tiny_folder, tmp_path, capsy
     again = json.loads((out / "results.json").read_text())
     assert again["cells"]["shortgpt@1"] == cells["shortgpt@1"] and len(again["cells"]) == 6
     assert [(r["cells"], r["removal_sets_read_back"], r["removal_sets_measured"]) for r in again["timing"]["runs"]] \
-        == [(4, 0, 5), (2, 5, 0)]
+        == [(4, 0, 9), (2, 9, 0)]
     assert "over 2 invocation(s) and 6 cell(s)" in (out / "README.md").read_text()
     # another setup in the same folder is refused
     code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt", "--seed", "3")
