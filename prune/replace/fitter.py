@@ -81,7 +81,8 @@ class Replacement:
             (``module`` stands at the span's place).
         host: position of the kept block carrying the replacement (None for "block").
         module: the map or the new block; None for "fold".
-        patch: new weights of a module of ``host`` ("fold").
+        patch: new weights of a module of ``host`` ("fold"); a patch that also changes weights upstream of the
+            cut offers ``hosted()``, the same function as a change of ``host`` alone.
         record: JSON-ready description for ``layercut.json`` and ``config.layercut_replacements``.
     """
 

@@ -300,6 +300,49 @@ class BasisFold:
         return undo
 
 
+    def hosted(self) -> HostedRotation:
+        """The same function with only the host changed: ``s r Q + z W'`` put in by hooks on block ``host``."""
+        return HostedRotation(get_blocks(self.model)[1][self.host], self.projection, self.fit)
+
+
+class HostedRotation:
+    """A fitted cut as hooks on its host block: the function :class:`BasisFold` writes into the weights.
+
+    The change of basis turns every weight upstream of the cut, so a pass over the folded model cannot start
+    at the cut; a selection measuring many candidate sets (``prune.selection.repaired``) puts this view in
+    instead, which changes the host alone: ``W'`` as the MLP write, and the host's output ``r + z W'`` turned
+    to ``s r Q + z W'``. The two agree but for each norm's epsilon (see the module's docstring).
+    """
+
+    def __init__(self, block: nn.Module, projection: nn.Linear, fit: RotateFit):
+        self.block, self.projection, self.fit = block, projection, fit
+
+    def apply(self) -> Callable[[], None]:
+        """Hook the host; the returned function takes the hooks and ``W'`` back out."""
+        written: dict[str, torch.Tensor] = {}
+        old = self.projection.weight.data
+        self.projection.weight.data = self.fit.weight.T.to(dtype=old.dtype, device=old.device).contiguous()
+
+        def seen(_module, _args, output):
+            written["m"] = output
+
+        def turned(_module, _args, output):
+            state = output[0] if isinstance(output, tuple) else output
+            write = written.pop("m").double()
+            rotation = self.fit.rotation.to(state.device)
+            new = (self.fit.scale * (state.double() - write) @ rotation + write).to(state.dtype)
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+
+        handles = [self.projection.register_forward_hook(seen), self.block.register_forward_hook(turned)]
+
+        def undo() -> None:
+            for handle in handles:
+                handle.remove()
+            self.projection.weight.data = old
+
+        return undo
+
+
 def _set_tied(model: nn.Module, tied: bool) -> None:
     for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         config.tie_word_embeddings = tied

@@ -18,7 +18,8 @@ Here each candidate set is repaired by the run's own method before it is measure
 - a candidate set is measured on the measuring rows by its perplexity and by the KL of its next-token
   distribution from the original model's (both from one pass; the selection reads one of them). Only the
   blocks from the first one the candidate changes onward are run: the state entering it is the one the
-  current set's model computes there, captured once per batch.
+  current set's model computes there, captured once per batch. A repair whose weights reach upstream of its
+  cut (fold-rotate's change of basis) is put in by hooks on its host block instead, the same function.
 
 ``repaired-greedy`` (and ``-kl``) is SLEB's loop on these costs. ``repaired-once`` ranks every block once by
 its own repaired cost (one step of it). ``repaired-fast`` needs one pass: each block's least-squares map,
@@ -67,6 +68,16 @@ ROWS = ("eighth", "crossfit")
 COSTS_STORE = "repaired-costs"
 # positions whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
 _CHUNK = 64
+
+
+def _hosted(replacement: Replacement) -> Replacement:
+    """``replacement`` as a change of its host block alone, where its patch offers that form.
+
+    A patch that reaches upstream of the cut (fold-rotate's change of basis) would make every candidate pass
+    start at the embedding; its hosted form is the same function and lets a pass start at the cut.
+    """
+    hosted = getattr(replacement.patch, "hosted", None)
+    return replacement if hosted is None else dataclasses.replace(replacement, patch=hosted())
 
 
 def _two_rows_or_more(token_ids: torch.Tensor) -> int:
@@ -217,7 +228,7 @@ class RepairedCosts:
             with blocks_removed(self.model, sorted(blocks)):
                 yield
         else:
-            with surgered_view(self.model, self.replacements(blocks)):
+            with surgered_view(self.model, [_hosted(r) for r in self.replacements(blocks)]):
                 yield
 
     def _signature(self, blocks: Sequence[int]) -> list[tuple]:

@@ -1,6 +1,7 @@
 """``--replace fold-rotate``: a scale and rotation carried by a change of basis, the rest folded; exact and plain."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -107,6 +108,29 @@ def test_a_view_with_the_cut_puts_every_weight_and_the_tie_back():
         assert model.get_output_embeddings().weight is not model.get_input_embeddings().weight
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert model.config.tie_word_embeddings
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_hosted_view_is_the_folded_function_and_changes_the_host_alone():
+    """What a repaired selection measures: two cuts as hooks on their hosts give the folded model's logits."""
+    model = make_tiny_model("llama", tie_word_embeddings=True, rms_norm_eps=1e-12, num_hidden_layers=6)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    replacements = fit_replacements(model, [2, 4], ids(), rotate_config())
+    test = ids(2, 16, seed=1)
+    with torch.no_grad(), surgered_view(model, replacements):
+        want = model(test).logits
+    hosted = [dataclasses.replace(r, patch=r.patch.hosted()) for r in replacements]
+    with torch.no_grad(), surgered_view(model, hosted):
+        got = model(test).logits
+        # upstream of the first cut nothing turns: the embedding and blocks 0 and 1 (the host) keep their weights,
+        # but for the host's MLP write
+        front = ("model.embed", "model.layers.0.", "model.layers.1.")
+        upstream = [k for k in model.state_dict() if k.startswith(front)]
+        changed = [k for k in upstream if not torch.equal(state[k], model.state_dict()[k])]
+        assert len(upstream) > 10 and changed == ["model.layers.1.mlp.down_proj.weight"]
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert (got - want).abs().max() < 1e-5 * max(1.0, float(want.abs().max()))
+    assert (got - model(test).logits).abs().max() > 1e-2  # the cuts did change the model
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 

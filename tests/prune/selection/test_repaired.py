@@ -98,10 +98,14 @@ def test_crossfit_and_one_in_eight_keep_apart_in_a_shared_memo(one_thread):
         RepairedCosts(model, IDS, config, rows="halves")
 
 
-def test_the_shortcut_runs_the_same_numbers_as_whole_passes(one_thread):
+@pytest.mark.parametrize("method", ["linear", "fold-rotate"])
+def test_the_shortcut_runs_the_same_numbers_as_whole_passes(one_thread, method):
+    """fold-rotate included: its change of basis reaches the embedding, its hosted view starts at the cut."""
     model = make_tiny_model("llama", seed=3)
-    config = ReplaceConfig(method="linear", progress=False)
-    fast = RepairedCosts(model, IDS, config).measure([2], [0, 1, 3])
+    config = ReplaceConfig(method=method, progress=False)
+    shortcut = RepairedCosts(model, IDS, config)
+    fast = shortcut.measure([2], [0, 1, 3])
+    assert shortcut._checked and not shortcut._plain  # the check against a whole pass ran and held
     whole = RepairedCosts(model, IDS, config)
     whole._plain = True
     slow = whole.measure([2], [0, 1, 3])
