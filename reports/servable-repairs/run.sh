@@ -74,6 +74,13 @@ python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --heldout-tokens 4096 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D \
   --out reports/smollm2-135m-grid
+#    2026-11-29: the other peers at drop 8 (stopped after reassessing; the same command resumes with
+#    layercut-local-heal and SLEB)
+python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --speed-tokens 0 \
+  --methods shortgpt,gromov,replaceme-ls,replaceme-cosine,linearpatch,prune-comp,layercut-local,gromov-heal,reassessing,layercut-local-heal,sleb \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --heldout-tokens 4096 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D \
+  --out reports/smollm2-135m-grid
 # 8. Local distillation against global healing at the quality local reaches (SmolLM2-135M, drop 4, the
 #    linearity top-k; global: removal of the same blocks, then 25, 50, 100 steps of KL with LoRA merged)
 python -m eval.bench heal-cost --model smollm2-135m --drop 4 --samples 32 --threads 2 --steps 25,50,100 \
