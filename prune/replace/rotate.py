@@ -42,7 +42,7 @@ from prune.measure.moments import PairMoments
 from prune.model.adapters import arch_spec, get_blocks, get_submodule, hidden_size, input_device
 from prune.model.layouts import VANILLA
 from prune.replace.capture import PairAccumulator, Recorder, SpanBatch
-from prune.replace.fitter import Replacement, SpanFitter
+from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
 from prune.replace.fold import check_fold_architecture, check_foldable, mlp_output_projection, uncentred
 from prune.replace.options import MethodOptions, option, ridge_option, update_scale_option
 from prune.replace.registry import Method, register_method
@@ -299,7 +299,6 @@ class BasisFold:
 
         return undo
 
-
     def hosted(self) -> HostedRotation:
         """The same function with only the host changed: ``s r Q + z W'`` put in by hooks on block ``host``."""
         return HostedRotation(get_blocks(self.model)[1][self.host], self.projection, self.fit)
@@ -320,8 +319,9 @@ class HostedRotation:
     def apply(self) -> Callable[[], None]:
         """Hook the host; the returned function takes the hooks and ``W'`` back out."""
         written: dict[str, torch.Tensor] = {}
-        old = self.projection.weight.data
-        self.projection.weight.data = self.fit.weight.T.to(dtype=old.dtype, device=old.device).contiguous()
+        weight = self.projection.weight
+        unwrite = WeightPatch(self.projection, self.fit.weight.T.to(dtype=weight.dtype, device=weight.device)
+                              .contiguous()).apply()
 
         def seen(_module, _args, output):
             written["m"] = output
@@ -338,7 +338,7 @@ class HostedRotation:
         def undo() -> None:
             for handle in handles:
                 handle.remove()
-            self.projection.weight.data = old
+            unwrite()
 
         return undo
 
