@@ -74,8 +74,8 @@ python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --heldout-tokens 4096 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D \
   --out reports/smollm2-135m-grid
-#    2026-11-29: the other peers at drop 8 (stopped after reassessing; the same command resumes with
-#    layercut-local-heal and SLEB)
+#    2026-11-29: the other peers at drop 8 (stopped after reassessing; run again, it added layercut-local-heal and
+#    was stopped in SLEB's selection after 46 of 212 passes, which measurements.json keeps: the same command resumes)
 python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --speed-tokens 0 \
   --methods shortgpt,gromov,replaceme-ls,replaceme-cosine,linearpatch,prune-comp,layercut-local,gromov-heal,reassessing,layercut-local-heal,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
@@ -113,3 +113,8 @@ done
 python -m eval.compare --model "$GEMMA" --data builtin --drop 2,4 --threads 2 --speed-tokens 0 --samples 32 \
   --methods layercut-local,/tmp/sel/local-repaired-greedy.yaml,/tmp/sel/local-repaired-greedy-kl.yaml \
   --heldout $SELECTION --heldout-tokens 2048 --out reports/servable-repairs/selection-rows-gemma3
+# 11. Gemma-3-270M at drop 4, held-out (2026-11-29): layercut-local-kl (local on the blocks repaired-greedy-kl picks,
+#     step 10's candidate) beside layercut-local and LLM-Streamline, added to step 2's Gemma grid
+python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4 --methods layercut-local-kl,layercut-local,llm-streamline \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --heldout-tokens 2048 --threads 2 --speed-tokens 0 --out reports/gemma3-270m-compare

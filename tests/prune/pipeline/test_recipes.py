@@ -30,7 +30,7 @@ PEERS = {"shortgpt": "2403.03853", "gromov": "2403.17887", "gromov-heal": "2403.
          "reassessing": "2411.15558"}
 OURS = ("layercut-linear", "layercut-linear-distill", "layercut-sublayer", "layercut-linear-vanilla",
         "layercut-linear-distill-vanilla", "layercut-best", "layercut-best-vanilla", "layercut-rotate",
-        "layercut-local", "layercut-rotate-heal", "layercut-local-heal")
+        "layercut-local", "layercut-rotate-heal", "layercut-local-heal", "layercut-local-kl")
 
 
 def small(folder):
@@ -247,3 +247,23 @@ def test_the_local_heal_serves_a_sandwich_norm_model_that_the_rotate_heal_refuse
     saved = json.loads((out / "config.json").read_text())  # the original architecture, one block fewer: plain
     assert saved["model_type"] == "gemma2" and saved["num_hidden_layers"] == BLOCKS - 1
     assert saved["architectures"] == ["Gemma2ForCausalLM"] and "auto_map" not in saved
+
+
+def test_the_local_kl_recipe_is_local_on_the_blocks_a_repaired_kl_loop_picks(tmp_path, capsys):
+    local = config_from_recipe(METHODS_DIR / "layercut-local.yaml", {"drop": 2, "load": {"model": "tiny"}})
+    kl = config_from_recipe(METHODS_DIR / "layercut-local-kl.yaml", {"drop": 2, "load": {"model": "tiny"}})
+    assert kl.select == "repaired-greedy-kl" and local.select == "topk"
+    assert dataclasses.replace(kl, select="topk") == local
+    # a sandwich-norm model, the layout it was chosen for: a plain checkpoint of the chosen blocks' count
+    folder = tmp_path / "gemma2"
+    make_tiny_model("gemma2").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    capsys.readouterr()
+    out = tmp_path / "slim"
+    code, _, err = run(capsys, "--recipe", METHODS_DIR / "layercut-local-kl.yaml", *small(folder), "--drop", "1",
+                       "--replace-steps", "5", "--out", out)
+    assert code == 0, err
+    report = json.loads((out / "layercut.json").read_text())
+    assert report["select"] == "repaired-greedy-kl" and len(report["dropped"]) == 1
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["model_type"] == "gemma2" and saved["num_hidden_layers"] == BLOCKS - 1 and "auto_map" not in saved
