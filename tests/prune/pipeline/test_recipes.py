@@ -227,11 +227,18 @@ def test_every_distilling_recipe_has_something_to_learn_where_its_selection_cuts
     assert report["steps"] == 2 and report["first_loss"] > 0
 
 
-def test_the_local_heal_serves_a_sandwich_norm_model_that_the_rotate_heal_refuses(tmp_path, capsys):
+@pytest.fixture
+def gemma2_folder(tmp_path, capsys):
+    """A tiny sandwich-norm (Gemma-2) checkpoint folder, the layout no fold takes."""
     folder = tmp_path / "gemma2"
     make_tiny_model("gemma2").save_pretrained(folder)
     make_tiny_tokenizer().save_pretrained(folder)
     capsys.readouterr()  # the save's progress bar is not the run's
+    return folder
+
+
+def test_the_local_heal_serves_a_sandwich_norm_model_that_the_rotate_heal_refuses(gemma2_folder, tmp_path, capsys):
+    folder = gemma2_folder
     code, _, err = run(capsys, "--recipe", METHODS_DIR / "layercut-rotate-heal.yaml", *small(folder), "--drop", "1",
                        "--out", tmp_path / "rotated")
     # refused from the config alone, before any weight is read, and the fix names the recipe that serves it
@@ -249,18 +256,14 @@ def test_the_local_heal_serves_a_sandwich_norm_model_that_the_rotate_heal_refuse
     assert saved["architectures"] == ["Gemma2ForCausalLM"] and "auto_map" not in saved
 
 
-def test_the_local_kl_recipe_is_local_on_the_blocks_a_repaired_kl_loop_picks(tmp_path, capsys):
+def test_the_local_kl_recipe_is_local_on_the_blocks_a_repaired_kl_loop_picks(gemma2_folder, tmp_path, capsys):
     local = config_from_recipe(METHODS_DIR / "layercut-local.yaml", {"drop": 2, "load": {"model": "tiny"}})
     kl = config_from_recipe(METHODS_DIR / "layercut-local-kl.yaml", {"drop": 2, "load": {"model": "tiny"}})
     assert kl.select == "repaired-greedy-kl" and local.select == "topk"
     assert dataclasses.replace(kl, select="topk") == local
     # a sandwich-norm model, the layout it was chosen for: a plain checkpoint of the chosen blocks' count
-    folder = tmp_path / "gemma2"
-    make_tiny_model("gemma2").save_pretrained(folder)
-    make_tiny_tokenizer().save_pretrained(folder)
-    capsys.readouterr()
     out = tmp_path / "slim"
-    code, _, err = run(capsys, "--recipe", METHODS_DIR / "layercut-local-kl.yaml", *small(folder), "--drop", "1",
+    code, _, err = run(capsys, "--recipe", METHODS_DIR / "layercut-local-kl.yaml", *small(gemma2_folder), "--drop", "1",
                        "--replace-steps", "5", "--out", out)
     assert code == 0, err
     report = json.loads((out / "layercut.json").read_text())
