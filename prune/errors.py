@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -28,6 +29,19 @@ def _raise_terminated(signum, frame) -> None:
     # the temporary folders the first one unwinds are being removed. kill -9 still stops the process.
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise Terminated
+
+
+def _default_sigterm_in_child() -> None:
+    # A forked child (lm-eval's bootstrap pool, a DataLoader worker) inherits the Python handler, and its
+    # parent stops it with SIGTERM (Pool.terminate). A Python handler only runs between bytecodes, so a
+    # signal that lands just before the child blocks in C (a semaphore wait) is never acted on and the
+    # parent waits for that child forever: a grid of lm-eval cells hung so on 2026-11-29. The default
+    # action ends the child in the kernel, with no such window; the parent keeps its clean-up.
+    if signal.getsignal(signal.SIGTERM) is _raise_terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_sigterm_in_child)
 
 
 @contextlib.contextmanager

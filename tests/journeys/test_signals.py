@@ -106,3 +106,15 @@ def test_the_handler_is_restored_and_sigterm_unwinds_like_ctrl_c():
     assert issubclass(Terminated, KeyboardInterrupt)  # every Ctrl-C clean-up runs for SIGTERM too
     with pytest.raises(Terminated), sigterm_raises():
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_forked_child_gets_the_default_sigterm_so_its_parent_can_stop_it():
+    # multiprocessing's Pool.terminate (lm-eval's bootstrap) stops its workers with SIGTERM; with the parent's
+    # Python handler a worker blocked on a semaphore could miss it and the parent waited forever.
+    with sigterm_raises():
+        pid = os.fork()
+        if pid == 0:  # the child: report the handler it inherited, leave at once
+            os._exit(0 if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL  # the parent keeps its clean-up
