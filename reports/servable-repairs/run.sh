@@ -78,7 +78,8 @@ python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --
 #    was stopped in SLEB's selection after 46 of 212 passes, which measurements.json keeps: the same command resumes)
 #    2026-11-29: drop 4 (--drop 4 --methods layercut-rotate-heal,layercut-local-heal,llm-streamline,layercut-rotate,
 #    then shortgpt,layercut-linear,layercut-local,linearpatch,prune-comp,replaceme-ls,replaceme-cosine,gromov,
-#    linearpatch-distill,gromov-heal,reassessing,sleb; stopped before reassessing, the same command resumes)
+#    linearpatch-distill,gromov-heal,reassessing,sleb; stopped before reassessing, which ran alone after: the same
+#    command resumes at SLEB)
 python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --speed-tokens 0 \
   --methods shortgpt,gromov,replaceme-ls,replaceme-cosine,linearpatch,prune-comp,layercut-local,gromov-heal,reassessing,layercut-local-heal,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
