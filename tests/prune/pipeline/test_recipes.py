@@ -238,16 +238,15 @@ def gemma2_folder(tmp_path, capsys):
 
 
 def test_the_local_heal_serves_a_sandwich_norm_model_that_the_rotate_heal_refuses(gemma2_folder, tmp_path, capsys):
-    folder = gemma2_folder
-    code, _, err = run(capsys, "--recipe", METHODS_DIR / "layercut-rotate-heal.yaml", *small(folder), "--drop", "1",
-                       "--out", tmp_path / "rotated")
+    code, _, err = run(capsys, "--recipe", METHODS_DIR / "layercut-rotate-heal.yaml", *small(gemma2_folder),
+                       "--drop", "1", "--out", tmp_path / "rotated")
     # refused from the config alone, before any weight is read, and the fix names the recipe that serves it
     assert code == EXIT_BAD_INPUT and err.count("\n") == 1 and "no linear map folds" in err
     assert "layercut-local-heal" in err
     assert not (tmp_path / "rotated").exists()
     out = tmp_path / "slim"
-    code, _, err = run(capsys, "--recipe", METHODS_DIR / "layercut-local-heal.yaml", *small(folder), "--drop", "1",
-                       "--distill-steps", "30", "--out", out)
+    code, _, err = run(capsys, "--recipe", METHODS_DIR / "layercut-local-heal.yaml", *small(gemma2_folder),
+                       "--drop", "1", "--distill-steps", "30", "--out", out)
     assert code == 0, err
     report = json.loads((out / "layercut.json").read_text())
     assert report["distill"]["steps"] == 30 and report["distill"]["final_loss"] < 0.9 * report["distill"]["first_loss"]
