@@ -80,6 +80,10 @@ python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --
 #    then shortgpt,layercut-linear,layercut-local,linearpatch,prune-comp,replaceme-ls,replaceme-cosine,gromov,
 #    linearpatch-distill,gromov-heal,reassessing,sleb; stopped before reassessing, which ran alone after: the same
 #    command resumes at SLEB)
+#    2026-11-29: drop 6 (--drop 6 --methods layercut-rotate-heal,layercut-rotate,llm-streamline,layercut-linear,
+#    linearpatch-distill,gromov-heal, then replaceme-cosine,shortgpt,gromov,replaceme-ls,prune-comp,linearpatch,
+#    layercut-local,layercut-local-heal,reassessing,sleb; stopped after layercut-local: the same command resumes at
+#    layercut-local-heal)
 python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --speed-tokens 0 \
   --methods shortgpt,gromov,replaceme-ls,replaceme-cosine,linearpatch,prune-comp,layercut-local,gromov-heal,reassessing,layercut-local-heal,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
