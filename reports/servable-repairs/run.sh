@@ -82,8 +82,8 @@ python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --
 #    command resumes at SLEB)
 #    2026-11-29: drop 6 (--drop 6 --methods layercut-rotate-heal,layercut-rotate,llm-streamline,layercut-linear,
 #    linearpatch-distill,gromov-heal, then replaceme-cosine,shortgpt,gromov,replaceme-ls,prune-comp,linearpatch,
-#    layercut-local,layercut-local-heal,reassessing,sleb; stopped after layercut-local: the same command resumes at
-#    layercut-local-heal)
+#    layercut-local,layercut-local-heal,reassessing,sleb; stopped after layercut-local, then run again with
+#    --methods layercut-local-heal,reassessing,sleb and stopped in SLEB's first pass: the same command resumes at SLEB)
 python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --speed-tokens 0 \
   --methods shortgpt,gromov,replaceme-ls,replaceme-cosine,linearpatch,prune-comp,layercut-local,gromov-heal,reassessing,layercut-local-heal,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
@@ -126,3 +126,12 @@ python -m eval.compare --model "$GEMMA" --data builtin --drop 2,4 --threads 2 --
 python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4 --methods layercut-local-kl,layercut-local,llm-streamline \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --heldout-tokens 2048 --threads 2 --speed-tokens 0 --out reports/gemma3-270m-compare
+# 12. Gemma-3-270M grid on the drawn tasks (2026-11-29): a new folder, set up as step 7 (the default calibration,
+#     four domains of 4,096 tokens, 400 drawn rows a task), with every recipe that takes sandwich norms. The others
+#     refuse in one line before any weight is read (fold, fold-rotate, ReplaceMe's fold, LinearPatch, Prune&Comp).
+#     Drop 4 first; the same command with --drop 2,4 completes it (a comparison resumes).
+python -m eval.compare --samples 32 --model "$GEMMA" --drop 4 --threads 2 --speed-tokens 0 \
+  --methods llm-streamline,layercut-local-heal,layercut-local,layercut-linear,shortgpt,gromov,gromov-heal,layercut-local-kl,reassessing,sleb \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --heldout-tokens 4096 --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D \
+  --out reports/gemma3-270m-grid
