@@ -129,7 +129,9 @@ python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4 --m
 # 12. Gemma-3-270M grid on the drawn tasks (2026-11-29): a new folder, set up as step 7 (the default calibration,
 #     four domains of 4,096 tokens, 400 drawn rows a task), with every recipe that takes sandwich norms. The others
 #     refuse in one line before any weight is read (fold, fold-rotate, ReplaceMe's fold, LinearPatch, Prune&Comp).
-#     Drop 4 first; the same command with --drop 2,4 completes it (a comparison resumes).
+#     Drop 4 first; the same command with --drop 2,4 completes it (a comparison resumes). 2026-11-29: stopped in
+#     layercut-local-heal's text sampling, then run again with layercut-local-heal moved after gromov and stopped
+#     at its start: dense, llm-streamline, layercut-local, layercut-linear, shortgpt and gromov ran.
 python -m eval.compare --samples 32 --model "$GEMMA" --drop 4 --threads 2 --speed-tokens 0 \
   --methods llm-streamline,layercut-local-heal,layercut-local,layercut-linear,shortgpt,gromov,gromov-heal,layercut-local-kl,reassessing,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
