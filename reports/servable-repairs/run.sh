@@ -131,7 +131,12 @@ python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4 --m
 #     refuse in one line before any weight is read (fold, fold-rotate, ReplaceMe's fold, LinearPatch, Prune&Comp).
 #     Drop 4 first; the same command with --drop 2,4 completes it (a comparison resumes). 2026-11-29: stopped in
 #     layercut-local-heal's text sampling, then run again with layercut-local-heal moved after gromov and stopped
-#     at its start: dense, llm-streamline, layercut-local, layercut-linear, shortgpt and gromov ran.
+#     at its start: dense, llm-streamline, layercut-local, layercut-linear, shortgpt and gromov ran. Then
+#     --methods layercut-local-heal,gromov-heal,layercut-local-kl,reassessing,sleb: layercut-local-heal ran, and
+#     gromov-heal was refused (its span, blocks 14-17, is the last four: layerwise MSE has nothing to learn), which
+#     ended that invocation. Drop 2 (--drop 2 --methods layercut-local,layercut-linear,llm-streamline,
+#     layercut-local-heal,shortgpt,gromov,gromov-heal,layercut-local-kl,reassessing,sleb) was started after it and
+#     stopped after llm-streamline: layercut-local, layercut-linear and llm-streamline ran at drop 2.
 python -m eval.compare --samples 32 --model "$GEMMA" --drop 4 --threads 2 --speed-tokens 0 \
   --methods llm-streamline,layercut-local-heal,layercut-local,layercut-linear,shortgpt,gromov,gromov-heal,layercut-local-kl,reassessing,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
