@@ -137,6 +137,9 @@ python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4 --m
 #     ended that invocation. Drop 2 (--drop 2 --methods layercut-local,layercut-linear,llm-streamline,
 #     layercut-local-heal,shortgpt,gromov,gromov-heal,layercut-local-kl,reassessing,sleb) was started after it and
 #     stopped after llm-streamline: layercut-local, layercut-linear and llm-streamline ran at drop 2; then gromov alone.
+#     Then --drop 2 --methods layercut-local-heal,shortgpt,gromov-heal,...: stopped after shortgpt, and run again
+#     with --keep-checkpoints --methods gromov-heal,layercut-local-kl,reassessing,sleb (gromov-heal's weights kept
+#     for the temperature check the README describes), stopped after layercut-local-kl: the same command resumes.
 python -m eval.compare --samples 32 --model "$GEMMA" --drop 4 --threads 2 --speed-tokens 0 \
   --methods llm-streamline,layercut-local-heal,layercut-local,layercut-linear,shortgpt,gromov,gromov-heal,layercut-local-kl,reassessing,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
