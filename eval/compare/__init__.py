@@ -35,6 +35,10 @@ perplexity on a domain it already has; when they do not, or were not kept, the c
 figure is never one of another model. Every task figure of one comparison is taken at one ``--limit``, and
 every cell is fitted on one calibration: ``results.json`` keeps a digest of its tokens and the weights, and a
 resumed run whose calibration differs (text sampled again differently) is refused.
+A method the model refuses (a fold on sandwich norms, read from its config before the model loads; a span
+that ends the model, found once its cell runs) is entered under ``refused`` in ``results.json`` and the
+README's "Refused" table with its one-line reason, and the other cells run; a resumed run tries it again
+once its recipe changes. Naming only methods the model refuses is a one-line error.
 ``--oracle`` adds SLEB's oracle (calibration perplexity with each block alone removed) and every
 score's Spearman correlation with it.
 

@@ -35,6 +35,10 @@ CELLS = "cells"
 REPRODUCE_RTOL = 1e-4
 
 
+class CellRefused(LayercutError):
+    """The cell's method refused this model or drop in one line: the comparison records why and goes on."""
+
+
 def cell_dir(out: Path, name: str, drop: int) -> Path:
     """Where a cell's reports (and, with ``--keep-checkpoints``, its weights) go."""
     return out / CELLS / f"{name}-drop{drop}"
@@ -193,7 +197,10 @@ def run_cell(name: str, path: Path, drop: int, config: CompareConfig, loaded: Lo
     # the cell measures on its own held-out text: keep run_prune from scoring the dense model again
     shared = dataclasses.replace(scored, calibration=dataclasses.replace(scored.calibration, heldout_ids=None))
     try:
-        result = run_prune(prune_config, loaded=student, scored=shared)
+        try:
+            result = run_prune(prune_config, loaded=student, scored=shared)
+        except LayercutError as err:  # the method's own refusal; a measurement's error is not the method's
+            raise CellRefused(str(err)) from err
         row = _method_row(name, path, digest, drop, prune_config, result, folder)
         row.update(prune_seconds=round(time.perf_counter() - started, 2), copy_seconds=round(copy_seconds, 2))
         _add_distill(row, result.report, prune_config)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from eval.compare.cells import cell_dir, complete_cell, measure, measure_tasks, run_cell
+from eval.compare.cells import CellRefused, cell_dir, complete_cell, measure, measure_tasks, run_cell
 from eval.compare.config import CompareConfig, cell_config
 from eval.compare.digest import recipe_digest, recipe_state
 from eval.compare.heldout import Domain, Heldout, measure_domains, plan_domains, reconcile_domains, refresh_rows
@@ -28,8 +28,9 @@ from eval.compare.results import (
 )
 from eval.speed.engines import checkpoint_folder
 from prune.data.calibration import samples_kept_in
+from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
-from prune.pipeline.runner import Scored, preflight, score_calibration
+from prune.pipeline.runner import Scored, layout_refusals, preflight, score_calibration
 from prune.replace import ReplaceConfig, check_drop_for_method
 from prune.selection.oracle import oracle_table, removal_cache, run_oracle, spearman
 from prune.selection.repaired import repaired_oracle
@@ -55,27 +56,55 @@ class Session:
 SAMPLES_FOLDER = "self-text"  # in a comparison's folder: the sampled text its cells were measured on
 
 
-def check_methods(config: CompareConfig) -> None:
-    """Every recipe read and checked at every drop before the model loads: a bad one costs no load."""
+def check_methods(config: CompareConfig) -> dict[str, str]:
+    """Every recipe read and checked at every drop before the model loads: a bad one costs no load.
+
+    Returns the methods the model's layout refuses (name -> why; a fold on sandwich norms): they run at no
+    drop, and the comparison records them and goes on with the others.
+    """
+    replaces = {}
     for name, path in config.methods.items():
         prune_config = cell_config(config, path, config.drops[-1], None)
         prune_config.build_steps()
+        replaces[name] = prune_config.replace.method
         for drop in config.drops:
             check_drop_for_method(prune_config.replace.method, drop, fix=f"{name} cannot run at this drop; take "
                                   f"{drop} out of --drop, or leave {name} out of --methods")
-    preflight(cell_config(config, next(iter(config.methods.values())), config.drops[-1], None))
+    first = next(iter(config.methods.values()))
+    by_method = layout_refusals(cell_config(config, first, config.drops[-1], None), replaces.values())
+    refused = {name: by_method[method] for name, method in replaces.items() if method in by_method}
+    runnable = [path for name, path in config.methods.items() if name not in refused]
+    if not runnable:
+        name, why = next(iter(refused.items()))
+        raise LayercutError(f"every method named refuses this model ({name}: {why})")
+    preflight(cell_config(config, runnable[0], config.drops[-1], None))
+    return refused
+
+
+def record_refused(results: Results, config: CompareConfig, refused: dict[str, str]) -> None:
+    """Enter the methods refused before the model loaded at every drop (a finished row of theirs stays)."""
+    for name, why in refused.items():
+        for drop in config.drops:
+            key = cell_key(name, drop)
+            if key not in results.cells:
+                results.refused[key] = {"method": name, "drop": drop,
+                                        "recipe_digest": recipe_digest(config.methods[name]), "why": why}
 
 
 def unfinished(results: Results, config: CompareConfig, domains: list[Domain]) -> list[tuple[str, Path, int, str]]:
     """The cells to work on: ``(name, recipe, drop, "run" | "complete")``.
 
-    "run": no row, or one of another recipe; "complete": a row lacking domains or tasks.
+    "run": no row, or one of another recipe; "complete": a row lacking domains or tasks. A cell refused
+    before is left out until its recipe changes.
     """
     names = [domain.name for domain in domains]
     todo = []
     for drop in config.drops:
         for name, path in config.methods.items():
-            row = results.cells.get(cell_key(name, drop))
+            key = cell_key(name, drop)
+            row = results.cells.get(key)
+            if row is None and results.refused.get(key, {}).get("recipe_digest") == recipe_digest(path):
+                continue
             if row is None or row.get("recipe_digest") != recipe_digest(path):
                 todo.append((name, path, drop, "run"))
             elif not (has_domains(row, names) and has_tasks(row, config.tasks) and has_metrics(row, config.metrics)):
@@ -150,8 +179,18 @@ def _work_on(results: Results, session: Session, config: CompareConfig, cell: tu
         results.cells[key] = completed
         session.run["cells_completed"] = session.run.get("cells_completed", 0) + 1
     else:
-        results.cells[key] = run_cell(name, path, drop, config, session.loaded, session.scored, session.heldout,
-                                      results.dense)
+        digest = recipe_digest(path)
+        try:
+            results.cells[key] = run_cell(name, path, drop, config, session.loaded, session.scored, session.heldout,
+                                          results.dense)
+        except CellRefused as err:
+            # one method that cannot take this model or drop (a fold on sandwich norms) does not end the others
+            logger.warning("%s at drop %d refused: %s", name, drop, err)
+            results.refused[key] = {"method": name, "drop": drop, "recipe_digest": digest, "why": str(err)}
+            results.cells.pop(key, None)  # a row of an older recipe is not this recipe's figure
+            session.run["cells_refused"] = session.run.get("cells_refused", 0) + 1
+            return
+        results.refused.pop(key, None)
         session.run["cells"] += 1
 
 
@@ -170,9 +209,10 @@ def _run_cells(results: Results, session: Session, config: CompareConfig, todo: 
 
 def run_comparison(config: CompareConfig) -> Results:
     """Run every unfinished cell of the comparison ``config`` asks for; the results."""
-    check_methods(config)
+    refused = check_methods(config)
     domains = plan_domains(config.heldout, config.data)
     results = open_results(config.out, config.setup(), config.overwrite)
+    record_refused(results, config, refused)
     check_task_limit(results, config.tasks, config.limit, config.out)
     reconcile_domains(results, domains)
     todo = unfinished(results, config, domains)
@@ -181,6 +221,7 @@ def run_comparison(config: CompareConfig) -> Results:
     dense_done = has_domains(results.dense, names) and has_tasks(results.dense, config.tasks) and has_metrics(
         results.dense, config.metrics)
     if not todo and not need_oracle and dense_done:
+        check_something_ran(results, config)
         logger.info("every cell of %s is finished", config.out)
         refresh_rows(results, names)
         write_reports(results, config.out, results.dense["blocks"])
@@ -201,15 +242,27 @@ def run_comparison(config: CompareConfig) -> Results:
             session.run["seconds"] = round(time.perf_counter() - session.begun, 2)
             session.run["removal_sets_measured"] = session.store.count() - reused
             write_reports(results, config.out, results.dense["blocks"])
+    check_something_ran(results, config)
     return results
 
 
+def check_something_ran(results: Results, config: CompareConfig) -> None:
+    """Refuse, in one line, a comparison every cell of which was refused: it measured no method at all."""
+    keys = [cell_key(name, drop) for drop in config.drops for name in config.methods]
+    if all(key in results.refused for key in keys):
+        first = results.refused[keys[0]]
+        raise LayercutError(f"every cell was refused ({len(keys)}; recorded in {config.out}/results.json), "
+                            f"{first['method']} at drop {first['drop']} as: {first['why']}")
+
+
 def summary_lines(results: Results) -> list[str]:
-    """Best method per drop, one line each, after the dense model's line."""
+    """Best method per drop, one line each, after the dense model's line; then each refused cell, one line each."""
     dense = results.dense
     lines = [f"dense: held-out perplexity {dense['heldout_ppl']:.3f}, {dense['params']:,} parameters"]
     for drop in sorted({row["drop"] for row in results.cells.values()}):
         lines.append(_summary_line(results, drop))
+    lines += [f"refused: {entry['method']} at drop {entry['drop']} ({entry['why']}); tried again once its recipe "
+              "changes" for _, entry in sorted(results.refused.items())]
     return lines
 
 

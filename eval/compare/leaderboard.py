@@ -29,6 +29,7 @@ def leaderboard(results: Results) -> str:
     lines = _preamble(results, analysis, cells, states)
     for drop in sorted({row["drop"] for row in cells.values()}):
         lines += _drop_table(results.dense, analysis, cells, states, drop)
+    lines += _refused_table(results.refused)
     lines += [f"![held-out perplexity vs blocks removed]({PPL_PNG})", "", f"![chosen blocks]({BLOCKS_PNG})", ""]
     if any(row.get("selection") for row in results.cells.values()):
         lines += [f"![cost of each candidate at each step]({STEPS_PNG})", ""]
@@ -109,6 +110,18 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
                      f"{serves(row)} |")
     lines.append("")
     return lines
+
+
+def _refused_table(refused: dict) -> list[str]:
+    """The cells whose method refused this model or drop, with its one-line reason."""
+    if not refused:
+        return []
+    lines = ["## Refused", "", "Each method below refused this model at that drop for the reason given and wrote no "
+             "checkpoint; a resumed comparison tries it again once its recipe changes.", "",
+             "| method | drop | why |", "|---|---|---|"]
+    lines += [f"| {entry['method']} | {entry['drop']} | {entry['why'].replace('|', '/')} |"
+              for _, entry in sorted(refused.items(), key=lambda kv: (kv[1]["drop"], kv[1]["method"]))]
+    return [*lines, ""]
 
 
 def serves(row: dict) -> str:

@@ -61,6 +61,9 @@ class Results:
         setup: what every cell shares (model, loading, calibration options, batch size, speed steps).
         dense: the dense model's row; None until measured.
         cells: ``"<method>@<drop>"`` -> the cell's row.
+        refused: ``"<method>@<drop>"`` -> ``{method, drop, recipe_digest, why}`` for a cell whose method refused
+            this model or drop in one line (a fold on sandwich norms, a span that ends the model); a resumed
+            run tries it again only once its recipe changed.
         oracle: SLEB's oracle and its table, with ``--oracle``.
         timing: load and scoring seconds, and one entry per invocation under ``runs``.
         task_limit: the ``--limit`` of every task figure (:data:`NO_TASKS` until one is taken).
@@ -73,6 +76,7 @@ class Results:
     setup: dict
     dense: Row | None = None
     cells: dict[str, Row] = field(default_factory=dict)
+    refused: dict[str, dict] = field(default_factory=dict)
     oracle: dict | None = None
     timing: dict = field(default_factory=dict)
     task_limit: Any = NO_TASKS
@@ -92,6 +96,8 @@ class Results:
         """The JSON mapping, sections in a fixed order; ``task_limit`` only once a task figure was taken."""
         data: dict[str, Any] = {"format": FORMAT, "setup": self.setup, "dense": self.dense, "cells": self.cells,
                                 "oracle": self.oracle, "timing": self.timing}
+        if self.refused:
+            data["refused"] = self.refused
         if self.task_limit is not NO_TASKS:
             data["task_limit"] = self.task_limit
         for name in ("calibration", "heldout", "domains", "analysis"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -111,6 +111,28 @@ def preflight(config: PruneConfig) -> Amounts | None:
     # a layout the repair cannot take (a fold on sandwich norms) is refused before any weight is read
     check_replacement_supported(skeleton, config.replace.method)
     return resolve_amounts(config, model_config, params)
+
+
+def layout_refusals(config: PruneConfig, methods: Iterable[str]) -> dict[str, str]:
+    """The repairs among ``methods`` that the layout of ``config``'s model refuses, each with its one-line why.
+
+    From the model's config alone, before any weight is read. Empty when that config is not at hand without
+    converting the model (a ``.gguf`` seen for the first time): those refusals come once it is loaded.
+    """
+    model_config = load_config(config.load.model)
+    if model_config is None:
+        return {}
+    try:
+        skeleton = build_on_meta(model_config)
+    except Exception:  # noqa: BLE001 - as in preflight: checked once the model is loaded
+        return {}
+    refused = {}
+    for method in dict.fromkeys(methods):
+        try:
+            check_replacement_supported(skeleton, method)
+        except LayercutError as err:
+            refused[method] = str(err)
+    return refused
 
 
 def _check_gguf_header(config: PruneConfig) -> None:

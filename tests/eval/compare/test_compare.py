@@ -26,7 +26,7 @@ from prune.errors import EXIT_BAD_INPUT, LayercutError
 from prune.measure.heldout import packed_perplexity
 from prune.model.surgery import drop_blocks_
 from prune.pipeline.recipes import METHODS_DIR, method_recipes
-from tests.helpers import make_tiny_tokenizer
+from tests.helpers import make_tiny_model, make_tiny_tokenizer
 
 
 def analyse(results: dict) -> dict:
@@ -693,3 +693,59 @@ def test_a_share_of_the_blocks_reads_as_prune_run_reads_it(tiny_folder):
     assert parse_drops("2,4") == [2, 4]  # counts need no model
     with pytest.raises(LayercutError, match="a share needs the model's block count"):
         parse_drops("25%", None)
+
+
+def test_a_method_the_model_refuses_is_recorded_and_the_others_run(tmp_path, capsys, counted):
+    folder = tmp_path / "tiny-gemma2"  # sandwich norms: no fold carries a map into them
+    make_tiny_model("gemma2").save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    out = tmp_path / "cmp"
+    args = [*small(folder, out), "--drop", "1,2", "--speed-tokens", "0"]
+    code, stdout, err = run(capsys, *args, "--methods", "layercut-rotate,shortgpt")
+    assert code == 0, err
+    assert counted == [("shortgpt", 1), ("shortgpt", 2)]  # refused from the config, before the model loaded
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["cells"]) == {"shortgpt@1", "shortgpt@2"} and set(results["refused"]) == {
+        "layercut-rotate@1", "layercut-rotate@2"}
+    refused = results["refused"]["layercut-rotate@1"]
+    assert refused["drop"] == 1 and "post_feedforward_layernorm" in refused["why"] and "\n" not in refused["why"]
+    assert refused["recipe_digest"] == recipe_digest(method_recipes()["layercut-rotate"])
+    assert f"refused: layercut-rotate at drop 2 ({refused['why']})" in stdout
+    readme = (out / "README.md").read_text()
+    assert f"| layercut-rotate | 1 | {refused['why']} |" in readme.split("## Refused")[1]
+    # naming only methods the model refuses is a one-line error before anything is written
+    code, _, err = run(capsys, *small(folder, tmp_path / "none"), "--drop", "1", "--methods", "layercut-rotate")
+    assert code == EXIT_BAD_INPUT and err.count("\n") == 1 and not (tmp_path / "none").exists()
+    assert err.startswith("error: every method named refuses this model (layercut-rotate: --replace fold: 'gemma2'")
+
+
+def test_a_cell_refused_while_it_runs_is_recorded_and_not_run_again(tiny_folder, tmp_path, capsys, counted,
+                                                                    monkeypatch):
+    real = cells_module.run_prune
+
+    def refusing(config, **kwargs):  # a refusal only the run finds (the span its selection picks, say)
+        if config.replace.method == "linear":
+            raise LayercutError("linear refuses these blocks: use another recipe")
+        return real(config, **kwargs)
+
+    monkeypatch.setattr(cells_module, "run_prune", refusing)
+    out = tmp_path / "cmp"
+    args = [*small(tiny_folder, out), "--drop", "1", "--speed-tokens", "0"]
+    code, stdout, err = run(capsys, *args, "--methods", "layercut-linear,shortgpt")
+    assert code == 0, err
+    assert counted == [("layercut-linear", 1), ("shortgpt", 1)]
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["cells"]) == {"shortgpt@1"} and results["timing"]["runs"][0]["cells_refused"] == 1
+    assert results["refused"]["layercut-linear@1"]["why"] == "linear refuses these blocks: use another recipe"
+    assert "refused: layercut-linear at drop 1 (linear refuses these blocks: use another recipe)" in stdout
+    counted.clear()  # resumed: the refusal stands, nothing runs again
+    code, _, err = run(capsys, *args, "--methods", "layercut-linear,shortgpt")
+    assert code == 0 and counted == [], err
+    # a comparison every cell of which was refused measured no method: one line, exit 2
+    code, _, err = run(capsys, *args, "--methods", "layercut-linear")
+    assert code == EXIT_BAD_INPUT and err.count("\n") == 1 and counted == []
+    assert err.startswith("error: every cell was refused (1; recorded in ") and "layercut-linear at drop 1 as: " in err
+    # a recipe changed since its refusal is tried again
+    monkeypatch.setattr(grid, "recipe_digest", lambda path: "another")
+    code, _, err = run(capsys, *args, "--methods", "layercut-linear,shortgpt")
+    assert counted == [("layercut-linear", 1), ("shortgpt", 1)]
