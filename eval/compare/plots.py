@@ -130,6 +130,7 @@ def plot_selection_steps(results: Results, path: Path) -> bool:
             ax.scatter([step], [chosen], s=60, facecolors="none", edgecolors="black")
             ax.annotate(str(entry["drop"]), (step, chosen), xytext=(4, -10), textcoords="offset points", fontsize=7)
         ax.set_yscale("log")
+        ax.set_xticks(range(1, len(selection["steps"]) + 1))  # whole steps only
         ax.set_xlabel("step (one block removed per step)")
         ax.set_ylabel("measuring rows' perplexity" if criterion == "ppl" else "KL from the original (nats/token)")
         ax.set_title(f"{name}: {selection['selection']}, repair {selection['repair']}", fontsize=9)

@@ -6,8 +6,9 @@ import matplotlib
 import pytest
 
 from eval.compare import cells as cells_module
+from eval.compare import plots
 from eval.compare.metrics import METRICS, register_metric
-from eval.compare.plots import _perplexity_bars, method_colour
+from eval.compare.plots import _perplexity_bars, method_colour, plot_selection_steps
 from eval.compare.results import Results, differing
 from prune.errors import LayercutError
 from tests.eval.compare.test_compare import _row, leaderboard, print_summary, run, small
@@ -92,6 +93,22 @@ def test_colours_follow_the_method_and_one_drop_is_bars():
     assert widths == [12.0, 14.0] and [t.get_text() for t in ax.get_yticklabels()] == ["b", "a"]
     assert ax.patches[0].get_facecolor() == method_colour("b")
     plt.close(fig)
+
+
+def test_the_selection_plot_marks_whole_steps_and_the_chosen_block(tmp_path, monkeypatch):
+    steps = [{"drop": 3, "costs": {"2": {"ppl": 14.0}, "3": {"ppl": 12.0}, "5": {"ppl": float("inf")}}},
+             {"drop": 2, "costs": {"2": {"ppl": 20.0}, "5": {"ppl": 25.0}}},
+             {"drop": 5, "costs": {"5": {"ppl": 30.0}}}]
+    row = {"method": "a", "drop": 3, "heldout_ppl": 9.0, "dropped": [2, 3, 5],
+           "selection": {"selection": "repaired-greedy", "repair": "fold", "steps": steps}}
+    results = Results.from_dict({"setup": {"model": "m"}, "dense": {"heldout_ppl": 5.0}, "cells": {"a@3": row}})
+    figures = []
+    monkeypatch.setattr(plots, "write_file_atomic", lambda path, save: figures.append(save.__self__))
+    assert plot_selection_steps(results, tmp_path / "steps.png")
+    (ax,) = figures[0].axes
+    assert list(ax.get_xticks()) == [1, 2, 3]  # no step 1.5 on a plot of whole steps
+    assert [t.get_text() for t in ax.texts] == ["3", "2", "5"]  # the block removed at each step
+    assert not plot_selection_steps(Results.from_dict({"setup": {}, "cells": {}}), tmp_path / "none.png")
 
 
 def test_the_refusal_of_another_setup_names_the_option():
