@@ -139,7 +139,12 @@ python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4 --m
 #     stopped after llm-streamline: layercut-local, layercut-linear and llm-streamline ran at drop 2; then gromov alone.
 #     Then --drop 2 --methods layercut-local-heal,shortgpt,gromov-heal,...: stopped after shortgpt, and run again
 #     with --keep-checkpoints --methods gromov-heal,layercut-local-kl,reassessing,sleb (gromov-heal's weights kept
-#     for the temperature check the README describes), stopped after layercut-local-kl: the same command resumes.
+#     for the temperature check the README describes), stopped after layercut-local-kl. 2026-11-30: --drop 2
+#     --methods reassessing,sleb ran both; then --drop 2,4 --methods gromov-heal,replaceme-ls,replaceme-cosine,
+#     linearpatch,linearpatch-distill,prune-comp,layercut-rotate,layercut-rotate-heal entered those recipes as refused
+#     before the model loaded, and gromov-heal at drop 4 as refused in its cell (since 3f9af6c a refused cell is
+#     recorded and the others run). Drop 4's layercut-local-kl, reassessing and sleb have not run: the command below
+#     resumes them.
 python -m eval.compare --samples 32 --model "$GEMMA" --drop 4 --threads 2 --speed-tokens 0 \
   --methods llm-streamline,layercut-local-heal,layercut-local,layercut-linear,shortgpt,gromov,gromov-heal,layercut-local-kl,reassessing,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
