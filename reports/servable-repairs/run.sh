@@ -143,8 +143,9 @@ python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4 --m
 #     --methods reassessing,sleb ran both; then --drop 2,4 --methods gromov-heal,replaceme-ls,replaceme-cosine,
 #     linearpatch,linearpatch-distill,prune-comp,layercut-rotate,layercut-rotate-heal entered those recipes as refused
 #     before the model loaded, and gromov-heal at drop 4 as refused in its cell (since 3f9af6c a refused cell is
-#     recorded and the others run). Drop 4's layercut-local-kl, reassessing and sleb have not run: the command below
-#     resumes them.
+#     recorded and the others run). Then --drop 4 --methods sleb,reassessing,layercut-local-kl,layercut-linear-distill:
+#     SLEB's first two steps were read back from drop 2's passes (blocks 9, 8), and it was stopped in its third step
+#     after 8 of 16 passes (kept in measurements.json): that command resumes there.
 python -m eval.compare --samples 32 --model "$GEMMA" --drop 4 --threads 2 --speed-tokens 0 \
   --methods llm-streamline,layercut-local-heal,layercut-local,layercut-linear,shortgpt,gromov,gromov-heal,layercut-local-kl,reassessing,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
