@@ -30,7 +30,7 @@ from eval.speed.engines import checkpoint_folder
 from prune.data.calibration import samples_kept_in
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
-from prune.pipeline.runner import Scored, layout_refusals, preflight, score_calibration
+from prune.pipeline.runner import Scored, layout_refusals, on_meta, preflight, score_calibration
 from prune.replace import ReplaceConfig, check_drop_for_method
 from prune.selection.oracle import oracle_table, removal_cache, run_oracle, spearman
 from prune.selection.repaired import repaired_oracle
@@ -71,13 +71,14 @@ def check_methods(config: CompareConfig) -> dict[str, str]:
             check_drop_for_method(prune_config.replace.method, drop, fix=f"{name} cannot run at this drop; take "
                                   f"{drop} out of --drop, or leave {name} out of --methods")
     first = next(iter(config.methods.values()))
-    by_method = layout_refusals(cell_config(config, first, config.drops[-1], None), replaces.values())
+    meta = on_meta(cell_config(config, first, config.drops[-1], None).load.model)  # built once, checked twice
+    by_method = layout_refusals(meta, replaces.values())
     refused = {name: by_method[method] for name, method in replaces.items() if method in by_method}
     runnable = [path for name, path in config.methods.items() if name not in refused]
     if not runnable:
         name, why = next(iter(refused.items()))
         raise LayercutError(f"every method named refuses this model ({name}: {why})")
-    preflight(cell_config(config, runnable[0], config.drops[-1], None))
+    preflight(cell_config(config, runnable[0], config.drops[-1], None), meta)
     return refused
 
 
@@ -87,8 +88,12 @@ def record_refused(results: Results, config: CompareConfig, refused: dict[str, s
         for drop in config.drops:
             key = cell_key(name, drop)
             if key not in results.cells:
-                results.refused[key] = {"method": name, "drop": drop,
-                                        "recipe_digest": recipe_digest(config.methods[name]), "why": why}
+                results.refused[key] = refused_entry(name, drop, config.methods[name], why)
+
+
+def refused_entry(name: str, drop: int, recipe: Path, why: str) -> dict:
+    """What results.json keeps of a refused cell; its recipe's digest says when to try it again."""
+    return {"method": name, "drop": drop, "recipe_digest": recipe_digest(recipe), "why": why}
 
 
 def unfinished(results: Results, config: CompareConfig, domains: list[Domain]) -> list[tuple[str, Path, int, str]]:
@@ -179,14 +184,13 @@ def _work_on(results: Results, session: Session, config: CompareConfig, cell: tu
         results.cells[key] = completed
         session.run["cells_completed"] = session.run.get("cells_completed", 0) + 1
     else:
-        digest = recipe_digest(path)
         try:
             results.cells[key] = run_cell(name, path, drop, config, session.loaded, session.scored, session.heldout,
                                           results.dense)
         except CellRefused as err:
             # one method that cannot take this model or drop (a fold on sandwich norms) does not end the others
             logger.warning("%s at drop %d refused: %s", name, drop, err)
-            results.refused[key] = {"method": name, "drop": drop, "recipe_digest": digest, "why": str(err)}
+            results.refused[key] = refused_entry(name, drop, path, str(err))
             results.cells.pop(key, None)  # a row of an older recipe is not this recipe's figure
             session.run["cells_refused"] = session.run.get("cells_refused", 0) + 1
             return

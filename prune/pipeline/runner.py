@@ -44,11 +44,6 @@ PROFILE_PNG = "linearity_profile.png"
 SCORES_MD = "scores.md"
 
 
-
-
-
-
-
 @dataclass
 class Scored:
     """Calibration and its statistics, computed once and shared by several runs on the same model.
@@ -63,6 +58,7 @@ class Scored:
     # what selections and the oracle measured on this model and calibration, reused by later runs
     # (``prune.selection.strategies.SelectionInput.memo``); valid only while both are unchanged
     memo: dict = field(default_factory=dict)
+
 
 def score_calibration(loaded: LoadedModel, config: PruneConfig, cosine_pairs: str | None = None) -> Scored:
     """Calibration text of ``config.data`` and one streamed pass over it.
@@ -87,49 +83,68 @@ class PruneResult:
     out: Path | None
 
 
-def preflight(config: PruneConfig) -> Amounts | None:
+@dataclass(frozen=True)
+class OnMeta:
+    """A model's config and, where transformers can build it there, its skeleton on the meta device.
+
+    ``config`` is None for a ``.gguf`` seen for the first time (its config comes with the conversion);
+    ``skeleton`` (and its parameter count ``params``) is None for a config transformers cannot build on the
+    meta device.
+    """
+
+    config: object | None
+    skeleton: object | None
+    params: int | None = None
+
+
+def on_meta(model: str) -> OnMeta:
+    """Read ``model``'s config and build it on the meta device: no weight is read."""
+    model_config = load_config(model)
+    if model_config is None:
+        return OnMeta(None, None)
+    try:
+        skeleton = build_on_meta(model_config)
+        return OnMeta(model_config, skeleton, shape_of_model(skeleton).total)
+    except Exception:  # noqa: BLE001 - a config transformers cannot build on the meta device: checked once loaded
+        logger.debug("no meta-device skeleton for %s: it is checked once it is loaded", model)
+        return OnMeta(model_config, None)
+
+
+def preflight(config: PruneConfig, meta: OnMeta | None = None) -> Amounts | None:
     """Every check that needs only the model's config, before any weight is read or any token scored.
 
     Every local calibration file must read as text; the amounts (``--drop``, ``--protect``, units, targets)
     are resolved once against the block count and the parameters counted on the meta device, the
     calibration ``--seq-len`` against the model's positions. Returns those amounts, which the run is
     handed; None for a model whose config is not at hand without converting it (a ``.gguf`` seen for the
-    first time), resolved once it is loaded.
+    first time), resolved once it is loaded. ``meta``: :func:`on_meta` of the same model, where the caller
+    built it already.
     """
     check_sources(config.data)  # local files: cheap to read twice
-    model_config = load_config(config.load.model)
-    if model_config is None:
+    meta = meta if meta is not None else on_meta(config.load.model)
+    if meta.config is None:
         _check_gguf_header(config)
         return None
-    try:
-        skeleton = build_on_meta(model_config)
-        params = shape_of_model(skeleton).total
-    except Exception:  # noqa: BLE001 - a config transformers cannot build on the meta device: resolved once loaded
-        logger.debug("no meta-device count for %s: its amounts are resolved once it is loaded", config.load.model)
-        check_positions(config, model_config)
+    if meta.skeleton is None:  # its amounts are resolved once it is loaded
+        check_positions(config, meta.config)
         return None
     # a layout the repair cannot take (a fold on sandwich norms) is refused before any weight is read
-    check_replacement_supported(skeleton, config.replace.method)
-    return resolve_amounts(config, model_config, params)
+    check_replacement_supported(meta.skeleton, config.replace.method)
+    return resolve_amounts(config, meta.config, meta.params)
 
 
-def layout_refusals(config: PruneConfig, methods: Iterable[str]) -> dict[str, str]:
-    """The repairs among ``methods`` that the layout of ``config``'s model refuses, each with its one-line why.
+def layout_refusals(meta: OnMeta, methods: Iterable[str]) -> dict[str, str]:
+    """The repairs among ``methods`` that the layout of the model in ``meta`` refuses, each with its one-line why.
 
-    From the model's config alone, before any weight is read. Empty when that config is not at hand without
-    converting the model (a ``.gguf`` seen for the first time): those refusals come once it is loaded.
+    From the model's config alone, before any weight is read. Empty when there is no skeleton (a ``.gguf``
+    seen for the first time): those refusals come once the model is loaded.
     """
-    model_config = load_config(config.load.model)
-    if model_config is None:
-        return {}
-    try:
-        skeleton = build_on_meta(model_config)
-    except Exception:  # noqa: BLE001 - as in preflight: checked once the model is loaded
+    if meta.skeleton is None:
         return {}
     refused = {}
     for method in dict.fromkeys(methods):
         try:
-            check_replacement_supported(skeleton, method)
+            check_replacement_supported(meta.skeleton, method)
         except LayercutError as err:
             refused[method] = str(err)
     return refused

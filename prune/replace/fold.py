@@ -65,28 +65,32 @@ def mlp_output_projection(model: nn.Module, block: nn.Module) -> nn.Module:
     return module
 
 
-def check_fold_architecture(model: nn.Module) -> None:
-    """Fail early when no block of this model can absorb a fold (before any calibration pass)."""
+def check_fold_architecture(model: nn.Module, method: str = "fold") -> None:
+    """Fail early when no block of this model can absorb a fold (before any calibration pass).
+
+    ``method``: the ``--replace`` the one-line error names (every folding method shares this check).
+    """
     model_type = model.config.model_type
     normed = arch_spec(model).mlp_out_norm  # found by structure: gemma2/3, olmo2/3, glm4, ...
     if normed:
         raise LayercutError(
-            f"--replace fold: '{model_type}' normalises the MLP output ({normed}) before "
+            f"--replace {method}: '{model_type}' normalises the MLP output ({normed}) before "
             "the residual add, so no linear map folds into it; use --replace local (a plain checkpoint; recipe "
             "layercut-local-heal), linear or block"
         )
     if getattr(model, "hf_quantizer", None) is not None:
-        raise LayercutError("--replace fold rewrites weights: load the model without --load-in-4bit/--load-in-8bit")
+        raise LayercutError(f"--replace {method} rewrites weights: load the model without "
+                            "--load-in-4bit/--load-in-8bit")
     mlp_output_projection(model, get_blocks(model)[1][0])
 
 
-def check_foldable(model: nn.Module, spans: Sequence[tuple[int, ...]]) -> None:
+def check_foldable(model: nn.Module, spans: Sequence[tuple[int, ...]], method: str = "fold") -> None:
     """Fail before any heavy work when a fold is impossible for this model or these spans."""
-    check_fold_architecture(model)
+    check_fold_architecture(model, method)
     for span in spans:
         if span[0] == 0:
             raise LayercutError(
-                f"--replace fold cannot replace blocks {list(span)}: a span starting at block 0 has no previous "
+                f"--replace {method} cannot replace blocks {list(span)}: a span starting at block 0 has no previous "
                 "block to fold into; protect block 0 (--protect 0,-1) or use --replace linear / block"
             )
     _, blocks = get_blocks(model)

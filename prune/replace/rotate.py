@@ -141,7 +141,7 @@ def _unsupported(model: nn.Module, why: str) -> LayercutError:
 
 def check_rotatable(model: nn.Module) -> None:
     """Fail early, in one line, where no change of basis can carry a rotation (before any calibration pass)."""
-    check_fold_architecture(model)  # sandwich norms and quantized weights are refused there
+    check_fold_architecture(model, "fold-rotate")  # sandwich norms and quantized weights are refused there
     _, blocks = get_blocks(model)
     for name in arch_spec(model).norms:
         _check_gain_norm(model, get_submodule(blocks[0], name))
@@ -433,7 +433,8 @@ register_method(Method(
     "the previous block's MLP (plain checkpoint; unties a tied head)", serving=VANILLA,
     blockwise_refusal="rewrites every weight before the cut, the embedding's included (a change of basis of the "
     "residual stream)", closed_form=True,
-    options=RotateOptions, fitter=RotateFitter, check_model=check_rotatable, check_spans=check_foldable,
+    options=RotateOptions, fitter=RotateFitter, check_model=check_rotatable,
+    check_spans=partial(check_foldable, method="fold-rotate"),
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=_describe, default_for=rotate_default, adds_params=untie_cost,
     fit_width=lambda hidden, intermediate: hidden + intermediate,

@@ -25,6 +25,7 @@ from prune.data.calibration import DataConfig, calibration_data
 from prune.errors import EXIT_BAD_INPUT, LayercutError
 from prune.measure.heldout import packed_perplexity
 from prune.model.surgery import drop_blocks_
+from prune.pipeline import runner
 from prune.pipeline.recipes import METHODS_DIR, method_recipes
 from tests.helpers import make_tiny_model, make_tiny_tokenizer
 
@@ -695,14 +696,18 @@ def test_a_share_of_the_blocks_reads_as_prune_run_reads_it(tiny_folder):
         parse_drops("25%", None)
 
 
-def test_a_method_the_model_refuses_is_recorded_and_the_others_run(tmp_path, capsys, counted):
+def test_a_method_the_model_refuses_is_recorded_and_the_others_run(tmp_path, capsys, counted, monkeypatch):
     folder = tmp_path / "tiny-gemma2"  # sandwich norms: no fold carries a map into them
     make_tiny_model("gemma2").save_pretrained(folder)
     make_tiny_tokenizer().save_pretrained(folder)
+    built = []  # the meta-device skeleton: built once for the refusals and the amounts (a 70B config takes seconds)
+    monkeypatch.setattr(runner, "build_on_meta", lambda config, real=runner.build_on_meta: built.append(1) or real(
+        config))
     out = tmp_path / "cmp"
     args = [*small(folder, out), "--drop", "1,2", "--speed-tokens", "0"]
     code, stdout, err = run(capsys, *args, "--methods", "layercut-rotate,shortgpt")
     assert code == 0, err
+    assert len(built) == 1
     assert counted == [("shortgpt", 1), ("shortgpt", 2)]  # refused from the config, before the model loaded
     results = json.loads((out / "results.json").read_text())
     assert set(results["cells"]) == {"shortgpt@1", "shortgpt@2"} and set(results["refused"]) == {
@@ -716,7 +721,8 @@ def test_a_method_the_model_refuses_is_recorded_and_the_others_run(tmp_path, cap
     # naming only methods the model refuses is a one-line error before anything is written
     code, _, err = run(capsys, *small(folder, tmp_path / "none"), "--drop", "1", "--methods", "layercut-rotate")
     assert code == EXIT_BAD_INPUT and err.count("\n") == 1 and not (tmp_path / "none").exists()
-    assert err.startswith("error: every method named refuses this model (layercut-rotate: --replace fold: 'gemma2'")
+    assert err.startswith("error: every method named refuses this model "
+                          "(layercut-rotate: --replace fold-rotate: 'gemma2'")
 
 
 def test_a_cell_refused_while_it_runs_is_recorded_and_not_run_again(tiny_folder, tmp_path, capsys, counted,
@@ -748,4 +754,7 @@ def test_a_cell_refused_while_it_runs_is_recorded_and_not_run_again(tiny_folder,
     # a recipe changed since its refusal is tried again
     monkeypatch.setattr(grid, "recipe_digest", lambda path: "another")
     code, _, err = run(capsys, *args, "--methods", "layercut-linear,shortgpt")
+    assert code == 0, err
     assert counted == [("layercut-linear", 1), ("shortgpt", 1)]
+    results = json.loads((out / "results.json").read_text())
+    assert results["refused"]["layercut-linear@1"]["recipe_digest"] == "another"

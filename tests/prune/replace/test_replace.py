@@ -392,8 +392,10 @@ def test_fold_on_an_architecture_without_an_mlp_output_projection(monkeypatch):
 def test_fold_errors_for_block_zero_and_normed_mlp_output():
     with pytest.raises(LayercutError, match="span starting at block 0 has no previous block.*--protect"):
         replace_blocks_(make_tiny_model("llama"), [0, 1], calibration(), quick("fold"))
-    with pytest.raises(LayercutError, match="'gemma2' normalises the MLP output"):
+    with pytest.raises(LayercutError, match="^--replace fold: 'gemma2' normalises the MLP output"):
         replace_blocks_(make_tiny_model("gemma2"), [2], calibration(), quick("fold"))
+    with pytest.raises(LayercutError, match="^--replace cosine: 'gemma2' normalises the MLP output"):
+        replace_blocks_(make_tiny_model("gemma2"), [2], calibration(), quick("cosine"))
 
 
 def test_method_defaults_and_a_resolved_config_validates_again():

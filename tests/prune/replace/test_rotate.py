@@ -164,4 +164,4 @@ def test_the_joint_fit_starts_at_fold_and_recovers_a_planted_rotation():
 def test_layouts_that_cannot_carry_a_rotation_are_refused_in_one_line(model_type, why):
     with pytest.raises(LayercutError, match=why) as error:
         check_rotatable(make_tiny_model(model_type))
-    assert "\n" not in str(error.value) and "--replace fold" in str(error.value)
+    assert "\n" not in str(error.value) and str(error.value).startswith("--replace fold-rotate: ")
