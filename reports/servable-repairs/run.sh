@@ -145,7 +145,9 @@ python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4 --m
 #     before the model loaded, and gromov-heal at drop 4 as refused in its cell (since 3f9af6c a refused cell is
 #     recorded and the others run). Then --drop 4 --methods sleb,reassessing,layercut-local-kl,layercut-linear-distill:
 #     SLEB's first two steps were read back from drop 2's passes (blocks 9, 8), and it was stopped in its third step
-#     after 8 of 16 passes (kept in measurements.json): that command resumes there.
+#     after 8 of 16 passes (kept in measurements.json): that command resumes there. 2026-11-30: it ran again, SLEB
+#     finished (blocks 9, 8, 7, 6) and Reassessing ran; stopped in layercut-local-kl's repaired-greedy-kl selection
+#     (its measured sets kept): --drop 4 --methods layercut-local-kl,layercut-linear-distill resumes the rest.
 python -m eval.compare --samples 32 --model "$GEMMA" --drop 4 --threads 2 --speed-tokens 0 \
   --methods llm-streamline,layercut-local-heal,layercut-local,layercut-linear,shortgpt,gromov,gromov-heal,layercut-local-kl,reassessing,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
