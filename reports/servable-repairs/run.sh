@@ -149,6 +149,8 @@ python -m eval.compare --samples 32 --model "$GEMMA" --data builtin --drop 4 --m
 #     after 8 of 16 passes (kept in measurements.json): that command resumes there. 2026-11-30: it ran again, SLEB
 #     finished (blocks 9, 8, 7, 6) and Reassessing ran; stopped in layercut-local-kl's repaired-greedy-kl selection
 #     (its measured sets kept): --drop 4 --methods layercut-local-kl,layercut-linear-distill resumes the rest.
+#     2026-11-30: it ran both (layercut-local-kl on blocks 15, 9, 8, 7). The grid's one cell not run is
+#     layercut-linear-distill at drop 2 (--drop 2 --methods layercut-linear-distill, about 40 min here).
 python -m eval.compare --samples 32 --model "$GEMMA" --drop 4 --threads 2 --speed-tokens 0 \
   --methods llm-streamline,layercut-local-heal,layercut-local,layercut-linear,shortgpt,gromov,gromov-heal,layercut-local-kl,reassessing,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
