@@ -16,7 +16,6 @@ rate were not tuned here. (``fold`` solves the less constrained ``W'`` directly,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -124,7 +123,7 @@ class CosineFitter(CachingFitter):
 register_method(Method(
     "cosine", "ReplaceMe: T on the previous block's MLP output (cosine objective; steps 0: least squares), "
     "folded into it", serving=VANILLA, closed_form=True, offloadable=True, options=CosineOptions, fitter=CosineFitter,
-    check_model=partial(check_fold_architecture, method="cosine"), check_spans=partial(check_foldable, method="cosine"),
+    check_model=check_fold_architecture, check_spans=check_foldable,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=lambda record: f"{record['objective']} T folded into the previous block's {record['rewrites']}",
 ))

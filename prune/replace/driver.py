@@ -251,7 +251,7 @@ def check_replacement_supported(model: nn.Module, method: str) -> None:
     """Architecture-level checks for ``method`` that need no calibration pass (run them before scoring)."""
     spec = get_method(method)
     if spec.check_model is not None:
-        spec.check_model(model)
+        spec.check_model(model, spec.name)
 
 
 def check_drop_for_method(method: str, count: int, fix: str | None = None) -> None:
@@ -302,7 +302,7 @@ def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.
     spans = spans_of(check_block_indices(dropped, len(original)))
     check_span_lengths(config.method, spans)
     if spec.check_spans is not None:
-        spec.check_spans(model, spans)
+        spec.check_spans(model, spans, spec.name)
     fitters = [spec.fitter(model, original, span, config) for span in spans]
     if is_offloaded(model):
         return _noted(_fit_offloaded(model, fitters, token_ids, config), token_ids, config)

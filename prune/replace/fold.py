@@ -68,7 +68,7 @@ def mlp_output_projection(model: nn.Module, block: nn.Module) -> nn.Module:
 def check_fold_architecture(model: nn.Module, method: str = "fold") -> None:
     """Fail early when no block of this model can absorb a fold (before any calibration pass).
 
-    ``method``: the ``--replace`` the one-line error names (every folding method shares this check).
+    ``method``: the ``--replace`` the one-line error names (the registry passes each folding method's name).
     """
     model_type = model.config.model_type
     normed = arch_spec(model).mlp_out_norm  # found by structure: gemma2/3, olmo2/3, glm4, ...

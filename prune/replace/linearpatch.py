@@ -54,7 +54,7 @@ def orthonormal_hadamard(dim: int, seed: int = 0) -> torch.Tensor:
     return torch.kron(hadamard.contiguous(), q.contiguous())
 
 
-def check_linearpatch_architecture(model: nn.Module) -> None:
+def check_linearpatch_architecture(model: nn.Module, method: str = "linearpatch") -> None:
     """Refuse models whose blocks normalise each sub-layer's output before the residual add.
 
     The rotation is meant for outliers at a few tokens. Gemma-3-270M, a sandwich-norm model (found by
@@ -66,7 +66,7 @@ def check_linearpatch_architecture(model: nn.Module) -> None:
     """
     normed = arch_spec(model).mlp_out_norm
     if normed:
-        raise LayercutError(f"--replace linearpatch: '{model.config.model_type}' normalises each sub-layer's "
+        raise LayercutError(f"--replace {method}: '{model.config.model_type}' normalises each sub-layer's "
                             f"output ({normed}), and its Hadamard patch then mixes the massive channels into every "
                             "other one; use --replace linear or none")
 

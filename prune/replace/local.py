@@ -89,11 +89,11 @@ def measured_as_map(config: ReplaceConfig) -> ReplaceConfig:
                          short=config.short or 0, batch_size=config.batch_size, seed=config.seed)
 
 
-def check_local_spans(_model: nn.Module, spans) -> None:
+def check_local_spans(_model: nn.Module, spans, method: str = "local") -> None:
     """A span from block 0 has no block before it to retrain."""
     for span in spans:
         if span[0] == 0:
-            raise LayercutError(f"--replace local retrains the block before the span, and blocks {list(span)} start "
+            raise LayercutError(f"--replace {method} retrains the block before the span, and blocks {list(span)} start "
                                 "at block 0: protect block 0 (--protect 0,-1) or use --replace linear / block")
 
 

@@ -59,18 +59,19 @@ def writers(model: nn.Module, block: nn.Module) -> list[nn.Module]:
     return [attention_output_projection(model, block), mlp_output_projection(model, block)]
 
 
-def check_magcomp_architecture(model: nn.Module) -> None:
+def check_magcomp_architecture(model: nn.Module, method: str = "magcomp") -> None:
     """Fail before any calibration pass where scaling the output projections would not compensate."""
     model_type = model.config.model_type
     normed = arch_spec(model).mlp_out_norm  # sandwich norms (gemma2/3, olmo2/3, ...), found by structure
     if normed:
-        raise LayercutError(f"--replace magcomp: '{model_type}' normalises each sub-layer's output "
+        raise LayercutError(f"--replace {method}: '{model_type}' normalises each sub-layer's output "
                             f"({normed}), which undoes the scaling; use --replace linear or none")
     if getattr(model.config, "do_layer_norm_before", True) is False:
-        raise LayercutError(f"--replace magcomp needs pre-norm blocks; this '{model_type}' normalises after the "
+        raise LayercutError(f"--replace {method} needs pre-norm blocks; this '{model_type}' normalises after the "
                             "residual add: use --replace linear or none")
     if getattr(model, "hf_quantizer", None) is not None:
-        raise LayercutError("--replace magcomp rewrites weights: load the model without --load-in-4bit/--load-in-8bit")
+        raise LayercutError(f"--replace {method} rewrites weights: load the model without "
+                            "--load-in-4bit/--load-in-8bit")
     writers(model, get_blocks(model)[1][0])
 
 

@@ -53,9 +53,12 @@ class Method:
         fitter: the :class:`~prune.replace.fitter.SpanFitter` class that fits one span; None: the
             blocks are only removed.
         fits: the ``--fit`` values it supports.
-        check_model: ``(model) -> None``, raises when the architecture cannot take the method (no
-            calibration pass needed, so it runs before scoring).
-        check_spans: ``(model, spans) -> None``, raises when these spans cannot be replaced (before fitting).
+        check_model: ``(model, method) -> None``, raises when the architecture cannot take the method (no
+            calibration pass needed, so it runs before scoring). ``method`` is the name it was registered
+            under, for the one-line error to name the ``--replace`` given: one check serves every method that
+            registers it.
+        check_spans: ``(model, spans, method) -> None``, raises when these spans cannot be replaced (before
+            fitting); ``method`` as for ``check_model``.
         min_span: the fewest contiguous blocks one replacement may stand for (a method that puts a whole
             block in a span's place needs 2: a span of one would get a copy of itself).
         module: the ``nn.Module`` type it puts on a kept block, saved in ``replacements.safetensors``.
@@ -88,8 +91,8 @@ class Method:
     options: type[MethodOptions] = MethodOptions
     fitter: type[SpanFitter] | None = None
     fits: tuple[str, ...] = FITS
-    check_model: Callable[[nn.Module], None] | None = None
-    check_spans: Callable[[nn.Module, Sequence[tuple[int, ...]]], None] | None = None
+    check_model: Callable[[nn.Module, str], None] | None = None
+    check_spans: Callable[[nn.Module, Sequence[tuple[int, ...]], str], None] | None = None
     min_span: int = 1
     module: type[nn.Module] | None = None
     spec: Callable[[nn.Module], dict] | None = None

@@ -139,9 +139,9 @@ def _unsupported(model: nn.Module, why: str) -> LayercutError:
     return LayercutError(f"--replace fold-rotate: '{model.config.model_type}' {why}; use --replace fold")
 
 
-def check_rotatable(model: nn.Module) -> None:
+def check_rotatable(model: nn.Module, method: str = "fold-rotate") -> None:
     """Fail early, in one line, where no change of basis can carry a rotation (before any calibration pass)."""
-    check_fold_architecture(model, "fold-rotate")  # sandwich norms and quantized weights are refused there
+    check_fold_architecture(model, method)  # sandwich norms and quantized weights are refused there
     _, blocks = get_blocks(model)
     for name in arch_spec(model).norms:
         _check_gain_norm(model, get_submodule(blocks[0], name))
@@ -434,7 +434,7 @@ register_method(Method(
     blockwise_refusal="rewrites every weight before the cut, the embedding's included (a change of basis of the "
     "residual stream)", closed_form=True,
     options=RotateOptions, fitter=RotateFitter, check_model=check_rotatable,
-    check_spans=partial(check_foldable, method="fold-rotate"),
+    check_spans=check_foldable,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=_describe, default_for=rotate_default, adds_params=untie_cost,
     fit_width=lambda hidden, intermediate: hidden + intermediate,

@@ -132,9 +132,9 @@ class RepairedCosts:
         shipped = get_method(replace.method)
         # a method whose fit trains is measured through the closed-form repair it declares in its place, which
         # must still refuse the spans the shipped method refuses
-        self._shipped_checks = None
+        self._shipped = None
         if shipped.measured_as is not None:
-            replace, self._shipped_checks = shipped.measured_as(replace), shipped.check_spans
+            replace, self._shipped = shipped.measured_as(replace), shipped
         spec = get_method(replace.method)
         if spec.fitter is not None and "independent" not in spec.fits:
             raise LayercutError(f"a repaired selection fits each span alone on the original model's states, which "
@@ -193,8 +193,9 @@ class RepairedCosts:
         spans = spans_of(sorted(blocks))
         try:
             check_span_lengths(self.config.method, spans)
-            if self._shipped_checks is not None:  # what the shipped method refuses, its stand-in may not
-                self._shipped_checks(self.model, spans)
+            if self._shipped is not None and self._shipped.check_spans is not None:
+                # what the shipped method refuses, its stand-in may not fit
+                self._shipped.check_spans(self.model, spans, self._shipped.name)
         except LayercutError:
             return False
         return True

@@ -26,6 +26,7 @@ from prune.replace import (
     block_layout,
     check_replacement_supported,
     describe_replacement,
+    fit_replacements,
     get_method,
     parameter_count,
     register_method,
@@ -187,6 +188,21 @@ def test_a_registered_method_is_available_everywhere(toy_method, tmp_path, tiny_
     assert parse_variants("scale,scale+sequential+distill") and VARIANTS["scale+distill"] == Variant("scale",
                                                                                                    distill=True)
     assert list(VARIANTS)[-1] == "scale"  # compared by default too
+
+
+def test_a_shared_check_names_the_method_that_registered_it():
+    # fold, fold-rotate and ReplaceMe's cosine register the same checks; each refusal names the --replace given
+    from prune.replace.fold import FoldFitter, FoldOptions, check_fold_architecture, check_foldable
+
+    register_method(Method("fold-twin", "fold under another name (test only)", serving="vanilla", options=FoldOptions,
+                           fitter=FoldFitter, check_model=check_fold_architecture, check_spans=check_foldable))
+    try:
+        with pytest.raises(LayercutError, match="^--replace fold-twin: 'gemma3_text' normalises the MLP output"):
+            check_replacement_supported(make_tiny_model("gemma3_text"), "fold-twin")
+        with pytest.raises(LayercutError, match=r"^--replace fold-twin cannot replace blocks \[0, 1\]"):
+            fit_replacements(make_tiny_model("llama"), [0, 1], calibration(), ReplaceConfig(method="fold-twin"))
+    finally:
+        unregister_method("fold-twin")
 
 
 def test_unregistered_method_is_gone(toy_method):
