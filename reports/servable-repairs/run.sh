@@ -84,7 +84,8 @@ python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --
 #    linearpatch-distill,gromov-heal, then replaceme-cosine,shortgpt,gromov,replaceme-ls,prune-comp,linearpatch,
 #    layercut-local,layercut-local-heal,reassessing,sleb; stopped after layercut-local, then run again with
 #    --methods layercut-local-heal,reassessing,sleb and stopped in SLEB's first pass: the same command resumes at SLEB)
-#    2026-11-30: --drop 4 --methods sleb ran it at drop 4 (blocks 17, 16, 18, 14); drops 6 and 8 resume the same way
+#    2026-11-30: --drop 4 --methods sleb ran it at drop 4 (blocks 17, 16, 18, 14), then --drop 6,8 --methods sleb
+#    at drops 6 and 8: every peer recipe has run at drops 4, 6 and 8
 python -m eval.compare --samples 32 --model smollm2-135m --drop 8 --threads 2 --speed-tokens 0 \
   --methods shortgpt,gromov,replaceme-ls,replaceme-cosine,linearpatch,prune-comp,layercut-local,gromov-heal,reassessing,layercut-local-heal,sleb \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
