@@ -135,8 +135,8 @@ def _note_input(fed: dict, module: nn.Module, args: tuple) -> None:
     fed.setdefault(module, args[0])
 
 
-def _unsupported(model: nn.Module, why: str) -> LayercutError:
-    return LayercutError(f"--replace fold-rotate: '{model.config.model_type}' {why}; use --replace fold")
+def _unsupported(model: nn.Module, why: str, method: str = "fold-rotate") -> LayercutError:
+    return LayercutError(f"--replace {method}: '{model.config.model_type}' {why}; use --replace fold")
 
 
 def check_rotatable(model: nn.Module, method: str = "fold-rotate") -> None:
@@ -144,15 +144,15 @@ def check_rotatable(model: nn.Module, method: str = "fold-rotate") -> None:
     check_fold_architecture(model, method)  # sandwich norms and quantized weights are refused there
     _, blocks = get_blocks(model)
     for name in arch_spec(model).norms:
-        _check_gain_norm(model, get_submodule(blocks[0], name))
+        _check_gain_norm(model, get_submodule(blocks[0], name), method)
 
 
-def _check_gain_norm(model: nn.Module, norm: nn.Module) -> None:
+def _check_gain_norm(model: nn.Module, norm: nn.Module, method: str) -> None:
     """The norm must compute ``gain * x / rms(x)``: probed on a wide input, where the epsilon does not count."""
     weight = getattr(norm, "weight", None)
     if weight is None or weight.dim() != 1 or getattr(norm, "bias", None) is not None:
         raise _unsupported(model, f"uses {type(norm).__name__}, not an RMSNorm with a gain (a LayerNorm "
-                              "subtracts the mean, which a rotation does not keep)")
+                              "subtracts the mean, which a rotation does not keep)", method)
     if weight.is_meta:  # a model built on the meta device (the planner's): the form is probed on a filled copy
         norm = copy.deepcopy(norm).to_empty(device="cpu")
         with torch.no_grad():
@@ -166,7 +166,7 @@ def _check_gain_norm(model: nn.Module, norm: nn.Module) -> None:
     tolerance = 1e-4 if weight.dtype == torch.float32 else 2e-2
     if not torch.allclose(got, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max())):
         raise _unsupported(model, f"uses {type(norm).__name__}, whose output is not gain * x / rms(x), which "
-                           "alone commutes with a rotation")
+                           "alone commutes with a rotation", method)
 
 
 # ---- the joint fit ------------------------------------------------------------------------------------
@@ -433,8 +433,7 @@ register_method(Method(
     "the previous block's MLP (plain checkpoint; unties a tied head)", serving=VANILLA,
     blockwise_refusal="rewrites every weight before the cut, the embedding's included (a change of basis of the "
     "residual stream)", closed_form=True,
-    options=RotateOptions, fitter=RotateFitter, check_model=check_rotatable,
-    check_spans=check_foldable,
+    options=RotateOptions, fitter=RotateFitter, check_model=check_rotatable, check_spans=check_foldable,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=_describe, default_for=rotate_default, adds_params=untie_cost,
     fit_width=lambda hidden, intermediate: hidden + intermediate,

@@ -165,3 +165,5 @@ def test_layouts_that_cannot_carry_a_rotation_are_refused_in_one_line(model_type
     with pytest.raises(LayercutError, match=why) as error:
         check_rotatable(make_tiny_model(model_type))
     assert "\n" not in str(error.value) and str(error.value).startswith("--replace fold-rotate: ")
+    with pytest.raises(LayercutError, match=f"^--replace rotate-twin: .*{why}"):  # the name it is registered as
+        check_rotatable(make_tiny_model(model_type), "rotate-twin")
