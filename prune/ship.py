@@ -1,113 +1,14 @@
-"""From a model and a budget to the best checkpoint your engine serves, verified there, in one command.
+"""``python -m prune.ship``: the command users were first shown, kept as an alias of :mod:`ship.cli`.
 
     python -m prune.ship --model smollm2-135m --drop 8 --engine llamacpp --out slim8/
-    python -m prune.ship --model smollm2-135m --target-speedup 1.25 --engine vllm --time-budget 30m --out slim/
-    python -m prune.ship --model gemma3-270m --drop 4 --engine transformers --heldout wiki.txt --out gemma-slim/
 
-Plans (refuses what cannot fit, in one line), scores every block once, shortlists block sets x servable repairs,
-measures each on calibration rows no fit saw (KL from the original and perplexity), builds the best one as
-``prune.run`` would, heals it by distillation within the time left (kept when it helps on unseen rows), exports
-it (a GGUF for llama.cpp), checks it in the engine against transformers and writes ``OUT/README.md``: what was
-chosen and why, what was lost, the speed, the commands that reproduce it.
-Stopped anywhere (Ctrl-C, ``kill -9``), the same command continues from ``OUT.work/``
-(:mod:`prune.pipeline.ship`).
+``prune.ship`` lives on its own floor above ``eval`` and ``distill`` (the top-level ``ship`` package); this
+module only forwards to its command, the one import from ``prune`` upwards, declared in ``pyproject.toml``.
 """
 
-from __future__ import annotations
+from ship.cli import build_parser, config_from_args, console_main, main
 
-import argparse
-
-from prune.checkpoint.gguf import OUTTYPES
-from prune.errors import LayercutError, cli_entry
-from prune.options import (
-    add_data_arguments,
-    add_load_arguments,
-    add_threads_argument,
-    apply_threads,
-    data_config_from_args,
-    load_config_from_args,
-)
-from prune.pipeline.config import PruneConfig
-from prune.pipeline.ship import ENGINES, ShipConfig, Shipper, parse_duration, remove_work
-from prune.selection.strategies import DEFAULT_PROTECT
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``prune.ship`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m prune.ship", description=__doc__.split("\n")[0])
-    add_load_arguments(parser)
-    add_data_arguments(parser, samples=64, seq_len=512, heldout_samples=8)
-    group = parser.add_argument_group("budget (one of)")
-    group.add_argument("--drop", default=None, help="blocks to remove: a count (4) or a share (25%%)")
-    group.add_argument("--target-speedup", type=float, default=None, metavar="X",
-                       help="remove the fewest blocks whose ideal decode speed-up L/(L-K) reaches X (1.25)")
-    group.add_argument("--target-params", default=None, metavar="N|P%",
-                       help="remove the fewest blocks that bring the parameters to N (110M, 1.2B) or P%% of the "
-                       "model's")
-    group.add_argument("--protect", default=DEFAULT_PROTECT,
-                       help="blocks never dropped, negative from the end, or 'none' (default: 0,-1)")
-    group.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
-    group = parser.add_argument_group("shipping")
-    group.add_argument("--engine", default="llamacpp", choices=list(ENGINES),
-                       help="where the checkpoint is served and verified (default: llamacpp)")
-    group.add_argument("--time-budget", default=None, metavar="DURATION",
-                       help="how long the whole run may take (30m, 1h): refused up front when the plan says more; "
-                       "the shortlist stops measuring at half of it (default: no limit)")
-    group.add_argument("--heldout", action="append", default=[], metavar="TEXT",
-                       help="held-out text (.txt/.jsonl/.parquet or datasets spec), one per domain, for the card's "
-                       "perplexities in transformers and the engine (repeatable; default: held-out rows of the "
-                       "calibration source)")
-    group.add_argument("--gguf-type", default="f32", choices=OUTTYPES,
-                       help="the GGUF written for llama.cpp (default: f32; the engine check also runs it when "
-                       "quantised)")
-    group.add_argument("--converter", default=None,
-                       help="llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_CONVERTER)")
-    group.add_argument("--repeats", type=int, default=3, help="timed rounds of the speed check (default: 3)")
-    group.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of the speed check (default: 256)")
-    group.add_argument("--new-tokens", type=int, default=64, help="tokens the speed check generates (default: 64)")
-    group.add_argument("--heal-steps", type=int, default=200, metavar="N",
-                       help="at most N steps of distillation towards the original after the build (KL, LoRA merged: "
-                       "the checkpoint stays plain), as many as --time-budget leaves; kept only when it lowers the "
-                       "KL on the calibration rows it does not train on (default: 200; 0: no healing)")
-    group.add_argument("--no-verify", action="store_true", help="skip the engine checks (the card says so)")
-    group = parser.add_argument_group("output")
-    group.add_argument("--out", required=True, help="folder of the shipped checkpoint (OUT.work/ keeps each stage)")
-    group.add_argument("--overwrite", action="store_true",
-                       help="start again: delete OUT.work/ first (a shipped OUT/ is never replaced: remove it)")
-    add_threads_argument(parser)
-    return parser
-
-
-def config_from_args(args: argparse.Namespace) -> ShipConfig:
-    """The :class:`ShipConfig` of the parsed flags."""
-    if args.repeats < 1:
-        raise LayercutError(f"--repeats must be at least 1, got {args.repeats}")
-    prune = PruneConfig(load=load_config_from_args(args), data=data_config_from_args(args), drop=args.drop,
-                        target_params=args.target_params, target_speedup=args.target_speedup, protect=args.protect,
-                        batch_size=args.batch_size, replace="none", out=args.out)
-    return ShipConfig(prune=prune, out=args.out, engine=args.engine,
-                      time_budget=None if args.time_budget is None else parse_duration(args.time_budget),
-                      heldout=list(args.heldout), gguf_type=args.gguf_type, converter=args.converter,
-                      verify=not args.no_verify, speed_repeats=args.repeats, prompt_len=args.prompt_len,
-                      new_tokens=args.new_tokens, threads=args.threads, heal_steps=args.heal_steps)
-
-
-@cli_entry
-def main(argv: list[str] | None = None) -> int:
-    """Run the ship CLI; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    apply_threads(args)
-    config = config_from_args(args)
-    if args.overwrite:
-        remove_work(config)
-    Shipper(config).run()
-    return 0
-
-
-def console_main() -> None:
-    """Console-script entry point (``layercut-ship``)."""
-    raise SystemExit(main())
-
+__all__ = ["build_parser", "config_from_args", "console_main", "main"]
 
 if __name__ == "__main__":
     console_main()

@@ -93,32 +93,43 @@ def score_engine(engine_name: str, models: dict[str, str], windows: list[list[in
 
     The greedy ids continue the first window's first 32 tokens for ``greedy_tokens`` steps.
     """
+    return score_texts(engine_name, models, {"": windows}, settings, greedy_tokens)[""]
+
+
+def score_texts(engine_name: str, models: dict[str, str], texts: dict[str, list[list[int]]], settings,
+                greedy_tokens: int = 32) -> dict[str, dict[str, dict]]:
+    """:func:`score_engine` on several texts' windows, each model loaded once: {text: {model label: row}}."""
     engine = get_engine(engine_name)
     engine.check()
-    rows = {}
+    rows: dict[str, dict[str, dict]] = {text: {} for text in texts}
     for label, path in tqdm(models.items(), desc=f"serving {engine_name}", unit="model"):
         layout = model_layout(path)
         row = {"engine": engine_name, "version": engine.version(), "layout": layout.get("layout")}
         why = engine.refusal(layout)  # the layouts it runs, as it declares them
         if why:
-            rows[label] = {**row, "runs": False, "why": why}
+            for text in texts:
+                rows[text][label] = {**row, "runs": False, "why": why}
             continue
         started = time.perf_counter()
         try:
             handle = engine.load(path, settings)
         except LayercutError as err:
-            rows[label] = {**row, "runs": False, "why": str(err)}
+            for text in texts:
+                rows[text][label] = {**row, "runs": False, "why": str(err)}
             continue
         try:
-            total, count = 0.0, 0
-            for window in windows:
-                nll, n = engine.nll(handle, window)
-                total, count = total + nll, count + n
-            greedy = engine.greedy(handle, [windows[0][:32]], greedy_tokens) if greedy_tokens else []
+            for text, windows in texts.items():
+                total, count = 0.0, 0
+                for window in windows:
+                    nll, n = engine.nll(handle, window)
+                    total, count = total + nll, count + n
+                greedy = engine.greedy(handle, [windows[0][:32]], greedy_tokens) if greedy_tokens else []
+                rows[text][label] = {**row, "runs": True, "blocks": handle.blocks, "nll": total, "predicted": count,
+                                     "ppl": math.exp(total / count), "greedy": greedy,
+                                     "seconds": time.perf_counter() - started}
+                started = time.perf_counter()
         finally:
             engine.close(handle)
-        rows[label] = {**row, "runs": True, "blocks": handle.blocks, "nll": total, "predicted": count,
-                       "ppl": math.exp(total / count), "greedy": greedy, "seconds": time.perf_counter() - started}
     return rows
 
 

@@ -174,15 +174,18 @@ def check_servable(folder: Path) -> str:
 GGUF_FOLDER = "gguf"  # the checkpoint's sub-folder a GGUF export goes to when not told
 
 
-def default_output(folder: Path, outtype: str) -> Path:
+def default_output(folder: Path, outtype: str, name: str | None = None) -> Path:
     """Where the GGUF goes when not told: ``FOLDER/gguf/<name>-<type>.gguf``, apart from the checkpoint's tokenizer.
+
+    ``name`` defaults to the folder's; a folder that is renamed once written (``prune.ship``'s work folder
+    becomes ``--out``) passes the name it will have.
 
     transformers reads ``from_pretrained(folder, gguf_file=...)`` against the folder: beside the checkpoint's
     ``tokenizer.json`` the GGUF's own tokenizer is replaced by it and its chat template and special tokens are
     read from neither file (``chat_template`` and ``eos_token`` come back None). In a folder of its own the GGUF
     loads whole in transformers, as in llama.cpp, and the checkpoint stays one folder to copy or upload.
     """
-    return folder / GGUF_FOLDER / f"{folder.resolve().name}-{outtype}.gguf"
+    return folder / GGUF_FOLDER / f"{name or folder.resolve().name}-{outtype}.gguf"
 
 
 def export_gguf(folder: str | Path, out: str | Path | None = None, outtype: str = "f32",

@@ -204,14 +204,21 @@ def model_card(report: dict, plain: bool = True, name: str = "path/to/this/folde
             whose writer adds how to load it).
         name: the folder's name, used in the code the card shows.
     """
+    return render_card(card_sections(report, plain, name))
+
+
+def card_sections(report: dict, plain: bool = True, name: str = "path/to/this/folder") -> dict[str, list[str]]:
+    """The card's sections of ``report``, by name, in the order :func:`model_card` renders them.
+
+    ``front`` (the hub's YAML header), ``title``, ``made`` (what was removed, how it was chosen),
+    ``replacements``, ``distill``, ``heldout`` and ``use``. A tool that writes its own card (``prune.ship``)
+    renders the ones it keeps beside its own, so each line is made once, from the final report.
+    """
     base = base_model_id(report.get("model_name"), str(report.get("source_model", "")))
     license_ = report_license(report)  # read once: recorded, a card file or a GGUF header
     report = portable_report(report)  # no path of this machine in the card
     dropped = report.get("dropped", [])
-    lines = [
-        *_front_matter(base, license_),
-        f"# {Path(str(report.get('source_model', 'model'))).name} with {_what_removed(report)} removed",
-        "",
+    made = [
         f"Made with layercut from `{report.get('source_model')}`: {report.get('num_blocks_before')} decoder blocks "
         f"-> {report.get('num_blocks_after')}. Removed blocks (0-based, original numbering): {dropped}."
         + (f" Removed sub-layers (block.kind, original numbering): {', '.join(report['sublayers']['units'])}."
@@ -224,13 +231,24 @@ def model_card(report: dict, plain: bool = True, name: str = "path/to/this/folde
         *_license_note(base, license_),
     ]
     if plain:
-        lines += ["It is a plain checkpoint: `AutoModelForCausalLM.from_pretrained(path)` loads it, no custom code.",
-                  ""]
+        made += ["It is a plain checkpoint: `AutoModelForCausalLM.from_pretrained(path)` loads it, no custom code.",
+                 ""]
     replacements = report.get("replacements") or []
-    if replacements:
-        lines += ["## Replacements", "", *(f"- {describe_replacement(r)}" for r in replacements), ""]
-    lines += _distill_section(report.get("distill")) + _heldout_section(report.get("heldout"))
-    return "\n".join(lines + use_section(name, plain, report.get("serving")))
+    return {
+        "front": _front_matter(base, license_),
+        "title": [f"# {Path(str(report.get('source_model', 'model'))).name} with {_what_removed(report)} removed", ""],
+        "made": made,
+        "replacements": ["## Replacements", "", *(f"- {describe_replacement(r)}" for r in replacements), ""]
+        if replacements else [],
+        "distill": _distill_section(report.get("distill")),
+        "heldout": _heldout_section(report.get("heldout")),
+        "use": use_section(name, plain, report.get("serving")),
+    }
+
+
+def render_card(sections: dict[str, list[str]]) -> str:
+    """The card's text: its sections' lines in order."""
+    return "\n".join(line for lines in sections.values() for line in lines)
 
 
 def _number(value) -> str:

@@ -96,18 +96,18 @@ DRIVER = textwrap.dedent("""
         cls = prune.selection.repaired.RepairedCosts
         die_after(cls, "measure_sets", lambda n, args: n == 2)
     elif fault == "ship-build":  # the checkpoint written, its stage not marked done
-        import prune.pipeline.ship
-        die_after(prune.pipeline.ship, "run_prune", lambda n, args: True)
+        import ship.build
+        die_after(ship.build, "run_prune", lambda n, args: True)
     elif fault == "ship-heal":  # the healing trained and measured, its stage not marked done
-        import prune.pipeline.ship
-        die_after(prune.pipeline.ship, "divergence", lambda n, args: n == 2)
-    elif fault == "ship-verify":  # the first engine check done, the next not begun
-        import prune.pipeline.ship
-        die_after(prune.pipeline.ship.subprocess, "run", lambda n, args: True)
+        import ship.heal
+        die_after(ship.heal, "divergence", lambda n, args: n == 2)
+    elif fault == "ship-verify":  # the first engine check done and kept, the next not begun
+        import ship.verify
+        die_after(ship.verify, "write_json_atomic", lambda n, args: args[0].name == "serving.json")
     elif fault == "ship-card":  # the card written into the checkpoint, the checkpoint not yet moved to --out
-        import prune.pipeline.ship
-        die_after(prune.pipeline.ship, "_write_atomic", lambda n, args: args[0].name == "ship.json"
-                  and args[0].parent.name == "checkpoint")
+        import ship.shipper
+        die_after(ship.shipper, "write_json_atomic", lambda n, args: args[0].name == "ship.json"
+                  and args[0].parent.name in ("checkpoint", "healed"))
     else:
         raise SystemExit(f"unknown fault {fault}")
     raise SystemExit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))
@@ -491,15 +491,15 @@ def test_prune_ship_killed_in_a_stage_continues_to_the_same_checkpoint(tmp_path,
     assert _shortlist(tmp_path / "slim") == _shortlist(shipped)
     assert_same_tensors(load_file(tmp_path / "slim" / "model.safetensors"), load_file(shipped / "model.safetensors"))
     card = (tmp_path / "slim" / "README.md").read_text()
-    assert card.startswith("---\n") and card.count("<!-- prune.ship -->") == 1
+    assert card.startswith("---\n") and card.count("## What was chosen, and why") == 1
 
 
 def test_prune_ship_killed_between_engine_checks_runs_only_the_checks_left(tmp_path, ship_args):
     args = [*ship_args, "--out", "slim"]
     run_killed(tmp_path, "ship-verify", "prune.ship", args)
     work = tmp_path / "slim.work"
-    assert len(list((work / "verify").glob("0-*/serving.json"))) == 1  # the held-out text's check is done
-    assert not (work / "verify" / "speed" / "speed.json").is_file()
+    assert (work / "verify" / "serving.json").is_file()  # the held-out texts' check is done
+    assert not (work / "verify" / "speed.json").is_file()
     done = run_again(tmp_path, "prune.ship", args)
     assert done.stdout.count("verifying:") == 1, done.stdout  # the speed check alone
     assert "## Speed in transformers" in (tmp_path / "slim" / "README.md").read_text()

@@ -6,7 +6,7 @@ import pytest
 
 from eval.bench.cli import main
 from eval.bench.speed import add_speed_arguments, engine_settings
-from eval.speed.engines import ENGINES
+from eval.speed.engines import ENGINES, setting_values
 from eval.speed.timing import SpeedOptions
 from prune.checkpoint.load_config import LoadConfig
 
@@ -27,7 +27,8 @@ def test_the_workload_flags_default_to_the_speed_options():
 
 def test_the_engines_context_holds_the_workload_and_every_model_shares_the_device():
     args = parse("--gpu-layers", "3", "--threads", "2")
-    settings = engine_settings(args, LoadConfig(dtype="float32"), SpeedOptions(prompt_len=8, new_tokens=3))
+    settings = engine_settings(LoadConfig(dtype="float32"), SpeedOptions(prompt_len=8, new_tokens=3), len(args.model),
+                               args.threads, setting_values(args))
     assert (settings.context, settings.sharing, settings.threads) == (12, 3, 2)  # prompt + new + 1; 1 + 2 models
     assert settings.of(ENGINES["llamacpp"]).gpu_layers == 3 and settings.load.dtype == "float32"
 

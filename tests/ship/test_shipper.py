@@ -1,7 +1,7 @@
 """``prune.ship``: the shortlist it measures, the checkpoint it builds, the card, and its one-line refusals.
 
-The engine checks run ``eval.bench`` in child processes; these tests skip them (``--no-verify``) where they are
-not the point. ``tests/journeys/test_faults.py`` kills the command in each stage.
+The engine checks run in processes of their own; these tests skip them (``--no-verify``) where they are not the
+point. ``tests/journeys/test_faults.py`` kills the command in each stage.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from prune.pipeline.ship import ShipConfig, parse_duration, servable_repairs
 from prune.replace import METHODS
+from ship.config import ShipConfig, parse_duration
+from ship.shortlist import servable_repairs
 from tests.helpers import make_tiny_model, make_tiny_tokenizer, run_prune_cli
 
 
@@ -109,13 +110,14 @@ def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_it_never_trained_on
 
 def test_the_heal_takes_the_steps_the_time_budget_leaves(tmp_path, tiny_folder):
     from prune.pipeline.config import PruneConfig
-    from prune.pipeline.ship import HEAL_MARGIN, HEAL_MIN_STEPS, Shipper
+    from ship.heal import HEAL_MARGIN, HEAL_MIN_STEPS, heal_steps
+    from ship.work import StageResult
 
     def steps(budget, heldout=(), verify=True):
         config = ShipConfig(prune=PruneConfig(load={"model": str(tiny_folder)}, drop=2), out=str(tmp_path / "o"),
                             engine="transformers", time_budget=budget, heldout=list(heldout), verify=verify)
-        plan = {"seconds": 10.0, "planned_heal_seconds": 200.0}  # 1 s a step planned
-        return Shipper(config).heal_steps(plan, [plan, {"seconds": 100.0}, {"seconds": 20.0}])
+        done = [StageResult(seconds=10.0), StageResult(seconds=100.0), StageResult(seconds=20.0)]
+        return heal_steps(config, 200.0, done)  # 1 s a step planned
 
     # spent 130 s; the reserve for the checks: the build's 20 s x (1 text + 2) = 60 s; a step 1 s x HEAL_MARGIN
     assert steps(None) == (200, "--heal-steps 200")
@@ -131,7 +133,11 @@ def test_the_card_opens_with_the_hub_metadata_then_the_choice_and_its_table(ship
     out, _ = shipped
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: transformers")
-    assert card.index("<!-- prune.ship -->") < card.index("## What was chosen, and why") < card.index("## Reproduce")
+    assert card.index("# ") < card.index("## What was chosen, and why") < card.index("## Use") < card.index(
+        "## Reproduce")
+    # rendered once: every section once, the folder to load named as the user got it
+    assert all(card.count(head) == 1 for head in ("## What was chosen", "## What was lost", "## Use", "## Reproduce"))
+    assert f'from_pretrained("{out.name}")' in card and '"checkpoint"' not in card
     assert "| **chosen** |" in card
     assert "Not verified in an engine (--no-verify)." in card
     assert str(out.parent) not in card  # no path of this machine
@@ -178,7 +184,7 @@ def test_a_repair_that_unties_a_tied_head_is_not_a_candidate_when_it_makes_the_m
 ])
 def test_bad_input_is_one_line_before_any_weight_is_read(tiny_folder, text_file, tmp_path, capsys, extra, words,
                                                          monkeypatch, no_model_load):
-    monkeypatch.setattr("prune.pipeline.ship.PLAN_FACTOR", 1e9)  # the tiny model's plan is well under a second
+    monkeypatch.setattr("ship.plan.PLAN_FACTOR", 1e9)  # the tiny model's plan is well under a second
     args = base_args(tiny_folder, text_file)
     with pytest.raises(SystemExit) if extra[0] == "--unit" else _nothing():
         code, _, err = ship(capsys, *args, *extra, "--no-verify", "--out", tmp_path / "o")

@@ -1,0 +1,166 @@
+"""Engine checks as typed requests, each run in a process of its own: what ``prune.ship`` verifies a checkpoint with.
+
+    from eval.bench.checks import ServingCheck, run_in_child
+    figures = run_in_child(ServingCheck(models=(("slim", "slim/", "llamacpp"),), texts=(("ptb", "ptb.txt"),),
+                                        tokenizer="slim/"), log=Path("verify/serving.log"))
+
+A :class:`ServingCheck` scores every (model, engine) pair on the same token ids of each held-out text, each
+model loaded once per engine for all the texts (``eval.bench serving``'s scoring); a :class:`SpeedCheck`
+times a model against its original in one engine (``eval.bench speed``'s). :func:`run_in_child` runs one in
+a fresh Python process: an engine's memory, threads and crashes stay its own, and the
+caller gets the figures back as the function's value, or one line when the check failed (its log has the rest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from prune.errors import LayercutError
+
+# a check's greedy continuation: this many tokens after the first window's first 32
+GREEDY_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class ServingCheck:
+    """Perplexity and greedy ids of models in engines, on the same token ids of each held-out text.
+
+    Attributes:
+        models: (label, model, engine): a model is a checkpoint folder, alias or GGUF file, scored in that engine.
+        texts: (label, held-out text): a .txt/.jsonl/.parquet file or datasets spec.
+        tokenizer: the model whose tokenizer makes the token ids (every engine scores the same ids).
+        seq_len: tokens per window.
+        tokens: held-out tokens scored per text.
+        greedy_tokens: greedy ids generated after each text's first window's first 32 tokens (0: none).
+        threads: CPU threads (None: the free cores).
+        converter: llama.cpp's ``convert_hf_to_gguf.py``, for a folder scored in llama.cpp.
+    """
+
+    models: tuple[tuple[str, str, str], ...]
+    texts: tuple[tuple[str, str], ...]
+    tokenizer: str
+    seq_len: int = 512
+    tokens: int = 4096
+    greedy_tokens: int = GREEDY_TOKENS
+    threads: int | None = None
+    converter: str | None = None
+
+    def run(self) -> dict:
+        """{text label: {"setup": ..., "rows": {model label: {engine: row}}}} (``eval.bench serving``'s rows)."""
+        from eval.bench.serving import held_out_ids, model_layout, score_texts, windows_of
+        from eval.speed.engines import EngineSettings
+
+        windows = {label: windows_of(held_out_ids(text, self.tokenizer), self.seq_len, self.tokens)
+                   for label, text in self.texts}
+        settings = EngineSettings.build(threads=self.threads, context=self.seq_len,
+                                        **({"converter": self.converter} if self.converter else {}))
+        engines: dict[str, dict[str, str]] = {}
+        for label, model, engine in self.models:
+            engines.setdefault(engine, {})[label] = model
+        result = {label: {"setup": _setup(text, self.seq_len, windows[label]), "rows": {}}
+                  for label, text in self.texts}
+        for engine, models in engines.items():
+            scored = score_texts(engine, models, windows, settings, self.greedy_tokens)
+            for text, per_model in scored.items():
+                for label, row in per_model.items():
+                    row.update(serving=model_layout(models[label]), path=str(models[label]))
+                    result[text]["rows"].setdefault(label, {})[engine] = row
+        return result
+
+
+@dataclass(frozen=True)
+class SpeedCheck:
+    """Prefill and decode speed of ``model`` against ``baseline`` in ``engine`` (``eval.bench speed``).
+
+    Attributes:
+        baseline: the original model (name, folder).
+        model: the checkpoint (folder, or a GGUF file for llama.cpp).
+        engine: a registered engine.
+        repeats: timed rounds.
+        prompt_len: prompt tokens (the prefill).
+        new_tokens: tokens generated (the decode).
+        threads: CPU threads (None: the free cores).
+        converter: llama.cpp's ``convert_hf_to_gguf.py``, for a folder timed in llama.cpp.
+    """
+
+    baseline: str
+    model: str
+    engine: str
+    repeats: int = 3
+    prompt_len: int = 256
+    new_tokens: int = 64
+    threads: int | None = None
+    converter: str | None = None
+
+    def run(self) -> dict:
+        """The speed comparison (``speed.json``'s fields)."""
+        from eval.bench.speed import measure_speed
+        from prune.checkpoint.load_config import LoadConfig
+
+        values = {"converter": self.converter} if self.converter else {}
+        return measure_speed(self.engine, self.baseline, [self.model], LoadConfig(model=self.baseline),
+                             repeats=self.repeats, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
+                             threads=self.threads, settings=values)
+
+
+def _setup(text: str, seq_len: int, windows: list[list[int]]) -> dict:
+    return {"heldout": text, "seq_len": seq_len, "windows": len(windows), "predicted": len(windows) * (seq_len - 1),
+            "token_digest": hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]}
+
+
+def run_in_child(check: ServingCheck | SpeedCheck, log: Path) -> dict:
+    """``check.run()`` in a fresh Python process whose output goes to ``log``; its figures.
+
+    The request travels as JSON beside the log (its fields), and the figures come back the same way: the
+    child imports this module alone, not the caller's script.
+
+    Raises:
+        LayercutError: the check failed or its process died; the line names the log.
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
+    request, result = log.with_suffix(".request.json"), log.with_suffix(".result.json")
+    result.unlink(missing_ok=True)
+    request.write_text(json.dumps({"kind": type(check).__name__, "fields": asdict(check)}), encoding="utf-8")
+    code = f"from eval.bench.checks import _child; _child({str(request)!r}, {str(result)!r})"
+    with log.open("w", encoding="utf-8") as handle:
+        done = subprocess.run([sys.executable, "-c", code], stdout=handle, stderr=subprocess.STDOUT, check=False)
+    if done.returncode != 0 or not result.is_file():
+        lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        raise LayercutError(f"the engine check failed ({type(check).__name__}, exit {done.returncode}): "
+                            f"{lines[-1] if lines else 'no output'} (its log: {log})")
+    figures = json.loads(result.read_text(encoding="utf-8"))
+    request.unlink()
+    result.unlink()
+    return figures
+
+
+def _child(request: str, result: str) -> None:
+    """The child's body: the check of ``request`` run, its figures into ``result``; an error as its last line."""
+    data = json.loads(Path(request).read_text(encoding="utf-8"))
+    kind = {cls.__name__: cls for cls in (ServingCheck, SpeedCheck)}[data["kind"]]
+    fields = {key: _tuples(value) for key, value in data["fields"].items()}  # JSON gave lists for the tuples
+    check = kind(**fields)
+    try:
+        if check.threads:
+            import torch
+
+            torch.set_num_threads(check.threads)
+        figures = check.run()
+        Path(result).write_text(json.dumps(figures, default=str), encoding="utf-8")
+    except LayercutError as err:
+        print(f"error: {err}", flush=True)
+        sys.exit(2)
+    except Exception as err:  # noqa: BLE001 - the parent reads the log: the whole traceback goes there
+        traceback.print_exc()
+        print(f"error: {type(err).__name__}: {' '.join(str(err).split())}", flush=True)
+        sys.exit(1)
+
+
+def _tuples(value):
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value

@@ -1,0 +1,49 @@
+"""The build stage: ``prune.run``'s checkpoint of the chosen candidate, written as ``prune.run --out`` writes it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from prune.errors import LayercutError
+from prune.loading.loader import LoadedModel
+from prune.pipeline.config import PruneConfig
+from prune.pipeline.runner import Scored, run_prune
+from ship.shortlist import Shortlist
+from ship.work import StageResult
+
+
+@dataclass(kw_only=True)
+class Built(StageResult):
+    """``build.json``: the blocks removed and the repair, as the checkpoint holds them."""
+
+    blocks: list
+    repair: str
+
+
+def chosen_config(config: PruneConfig, shortlist: Shortlist, out: Path) -> PruneConfig:
+    """The ``prune.run`` config that writes the chosen checkpoint into ``out``."""
+    select, score = shortlist.best.select
+    return dataclasses.replace(config, drop=shortlist.count, target_params=None, target_speedup=None, select=select,
+                               score=score, replace=shortlist.best.repair, auto_replace=False, out=str(out),
+                               overwrite=True)
+
+
+def build(config: PruneConfig, shortlist: Shortlist, out: Path, loaded: LoadedModel | None = None,
+          scored: Scored | None = None) -> Built:
+    """Write the chosen candidate's checkpoint into ``out``.
+
+    ``loaded`` and ``scored``: the model and its scoring pass, when this process has them (the shortlist
+    ran here); a resumed run loads and scores again, as ``prune.run`` does. ``loaded`` is surgered in place.
+    """
+    chosen = shortlist.best
+    run = chosen_config(config, shortlist, out)
+    if loaded is None or scored is None:
+        result = run_prune(run)
+    else:
+        result = run_prune(run, loaded=loaded, scored=scored)
+    if result.dropped != chosen.blocks:
+        raise LayercutError(f"prune.run chose blocks {result.dropped} where the shortlist measured "
+                            f"{chosen.blocks}: report this (its selection is not deterministic)")
+    return Built(blocks=chosen.blocks, repair=chosen.repair)

@@ -1,0 +1,151 @@
+"""One ``prune.ship`` run's settings (:class:`ShipConfig`), its durations and the engines it verifies in.
+
+The engines are :mod:`eval.speed.engines`' registry: the ones whose declared layouts include the plain
+(``vanilla``) one, so a new engine that runs plain checkpoints is a ship target with no change here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eval.speed.engines import ENGINES
+from prune.errors import LayercutError
+from prune.model.layouts import VANILLA
+from prune.pipeline.config import PruneConfig
+
+# the healing: KL on the logits (distill's default objective) through LoRA on every Linear of the kept blocks and
+# the fold's projections trained in full, merged at the end (a plain checkpoint). LoRA, not the projections alone:
+# on the selection split (SmolLM2-135M, drop 8, fold-rotate, 200 steps; reports/servable-repairs/) it left the
+# lower perplexity on every text
+HEAL_OPTIONS = {"train": "lora"}
+DEFAULT_HEAL_STEPS = 200
+
+
+def ship_engines() -> list[str]:
+    """The registered engines that run a plain checkpoint, the reference first (``--engine``'s choices)."""
+    return [name for name, engine in ENGINES.items() if VANILLA in engine.layouts]
+
+
+def engine_display(name: str) -> str:
+    """How text names engine ``name`` (``llama.cpp``)."""
+    return ENGINES.get(name).display or name
+
+
+@dataclass
+class ShipConfig:
+    """One ``prune.ship`` run.
+
+    Attributes:
+        prune: the model, its calibration and the budget (``drop``, ``target_speedup`` or ``target_params``);
+            its ``select``, ``score`` and ``replace`` are what the shortlist chooses.
+        out: the folder the checkpoint and its card end in (``OUT.work/`` holds every stage's output).
+        engine: a registered engine that runs plain checkpoints (:func:`ship_engines`): where it is verified.
+        time_budget: seconds the whole run may take (None: no limit); the plan is held against it.
+        heldout: held-out text files (or datasets specs), one per domain, for the card's perplexities; none:
+            the calibration source's held-out rows.
+        gguf_type: the GGUF written for llama.cpp (``prune.checkpoint.gguf.OUTTYPES``).
+        converter: llama.cpp's ``convert_hf_to_gguf.py`` (default: ``$LLAMA_CPP_CONVERTER``).
+        verify: run the engine checks (off: the card says the checkpoint was not verified).
+        speed_repeats: timed rounds of the speed check.
+        prompt_len: prompt tokens of the speed check (its prefill).
+        new_tokens: tokens it generates (its decode).
+        threads: CPU threads passed to the engines (None: theirs).
+        heal_steps: at most this many distillation steps after the build (0: no healing); with
+            ``time_budget``, as many as fit in the time left.
+    """
+
+    prune: PruneConfig
+    out: str
+    engine: str = "llamacpp"
+    time_budget: float | None = None
+    heldout: list[str] = field(default_factory=list)
+    gguf_type: str = "f32"
+    converter: str | None = None
+    verify: bool = True
+    speed_repeats: int = 3
+    prompt_len: int = 256
+    new_tokens: int = 64
+    threads: int | None = None
+    heal_steps: int = DEFAULT_HEAL_STEPS
+
+    def __post_init__(self):
+        engines = ship_engines()
+        if self.engine not in engines:
+            raise LayercutError(f"--engine {self.engine}: choose one of {', '.join(engines)}")
+        if not self.prune.removes:
+            raise LayercutError("prune.ship needs a budget: pass --drop K, --target-speedup X or --target-params N")
+        if self.prune.unit != "block":
+            raise LayercutError("prune.ship removes whole blocks: drop --unit")
+        if self.prune.load.offload != "none":
+            raise LayercutError("prune.ship measures candidates with the whole model in memory: drop --offload "
+                                "(block by block: python -m prune.run --offload sequential)")
+        if self.time_budget is not None and not (math.isfinite(self.time_budget) and self.time_budget > 0):
+            raise LayercutError(f"--time-budget must be a positive, finite duration, got {self.time_budget!r}")
+        if self.heal_steps < 0:
+            raise LayercutError(f"--heal-steps must be 0 (no healing) or more, got {self.heal_steps}")
+        for name, value in (("--repeats", self.speed_repeats), ("--prompt-len", self.prompt_len),
+                            ("--new-tokens", self.new_tokens)):
+            if value < 1:
+                raise LayercutError(f"{name} must be at least 1, got {value}")
+
+    @property
+    def work(self) -> Path:
+        """``OUT.work/``: every stage's output."""
+        return Path(str(self.out).rstrip("/") + ".work")
+
+    @property
+    def name(self) -> str:
+        """The shipped folder's name (the GGUF is named after it)."""
+        return Path(str(self.out)).resolve().name
+
+    @property
+    def gguf(self) -> bool:
+        """Whether the engine serves a GGUF file (llama.cpp): the export writes one and the checks measure it."""
+        return self.engine == "llamacpp"
+
+    def settings(self) -> dict:
+        """What the result depends on (a resumed run must match it): the model, data, budget and the engine."""
+        config = self.prune
+        return {"model": config.load.model, "dtype": config.load.dtype, "data": dataclasses.asdict(config.data),
+                "drop": config.drop, "target_params": config.target_params, "target_speedup": config.target_speedup,
+                "protect": config.protect, "batch_size": config.batch_size, "engine": self.engine,
+                "heldout": list(self.heldout), "gguf_type": self.gguf_type if self.gguf else None,
+                "heal_steps": self.heal_steps}
+
+    def digest(self) -> str:
+        """A short digest of :meth:`settings` (marks a shipped folder as this run's)."""
+        return hashlib.sha256(json.dumps(self.settings(), sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def parse_duration(text: str) -> float:
+    """``30m``, ``1h``, ``90s`` or seconds -> seconds; a duration that is not positive and finite is refused."""
+    units = {"s": 1, "m": 60, "h": 3600}
+    value = str(text).strip().lower()
+    scale = units.get(value[-1:], None)
+    number = value[:-1] if scale else value
+    try:
+        seconds = float(number) * (scale or 1)
+    except ValueError:
+        raise LayercutError(f"--time-budget {text}: give a duration such as 30m, 1h or 900s") from None
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise LayercutError(f"--time-budget {text}: give a positive, finite duration such as 30m")
+    return seconds
+
+
+def duration_words(seconds: float) -> str:
+    """A duration as messages say it (``38m``, ``45s``)."""
+    return f"{seconds / 60:.0f}m" if seconds >= 120 else f"{seconds:.0f}s"
+
+
+def heldout_label(spec: str) -> tuple[str, str]:
+    """``LABEL=TEXT`` (as ``eval.compare --heldout`` takes) or a bare TEXT, labelled by its folder and name."""
+    label, sep, text = spec.partition("=")
+    if sep and label and "/" not in label and not Path(spec).exists():  # a label, not a path holding "="
+        return label, text
+    path = Path(spec)
+    return (f"{path.parent.name}/{path.stem}" if path.parent.name else path.stem), spec

@@ -1,0 +1,148 @@
+"""The heal stage: distil the built checkpoint towards the original, kept when it helps on rows it never trained on.
+
+At most ``--heal-steps`` steps (KL of the next-token distributions; LoRA on the kept blocks, merged, so the
+checkpoint stays plain), as many as the time left allows, on the calibration rows the shortlist's fits read;
+kept only when it lowers the KL on the shortlist's measuring rows. The training is ``distill``'s own step
+(:class:`distill.step.DistillStep`), called here with the original already in memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from distill.step import DistillStep
+from prune.checkpoint.save_load import load, save
+from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL, REPORT_FILE, read_report
+from prune.loading.loader import LoadedModel
+from prune.model.surgery import LAYOUT_ATTR
+from prune.selection.repaired import divergence, split_rows
+from ship.config import HEAL_OPTIONS, ShipConfig, duration_words
+from ship.work import StageResult
+
+# sequences of this many tokens (distill's default length): calibration rows are cut into them
+HEAL_SEQ_LEN = 128
+# the planner's distillation time is multiplied by this before the steps are fitted into the time left: its FLOP
+# count leaves out LoRA's many small products and the float32 KL over the vocabulary (SmolLM2-135M, 2-core CPU:
+# 1.97 s a step planned, 4.9 s measured in prune.ship's healing, reports/ship/)
+HEAL_MARGIN = 2.5
+# fewer steps than this are not worth a teacher's load: healing is skipped
+HEAL_MIN_STEPS = 20
+# files of the built checkpoint that the healed one is written without (its own weights and card replace them)
+_NOT_CARRIED = (".safetensors", ".bin", ".gguf")
+
+
+@dataclass(kw_only=True)
+class Healing(StageResult):
+    """``heal.json``: the steps and why, whether it was kept, and the KL and perplexity around it."""
+
+    steps: int
+    why: str
+    kept: bool = False
+    train: str = HEAL_OPTIONS["train"]
+    kl_before: float | None = None
+    kl_after: float | None = None
+    ppl_before: float | None = None
+    ppl_after: float | None = None
+    tokens: int | None = None
+    distill_seconds: float | None = None
+
+    def words(self) -> str:
+        """The card's paragraph on the healing: how many steps and why, and whether it was kept."""
+        if not self.steps:
+            return f"Not healed: {self.why}."
+        said = (f"Healed: {self.steps} steps of distillation towards the original ({self.why}; KL of the "
+                "next-token distributions, LoRA on every Linear of the kept blocks, merged, so the checkpoint stays "
+                f"plain), on {self.tokens or 0:,} calibration tokens. On the calibration rows it did not train "
+                f"on (the shortlist's measuring rows): KL {self.kl_before:.4f} -> {self.kl_after:.4f}, perplexity "
+                f"{self.ppl_before:.3f} -> {self.ppl_after:.3f}: ")
+        return said + ("kept." if self.kept else "not kept; the checkpoint is the one built, unhealed.")
+
+
+def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageResult]) -> tuple[int, str]:
+    """(steps, why): ``--heal-steps``, or fewer when ``--time-budget`` leaves time for fewer.
+
+    The time left is the budget less the stages done and a reserve for the engine checks (the build's time
+    per held-out text and two more: measured on a 2-core CPU, reports/ship/); a step costs the planner's
+    time (``planned``, for ``--heal-steps`` steps) x ``HEAL_MARGIN``.
+    """
+    steps = config.heal_steps
+    if not steps:
+        return 0, "--heal-steps 0"
+    budget = config.time_budget
+    if budget is None:
+        return steps, f"--heal-steps {steps}"
+    if not planned:
+        return 0, "no plan of its time to hold against --time-budget"
+    spent = sum(stage.seconds for stage in done)
+    reserve = done[-1].seconds * (max(len(config.heldout), 1) + 2) if config.verify else 0
+    left = budget - spent - reserve
+    per_step = planned / config.heal_steps * HEAL_MARGIN
+    fits = max(int(left // per_step), 0)
+    if fits < HEAL_MIN_STEPS:
+        return 0, (f"--time-budget leaves {duration_words(max(left, 0))} after the engine checks' reserve: "
+                   f"{fits} steps at the planned {per_step:.1f} s each, under {HEAL_MIN_STEPS}")
+    if fits < steps:
+        return fits, f"{fits} of --heal-steps {steps}: what --time-budget leaves ({duration_words(left)})"
+    return steps, f"--heal-steps {steps}"
+
+
+def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Path, calibration,
+         original: LoadedModel, say=print) -> Healing:
+    """Distil ``checkpoint`` towards ``original``; written to ``healed`` when its KL falls on unseen rows.
+
+    ``calibration``: the shortlist's rows [samples, seq]; the heal trains on its fitting rows, cut into
+    ``HEAL_SEQ_LEN`` tokens, and measures on its measuring rows.
+    """
+    result = Healing(steps=steps, why=why)
+    shutil.rmtree(healed, ignore_errors=True)  # a killed heal's: this one starts again
+    if not steps:
+        say(f"not healing: {why}")
+        return result
+    prune = config.prune
+    fit_ids, measure_ids = split_rows(calibration)
+    train, unseen = _cut(fit_ids, HEAL_SEQ_LEN), _cut(measure_ids, HEAL_SEQ_LEN)
+    student = load(checkpoint, dtype=prune.load.dtype, device=prune.load.device)
+    report = read_report(checkpoint)
+    if getattr(student.model.config, LAYOUT_ATTR, None) is None:
+        setattr(student.model.config, LAYOUT_ATTR, report.get("layout"))
+    before = divergence(student.model, original.model, measure_ids, prune.batch_size)
+    say(f"healing: {steps} steps of distillation towards the original ({why}); KL before {before['kl']:.4f}")
+    step_config = dataclasses.replace(prune, out=str(healed))  # the step's work folder goes beside healed/
+    step = DistillStep({**HEAL_OPTIONS, "steps": steps, "seed": prune.data.seed}, step_config)
+    done = step(student, step_config, token_ids=train, heldout_ids=unseen, teacher=original)
+    for folder in done.cleanup:
+        shutil.rmtree(folder, ignore_errors=True)
+    after = divergence(student.model, original.model, measure_ids, prune.batch_size)
+    result = dataclasses.replace(result, kl_before=before["kl"], kl_after=after["kl"], ppl_before=before["ppl"],
+                                 ppl_after=after["ppl"], kept=after["kl"] < before["kl"], tokens=int(train.numel()),
+                                 distill_seconds=done.report.get("seconds"))
+    say(f"healed: KL {before['kl']:.4f} -> {after['kl']:.4f} on rows it did not train on; "
+        + ("kept" if result.kept else "not kept (the built checkpoint ships)"))
+    if result.kept:
+        if isinstance(report.get("heldout"), dict):  # measured before healing: the card says so
+            report["heldout"] = {**report["heldout"], "stage": HELDOUT_BEFORE_DISTILL}
+        report["heal"] = {**done.report, "kl_before": before["kl"], "kl_after": after["kl"]}
+        save(student.model, student.tokenizer, healed, report)
+        carry_extras(checkpoint, healed)
+    return result
+
+
+def carry_extras(built: Path, healed: Path) -> None:
+    """Copy the built checkpoint's other files (scores, plots) that the healed one was written without."""
+    for path in sorted(built.iterdir()):
+        target = healed / path.name
+        if path.is_file() and not target.exists() and path.suffix not in _NOT_CARRIED and path.name != REPORT_FILE:
+            shutil.copy2(path, target)
+
+
+def _cut(token_ids, length: int):
+    """Rows of ``token_ids`` [n, seq] cut into rows of ``length`` tokens (the rows as they are when shorter)."""
+    rows, seq = token_ids.shape
+    if seq <= length:
+        return token_ids
+    usable = seq // length * length
+    return token_ids[:, :usable].reshape(rows * (usable // length), length)

@@ -1,0 +1,137 @@
+"""The plan stage: the budget as a block count, the planner's memory and time, refused before any weight is read."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from eval.speed.engines import ENGINES
+from prune.errors import LayercutError
+from prune.model.adapters import get_blocks
+from prune.pipeline.config import PruneConfig
+from prune.pipeline.resolve import Amounts
+from prune.pipeline.runner import on_meta, preflight
+from ship.config import HEAL_OPTIONS, ShipConfig, duration_words, engine_display
+from ship.work import StageResult
+
+logger = logging.getLogger(__name__)
+
+# what the planner's time of prune.run is multiplied by before it is held against --time-budget: the shortlist
+# fits each repair in a capture pass of its own, and the engine checks load both models once per held-out text.
+# Measured on a 2-core CPU (reports/ship/): 22x (Gemma-3-270M, drop 4), 37x and 43x (SmolLM2-135M, drops 4, 8),
+# four held-out texts each
+PLAN_FACTOR = 40.0
+
+
+@dataclass(kw_only=True)
+class Plan(StageResult):
+    """``plan.json``: the model's size and the budget as blocks (None: known once loaded), the planner's figures."""
+
+    num_blocks: int | None = None
+    params: int | None = None
+    drop: int | None = None
+    planned_seconds: float | None = None
+    planned_peak: dict | None = None
+    planned_heal_seconds: float | None = None
+
+
+def blocks_for_target(model, amounts: Amounts) -> int:
+    """The fewest blocks whose removal brings the parameters to ``amounts.target_params`` (largest first).
+
+    ``model`` may be the meta-device skeleton: only the blocks' parameter counts are read.
+    """
+    if amounts.drop is not None:
+        return amounts.drop
+    sizes = sorted((sum(p.numel() for p in block.parameters()) for block in get_blocks(model)[1]), reverse=True)
+    excess, count = amounts.params - amounts.target_params, 0
+    while excess > 0 and count < len(sizes):
+        excess -= sizes[count]
+        count += 1
+    return count
+
+
+def block_budget(config: PruneConfig, model, amounts: Amounts) -> int:
+    """The budget as a block count, refused in one line when it leaves too few blocks (``--target-params``)."""
+    count = blocks_for_target(model, amounts)
+    removable = amounts.num_blocks - len(amounts.protected)
+    if count > removable:
+        given = f"--target-params {config.target_params}" if config.target_params is not None else "the budget"
+        raise LayercutError(f"{given} needs {count} of the {amounts.num_blocks} blocks removed, and only "
+                            f"{removable} may go (--protect {config.protect}): give a larger target")
+    return count
+
+
+def make_plan(config: ShipConfig) -> Plan:
+    """Resolve the budget from the model's config alone; refuse what cannot fit the machine or the time."""
+    from prune.planner.estimate import check_plan, hardware_for, plan_config
+
+    prune = config.prune
+    meta = on_meta(prune.load.model)
+    amounts = preflight(prune, meta)
+    count = None
+    if amounts is not None and meta.skeleton is not None:
+        count = block_budget(prune, meta.skeleton, amounts)
+    check_engine(config)
+    planned = None
+    sized = prune if count is None else dataclasses.replace(prune, drop=count, target_params=None,
+                                                           target_speedup=None)
+    try:
+        planned = plan_config(sized, hardware_for(prune.load.device))
+    except Exception as err:  # noqa: BLE001 - a model the planner cannot shape is planned once loaded
+        logger.info("no plan for %s before loading (%s)", prune.load.model, err)
+    plan = Plan(num_blocks=None if amounts is None else amounts.num_blocks,
+                params=None if amounts is None else amounts.params, drop=count)
+    if planned is not None:
+        check_plan(planned)
+        budget = config.time_budget
+        if budget is not None and planned.seconds * PLAN_FACTOR > budget:
+            raise LayercutError(f"--time-budget {duration_words(budget)}: the planner gives prune.run "
+                                f"{duration_words(planned.seconds)} here, and a shipped run takes about "
+                                f"{PLAN_FACTOR:g}x that ({duration_words(planned.seconds * PLAN_FACTOR)}): give "
+                                "more time, a smaller --samples, or a smaller budget")
+        plan.planned_seconds = planned.seconds
+        plan.planned_peak = planned.to_dict()["peak"]
+        plan.planned_heal_seconds = planned_heal(config, sized)
+    elif config.time_budget is not None:
+        logger.warning("the planner cannot cost %s before loading: --time-budget is held against the stages "
+                       "as they run", prune.load.model)
+    return plan
+
+
+def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
+    """The planner's seconds for ``--heal-steps`` steps of the healing (None: no healing, or no plan)."""
+    from prune.planner.estimate import hardware_for, plan_config
+
+    if not config.heal_steps:
+        return None
+    options = {**HEAL_OPTIONS, "steps": config.heal_steps}
+    try:
+        planned = plan_config(dataclasses.replace(prune, distill=options), hardware_for(prune.load.device))
+    except Exception as err:  # noqa: BLE001 - the heal is then fitted to the time by its steps alone
+        logger.info("no plan for the healing (%s)", err)
+        return None
+    stage = next((s for s in planned.stages if s.name == "distillation"), None)
+    return None if stage is None else stage.seconds
+
+
+def check_engine(config: ShipConfig) -> None:
+    """Refuse, before any work, an engine check this environment cannot run (one line naming the fix)."""
+    engine = ENGINES.get(config.engine)
+    if config.verify and not engine.available():
+        raise LayercutError(f"{engine.missing_message()} to check the checkpoint in {engine.display}, or pass "
+                            "--no-verify")
+    if config.gguf:
+        from prune.checkpoint.gguf import QUANTIZER_TYPES, check_quantizer, find_converter
+
+        find_converter(config.converter)
+        if config.gguf_type in QUANTIZER_TYPES:
+            check_quantizer(config.gguf_type)
+
+
+def plan_line(plan: Plan, config: ShipConfig) -> str:
+    """What the plan says, in one line."""
+    what = f"{plan.drop} of {plan.num_blocks} blocks" if plan.drop is not None else "the budget's blocks"
+    time_ = (f"; the planner gives prune.run {duration_words(plan.planned_seconds)}"
+             if plan.planned_seconds is not None else "")
+    return f"plan: {what} go, verified in {engine_display(config.engine)}{time_}"

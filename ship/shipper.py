@@ -1,0 +1,254 @@
+"""The stages of one run in order, each result kept in ``OUT.work/`` (:class:`Shipper`).
+
+plan -> shortlist -> build -> heal -> export -> verify -> card, then the checkpoint (healed or not) becomes
+``OUT``. A stage whose result ``OUT.work/`` holds is not run again; one whose output went (a removed folder) runs
+again with the stages after it. Random choices are seeded and every stage is deterministic, so a resumed run
+gives the result the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from prune.atomic import check_output_dir, output_lock, write_file_atomic
+from prune.checkpoint.write import REPORT_FILE, portable
+from prune.errors import LayercutError
+from prune.loading.loader import LoadedModel
+from prune.pipeline.runner import Scored, score_calibration
+from ship.build import Built, build, chosen_config
+from ship.card import CARD, ship_card
+from ship.config import ShipConfig
+from ship.heal import Healing, heal, heal_steps
+from ship.plan import Plan, block_budget, make_plan, plan_line
+from ship.shortlist import SHORTLIST_SHARE, Shortlist, make_shortlist
+from ship.verify import Verified, verify
+from ship.work import (
+    BUILD,
+    CALIBRATION,
+    CHECKPOINT,
+    EXPORT,
+    HEAL,
+    HEALED,
+    HELDOUT,
+    PLAN,
+    SETTINGS,
+    SHORTLIST,
+    VERIFIED,
+    VERIFY,
+    StageResult,
+    WorkFolder,
+    write_json_atomic,
+    write_text_atomic,
+)
+
+
+@dataclass(kw_only=True)
+class Exported(StageResult):
+    """``export.json``: the GGUF written for llama.cpp (its name), None for an engine that serves the folder."""
+
+    gguf: str | None = None
+
+
+class Shipper:
+    """Runs the stages of one :class:`ShipConfig`, skipping those whose output ``OUT.work/`` already holds."""
+
+    def __init__(self, config: ShipConfig, say: Callable[[str], None] = print):
+        self.config = config
+        self.work = WorkFolder(config.work)
+        self.say = say
+        self.loaded: LoadedModel | None = None
+        self.scored: Scored | None = None
+        self.started = time.perf_counter()
+
+    def run(self) -> Path:
+        """Every stage; returns ``OUT``."""
+        config, work = self.config, self.work
+        out = Path(config.out)
+        with output_lock(config.out):
+            if self._shipped(out):
+                self.say(f"{config.out} is shipped already (its card: {out / CARD}); remove it to ship again")
+                return out
+            check_output_dir(out, overwrite=False)
+            plan = self.plan()
+            shortlist = work.stage(SHORTLIST, Shortlist, lambda: self.shortlist(plan))
+            self._forget_lost_outputs()
+            built = work.stage(BUILD, Built, lambda: self.build(shortlist))
+            healed = work.stage(HEAL, Healing, lambda: self.heal(plan, [plan, shortlist, built]))
+            final = work / HEALED if healed.kept else work / CHECKPOINT
+            if config.gguf and not self.gguf(final).is_file():
+                self._remake(EXPORT)
+            exported = work.stage(EXPORT, Exported, lambda: self.export(final))
+            verified = work.stage(VERIFIED, Verified, lambda: self.verify(final)) if config.verify else None
+            times = {"plan": plan.seconds, "shortlist": shortlist.seconds, "build": built.seconds,
+                     "heal": healed.seconds, "export": exported.seconds,
+                     "verify": verified.seconds if verified else 0.0}
+            self.card(final, shortlist, verified, times, healed)
+            os.replace(final, out)
+        self.say(f"wrote {out}/ ({self.elapsed():.0f} s); every stage's output is in {work.path}/")
+        return out
+
+    def elapsed(self) -> float:
+        """Seconds since this call started."""
+        return time.perf_counter() - self.started
+
+    def _shipped(self, out: Path) -> bool:
+        marker = out / SETTINGS
+        if not marker.is_file():
+            return False
+        if self.work.read_json(marker).get("digest") != self.config.digest():
+            raise LayercutError(f"{out} was shipped with other settings: choose another --out or remove it")
+        return True
+
+    def plan(self) -> Plan:
+        """The kept plan of this run's settings, else a new one; the folder is marked only once a plan passed."""
+        work, settings = self.work, self.config.settings()
+        plan = work.read(PLAN, Plan) if work.open(settings) else None
+        if plan is not None:
+            self.say(f"continuing the run kept in {work.path}/")
+        else:
+            began = time.perf_counter()
+            plan = make_plan(self.config)
+            plan.seconds = round(time.perf_counter() - began, 2)
+            work.mark(settings)  # only now: a refused plan leaves nothing that blocks the corrected command
+            work.write(PLAN, plan)
+        self.say(plan_line(plan, self.config))
+        return plan
+
+    def _forget_lost_outputs(self) -> None:
+        """Stages whose folder went (removed, or shipped as ``OUT`` and then removed) run again."""
+        work = self.work
+        if not (work / CHECKPOINT / REPORT_FILE).is_file():
+            self._remake(BUILD, HEAL, EXPORT)
+        healed = work.read(HEAL, Healing)
+        if healed is not None and healed.kept and not (work / HEALED / REPORT_FILE).is_file():
+            self._remake(HEAL, EXPORT)
+
+    def _remake(self, *stages: str) -> None:
+        """These stages run again, and the checks after them: their figures were of files made again."""
+        self.work.forget(*stages, VERIFIED)
+        shutil.rmtree(self.work / VERIFY, ignore_errors=True)
+
+    # ---- the stages that need the model --------------------------------------------------------------------
+
+    def _load(self) -> LoadedModel:
+        if self.loaded is None:
+            self.say(f"loading {self.config.prune.load.model}")
+            self.loaded = self.config.prune.load.load()
+        return self.loaded
+
+    def shortlist(self, plan: Plan) -> Shortlist:
+        """Score once, then measure every candidate (:func:`ship.shortlist.make_shortlist`)."""
+        config = self.config.prune
+        loaded = self._load()
+        self.say("scoring every block (one pass)")
+        self.scored = score_calibration(loaded, config, cosine_pairs="all")
+        calibration = self.scored.calibration
+        self._keep_calibration(calibration.token_ids)
+        if calibration.heldout_ids is not None and not self.config.heldout:
+            write_text_atomic(self.work / HELDOUT, "\n\n".join(loaded.tokenizer.decode(row)
+                                                               for row in calibration.heldout_ids.tolist()))
+        count = plan.drop if plan.drop is not None else block_budget(config, loaded.model,
+                                                                     config.resolve(loaded.model))
+        budget = self.config.time_budget
+        return make_shortlist(self.scored, loaded.model, config, count,
+                              deadline=None if budget is None else budget * SHORTLIST_SHARE, elapsed=self.elapsed)
+
+    def build(self, shortlist: Shortlist) -> Built:
+        """``checkpoint/``: prune.run's checkpoint of the chosen candidate."""
+        self.say(f"building {shortlist.best.describe()}")
+        done = build(self.config.prune, shortlist, self.work / CHECKPOINT, self.loaded, self.scored)
+        self.loaded = None  # surgered in place: not the original any more
+        return done
+
+    def heal(self, plan: Plan, done: list[StageResult]) -> Healing:
+        """``healed/``: the built checkpoint distilled towards the original, when that lowers the KL."""
+        steps, why = heal_steps(self.config, plan.planned_heal_seconds, done)
+        if not steps:
+            return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, None, None, say=self.say)
+        calibration = self._calibration()
+        return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, calibration, self._load(),
+                    say=self.say)
+
+    def export(self, final: Path) -> Exported:
+        """For llama.cpp, the GGUF of ``--gguf-type`` beside the checkpoint that ships."""
+        if not self.config.gguf:
+            return Exported()
+        from prune.checkpoint.gguf import export_gguf
+
+        gguf = self.gguf(final)
+        if not gguf.is_file():
+            self.say(f"writing the {self.config.gguf_type} GGUF")
+            export_gguf(final, gguf, self.config.gguf_type, self.config.converter)
+        return Exported(gguf=gguf.name)
+
+    def gguf(self, folder: Path) -> Path:
+        """Where the GGUF of ``folder`` goes: named after ``OUT``, which the folder becomes."""
+        from prune.checkpoint.gguf import default_output
+
+        return default_output(folder, self.config.gguf_type, name=self.config.name)
+
+    def verify(self, final: Path) -> Verified:
+        """The shipped file in its engine against transformers, per held-out text, and its speed."""
+        heldout = list(self.config.heldout) or [f"calibration held-out rows={self._heldout_text()}"]
+        gguf = self.gguf(final) if self.config.gguf else None
+        return verify(self.config, final, gguf, heldout, self.work / VERIFY, say=self.say)
+
+    def card(self, final: Path, shortlist: Shortlist, verified: Verified | None, times: dict[str, float],
+             healed: Healing | None) -> None:
+        """``README.md`` of the checkpoint that ships, and the settings that mark the folder shipped."""
+        report = self.work.read_json(final / REPORT_FILE)
+        gguf = self.gguf(final).relative_to(final).as_posix() if self.config.gguf else None
+        chosen = chosen_config(self.config.prune, shortlist, Path("slim"))
+        write_text_atomic(final / CARD, ship_card(self.config, report, shortlist, verified, chosen, times, healed,
+                                                  gguf))
+        # in the shipped folder (what a user uploads): no path of this machine
+        write_json_atomic(final / SETTINGS, {"settings": portable(self.config.settings()),
+                                             "digest": self.config.digest(), "shortlist": shortlist.to_json(),
+                                             "verified": portable(_shipped_figures(verified))})
+
+    # ---- what a resumed run reads back --------------------------------------------------------------------
+
+    def _keep_calibration(self, token_ids) -> None:
+        """The calibration rows, for the healing of a resumed run (drawing them again may sample text)."""
+        from safetensors.torch import save_file
+
+        path = self.work / CALIBRATION
+        if not path.is_file():
+            write_file_atomic(path, lambda staging: save_file({"token_ids": token_ids.contiguous()}, str(staging)))
+
+    def _calibration(self):
+        from safetensors.torch import load_file
+
+        if self.scored is not None:
+            return self.scored.calibration.token_ids
+        path = self.work / CALIBRATION
+        if not path.is_file():
+            raise LayercutError(f"{path} is missing: {self.work.start_over()}")
+        try:
+            return load_file(str(path))["token_ids"]
+        except Exception as err:  # noqa: BLE001 - any damage to the file reads as one line
+            raise LayercutError(f"{path} is damaged ({type(err).__name__}): {self.work.start_over()}") from None
+
+    def _heldout_text(self) -> Path:
+        """The calibration source's held-out rows as text (written by the shortlist: never scored nor fitted on)."""
+        path = self.work / HELDOUT
+        if not path.is_file():
+            raise LayercutError(f"{path} is missing: {self.work.start_over()}")
+        return path
+
+
+def _shipped_figures(verified: Verified | None) -> dict | None:
+    if verified is None:
+        return None
+    return {"domains": {d: s.get("rows") for d, s in verified.domains.items()}, "speed": verified.speed.get("ratios"),
+            "files": verified.files}
+
+
+def remove_work(config: ShipConfig) -> None:
+    """Delete ``OUT.work/`` (``--overwrite``)."""
+    WorkFolder(config.work).remove()

@@ -1,0 +1,193 @@
+"""The shortlist stage: block sets x servable repairs, each measured on calibration rows no fit saw.
+
+One scoring pass; the block sets the one-pass measures choose (the top-k of every registered score, the best
+span, and each selection that declares a one-pass measure of its repair), each crossed with every training-free
+repair whose checkpoint is a plain one of the original architecture (the methods registered as servable and
+``closed_form``, and removal). Each candidate is fitted on most calibration rows and measured on the rows no
+fit saw (``prune.selection.repaired.RepairedCosts``): the KL of its next-token distribution from the original
+model's, and its perplexity. The lowest KL wins; a candidate with more parameters than the original model (a
+repair that unties a tied head) or than ``--target-params`` is not one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from prune.errors import LayercutError
+from prune.measure.scores import SCORES
+from prune.model.adapters import get_blocks
+from prune.pipeline.config import PruneConfig
+from prune.pipeline.removal import planned_blocks
+from prune.pipeline.runner import Scored
+from prune.replace import METHODS, ReplaceConfig, check_replacement_supported, parameter_count
+from prune.selection.repaired import RepairedCosts
+from prune.selection.strategies import SELECTIONS
+from ship.work import StageResult
+
+# the share of --time-budget the shortlist may spend measuring; building and verifying take the rest
+SHORTLIST_SHARE = 0.5
+
+
+@dataclass
+class Candidate:
+    """One row of the shortlist: a block set (and the selections that chose it) with one repair."""
+
+    blocks: list[int]
+    repair: str
+    chosen_by: list[str]  # "select/score" of each selection that chose this set
+    params: int | None = None
+    kl: float | None = None
+    ppl: float | None = None
+    note: str = ""
+
+    @property
+    def measured(self) -> bool:
+        """Whether it was measured (and could be repaired)."""
+        return self.kl is not None and math.isfinite(self.kl)
+
+    @property
+    def select(self) -> tuple[str, str]:
+        """(``--select``, ``--score``) of the first selection that chose its blocks."""
+        select, _, score = self.chosen_by[0].partition("/")
+        return select, score
+
+    def describe(self) -> str:
+        """``blocks [..] with --replace R (KL k on rows no fit saw)``."""
+        return f"blocks {self.blocks} with --replace {self.repair} (KL {self.kl:.4f} on rows no fit saw)"
+
+
+@dataclass(kw_only=True)
+class Shortlist(StageResult):
+    """``shortlist.json``: every candidate, the chosen one's index and the reference figures."""
+
+    count: int
+    params_before: int
+    candidates: list
+    chosen: int
+    dense_ppl: float | None = None
+    measuring_rows: list | None = None
+    not_applicable: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.candidates = [c if isinstance(c, Candidate) else Candidate(**c) for c in self.candidates]
+        if not 0 <= self.chosen < len(self.candidates):
+            raise ValueError(f"'chosen' is {self.chosen}, and it lists {len(self.candidates)} candidates")
+
+    def to_json(self) -> dict:
+        """The JSON-ready fields, each candidate a dict."""
+        return {**dataclasses.asdict(self), "candidates": [dataclasses.asdict(c) for c in self.candidates]}
+
+    @property
+    def best(self) -> Candidate:
+        """The chosen candidate."""
+        return self.candidates[self.chosen]
+
+    def ranked(self) -> list[int]:
+        """The candidates' indices by KL, the unmeasured last."""
+        return sorted(range(len(self.candidates)),
+                      key=lambda i: (self.candidates[i].kl is None, self.candidates[i].kl or 0))
+
+
+def servable_repairs() -> list[str]:
+    """The training-free repairs whose checkpoint is a plain one, best default first, and removal last."""
+    ranked = sorted((m for m in METHODS.values() if m.servable and m.closed_form),
+                    key=lambda m: 0 if m.default_for is None else -1)
+    return [m.name for m in ranked] + ["none"]
+
+
+def applicable(method: str, model) -> str | None:
+    """None where ``method`` can repair ``model``'s layout, else why not (its one-line refusal)."""
+    try:
+        check_replacement_supported(model, method)
+    except LayercutError as err:
+        return str(err)
+    return None
+
+
+def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, deadline: float | None = None,
+                   elapsed: Callable[[], float] = lambda: 0.0) -> Shortlist:
+    """List the candidates of ``count`` blocks, measure them on rows no fit saw; the lowest KL is chosen.
+
+    ``deadline``: seconds of ``elapsed()`` after which no further repair's candidates are measured.
+    """
+    base = dataclasses.replace(config, drop=count, target_params=None, target_speedup=None, replace="none",
+                               auto_replace=False, out=None)
+    amounts = base.resolve(model)
+    dense = parameter_count(model)
+    target = config.resolve(model).target_params
+    repairs = [(name, applicable(name, model)) for name in servable_repairs()]
+    candidates = _candidates(scored, model, base, amounts, [name for name, why in repairs if why is None])
+    costs = {name: RepairedCosts(model, scored.calibration.token_ids,
+                                 ReplaceConfig(method=name, batch_size=config.batch_size),
+                                 batch_size=config.batch_size, memo=scored.memo)
+             for name, why in repairs if why is None}
+    with tqdm(total=len(candidates), desc="shortlist", unit="candidate") as bar:
+        for repair, cost in costs.items():  # one capture pass fits every span of a repair's candidates
+            todo = [c for c in candidates if c.repair == repair]
+            if deadline is not None and elapsed() > deadline and any(c.measured for c in candidates):
+                for candidate in todo:
+                    candidate.note = "not measured: --time-budget spent"
+                bar.update(len(todo))
+                continue
+            for candidate in todo:  # sized before any fit: a repair that makes the model bigger is not fitted
+                _size(candidate, model, dense, target)
+            todo = [c for c in todo if not c.note]
+            cost.fit_sets([c.blocks for c in todo])
+            for candidate, measured in zip(todo, cost.measure_sets([c.blocks for c in todo]), strict=True):
+                candidate.kl, candidate.ppl = measured["kl"], measured["ppl"]
+                if not math.isfinite(candidate.kl):
+                    candidate.note = f"--replace {candidate.repair} cannot repair these spans"
+            bar.update(len([c for c in candidates if c.repair == repair]))
+    measured = [c for c in candidates if c.measured]
+    if not measured:
+        raise LayercutError("no candidate could be measured: " + "; ".join(
+            f"{c.repair} {c.blocks}: {c.note}" for c in candidates[:3]))
+    best = min(measured, key=lambda c: (c.kl, c.params or 0))
+    reference = costs["none"].measure_sets([()])[0] if "none" in costs else None
+    rows = costs["none"].measure_ids.shape if "none" in costs else None
+    return Shortlist(count=count, params_before=dense, dense_ppl=None if reference is None else reference["ppl"],
+                     measuring_rows=None if rows is None else list(rows),
+                     not_applicable={name: why for name, why in repairs if why is not None},
+                     candidates=candidates, chosen=candidates.index(best))
+
+
+def _candidates(scored: Scored, model, base: PruneConfig, amounts, repairs: list[str]) -> list[Candidate]:
+    """Every block set a one-pass selection chooses, crossed with every repair (``repaired-fast``: its own)."""
+    calibration, moments, scores = scored.calibration, scored.moments, scored.scores
+    found: dict[tuple[tuple[int, ...], str], Candidate] = {}
+    choices = [("topk", score) for score in SCORES] + [("span", "linearity")]
+    for select, score in choices:
+        blocks = tuple(planned_blocks(model, calibration, moments, scores,
+                                      dataclasses.replace(base, select=select, score=score), amounts, scored.memo))
+        for repair in repairs:
+            found.setdefault((blocks, repair), Candidate(list(blocks), repair, [])).chosen_by.append(
+                f"{select}/{score}")
+    # a selection that declares a one-pass measure of each block's repair chooses for that repair alone
+    for name, selection in SELECTIONS.items():
+        if not (selection.repairs and selection.measures == "pass"):
+            continue
+        for repair in (r for r in repairs if r != "none"):
+            variant = dataclasses.replace(base, select=name, replace=repair)
+            blocks = tuple(planned_blocks(model, calibration, moments, scores, variant, amounts, scored.memo))
+            found.setdefault((blocks, repair), Candidate(list(blocks), repair, [])).chosen_by.append(
+                f"{name}/linearity")
+    return list(found.values())
+
+
+def _size(candidate: Candidate, model, dense: int, target: int | None) -> None:
+    """Its parameter count: the kept blocks' and what its repair declares it adds (``Method.adds_params``).
+
+    A candidate above the original's count (or ``--target-params``) is noted as not one.
+    """
+    removed = sum(p.numel() for b in candidate.blocks for p in get_blocks(model)[1][b].parameters())
+    method = METHODS[candidate.repair]
+    candidate.params = dense - removed + (method.adds_params(model) if method.adds_params else 0)
+    if candidate.params > dense:
+        candidate.note = f"not a candidate: {candidate.params:,} parameters, more than the original's {dense:,}"
+    elif target is not None and candidate.params > target:
+        candidate.note = f"not a candidate: {candidate.params:,} parameters, above --target-params {target:,}"

@@ -1,0 +1,81 @@
+"""The verify stage: the file that ships, in its engine, against transformers on the same token ids, and its speed.
+
+For every held-out text: the original and the slim checkpoint in transformers, and the shipped file in the
+engine (the GGUF of ``--gguf-type`` for llama.cpp, the folder for vLLM): perplexity and greedy ids. Then the
+shipped file's speed against the original's in the engine. The engines run in processes of their own
+(:func:`eval.bench.checks.run_in_child`): their memory and their failures stay theirs. Each check's figures
+are kept in ``OUT.work/verify/`` as it ends, so a stopped run measures only what is left.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eval.bench.checks import ServingCheck, SpeedCheck, run_in_child
+from eval.speed.engines import REFERENCE
+from prune.checkpoint.write import portable
+from ship.config import ShipConfig, heldout_label
+from ship.work import StageResult, write_json_atomic
+
+ORIGINAL, SLIM, SHIPPED = "original", "slim", "shipped"
+
+
+@dataclass(kw_only=True)
+class Verified(StageResult):
+    """``verify.json``: per held-out text the serving rows, the speed comparison, and which file each measured."""
+
+    domains: dict
+    speed: dict
+    heldout: list
+    files: dict = field(default_factory=dict)
+
+
+def shipped_file(config: ShipConfig, checkpoint: Path, gguf: Path | None) -> Path:
+    """What the user serves: the GGUF for llama.cpp, else the checkpoint folder."""
+    return gguf if config.gguf and gguf is not None else checkpoint
+
+
+def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: list[str], folder: Path,
+           say=print) -> Verified:
+    """Measure the shipped file in its engine and the checkpoint in transformers on every held-out text.
+
+    ``heldout``: the texts (``LABEL=TEXT`` or a path); ``folder``: where each check's figures are kept.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    served = shipped_file(config, checkpoint, gguf)
+    models = [(ORIGINAL, config.prune.load.model, REFERENCE), (SLIM, str(checkpoint), REFERENCE)]
+    if config.engine != REFERENCE:
+        models.append((SHIPPED, str(served), config.engine))
+    texts = tuple(heldout_label(spec) for spec in heldout)
+    data = config.prune.data
+    tokens = max(data.heldout_samples, 1) * data.seq_len if not config.heldout else 4096
+    serving = ServingCheck(models=tuple(models), texts=texts, tokenizer=config.prune.load.model, seq_len=data.seq_len,
+                           tokens=tokens, threads=config.threads, converter=config.converter)
+    domains = _kept(folder / "serving.json", lambda: run_in_child(serving, folder / "serving.log"),
+                    lambda: say(f"verifying: {len(texts)} held-out text(s), the original and the checkpoint in "
+                                f"transformers" + (f", {served.name} in {config.engine}"
+                                                   if config.engine != REFERENCE else "")))
+    speed = SpeedCheck(baseline=config.prune.load.model, model=str(served), engine=config.engine,
+                       repeats=config.speed_repeats, prompt_len=config.prompt_len, new_tokens=config.new_tokens,
+                       threads=config.threads, converter=config.converter)
+    timed = _kept(folder / "speed.json", lambda: run_in_child(speed, folder / "speed.log"),
+                  lambda: say(f"verifying: the speed of {served.name} against {config.prune.load.model} in "
+                              f"{config.engine}"))
+    files = {SHIPPED: served.relative_to(checkpoint).as_posix() if served != checkpoint else ".",
+             "engine": config.engine, "gguf_type": config.gguf_type if config.gguf else None}
+    return Verified(domains=domains, speed=timed, heldout=[portable(text) for _, text in texts], files=files)
+
+
+def _kept(path: Path, measure, announce) -> dict:
+    """The figures kept in ``path`` by an earlier run, else measured now (``announce``-d first) and kept."""
+    if path.is_file():
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:  # a damaged check's figures are measured again
+            path.unlink()
+    announce()
+    figures = measure()
+    write_json_atomic(path, figures)
+    return figures
