@@ -10,13 +10,13 @@ import json
 import math
 import re
 import shlex
+import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from prune.replace import METHODS
-from ship.config import ShipConfig, parse_duration
 from ship.shortlist import servable_repairs
 from tests.helpers import make_tiny_model, make_tiny_tokenizer, run_prune_cli
 
@@ -106,27 +106,14 @@ def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_it_never_trained_on
     assert "Healed: 30 steps of distillation towards the original" in card and "kept." in card
     assert "--heal-steps 30" in card and "# the checkpoint before healing, without the shortlist:" in card
     assert "in transformers before healing:" in card  # prune.run measured its held-out rows before the heal
-
-
-def test_the_heal_takes_the_steps_the_time_budget_leaves(tmp_path, tiny_folder):
-    from prune.pipeline.config import PruneConfig
-    from ship.heal import HEAL_MARGIN, HEAL_MIN_STEPS, heal_steps
-    from ship.work import StageResult
-
-    def steps(budget, heldout=(), verify=True):
-        config = ShipConfig(prune=PruneConfig(load={"model": str(tiny_folder)}, drop=2), out=str(tmp_path / "o"),
-                            engine="transformers", time_budget=budget, heldout=list(heldout), verify=verify)
-        done = [StageResult(seconds=10.0), StageResult(seconds=100.0), StageResult(seconds=20.0)]
-        return heal_steps(config, 200.0, done)  # 1 s a step planned
-
-    # spent 130 s; the reserve for the checks: the build's 20 s x (1 text + 2) = 60 s; a step 1 s x HEAL_MARGIN
-    assert steps(None) == (200, "--heal-steps 200")
-    assert steps(190 + 100 * HEAL_MARGIN)[0] == 100
-    assert steps(190 + 100 * HEAL_MARGIN, heldout=["a", "b"])[0] == 100 - math.ceil(20 / HEAL_MARGIN)  # 20 s more
-    assert steps(130 + 100 * HEAL_MARGIN, verify=False)[0] == 100
-    assert steps(10_000)[0] == 200
-    few, why = steps(190 + (HEAL_MIN_STEPS - 1) * HEAL_MARGIN)
-    assert few == 0 and f"under {HEAL_MIN_STEPS}" in why
+    assert (out / "scores.md").is_file() and (out / "linearity_profile.png").is_file()  # carried from the build
+    # the shipped folder removed, as the tool's own message suggests: the same command heals again, to the same
+    shutil.rmtree(out)
+    code, stdout, err = ship(capsys, *args, "--no-verify", "--out", out)
+    assert code == 0, err
+    assert "continuing the run kept in" in stdout and "healing: 30 steps" in stdout
+    again = load_file(out / "model.safetensors")
+    assert all(torch.equal(again[name], healed[name]) for name in healed)
 
 
 def test_the_card_opens_with_the_hub_metadata_then_the_choice_and_its_table(shipped):
@@ -190,6 +177,30 @@ def test_bad_input_is_one_line_before_any_weight_is_read(tiny_folder, text_file,
         code, _, err = ship(capsys, *args, *extra, "--no-verify", "--out", tmp_path / "o")
         assert code == 2 and len(err.strip().splitlines()) == 1 and words in err, err
     assert not (tmp_path / "o").exists()
+    assert not (tmp_path / "o.work" / "ship.json").exists()  # nothing that would refuse the corrected command
+
+
+def test_a_target_the_blocks_cannot_reach_is_refused_before_any_weight_is_read(tiny_folder, text_file, tmp_path,
+                                                                               capsys, no_model_load):
+    args = base_args(tiny_folder, text_file)
+    args[args.index("--drop"):args.index("--drop") + 2] = ["--target-params", "1K"]
+    code, _, err = ship(capsys, *args, "--no-verify", "--out", tmp_path / "o")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--target-params 1K needs 4 of the 4 blocks removed, and only 2 may go (--protect 0,-1)" in err
+
+
+@pytest.mark.parametrize("damage", ["plan.json", "ship.json"])
+def test_a_damaged_work_folder_is_one_line_that_says_how_to_start_over(tiny_folder, text_file, tmp_path, capsys,
+                                                                       no_model_load, damage):
+    from ship.cli import build_parser, config_from_args
+    from ship.work import WorkFolder
+
+    args = [str(arg) for arg in (*base_args(tiny_folder, text_file), "--no-verify", "--out", tmp_path / "o")]
+    WorkFolder(tmp_path / "o.work").mark(config_from_args(build_parser().parse_args(args)).settings())
+    (tmp_path / "o.work" / damage).write_text("{garbage")
+    code, _, err = ship(capsys, *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"o.work/{damage} is damaged (JSONDecodeError)" in err and "to start over" in err
 
 
 def test_no_budget_and_a_missing_engine_are_refused_in_one_line(tiny_folder, text_file, tmp_path, capsys,
@@ -212,20 +223,6 @@ def test_a_work_folder_of_other_settings_is_refused(tiny_folder, text_file, tmp_
     (work / "ship.json").write_text(json.dumps({"settings": {"model": "another"}}))
     code, _, err = ship(capsys, *base_args(tiny_folder, text_file), "--no-verify", "--out", tmp_path / "o")
     assert code == 2 and "holds a run with other settings" in err
-
-
-def test_durations():
-    assert parse_duration("30m") == 1800 and parse_duration("1h") == 3600 and parse_duration("90") == 90
-    with pytest.raises(Exception, match="positive"):
-        parse_duration("0s")
-
-
-def test_the_settings_a_resumed_run_must_match_hold_the_budget_and_the_engine(tiny_folder):
-    from prune.pipeline.config import PruneConfig
-
-    config = ShipConfig(PruneConfig(load={"model": str(tiny_folder)}, drop=2), out="o", engine="transformers")
-    assert config.settings()["drop"] == 2 and config.settings()["engine"] == "transformers"
-    assert config.work.name == "o.work"
 
 
 class _nothing:

@@ -1,0 +1,79 @@
+"""``ship.card``: the card names and measures the file that ships, and its commands carry every option given."""
+
+from __future__ import annotations
+
+import shlex
+
+from prune.pipeline.config import PruneConfig
+from ship.card import prune_command, ship_card, ship_command
+from ship.config import ShipConfig
+from ship.heal import Healing
+from ship.shortlist import Candidate, Shortlist
+from ship.verify import Verified
+
+REPORT = {"source_model": "HuggingFaceTB/SmolLM2-135M", "model_name": "smollm2-135m", "num_blocks_before": 30,
+          "num_blocks_after": 22, "architecture": "LlamaForCausalLM", "dropped": [1, 2], "select": "topk",
+          "score": "linearity", "data": {"source": "builtin", "tokens": 1000}, "serving": {"layout": "vanilla"},
+          "heldout": {"tokens": 4096, "seq_len": 512, "original": 10.0, "pruned": 20.0, "ratio": 2.0,
+                      "stage": "before-distill"}}
+
+
+def config(tmp_path, **changes) -> ShipConfig:
+    prune = PruneConfig(load={"model": "smollm2-135m", "dtype": "bfloat16"}, drop="8", protect="0,1,-1",
+                        batch_size=2, data={"samples": 32})
+    return ShipConfig(prune=prune, out=str(tmp_path / "slim8"), engine="llamacpp", gguf_type="q4_k_m",
+                      time_budget=150.0, speed_repeats=1, **changes)
+
+
+def shortlist() -> Shortlist:
+    return Shortlist(count=8, params_before=134_515_008, chosen=0, dense_ppl=9.5, measuring_rows=[8, 512],
+                     candidates=[Candidate([1, 2], "fold", ["topk/linearity"], params=106_000_000, kl=0.5, ppl=19.0)])
+
+
+def serving_rows(greedy_shipped: list[int]) -> dict:
+    row = {"runs": True, "greedy": [1, 2, 3, 4]}
+    return {"rows": {"original": {"transformers": {**row, "ppl": 10.0}},
+                     "slim": {"transformers": {**row, "ppl": 20.0}},
+                     "shipped": {"llamacpp": {"runs": True, "ppl": 20.5, "greedy": greedy_shipped}}}}
+
+
+def test_every_engine_row_names_and_measures_the_file_that_ships(tmp_path):
+    verified = Verified(domains={"news": serving_rows([1, 2, 3, 4]), "wiki": serving_rows([1, 2, 9, 9])},
+                        speed={"ratios": []}, heldout=["news.txt", "wiki.txt"],
+                        files={"shipped": "gguf/slim8-q4_k_m.gguf", "engine": "llamacpp", "gguf_type": "q4_k_m"})
+    healed = Healing(steps=50, why="--heal-steps 50", kept=True, kl_before=0.5, kl_after=0.3, ppl_before=19.0,
+                     ppl_after=15.0, tokens=10_000)
+    card = ship_card(config(tmp_path), REPORT, shortlist(), verified, PruneConfig(drop=8, replace="fold"),
+                     {"plan": 1.0, "verify": 2.0}, healed, gguf="gguf/slim8-q4_k_m.gguf")
+    assert "| held-out text | original | this checkpoint | ratio | gguf/slim8-q4_k_m.gguf in llama.cpp |" in card
+    assert "| news | 10.000 | 20.000 | x2.000 | 20.500 | +2.500 % | yes (4 tokens) |" in card
+    assert "| wiki | 10.000 | 20.000 | x2.000 | 20.500 | +2.500 % | **no**: from token 2 of 4 |" in card
+    assert "`gguf/slim8-q4_k_m.gguf` (q4_k_m; the original runs as llama.cpp's f32 conversion" in card
+    # one card: the held-out figures come from the verified rows alone, the folder is named as the user has it
+    assert "10.000 -> 20.000" not in card and "## Held-out perplexity" not in card
+    assert card.count("## Use") == 1 and 'from_pretrained("slim8")' in card
+    assert "Healed: 50 steps" in card and "The GGUF for llama.cpp is `gguf/slim8-q4_k_m.gguf`." in card
+
+
+def test_the_card_commands_carry_every_option_that_is_not_its_default(tmp_path):
+    command = ship_command(config(tmp_path, heal_steps=50, prompt_len=128, verify=False))
+    argv = shlex.split(command)
+    for flag, value in (("--time-budget", "150s"), ("--protect", "0,1,-1"), ("--dtype", "bfloat16"),
+                        ("--batch-size", "2"), ("--samples", "32"), ("--repeats", "1"), ("--heal-steps", "50"),
+                        ("--prompt-len", "128"), ("--gguf-type", "q4_k_m"), ("--out", "slim8")):
+        assert argv[argv.index(flag) + 1] == value, flag
+    assert "--no-verify" in argv and "--new-tokens" not in argv and "--seq-len" not in argv
+    rebuild = shlex.split(prune_command(config(tmp_path).prune))
+    for flag, value in (("--protect", "0,1,-1"), ("--dtype", "bfloat16"), ("--batch-size", "2"), ("--samples", "32")):
+        assert rebuild[rebuild.index(flag) + 1] == value, flag
+
+
+def test_the_ship_command_of_the_cli_parses_back_to_the_same_config(tmp_path):
+    from ship.cli import build_parser, config_from_args
+
+    original = config(tmp_path, heal_steps=50, verify=False)
+    argv = shlex.split(ship_command(original))[3:]
+    argv[argv.index("--out") + 1] = original.out
+    again = config_from_args(build_parser().parse_args(argv))
+    assert again.settings() == original.settings()
+    assert (again.time_budget, again.speed_repeats, again.verify) == (150.0, 1, False)

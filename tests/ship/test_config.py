@@ -1,0 +1,49 @@
+"""``ship.config``: durations and the settings a run is refused for, before anything is read."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from prune.errors import LayercutError
+from prune.pipeline.config import PruneConfig
+from ship.config import ShipConfig, parse_duration, ship_engines
+
+
+def test_durations():
+    assert parse_duration("30m") == 1800 and parse_duration("1h") == 3600 and parse_duration("90") == 90
+    assert parse_duration("150s") == 150
+
+
+@pytest.mark.parametrize("text", ["0s", "-5m", "nan", "inf", "1e400", "nanm", "soon", ""])
+def test_a_duration_that_is_not_positive_and_finite_is_refused(text):
+    with pytest.raises(LayercutError) as raised:
+        parse_duration(text)
+    assert "\n" not in str(raised.value) and "such as 30m" in str(raised.value)
+
+
+@pytest.mark.parametrize("budget", [math.nan, math.inf, -1.0, 0.0])
+def test_the_config_refuses_a_budget_parse_duration_would(tmp_path, budget):
+    with pytest.raises(LayercutError, match="--time-budget must be a positive, finite duration"):
+        ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), engine="transformers", time_budget=budget)
+
+
+@pytest.mark.parametrize(("field", "flag"), [("speed_repeats", "--repeats"), ("prompt_len", "--prompt-len"),
+                                             ("new_tokens", "--new-tokens")])
+def test_the_speed_check_sizes_must_be_positive(tmp_path, field, flag):
+    with pytest.raises(LayercutError, match=f"{flag} must be at least 1, got 0"):
+        ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), engine="transformers", **{field: 0})
+
+
+def test_the_engines_are_the_registered_ones_that_run_a_plain_checkpoint(tmp_path):
+    assert ship_engines() == ["transformers", "llamacpp", "vllm"]
+    with pytest.raises(LayercutError, match="--engine llama.cpp: choose one of transformers, llamacpp, vllm"):
+        ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), engine="llama.cpp")
+
+
+def test_the_settings_a_resumed_run_must_match_hold_the_budget_and_the_engine(tiny_folder):
+    config = ShipConfig(PruneConfig(load={"model": str(tiny_folder)}, drop=2), out="o", engine="transformers")
+    assert config.settings()["drop"] == 2 and config.settings()["engine"] == "transformers"
+    assert config.settings()["gguf_type"] is None  # only llama.cpp's GGUF depends on it
+    assert config.work.name == "o.work" and len(config.digest()) == 10

@@ -1,0 +1,28 @@
+"""``ship.heal``: how many steps the time left buys."""
+
+from __future__ import annotations
+
+import math
+
+from ship.config import ShipConfig
+
+
+def test_the_heal_takes_the_steps_the_time_budget_leaves(tmp_path, tiny_folder):
+    from prune.pipeline.config import PruneConfig
+    from ship.heal import HEAL_MARGIN, HEAL_MIN_STEPS, heal_steps
+    from ship.work import StageResult
+
+    def steps(budget, heldout=(), verify=True):
+        config = ShipConfig(prune=PruneConfig(load={"model": str(tiny_folder)}, drop=2), out=str(tmp_path / "o"),
+                            engine="transformers", time_budget=budget, heldout=list(heldout), verify=verify)
+        done = [StageResult(seconds=10.0), StageResult(seconds=100.0), StageResult(seconds=20.0)]
+        return heal_steps(config, 200.0, done)  # 1 s a step planned
+
+    # spent 130 s; the reserve for the checks: the build's 20 s x (1 text + 2) = 60 s; a step 1 s x HEAL_MARGIN
+    assert steps(None) == (200, "--heal-steps 200")
+    assert steps(190 + 100 * HEAL_MARGIN)[0] == 100
+    assert steps(190 + 100 * HEAL_MARGIN, heldout=["a", "b"])[0] == 100 - math.ceil(20 / HEAL_MARGIN)  # 20 s more
+    assert steps(130 + 100 * HEAL_MARGIN, verify=False)[0] == 100
+    assert steps(10_000)[0] == 200
+    few, why = steps(190 + (HEAL_MIN_STEPS - 1) * HEAL_MARGIN)
+    assert few == 0 and f"under {HEAL_MIN_STEPS}" in why
