@@ -23,9 +23,9 @@ from distill.config import DistillConfig
 from distill.layout import Layout, check_layout, resolve_layout
 from distill.teacher_cache import TeacherCache, cache_folder, files_stamp, open_cache
 from distill.train import LOG_FILE, DistillResult, distill, training_ids, write_teacher_cache
-from prune.atomic import check_output_dir
+from prune.atomic import atomic_directory, check_output_dir
 from prune.checkpoint.load_config import LoadConfig
-from prune.checkpoint.save_load import load, save
+from prune.checkpoint.save_load import load, write_model
 from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL, library_versions, read_report
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel, resolve_model_name
@@ -204,12 +204,12 @@ def final_report(student_report: dict, student: LoadedModel, teacher: LoadedMode
 
 
 def export(student: LoadedModel, report: dict, out: str, overwrite: bool, log_path: Path | None) -> Path:
-    """Write the distilled checkpoint (replacement maps included) with ``prune.checkpoint.save_load.save``."""
-    def extra(staging: Path) -> None:
+    """Write the distilled checkpoint (replacement maps included) and the training log, all or nothing."""
+    with atomic_directory(out, overwrite) as staging:
+        write_model(staging, student.model, student.tokenizer, out, report)
         if log_path is not None and log_path.is_file():
             shutil.copy2(log_path, staging / LOG_FILE)
-
-    return Path(save(student.model, student.tokenizer, out, report, overwrite=overwrite, extra=extra))
+    return Path(out)
 
 
 def _clean_work(work: Path, keep: bool, default_location: bool) -> None:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.step import DistillStep
-from prune.checkpoint.save_load import load, save
+from prune.atomic import atomic_directory
+from prune.checkpoint.save_load import load, write_model
 from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL, REPORT_FILE, read_report
 from prune.loading.loader import LoadedModel
 from prune.model.surgery import LAYOUT_ATTR
@@ -126,8 +127,9 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
         if isinstance(report.get("heldout"), dict):  # measured before healing: the card says so
             report["heldout"] = {**report["heldout"], "stage": HELDOUT_BEFORE_DISTILL}
         report["heal"] = {**done.report, "kl_before": before["kl"], "kl_after": after["kl"]}
-        save(student.model, student.tokenizer, healed, report)
-        carry_extras(checkpoint, healed)
+        with atomic_directory(healed, overwrite=True) as staging:
+            write_model(staging, student.model, student.tokenizer, healed, report)
+            carry_extras(checkpoint, staging)
     return result
 
 
@@ -135,7 +137,8 @@ def carry_extras(built: Path, healed: Path) -> None:
     """Copy the built checkpoint's other files (scores, plots) that the healed one was written without."""
     for path in sorted(built.iterdir()):
         target = healed / path.name
-        if path.is_file() and not target.exists() and path.suffix not in _NOT_CARRIED and path.name != REPORT_FILE:
+        if path.is_file() and not target.exists() and path.suffix not in _NOT_CARRIED and path.name not in (
+                REPORT_FILE, "README.md"):
             shutil.copy2(path, target)
 
 

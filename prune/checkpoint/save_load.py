@@ -26,8 +26,9 @@ from pathlib import Path
 
 from torch import nn
 
+from prune.atomic import atomic_directory
 from prune.checkpoint.serving import sublayer_refusal
-from prune.checkpoint.write import export_checkpoint, read_report
+from prune.checkpoint.write import read_report, write_checkpoint
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel, check_safetensors, damaged, load_model
 from prune.model import remote_code as hf_remote_code
@@ -129,7 +130,9 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
 
     A model without maps gives a plain transformers checkpoint. With maps, the folder also holds
     ``replacements.safetensors`` and ``modeling_layercut.py``, and its ``config.json`` wraps the
-    model's config (``model_type: "layercut"``): see the module docstring.
+    model's config (``model_type: "layercut"``): see the module docstring. :func:`write_model` into a
+    staging folder, then one rename; layercut's own writers with more files own the staging folder and call
+    :func:`write_model` and their writers in turn.
 
     Args:
         model: a (surgered) model; its ``ReplacedBlock`` maps go to ``replacements.safetensors``.
@@ -138,7 +141,20 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
         report: JSON-ready dict for ``layercut.json``; ``replacements`` and ``layout`` are filled in
             from the model when absent.
         overwrite: replace a non-empty ``out``.
-        extra: optional callable ``(staging_folder) -> None`` writing more files.
+        extra: optional callable ``(staging_folder) -> None`` writing more files (``prune.save``'s own
+            argument, kept for its callers).
+    """
+    with atomic_directory(out, overwrite) as staging:
+        write_model(staging, model, tokenizer, out, report)
+        if extra is not None:
+            extra(staging)
+    return Path(out)
+
+
+def write_model(staging: Path, model: nn.Module, tokenizer, out: str | Path, report: dict) -> dict:
+    """Write ``model`` and ``tokenizer`` into ``staging`` (to be renamed ``out``): weights, maps, code, report, card.
+
+    Returns the report as written (``layercut.json``).
     """
     report = dict(report)
     report.setdefault("replacements", replacement_records(model))
@@ -147,19 +163,14 @@ def save(model: nn.Module, tokenizer, out: str | Path, report: dict, overwrite: 
     sublayers = len(hf_remote_code.sublayer_records(model.config))
     with vanilla_blocks(model) as maps:
         report["serving"] = serving_report(model, bool(maps))
-
-        def write_extra(staging: Path) -> None:
-            if maps:
-                _write_maps(maps, staging / REPLACEMENTS_FILE)
-            if maps or sublayers:
-                _write_remote_code(staging, blocks_path)
-            if extra is not None:
-                extra(staging)
-
         plain = not maps and not sublayers
         remote = (bool(maps), sublayers) if maps or sublayers else None
-        return export_checkpoint(model, tokenizer, out, report, overwrite, write_extra, plain=plain,
-                                 remote=remote)
+        written = write_checkpoint(staging, model, tokenizer, out, report, plain=plain, remote=remote)
+        if maps:
+            _write_maps(maps, staging / REPLACEMENTS_FILE)
+        if maps or sublayers:
+            _write_remote_code(staging, blocks_path)
+    return written
 
 
 def attach_maps_(model: nn.Module, path: str | Path) -> int:

@@ -411,9 +411,13 @@ def remote_code_note(name: str, maps: bool, sublayers: int) -> str:
                              model_type=remote_code.MODEL_TYPE, without=without)
 
 
-def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite: bool = False, extra=None,
+def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite: bool = False,
                       plain: bool = True, remote: tuple[bool, int] | None = None) -> Path:
     """Save ``model`` and ``tokenizer`` with ``layercut.json`` and README.md into ``out`` atomically.
+
+    :func:`write_checkpoint` into a staging folder, then one rename; a writer with more files to add
+    (plots, maps, logs) owns the staging folder itself (``prune.atomic.atomic_directory``) and runs the writers
+    in turn.
 
     Args:
         model: the (surgered) model.
@@ -421,26 +425,34 @@ def export_checkpoint(model, tokenizer, out: str | Path, report: dict, overwrite
         out: destination folder.
         report: JSON-ready dict written as ``layercut.json`` and summarised in the model card.
         overwrite: replace a non-empty ``out``.
-        extra: optional callable ``(staging_folder) -> None`` writing more files (plots, tables).
         plain: the checkpoint loads with plain transformers (the model card says so).
         remote: ``(maps, sublayers)`` of a checkpoint that carries its modeling code (the card says how to
-            load it); None for one that does not. This module is the card's one author.
+            load it); None for one that does not.
     """
     with atomic_directory(out, overwrite) as staging:
-        logger.info("saving checkpoint to %s", out)
-        if is_offloaded(model):  # a skeleton: its tensors are copied from its checkpoint one file at a time
-            from prune.loading.offload import write_offloaded
-
-            write_offloaded(model, staging)
-        else:
-            model.save_pretrained(staging, safe_serialization=True)
-        tokenizer.save_pretrained(staging)
-        written = written_report(report, out)  # no path of this machine; the licence read while its files are here
-        write_json(staging / REPORT_FILE, written)
-        card = model_card(written, plain, Path(out).name)
-        if remote is not None:
-            card += remote_code_note(Path(out).name, *remote)
-        (staging / "README.md").write_text(card, encoding="utf-8")
-        if extra is not None:
-            extra(staging)
+        write_checkpoint(staging, model, tokenizer, out, report, plain=plain, remote=remote)
     return Path(out)
+
+
+def write_checkpoint(staging: Path, model, tokenizer, out: str | Path, report: dict, *, plain: bool = True,
+                     remote: tuple[bool, int] | None = None) -> dict:
+    """Write the weights, the tokenizer, ``layercut.json`` and README.md into ``staging``; the report written.
+
+    ``staging`` is the caller's folder, renamed to ``out`` once every writer ran: ``out`` names the folder in
+    the card and places the report's relative paths. This module is the card's one author.
+    """
+    logger.info("saving checkpoint to %s", out)
+    if is_offloaded(model):  # a skeleton: its tensors are copied from its checkpoint one file at a time
+        from prune.loading.offload import write_offloaded
+
+        write_offloaded(model, staging)
+    else:
+        model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    written = written_report(report, out)  # no path of this machine; the licence read while its files are here
+    write_json(staging / REPORT_FILE, written)
+    card = model_card(written, plain, Path(out).name)
+    if remote is not None:
+        card += remote_code_note(Path(out).name, *remote)
+    (staging / "README.md").write_text(card, encoding="utf-8")
+    return written

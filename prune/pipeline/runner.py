@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prune.atomic import atomic_directory, check_output_dir, output_lock, write_json
-from prune.checkpoint.save_load import save
+from prune.checkpoint.save_load import write_model
 from prune.checkpoint.write import REPORT_FILE, library_versions, written_report
 from prune.data.calibration import CalibrationData, calibration_data, check_sources
 from prune.errors import LayercutError
@@ -348,9 +348,10 @@ def write_outputs(loaded: LoadedModel, report: dict, config: PruneConfig, files:
         table = score_table(unit_scores, removed, labels=report["sublayer_scores"]["units"])
         (folder / SCORES_MD).write_text(table + "\n", encoding="utf-8")
 
-    if report["dropped"] or report.get("sublayers"):
-        return save(loaded.model, loaded.tokenizer, config.out, report, config.overwrite, profile_files)
     with atomic_directory(config.out, config.overwrite) as staging:
-        write_json(staging / REPORT_FILE, written_report(report, config.out))  # no path of this machine in it
+        if report["dropped"] or report.get("sublayers"):
+            write_model(staging, loaded.model, loaded.tokenizer, config.out, report)
+        else:  # the scores alone
+            write_json(staging / REPORT_FILE, written_report(report, config.out))  # no path of this machine in it
         profile_files(staging)
     return Path(config.out)
