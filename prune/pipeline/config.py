@@ -107,7 +107,7 @@ class PruneConfig:
         if is_sublayer(units):
             self._check_sublayer_options()
         if self.load.offload == "sequential":
-            self._check_offload_options(units)
+            self._check_offload_options()
         if self.auto_replace and (not self.removes or is_sublayer(units)):
             self.auto_replace = False  # nothing to repair, or no repair applies: removal
         if self.out is None and self.removes:
@@ -159,10 +159,15 @@ class PruneConfig:
                 raise LayercutError(f"{flag} with --unit {self.unit}: sub-layer removal {fix}; drop {flag} "
                                     "or use --unit block")
 
-    def _check_offload_options(self, units: tuple[str, ...]) -> None:
-        """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
+    def offload_refusals(self) -> list[tuple[str, str]]:
+        """(flag, what a block-by-block run does instead) for each option ``--offload sequential`` cannot run.
+
+        The one statement of what a skeleton runs: the config refuses these under ``--offload sequential``, and
+        the planner proposes that offload as a fix only where they are none (``prune.planner.estimate``).
+        """
+        units = parse_units(self.unit)
         method = get_method(self.replace.method)
-        for flag, bad, fix in (
+        refusals = (
             ("--unit", is_sublayer(units), "rates whole blocks (--unit block)"),
             ("--select", needed_cosine_pairs(self) == "all",
              "keeps two states at a time, and a span's score compares every pair of states (--select topk, "
@@ -176,10 +181,16 @@ class PruneConfig:
             ("--data", any(source.is_self for source in parse_sources(self.data.data)),
              "cannot sample text from the model (the default calibration's self half): pass --data builtin, a "
              "file or a dataset"),
-        ):
-            if bad:
-                raise LayercutError(f"{flag} with --offload sequential: a block-by-block run {fix}; change {flag} "
-                                    "or use --offload none")
+        )
+        return [(flag, fix) for flag, bad, fix in refusals if bad]
+
+    def _check_offload_options(self) -> None:
+        """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
+        refusals = self.offload_refusals()
+        if refusals:
+            flag, fix = refusals[0]
+            raise LayercutError(f"{flag} with --offload sequential: a block-by-block run {fix}; change {flag} "
+                                "or use --offload none")
 
     def _default_out(self, units: tuple[str, ...]) -> str:
         """``<model>-drop<K>[-<units>][-<method>]``: the first command a user types keeps its result."""
