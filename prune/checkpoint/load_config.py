@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prune.checkpoint.save_load import load
+from prune.data.calibration import typed_fields
 from prune.errors import LayercutError
 from prune.loading.loader import EMBEDDED_MODEL, LoadedModel
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
 OFFLOADS = ("none", "sequential")
 
 
@@ -43,6 +42,8 @@ class LoadConfig:
     offload: str = "none"
 
     def __post_init__(self):
+        typed_fields(self, "load", {"dtype": f"write one of {', '.join(DTYPES)}",
+                                    "offload": f"write one of {', '.join(OFFLOADS)}"})
         if self.load_in_4bit and self.load_in_8bit:
             raise LayercutError("--load-in-4bit and --load-in-8bit exclude each other: pass one")
         if self.offload not in OFFLOADS:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prune.checkpoint.load_config import LoadConfig
-from prune.data.calibration import DataConfig
+from prune.data.calibration import DataConfig, numeric_fields, typed_fields
 from prune.data.sources import parse_sources
 from prune.errors import LayercutError
 from prune.measure.scores import get_score
@@ -69,7 +69,7 @@ class PruneConfig:
     unit: str = "block"
     score: str = "linearity"
     select: str = "topk"
-    protect: str = DEFAULT_PROTECT
+    protect: str | list[int] | None = DEFAULT_PROTECT
     batch_size: int = 4
     replace: ReplaceConfig | str = "none"
     distill: dict = field(default_factory=dict)
@@ -78,8 +78,12 @@ class PruneConfig:
     overwrite: bool = False
     auto_replace: bool = False
 
-
     def __post_init__(self):
+        numeric_fields(self, "")  # a recipe's batch_size: "8" is 8
+        typed_fields(self, "", {"protect": "write block indices as text or a list, '0,-1' or [0, -1], or none",
+                                "drop": "write a count like 4 or a share like '25%'",
+                                "target_params": "write a count like 110M or a share like '85%'",
+                                "distill": "write DistillConfig keys, such as distill: {steps: 100}"})
         if isinstance(self.load, dict):
             self.load = LoadConfig(**self.load)
         if isinstance(self.data, dict):
@@ -89,8 +93,6 @@ class PruneConfig:
         if self.batch_size <= 0:
             raise LayercutError(f"--batch-size must be positive, got {self.batch_size}")
         self.replace = _replace_config(self._take_auto(self.replace), self.batch_size)
-        if not isinstance(self.distill, dict):
-            raise LayercutError(f"distill must be a mapping of DistillConfig keys, got {type(self.distill).__name__}")
         steps = self.distill.get("steps", 0)
         if not isinstance(steps, int) or steps < 0:
             raise LayercutError(f"--distill-steps (distill.steps) must be an integer >= 0, got {steps}")
