@@ -30,7 +30,7 @@ from distill.job import DistillJob, run_job
 from distill.losses import LOSSES
 from distill.train import DistillResult
 from prune.checkpoint.write import describe_generalisation
-from prune.errors import LayercutError, cli_entry
+from prune.errors import CommandParser, LayercutError, cli_entry
 from prune.options import (
     add_data_arguments,
     add_load_arguments,
@@ -134,7 +134,7 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``distill.run`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m distill.run", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="python -m distill.run", description=__doc__.split("\n")[0])
     _add_model_arguments(parser)
     _add_training_arguments(parser)
     add_plan_arguments(parser)
