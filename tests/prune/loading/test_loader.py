@@ -580,3 +580,71 @@ def test_a_config_json_alone_names_its_folder_so_a_hub_model_plans_offline(tmp_p
                                    "--plan-gpu-memory", "80GB")
     assert code == 0, err
     assert "8.03B parameters, 32 blocks, d=4096" in out and "(fits)" in out
+
+
+# ------------------------------------------------------------------------------------------------ lying or pickled
+
+
+class _Runs:
+    """An object whose unpickling would run ``os.system``: torch's weights_only reader must refuse it unrun."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_torch_refuses_is_one_line_and_runs_nothing(tiny_checkpoint, tmp_path):
+    import prune
+
+    folder, model, _ = tiny_checkpoint
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    torch.save({**model.state_dict(), "extra": _Runs(marker)}, folder / "pytorch_model.bin")
+    for loader in (load_model, prune.load):  # an UnpicklingError traceback from inside transformers before
+        with pytest.raises(LayercutError) as caught:
+            loader(str(folder))
+        message = str(caught.value)
+        assert "\n" not in message and "its weights are a pickle (pytorch_model*.bin)" in message
+        assert "it names posix.system" in message and ".save_pretrained(new_folder)" in message
+    assert not marker.exists()
+
+
+def test_a_pickle_of_tensors_alone_still_loads(tiny_checkpoint):
+    folder, model, tokenizer = tiny_checkpoint
+    (folder / "model.safetensors").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    loaded = load_model(str(folder))
+    torch.testing.assert_close(_logits(loaded.model, loaded.tokenizer), _logits(model, loaded.tokenizer))
+
+
+@pytest.mark.parametrize(("layers", "effect"), [(3, "blocks 2..2 would run with random weights"),
+                                                (1, "blocks 1..1 would be left unread")])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_config_that_lies_about_its_block_count_is_refused_before_loading(tiny_checkpoint, monkeypatch, layers,
+                                                                            effect, sharded):
+    import prune
+    from prune.loading.offload import load_offloaded
+
+    folder, model, _ = tiny_checkpoint
+    if sharded:  # the count is read from the shard index's names
+        (folder / "model.safetensors").unlink()
+        model.save_pretrained(folder, max_shard_size="20KB")
+        assert (folder / "model.safetensors.index.json").is_file()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    for loader in (load_model, prune.load, load_offloaded):
+        with pytest.raises(LayercutError) as caught:
+            loader(str(folder))
+        assert str(caught.value) == (
+            f"{folder / 'config.json'} says num_hidden_layers: {layers} but its weights hold 2 (blocks 0..1), so "
+            f"{effect}: set num_hidden_layers to 2 in config.json, or restore "
+            "the checkpoint")
