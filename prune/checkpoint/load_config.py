@@ -22,7 +22,8 @@ class LoadConfig:
     """How to load a model; a recipe's ``load:`` section maps key for key onto it.
 
     Attributes:
-        model: alias, hub id, checkpoint folder or ``.gguf`` file.
+        model: alias, hub id, checkpoint folder or ``.gguf`` file; None where the caller names it later
+            (``distill.run``'s teacher: the one the student's ``layercut.json`` names).
         dtype: auto | float32 | bfloat16 | float16.
         device: cpu | cuda | cuda:N | auto (accelerate ``device_map`` over the GPUs).
         load_in_4bit: bitsandbytes NF4 weights (CUDA only).
@@ -33,7 +34,7 @@ class LoadConfig:
             memory is one block and two state buffers; ``prune.measure.blockwise``).
     """
 
-    model: str = EMBEDDED_MODEL
+    model: str | None = EMBEDDED_MODEL
     dtype: str = "auto"
     device: str = "cpu"
     load_in_4bit: bool = False
