@@ -312,6 +312,27 @@ def test_cli_offline_alias_is_one_line_exit_2(empty_hub_cache, capsys):
     assert "'opt-1.3b' (hub id facebook/opt-1.3b) is not in the local Hugging Face cache" in err
 
 
+@pytest.mark.parametrize("name", ["./no/such/folder", "out/model", "{tmp}/nothere", "~/layercut-no-such-folder"])
+def test_a_missing_folder_is_named_a_folder_not_a_hub_model(tmp_path, monkeypatch, empty_hub_cache, name):
+    # "out/model" (out/ is here) was looked up on the hub and reported as a model not in the cache
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    name = name.format(tmp=tmp_path)
+    for call in (load_config, load_model):
+        message = _one_line_error(call, name)
+        assert message.startswith(f"no folder {name}: check the path"), message
+        assert ("relative paths start from" in message) is not Path(name).expanduser().is_absolute()
+
+
+def test_an_unreachable_hub_is_not_blamed_on_hf_hub_offline(monkeypatch, empty_hub_cache):
+    # probe_hub switched the hub off because it did not answer; the line said HF_HUB_OFFLINE was set
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(model_names, "_UNREACHABLE", [True])
+    message = _one_line_error(load_tokenizer, "no-alias-like-this")
+    assert "the hub was not searched: it cannot be reached" in message and "HF_HUB_OFFLINE" not in message
+
+
 def test_folder_without_config(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(LayercutError, match="has no config.json"):
@@ -321,7 +342,7 @@ def test_folder_without_config(tmp_path):
 def test_missing_paths(tmp_path):
     with pytest.raises(LayercutError, match=r"GGUF file .*missing\.gguf not found"):
         load_model(str(tmp_path / "missing.gguf"))
-    with pytest.raises(LayercutError, match="not found"):
+    with pytest.raises(LayercutError, match="no folder "):
         resolve_model_name(str(tmp_path / "a" / "b"))
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(LayercutError, match="not a .gguf"):
