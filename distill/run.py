@@ -30,7 +30,7 @@ from distill.job import DistillJob, run_job
 from distill.losses import LOSSES
 from distill.train import DistillResult
 from prune.checkpoint.write import describe_generalisation
-from prune.errors import LayercutError, cli_entry
+from prune.errors import CommandParser, LayercutError, cli_entry
 from prune.options import (
     add_data_arguments,
     add_load_arguments,
@@ -134,7 +134,7 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``distill.run`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m distill.run", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="python -m distill.run", description=__doc__.split("\n")[0])
     _add_model_arguments(parser)
     _add_training_arguments(parser)
     add_plan_arguments(parser)
@@ -155,32 +155,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _data_config(args: argparse.Namespace):
+def _data_config(args: argparse.Namespace, config: DistillConfig):
     """The data flags; without ``--samples``, only the sequences the steps will read (each read once).
 
     Sampling half of them from the model is the slow part (minutes per hundred on a CPU): ``--steps 20`` read 80
-    sequences and sampled 256 for the default 512 before this.
+    sequences and sampled 256 for the default 512 before this. The counts are ``config``'s, checked already: a
+    ``--steps -1`` read as a count of sequences was refused as "--samples 1", a flag nobody typed.
     """
     data = data_config_from_args(args)
     if args.samples is None:
         processes = max(1, int(os.environ.get("WORLD_SIZE", "1")))  # accelerate launch: each process reads its own
-        read = args.steps * args.batch_size * args.grad_accum * processes
+        read = config.steps * config.batch_size * config.grad_accum * processes
         data = dataclasses.replace(data, samples=max(1, min(_DEFAULTS.data.samples, read)))
     return data
 
 
 def config_from_args(args: argparse.Namespace) -> DistillConfig:
-    """Map parsed flags onto :class:`DistillConfig` (the older weight flags set their loss over ``--loss``)."""
+    """Map parsed flags onto :class:`DistillConfig` (the older weight flags set their loss over ``--loss``).
+
+    The training options are checked first (their own one-line errors), then the data flags that depend on them.
+    """
     losses = {} if args.loss is None else {"losses": parse_losses(args.loss)}
     legacy = {loss.key: getattr(args, loss.key) for loss in LOSSES.values()
               if loss.key is not None and getattr(args, loss.key) is not None}
-    return DistillConfig.from_dict(dict(
+    config = DistillConfig.from_dict(dict(
         steps=args.steps, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
         warmup_steps=args.warmup_steps, train=args.train, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
         lora_dropout=args.lora_dropout, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         log_every=args.log_every, save_every=args.save_every, seed=args.seed, mixed_precision=args.mixed_precision,
-        teacher_cache=args.teacher_cache, data=_data_config(args), **losses, **legacy,
+        teacher_cache=args.teacher_cache, **losses, **legacy,
     ))
+    return dataclasses.replace(config, data=_data_config(args, config))
 
 
 def loss_trend(losses: list[float], final: float) -> str:

@@ -15,7 +15,7 @@ import argparse
 
 from eval.quality.evaluate import PERPLEXITY_TASK, EvalOptions, parse_limit, run
 from eval.quality.report import markdown_table
-from prune.errors import cli_entry
+from prune.errors import CommandParser, cli_entry
 from prune.options import (
     add_load_arguments,
     add_output_arguments,
@@ -27,7 +27,7 @@ from prune.options import (
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the ``eval.run`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m eval.run", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m eval.run", description=__doc__.split("\n\n")[0])
     models = parser.add_argument_group("models")
     models.add_argument("--model", action="append", required=True, help="model name or folder (repeatable)")
     models.add_argument("--baseline", default=None,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,9 @@ __all__ = ["ScoreTable", "SlimResult", "save", "score", "slim"]
 
 # what slim calibrates on when not told: the shipped novel, read from the package; nothing is sampled or cached
 API_DATA = "builtin"
+# what prune.save takes, for the one line that refuses anything else
+_SAVE_FORMS = ("takes the result of prune.slim and a folder, save(result, 'out/'), or a model, its tokenizer, a "
+               "folder and a report dict, save(model, tokenizer, 'out/', report)")
 # PruneConfig fields that the model in memory and the rule "writes nothing" fix; the fix of each, for the refusal
 _NOT_OPTIONS = {
     "load": "slim prunes the model it is given: load it yourself (prune.load(path) or from_pretrained)",
@@ -135,10 +139,11 @@ def slim(model, tokenizer, drop: int | str | None = 4, data: str | Sequence[str]
         The :class:`SlimResult`; :func:`save` writes it.
 
     Raises:
-        LayercutError: bad input, in one line naming the fix (an unknown option or name, a PEFT-wrapped
-            model, quantized weights a method would rewrite, a distillation step).
+        LayercutError: bad input, in one line naming the fix (not a model in memory, or one without its weights,
+            no tokenizer or another model's, an unknown option or name, a PEFT-wrapped model, quantized weights a
+            method would rewrite, a distillation step).
     """
-    check_model(model)
+    check_inputs(model, tokenizer, "prune.slim")
     config, texts = _slim_config(drop, data, recipe, replace, options)
     check_quantized(model, config.replace.method)
     loaded = _loaded(model, tokenizer, config)
@@ -166,7 +171,7 @@ def score(model, tokenizer, data: str | Sequence[str] | None = None, **options) 
     Returns:
         A :class:`ScoreTable`: one row per block, a column per registered score.
     """
-    check_model(model)
+    check_inputs(model, tokenizer, "prune.score")
     unknown = sorted(set(options) - {*_data_keys(), "batch_size"})
     if unknown:
         raise LayercutError(f"prune.score: unknown option(s) {', '.join(unknown)}; known: "
@@ -197,15 +202,64 @@ def save(model, *args, export: str | None = None, **kwargs) -> Path:
 
     Returns:
         The folder written.
+
+    Raises:
+        LayercutError: neither form: one line saying what ``prune.save`` takes.
     """
     if isinstance(model, SlimResult):
+        try:
+            inspect.signature(_save_result).bind(model, *args, **kwargs)
+        except TypeError as err:
+            raise LayercutError(f"prune.save(result, path) {_SAVE_FORMS} ({err})") from None
         return _save_result(model, *args, export=export, **kwargs)
     if export is not None:
         raise LayercutError("prune.save(..., export=...) takes the result of prune.slim: save(result, path, "
                             f"export={export!r})")
     from prune.checkpoint.save_load import save as save_checkpoint
 
+    try:
+        inspect.signature(save_checkpoint).bind(model, *args, **kwargs)
+    except TypeError as err:
+        raise LayercutError(f"prune.save {_SAVE_FORMS} ({err})") from None
+    if not _is_module(model):
+        raise LayercutError(f"prune.save {_SAVE_FORMS}; got a {type(model).__name__} where the result or the model "
+                            "goes")
     return save_checkpoint(model, *args, **kwargs)
+
+
+def _is_module(model) -> bool:
+    """Whether ``model`` is a torch module (imported only when it is one: a module's class comes from torch)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(model, torch.nn.Module)
+
+
+def check_inputs(model, tokenizer, caller: str) -> None:
+    """Refuse, in one line and before any work, what :func:`slim` and :func:`score` cannot run on.
+
+    Not a model in memory (a name or a path), a PEFT-wrapped one (:func:`check_model`), weights on the meta device
+    (built without them, or offloaded by accelerate: every pass would compute nothing), no tokenizer, or a tokenizer
+    whose ids run past the model's embedding (another model's).
+    """
+    if not _is_module(model):
+        shown = f" {model!r}" if isinstance(model, (str, Path)) else ""
+        raise LayercutError(f"{caller} takes a model in memory (a transformers *ForCausalLM), got a "
+                            f"{type(model).__name__}{shown}: load it first, prune.load(path).model or "
+                            "AutoModelForCausalLM.from_pretrained(name), or run python -m prune.run --model NAME")
+    check_model(model)
+    on_meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if on_meta:
+        raise LayercutError(f"{caller}: {len(on_meta)} of the model's tensors ({on_meta[0]}, ...) are on the meta "
+                            "device, without values (a model built on meta, or offloaded by accelerate): load its "
+                            "weights onto the CPU or a GPU first (from_pretrained, or prune.load(path).model)")
+    if tokenizer is None or not callable(tokenizer):
+        raise LayercutError(f"{caller} needs the model's tokenizer to read calibration text, got "
+                            f"{'None' if tokenizer is None else type(tokenizer).__name__}: pass "
+                            "AutoTokenizer.from_pretrained(name) (prune.load(path).tokenizer for a folder)")
+    from prune.loading.tokenizer import check_vocabulary
+
+    check_vocabulary(tokenizer, model)
 
 
 def check_model(model) -> None:

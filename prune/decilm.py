@@ -13,12 +13,12 @@ import json
 
 from prune.checkpoint.decilm import write_decilm
 from prune.checkpoint.write import REPORT_FILE
-from prune.errors import cli_entry
+from prune.errors import CommandParser, cli_entry
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m prune.decilm``."""
-    parser = argparse.ArgumentParser(prog="python -m prune.decilm", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m prune.decilm", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", help="a sub-layer checkpoint written by prune.run --unit attention,mlp")
     parser.add_argument("--out", required=True, help="the DeciLM-layout folder to write")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import logging
 import os
+import re
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
@@ -87,3 +90,46 @@ def cli_entry(main: Callable[..., int | None]) -> Callable[..., int]:
             return EXIT_INTERRUPTED
 
     return wrapper
+
+
+class CommandParser(argparse.ArgumentParser):
+    """The argument parser of every layercut command: a bad flag or value is one line and exit 2, as any refusal.
+
+    argparse prints the whole usage (dozens of flags) above its message, and that message is then hard to find; here
+    it stands alone, with a pointer to ``--help``. A value that starts with ``-`` and is not a number
+    (``--time-budget -5m``) reads as a flag to argparse, which then says the option "expected one argument": the
+    line names the value instead and asks for a positive one (a negative number of the form ``-5`` is a value to
+    argparse, and the option's own check refuses it). Subcommands' parsers (``add_subparsers``) are of this class.
+    """
+
+    def parse_known_args(self, args=None, namespace=None):
+        """As argparse's, keeping the words parsed so that :meth:`error` can name a value it took for a flag."""
+        self._words = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``prog: error: message`` on one line and exit with code 2 (bad input)."""
+        message = " ".join((self._dash_value(message) or message).split())
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _dash_value(self, message: str) -> str | None:
+        """For "expected one argument" before a word that starts with '-' but is no flag: what the user meant."""
+        match = re.fullmatch(r"argument (\S+): expected one argument", message)
+        if match is None:
+            return None
+        names = match.group(1).split("/")
+        words = getattr(self, "_words", [])
+        at = next((i for i, word in enumerate(words) if word in names), None)
+        if at is None or at + 1 >= len(words):
+            return None
+        value = words[at + 1]
+        if not value.startswith("-") or value in self._option_string_actions:
+            return None
+        flag = names[-1]
+        if not re.match(r"-[\d.]", value):  # a word that merely starts with '-' (a file name): it can be passed
+            return f"argument {flag}: {value} reads as a flag, not as its value: write {flag}={value}"
+        action = self._option_string_actions[flag]
+        noun = action.metavar.lower() if isinstance(action.metavar, str) else "value"
+        example = re.search(r"\((\d[^(),;]*)", action.help or "")  # "(30m, 1h)" in the help: 30m
+        such = f" such as {example.group(1).strip()}" if example else ""
+        return f"argument {flag}: {value} is not a value it takes: give a positive {noun}{such}"

@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 
 from prune.checkpoint.gguf import CONVERTER_ENV, CONVERTER_NAME, OUTTYPES, convert, fetch_converter
-from prune.errors import cli_entry
+from prune.errors import CommandParser, cli_entry
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of ``python -m prune.export_gguf``."""
-    parser = argparse.ArgumentParser(prog="python -m prune.export_gguf", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m prune.export_gguf", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", nargs="?", help="a checkpoint folder written by prune.run (or any transformers "
                         "checkpoint)")
     parser.add_argument("--out", default=None, help="the .gguf path (default: FOLDER/gguf/<name>-<outtype>.gguf)")

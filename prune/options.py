@@ -27,9 +27,6 @@ from prune.loading.loader import EMBEDDED_MODEL
 logger = logging.getLogger(__name__)
 
 
-
-
-
 def _flag(prefix: str, name: str) -> str:
     return f"--{prefix}-{name}" if prefix else f"--{name}"
 

@@ -25,7 +25,7 @@ from prune.checkpoint.exports import EXPORTS, export_targets
 from prune.checkpoint.load_config import LoadConfig
 from prune.checkpoint.write import describe_generalisation
 from prune.data.calibration import DataConfig
-from prune.errors import LayercutError, cli_entry
+from prune.errors import CommandParser, LayercutError, cli_entry
 from prune.loading.catalog import model_table
 from prune.measure.score_report import score_table
 from prune.measure.scores import SCORES
@@ -63,7 +63,7 @@ EXPORT_GROUP = "serving export"  # flags of the export targets: none of them is 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``prune.run`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m prune.run", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="python -m prune.run", description=__doc__.split("\n")[0])
     add_load_arguments(parser, offload=True)
     add_data_arguments(parser, samples=64, seq_len=512, heldout_samples=8)
     group = parser.add_argument_group("selection")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 from prune.checkpoint.gguf import OUTTYPES
-from prune.errors import cli_entry
+from prune.errors import CommandParser, cli_entry
 from prune.options import (
     add_data_arguments,
     add_load_arguments,
@@ -35,7 +35,7 @@ from ship.shipper import Shipper, remove_work
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``prune.ship`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m prune.ship", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="python -m prune.ship", description=__doc__.split("\n")[0])
     add_load_arguments(parser)
     add_data_arguments(parser, samples=64, seq_len=512, heldout_samples=8)
     group = parser.add_argument_group("budget (one of)")

@@ -22,7 +22,7 @@ import pkgutil
 
 import eval.bench
 from eval.bench.registry import SUBCOMMANDS, Subcommand, register_subcommand
-from prune.errors import cli_entry
+from prune.errors import CommandParser, cli_entry
 
 __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "console_main", "discover_subcommands", "main",
            "register_subcommand"]
@@ -45,7 +45,7 @@ discover_subcommands()
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the ``eval.bench`` parser with one sub-parser per registered subcommand."""
-    parser = argparse.ArgumentParser(prog="python -m eval.bench", description=__doc__.split("\n\n")[0])
+    parser = CommandParser(prog="python -m eval.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
     for name, command in SUBCOMMANDS.items():
         command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))

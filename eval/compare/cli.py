@@ -15,7 +15,7 @@ from eval.compare.config import CompareConfig, cell_config, method_list, parse_d
 from eval.compare.grid import run_comparison, summary_lines
 from eval.compare.plots import README
 from eval.quality.evaluate import parse_limit
-from prune.errors import LayercutError, cli_entry
+from prune.errors import CommandParser, LayercutError, cli_entry
 from prune.options import (
     add_data_arguments,
     add_load_arguments,
@@ -38,7 +38,7 @@ from prune.planner.shape import shape_of_name
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``eval.compare`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m eval.compare", description="The field in one command: every "
+    parser = CommandParser(prog="python -m eval.compare", description="The field in one command: every "
                                      "method recipe x every drop on one model, one calibration set, one table.")
     add_load_arguments(parser)
     add_data_arguments(parser, samples=64, seq_len=512, heldout_samples=8)  # prune.run's: a cell is its checkpoint

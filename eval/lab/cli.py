@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 
-from prune.errors import cli_entry
+from prune.errors import CommandParser, cli_entry
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``eval.lab`` parser, one subparser per diagnostic."""
-    parser = argparse.ArgumentParser(prog="python -m eval.lab", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="python -m eval.lab", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     paired = sub.add_parser("paired", help="paired retention gaps of rows of eval.compare results to the first")
     paired.add_argument("rows", nargs="+", help="FILE::CELL, the first the baseline")

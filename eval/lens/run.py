@@ -18,7 +18,7 @@ import argparse
 from eval.lens.pipeline import LensConfig, run_lens
 from eval.lens.report import claims_list, early_exit_table, layer_table, shortcut_table, submodule_table
 from eval.lens.shortcuts import SHORTCUTS, LowRankConfig
-from prune.errors import cli_entry
+from prune.errors import CommandParser, cli_entry
 from prune.options import (
     add_data_arguments,
     add_load_arguments,
@@ -31,7 +31,7 @@ from prune.options import (
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``eval.lens`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m eval.lens", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="python -m eval.lens", description=__doc__.split("\n")[0])
     add_load_arguments(parser)
     add_data_arguments(parser, samples=None, seq_len=512, title="fit data", what="window",
                        data_help="the built-in Austen novel")

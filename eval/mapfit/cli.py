@@ -27,7 +27,7 @@ from eval.mapfit import (
 )
 from prune.atomic import atomic_directory, check_output_dir, write_json
 from prune.data.calibration import DataConfig, calibration_data, load_documents
-from prune.errors import LayercutError, cli_entry
+from prune.errors import CommandParser, LayercutError, cli_entry
 from prune.model.adapters import num_blocks
 from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
 from prune.replace.driver import short_windows
@@ -35,7 +35,7 @@ from prune.replace.driver import short_windows
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``eval.mapfit`` argument parser."""
-    parser = argparse.ArgumentParser(prog="python -m eval.mapfit", description=(
+    parser = CommandParser(prog="python -m eval.mapfit", description=(
         "Where a linear repair's error comes from: one span's map, fitted on calibration, measured elsewhere."))
     add_load_arguments(parser)
     parser.add_argument("--span", required=True, help="the removed blocks, first-last (12-15) or one (12)")

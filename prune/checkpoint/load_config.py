@@ -9,12 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prune.checkpoint.save_load import load
+from prune.data.calibration import typed_fields
 from prune.errors import LayercutError
 from prune.loading.loader import EMBEDDED_MODEL, LoadedModel
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-
-
 OFFLOADS = ("none", "sequential")
 
 
@@ -23,7 +22,8 @@ class LoadConfig:
     """How to load a model; a recipe's ``load:`` section maps key for key onto it.
 
     Attributes:
-        model: alias, hub id, checkpoint folder or ``.gguf`` file.
+        model: alias, hub id, checkpoint folder or ``.gguf`` file; None where the caller names it later
+            (``distill.run``'s teacher: the one the student's ``layercut.json`` names).
         dtype: auto | float32 | bfloat16 | float16.
         device: cpu | cuda | cuda:N | auto (accelerate ``device_map`` over the GPUs).
         load_in_4bit: bitsandbytes NF4 weights (CUDA only).
@@ -34,7 +34,7 @@ class LoadConfig:
             memory is one block and two state buffers; ``prune.measure.blockwise``).
     """
 
-    model: str = EMBEDDED_MODEL
+    model: str | None = EMBEDDED_MODEL
     dtype: str = "auto"
     device: str = "cpu"
     load_in_4bit: bool = False
@@ -43,6 +43,8 @@ class LoadConfig:
     offload: str = "none"
 
     def __post_init__(self):
+        typed_fields(self, "load", {"dtype": f"write one of {', '.join(DTYPES)}",
+                                    "offload": f"write one of {', '.join(OFFLOADS)}"})
         if self.load_in_4bit and self.load_in_8bit:
             raise LayercutError("--load-in-4bit and --load-in-8bit exclude each other: pass one")
         if self.offload not in OFFLOADS:

@@ -73,10 +73,11 @@ def numeric_fields(config, section: str) -> None:
     """
     for spec in fields(config):
         kinds = {part.strip() for part in str(spec.type).split("|")}
-        kind = "int" if "int" in kinds else "float" if "float" in kinds else None
+        # a field that also takes text (``drop: 25%``) reads its text itself
+        kind = None if "str" in kinds else "int" if "int" in kinds else "float" if "float" in kinds else None
         value = getattr(config, spec.name)
         if kind is not None and not (value is None and "None" in kinds):
-            setattr(config, spec.name, _number(value, kind, f"{section}: {spec.name}"))
+            setattr(config, spec.name, _number(value, kind, f"{section}: {spec.name}" if section else spec.name))
 
 
 def _number(value, kind: str, where: str) -> int | float:
@@ -96,6 +97,35 @@ def _number(value, kind: str, where: str) -> int | float:
     if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
         raise LayercutError(f"{where} must be {expected}, got {value!r}")
     return int(number)
+
+
+# The field types typed_fields checks, as an annotation spells them, with the Python types that hold them and how an
+# error names them. A bool is not a number here (``samples: true``), though Python makes it an int.
+_FIELD_TYPES = {"str": ((str,), "text"), "int": ((int,), "an integer"), "float": ((int, float), "a number"),
+                "bool": ((bool,), "true or false"), "dict": ((dict,), "a mapping"), "list": ((list, tuple), "a list")}
+
+
+def typed_fields(config, section: str, hints: dict[str, str] | None = None) -> None:
+    """Refuse, in one line, a field of the dataclass ``config`` that holds none of the types its annotation names.
+
+    A recipe's YAML or a keyword argument can put any value anywhere (``protect: 5``, ``load: {dtype: 7}``); found
+    here, the error names ``section: key``, what it takes and an example (``hints[key]``, else the default), not a
+    ``TypeError`` deep in the run. Fields annotated with other types (a nested config) are left to their own checks;
+    numbers written as text are :func:`numeric_fields`' to read, so call it first where a field may hold them.
+    """
+    for spec in fields(config):
+        kinds = [part.strip().split("[")[0] for part in str(spec.type).split("|")]
+        value = getattr(config, spec.name)
+        if (value is None and "None" in kinds) or not all(k in _FIELD_TYPES or k == "None" for k in kinds):
+            continue
+        taken = [k for k in kinds if k != "None"]
+        if any(isinstance(value, _FIELD_TYPES[k][0]) and (k == "bool" or not isinstance(value, bool)) for k in taken):
+            continue
+        where = f"{section}: {spec.name}" if section else spec.name
+        words = " or ".join(_FIELD_TYPES[k][1] for k in taken) + (" (or none)" if "None" in kinds else "")
+        fix = (hints or {}).get(spec.name) or (f"write it like {spec.default!r}" if isinstance(spec.default, str)
+                                               else f"write it as {words}")
+        raise LayercutError(f"{where} must be {words}, got {value!r} ({type(value).__name__}): {fix}")
 
 
 @dataclass
@@ -123,6 +153,7 @@ class DataConfig:
 
     def __post_init__(self):
         numeric_fields(self, "data")  # a recipe's "64" is 64; its "eight" a one-line error
+        typed_fields(self, "data")
         if self.data is None:  # spelled out, so reports and resumed comparisons name what was read
             self.data = DEFAULT_DATA
         if self.samples <= 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import pickle
 import re
 import time
 from dataclasses import dataclass
@@ -258,6 +259,58 @@ def check_weights_present(folder: Path) -> None:
                         "its config.json, or name a complete checkpoint folder")
 
 
+def _tensor_names(folder: Path) -> list[str] | None:
+    """The tensor names of a folder's safetensors, read from its shard index or the files' headers (no tensor data).
+
+    None when its weights are not safetensors (a pickle is never opened to list them).
+    """
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            return list(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        except (ValueError, KeyError, TypeError) as err:
+            raise damaged(index, f"no readable weight_map: {err}") from None
+    files = sorted(folder.glob("model*.safetensors"))
+    if not files:
+        return None
+    names = []
+    for file in files:  # check_safetensors has read each header whole already: it is there to be read
+        with file.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            names += [key for key in json.loads(handle.read(length)) if key != "__metadata__"]
+    return names
+
+
+def check_block_count(folder: Path, config: PretrainedConfig) -> None:
+    """Refuse a ``config.json`` whose block count differs from the blocks its safetensors hold, before loading.
+
+    transformers builds the count the config says and fills it from the weights by name: more than the weights hold
+    leaves the extra blocks random, fewer drops the rest unread, each with a warning a run's log hides. Read from
+    the tensor names alone; a checkpoint whose names do not follow its architecture's block path is not checked.
+    """
+    from prune.model.adapters import arch_spec, config_layer_count, layer_count_attribute
+
+    declared, names = config_layer_count(config), _tensor_names(folder)
+    if declared is None or names is None:
+        return
+    try:
+        path = arch_spec(config.model_type).blocks
+    except LayercutError:  # an architecture layercut does not prune: transformers' own checks stand
+        return
+    # some checkpoints leave out the base model's prefix ("h.0." for GPT-2's "transformer.h.0.")
+    short = path.split(".", 1)[1] if "." in path else path
+    pattern = re.compile(rf"^(?:{re.escape(path)}|{re.escape(short)})\.(\d+)\.")
+    found = {int(match.group(1)) for name in names if (match := pattern.match(name))}
+    if not found or found == set(range(declared)):
+        return
+    attribute = layer_count_attribute(config, declared) or "num_hidden_layers"
+    held = f"{len(found)} (blocks {min(found)}..{max(found)})"
+    effect = (f"blocks {len(found)}..{declared - 1} would run with random weights" if declared > len(found)
+              else f"blocks {declared}..{max(found)} would be left unread")
+    raise LayercutError(f"{folder / 'config.json'} says {attribute}: {declared} but its weights hold {held}, so "
+                        f"{effect}: set {attribute} to {len(found)} in config.json, or restore the checkpoint")
+
+
 def _check_config_file(checkpoint: str) -> None:
     """Fail in one line on a local ``config.json`` that is not a JSON object."""
     path = Path(checkpoint) / "config.json"
@@ -375,14 +428,27 @@ def _load_weights(name: str, checkpoint: str, config: PretrainedConfig, kwargs: 
         check_weights_present(folder)
         for file in sorted(folder.glob("model*.safetensors")):
             check_safetensors(file)
+        check_block_count(folder, config)
     try:
         with hub_errors(name, hub_id=not folder.exists(), weights=True):
             model = AutoModelForCausalLM.from_pretrained(checkpoint, config=config, **kwargs)
     except SafetensorError as err:  # damage the header check cannot see (an index naming a missing shard, ...)
         raise LayercutError(f"{checkpoint}: its weights cannot be read ({err}): re-export the checkpoint or "
                             "restore its .safetensors files from a copy") from None
+    except pickle.UnpicklingError as err:  # torch's weights_only reader refused it: nothing in it was run
+        raise _refused_pickle(checkpoint, err) from None
     check_resident(model, name)
     return model
+
+
+def _refused_pickle(checkpoint: str, err: pickle.UnpicklingError) -> LayercutError:
+    """The one line for a pickled checkpoint that torch's ``weights_only`` reader refused to unpickle."""
+    named = re.search(r"GLOBAL (\S+)", str(err))
+    what = f"it names {named.group(1)}" if named else "it holds more than tensors"
+    return LayercutError(f"{checkpoint}: its weights are a pickle (pytorch_model*.bin) that torch refused to read "
+                         f"safely ({what}), and layercut reads only tensors: convert it to safetensors where you "
+                         "trust its source, AutoModelForCausalLM.from_pretrained(folder, weights_only=False)"
+                         ".save_pretrained(new_folder), and pass new_folder")
 
 
 def check_finite(model: torch.nn.Module, checkpoint: str) -> None:

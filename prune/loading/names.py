@@ -106,6 +106,17 @@ def _looks_like_path(name: str) -> bool:
     )
 
 
+def _parent_is_here(name: str) -> bool:
+    """Whether ``name`` is ``folder/name`` with its folder here: likely a path with its last part mistyped.
+
+    Only likely: a hub id ``org/name`` run beside a folder ``org/`` looks the same, so a reachable hub is asked first.
+    """
+    if "/" not in name and os.sep not in name:
+        return False
+    parent = Path(name).expanduser().parent
+    return parent != Path() and parent.is_dir()
+
+
 def _check_local(path: Path) -> None:
     """Fail early, in one line, on a local folder or file we cannot load."""
     if path.is_dir():
@@ -146,9 +157,12 @@ def resolve_model_name(name: str) -> str:
     if name.lower() in MODEL_ALIASES:
         probe_hub()
         return MODEL_ALIASES[name.lower()]
-    if _looks_like_path(name):
-        kind = "GGUF file" if name.lower().endswith(".gguf") else "path"
-        raise LayercutError(f"{kind} {name} not found: check the path (relative paths start from {Path.cwd()})")
+    # a path, or folder/name beside a folder of that name while the hub cannot be asked: say so, not "no such model"
+    if _looks_like_path(name) or (_parent_is_here(name) and (hub_offline() or probe_hub())):
+        relative = "" if local.is_absolute() else f" (relative paths start from {Path.cwd()})"
+        if name.lower().endswith(".gguf"):
+            raise LayercutError(f"GGUF file {name} not found: check the path{relative}")
+        raise LayercutError(f"no folder {name}: check the path{relative}")
     close = difflib.get_close_matches(name.lower(), MODEL_ALIASES, n=1, cutoff=0.85)
     if close and "/" not in name:  # a typo of an alias: say so now, not after the hub's retries
         raise LayercutError(f"unknown model '{name}': did you mean '{close[0]}'? (python -m prune.run --list-models "
@@ -247,7 +261,9 @@ def _unknown_model(name: str, err: OSError) -> LayercutError:
     hint = f"did you mean '{close[0]}'? " if close else ""
     searched = "the hub has no such model"
     if unreachable:
-        why = "it is offline (HF_HUB_OFFLINE is set)" if hub_offline() else "it cannot be reached"
+        # probe_hub switches the hub off itself when it does not answer: that is not HF_HUB_OFFLINE being set
+        probed = bool(_UNREACHABLE and _UNREACHABLE[0])
+        why = "it is offline (HF_HUB_OFFLINE is set)" if hub_offline() and not probed else "it cannot be reached"
         searched = f"not in the local Hugging Face cache, and the hub was not searched: {why}"
     return LayercutError(
         f"unknown model '{name}' (not an alias or local path, {searched}): "

@@ -76,7 +76,7 @@ def load_offloaded(name: str, *, dtype: str = "auto", device: str = "cpu", token
     from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoModelForCausalLM
 
-    from prune.loading.loader import _finish_model, _open_config, load_tokenizer, resolve_model_name
+    from prune.loading.loader import _finish_model, _open_config, check_block_count, load_tokenizer, resolve_model_name
 
     if load_in_4bit or load_in_8bit or device == "auto":
         raise LayercutError("--offload sequential runs one block at a time on one device, in --dtype: drop "
@@ -84,6 +84,7 @@ def load_offloaded(name: str, *, dtype: str = "auto", device: str = "cpu", token
     resolved = resolve_model_name(name)
     checkpoint, config = _open_config(name, resolved, allow_maps=False)
     folder = _local_folder(name, checkpoint)
+    check_block_count(folder, config)
     torch_dtype = _dtype(dtype, config)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)

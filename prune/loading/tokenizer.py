@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from prune.errors import LayercutError
 
 if TYPE_CHECKING:
+    from torch import nn
     from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -37,3 +38,21 @@ def check_tokenizer(name: str, tokenizer: str | None = None) -> None:
             "or pass --tokenizer NAME"
         )
 
+
+
+def check_vocabulary(tokenizer: PreTrainedTokenizerBase, model: nn.Module) -> None:
+    """Refuse a tokenizer whose ids run past the model's embedding rows, in one line before any pass.
+
+    Such ids index outside the embedding: an ``IndexError`` deep in torch on the first batch (or, on a GPU, a device
+    assert). A model may hold more rows than its tokenizer has tokens (padded for speed); fewer is another
+    model's tokenizer.
+    """
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embedding, "num_embeddings", None)
+    try:
+        size = len(tokenizer)
+    except TypeError:  # not a transformers tokenizer: nothing to count
+        return
+    if isinstance(rows, int) and size > rows:
+        raise LayercutError(f"the tokenizer has {size:,} tokens and the model's embedding {rows:,} rows (ids "
+                            f"{rows:,} and above would index past it): pass the model's own tokenizer")

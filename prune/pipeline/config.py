@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prune.checkpoint.load_config import LoadConfig
-from prune.data.calibration import DataConfig
+from prune.data.calibration import DataConfig, numeric_fields, typed_fields
 from prune.data.sources import parse_sources
 from prune.errors import LayercutError
 from prune.measure.scores import get_score
@@ -69,7 +69,7 @@ class PruneConfig:
     unit: str = "block"
     score: str = "linearity"
     select: str = "topk"
-    protect: str = DEFAULT_PROTECT
+    protect: str | list[int] | None = DEFAULT_PROTECT
     batch_size: int = 4
     replace: ReplaceConfig | str = "none"
     distill: dict = field(default_factory=dict)
@@ -78,8 +78,12 @@ class PruneConfig:
     overwrite: bool = False
     auto_replace: bool = False
 
-
     def __post_init__(self):
+        numeric_fields(self, "")  # a recipe's batch_size: "8" is 8
+        typed_fields(self, "", {"protect": "write block indices as text or a list, '0,-1' or [0, -1], or none",
+                                "drop": "write a count like 4 or a share like '25%'",
+                                "target_params": "write a count like 110M or a share like '85%'",
+                                "distill": "write DistillConfig keys, such as distill: {steps: 100}"})
         if isinstance(self.load, dict):
             self.load = LoadConfig(**self.load)
         if isinstance(self.data, dict):
@@ -89,8 +93,6 @@ class PruneConfig:
         if self.batch_size <= 0:
             raise LayercutError(f"--batch-size must be positive, got {self.batch_size}")
         self.replace = _replace_config(self._take_auto(self.replace), self.batch_size)
-        if not isinstance(self.distill, dict):
-            raise LayercutError(f"distill must be a mapping of DistillConfig keys, got {type(self.distill).__name__}")
         steps = self.distill.get("steps", 0)
         if not isinstance(steps, int) or steps < 0:
             raise LayercutError(f"--distill-steps (distill.steps) must be an integer >= 0, got {steps}")
@@ -107,7 +109,7 @@ class PruneConfig:
         if is_sublayer(units):
             self._check_sublayer_options()
         if self.load.offload == "sequential":
-            self._check_offload_options(units)
+            self._check_offload_options()
         if self.auto_replace and (not self.removes or is_sublayer(units)):
             self.auto_replace = False  # nothing to repair, or no repair applies: removal
         if self.out is None and self.removes:
@@ -159,10 +161,15 @@ class PruneConfig:
                 raise LayercutError(f"{flag} with --unit {self.unit}: sub-layer removal {fix}; drop {flag} "
                                     "or use --unit block")
 
-    def _check_offload_options(self, units: tuple[str, ...]) -> None:
-        """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
+    def offload_refusals(self) -> list[tuple[str, str]]:
+        """(flag, what a block-by-block run does instead) for each option ``--offload sequential`` cannot run.
+
+        The one statement of what a skeleton runs: the config refuses these under ``--offload sequential``, and
+        the planner proposes that offload as a fix only where they are none (``prune.planner.estimate``).
+        """
+        units = parse_units(self.unit)
         method = get_method(self.replace.method)
-        for flag, bad, fix in (
+        refusals = (
             ("--unit", is_sublayer(units), "rates whole blocks (--unit block)"),
             ("--select", needed_cosine_pairs(self) == "all",
              "keeps two states at a time, and a span's score compares every pair of states (--select topk, "
@@ -176,10 +183,16 @@ class PruneConfig:
             ("--data", any(source.is_self for source in parse_sources(self.data.data)),
              "cannot sample text from the model (the default calibration's self half): pass --data builtin, a "
              "file or a dataset"),
-        ):
-            if bad:
-                raise LayercutError(f"{flag} with --offload sequential: a block-by-block run {fix}; change {flag} "
-                                    "or use --offload none")
+        )
+        return [(flag, fix) for flag, bad, fix in refusals if bad]
+
+    def _check_offload_options(self) -> None:
+        """Refuse, in one line and before any weight is read, what a skeleton cannot run block by block."""
+        refusals = self.offload_refusals()
+        if refusals:
+            flag, fix = refusals[0]
+            raise LayercutError(f"{flag} with --offload sequential: a block-by-block run {fix}; change {flag} "
+                                "or use --offload none")
 
     def _default_out(self, units: tuple[str, ...]) -> str:
         """``<model>-drop<K>[-<units>][-<method>]``: the first command a user types keeps its result."""

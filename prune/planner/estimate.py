@@ -39,7 +39,6 @@ from prune.planner.stages import (
     stage_selection,
     stage_teacher_cache,
 )
-from prune.replace.registry import offloadable_methods
 from prune.selection.strategies import measured_selections, parse_protect
 
 logger = logging.getLogger(__name__)
@@ -193,7 +192,11 @@ def _drop_count(config, shape: ModelShape) -> int:
         return blocks_for_speedup(config.target_speedup, shape.layers)
     if config.target_params is not None:
         target = parse_param_target(config.target_params, shape.total)
-        return blocks_for_params(target, shape.total, [shape.block_params] * shape.layers)
+        protected = set(parse_protect(config.protect, shape.layers))
+        free = [block for block in range(shape.layers) if block not in protected]
+        # a plan's blocks are all one size, so which free blocks the run's selection picks does not change the count
+        return blocks_for_params(target, shape.total, [shape.block_params] * shape.layers, lambda k: free[:k],
+                                 len(free))
     return 0
 
 
@@ -225,7 +228,9 @@ def plan_input(config, shape: ModelShape, hardware: Hardware) -> PlanInput:
         heldout_samples=config.data.heldout_samples, batch_size=config.batch_size,
         fit_short=config.replace.short or 0, select=config.select,
         protected=len(parse_protect(config.protect, shape.layers)), checkpoint_dtype=shape.dtype,
-        distill=distill_spec(config.distill, DistillSpec().seq_len), hardware=hardware)
+        distill=distill_spec(config.distill, DistillSpec().seq_len), hardware=hardware,
+        # the config's own check: the data it names is the fix's to change (the fix's words say so)
+        offloadable=all(flag == "--data" for flag, _ in config.offload_refusals()))
 
 
 def plan_config(config, hardware: Hardware, shape: ModelShape | None = None, keeps_original: bool = False) -> RunPlan:
@@ -281,9 +286,8 @@ def _candidate_fixes(inp: PlanInput) -> list[_Fix]:
 
 
 def _offload_applies(inp: PlanInput) -> bool:
-    """Whether ``--offload sequential`` could run these options (``PruneConfig`` refuses the others)."""
-    return (inp.offload != "sequential" and inp.replace in offloadable_methods()
-            and inp.select != "span" and not inp.distill.steps)
+    """Whether ``--offload sequential`` is a fix: not on already, and the run's options allow it (``offloadable``)."""
+    return inp.offload != "sequential" and inp.offloadable
 
 
 def fixes(plan: RunPlan, most: int = 3) -> list[str]:

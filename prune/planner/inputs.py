@@ -71,6 +71,9 @@ class PlanInput:
     checkpoint_dtype: str = "float32"
     distill: DistillSpec = field(default_factory=DistillSpec)
     hardware: Hardware = field(default_factory=Hardware)
+    # whether --offload sequential could run these options, as PruneConfig.offload_refusals says (the data aside);
+    # False where no config says so, and a plan then never proposes it
+    offloadable: bool = False
 
     @property
     def on_gpu(self) -> bool:

@@ -175,6 +175,17 @@ def test_cli_rejects_bad_numbers_before_loading_anything(pair, tmp_path, capsys)
     assert "--warmup-steps" in _error(capsys)
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--steps", "-1"), ("--steps", "0"), ("--batch-size", "0"),
+                                            ("--grad-accum", "-2")])
+def test_a_count_the_samples_follow_is_named_itself(capsys, monkeypatch, flag, value):
+    # --steps -1 was refused as "--samples 1: the default calibration ... takes a sequence from each of its 2
+    # sources", a flag the user never typed (the sequences drawn are --steps x --batch-size x --grad-accum)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--student", "s", "--out", "o", flag, value]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err == [f"error: {flag} must be a positive integer, got {value}"]
+
+
 @pytest.mark.parametrize(("argv", "samples"), [
     (["--steps", "20"], 80),  # 20 steps of 4: sampling the default 512 took 15 minutes for 80 sequences
     (["--steps", "20", "--grad-accum", "2", "--batch-size", "2"], 80),

@@ -312,6 +312,27 @@ def test_cli_offline_alias_is_one_line_exit_2(empty_hub_cache, capsys):
     assert "'opt-1.3b' (hub id facebook/opt-1.3b) is not in the local Hugging Face cache" in err
 
 
+@pytest.mark.parametrize("name", ["./no/such/folder", "out/model", "{tmp}/nothere", "~/layercut-no-such-folder"])
+def test_a_missing_folder_is_named_a_folder_not_a_hub_model(tmp_path, monkeypatch, empty_hub_cache, name):
+    # "out/model" (out/ is here) was looked up on the hub and reported as a model not in the cache
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    name = name.format(tmp=tmp_path)
+    for call in (load_config, load_model):
+        message = _one_line_error(call, name)
+        assert message.startswith(f"no folder {name}: check the path"), message
+        assert ("relative paths start from" in message) is not Path(name).expanduser().is_absolute()
+
+
+def test_an_unreachable_hub_is_not_blamed_on_hf_hub_offline(monkeypatch, empty_hub_cache):
+    # probe_hub switched the hub off because it did not answer; the line said HF_HUB_OFFLINE was set
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(model_names, "_UNREACHABLE", [True])
+    message = _one_line_error(load_tokenizer, "no-alias-like-this")
+    assert "the hub was not searched: it cannot be reached" in message and "HF_HUB_OFFLINE" not in message
+
+
 def test_folder_without_config(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(LayercutError, match="has no config.json"):
@@ -321,7 +342,7 @@ def test_folder_without_config(tmp_path):
 def test_missing_paths(tmp_path):
     with pytest.raises(LayercutError, match=r"GGUF file .*missing\.gguf not found"):
         load_model(str(tmp_path / "missing.gguf"))
-    with pytest.raises(LayercutError, match="not found"):
+    with pytest.raises(LayercutError, match="no folder "):
         resolve_model_name(str(tmp_path / "a" / "b"))
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(LayercutError, match="not a .gguf"):
@@ -580,3 +601,71 @@ def test_a_config_json_alone_names_its_folder_so_a_hub_model_plans_offline(tmp_p
                                    "--plan-gpu-memory", "80GB")
     assert code == 0, err
     assert "8.03B parameters, 32 blocks, d=4096" in out and "(fits)" in out
+
+
+# ------------------------------------------------------------------------------------------------ lying or pickled
+
+
+class _Runs:
+    """An object whose unpickling would run ``os.system``: torch's weights_only reader must refuse it unrun."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_pickle_torch_refuses_is_one_line_and_runs_nothing(tiny_checkpoint, tmp_path):
+    import prune
+
+    folder, model, _ = tiny_checkpoint
+    (folder / "model.safetensors").unlink()
+    marker = tmp_path / "ran"
+    torch.save({**model.state_dict(), "extra": _Runs(marker)}, folder / "pytorch_model.bin")
+    for loader in (load_model, prune.load):  # an UnpicklingError traceback from inside transformers before
+        with pytest.raises(LayercutError) as caught:
+            loader(str(folder))
+        message = str(caught.value)
+        assert "\n" not in message and "its weights are a pickle (pytorch_model*.bin)" in message
+        assert "it names posix.system" in message and ".save_pretrained(new_folder)" in message
+    assert not marker.exists()
+
+
+def test_a_pickle_of_tensors_alone_still_loads(tiny_checkpoint):
+    folder, model, tokenizer = tiny_checkpoint
+    (folder / "model.safetensors").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    loaded = load_model(str(folder))
+    torch.testing.assert_close(_logits(loaded.model, loaded.tokenizer), _logits(model, loaded.tokenizer))
+
+
+@pytest.mark.parametrize(("layers", "effect"), [(3, "blocks 2..2 would run with random weights"),
+                                                (1, "blocks 1..1 would be left unread")])
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_config_that_lies_about_its_block_count_is_refused_before_loading(tiny_checkpoint, monkeypatch, layers,
+                                                                            effect, sharded):
+    import prune
+    from prune.loading.offload import load_offloaded
+
+    folder, model, _ = tiny_checkpoint
+    if sharded:  # the count is read from the shard index's names
+        (folder / "model.safetensors").unlink()
+        model.save_pretrained(folder, max_shard_size="20KB")
+        assert (folder / "model.safetensors.index.json").is_file()
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": layers}))
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were read")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_weights)
+    for loader in (load_model, prune.load, load_offloaded):
+        with pytest.raises(LayercutError) as caught:
+            loader(str(folder))
+        assert str(caught.value) == (
+            f"{folder / 'config.json'} says num_hidden_layers: {layers} but its weights hold 2 (blocks 0..1), so "
+            f"{effect}: set num_hidden_layers to 2 in config.json, or restore "
+            "the checkpoint")

@@ -106,6 +106,31 @@ def test_method_recipe_may_not_name_the_model_or_the_drop(tmp_path):
         config_from_recipe(path, {"drop": 2})
 
 
+@pytest.mark.parametrize(("line", "named"), [
+    ("protect: 5", "protect must be text or a list (or none), got 5 (int): write block indices as text"),
+    ("protect: 0.5", "protect must be text or a list (or none), got 0.5 (float)"),
+    ("load: {dtype: 7}", "load: dtype must be text, got 7 (int): write one of auto, float32, bfloat16, float16"),
+    ("load: {load_in_4bit: 'no'}", "load: load_in_4bit must be true or false, got 'no' (str)"),
+    ("data: {text_field: 5}", "data: text_field must be text, got 5 (int)"),
+    ("drop: [1, 2]", "drop must be text or an integer (or none), got [1, 2] (list): write a count like 4"),
+    ("distill: 5", "distill must be a mapping, got 5 (int): write DistillConfig keys"),
+])
+def test_a_value_of_the_wrong_type_is_one_line_naming_the_key(tmp_path, line, named):
+    # these were a TypeError in parse_protect, a KeyError in the planner, or accepted and run
+    path = tmp_path / "typed.yaml"
+    path.write_text(f"drop: 1\n{line}\n")
+    with pytest.raises(LayercutError) as error:
+        config_from_recipe(path)
+    assert str(error.value).startswith(named) and "\n" not in str(error.value)
+
+
+def test_numbers_written_as_text_and_block_lists_are_taken(tmp_path):
+    path = tmp_path / "typed.yaml"
+    path.write_text("drop: '25%'\nbatch_size: '2'\ntarget_speedup:\nprotect: [0, -1]\nload: {dtype: float32}\n")
+    config = config_from_recipe(path)
+    assert (config.drop, config.batch_size, config.protect, config.load.dtype) == ("25%", 2, [0, -1], "float32")
+
+
 def test_resolve_method_by_name_or_path_and_unknown_lists_the_known(tmp_path):
     assert resolve_method("sleb") == METHODS_DIR / "sleb.yaml"
     path = tmp_path / "mine.yaml"

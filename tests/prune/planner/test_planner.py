@@ -103,6 +103,8 @@ def test_mixture_of_experts_counts_the_routed_experts_a_token_uses():
 
 def _big(shape, hardware, **options) -> PlanInput:
     distill = options.pop("distill", DistillSpec())
+    # what PruneConfig.offload_refusals says of --replace linear: a skeleton runs it, but not a distillation
+    options.setdefault("offloadable", not distill.steps)
     return PlanInput(model="llama-3-70b", drop=20, replace="linear", checkpoint_dtype=shape.dtype,
                      distill=distill, hardware=hardware, **options)
 
@@ -179,6 +181,37 @@ def test_plan_input_reads_a_prune_config(llama70b):
     assert inp.drop == 20 and inp.fit_short == 64 and inp.dtype_bytes == 2  # auto on a GPU: the checkpoint's bf16
     assert inp.distill == DistillSpec(steps=50, seq_len=256, teacher_cache=32)
     assert dataclasses.replace(inp, hardware=Hardware(host_memory=1e9)).dtype_bytes == 4  # CPU: float32
+
+
+def test_plan_input_counts_the_blocks_a_parameter_target_removes(llama70b):
+    # --target-params --plan raised a TypeError (blocks_for_params was called without its selection)
+    per_block = llama70b.block_params
+    config = PruneConfig(target_params=str(llama70b.total - 3 * per_block), replace="linear")
+    assert plan_input(config, llama70b, ONE_H100).drop == 3
+    protected = PruneConfig(target_params="1000", replace="linear")  # below embeddings, head and blocks 0, -1
+    with pytest.raises(LayercutError, match="out of reach: removing every unprotected block") as err:
+        plan_input(protected, llama70b, ONE_H100)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("options", "offloadable"), [
+    ({"replace": "linear"}, True),
+    ({"replace": {"method": "linear", "fit": "sequential"}}, False),  # the config refuses --fit sequential offloaded
+    ({"replace": "linear", "select": "span", "score": "linearity"}, True),  # a span of a block score streams
+    ({"replace": "linear", "distill": {"steps": 5}}, False),
+    ({"replace": "none", "unit": "attention"}, False),
+])
+def test_offload_is_proposed_where_the_config_runs_it(llama70b, options, offloadable):
+    config = PruneConfig(drop=20, **options)
+    plan = plan_run(llama70b, plan_input(config, llama70b, ONE_H100))
+    assert plan_input(config, llama70b, ONE_H100).offloadable is offloadable
+    assert any(fix.startswith("--offload sequential") for fix in fixes(plan)) is offloadable
+    offloaded = dataclasses.replace(config.load, offload="sequential")
+    if offloadable:  # the config agrees: the same options under --offload sequential are accepted
+        dataclasses.replace(config, load=offloaded, data=dataclasses.replace(config.data, data="builtin"))
+    else:
+        with pytest.raises(LayercutError, match="with --offload sequential"):
+            dataclasses.replace(config, load=offloaded, data=dataclasses.replace(config.data, data="builtin"))
 
 
 def test_distill_spec_defaults_follow_distill_config():
