@@ -34,8 +34,9 @@ def build(config: PruneConfig, shortlist: Shortlist, out: Path, loaded: LoadedMo
           scored: Scored | None = None) -> Built:
     """Write the chosen candidate's checkpoint into ``out``.
 
-    ``loaded`` and ``scored``: the model and its scoring pass, when this process has them (the shortlist
-    ran here); a resumed run loads and scores again, as ``prune.run`` does. ``loaded`` is surgered in place.
+    ``loaded`` and ``scored``: the model and the shortlist's scoring pass (``cosine_pairs="all"``), which the
+    build's fits read, so a resumed run that scores again as the shortlist did writes the same tensors; without
+    them, ``prune.run``'s own load and scoring. ``loaded`` is surgered in place.
     """
     chosen = shortlist.best
     run = chosen_config(config, shortlist, out)

@@ -25,7 +25,7 @@ from ship.card import CARD, ship_card
 from ship.config import ShipConfig
 from ship.heal import Healing, heal, heal_steps
 from ship.plan import Plan, block_budget, make_plan, plan_line
-from ship.shortlist import SHORTLIST_SHARE, Shortlist, make_shortlist
+from ship.shortlist import SHORTLIST_SHARE, Progress, Shortlist, make_shortlist
 from ship.verify import Verified, verify
 from ship.work import (
     BUILD,
@@ -38,6 +38,7 @@ from ship.work import (
     PLAN,
     SETTINGS,
     SHORTLIST,
+    SHORTLIST_PROGRESS,
     VERIFIED,
     VERIFY,
     StageResult,
@@ -156,11 +157,14 @@ class Shipper:
                                                                      config.resolve(loaded.model))
         budget = self.config.time_budget
         return make_shortlist(self.scored, loaded.model, config, count,
-                              deadline=None if budget is None else budget * SHORTLIST_SHARE, elapsed=self.elapsed)
+                              deadline=None if budget is None else budget * SHORTLIST_SHARE, elapsed=self.elapsed,
+                              progress=Progress(self.work / SHORTLIST_PROGRESS))
 
     def build(self, shortlist: Shortlist) -> Built:
         """``checkpoint/``: prune.run's checkpoint of the chosen candidate."""
         self.say(f"building {shortlist.best.describe()}")
+        if self.scored is None:  # a resumed run: the shortlist's own pass again, so the fits read the same sums
+            self.scored = score_calibration(self._load(), self.config.prune, cosine_pairs="all")
         done = build(self.config.prune, shortlist, self.work / CHECKPOINT, self.loaded, self.scored)
         self.loaded = None  # surgered in place: not the original any more
         return done

@@ -12,9 +12,11 @@ repair that unties a tied head) or than ``--target-params`` is not one.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -27,7 +29,7 @@ from prune.pipeline.runner import Scored
 from prune.replace import METHODS, ReplaceConfig, check_replacement_supported, parameter_count
 from prune.selection.repaired import RepairedCosts
 from prune.selection.strategies import SELECTIONS
-from ship.work import StageResult
+from ship.work import StageResult, write_json_atomic
 
 # the share of --time-budget the shortlist may spend measuring; building and verifying take the rest
 SHORTLIST_SHARE = 0.5
@@ -109,12 +111,53 @@ def applicable(method: str, model) -> str | None:
     return None
 
 
+class Progress:
+    """The repairs measured so far, kept in a file as each one ends: a killed shortlist measures only the rest.
+
+    A repair's kept figures are used only for the very candidates it measured (the same block sets, chosen by
+    the same selections): the scoring pass of a resumed run is the same, so its candidates are.
+    """
+
+    def __init__(self, path: Path | None = None):
+        self.path = path
+        self.kept: dict[str, list[dict]] = {}
+        if path is not None and path.is_file():
+            try:
+                kept = json.loads(path.read_text(encoding="utf-8"))
+                self.kept = kept if isinstance(kept, dict) else {}
+            except (json.JSONDecodeError, UnicodeDecodeError):  # a damaged file: those repairs are measured again
+                self.kept = {}
+
+    def restore(self, repair: str, todo: list[Candidate]) -> bool:
+        """Fill ``todo`` (one repair's candidates) from the kept figures; whether they were all there."""
+        kept = self.kept.get(repair)
+        if not isinstance(kept, list) or len(kept) != len(todo):
+            return False
+        try:
+            found = [Candidate(**row) for row in kept]
+        except TypeError:
+            return False
+        if [(c.blocks, c.chosen_by) for c in found] != [(c.blocks, c.chosen_by) for c in todo]:
+            return False
+        for candidate, row in zip(todo, found, strict=True):
+            candidate.params, candidate.kl, candidate.ppl, candidate.note = row.params, row.kl, row.ppl, row.note
+        return True
+
+    def keep(self, repair: str, todo: list[Candidate]) -> None:
+        """Record one repair's measured candidates."""
+        self.kept[repair] = [dataclasses.asdict(c) for c in todo]
+        if self.path is not None:
+            write_json_atomic(self.path, self.kept)
+
+
 def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, deadline: float | None = None,
-                   elapsed: Callable[[], float] = lambda: 0.0) -> Shortlist:
+                   elapsed: Callable[[], float] = lambda: 0.0, progress: Progress | None = None) -> Shortlist:
     """List the candidates of ``count`` blocks, measure them on rows no fit saw; the lowest KL is chosen.
 
-    ``deadline``: seconds of ``elapsed()`` after which no further repair's candidates are measured.
+    ``deadline``: seconds of ``elapsed()`` after which no further repair's candidates are measured;
+    ``progress``: the repairs an earlier, stopped call measured (kept as each repair ends).
     """
+    progress = progress or Progress()
     base = dataclasses.replace(config, drop=count, target_params=None, target_speedup=None, replace="none",
                                auto_replace=False, out=None)
     amounts = base.resolve(model)
@@ -129,6 +172,9 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
     with tqdm(total=len(candidates), desc="shortlist", unit="candidate") as bar:
         for repair, cost in costs.items():  # one capture pass fits every span of a repair's candidates
             todo = [c for c in candidates if c.repair == repair]
+            if progress.restore(repair, todo):
+                bar.update(len(todo))
+                continue
             if deadline is not None and elapsed() > deadline and any(c.measured for c in candidates):
                 for candidate in todo:
                     candidate.note = "not measured: --time-budget spent"
@@ -142,7 +188,9 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
                 candidate.kl, candidate.ppl = measured["kl"], measured["ppl"]
                 if not math.isfinite(candidate.kl):
                     candidate.note = f"--replace {candidate.repair} cannot repair these spans"
-            bar.update(len([c for c in candidates if c.repair == repair]))
+            every = [c for c in candidates if c.repair == repair]
+            progress.keep(repair, every)
+            bar.update(len(every))
     measured = [c for c in candidates if c.measured]
     if not measured:
         raise LayercutError("no candidate could be measured: " + "; ".join(

@@ -25,6 +25,7 @@ SETTINGS = "ship.json"  # what a run depends on; in OUT/, with the shortlist and
 PLAN, SHORTLIST, BUILD, HEAL, EXPORT, VERIFIED = ("plan.json", "shortlist.json", "build.json", "heal.json",
                                                   "export.json", "verify.json")
 CHECKPOINT, HEALED, VERIFY = "checkpoint", "healed", "verify"
+SHORTLIST_PROGRESS = "shortlist.partial.json"  # each repair's measured candidates, as it ends
 CALIBRATION, HELDOUT = "calibration.safetensors", "heldout.txt"
 
 

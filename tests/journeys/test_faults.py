@@ -486,6 +486,9 @@ def test_prune_ship_killed_in_a_stage_continues_to_the_same_checkpoint(tmp_path,
     args = [*ship_args, "--no-verify", "--out", "slim"]
     run_killed(tmp_path, fault, "prune.ship", args)
     assert not (tmp_path / "slim").exists(), "a killed run left a partial --out"
+    if fault == "ship-shortlist":  # the first repair's candidates are kept: the rerun measures only the others
+        kept = json.loads((tmp_path / "slim.work" / "shortlist.partial.json").read_text())
+        assert len(kept) == 1 and all(row["kl"] is not None for row in next(iter(kept.values())))
     done = run_again(tmp_path, "prune.ship", args)
     assert "continuing the run kept in" in done.stdout
     assert _shortlist(tmp_path / "slim") == _shortlist(shipped)
