@@ -1,16 +1,13 @@
 """Benchmarks of slimmed models against their original.
 
-    python -m eval.bench speed --model slim/ --baseline smollm2-135m [--model slim8/] [--out bench/]
+    python -m eval.bench --help                     # every registered subcommand, one line each
     python -m eval.bench speed --engine llamacpp --model slim/ --baseline dense/ --threads 2 [--out bench/]
-    python -m eval.bench scoring --model smollm2-135m [--tokens 8192,32768] [--out bench-scoring/]
     python -m eval.bench serving --model dense=smollm2-135m --model slim=slim/ --heldout ptb.txt [--out serving/]
-    python -m eval.bench replace --model smollm2-135m --drop 4,8 --heldout emma.txt [--out bench-replace/]
-    python -m eval.bench teacher-cache --model smollm2-135m --drop 4 --steps 100 [--out bench-teacher-cache/]
-    python -m eval.bench scale --shape llama-3-8b --dtype float32 [--drop 8] [--out bench-scale/]
 
 Each subcommand is a module of :mod:`eval.bench` that registers itself in ``eval.bench.registry.SUBCOMMANDS``
 (name -> how to add its arguments, how to run it); this module imports every module of the package and
-builds one sub-parser per registered subcommand. A new subcommand is one module, plus its test.
+builds one sub-parser per registered subcommand (each module's docstring shows its command). A new subcommand
+is one module, plus its test.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "console_main", "discove
 
 logger = logging.getLogger(__name__)
 
-NOT_SUBCOMMANDS = {"cli", "registry"}  # modules of eval.bench that register no subcommand
+NOT_SUBCOMMANDS = {"checks", "cli", "registry"}  # modules of eval.bench that register no subcommand
 
 
 def discover_subcommands() -> list[str]:

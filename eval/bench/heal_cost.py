@@ -34,7 +34,7 @@ from prune.errors import LayercutError
 from prune.memory import measured_stage
 from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args
 from prune.pipeline.config import PruneConfig
-from prune.pipeline.runner import choose_blocks, score_model
+from prune.pipeline.runner import blocks_to_drop, score_model
 from prune.replace import METHODS, ReplaceConfig, check_span_lengths, replace_blocks_, spans_of
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ def heal_cost(loaded, calibration, heldout_ids: torch.Tensor, options: HealCostO
     score = lambda m: perplexity(m, heldout_ids, seq_len=seq_len, progress=False).perplexity  # noqa: E731
     dense = score(model)
     moments, scores = score_model(model, calibration, options.prune)
-    dropped = choose_blocks(model, calibration, moments, scores, options.prune)
+    dropped = blocks_to_drop(model, calibration, moments, scores, options.prune)
     for method in ("local", options.start):
         check_span_lengths(method, spans_of(dropped), fix=f"--replace {method} cannot take them: pass other --drop")
     batch = options.prune.batch_size

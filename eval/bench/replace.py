@@ -29,7 +29,7 @@ from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
 from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args
 from prune.pipeline.config import PruneConfig
-from prune.pipeline.runner import choose_blocks, score_model
+from prune.pipeline.runner import blocks_to_drop, score_model
 from prune.replace import METHODS, ReplaceConfig, check_span_lengths, replace_blocks_, spans_of
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ def compare_replacements(loaded: LoadedModel, calibration: CalibrationData, held
     for drop in options.drops:
         config = copy.copy(options.prune)
         config.drop = drop
-        chosen[drop] = choose_blocks(model, calibration, moments, scores, config)
+        chosen[drop] = blocks_to_drop(model, calibration, moments, scores, config)
         for name in options.variants:  # every pair checked before the first variant runs
             check_span_lengths(variant(name).method, spans_of(chosen[drop]), fix=f"{name} cannot replace them at "
                                f"drop {drop}; pass --select span, or leave {name} out of --variants")

@@ -55,24 +55,6 @@ def read_report(folder: str | Path) -> dict:
     return report
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # an absolute path inside a longer text ("a.txt@0.5,/home/me/b.txt@0.5"): it keeps its last component
 _EMBEDDED_PATH = re.compile(r"(?<![\w/.~-])~?/(?:[^\s/,@'\"`()\[\]]+/)*([^\s/,@'\"`()\[\]]+)")
 
@@ -171,8 +153,6 @@ def library_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
-
-
 
 
 def _what_removed(report: dict) -> str:

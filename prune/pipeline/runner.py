@@ -180,7 +180,7 @@ def score_model(model, calibration: CalibrationData, config: PruneConfig,
     return moments, block_scores(moments, list(SCORES))
 
 
-def choose_blocks(model, calibration, moments, scores, config: PruneConfig, memo: dict | None = None) -> list[int]:
+def blocks_to_drop(model, calibration, moments, scores, config: PruneConfig, memo: dict | None = None) -> list[int]:
     """Apply ``config.drop`` / ``select`` / ``protect`` to the scores (``memo``: see ``Scored.memo``)."""
     if config.drop is None:
         return []

@@ -1,22 +1,11 @@
 """Replace removed blocks instead of only dropping them: one module per method, found by name.
 
 Each maximal run (span) of removed blocks gets one replacement, fitted to reproduce the span's output
-from its input on calibration text. The methods (``METHODS``; these five first, then the other modules of this folder):
-
-* ``none`` (``none.py``): the blocks are only removed.
-* ``linear`` (``linear.py``): ``h -> h A + b``, closed-form least squares (float64) from streamed moments,
-  of which 0.7 of the update ``h A + b - h`` is applied unless ``update_scale`` says otherwise.
-* ``lowrank`` (``lowrank.py``): ``h -> h + up(down(BatchNorm(h)))``, rank ``max(1, d // 100)``, from
-  the closed-form reduced-rank solution, then Adam steps on the MSE.
-* ``fold`` (``fold.py``): the linear map folded into the previous kept block's MLP output
-  projection (0.7 of its update by default, as ``linear``); the checkpoint stays a vanilla architecture.
-* ``block`` (``block.py``): one standard block of the architecture per span, a copy of the span's
-  first block, trained with Adam on the MSE to the span's output; a vanilla checkpoint.
-* ``fold-rotate`` (``rotate.py``): the span's map restricted to what a plain checkpoint carries exactly,
-  ``s r Q + z W'``: the scale and rotation as a change of basis of every weight before the cut, the rest
-  folded as ``fold`` does (RMSNorm blocks; unties a tied LM head).
-* ``local`` (``local.py``): the kept block before the span, retrained block-locally (Adam on recorded
-  inputs) to give the span's linear map's output; a vanilla checkpoint, for any block layout.
+from its input on calibration text. The methods are ``METHODS``, one module of this folder each, registered
+where it is defined (:func:`prune.replace.registry.register_method`); each module's docstring says what it is,
+and ``python -m prune.run --help`` lists them under ``--replace``. ``none`` only removes the blocks;
+the maps (``linear``, ``lowrank``) ride on a kept block; the others (``fold``, ``fold-rotate``, ``local``,
+``block``, ...) change standard weights, so the checkpoint stays a plain one of its architecture.
 
 ``fit="independent"`` fits every span on the original model's states (one streamed pass);
 ``fit="sequential"`` fits span by span, each on the inputs the already-surgered model produces
