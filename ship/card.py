@@ -12,6 +12,7 @@ import shlex
 from collections.abc import Sequence
 from pathlib import Path
 
+from eval.bench.serving import first_difference
 from eval.speed.engines import REFERENCE
 from prune.checkpoint.write import card_sections, portable, portable_name, render_card
 from prune.pipeline.config import PruneConfig
@@ -199,8 +200,7 @@ def _greedy(mine: list | None, theirs: list | None) -> str:
         return ""
     if mine == theirs:
         return f"yes ({len(mine)} tokens)"
-    first = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
-    return f"**no**: from token {first} of {len(theirs)}"
+    return f"**no**: from token {first_difference(mine, theirs)} of {len(theirs)}"
 
 
 def _row(serving: dict | None, model: str, engine: str) -> dict | None:

@@ -193,8 +193,12 @@ def _greedy_note(row: dict, per_engine: dict) -> str:
         return ""
     if mine == theirs:
         return f"; greedy {len(mine)} = transformers"
-    first = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
-    return f"; greedy differs from token {first}"
+    return f"; greedy differs from token {first_difference(mine, theirs)}"
+
+
+def first_difference(mine: list[int], theirs: list[int]) -> int:
+    """The first position where two greedy continuations part (the shorter one's length when one ends first)."""
+    return next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
