@@ -430,21 +430,12 @@ def _scored(loaded: LoadedModel, config: PruneConfig, texts: list[str]):
     return Scored(calibration, moments, scores)
 
 
-def _export_args(name: str, options: dict):
-    """The registered export target ``name`` and its options as the namespace its flags would give."""
-    import argparse
-
+def _export_options(name: str, options: dict):
+    """The registered export target ``name`` and its options (its options dataclass, from keywords)."""
     from prune.checkpoint.exports import export_targets
 
     target = export_targets().get(name)
-    group = argparse.ArgumentParser(add_help=False).add_argument_group(name)
-    target.add_arguments(group)
-    args = argparse.Namespace(**{action.dest: action.default for action in group._group_actions})
-    unknown = sorted(set(options) - set(vars(args)))
-    if unknown:
-        raise LayercutError(f"export {name!r} takes no option {', '.join(unknown)}; its options: "
-                            f"{', '.join(sorted(vars(args))) or '(none)'}")
-    return target, argparse.Namespace(**{**vars(args), **options})
+    return target, target.options_of(options)
 
 
 def _save_result(result: SlimResult, path: str | Path, export: str | None = None, overwrite: bool = False,
@@ -456,7 +447,7 @@ def _save_result(result: SlimResult, path: str | Path, export: str | None = None
         raise LayercutError(f"option(s) {', '.join(sorted(export_options))} belong to an export: pass export=NAME")
     config = copy.copy(result._config)
     config.out, config.overwrite = str(path), overwrite
-    target, args = _export_args(export, export_options) if export is not None else (None, None)
+    target, args = _export_options(export, export_options) if export is not None else (None, None)
     if target is not None:
         target.check(config, args)
     with output_lock(config.out):

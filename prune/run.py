@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from prune.checkpoint.exports import EXPORTS, export_targets
+from prune.checkpoint.exports import EXPORTS, export_dests, export_targets
 from prune.checkpoint.load_config import LoadConfig
 from prune.checkpoint.write import describe_generalisation
 from prune.data.calibration import DataConfig
@@ -162,14 +162,6 @@ def _config_path(dest: str) -> tuple[str, ...]:
     return (dest,)
 
 
-def export_dests() -> set[str]:
-    """The dests of ``--export`` and of every export target's own flags (none is a PruneConfig key)."""
-    group = argparse.ArgumentParser(add_help=False).add_argument_group(EXPORT_GROUP)
-    for target in export_targets().values():
-        target.add_arguments(group)
-    return {"export", *(action.dest for action in group._group_actions)}
-
-
 def config_values(args: argparse.Namespace, only: set[str] | None = None) -> dict:
     """The flags as nested :class:`PruneConfig` keys; ``only`` keeps just those flags (the ones typed)."""
     values: dict = {}
@@ -289,8 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         write_plan_json(plan, args.plan_json)
         return 0
     target = EXPORTS.get(args.export) if args.export else None
+    options = target.options_from_args(args) if target is not None else None
     if target is not None:
-        target.check(config, args)
+        target.check(config, options)
     amounts = None
     if not args.no_plan_check:
         # the inputs first: a --seq-len past the model's positions is the error, not its memory; run_prune reuses them
@@ -299,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_prune(config, steps=config.build_steps(), amounts=amounts)
     print_summary(result)
     if target is not None and result.out is not None:
-        print(target.write(result.out, args))
+        print(target.write(result.out, options))
     return 0
 
 

@@ -30,9 +30,10 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from prune.checkpoint.exports import ExportTarget, check_removes, register_export
+from prune.checkpoint.exports import ExportTarget, check_removes, export_option, register_export
 from prune.errors import LayercutError
 
 logger = logging.getLogger(__name__)
@@ -414,13 +415,16 @@ def _original_blocks(folder: Path) -> int | None:
     return max(seen) + 1 if seen else None
 
 
-def _add_export_arguments(group) -> None:
-    group.add_argument("--gguf-type", default="f32", choices=OUTTYPES, help="the GGUF's tensor type (default: f32)")
-    group.add_argument("--converter", default=None,
-                       help=f"llama.cpp's {CONVERTER_NAME} or its folder (default: ${CONVERTER_ENV})")
+@dataclass(frozen=True)
+class GGUFOptions:
+    """``--export gguf``'s options: ``prune.run --gguf-type/--converter``, ``prune.save(gguf_type=, converter=)``."""
+
+    gguf_type: str = export_option("f32", "the GGUF's tensor type", flag="--gguf-type", choices=OUTTYPES)
+    converter: str | None = export_option(None, f"llama.cpp's {CONVERTER_NAME} or its folder (None: "
+                                          f"${CONVERTER_ENV})", flag="--converter")
 
 
-def _check_export(config, args) -> None:
+def _check_export(config, options: GGUFOptions) -> None:
     """Refuse ``--export gguf`` before any work when it cannot succeed: no output, maps no engine runs, no converter."""
     from prune.model.layouts import LAYERCUT, VANILLA_RECIPE
     from prune.replace import METHODS
@@ -430,17 +434,17 @@ def _check_export(config, args) -> None:
     if method.serving == LAYERCUT:
         raise LayercutError(f"--export gguf: --replace {method.name} writes maps that no serving engine runs; "
                             f"use {VANILLA_RECIPE} instead (same blocks, the map folded into standard weights)")
-    find_converter(args.converter)
-    if args.gguf_type in QUANTIZER_TYPES:
-        check_quantizer(args.gguf_type)
+    find_converter(options.converter)
+    if options.gguf_type in QUANTIZER_TYPES:
+        check_quantizer(options.gguf_type)
 
 
-def _write_export(folder: Path, args) -> str:
-    path, checked = convert(folder, outtype=args.gguf_type, converter=args.converter)
+def _write_export(folder: Path, options: GGUFOptions) -> str:
+    path, checked = convert(folder, outtype=options.gguf_type, converter=options.converter)
     return (f"wrote {path} ({checked['architecture']}, {checked['blocks']} blocks, read back: {checked['compared']} "
-            f"tensors equal to the checkpoint's within {args.gguf_type} rounding)")
+            f"tensors equal to the checkpoint's within {options.gguf_type} rounding)")
 
 
 register_export(ExportTarget(
     "gguf", "a GGUF for llama.cpp in the output folder's gguf/, converted by llama.cpp's own converter and read back",
-    _add_export_arguments, _check_export, _write_export))
+    GGUFOptions, _check_export, _write_export))
