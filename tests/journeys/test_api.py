@@ -171,7 +171,7 @@ def test_gguf_export_of_a_result_with_maps_is_refused_before_writing(tmp_path, t
                         **SMALL)
     with pytest.raises(LayercutError, match="writes maps that no serving engine runs"):
         prune.save(result, tmp_path / "slim", export="gguf")
-    with pytest.raises(LayercutError, match="export 'gguf' takes no option outtype; its options: converter, gguf_type"):
+    with pytest.raises(LayercutError, match="export 'gguf' takes no option outtype; its options: gguf_type, converter"):
         prune.save(result, tmp_path / "slim", export="gguf", outtype="f16")
     assert not (tmp_path / "slim").exists()
 
