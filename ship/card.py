@@ -109,7 +109,7 @@ def _speed(config: ShipConfig, verified: Verified | None, before: int, after: in
     if verified is None:
         return []
     engine = engine_display(config.engine)
-    which = f"`{_shipped_name(config, gguf)}`"
+    which = f"`{gguf}`" if config.gguf and gguf else "This checkpoint"
     if config.gguf and config.gguf_type != "f32":
         which += f" ({config.gguf_type}; the original runs as llama.cpp's f32 conversion, so the ratio includes the " \
                  "quantization)"
