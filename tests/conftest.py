@@ -20,7 +20,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from tests.helpers import _TEXT, SHARED_DATA, make_tiny_model, make_tiny_tokenizer  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    _TEXT,
+    SHARED_DATA,
+    compiled_template_once,
+    make_tiny_model,
+    make_tiny_tokenizer,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -100,3 +106,22 @@ def tiny_folder(tmp_path_factory) -> Path:
     make_tiny_model("llama").save_pretrained(folder)
     make_tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def lm_eval_once():
+    """lm-eval's per-call costs that change no score, paid once a session rather than per row or per run.
+
+    Each Jinja template of a task is compiled once (:func:`compiled_template_once`), and torch's environment report,
+    which ``simple_evaluate`` adds to its results by running ``pip`` and other commands (2 s a call on 2 cores), is
+    collected once: the same text, since the environment does not change within a session.
+    """
+    import functools
+
+    from lm_eval import utils
+    from torch.utils import collect_env
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(utils, "apply_template", compiled_template_once())
+        patch.setattr(collect_env, "get_pretty_env_info", functools.cache(collect_env.get_pretty_env_info))
+        yield

@@ -133,3 +133,22 @@ def make_student_pair(root: Path) -> dict[str, Path]:
     export_checkpoint(student, tokenizer, root / "student", report)
     (root / "data.txt").write_text(_TEXT * 20, encoding="utf-8")
     return {"teacher": root / "teacher", "student": root / "student", "data": root / "data.txt"}
+
+
+def compiled_template_once():
+    """lm-eval's ``apply_template`` with each Jinja template compiled once rather than once per row.
+
+    lm-eval compiles a task's ``doc_to_text`` / ``doc_to_target`` / ``doc_to_choice`` template again for every row
+    it renders (``Environment.from_string`` keeps no cache): over the real files' thousands of rows that is most of a
+    test's time. The compiled template is the same object for the same text, so every row renders as before.
+    """
+    import functools
+
+    from lm_eval import utils
+
+    compile_template = functools.lru_cache(maxsize=256)(utils.env.from_string)
+
+    def apply_template(template: str, doc: dict) -> str:
+        return compile_template(template).render(**doc)
+
+    return apply_template
