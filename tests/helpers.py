@@ -152,3 +152,26 @@ def compiled_template_once():
         return compile_template(template).render(**doc)
 
     return apply_template
+
+
+_NOVEL_TOKENS: dict[tuple, torch.Tensor] = {}
+
+
+def novel_tokens(tokenizer) -> torch.Tensor | None:
+    """The shipped novel (``--data builtin``) as ``tokenizer``'s token stream, tokenised once a session per tokenizer.
+
+    The stream is what ``prune.data.windows.token_stream`` makes of the novel alone without special tokens (680 kB:
+    a second or more on 2 cores each time); it is kept per tokenizer class, vocabulary and rules (the Rust
+    tokenizer's whole serialisation) and EOS id, which is all that stream depends on. None for a tokenizer without a
+    Rust backend.
+    """
+    from prune.data.calibration import default_corpus_text
+    from prune.data.windows import token_stream
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    key = (type(tokenizer).__qualname__, backend.to_str(), tokenizer.eos_token_id)
+    if key not in _NOVEL_TOKENS:
+        _NOVEL_TOKENS[key] = token_stream(tokenizer, [default_corpus_text()])
+    return _NOVEL_TOKENS[key].clone()
