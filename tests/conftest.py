@@ -20,7 +20,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from tests.helpers import _TEXT, SHARED_DATA, make_tiny_model, make_tiny_tokenizer  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    _TEXT,
+    SHARED_DATA,
+    compiled_template_once,
+    make_tiny_model,
+    make_tiny_tokenizer,
+    novel_tokens,
+)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,30 +49,28 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="session")
 def novel_stream(tiny_tokenizer) -> torch.Tensor:
     """The shipped novel (``--data builtin``) as the tiny tokenizer's token stream: 680 kB tokenised once a session."""
-    from prune.data.calibration import default_corpus_text
-    from prune.data.windows import token_stream
-
-    return token_stream(tiny_tokenizer, [default_corpus_text()])
+    return novel_tokens(tiny_tokenizer)
 
 
-@pytest.fixture
-def tokenised_novel(monkeypatch, tiny_tokenizer, novel_stream):
-    """``prune.data.calibration`` reads the novel's tokens from :func:`novel_stream` rather than tokenising it again.
+@pytest.fixture(autouse=True)
+def tokenised_novel(monkeypatch, tiny_tokenizer):
+    """``prune.data.calibration`` reads the novel's tokens from :func:`novel_tokens` rather than tokenising it again.
 
-    Only the novel, read whole by a tokenizer equal to the tiny one, is served from the session's copy (the same
-    ids: it was made by the same function); any other text is tokenised as usual.
+    Every test calibrating on the novel in this process (``prune.run``, ``eval.compare``, ``prune.slim``... with the
+    default ``--data``) would tokenise its 680 kB again. Only the novel read alone, without special tokens, by a
+    tokenizer with a Rust backend is served from the session's copy for that tokenizer (the same ids: made by the
+    same function); any other text is tokenised as usual. Returns the tiny tokenizer.
     """
     import prune.data.calibration as calibration
 
     real, novel = calibration.token_stream, calibration.default_corpus_text()
-    vocabulary = tiny_tokenizer.backend_tokenizer.to_str()
 
     def token_stream(tokenizer, documents, **kwargs):
         documents = list(documents)
-        same_tokenizer = getattr(tokenizer, "backend_tokenizer", None) is not None and (
-            tokenizer is tiny_tokenizer or tokenizer.backend_tokenizer.to_str() == vocabulary)
-        if same_tokenizer and not kwargs.get("special_tokens") and documents == [novel]:
-            return novel_stream.clone()
+        if documents == [novel] and not kwargs.get("special_tokens"):
+            tokens = novel_tokens(tokenizer)
+            if tokens is not None:
+                return tokens
         return real(tokenizer, documents, **kwargs)
 
     monkeypatch.setattr(calibration, "token_stream", token_stream)
@@ -100,3 +105,22 @@ def tiny_folder(tmp_path_factory) -> Path:
     make_tiny_model("llama").save_pretrained(folder)
     make_tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def lm_eval_once():
+    """lm-eval's per-call costs that change no score, paid once a session rather than per row or per run.
+
+    Each Jinja template of a task is compiled once (:func:`compiled_template_once`), and torch's environment report,
+    which ``simple_evaluate`` adds to its results by running ``pip`` and other commands (2 s a call on 2 cores), is
+    collected once: the same text, since the environment does not change within a session.
+    """
+    import functools
+
+    from lm_eval import utils
+    from torch.utils import collect_env
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(utils, "apply_template", compiled_template_once())
+        patch.setattr(collect_env, "get_pretty_env_info", functools.cache(collect_env.get_pretty_env_info))
+        yield

@@ -133,3 +133,45 @@ def make_student_pair(root: Path) -> dict[str, Path]:
     export_checkpoint(student, tokenizer, root / "student", report)
     (root / "data.txt").write_text(_TEXT * 20, encoding="utf-8")
     return {"teacher": root / "teacher", "student": root / "student", "data": root / "data.txt"}
+
+
+def compiled_template_once():
+    """lm-eval's ``apply_template`` with each Jinja template compiled once rather than once per row.
+
+    lm-eval compiles a task's ``doc_to_text`` / ``doc_to_target`` / ``doc_to_choice`` template again for every row
+    it renders (``Environment.from_string`` keeps no cache): over the real files' thousands of rows that is most of a
+    test's time. The compiled template is the same object for the same text, so every row renders as before.
+    """
+    import functools
+
+    from lm_eval import utils
+
+    compile_template = functools.lru_cache(maxsize=256)(utils.env.from_string)
+
+    def apply_template(template: str, doc: dict) -> str:
+        return compile_template(template).render(**doc)
+
+    return apply_template
+
+
+_NOVEL_TOKENS: dict[tuple, torch.Tensor] = {}
+
+
+def novel_tokens(tokenizer) -> torch.Tensor | None:
+    """The shipped novel (``--data builtin``) as ``tokenizer``'s token stream, tokenised once a session per tokenizer.
+
+    The stream is what ``prune.data.windows.token_stream`` makes of the novel alone without special tokens (680 kB:
+    a second or more on 2 cores each time); it is kept per tokenizer class, vocabulary and rules (the Rust
+    tokenizer's whole serialisation) and EOS id, which is all that stream depends on. None for a tokenizer without a
+    Rust backend.
+    """
+    from prune.data.calibration import default_corpus_text
+    from prune.data.windows import token_stream
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    key = (type(tokenizer).__qualname__, backend.to_str(), tokenizer.eos_token_id)
+    if key not in _NOVEL_TOKENS:
+        _NOVEL_TOKENS[key] = token_stream(tokenizer, [default_corpus_text()])
+    return _NOVEL_TOKENS[key].clone()

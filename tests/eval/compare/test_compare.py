@@ -29,6 +29,8 @@ from prune.pipeline import runner
 from prune.pipeline.recipes import METHODS_DIR, method_recipes
 from tests.helpers import make_tiny_model, make_tiny_tokenizer
 
+pytestmark = pytest.mark.usefixtures("lm_eval_once")  # lm-eval's templates compiled and environment described once
+
 
 def analyse(results: dict) -> dict:
     return analyse_results(Results.from_dict(results))

@@ -17,6 +17,8 @@ from prune.errors import EXIT_BAD_INPUT, LayercutError
 
 REPORTS = Path(__file__).resolve().parents[3] / "reports"
 
+pytestmark = pytest.mark.usefixtures("lm_eval_once")  # lm-eval's templates compiled and environment described once
+
 
 def _results(path: Path, dense_rows: dict, cells: dict) -> Path:
     dense = {"tasks": {t: sum(r) / len(r) for t, r in dense_rows.items()}, "task_rows": dense_rows}

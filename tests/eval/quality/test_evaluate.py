@@ -14,6 +14,8 @@ from prune.errors import LayercutError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
+
+pytestmark = pytest.mark.usefixtures("lm_eval_once")  # lm-eval's templates compiled and environment described once
 VOCAB = 128
 WORDS = "the quick brown fox jumps over the lazy dog and a cat sat on the mat".split()
 

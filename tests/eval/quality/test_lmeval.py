@@ -45,6 +45,8 @@ DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
 LM_EVAL_TASKS = Path(lm_eval.__file__).resolve().parent / "tasks"
 ROWS = 12  # rows per task in the row-for-row comparisons
 
+pytestmark = pytest.mark.usefixtures("lm_eval_once")  # templates compiled and the environment described once
+
 _SENTENCES = [
     "Question: Which statement best explains why photosynthesis is the foundation of most food webs?",
     "Answer: Sunlight is the source of energy for nearly all ecosystems.",
@@ -96,6 +98,14 @@ def data() -> Path:
     if not DATA.is_dir():
         pytest.skip(f"shared data folder {DATA} not present")
     return DATA
+
+
+@pytest.fixture(scope="module")
+def every_task() -> dict:
+    """Every offline task built once from the real files (HellaSwag's 10,042 rows take seconds to prepare)."""
+    if not DATA.is_dir():
+        pytest.skip(f"shared data folder {DATA} not present")
+    return local_tasks(offline_tasks(), DATA)
 
 
 @pytest.fixture(autouse=True)
@@ -307,8 +317,8 @@ def test_answered_prompts_of_the_real_arc_and_lambada_files(data):
     assert len(lambada) == 5153 and not lambada[0].endswith(" ") and " " in lambada[0]
 
 
-def test_hellaswag_real_file_first_item_is_lm_evals_prompt(data):
-    task = local_tasks(["hellaswag"], data)["hellaswag"]
+def test_hellaswag_real_file_first_item_is_lm_evals_prompt(every_task):
+    task = every_task["hellaswag"]
     docs = task.validation_docs()
     assert len(docs) == 10042
     assert docs[0]["query"] == "Roof shingle removal: A man is sitting on a roof. He"
@@ -342,11 +352,11 @@ def test_winogrande_row_keeps_shared_letters_in_the_options():
                    "option1": "blanket", "option2": "bed", "answer": "2"}
 
 
-def test_every_offline_task_loads_all_rows(data):
+def test_every_offline_task_loads_all_rows(every_task):
     expected = {"arc_easy": 2376, "arc_challenge": 1172, "hellaswag": 10042, "piqa": 1838,
                 "lambada_openai": 5153, "winogrande": 1267, "boolq": 3270}
     assert set(expected) == set(offline_tasks())
-    tasks = local_tasks(list(expected), data)
+    tasks = every_task
     assert {name: len(list(task.eval_docs)) for name, task in tasks.items()} == expected
     boolq = tasks["boolq"].validation_docs()
     assert sum(boolq["label"]) == 2033  # SOURCE.md: 2,033 true
@@ -418,7 +428,12 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
     return message
 
 
-def test_unknown_task_lists_the_offline_tasks(data):
+def test_unknown_task_lists_the_offline_tasks(data, monkeypatch):
+    # lm-eval's registry as lm-eval builds it, over its ARC folder only: indexing all its ~14,000 YAMLs takes half a
+    # minute on 2 cores, and a name is looked up in a registry of 3 tasks as in one of thousands
+    arc_only = TaskManager(include_path=str(LM_EVAL_TASKS / "arc"), include_defaults=False)
+    monkeypatch.setattr(lmeval, "_registry", lambda: arc_only)
+    assert lmeval.plan_tasks(["arc_easy", "arc_challenge_chat"], data) == (["arc_easy"], ["arc_challenge_chat"])
     with pytest.raises(LayercutError) as err:
         run_lm_eval(None, None, ["arc_easy", "no_such_task"], data_dir=data)
     message = _one_line(err)

@@ -33,6 +33,8 @@ from eval.quality.lmeval import (
 from prune.errors import LayercutError
 from tests.helpers import make_tiny_model
 
+pytestmark = pytest.mark.usefixtures("lm_eval_once")  # lm-eval's templates compiled and environment described once
+
 OLD_OFFLINE_TASKS = {
     "arc_easy": ("arc/hf_format/ARC-Easy-test.jsonl",),
     "arc_challenge": ("arc/hf_format/ARC-Challenge-test.jsonl",),

@@ -60,9 +60,29 @@ def test_a_skeleton_scores_as_the_loaded_model(model_type, tmp_path, one_thread)
 REPAIRS_OFFLOADED = ("fold", "magcomp", "cosine", "local", "lowrank", "linearpatch")
 
 
+@pytest.fixture(scope="module")
+def removal(tmp_path_factory, tiny_folder, sample_text) -> tuple[list[int], torch.Tensor]:
+    """The in-memory run that removes 2 blocks and repairs nothing: its blocks and its checkpoint's logits on IDS.
+
+    Every repair below is set against it; it is the same run for each, so it runs once.
+    """
+    folder = tmp_path_factory.mktemp("removal")
+    text = folder / "calibration.txt"
+    text.write_text(sample_text, encoding="utf-8")
+    data = DataConfig(data=str(text), samples=8, seq_len=32, heldout_samples=0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the tests that compare with it (one_thread)
+    try:
+        result = run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder)), data=data, drop=2, protect="0,-1",
+                                       out=str(folder / "removal")))
+        return result.dropped, load(str(folder / "removal")).model(IDS[:2]).logits
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("method", ["none", "linear", *REPAIRS_OFFLOADED])
 def test_in_memory_and_skeleton_runs_export_the_same_checkpoint(tmp_path, tiny_folder, sample_text, one_thread,
-                                                                 method):
+                                                                 removal, method):
     text = tmp_path / "calibration.txt"
     text.write_text(sample_text, encoding="utf-8")
     data = DataConfig(data=str(text), samples=8, seq_len=32, heldout_samples=0)
@@ -74,11 +94,13 @@ def test_in_memory_and_skeleton_runs_export_the_same_checkpoint(tmp_path, tiny_f
         found[offload] = (result.dropped, result.scores, load(str(out)).model(IDS[:2]).logits)
     assert found["none"][:2] == found["sequential"][:2]
     torch.testing.assert_close(found["sequential"][2], found["none"][2], rtol=0, atol=1e-5)
-    if method != "none":  # the repair changed the checkpoint: the comparison is not one of two removals
-        removal = run_prune(PruneConfig(load=LoadConfig(model=str(tiny_folder)), data=data, drop=2, protect="0,-1",
-                                        out=str(tmp_path / "removal")))
-        assert removal.dropped == found["none"][0]
-        assert (load(str(tmp_path / "removal")).model(IDS[:2]).logits - found["none"][2]).abs().max() > 1e-3
+    removed, removal_logits = removal
+    if method == "none":  # the same run as the shared removal: the same blocks, the same checkpoint
+        assert removed == found["none"][0]
+        torch.testing.assert_close(found["none"][2], removal_logits, rtol=0, atol=1e-5)
+    else:  # the repair changed the checkpoint: the comparison is not one of two removals
+        assert removed == found["none"][0]
+        assert (removal_logits - found["none"][2]).abs().max() > 1e-3
 
 
 def test_a_repair_changes_a_skeleton_only_where_it_is_read(tmp_path, one_thread):
