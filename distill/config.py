@@ -104,7 +104,15 @@ class DistillConfig:
     def __post_init__(self):
         numeric_fields(self, "distill")  # a recipe's lr: 3e-4 is YAML text: read as the number; "fast" refused
         if isinstance(self.data, dict):  # a partial section keeps distillation's own defaults for the rest
+            known = [f.name for f in dataclasses.fields(DataConfig)]
+            unknown = sorted(set(self.data) - set(known))
+            if unknown:
+                raise LayercutError(f"distill: data: unknown key(s) {', '.join(map(str, unknown))}; known: "
+                                    f"{', '.join(known)}")
             self.data = dataclasses.replace(_default_data(), **self.data)
+        if not isinstance(self.data, DataConfig):
+            raise LayercutError(f"distill: data must be a mapping of DataConfig keys, such as data: {{samples: 512}}, "
+                                f"got {self.data!r}")
         if self.train not in TRAIN_MODES:
             raise LayercutError(f"unknown --train '{self.train}': choose one of {', '.join(TRAIN_MODES)}")
         if self.lr is None:

@@ -32,6 +32,8 @@ def check_output_dir(out: str | Path, overwrite: bool) -> Path:
     What an export killed with ``kill -9`` left beside ``out`` is mended first, so the check sees the output
     that is really there (:func:`recover_killed_export`).
     """
+    if not Path(out).expanduser().name:  # "", "." or "/": a folder written whole and then renamed needs a name
+        raise LayercutError(f"--out {str(out)!r} names no folder: pass a folder path such as slim/")
     path = Path(out).expanduser()
     _check_unlocked(path.resolve(), out)  # before mending: a live writer's staging folder is its own
     recover_killed_export(path.resolve())

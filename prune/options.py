@@ -123,6 +123,21 @@ def data_config_from_args(args: argparse.Namespace) -> DataConfig:
                       DataConfig.heldout_samples if heldout is None else heldout)
 
 
+def parse_counts(text: str, flag: str, minimum: int = 1) -> list[int]:
+    """A comma list of whole numbers, each ``minimum`` or more (``--tokens 8192,32768``, ``--drop 4,8``).
+
+    Raises:
+        LayercutError: a word that is no whole number, or one below ``minimum``; the line names ``flag``.
+    """
+    try:
+        counts = [int(word) for word in str(text).split(",")]
+    except ValueError:
+        counts = None
+    if counts is None or min(counts) < minimum:
+        raise LayercutError(f"{flag} takes a comma list of whole numbers >= {minimum}, such as 4,8; got {text!r}")
+    return counts
+
+
 def add_output_arguments(parser: argparse.ArgumentParser, *, required: bool = False,
                          what: str = "the checkpoint and reports") -> None:
     """``--out`` and ``--overwrite``."""

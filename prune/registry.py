@@ -62,7 +62,7 @@ class Registry(Generic[T]):
         """
         try:
             return self._entries[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: a recipe's list or mapping where a name goes
             where = f" ({self.flag})" if self.flag else ""
             raise LayercutError(f"unknown {self.kind} '{name}'{where}: choose one of {', '.join(self._entries)}") \
                 from None

@@ -27,7 +27,7 @@ from eval.quality.perplexity import perplexity, tokenize_text
 from prune.data.calibration import CalibrationData, calibration_data, load_documents
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
-from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args
+from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args, parse_counts
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.runner import blocks_to_drop, score_model
 from prune.replace import METHODS, ReplaceConfig, check_span_lengths, replace_blocks_, spans_of
@@ -298,7 +298,7 @@ def run_replace(args: argparse.Namespace) -> int:
     apply_threads(args)
     prune = PruneConfig(load={"model": args.model, "device": args.device}, data=data_config_from_args(args),
                         batch_size=args.batch_size, score=args.score, select=args.select)
-    results = benchmark_replacements(prune, [int(d) for d in str(args.drop).split(",")], args.variants,
+    results = benchmark_replacements(prune, parse_counts(args.drop, "--drop"), args.variants,
                                      args.heldout, args.heldout_chars, args.distill_steps)
     table = compare_markdown(results)
     print(table)

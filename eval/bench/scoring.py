@@ -44,7 +44,7 @@ from prune.measure.scores import block_scores
 from prune.memory import peak_rss_bytes, reset_peak_rss
 from prune.model.adapters import get_blocks, hidden_size, num_blocks
 from prune.model.capture import residual_states
-from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args
+from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args, parse_counts
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.runner import run_prune
 
@@ -347,7 +347,7 @@ def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
 def run_scoring(args: argparse.Namespace) -> int:
     """Run the benchmark of ``args``, print its table and write it under ``--out``."""
     apply_threads(args)
-    token_counts = [int(t) for t in str(args.tokens).split(",")]
+    token_counts = parse_counts(args.tokens, "--tokens")
     if args.end_to_end < 0:
         raise LayercutError(f"--end-to-end must be a block count >= 0, got {args.end_to_end}")
     result = benchmark_scoring(args.model, args.device, data_config_from_args(args), args.batch_size,

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from eval.quality.lmeval import answered_prompts, local_tasks
+from eval.quality.task_specs import resolve_data_dir
 from prune.errors import LayercutError
 
 SELECTION_TASKS = ("arc_easy", "hellaswag", "piqa")
@@ -30,11 +31,16 @@ def write_selection_split(data_dir: str | Path, out: str | Path, tasks: Sequence
     ``reported + rows`` rows would let the two meet, and is refused), one prompt plus its right answer per line.
 
     Raises:
-        LayercutError: a task too short to keep the two apart.
+        LayercutError: no such data folder or no Tiny Shakespeare in it; a task too short to keep the two apart.
     """
+    folder = resolve_data_dir(data_dir) if str(data_dir).strip() else None
+    plays_file = folder / "tinyshakespeare" / "input.txt" if folder is not None else None
+    if plays_file is None or not plays_file.is_file():
+        raise LayercutError(f"no tinyshakespeare/input.txt in the data folder {str(data_dir)!r}: point it at a "
+                            "folder laid out like shared/data")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    plays = (Path(data_dir) / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")
+    plays = plays_file.read_text(encoding="utf-8")
     written = [out / "plays_last_fifth.txt"]
     written[0].write_text(plays[len(plays) * 4 // 5:], encoding="utf-8")
     for name, task in local_tasks(tasks, data_dir).items():

@@ -19,6 +19,25 @@ SHARES = {"removal": 0.0, "ls-mixed-64*0.3": 0.3, "ls-mixed-64*0.5": 0.5, "ls-mi
 NEAR = ("ls-mixed-64*0.5", "ls-mixed-64*0.7", "ls-mixed-64")
 
 
+def read_measurements(path: str | Path, keys: Sequence[str], what: str) -> dict:
+    """The JSON object in ``path`` holding ``keys``.
+
+    Raises:
+        LayercutError: ``path`` is missing, a folder, not JSON or without ``keys``; the line says ``what`` to pass.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise LayercutError(f"no file {path}: pass {what}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise LayercutError(f"{path} is not JSON ({err}): pass {what}") from None
+    missing = [key for key in keys if not isinstance(data, dict) or key not in data]
+    if missing:
+        raise LayercutError(f"{path} has no {', '.join(missing)}: pass {what}")
+    return data
+
+
 def paired_gaps(specs: Sequence[str], task_sets: Sequence[Sequence[str]] = TASK_SETS) -> list[str]:
     """Retention of rows of several ``eval.compare`` results and their paired gaps to the first (the baseline).
 
@@ -33,7 +52,9 @@ def paired_gaps(specs: Sequence[str], task_sets: Sequence[Sequence[str]] = TASK_
     for spec in specs:
         path, _, key = spec.partition("::")
         if path not in files:
-            files[path] = json.loads(Path(path).read_text(encoding="utf-8"))
+            files[path] = read_measurements(path, ("cells", "dense"), "an eval.compare results.json as FILE::CELL")
+        if key not in files[path]["cells"]:
+            raise LayercutError(f"{spec}: no cell '{key}' in {path}; its cells: {', '.join(files[path]['cells'])}")
         rows[f"{key} ({Path(path).parent.name})"] = files[path]["cells"][key]
     dense = next(iter(files.values()))["dense"]
     for path, results in files.items():
@@ -62,7 +83,9 @@ def hellaswag_by_source(results_path: str | Path, hellaswag_path: str | Path) ->
     Raises:
         LayercutError: a row's answers do not match the rows that limit reads (another file's results).
     """
-    results = json.loads(Path(results_path).read_text(encoding="utf-8"))
+    results = read_measurements(results_path, ("cells", "dense"), "an eval.compare results.json")
+    if not Path(hellaswag_path).is_file():
+        raise LayercutError(f"no file {hellaswag_path}: pass the HellaSwag validation text the local task reads")
     items = hellaswag_items(Path(hellaswag_path).read_text(encoding="utf-8"))
     wikihow = {i for i, item in enumerate(items) if item["ctx"].startswith("How to")}
     limit = results.get("task_limit")
@@ -95,10 +118,11 @@ def share_optimum(folders: Sequence[str | Path]) -> list[str]:
     the KL is not, so it gets two estimates, the parabola over all five shares and over the three nearest
     the optimum (0.5, 0.7 and 1).
     """
-    texts = list(json.loads((Path(folders[0]) / "results.json").read_text(encoding="utf-8"))["errors"])
+    what = "eval.mapfit --update-scale output folders"
+    texts = list(read_measurements(Path(folders[0]) / "results.json", ("errors",), what)["errors"])
     lines = ["| span | measure | " + " | ".join(texts) + " |", "|---|---|" + "---:|" * len(texts)]
     for folder in folders:
-        results = json.loads((Path(folder) / "results.json").read_text(encoding="utf-8"))
+        results = read_measurements(Path(folder) / "results.json", ("span", "errors", "logits"), what)
         span = "-".join(map(str, results["span"]))
         hidden = {text: best_share({n: row[n]["relative"] for n in SHARES}) for text, row in results["errors"].items()}
         kl = {text: {n: row[n]["kl_relative"] for n in SHARES} for text, row in results["logits"].items()}

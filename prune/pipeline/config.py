@@ -23,6 +23,15 @@ from prune.selection.sublayers import is_sublayer, parse_units
 STEP_SECTIONS = ("distill",)
 
 
+def _section(value, cls, name: str, example: str):
+    """A recipe section as its dataclass: a mapping of its keys, or the dataclass itself; one line otherwise."""
+    if isinstance(value, dict):
+        return cls(**value)
+    if not isinstance(value, cls):
+        raise LayercutError(f"{name} must be a mapping of {cls.__name__} keys, such as {example}, got {value!r}")
+    return value
+
+
 @dataclass
 class PruneConfig:
     """One prune run; a recipe maps key for key onto it (sections ``load``, ``data``, ``replace``, ``distill``).
@@ -84,10 +93,10 @@ class PruneConfig:
                                 "drop": "write a count like 4 or a share like '25%'",
                                 "target_params": "write a count like 110M or a share like '85%'",
                                 "distill": "write DistillConfig keys, such as distill: {steps: 100}"})
-        if isinstance(self.load, dict):
-            self.load = LoadConfig(**self.load)
-        if isinstance(self.data, dict):
-            self.data = DataConfig(**self.data)
+        self.load = _section(self.load, LoadConfig, "load", "load: {model: smollm2-135m}")
+        self.data = _section(self.data, DataConfig, "data", "data: {samples: 64, seq_len: 512}")
+        if self.load.model is None:
+            raise LayercutError("load: model is none: name the model to prune (--model, or load: {model: ...})")
         get_score(self.score)
         SELECTIONS.get(self.select)
         if self.batch_size <= 0:

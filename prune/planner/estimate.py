@@ -117,9 +117,22 @@ def hardware_from_args(args: argparse.Namespace, device: str) -> Hardware:
 
 
 def write_plan_json(plan: RunPlan, path: str | None) -> None:
-    """Write ``plan.to_dict()`` to ``path`` (nothing without one)."""
-    if path:
-        Path(path).write_text(json.dumps(plan.to_dict(), indent=2) + "\n", encoding="utf-8")
+    """Write ``plan.to_dict()`` to ``path`` (nothing without one), its folder made if missing.
+
+    Raises:
+        LayercutError: ``path`` is a folder, or nothing can be written there (one line naming ``--plan-json``).
+    """
+    if not path:
+        return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise LayercutError(f"--plan-json {path} is a folder: pass a file path such as plan.json")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(plan.to_dict(), indent=2) + "\n", encoding="utf-8")
+    except OSError as err:
+        raise LayercutError(f"--plan-json {path} cannot be written ({err.strerror}): pass a path in a writable "
+                            "folder") from None
 
 
 def plan_run(shape: ModelShape, inp: PlanInput, moments_alive: bool = True) -> RunPlan:
@@ -137,8 +150,8 @@ def parse_bytes(text: str, flag: str) -> float:
     """``"80GB"`` -> 8e10, ``"24GiB"`` -> 24 x 2^30 (decimal units, binary with i)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     unit = match.group(2).upper() if match else None
-    if match is None or unit not in _UNITS:
-        raise LayercutError(f"{flag} takes a size like 80GB or 24GiB, got {text!r}")
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise LayercutError(f"{flag} takes a size above 0 like 80GB or 24GiB, got {text!r}")
     return float(match.group(1)) * _UNITS[unit]
 
 

@@ -53,6 +53,9 @@ class ReplaceConfig:
         for name, item in settings.items():
             default = item.default_factory() if item.default is MISSING else item.default
             setattr(self, name, values.pop(name, default))
+        if not isinstance(self.options, (MethodOptions, dict, type(None))):
+            raise LayercutError(f"replace: options must be a mapping of the method's options, such as {{rank: 8}}, "
+                                f"got {self.options!r}")
         given = self.options.values() if isinstance(self.options, MethodOptions) else dict(self.options or {})
         self._resolve({**given, **values})
 

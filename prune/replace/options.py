@@ -105,6 +105,11 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def whole_number(value: Any) -> bool:
+    """An int, not a bool: a count of steps or rounds (``inf`` or ``2.5`` is none)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def ridge_option(default: float = 0.0) -> Any:
     """``ridge``: a closed-form fit's ridge, relative to the mean diagonal of the input Gram (0: pseudo-inverse)."""
     return option(default, "ridge of the closed-form fits, relative to the mean input variance", flag="--ridge",
@@ -115,7 +120,7 @@ def ridge_option(default: float = 0.0) -> Any:
 def steps_option(default: int) -> Any:
     """``steps``: Adam steps of a trained replacement (0 skips training)."""
     return option(default, "Adam steps of the trained replacements (0: none)", flag="--replace-steps", type=int,
-                  check=lambda v: _number(v) and v >= 0, expect="must be >= 0", metavar="N")
+                  check=lambda v: whole_number(v) and v >= 0, expect="must be a whole number >= 0", metavar="N")
 
 
 def lr_option(default: float) -> Any:

@@ -31,5 +31,5 @@ def test_untrained_the_new_block_is_a_copy_of_the_spans_first_block():
 
 
 def test_negative_steps_are_refused():
-    with pytest.raises(LayercutError, match="--replace-steps must be >= 0"):
+    with pytest.raises(LayercutError, match="--replace-steps must be a whole number >= 0"):
         BlockOptions(steps=-1)

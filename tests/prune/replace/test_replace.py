@@ -355,7 +355,7 @@ def test_wrapper_exposes_the_block_parts():
         (dict(method="linear", ridge=-1.0), "--ridge must be a finite number >= 0"),
         (dict(method="block", ridge=0.1),
          "--ridge applies to --replace linear, lowrank, fold, cosine, local, fold-rotate only"),
-        (dict(method="block", steps=-1), "--replace-steps must be >= 0"),
+        (dict(method="block", steps=-1), "--replace-steps must be a whole number >= 0"),
         (dict(method="linear", steps=5), "--replace-steps applies to --replace lowrank, block, cosine, local only"),
         (dict(method="fold", lr=1e-3), "replacement lr applies to --replace lowrank, block, cosine, local only"),
         (dict(method="block", lr=0.0), "replacement lr must be a positive number, got 0.0"),
