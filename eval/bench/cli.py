@@ -43,8 +43,11 @@ discover_subcommands()
 def build_parser() -> argparse.ArgumentParser:
     """Build the ``eval.bench`` parser with one sub-parser per registered subcommand."""
     parser = CommandParser(prog="python -m eval.bench", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(SUBCOMMANDS) + "}")
-    for name, command in SUBCOMMANDS.items():
+    # by name: the registry's order is the order its modules were first imported, which callers decide
+    names = sorted(SUBCOMMANDS.names())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(names) + "}")
+    for name in names:
+        command = SUBCOMMANDS[name]
         command.add_arguments(sub.add_parser(name, help=command.help, description=command.help))
     return parser
 
