@@ -56,7 +56,10 @@ def ship_card(config: ShipConfig, report: dict, shortlist: Shortlist, verified: 
                       "# the checkpoint before healing, without the shortlist:" if healed and healed.kept
                       else "# the same checkpoint, without the shortlist:", prune_command(chosen), "```"],
     }
-    return "\n".join(portable(line) for line in render_card(sections).split("\n"))
+    # prune's sections are portable already (its report was); ship's own lines may name this machine's files
+    own = {name: [portable(line) for line in lines] for name, lines in sections.items()
+           if name not in ("front", "replacements", "use")}
+    return render_card({**sections, **own})
 
 
 def _chosen(shortlist: Shortlist, healed: Healing | None) -> list[str]:

@@ -52,6 +52,7 @@ def test_every_engine_row_names_and_measures_the_file_that_ships(tmp_path):
     # one card: the held-out figures come from the verified rows alone, the folder is named as the user has it
     assert "10.000 -> 20.000" not in card and "## Held-out perplexity" not in card
     assert card.count("## Use") == 1 and 'from_pretrained("slim8")' in card
+    assert 'repo_id="<you>/slim8"' in card  # prune's sections as prune renders them
     assert "Healed: 50 steps" in card and "The GGUF for llama.cpp is `gguf/slim8-q4_k_m.gguf`." in card
 
 
