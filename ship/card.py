@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from eval.bench.serving import first_difference
-from eval.speed.engines import REFERENCE
+from eval.speed.engines import REFERENCE, display_name
 from prune.checkpoint.write import card_sections, portable, portable_name, render_card
 from prune.pipeline.config import PruneConfig
 from prune.replace import METHODS
-from ship.config import ShipConfig, engine_display
+from ship.config import ShipConfig
 from ship.heal import Healing
 from ship.shortlist import Shortlist
 from ship.verify import ORIGINAL, SHIPPED, SLIM, Verified
@@ -38,7 +38,7 @@ def ship_card(config: ShipConfig, report: dict, shortlist: Shortlist, verified: 
     title = portable_name(report.get("model_name"), report.get("source_model"))
     before, after = report["num_blocks_before"], report["num_blocks_after"]
     best = shortlist.best
-    engine = engine_display(config.engine)
+    engine = display_name(config.engine)
     sections = {
         "front": prune["front"],
         "title": [f"# {title}, {before} -> {after} blocks, for {engine}", ""],
@@ -95,7 +95,7 @@ def _lost(config: ShipConfig, report: dict, verified: Verified | None, gguf: str
                             f"(x{heldout['removal_ratio']:.3f})." if "removal" in heldout else "."))
         return lines + ["", "Not verified in an engine (--no-verify).", ""]
     shipped = _shipped_name(config, gguf)
-    engine = engine_display(config.engine)
+    engine = display_name(config.engine)
     header = "| held-out text | original | this checkpoint | ratio |"
     if config.engine != REFERENCE:
         header += f" {shipped} in {engine} | vs transformers | same greedy ids |"
@@ -111,7 +111,7 @@ def _lost(config: ShipConfig, report: dict, verified: Verified | None, gguf: str
 def _speed(config: ShipConfig, verified: Verified | None, before: int, after: int, gguf: str | None) -> list[str]:
     if verified is None:
         return []
-    engine = engine_display(config.engine)
+    engine = display_name(config.engine)
     which = f"`{gguf}`" if config.gguf and gguf else "This checkpoint"
     if config.gguf and config.gguf_type != "f32":
         which += f" ({config.gguf_type}; the original runs as llama.cpp's f32 conversion, so the ratio includes the " \

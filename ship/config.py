@@ -31,11 +31,6 @@ def ship_engines() -> list[str]:
     return [name for name, engine in ENGINES.items() if VANILLA in engine.layouts]
 
 
-def engine_display(name: str) -> str:
-    """How text names engine ``name`` (``llama.cpp``)."""
-    return ENGINES.get(name).display or name
-
-
 @dataclass
 class ShipConfig:
     """One ``prune.ship`` run.

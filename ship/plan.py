@@ -6,13 +6,13 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from eval.speed.engines import ENGINES
+from eval.speed.engines import ENGINES, display_name
 from prune.errors import LayercutError
 from prune.model.adapters import get_blocks
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.resolve import Amounts
 from prune.pipeline.runner import on_meta, preflight
-from ship.config import HEAL_OPTIONS, ShipConfig, duration_words, engine_display
+from ship.config import HEAL_OPTIONS, ShipConfig, duration_words
 from ship.work import StageResult
 
 logger = logging.getLogger(__name__)
@@ -134,4 +134,4 @@ def plan_line(plan: Plan, config: ShipConfig) -> str:
     what = f"{plan.drop} of {plan.num_blocks} blocks" if plan.drop is not None else "the budget's blocks"
     time_ = (f"; the planner gives prune.run {duration_words(plan.planned_seconds)}"
              if plan.planned_seconds is not None else "")
-    return f"plan: {what} go, verified in {engine_display(config.engine)}{time_}"
+    return f"plan: {what} go, verified in {display_name(config.engine)}{time_}"

@@ -13,7 +13,6 @@ caller gets the figures back as the function's value, or one line when the check
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -53,7 +52,7 @@ class ServingCheck:
 
     def run(self) -> dict:
         """{text label: {"setup": ..., "rows": {model label: {engine: row}}}} (``eval.bench serving``'s rows)."""
-        from eval.bench.serving import held_out_ids, model_layout, score_texts, windows_of
+        from eval.bench.serving import held_out_ids, model_layout, score_texts, serving_setup, windows_of
         from eval.speed.engines import EngineSettings
 
         windows = {label: windows_of(held_out_ids(text, self.tokenizer), self.seq_len, self.tokens)
@@ -63,7 +62,7 @@ class ServingCheck:
         engines: dict[str, dict[str, str]] = {}
         for label, model, engine in self.models:
             engines.setdefault(engine, {})[label] = model
-        result = {label: {"setup": _setup(text, self.seq_len, windows[label]), "rows": {}}
+        result = {label: {"setup": serving_setup(text, self.seq_len, windows[label]), "rows": {}}
                   for label, text in self.texts}
         for engine, models in engines.items():
             scored = score_texts(engine, models, windows, settings, self.greedy_tokens)
@@ -107,11 +106,6 @@ class SpeedCheck:
         return measure_speed(self.engine, self.baseline, [self.model], LoadConfig(model=self.baseline),
                              repeats=self.repeats, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
                              threads=self.threads, settings=values)
-
-
-def _setup(text: str, seq_len: int, windows: list[list[int]]) -> dict:
-    return {"heldout": text, "seq_len": seq_len, "windows": len(windows), "predicted": len(windows) * (seq_len - 1),
-            "token_digest": hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]}
 
 
 def run_in_child(check: ServingCheck | SpeedCheck, log: Path) -> dict:

@@ -56,6 +56,14 @@ def parse_models(specs: list[str]) -> dict[str, str]:
     return models
 
 
+def serving_setup(heldout: str, seq_len: int, windows: list[list[int]]) -> dict:
+    """What a serving table was measured on: the text, the windows and a digest of their token ids."""
+    import hashlib
+
+    return {"heldout": heldout, "seq_len": seq_len, "windows": len(windows), "predicted": len(windows) * (seq_len - 1),
+            "token_digest": hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]}
+
+
 def windows_of(ids: list[int], seq_len: int, tokens: int) -> list[list[int]]:
     """The first ``tokens`` ids cut into whole windows of ``seq_len`` (a short tail is left out)."""
     ids = ids[:tokens]
@@ -226,8 +234,6 @@ def _resolved(path: str) -> str:
 
 def run_serving(args: argparse.Namespace) -> int:
     """Score every model in every engine on the same ids; print and save the table."""
-    import hashlib
-
     from prune.atomic import write_json
     from prune.options import apply_threads
 
@@ -237,9 +243,7 @@ def run_serving(args: argparse.Namespace) -> int:
     models = parse_models(args.model)
     ids = held_out_ids(args.heldout, next(iter(models.values())))
     windows = windows_of(ids, args.seq_len, args.tokens)
-    digest = hashlib.sha256(json.dumps(windows).encode()).hexdigest()[:16]
-    setup = {"heldout": args.heldout, "seq_len": args.seq_len, "windows": len(windows),
-             "predicted": len(windows) * (args.seq_len - 1), "token_digest": digest}
+    setup = serving_setup(args.heldout, args.seq_len, windows)
     settings = EngineSettings.build(threads=args.threads, context=args.seq_len, **setting_values(args))
     rows = {engine: score_engine(engine, models, windows, settings, args.greedy_tokens)
             for engine in args.engines.split(",")}
