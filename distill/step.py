@@ -12,7 +12,7 @@ import gc
 import logging
 import shutil
 
-from distill.checkpoints import default_work_folder
+from distill.checkpoints import default_work_folder, list_checkpoints
 from distill.config import DistillConfig
 from distill.layout import resolve_layout
 from distill.train import distill, training_ids, write_teacher_cache
@@ -48,24 +48,27 @@ class DistillStep:
         self.config = step_config(options, prune_config)
 
     def __call__(self, loaded: LoadedModel, prune_config, *, token_ids=None, heldout_ids=None,
-                 teacher: LoadedModel | None = None) -> StepResult:
+                 teacher: LoadedModel | None = None, resume: bool = False) -> StepResult:
         """Distil ``loaded.model`` in place; the report section, the log to copy and the work folder to delete.
 
         ``token_ids`` / ``heldout_ids``: the caller's sequences (``prune.ship`` trains on its calibration rows);
-        ``teacher``: the original already in memory (else a fresh load of the model the run pruned).
+        ``teacher``: the original already in memory (else a fresh load of the model the run pruned);
+        ``resume``: continue from the work folder's latest checkpoint where it has one (``prune.ship``, whose
+        work folder holds only what its same settings made), else start over.
         """
         if teacher is None:
             logger.info("loading the teacher (%s) for %d distillation steps", prune_config.load.model,
                         self.config.steps)
             teacher = prune_config.load.load()
         work = default_work_folder(prune_config.out) if prune_config.out is not None else None
-        if work is not None and work.exists():
+        resume = resume and work is not None and bool(list_checkpoints(work))
+        if work is not None and work.exists() and not resume:
             shutil.rmtree(work)  # a fresh run: prune.run has no --resume (distill.run has)
         teacher_model, layout, cache = self._teacher_side(loaded, teacher, work, token_ids, heldout_ids)
         del teacher
         gc.collect()  # with a cache, the teacher's weights go before training starts
         result = distill(loaded.model, teacher_model, loaded.tokenizer, self.config, out=work, layout=layout,
-                         teacher_cache=cache, token_ids=token_ids, heldout_ids=heldout_ids)
+                         teacher_cache=cache, token_ids=token_ids, heldout_ids=heldout_ids, resume=resume)
         del teacher_model
         files = [result.log_path] if result.log_path is not None else []
         report = {"teacher": prune_config.load.model, **result.report(self.config)}

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from distill.checkpoints import default_work_folder, list_checkpoints
 from distill.step import DistillStep
 from prune.atomic import atomic_directory
 from prune.checkpoint.save_load import load, write_model
@@ -32,6 +33,10 @@ HEAL_SEQ_LEN = 128
 HEAL_MARGIN = 2.5
 # fewer steps than this are not worth a teacher's load: healing is skipped
 HEAL_MIN_STEPS = 20
+# a checkpoint of the training every this many steps (and at the last): a killed heal resumes from the latest,
+# losing at most a tenth of its steps; LoRA's parameters and optimizer state are small beside the model
+HEAL_CHECKPOINTS = 10
+HEAL_MIN_SAVE_EVERY = 10
 # files of the built checkpoint that the healed one is written without (its own weights and card replace them)
 _NOT_CARRIED = (".safetensors", ".bin", ".gguf")
 
@@ -96,10 +101,11 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     """Distil ``checkpoint`` towards ``original``; written to ``healed`` when its KL falls on unseen rows.
 
     ``calibration``: the shortlist's rows [samples, seq]; the heal trains on its fitting rows, cut into
-    ``HEAL_SEQ_LEN`` tokens, and measures on its measuring rows.
+    ``HEAL_SEQ_LEN`` tokens, and measures on its measuring rows. A heal killed after a checkpoint of its
+    training (``healed.work/checkpoints/``, distill's own) continues from it to the same weights.
     """
     result = Healing(steps=steps, why=why)
-    shutil.rmtree(healed, ignore_errors=True)  # a killed heal's: this one starts again
+    shutil.rmtree(healed, ignore_errors=True)  # a killed heal's output: written again (its training resumes)
     if not steps:
         say(f"not healing: {why}")
         return result
@@ -111,10 +117,15 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     if getattr(student.model.config, LAYOUT_ATTR, None) is None:
         setattr(student.model.config, LAYOUT_ATTR, report.get("layout"))
     before = divergence(student.model, original.model, measure_ids, prune.batch_size)
-    say(f"healing: {steps} steps of distillation towards the original ({why}); KL before {before['kl']:.4f}")
-    step_config = dataclasses.replace(prune, out=str(healed))  # the step's work folder goes beside healed/
-    step = DistillStep({**HEAL_OPTIONS, "steps": steps, "seed": prune.data.seed}, step_config)
-    done = step(student, step_config, token_ids=train, heldout_ids=unseen, teacher=original)
+    kept = list_checkpoints(default_work_folder(healed))  # the step's work folder: beside healed/
+    resumed = f"; resuming from step {kept[-1][0]}" if kept else ""
+    say(f"healing: {steps} steps of distillation towards the original ({why}); KL before {before['kl']:.4f}"
+        + resumed)
+    step_config = dataclasses.replace(prune, out=str(healed))
+    save_every = max(steps // HEAL_CHECKPOINTS, HEAL_MIN_SAVE_EVERY)
+    step = DistillStep({**HEAL_OPTIONS, "steps": steps, "seed": prune.data.seed, "save_every": save_every},
+                       step_config)
+    done = step(student, step_config, token_ids=train, heldout_ids=unseen, teacher=original, resume=True)
     for folder in done.cleanup:
         shutil.rmtree(folder, ignore_errors=True)
     after = divergence(student.model, original.model, measure_ids, prune.batch_size)

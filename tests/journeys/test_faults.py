@@ -101,6 +101,9 @@ DRIVER = textwrap.dedent("""
     elif fault == "ship-heal":  # the healing trained and measured, its stage not marked done
         import ship.heal
         die_after(ship.heal, "divergence", lambda n, args: n == 2)
+    elif fault == "ship-heal-checkpoint":  # the heal's step-10 checkpoint in place, its training not finished
+        import distill.loop
+        die_after(distill.loop, "save_checkpoint", lambda n, args: args[1] == 10)
     elif fault == "ship-verify":  # the first engine check done and kept, the next not begun
         import ship.verify
         die_after(ship.verify, "write_json_atomic", lambda n, args: args[0].name == "serving.json")
@@ -481,7 +484,7 @@ def _shortlist(folder: Path) -> dict:
     return without(json.loads((folder / "ship.json").read_text())["shortlist"], {"seconds"})
 
 
-@pytest.mark.parametrize("fault", ["ship-shortlist", "ship-build", "ship-heal", "ship-card"])
+@pytest.mark.parametrize("fault", ["ship-shortlist", "ship-build", "ship-heal-checkpoint", "ship-heal", "ship-card"])
 def test_prune_ship_killed_in_a_stage_continues_to_the_same_checkpoint(tmp_path, ship_args, shipped, fault):
     args = [*ship_args, "--no-verify", "--out", "slim"]
     run_killed(tmp_path, fault, "prune.ship", args)
@@ -489,8 +492,12 @@ def test_prune_ship_killed_in_a_stage_continues_to_the_same_checkpoint(tmp_path,
     if fault == "ship-shortlist":  # the first repair's candidates are kept: the rerun measures only the others
         kept = json.loads((tmp_path / "slim.work" / "shortlist.partial.json").read_text())
         assert len(kept) == 1 and all(row["kl"] is not None for row in next(iter(kept.values())))
+    if fault == "ship-heal-checkpoint":  # distill's checkpoint of step 10 (of 20) is kept for the rerun
+        checkpoints = tmp_path / "slim.work" / "healed.work" / "checkpoints"
+        assert [p.name for p in checkpoints.iterdir()] == ["step-00000010.pt"]
     done = run_again(tmp_path, "prune.ship", args)
     assert "continuing the run kept in" in done.stdout
+    assert ("resuming from step 10" in done.stdout) == (fault == "ship-heal-checkpoint"), done.stdout
     assert _shortlist(tmp_path / "slim") == _shortlist(shipped)
     assert_same_tensors(load_file(tmp_path / "slim" / "model.safetensors"), load_file(shipped / "model.safetensors"))
     card = (tmp_path / "slim" / "README.md").read_text()
