@@ -515,6 +515,25 @@ def test_prune_ship_killed_between_engine_checks_runs_only_the_checks_left(tmp_p
     assert "## Speed in transformers" in (tmp_path / "slim" / "README.md").read_text()
 
 
+@pytest.mark.skipif(CONVERTER is None, reason=NO_CONVERTER)
+def test_prune_ship_killed_inside_its_gguf_export_reruns_to_the_same_file(tmp_path, text_file):
+    model = tmp_path / "model"
+    make_tiny_model("llama").save_pretrained(model)
+    byte_fallback_tokenizer().save_pretrained(model)  # a vocabulary llama.cpp's converter reads
+    args = ["--model", model, "--data", text_file, "--samples", "16", "--seq-len", "32", "--heldout-samples", "2",
+            "--drop", "2", "--engine", "llamacpp", "--gguf-type", "f32", "--converter", CONVERTER, "--no-verify",
+            "--heal-steps", "0"]
+    run_again(tmp_path, "prune.ship", [*args, "--out", "reference"])
+    run_killed(tmp_path, "gguf-converted", "prune.ship", [*args, "--out", "slim"])
+    assert not (tmp_path / "slim").exists()
+    assert list(tmp_path.glob("slim.work/checkpoint/gguf/.slim-f32.gguf*")), "the fault did not fire"
+    done = run_again(tmp_path, "prune.ship", [*args, "--out", "slim"])
+    assert "continuing the run kept in" in done.stdout and "writing the f32 GGUF" in done.stdout
+    shipped, reference = tmp_path / "slim" / "gguf" / "slim-f32.gguf", tmp_path / "reference" / "gguf"
+    assert shipped.read_bytes() == (reference / "reference-f32.gguf").read_bytes()
+    assert not list(shipped.parent.glob(".*")), "the killed export's temporary file is left in the shipped folder"
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # prune.export_gguf: killed once the converter wrote its file, before the file was checked and renamed
 
