@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from eval.speed.engines import ENGINES
+from prune.data.calibration import names_a_file
 from prune.errors import LayercutError
 from prune.model.layouts import VANILLA
 from prune.pipeline.config import PruneConfig
@@ -81,6 +82,11 @@ class ShipConfig:
                                 "(block by block: python -m prune.run --offload sequential)")
         if self.time_budget is not None and not (math.isfinite(self.time_budget) and self.time_budget > 0):
             raise LayercutError(f"--time-budget must be a positive, finite duration, got {self.time_budget!r}")
+        for spec in self.heldout:  # else a missing file is found by the verify stage, after the shortlist and build
+            text = heldout_label(spec)[1]
+            if names_a_file(text) and not Path(text).expanduser().is_file():
+                raise LayercutError(f"--heldout {spec}: no file {text}: pass an existing .txt/.jsonl/.parquet file "
+                                    "(or a datasets spec)")
         if self.heal_steps < 0:
             raise LayercutError(f"--heal-steps must be 0 (no healing) or more, got {self.heal_steps}")
         for name, value in (("--repeats", self.speed_repeats), ("--prompt-len", self.prompt_len),

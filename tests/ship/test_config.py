@@ -36,6 +36,17 @@ def test_the_speed_check_sizes_must_be_positive(tmp_path, field, flag):
         ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), engine="transformers", **{field: 0})
 
 
+def test_a_missing_heldout_file_is_refused_before_any_stage(tmp_path):
+    present = tmp_path / "news.txt"
+    present.write_text("some text")
+    with pytest.raises(LayercutError, match="--heldout news=missing.txt: no file missing.txt"):
+        ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), engine="transformers",
+                   heldout=[str(present), "news=missing.txt"])
+    # a datasets spec is read by the verify stage, as eval.bench reads it
+    ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), engine="transformers",
+               heldout=[f"novel={present}", "wikitext:wikitext-2-raw-v1:test"])
+
+
 def test_the_engines_are_the_registered_ones_that_run_a_plain_checkpoint(tmp_path):
     assert ship_engines() == ["transformers", "llamacpp", "vllm"]
     with pytest.raises(LayercutError, match="--engine llama.cpp: choose one of transformers, llamacpp, vllm"):
