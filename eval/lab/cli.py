@@ -13,8 +13,9 @@ Each prints its table or the files it wrote; ``eval.lab``'s modules hold the fun
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from prune.errors import CommandParser, cli_entry
+from prune.errors import CommandParser, LayercutError, cli_entry
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         from eval.lab.splits import write_selection_split, write_task_prompts
 
         write = write_selection_split if args.command == "selection-split" else write_task_prompts
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise LayercutError(f"{args.out} is a file: pass a folder to write the {args.command} into")
         for path in write(args.data_dir, args.out):
             print(f"wrote {path}")
         return 0

@@ -129,3 +129,12 @@ def test_import_eval_lab_imports_none_of_its_modules():
                           cwd=REPORTS.parent)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == ["eval", "eval.lab"]
+
+
+@pytest.mark.parametrize("command", ["selection-split", "task-prompts"])
+def test_a_file_where_the_folder_goes_is_one_line(tmp_path, capsys, command):
+    taken = tmp_path / "out"
+    taken.write_text("mine")
+    assert main([command, str(tmp_path), str(taken)]) == EXIT_BAD_INPUT
+    assert capsys.readouterr().err.strip() == f"error: {taken} is a file: pass a folder to write the {command} into"
+    assert taken.read_text() == "mine"
