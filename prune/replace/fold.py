@@ -31,7 +31,7 @@ from prune.model.adapters import arch_spec, get_blocks, get_submodule
 from prune.model.layouts import VANILLA
 from prune.replace.capture import PairAccumulator, Recorder, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
-from prune.replace.options import MethodOptions, ridge_option, update_scale_option
+from prune.replace.options import LeastSquaresOptions
 from prune.replace.registry import Method, register_method
 
 
@@ -112,7 +112,7 @@ def fold_default(model: nn.Module) -> int:
 
 
 @dataclass
-class FoldOptions(MethodOptions):
+class FoldOptions(LeastSquaresOptions):
     """``fold`` takes ``ridge`` and ``update_scale``; it applies 0.7 of its fitted update unless told otherwise.
 
     It overshoots as ``linear`` does. On SmolLM2-135M's selection split 0.7 beat the whole fit at both
@@ -120,9 +120,6 @@ class FoldOptions(MethodOptions):
     at drop 8, ``reports/smollm2-135m-mapfit/selection-fold-scale``); the best share depends on the span (0.3
     at drop 8), so one default is a compromise that is never worse than least squares there.
     """
-
-    ridge: float = ridge_option()
-    update_scale: float = update_scale_option(0.7)
 
 
 class FoldFitter(SpanFitter):

@@ -30,16 +30,14 @@ from prune.replace.capture import PairAccumulator, Recorder, SpanBatch, move
 from prune.replace.config import ReplaceConfig
 from prune.replace.fitter import CachingFitter, Replacement, relative_mse
 from prune.replace.fold import uncentred
-from prune.replace.options import MethodOptions, lr_option, ridge_option, steps_option, update_scale_option
+from prune.replace.options import LeastSquaresOptions, lr_option, steps_option
 from prune.replace.registry import Method, register_method
 
 
 @dataclass
-class LocalOptions(MethodOptions):
+class LocalOptions(LeastSquaresOptions):
     """``local``: the map as ``linear`` fits it (0.7 of its update), then 200 Adam steps at lr 1e-4 on the block."""
 
-    ridge: float = ridge_option()
-    update_scale: float = update_scale_option(0.7)
     steps: int = steps_option(200)
     lr: float = lr_option(1e-4)
 

@@ -44,18 +44,16 @@ from prune.model.layouts import VANILLA
 from prune.replace.capture import PairAccumulator, Recorder, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
 from prune.replace.fold import check_fold_architecture, check_foldable, mlp_output_projection, uncentred
-from prune.replace.options import MethodOptions, option, ridge_option, update_scale_option, whole_number
+from prune.replace.options import LeastSquaresOptions, option, whole_number
 from prune.replace.registry import Method, register_method
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RotateOptions(MethodOptions):
+class RotateOptions(LeastSquaresOptions):
     """``fold-rotate`` takes ``ridge``, ``update_scale`` and ``rotate_iterations``."""
 
-    ridge: float = ridge_option()
-    update_scale: float = update_scale_option(0.7)
     rotate_iterations: int = option(
         50, help="alternating least-squares rounds of fold-rotate's joint fit of the scale, rotation and MLP write",
         flag="--rotate-iterations", check=lambda v: whole_number(v) and v >= 1, expect="must be a whole number >= 1",
