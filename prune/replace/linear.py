@@ -63,10 +63,11 @@ class LinearFitter(SpanFitter):
     def finish(self) -> Replacement:
         """Solve the least squares and build the :class:`LinearMap`."""
         moments = self.given if self.given is not None else self.moments.moments()
-        fit = scale_update(fit_linear_map(moments, self.config.ridge), self.config.update_scale)
+        options = self.config.options
+        fit = scale_update(fit_linear_map(moments, options.ridge), options.update_scale)
         module = linear_map_from_fit(fit, self.dtype, self.device)
-        return self._replacement(module, params=parameter_count(module), ridge=self.config.ridge, tokens=moments.n,
-                                 update_scale=self.config.update_scale, from_scoring_pass=self.given is not None)
+        return self._replacement(module, params=parameter_count(module), ridge=options.ridge, tokens=moments.n,
+                                 update_scale=options.update_scale, from_scoring_pass=self.given is not None)
 
 
 register_method(Method(
