@@ -45,7 +45,7 @@ from prune.replace.driver import (
 )
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import ReplacedBlock, parameter_count
-from prune.replace.options import MethodOptions, OptionSpec, option
+from prune.replace.options import LeastSquaresOptions, MethodOptions, OptionSpec, option
 from prune.replace.registry import (
     FITS,
     METHODS,
@@ -80,6 +80,7 @@ __all__ = [
     "SHARED_MODULES",
     "FITS",
     "METHODS",
+    "LeastSquaresOptions",
     "LinearMap",
     "LowRankMap",
     "Method",

@@ -36,8 +36,8 @@ class BlockFitter(CachingFitter):
 
     needs_call = True
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, model, original, span, config):
+        super().__init__(model, original, span, config, steps=config.options.steps, lr=config.options.lr)
         self.where, self.host = "block", None
         param = float_param(self.original[self.span[0]])
         self.dtype, self.device = param.dtype, param.device
@@ -53,7 +53,7 @@ class BlockFitter(CachingFitter):
         def forward(block: nn.Module, batch: SpanBatch) -> torch.Tensor:
             return block_output(block(batch.x, *batch.args, **batch.kwargs))
 
-        training = self.train(module, forward) if self.config.steps else {"steps": 0}
+        training = self.train(module, forward) if self.steps else {"steps": 0}
         module.to(device=self.device, dtype=self.dtype).eval()
         return Replacement(self.config.method, self.span, "block", None, module, record={
             "params": parameter_count(module), "init_block_position": self.span[0], **training})

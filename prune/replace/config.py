@@ -19,9 +19,9 @@ class ReplaceConfig:
 
     Any other keyword (a recipe's ``replace:`` key) is an option of the method, a field of its
     :class:`~prune.replace.options.MethodOptions` (``rank=8``, ``update_scale=0.5``); ``options`` holds
-    them resolved, the method's defaults filled in. An option reads as an attribute too
-    (``config.update_scale``): the method's value, or the option's unset value when the method does not
-    take it (``prune.replace.registry.unset_options``).
+    them resolved, the method's defaults filled in, and is where they are read:
+    ``ReplaceConfig(method="lowrank", rank=8).options.rank``. :meth:`to_dict` lists every registered
+    option, flat, with the unset value of those the method does not take.
 
     Attributes:
         method: a registered method (``prune.replace.METHODS``: none | linear | lowrank | fold | block | ...).
@@ -73,18 +73,6 @@ class ReplaceConfig:
             raise LayercutError(f"--fit-short takes a sequence length of at least 2 (0: off), got {self.short}")
         if self.batch_size <= 0:
             raise LayercutError(f"--batch-size must be positive, got {self.batch_size}")
-
-    def __getattr__(self, name: str) -> Any:
-        # only reached for names that are not attributes: the options, flat, as the fitters read them
-        if name.startswith("__"):
-            raise AttributeError(name)
-        options = self.__dict__.get("options")
-        if isinstance(options, MethodOptions) and name in options.specs():
-            return getattr(options, name)
-        unset = unset_options()
-        if name in unset:
-            return unset[name]
-        raise AttributeError(f"{type(self).__name__!r} has no attribute {name!r}")
 
     @classmethod
     def recipe_keys(cls) -> list[str]:

@@ -47,8 +47,8 @@ def cosine_distance(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 class CosineFitter(CachingFitter):
     """Grams of (m, y - r) for the least-squares ``T``; cached (x, m, y) rows for the cosine steps."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, model, original, span, config):
+        super().__init__(model, original, span, config, steps=config.options.steps, lr=config.options.lr)
         self.where = "fold"
         self.projection = mlp_output_projection(self.model, self.original[self.host])
         self.mm = torch.zeros(self.dim, self.dim, dtype=torch.float64)
@@ -70,31 +70,32 @@ class CosineFitter(CachingFitter):
         self.mt += m64.T @ (y - x + m).double().cpu()  # y - r, r = h - m
         self.tokens += m.shape[0]
         size = 3 * x.numel() * 4
-        if self.config.steps and self.row_bytes + size <= self.config.cache_bytes:
+        if self.steps and self.row_bytes + size <= self.config.cache_bytes:
             self.rows.append(tuple(t.detach().float().cpu() for t in (x, m, y)))
             self.row_bytes += size
 
     def least_squares(self) -> torch.Tensor:
         """``T = (m^T m + ridge)^+ m^T (y - r)`` in float64; ridge relative to the mean diagonal."""
-        gram = self.mm + self.config.ridge * torch.diagonal(self.mm).mean() * torch.eye(self.dim, dtype=torch.float64)
+        ridge = self.config.options.ridge * torch.diagonal(self.mm).mean()
+        gram = self.mm + ridge * torch.eye(self.dim, dtype=torch.float64)
         return torch.linalg.lstsq(gram, self.mt).solution
 
     def cosine_steps(self, start: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Adam on the mean cosine distance between ``r + m T`` and ``y``, cosine learning rate to 0."""
         transform = start.float().clone().requires_grad_(True)
-        optimizer = torch.optim.Adam([transform], lr=self.config.lr)
+        optimizer = torch.optim.Adam([transform], lr=self.lr)
         generator = torch.Generator().manual_seed(self.config.seed)
         losses = []
-        for step in range(self.config.steps):
+        for step in range(self.steps):
             for group in optimizer.param_groups:
-                group["lr"] = self.config.lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * step / self.config.steps)))
+                group["lr"] = self.lr * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * step / self.steps)))
             x, m, y = self.rows[int(torch.randint(len(self.rows), (1,), generator=generator))]
             loss = cosine_distance(x - m + m @ transform, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             losses.append(float(loss.detach()))
-        return transform.detach().double(), {"steps": self.config.steps, "lr": self.config.lr,
+        return transform.detach().double(), {"steps": self.steps, "lr": self.lr,
                                              "cosine_distance_start": losses[0] if losses else None,
                                              "cosine_distance_end": losses[-1] if losses else None}
 
@@ -104,7 +105,7 @@ class CosineFitter(CachingFitter):
 
         transform = self.least_squares()
         training = {"steps": 0}
-        if self.config.steps and self.rows:
+        if self.steps and self.rows:
             transform, training = self.cosine_steps(transform)
         param = current_tensor(self.projection, "weight")  # a skeleton's is read from its checkpoint
         weight = param.data.double()
@@ -116,7 +117,7 @@ class CosineFitter(CachingFitter):
         new_bias = (bias.data.double() @ transform).to(dtype=param.dtype) if bias is not None else None
         patch = WeightPatch(self.projection, new_weight.to(dtype=param.dtype).contiguous(), new_bias)
         return Replacement(self.config.method, self.span, "fold", self.host, None, patch, record={
-            "params": 0, "rewrites": arch_spec(self.model).mlp_out, "ridge": self.config.ridge,
+            "params": 0, "rewrites": arch_spec(self.model).mlp_out, "ridge": self.config.options.ridge,
             "tokens": self.tokens, "objective": "cosine" if training["steps"] else "least-squares", **training})
 
 

@@ -20,16 +20,19 @@ from prune.measure.moments import PairMoments
 from prune.model.adapters import hidden_size, input_device
 from prune.model.remote_code import float_param
 from prune.replace.capture import Recorder, SpanBatch, move
+from prune.replace.options import MethodOptions
 
 logger = logging.getLogger(__name__)
 
 
 class FitSettings(Protocol):
-    """What a fitter reads of the run's replacement settings (``prune.replace.config.ReplaceConfig`` has them)."""
+    """What a fitter reads of the run's replacement settings (``prune.replace.config.ReplaceConfig`` has them).
+
+    ``options`` is the method's own options class: a fitter reads the options its method declares there.
+    """
 
     method: str
-    steps: int
-    lr: float
+    options: MethodOptions
     seed: int
     cache_bytes: int
     progress: bool
@@ -153,17 +156,23 @@ class SpanFitter:
 
 
 class CachingFitter(SpanFitter):
-    """Keeps captured batches (on the CPU, up to ``cache_bytes``) for Adam steps in :meth:`finish`."""
+    """Keeps captured batches (on the CPU, up to ``cache_bytes``) for Adam steps in :meth:`finish`.
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    ``steps`` and ``lr`` are the Adam steps and learning rate: the subclass passes its method's options of
+    those names (their defaults differ from method to method).
+    """
+
+    def __init__(self, model: nn.Module, original: Sequence[nn.Module], span: tuple[int, ...], config: FitSettings,
+                 *, steps: int, lr: float):
+        super().__init__(model, original, span, config)
+        self.steps, self.lr = steps, lr
         self.cache: list[SpanBatch] = []
         self.cached_bytes = 0
         self.dropped_batches = 0
 
     def remember(self, batch: SpanBatch) -> None:
         """Keep a CPU copy of ``batch`` if there are Adam steps to run and it fits in the budget."""
-        if not self.config.steps:
+        if not self.steps:
             return
         size = batch.x.numel() * batch.x.element_size() * 2
         if self.cached_bytes + size > self.config.cache_bytes and self.cache:
@@ -191,17 +200,17 @@ class CachingFitter(SpanFitter):
             p.requires_grad_(flag)
         module.to(self.dtype)
         first, last = (losses[0], sum(losses[-10:]) / len(losses[-10:])) if losses else (None, None)
-        return {"steps": self.config.steps, "lr": self.config.lr, "train_loss_start": first, "train_loss_end": last}
+        return {"steps": self.steps, "lr": self.lr, "train_loss_start": first, "train_loss_end": last}
 
     def _adam(self, module: nn.Module, params: list, forward: Callable) -> list[float]:
         """The Adam steps on random cached batches, cosine learning rate to 0; the loss of each step."""
-        optimizer = torch.optim.Adam(params, lr=self.config.lr)
+        optimizer = torch.optim.Adam(params, lr=self.lr)
         generator = torch.Generator().manual_seed(self.config.seed)
-        steps = self.config.steps
+        steps = self.steps
         losses = []
         bar = tqdm(range(steps), desc=f"train {self.config.method} {list(self.span)}", disable=not self.config.progress)
         for step in bar:
-            lr = self.config.lr * 0.5 * (1 + math.cos(math.pi * step / steps))  # cosine decay to 0
+            lr = self.lr * 0.5 * (1 + math.cos(math.pi * step / steps))  # cosine decay to 0
             for group in optimizer.param_groups:
                 group["lr"] = lr
             index = int(torch.randint(len(self.cache), (1,), generator=generator))

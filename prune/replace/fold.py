@@ -31,7 +31,7 @@ from prune.model.adapters import arch_spec, get_blocks, get_submodule
 from prune.model.layouts import VANILLA
 from prune.replace.capture import PairAccumulator, Recorder, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
-from prune.replace.options import MethodOptions, ridge_option, update_scale_option
+from prune.replace.options import LeastSquaresOptions
 from prune.replace.registry import Method, register_method
 
 
@@ -112,7 +112,7 @@ def fold_default(model: nn.Module) -> int:
 
 
 @dataclass
-class FoldOptions(MethodOptions):
+class FoldOptions(LeastSquaresOptions):
     """``fold`` takes ``ridge`` and ``update_scale``; it applies 0.7 of its fitted update unless told otherwise.
 
     It overshoots as ``linear`` does. On SmolLM2-135M's selection split 0.7 beat the whole fit at both
@@ -120,9 +120,6 @@ class FoldOptions(MethodOptions):
     at drop 8, ``reports/smollm2-135m-mapfit/selection-fold-scale``); the best share depends on the span (0.3
     at drop 8), so one default is a compromise that is never worse than least squares there.
     """
-
-    ridge: float = ridge_option()
-    update_scale: float = update_scale_option(0.7)
 
 
 class FoldFitter(SpanFitter):
@@ -151,18 +148,19 @@ class FoldFitter(SpanFitter):
         """Least squares for the new weights; a :class:`WeightPatch` of the projection."""
         from transformers.pytorch_utils import Conv1D
 
+        options = self.config.options
         moments = self.moments.moments()
         if not self.intercept:
             moments = uncentred(moments)
-        fit = fit_linear_map(moments, self.config.ridge)  # weight [intermediate, d]
+        fit = fit_linear_map(moments, options.ridge)  # weight [intermediate, d]
         conv = isinstance(self.projection, Conv1D)  # Conv1D stores [in, out], Linear [out, in]
         param = current_tensor(self.projection, "weight")  # a skeleton's is read from its checkpoint
-        if self.config.update_scale != 1:
+        if options.update_scale != 1:
             # the projection's own weights give the span's input: a share of the way from them is a share
             # of the fitted update, as with ``linear``
             own = param.detach().to(device=fit.weight.device, dtype=fit.weight.dtype)
             bias = current_tensor(self.projection, "bias")
-            fit = scale_update(fit, self.config.update_scale, LinearFit(
+            fit = scale_update(fit, options.update_scale, LinearFit(
                 own if conv else own.T,
                 bias.detach().to(fit.bias) if bias is not None else torch.zeros_like(fit.bias)))
         weight = fit.weight if conv else fit.weight.T
@@ -173,7 +171,7 @@ class FoldFitter(SpanFitter):
         )
         return Replacement(self.config.method, self.span, "fold", self.host, None, patch, record={
             "params": 0, "rewrites": arch_spec(self.model).mlp_out,
-            "intercept": self.intercept, "ridge": self.config.ridge, "update_scale": self.config.update_scale,
+            "intercept": self.intercept, "ridge": options.ridge, "update_scale": options.update_scale,
             "tokens": moments.n})
 
 

@@ -14,7 +14,7 @@ from prune.model.remote_code import LinearMap, build_map  # one definition and b
 from prune.replace.capture import PairAccumulator, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import map_on_block, parameter_count
-from prune.replace.options import MethodOptions, ridge_option, update_scale_option
+from prune.replace.options import LeastSquaresOptions
 from prune.replace.registry import Method, register_method
 
 
@@ -28,7 +28,7 @@ def linear_map_from_fit(fit: LinearFit, dtype: torch.dtype, device: torch.device
 
 
 @dataclass
-class LinearOptions(MethodOptions):
+class LinearOptions(LeastSquaresOptions):
     """``linear`` takes ``ridge`` and ``update_scale``; by default it also fits 64-token sequences and applies 0.7.
 
     Both were chosen on SmolLM2-135M (blocks 12-15 and 12-19) on text and task prompts that no reported
@@ -37,9 +37,6 @@ class LinearOptions(MethodOptions):
     squares is the best map in the residual stream's own squared error, not at the logits, and 0.7 gave the
     lowest geometric-mean perplexity over the seven at both drops (``reports/smollm2-135m-mapfit/``).
     """
-
-    ridge: float = ridge_option()
-    update_scale: float = update_scale_option(0.7)
 
     default_short: ClassVar[int] = 64
 
@@ -66,10 +63,11 @@ class LinearFitter(SpanFitter):
     def finish(self) -> Replacement:
         """Solve the least squares and build the :class:`LinearMap`."""
         moments = self.given if self.given is not None else self.moments.moments()
-        fit = scale_update(fit_linear_map(moments, self.config.ridge), self.config.update_scale)
+        options = self.config.options
+        fit = scale_update(fit_linear_map(moments, options.ridge), options.update_scale)
         module = linear_map_from_fit(fit, self.dtype, self.device)
-        return self._replacement(module, params=parameter_count(module), ridge=self.config.ridge, tokens=moments.n,
-                                 update_scale=self.config.update_scale, from_scoring_pass=self.given is not None)
+        return self._replacement(module, params=parameter_count(module), ridge=options.ridge, tokens=moments.n,
+                                 update_scale=options.update_scale, from_scoring_pass=self.given is not None)
 
 
 register_method(Method(

@@ -30,16 +30,14 @@ from prune.replace.capture import PairAccumulator, Recorder, SpanBatch, move
 from prune.replace.config import ReplaceConfig
 from prune.replace.fitter import CachingFitter, Replacement, relative_mse
 from prune.replace.fold import uncentred
-from prune.replace.options import MethodOptions, lr_option, ridge_option, steps_option, update_scale_option
+from prune.replace.options import LeastSquaresOptions, lr_option, steps_option
 from prune.replace.registry import Method, register_method
 
 
 @dataclass
-class LocalOptions(MethodOptions):
+class LocalOptions(LeastSquaresOptions):
     """``local``: the map as ``linear`` fits it (0.7 of its update), then 200 Adam steps at lr 1e-4 on the block."""
 
-    ridge: float = ridge_option()
-    update_scale: float = update_scale_option(0.7)
     steps: int = steps_option(200)
     lr: float = lr_option(1e-4)
 
@@ -85,7 +83,7 @@ def measured_as_map(config: ReplaceConfig) -> ReplaceConfig:
     A repaired selection measures each candidate set through it: a block retrained for every one of a greedy
     loop's candidate sets would cost 200 steps each, and the trained block is fitted to give this map's output.
     """
-    return ReplaceConfig(method="linear", ridge=config.ridge, update_scale=config.update_scale,
+    return ReplaceConfig(method="linear", ridge=config.options.ridge, update_scale=config.options.update_scale,
                          short=config.short or 0, batch_size=config.batch_size, seed=config.seed)
 
 
@@ -102,8 +100,8 @@ class LocalFitter(CachingFitter):
 
     needs_call = True
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, model, original, span, config):
+        super().__init__(model, original, span, config, steps=config.options.steps, lr=config.options.lr)
         self.where = "fold"  # a patch of the host block, as fold's
         self.moments = PairAccumulator()
 
@@ -126,7 +124,8 @@ class LocalFitter(CachingFitter):
 
     def finish(self) -> Replacement:
         """The map, its outputs as the targets, the fold towards them, then Adam on the host's copy."""
-        fit = scale_update(fit_linear_map(self.moments.moments(), self.config.ridge), self.config.update_scale)
+        options = self.config.options
+        fit = scale_update(fit_linear_map(self.moments.moments(), options.ridge), options.update_scale)
         weight, bias = fit.weight.float(), fit.bias.float()
         for i, batch in enumerate(self.cache):  # the teacher's state after the cut replaces the span's output
             self.cache[i] = SpanBatch(batch.x, (batch.x.float() @ weight.to(batch.x.device) + bias.to(batch.x.device)
@@ -139,12 +138,12 @@ class LocalFitter(CachingFitter):
             return block_output(block(batch.z, *batch.args, **batch.kwargs))
 
         start = self._relative_error(module, forward)
-        training = self.train(module, forward) if self.config.steps else {"steps": 0}
+        training = self.train(module, forward) if self.steps else {"steps": 0}
         module.to(device=self.device, dtype=self.dtype).eval()
         self.cache.clear()
         return Replacement(self.config.method, self.span, "fold", self.host, None, StatePatch(host, module), record={
             "params": 0, "retrains": "the block before the span", "teacher": "linear map",
-            "update_scale": self.config.update_scale, "ridge": self.config.ridge, "fold_init": folded,
+            "update_scale": options.update_scale, "ridge": options.ridge, "fold_init": folded,
             "relative_error_start": start, "tokens": self.moments.n, **training})
 
     def _fold_towards_targets(self, module: nn.Module) -> bool:
@@ -173,7 +172,7 @@ class LocalFitter(CachingFitter):
         finally:
             for handle in handles:
                 handle.remove()
-        fitted = fit_linear_map(uncentred(moments.moments()), self.config.ridge).weight.T  # [d, intermediate]
+        fitted = fit_linear_map(uncentred(moments.moments()), self.config.options.ridge).weight.T  # [d, intermediate]
         projection.weight.data = fitted.to(projection.weight)
         return True
 

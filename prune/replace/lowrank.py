@@ -61,9 +61,9 @@ def reduced_rank_fit(moments: PairMoments, rank: int, ridge: float = 0.0) -> tup
 class LowRankFitter(CachingFitter):
     """Residual low-rank map: closed-form reduced-rank start, then Adam on MSE."""
 
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.rank = self.config.rank or default_rank(self.dim)
+    def __init__(self, model, original, span, config):
+        super().__init__(model, original, span, config, steps=config.options.steps, lr=config.options.lr)
+        self.rank = config.options.rank or default_rank(self.dim)
         self.moments = PairAccumulator()
 
     def observe(self, batch: SpanBatch) -> None:
@@ -74,7 +74,7 @@ class LowRankFitter(CachingFitter):
     def finish(self) -> Replacement:
         """Build the map from the reduced-rank solution and train it."""
         moments = self.moments.moments()
-        down, up = reduced_rank_fit(moments, self.rank, self.config.ridge)
+        down, up = reduced_rank_fit(moments, self.rank, self.config.options.ridge)
         module = LowRankMap(self.dim, self.rank, residual=True)
         variance = torch.diagonal(moments.cxx) / moments.n
         with torch.no_grad():
@@ -84,7 +84,7 @@ class LowRankFitter(CachingFitter):
             module.down.weight.copy_((torch.sqrt(variance + module.norm.eps)[:, None] * down).T)
             module.up.weight.copy_(up)
             module.up.bias.copy_(moments.mean_y)
-        training = self.train(module, lambda map_, batch: map_(batch.x)) if self.config.steps else {"steps": 0}
+        training = self.train(module, lambda map_, batch: map_(batch.x)) if self.steps else {"steps": 0}
         module.to(device=self.device, dtype=self.dtype).eval()
         return self._replacement(module, params=parameter_count(module), rank=self.rank, residual=True,
                                  linear_params=self.dim * self.dim + self.dim, tokens=self.moments.n, **training)

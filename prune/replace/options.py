@@ -7,7 +7,9 @@ value that does what was done before it existed. ``prune.run``'s flags and a rec
 are the union of the registered methods' fields (``prune.replace.registry.option_specs``), so a new option
 is one field in its method's module. Options that several methods take have a maker here
 (:func:`ridge_option`, :func:`steps_option`, :func:`lr_option`, :func:`update_scale_option`) so that
-they agree on the flag and the checks; a method's own option calls :func:`option` directly.
+they agree on the flag and the checks; a method's own option calls :func:`option` directly. Options that
+code outside a method reads sit on a base class those methods' options derive from
+(:class:`LeastSquaresOptions`), so that code reads a typed field instead of asking for a name.
 """
 
 from __future__ import annotations
@@ -169,3 +171,17 @@ class MethodOptions:
     def values(self) -> dict[str, Any]:
         """Option name -> value."""
         return {item.name: getattr(self, item.name) for item in fields(self)}
+
+
+@dataclass
+class LeastSquaresOptions(MethodOptions):
+    """``ridge`` and ``update_scale``: the options of a method applying a share of a least-squares fit.
+
+    The options of ``linear``, ``fold``, ``fold-rotate`` and ``local`` derive from it (``linear``'s and
+    ``fold``'s say why 0.7 of the update is the default). Code outside those methods, such as the one-pass
+    map error of ``--select repaired-fast``, reads ``update_scale`` from options of this class, and takes
+    the whole update (1) for any other method.
+    """
+
+    ridge: float = ridge_option()
+    update_scale: float = update_scale_option(0.7)

@@ -44,18 +44,16 @@ from prune.model.layouts import VANILLA
 from prune.replace.capture import PairAccumulator, Recorder, SpanBatch
 from prune.replace.fitter import Replacement, SpanFitter, WeightPatch
 from prune.replace.fold import check_fold_architecture, check_foldable, mlp_output_projection, uncentred
-from prune.replace.options import MethodOptions, option, ridge_option, update_scale_option, whole_number
+from prune.replace.options import LeastSquaresOptions, option, whole_number
 from prune.replace.registry import Method, register_method
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RotateOptions(MethodOptions):
+class RotateOptions(LeastSquaresOptions):
     """``fold-rotate`` takes ``ridge``, ``update_scale`` and ``rotate_iterations``."""
 
-    ridge: float = ridge_option()
-    update_scale: float = update_scale_option(0.7)
     rotate_iterations: int = option(
         50, help="alternating least-squares rounds of fold-rotate's joint fit of the scale, rotation and MLP write",
         flag="--rotate-iterations", check=lambda v: whole_number(v) and v >= 1, expect="must be a whole number >= 1",
@@ -375,17 +373,17 @@ class RotateFitter(SpanFitter):
     def finish(self) -> Replacement:
         """The joint fit, a share of it, and the :class:`BasisFold` that writes it into the weights."""
         n = self.moments.n
-        config = self.config
-        fit = fit_rotation(uncentred(self.moments.moments()), self.dim, config.ridge, config.rotate_iterations)
+        options = self.config.options
+        fit = fit_rotation(uncentred(self.moments.moments()), self.dim, options.ridge, options.rotate_iterations)
         own = self.projection.weight.detach().double().T
-        shared = share_of(fit, own, self.config.update_scale)
+        shared = share_of(fit, own, options.update_scale)
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         unties = head is not None and head.weight is embed.weight
         eye = torch.eye(self.dim, dtype=fit.rotation.dtype, device=fit.rotation.device)
         return Replacement(self.config.method, self.span, "fold", self.host, None,
                            BasisFold(self.model, self.host, shared, self.roles), record={
             "params": 0, "rewrites": arch_spec(self.model).mlp_out, "intercept": False,
-            "ridge": self.config.ridge, "update_scale": self.config.update_scale, "tokens": n,
+            "ridge": options.ridge, "update_scale": options.update_scale, "tokens": n,
             "scale": round(shared.scale, 6), "rotation_angle": round(float(torch.linalg.matrix_norm(
                 shared.rotation - eye)) / (2 * self.dim) ** 0.5, 6),
             "fit_loss_vs_fold": round(fit.loss / fit.start_loss, 6) if fit.start_loss > 0 else None,

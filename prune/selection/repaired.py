@@ -45,6 +45,7 @@ from prune.measure.least_squares import fit_linear_map, residual_sums, scale_upd
 from prune.model.adapters import get_blocks, input_device
 from prune.model.surgery import blocks_removed
 from prune.replace import (
+    LeastSquaresOptions,
     ReplaceConfig,
     Replacement,
     check_span_lengths,
@@ -426,8 +427,8 @@ def single_costs(costs: RepairedCosts, candidates: Sequence[int], bar=None) -> d
 
 def update_share(replace: ReplaceConfig | None) -> float:
     """The share of its fitted update the run's map applies (1: a method without the option, or no repair)."""
-    scale = replace.update_scale if replace is not None else None
-    return float(scale) if isinstance(scale, (int, float)) else 1.0
+    options = replace.options if replace is not None else None
+    return float(options.update_scale) if isinstance(options, LeastSquaresOptions) else 1.0
 
 
 def map_errors(model: nn.Module, token_ids: torch.Tensor, update_scale: float = 1.0, ridge: float = 0.0,

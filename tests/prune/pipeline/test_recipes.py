@@ -185,20 +185,21 @@ def test_repair_baselines_are_method_recipes_outside_the_all_grid():
     assert (fold_topk.score, fold_topk.select, fold_topk.replace) == (linear.score, linear.select, fold.replace)
     # the share chosen in d2e7227 is the default since 92941a6; fold-ls is the fold of before, the whole update
     fold_scaled, fold_ls = config(repairs["fold-scaled"]), config(repairs["fold-ls"])
-    assert fold_scaled.replace == fold.replace and fold.replace.update_scale == 0.7
-    assert dataclasses.replace(fold_ls.replace, update_scale=0.7) == fold.replace and fold_ls.replace.update_scale == 1
+    assert fold_scaled.replace == fold.replace and fold.replace.options.update_scale == 0.7
+    assert dataclasses.replace(fold_ls.replace, update_scale=0.7) == fold.replace
+    assert fold_ls.replace.options.update_scale == 1
     assert (fold_scaled.score, fold_scaled.select) == (fold_ls.score, fold_ls.select) == (fold.score, fold.select)
     # drop 8's share: the same fold, 0.3 of its update
     assert dataclasses.replace(config(repairs["fold-scaled-0.3"]).replace, update_scale=0.7) == fold.replace
     # issue 17's "before": layercut-linear's blocks and map, without the short-sequence fit
     long = config(repairs["linear-long"])
     assert (long.score, long.select, long.replace.method) == (linear.score, linear.select, "linear")
-    assert long.replace.short == 0 and linear.replace.short != 0 and long.replace.update_scale == 1
+    assert long.replace.short == 0 and linear.replace.short != 0 and long.replace.options.update_scale == 1
     # the 0.7 of the update chosen in 3d14f10 is linear's default since 92941a6; linear-ls is the map of before
     scaled, least_squares = config(repairs["linear-scaled"]), config(repairs["linear-ls"])
-    assert scaled.replace == linear.replace and linear.replace.update_scale == 0.7
+    assert scaled.replace == linear.replace and linear.replace.options.update_scale == 0.7
     assert dataclasses.replace(least_squares.replace, update_scale=0.7) == linear.replace
-    assert least_squares.replace.update_scale == 1
+    assert least_squares.replace.options.update_scale == 1
     assert (scaled.score, scaled.select) == (least_squares.score, least_squares.select) == (linear.score, linear.select)
     # the distillation budget the issue allows, on layercut-linear-distill's blocks and maps
     short = config(METHODS_DIR / "layercut-linear-distill.yaml")

@@ -1,4 +1,4 @@
-"""``ReplaceConfig``: a recipe's ``replace:`` section, the method's options resolved and readable flat."""
+"""``ReplaceConfig``: a recipe's ``replace:`` section, the method's options resolved into its options class."""
 
 import dataclasses
 
@@ -9,15 +9,22 @@ from prune.replace.config import DEFAULT_CACHE_BYTES, ReplaceConfig
 from prune.replace.linear import LinearOptions
 
 
-def test_options_are_resolved_with_the_methods_defaults_and_read_flat():
+def test_options_are_resolved_with_the_methods_defaults():
     config = ReplaceConfig(method="linear", ridge=0.1)
     assert isinstance(config.options, LinearOptions)
-    assert (config.ridge, config.update_scale, config.short) == (0.1, 0.7, 64)  # linear's defaults filled in
-    assert config.rank is None and config.steps is None  # options linear does not take read as unset
+    assert (config.options.ridge, config.options.update_scale, config.short) == (0.1, 0.7, 64)  # linear's defaults
     assert config.cache_bytes == DEFAULT_CACHE_BYTES == 1 << 30
-    with pytest.raises(AttributeError, match="has no attribute 'rank_of_nothing'"):
-        config.rank_of_nothing  # noqa: B018
     assert ReplaceConfig(method="block").short == 0
+
+
+def test_options_are_read_from_the_options_object_only():
+    config = ReplaceConfig(method="linear")
+    assert config.options.values() == {"ridge": 0.0, "update_scale": 0.7}  # the method's fields
+    for name in ("rank", "update_scale", "ridge"):  # neither an option linear lacks nor one it takes reads flat
+        with pytest.raises(AttributeError, match=f"has no attribute '{name}'"):
+            getattr(config, name)
+    assert not hasattr(config.options, "rank")
+    assert ReplaceConfig(method="lowrank", rank=8).options.rank == 8
 
 
 def test_to_dict_is_flat_and_covers_every_recipe_key():
@@ -28,8 +35,8 @@ def test_to_dict_is_flat_and_covers_every_recipe_key():
     assert set(ReplaceConfig.recipe_keys()) == set(flat) | {"options"}
     # an options object or a mapping is taken as given, the keywords winning over it
     again = ReplaceConfig(method="lowrank", options=config.options, rank=2)
-    assert again.rank == 2 and again.steps == config.steps
-    assert dataclasses.replace(config, seed=3).rank == 4
+    assert again.options.rank == 2 and again.options.steps == config.options.steps
+    assert dataclasses.replace(config, seed=3).options.rank == 4
 
 
 @pytest.mark.parametrize("values,message", [

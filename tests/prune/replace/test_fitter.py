@@ -44,12 +44,12 @@ def test_the_cache_keeps_batches_up_to_its_bytes_and_training_lowers_the_loss():
     target = torch.eye(HIDDEN) + 0.3 * torch.randn(HIDDEN, HIDDEN, generator=generator)
     batches = [SpanBatch(x, x @ target) for x in torch.randn(4, 2, 6, HIDDEN, generator=generator)]
     size = 2 * batches[0].x.numel() * 4  # x and y, float32
-    untrained = CachingFitter(model, blocks, (1, 2), ReplaceConfig(method="block", steps=0, progress=False))
+    untrained = CachingFitter(model, blocks, (1, 2), ReplaceConfig(method="block", progress=False), steps=0, lr=1e-3)
     for batch in batches:
         untrained.remember(batch)
     assert untrained.cache == []  # no Adam steps: nothing kept
-    fitter = CachingFitter(model, blocks, (1, 2), ReplaceConfig(method="block", steps=60, lr=3e-2,
-                                                                 cache_bytes=3 * size, progress=False))
+    fitter = CachingFitter(model, blocks, (1, 2), ReplaceConfig(method="block", cache_bytes=3 * size, progress=False),
+                           steps=60, lr=3e-2)
     for batch in batches:
         fitter.remember(batch)
     assert (len(fitter.cache), fitter.cached_bytes, fitter.dropped_batches) == (3, 3 * size, 1)

@@ -51,22 +51,23 @@ def test_a_toy_option_is_a_flag_a_recipe_key_and_a_checked_value(toy, tmp_path):
     assert "--toy-strength X" in build_parser().format_help()
     assert "(--replace toy; default: 0.5)" in " ".join(build_parser().format_help().split())
     config = parse("--replace", "toy", "--toy-strength", "0.25")
-    assert config.replace.options == ToyOptions(strength=0.25) and config.replace.strength == 0.25
-    assert parse("--replace", "toy").replace.strength == 0.5  # the field's default
+    assert config.replace.options == ToyOptions(strength=0.25) and config.replace.options.strength == 0.25
+    assert parse("--replace", "toy").replace.options.strength == 0.5  # the field's default
     recipe = tmp_path / "toy.yaml"
     recipe.write_text("drop: 1\nreplace: {method: toy, strength: 0.75}\n")
     assert config_from_recipe(recipe).replace.options == ToyOptions(strength=0.75)
-    assert config_from_recipe(recipe, {"replace": {"strength": 0.125}}).replace.strength == 0.125  # a typed flag wins
+    typed = config_from_recipe(recipe, {"replace": {"strength": 0.125}})
+    assert typed.replace.options.strength == 0.125  # a typed flag wins
     with pytest.raises(LayercutError, match=r"^--toy-strength must be in \[0, 1\], got 2.0$"):
         ReplaceConfig(method="toy", strength=2.0)
     # a method without the option refuses it in one line naming the methods that take it
     with pytest.raises(LayercutError, match=r"^--toy-strength applies to --replace toy only \(got --replace linear\); "
                                             r"drop --toy-strength$"):
         parse("--replace", "linear", "--toy-strength", "0.25")
-    # the neutral value: left out of eval.compare's digests; the other methods read the option as unset
+    # the neutral value: left out of eval.compare's digests; the other methods' flat view has the option unset
     assert neutral_options()["strength"] == (None, 0.0) and unset_options()["strength"] is None
     linear = ReplaceConfig(method="linear")
-    assert linear.to_dict()["strength"] is None and linear.strength is None
+    assert linear.to_dict()["strength"] is None and not hasattr(linear.options, "strength")
 
 
 def test_an_unregistered_method_takes_its_options_along(toy):
@@ -89,7 +90,7 @@ def test_an_option_shared_by_methods_is_declared_the_same_way():
 def test_the_built_in_options_keep_their_flags_and_recipe_keys():
     config = parse("--replace", "lowrank", "--rank", "3", "--ridge", "0.1", "--replace-steps", "7")
     assert config.replace.options == LowRankOptions(rank=3, ridge=0.1, steps=7, lr=1e-3)
-    assert parse("--replace", "fold", "--update-scale", "0.3").replace.update_scale == 0.3
+    assert parse("--replace", "fold", "--update-scale", "0.3").replace.options.update_scale == 0.3
     keys = set(ReplaceConfig.recipe_keys())
     assert {"rank", "ridge", "steps", "lr", "update_scale", "method", "fit", "short"} <= keys
     # the values that mean "not given", and the one option added after results were recorded

@@ -13,7 +13,7 @@ from prune.measure.moments import StateMoments
 from prune.measure.scores import get_score
 from prune.model.surgery import drop_blocks_
 from prune.replace import ReplaceConfig, replace_blocks_
-from prune.selection.repaired import RepairedCosts, crossfit_halves, greedy_order, map_errors, split_rows
+from prune.selection.repaired import RepairedCosts, crossfit_halves, greedy_order, map_errors, split_rows, update_share
 from prune.selection.strategies import SelectionInput, choose_blocks, select_blocks
 from tests.helpers import make_tiny_model
 
@@ -211,6 +211,12 @@ def test_a_block_that_is_linear_has_no_map_error_and_repaired_fast_takes_it(one_
     errors = map_errors(model, IDS)
     assert errors[2] < 1e-8 < min(errors[b] for b in (0, 1, 3))
     assert select_blocks("repaired-fast", selection_input(model, 1, [0, 3])) == [2]
+
+
+def test_the_map_error_applies_the_share_of_a_least_squares_method_and_the_whole_update_otherwise():
+    assert update_share(ReplaceConfig(method="fold", update_scale=0.5)) == 0.5
+    assert update_share(ReplaceConfig(method="linear")) == 0.7  # linear's default share
+    assert update_share(ReplaceConfig(method="lowrank")) == update_share(None) == 1.0  # no share to apply
 
 
 def test_a_set_the_method_cannot_replace_costs_inf_and_greedy_fails_in_one_line(one_thread):
