@@ -13,13 +13,8 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import prune
-from prune.checkpoint.decilm import (
-    CONFIG_CODE_FILE,
-    decilm_config,
-    decilm_serving,
-    ffn_mult_for,
-    write_decilm,
-)
+from prune.checkpoint.decilm import write_decilm
+from prune.checkpoint.decilm_config import CONFIG_CODE_FILE, decilm_config, decilm_serving, ffn_mult_for
 from prune.checkpoint.save_load import save
 from prune.decilm import main
 from prune.errors import LayercutError
