@@ -16,13 +16,16 @@ from typing import Any, TypedDict
 
 from eval.compare.digest import upgrade_digest
 from prune.atomic import write_file_atomic
+from prune.checkpoint.report import upgrade_serving
 from prune.errors import LayercutError
+from prune.model.layouts import LAYERCUT, VANILLA, serving_entry
 
 logger = logging.getLogger(__name__)
 
 RESULTS = "results.json"
-# 1: every file written before the format was numbered; 2: ``format`` is written and the legacy layouts are gone
-FORMAT = 2
+# 1: every file written before the format was numbered; 2: ``format`` is written and the legacy layouts are gone;
+# 3: a row's ``serving`` is in layercut.json's current format (no engine named there) and every cell has one
+FORMAT = 3
 # ``task_limit`` absent (no task figure yet) differs from None (task figures of whole splits)
 NO_TASKS = object()
 
@@ -121,7 +124,8 @@ def migrate(data: dict) -> dict:
     Format 1 (unnumbered) files can hold two older layouts: ``--tasks`` and ``--limit`` inside ``setup`` (the
     limit their task figures have), and, for a single held-out domain, that domain's source and token count
     also at the top of ``heldout``. Their recipe digests hashed the recipe file's bytes: a row whose recipe
-    still hashes so gets today's digest (comments and layout left out), any other stays stale.
+    still hashes so gets today's digest (comments and layout left out), any other stays stale. Format 2 rows
+    hold their checkpoint's ``serving`` entry as ``layercut.json`` wrote it then, engines and all.
     """
     version = data.get("format", 1)
     if version > FORMAT:
@@ -138,8 +142,22 @@ def migrate(data: dict) -> dict:
             data["heldout"] = {"domains": heldout["domains"]}
         for row in (data.get("cells") or {}).values():
             upgrade_digest(row)
+    if version <= 2:
+        for row in (data.get("cells") or {}).values():
+            _upgrade_serving(row)
     data["format"] = FORMAT
     return data
+
+
+def _upgrade_serving(row: dict) -> None:
+    """Format 3: a cell's ``serving`` as ``layercut.json`` now writes it (``prune.checkpoint.report.upgrade_serving``).
+
+    A row from before ``serving`` entries (2026-11-27) says only whether its checkpoint was ``vanilla``.
+    """
+    if isinstance(row.get("serving"), dict):
+        row["serving"] = upgrade_serving(row["serving"])
+    elif isinstance(row.get("vanilla"), bool):
+        row["serving"] = serving_entry(VANILLA if row["vanilla"] else LAYERCUT)
 
 
 def read_results(path: Path) -> Results:

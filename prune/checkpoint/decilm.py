@@ -41,7 +41,13 @@ from pathlib import Path
 import torch
 
 from prune.atomic import atomic_directory, write_json
-from prune.checkpoint.decilm_config import CONFIG_CODE_FILE, FFN_MULTIPLE, decilm_config, decilm_serving
+from prune.checkpoint.decilm_config import (
+    CONFIG_CODE_FILE,
+    FFN_MULTIPLE,
+    LLAMACPP,
+    decilm_config,
+    decilm_serving,
+)
 from prune.checkpoint.report import REPORT_FILE, read_report, stamped, upgrade_records
 from prune.errors import LayercutError
 from prune.loading.loader import check_safetensors, damaged
@@ -248,8 +254,9 @@ transformers has no DeciLM model: `prune.load` the source checkpoint instead.
 def _write_card(src: Path, staging: Path, name: str, serving: dict) -> None:
     card = src / "README.md"
     text = card.read_text(encoding="utf-8") if card.is_file() else f"# {name}\n"
-    llama_cpp = ("`python convert_hf_to_gguf.py " + name + "` converts it (its `deci` architecture)."
-                 if serving["llama_cpp"] else f"not exact: {serving['llama_cpp_why_not']}.")
+    why_not = serving.get("why_not", {}).get(LLAMACPP)
+    llama_cpp = (f"not exact: {why_not}." if why_not
+                 else "`python convert_hf_to_gguf.py " + name + "` converts it (its `deci` architecture).")
     (staging / "README.md").write_text(text + _CARD_NOTE.format(name=name, llama_cpp=llama_cpp), encoding="utf-8")
 
 

@@ -18,6 +18,8 @@ AUTO_MAP = {"AutoConfig": "configuration_decilm.DeciLMConfig"}
 FAMILY = ("llama", "mistral")  # the engines' DeciLM blocks are Llama blocks; Mistral without a window is one
 FFN_MULTIPLE = 256  # both engines round an FFN's width up to a multiple of this
 LLAMA_CPP_ROPE = (None, "default", "llama3")  # the RoPE types llama.cpp's DeciLM converter writes
+# the engine whose converter llama_cpp_limits reads, by its name in eval.speed.engines: a serving entry's why_not key
+LLAMACPP = "llamacpp"
 _FIX = "load it with prune.load, or remove whole blocks (--unit block) for a plain checkpoint"
 
 
@@ -156,14 +158,17 @@ def llama_cpp_limits(config: dict) -> list[str]:
 
 
 def decilm_serving(config: dict) -> dict:
-    """``layercut.json``'s ``serving`` entry for a DeciLM folder with this config: the engines that run it exactly."""
-    limits = llama_cpp_limits(config)
-    entry = {"layout": "decilm", "engines": ["vllm"] + ([] if limits else ["llama.cpp"]), "vllm": True,
-             "llama_cpp": not limits,
+    """``layercut.json``'s ``serving`` entry for a DeciLM folder with this config; ``why_not`` where llama.cpp errs.
+
+    The engines that run the layout are theirs to say (``eval.speed.engines``); llama.cpp's converter limits
+    are a fact of this config, under ``why_not`` by that engine's name.
+    """
+    entry = {"layout": DECILM,
              "why": "removed sub-layers are no-op entries of block_configs (DeciLMForCausalLM, Nemotron-NAS)",
              "serve": "vllm serve FOLDER --trust-remote-code; llama.cpp: convert_hf_to_gguf.py FOLDER"}
+    limits = llama_cpp_limits(config)
     if limits:
-        entry["llama_cpp_why_not"] = "; ".join(limits)
+        entry["why_not"] = {LLAMACPP: "; ".join(limits)}
     return entry
 
 

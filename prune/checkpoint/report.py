@@ -12,14 +12,14 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from prune.checkpoint.decilm_config import sublayer_layout
+from prune.checkpoint.decilm_config import LLAMACPP, sublayer_layout
 from prune.errors import LayercutError
 from prune.model import remote_code as hf_remote_code
 from prune.model.layouts import LAYERCUT, VANILLA, serving_entry
 
 REPORT_FILE = "layercut.json"
-# 1: every report written before the format was numbered; 2: ``format`` is written
-FORMAT = 2
+# 1: every report written before the format was numbered; 2: ``format`` is written; 3: ``serving`` names no engine
+FORMAT = 3
 # layercut.json's key for the original model's file or folder, relative to the checkpoint folder: the report names
 # the model portably (no path of this machine), and read_report re-opens it from here
 MODEL_PATH = "model_path"
@@ -177,7 +177,33 @@ def layout_of_files(folder: str | Path) -> str:
     return VANILLA
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Format 2 -> 3
+
+
+def upgrade_serving(entry: dict) -> dict:
+    """A ``serving`` entry of format 2 or earlier in the current format (``eval.compare``'s rows hold copies).
+
+    Format 3 (2026-12-02) left the engines to the engines' registry (``eval.speed.engines``, where each declares
+    the layouts it runs): ``engines``, ``vllm`` and ``llama_cpp`` are gone, and ``llama_cpp_why_not`` (llama.cpp's
+    converter limits of a DeciLM config) became ``why_not: {"llamacpp": ...}``.
+    """
+    entry = {key: value for key, value in entry.items() if key not in ("engines", "vllm", "llama_cpp")}
+    why_not = entry.pop("llama_cpp_why_not", None)
+    if why_not:
+        entry["why_not"] = {**entry.get("why_not", {}), LLAMACPP: why_not}
+    return entry
+
+
+def _serving_engines_left_out(report: dict, folder: Path | None) -> dict:
+    """Format 3: ``serving`` names no engine (:func:`upgrade_serving`)."""
+    if isinstance(report.get("serving"), dict):
+        report["serving"] = upgrade_serving(report["serving"])
+    return report
+
+
 # _STEPS[n - 1]: the changes from format n to n + 1, in order
 _STEPS: list[list[Callable[[dict, Path | None], dict]]] = [
     [_records_upgraded, _distill_losses_named, _serving_added],
+    [_serving_engines_left_out],
 ]

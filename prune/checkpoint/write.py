@@ -308,8 +308,8 @@ HfApi().upload_folder(folder_path="{name}", repo_id="<you>/{name}", repo_type="m
 
 Serving: its removed sub-layers fit the DeciLM layout (`DeciLMForCausalLM`, no-op entries of `block_configs`),
 which vLLM runs: `python -m prune.decilm {name} --out {name}-decilm` writes that folder for `vllm serve`.
-Where `layercut.json` says `llama_cpp: true`, `python -m prune.export_gguf {name}` writes a GGUF for llama.cpp
-(its DeciLM converter reads Llama-2 and Llama-3 vocabularies only).
+Unless `layercut.json`'s `serving.why_not` names `llamacpp`, `python -m prune.export_gguf {name}` writes a GGUF
+for llama.cpp (its DeciLM converter reads Llama-2 and Llama-3 vocabularies only).
 """
 
 

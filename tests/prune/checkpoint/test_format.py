@@ -137,6 +137,29 @@ def test_a_sublayer_checkpoint_of_the_unnumbered_format_is_read_in_the_decilm_la
     assert read(decilm, REPORT_FILE)["format"] == FORMAT
 
 
+def test_a_format_2_serving_entry_names_no_engine():
+    """Format 2 listed the engines in the entry; their registry says it now (eval.speed.engines)."""
+    old = {"format": 2, "serving": {"layout": "decilm", "engines": ["vllm"], "vllm": True, "llama_cpp": False,
+                                    "llama_cpp_why_not": "a no-op FFN", "why": "no-op entries", "serve": "vllm serve"}}
+    assert migrate(old)["serving"] == {"layout": "decilm", "why": "no-op entries", "serve": "vllm serve",
+                                       "why_not": {"llamacpp": "a no-op FFN"}}
+    plain = {"format": 2, "serving": {"layout": "vanilla", "engines": ["transformers", "vllm", "llama.cpp"],
+                                      "vllm": True, "llama_cpp": True, "why": "a plain checkpoint"}}
+    assert migrate(plain)["serving"] == {"layout": "vanilla", "why": "a plain checkpoint"}
+
+
+def test_a_plain_checkpoint_of_format_2_loads(tmp_path):
+    model = make_tiny_model("llama")
+    drop_blocks_(model, [1])
+    out = prune.save(model, make_tiny_tokenizer(), tmp_path / "plain", {"dropped": [1]})
+    current = read(out, REPORT_FILE)
+    serving = {**current["serving"], "engines": ["transformers", "vllm", "llama.cpp"], "vllm": True,
+               "llama_cpp": True}
+    write(out, REPORT_FILE, {**current, "format": 2, "serving": serving})
+    assert read_report(out) == current and folder_serving(out) == serving_entry(VANILLA)
+    torch.testing.assert_close(logits(prune.load(out).model), logits(model), rtol=0, atol=1e-6)
+
+
 def test_a_report_of_a_newer_format_is_refused_in_one_line(tmp_path):
     model = make_tiny_model("llama")
     out = prune.save(model, make_tiny_tokenizer(), tmp_path / "new", {})

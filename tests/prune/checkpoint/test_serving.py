@@ -18,7 +18,7 @@ def test_the_layout_of_a_folder_is_read_from_its_report_else_from_its_files(tmp_
     (maps / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (maps / "replacements.safetensors").write_bytes(b"")  # only its presence is read
     assert layout_of_folder(maps) == LAYERCUT
-    assert folder_serving(maps)["vllm"] is False and folder_serving(maps) == serving_entry(LAYERCUT)
+    assert folder_serving(maps) == serving_entry(LAYERCUT)
 
     # the report wins over the files, and its serving entry is returned as written
     written = {**serving_entry(DECILM), "note": "as written"}
