@@ -14,7 +14,7 @@ and its ``deci`` graph) read it as follows, and this module writes it to match:
 * a no-op attention or FFN has no tensors at all, its RMSNorm included (vLLM builds no
   ``input_layernorm`` / ``post_attention_layernorm`` for it, llama.cpp no ``attn_norm`` / ``ffn_norm``);
 * an FFN's width is ``int(2 * ffn_mult * hidden_size / 3)`` rounded up to a multiple of 256, so only an
-  ``intermediate_size`` that is a multiple of 256 has an exact ``ffn_mult`` (:func:`ffn_mult_for`);
+  ``intermediate_size`` that is a multiple of 256 has an exact ``ffn_mult`` (``ffn_mult_for``);
 * an attention's KV heads are ``num_attention_heads // n_heads_in_group``.
 
 transformers has no DeciLM architecture: NVIDIA's checkpoints carry their modeling code for
@@ -28,7 +28,9 @@ llama.cpp's limits, found in its code: a layer whose FFN is a no-op is skipped w
 included, so an MLP removed alone is written as a zero MLP of width 256 for it (``--llama-cpp``; exact,
 and vLLM runs it too); its converter takes the head size as ``hidden_size / num_attention_heads`` and
 writes only llama3 RoPE scaling; and for a vocabulary other than Llama 3's it reads a Llama-2 style
-(byte-fallback) ``tokenizer.json`` only. :func:`decilm_serving` says which engines run a given config.
+(byte-fallback) ``tokenizer.json`` only. The config itself (``ffn_mult_for``, ``decilm_config``) and the limits of
+llama.cpp it meets (``why_not`` of its serving entry) are :mod:`prune.checkpoint.decilm_config`; this module
+writes the folder.
 """
 
 from __future__ import annotations
@@ -263,16 +265,16 @@ def _write_card(src: Path, staging: Path, name: str, serving: dict) -> None:
 def write_decilm(src: str | Path, out: str | Path, overwrite: bool = False, llama_cpp: bool = False) -> Path:
     """Write a layercut sub-layer checkpoint as a DeciLM-layout folder that vLLM and llama.cpp serve, atomically.
 
-    The folder holds the DeciLM ``config.json`` (:func:`decilm_config`) and ``configuration_decilm.py``,
+    The folder holds the DeciLM ``config.json`` (``decilm_config``) and ``configuration_decilm.py``,
     the source's tensors under their Llama names less those of the removed sub-layers and their norms
     (sharded as the source was), its tokenizer and generation files, its model card with a note, and its
-    ``layercut.json`` with ``serving`` set by :func:`decilm_serving`.
+    ``layercut.json`` with ``serving`` set by ``decilm_serving`` (both of :mod:`prune.checkpoint.decilm_config`).
 
     Args:
         src: a folder written by ``prune.run --unit attention,mlp`` (or ``prune.checkpoint.save_load.save``).
         out: the destination folder.
         overwrite: replace a non-empty ``out``.
-        llama_cpp: write removed MLPs as zero MLPs of width 256 (see :func:`decilm_config`), so that
+        llama_cpp: write removed MLPs as zero MLPs of width 256 (see ``decilm_config``), so that
             llama.cpp runs the folder exactly too.
 
     Raises:

@@ -113,6 +113,7 @@ def test_which_engines_serve_a_layout_is_the_registry_s_answer():
 
 def test_a_registered_engine_appears_in_every_choice_and_label():
     """A new engine module is all it takes: registered, it is a choice of every command and named in the labels."""
+    from eval.bench.cli import build_parser as bench_parser
     from eval.compare.cli import build_parser as compare_parser
     from eval.compare.leaderboard import serves
     from eval.speed.engines import engines_for
@@ -129,6 +130,9 @@ def test_a_registered_engine_appears_in_every_choice_and_label():
         assert serves({"serving": serving_entry(DECILM)}) == "llama.cpp, vLLM, Toy-LLM (DeciLM layout)"
         engine_flag = next(a for a in compare_parser()._actions if "--engine" in a.option_strings)
         assert "toy" in engine_flag.choices and "toy (a toy)" in engine_flag.help
+        commands = bench_parser()._subparsers._group_actions[0].choices  # eval.bench's
+        assert "toy (a toy)" in " ".join(commands["speed"].format_help().split())
+        assert "llamacpp, vllm, toy" in " ".join(commands["serving"].format_help().split())
         assert ToyEngine().refusal({**serving_entry(DECILM), "why_not": {"toy": "too small"}}) == "too small"
     finally:
         ENGINES.unregister("toy")
