@@ -566,9 +566,10 @@ def test_without_kept_weights_adding_tasks_runs_the_cell_again(tiny_folder, tmp_
 def test_a_comparison_written_with_tasks_in_its_setup_resumes():
     results = {"setup": {"model": "m", "tasks": "piqa", "limit": 200, "batch_size": 4}, "dense": None, "cells": {}}
     results = migrate(results)
-    assert results["setup"] == {"model": "m", "batch_size": 4} and results["task_limit"] == 200
+    assert results["setup"] == {"model": "m", "batch_size": 4, "engine": "transformers"}
+    assert results["task_limit"] == 200
     untouched = migrate({"setup": {"model": "m", "tasks": None, "limit": None}, "dense": None, "cells": {}})
-    assert "task_limit" not in untouched and untouched["setup"] == {"model": "m"}
+    assert "task_limit" not in untouched and untouched["setup"] == {"model": "m", "engine": "transformers"}
     assert Results.from_dict(untouched).to_dict()["format"] == FORMAT
 
 
@@ -585,6 +586,15 @@ def test_a_comparison_of_format_2_reads_its_rows_serving_entries_in_the_current_
                                        "why_not": {"llamacpp": "a no-op FFN"}}
     assert [serves(cells[key]) for key in ("a@1", "b@1", "c@1")] == [
         "vLLM (DeciLM layout)", "transformers, llama.cpp, vLLM", "no (maps)"]
+
+
+def test_a_comparison_recorded_before_an_option_existed_resumes_at_that_option_s_old_value():
+    from eval.compare.results import differing
+
+    stored = migrate({"format": 2, "setup": {"model": "m", "load": {"dtype": "float32"}}, "dense": None, "cells": {}})
+    now = {"model": "m", "load": {"dtype": "float32", "offload": "none"}, "engine": "transformers"}
+    assert differing(stored["setup"], now) == []
+    assert differing(stored["setup"], {**now, "engine": "vllm"}) == ["engine ('transformers' there, 'vllm' now)"]
 
 
 def test_rows_without_tasks_are_compared_on_perplexity_alone():
