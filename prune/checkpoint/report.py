@@ -66,7 +66,7 @@ def migrate(report: dict, folder: str | Path | None = None, where: str = REPORT_
         where: the file named in the error.
 
     Raises:
-        LayercutError: the report was written by a newer layercut.
+        LayercutError: the report was written by a newer layercut, or its format is no format number.
     """
     report = dict(report)
     version = report.get("format", 1)
