@@ -25,8 +25,9 @@ from distill.teacher_cache import TeacherCache, cache_folder, files_stamp, open_
 from distill.train import LOG_FILE, DistillResult, distill, training_ids, write_teacher_cache
 from prune.atomic import atomic_directory, check_output_dir
 from prune.checkpoint.load_config import LoadConfig
+from prune.checkpoint.report import read_report
 from prune.checkpoint.save_load import load, write_model
-from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL, library_versions, read_report
+from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL, library_versions
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel, resolve_model_name
 from prune.model.adapters import num_blocks

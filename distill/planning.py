@@ -8,7 +8,7 @@ when one is asked for, and the training.
 from __future__ import annotations
 
 from distill.job import DistillJob, teacher_name
-from prune.checkpoint.write import REPORT_FILE, read_report
+from prune.checkpoint.report import REPORT_FILE, read_report
 from prune.errors import LayercutError
 from prune.planner.estimate import Hardware, PlanInput, RunPlan, distill_spec, plan_run
 from prune.planner.shape import shape_of_name

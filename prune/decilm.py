@@ -9,10 +9,10 @@ The command line only; the library is :mod:`prune.checkpoint.decilm`.
 from __future__ import annotations
 
 import argparse
-import json
 
 from prune.checkpoint.decilm import write_decilm
-from prune.checkpoint.write import REPORT_FILE
+from prune.checkpoint.decilm_config import LLAMACPP
+from prune.checkpoint.report import read_report
 from prune.errors import CommandParser, cli_entry
 
 
@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     """Write one DeciLM-layout folder and say which engines serve it."""
     args = build_parser().parse_args(argv)
     out = write_decilm(args.folder, args.out, args.overwrite, args.llama_cpp)
-    serving = json.loads((out / REPORT_FILE).read_text(encoding="utf-8"))["serving"]
+    why_not = read_report(out)["serving"].get("why_not", {}).get(LLAMACPP)
     print(f"wrote {out} (DeciLM layout): serve with `vllm serve {out} --trust-remote-code`"
-          + ("; llama.cpp converts it" if serving["llama_cpp"] else f"; llama.cpp: {serving['llama_cpp_why_not']}"))
+          + (f"; llama.cpp: {why_not}" if why_not else "; llama.cpp converts it"))
     return 0
 
 

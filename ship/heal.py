@@ -17,8 +17,9 @@ from pathlib import Path
 from distill.checkpoints import default_work_folder, list_checkpoints
 from distill.step import DistillStep
 from prune.atomic import atomic_directory
+from prune.checkpoint.report import REPORT_FILE, read_report
 from prune.checkpoint.save_load import load, write_model
-from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL, REPORT_FILE, read_report
+from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL
 from prune.loading.loader import LoadedModel
 from prune.model.surgery import LAYOUT_ATTR
 from prune.selection.repaired import divergence, split_rows

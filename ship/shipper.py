@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prune.atomic import check_output_dir, output_lock, write_file_atomic
-from prune.checkpoint.write import REPORT_FILE, portable
+from prune.checkpoint.report import REPORT_FILE, read_report
+from prune.checkpoint.write import portable
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
 from prune.pipeline.runner import Scored, score_calibration
@@ -205,7 +206,7 @@ class Shipper:
     def card(self, final: Path, shortlist: Shortlist, verified: Verified | None, times: dict[str, float],
              healed: Healing | None) -> None:
         """``README.md`` of the checkpoint that ships, and the settings that mark the folder shipped."""
-        report = self.work.read_json(final / REPORT_FILE)
+        report = read_report(final)
         gguf = self.gguf(final).relative_to(final).as_posix() if self.config.gguf else None
         chosen = chosen_config(self.config.prune, shortlist, Path("slim"))
         write_text_atomic(final / CARD, ship_card(self.config, report, shortlist, verified, chosen, times, healed,

@@ -34,6 +34,7 @@ import torch
 
 from eval.bench.registry import register_subcommand
 from prune.atomic import write_file_atomic, write_json
+from prune.checkpoint.report import read_report
 from prune.errors import LayercutError
 from prune.loading.offload import weight_files
 from prune.measure.scores import MIN_TOKENS_PER_DIM
@@ -354,7 +355,7 @@ def run_stage(options: ScaleOptions, logs: Path) -> dict:
     log = logs / "run.txt"
     child = _checked(run_prune_child([*prune_argv(options), "--out", str(options.slim_dir), "--overwrite"], log),
                      "prune.run", log)
-    report = json.loads((options.slim_dir / "layercut.json").read_text(encoding="utf-8"))
+    report = read_report(options.slim_dir)
     return {**_child_dict(child), "run_seconds": report.get("seconds"), "dropped": report.get("dropped"),
             "replace": report.get("replace")}
 
@@ -365,7 +366,7 @@ def in_memory_stage(options: ScaleOptions, logs: Path) -> dict:
     out = Path(options.out) / "slim-in-memory"
     child = _checked(run_prune_child([*prune_argv(options, "none"), "--out", str(out), "--overwrite"], log),
                      "prune.run --offload none", log)
-    report = json.loads((out / "layercut.json").read_text(encoding="utf-8"))
+    report = read_report(out)
     return {**_child_dict(child), "run_seconds": report.get("seconds"), "dropped": report.get("dropped")}
 
 
@@ -378,7 +379,7 @@ def compare_runs(block_by_block: str | Path, in_memory: str | Path) -> dict:
     """
     from safetensors import safe_open
 
-    reports = [json.loads((Path(f) / "layercut.json").read_text(encoding="utf-8")) for f in (block_by_block, in_memory)]
+    reports = [read_report(f) for f in (block_by_block, in_memory)]
     scores = [reports[0]["scores"], reports[1]["scores"]]
     score_difference = max((abs(a - b) for name in scores[0] for a, b in zip(scores[0][name], scores[1][name],
                                                                             strict=True)), default=0.0)

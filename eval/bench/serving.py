@@ -33,13 +33,17 @@ from eval.speed.engines import (
     add_setting_arguments,
     display_name,
     get_engine,
+    serves_label,
     setting_values,
 )
+from prune.checkpoint.report import upgrade_serving
 from prune.errors import LayercutError
 
 logger = logging.getLogger(__name__)
 
 RESULTS, TABLE = "serving.json", "serving.md"
+# 1: every serving.json written before the format was numbered; 2: each row's ``serving`` names no engine
+FORMAT = 2
 # an engine's perplexity counts as the same as transformers' within this relative gap (the issue's 0.1 %)
 AGREEMENT = 1e-3
 DEFAULT_ENGINES = (REFERENCE, "llamacpp")  # the engines a CPU runs from one environment
@@ -141,11 +145,30 @@ def score_texts(engine_name: str, models: dict[str, str], texts: dict[str, list[
     return rows
 
 
+def migrate(stored: dict) -> dict:
+    """Bring a ``serving.json`` mapping of an earlier format up to :data:`FORMAT`; the one place that knows them.
+
+    Format 1 (unnumbered) rows hold their model's ``serving`` entry as ``layercut.json`` wrote it then, with the
+    engines listed in it (``prune.checkpoint.report.upgrade_serving``).
+    """
+    version = stored.get("format", 1)
+    if not isinstance(version, int) or version > FORMAT:
+        raise LayercutError(f"{RESULTS} has format {version!r}, newer than this layercut's {FORMAT}: upgrade with "
+                            "pip install -U layercut")
+    if version == 1:
+        for per_engine in (stored.get("rows") or {}).values():
+            for row in per_engine.values():
+                if isinstance(row.get("serving"), dict):
+                    row["serving"] = upgrade_serving(row["serving"])
+    stored["format"] = FORMAT
+    return stored
+
+
 def merge(out: Path | None, setup: dict, rows: dict[str, dict[str, dict]]) -> dict:
     """The rows of earlier engine runs in ``out`` (same setup) with these; refuses another setup's folder."""
-    result = {"setup": setup, "rows": {}}
+    result = {"format": FORMAT, "setup": setup, "rows": {}}
     if out is not None and (out / RESULTS).is_file():
-        stored = json.loads((out / RESULTS).read_text(encoding="utf-8"))
+        stored = migrate(json.loads((out / RESULTS).read_text(encoding="utf-8")))
         if stored.get("setup", {}).get("token_digest") != setup["token_digest"]:
             raise LayercutError(f"{out} holds a serving table of other tokens (held-out text, tokenizer, windows): "
                                 "pass another --out")
@@ -172,7 +195,6 @@ def markdown(result: dict) -> str:
              "the first window's first 32 tokens is transformers'.", "",
              "| model | serves | " + " | ".join(f"{display_name(e)} ppl" for e in engines) + " |",
              "|---|---|" + "---|" * len(engines)]
-    from prune.model.layouts import label as serving_label
 
     for label, per_engine in result["rows"].items():
         layout = next((r.get("serving") for r in per_engine.values() if r.get("serving")), None)
@@ -190,7 +212,7 @@ def markdown(result: dict) -> str:
                 cells.append(f"{row['ppl']:.3f} ({100 * gap:+.3f} %){mark}{_greedy_note(row, per_engine)}")
             else:
                 cells.append(f"{row['ppl']:.3f}")
-        lines.append(f"| {label} | {serving_label(layout)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | {serves_label(layout)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from eval.bench.registry import register_subcommand
+from prune.checkpoint.report import read_report
 from prune.errors import LayercutError
 from prune.options import add_data_arguments, add_threads_argument, apply_threads
 
@@ -150,7 +151,6 @@ def _cache_child(spec_json: str) -> None:
     from distill.job import DistillJob, open_teacher, work_folder
     from prune.checkpoint.load_config import LoadConfig
     from prune.checkpoint.save_load import load
-    from prune.checkpoint.write import read_report
     from prune.memory import peak_rss_bytes
 
     spec = json.loads(spec_json)
@@ -185,7 +185,7 @@ def run_distillation(options: CacheBenchOptions, student: Path, out: Path, k: in
     """One ``distill.run`` in a fresh process: its peak RSS, median step time and report section."""
     started = time.perf_counter()
     _child(distill_flags(options, student, out, k), "distillation" + (f" from the top-{k} cache" if k else ""))
-    section = json.loads((out / "layercut.json").read_text(encoding="utf-8"))["distill"]
+    section = read_report(out)["distill"]
     steps = step_seconds(out / "train_log.jsonl")
     return {"peak_memory_bytes": section["peak_memory_bytes"],
             "peak_gpu_memory_bytes": section["peak_gpu_memory_bytes"],

@@ -15,6 +15,7 @@ from eval.compare.config import CompareConfig, cell_config, method_list, parse_d
 from eval.compare.grid import run_comparison, summary_lines
 from eval.compare.plots import README
 from eval.quality.evaluate import parse_limit
+from eval.speed.engines import ENGINES, REFERENCE
 from prune.errors import CommandParser, LayercutError, cli_entry
 from prune.options import (
     add_data_arguments,
@@ -65,10 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per forward pass while scoring, fitting and measuring (default: 4)")
     group.add_argument("--speed-tokens", type=int, default=32,
                        help="decode steps timed per model for the speed-up (0: skip; default: 32)")
-    group.add_argument("--engine", default="transformers", choices=("transformers", "llamacpp", "vllm"),
-                       help="the engine timing the decode speed-up: transformers (the model in memory), llamacpp "
-                       "(each checkpoint exported to GGUF) or vllm; a checkpoint it does not run is marked "
-                       "'not servable' (default: transformers)")
+    group.add_argument("--engine", default=REFERENCE, choices=ENGINES.names(),
+                       help="the engine timing the decode speed-up: "
+                       + "; ".join(f"{name} ({engine.summary})" for name, engine in ENGINES.items())
+                       + f"; a checkpoint it does not run is marked 'not servable' (default: {REFERENCE})")
     group.add_argument("--oracle", action="store_true",
                        help="also measure calibration perplexity with each block alone removed, and each score's "
                        "Spearman correlation with it")

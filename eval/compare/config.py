@@ -39,7 +39,7 @@ class CompareConfig:
         oracle: also run SLEB's oracle and each score's Spearman correlation with it.
         metrics: registered metrics (``eval.compare.metrics``) measured on every model besides the standard ones.
         keep_checkpoints: keep every cell's weights under ``cells/``.
-        engine: the engine that times the decode speed-up (``eval.speed.engines``: transformers, llamacpp, vllm);
+        engine: the engine that times the decode speed-up (a name of ``eval.speed.engines``' registry);
             another than transformers times each cell's written checkpoint (a GGUF export for llama.cpp).
         overwrite: start afresh in an ``out`` that holds another comparison.
     """

@@ -10,9 +10,10 @@ from eval.compare.metrics import METRICS
 from eval.compare.results import NO_TASKS, Results
 from eval.compare.stats import TIE_SE, analyse, task_stderr
 from eval.quality.lmeval import describe_rows
+from eval.speed.engines import REFERENCE, display_name, serves_label
 from eval.speed.results import NOISY_RUN_SPREAD
 from prune.checkpoint.write import portable
-from prune.model.layouts import ENGINE_NAMES, LAYOUTS, VANILLA, label
+from prune.model.layouts import VANILLA, serving_entry
 
 PPL_PNG = "perplexity_vs_blocks.png"
 NOISY_MARK = "?"
@@ -62,7 +63,7 @@ def _preamble(results: Results, analysis: dict, cells: dict, states: dict) -> li
              f"mean. Calibration {calibration.get('tokens', '?')} tokens of "
              f"{calibration.get('source', '?')}, scored once for every cell "
              f"({timing.get('score_seconds', '?')} s). Decode speed-up: {setup['speed_tokens']} greedy steps "
-             f"with the KV cache in {ENGINE_NAMES.get(setup.get('engine', 'transformers'), setup.get('engine'))}, "
+             f"with the KV cache in {display_name(setup.get('engine', REFERENCE))}, "
              "median of 3, against the dense model. Wall time: the cell's prune, fit, "
              "distillation and measurements.", ""]
     lines += _task_note(analysis, results)
@@ -92,7 +93,7 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
     lines.append(f"| - | dense | - | {dense['params']:,} | {dense['heldout_ppl']:.3f} | 1.000 | "
                  + "".join(f"{v} | " for v in domain_cells + _task_cells(dense, tasks, figures["dense"], "-"))
                  + "- | - | " + _metric_cells(dense, metrics) + ("1.00" if "decode_s" in dense else "-")
-                 + f" | - | {LAYOUTS[VANILLA].label} |")
+                 + f" | - | {serves_label(serving_entry(VANILLA))} |")
     for rank, (key, row) in enumerate(rows, 1):
         speed = f"{row['decode_speedup']:.2f}{_noisy(row, dense)}" if "decode_speedup" in row else \
             ("not servable" if (row.get("serving") or {}).get("layout") == "layercut" else "failed (results.json)") \
@@ -125,8 +126,8 @@ def _refused_table(refused: dict) -> list[str]:
 
 
 def serves(row: dict) -> str:
-    """The engines that run the row's checkpoint (``prune.model.layouts``); older rows: from ``vanilla``."""
-    return label(row.get("serving"), row.get("vanilla"))
+    """The engines that serve the row's checkpoint (the engines' registry, ``eval.speed.engines.serves_label``)."""
+    return serves_label(row.get("serving"))
 
 
 def _noisy(row: dict, dense: dict) -> str:

@@ -16,13 +16,17 @@ from typing import Any, TypedDict
 
 from eval.compare.digest import upgrade_digest
 from prune.atomic import write_file_atomic
+from prune.checkpoint.report import upgrade_serving
 from prune.errors import LayercutError
+from prune.model.layouts import LAYERCUT, VANILLA, serving_entry
 
 logger = logging.getLogger(__name__)
 
 RESULTS = "results.json"
-# 1: every file written before the format was numbered; 2: ``format`` is written and the legacy layouts are gone
-FORMAT = 2
+# 1: every file written before the format was numbered; 2: ``format`` is written and the legacy layouts are gone;
+# 3: a row's ``serving`` is in layercut.json's current format (no engine named there) and every cell has one;
+# ``setup`` holds every option, those added since the first comparisons included
+FORMAT = 3
 # ``task_limit`` absent (no task figure yet) differs from None (task figures of whole splits)
 NO_TASKS = object()
 
@@ -121,12 +125,14 @@ def migrate(data: dict) -> dict:
     Format 1 (unnumbered) files can hold two older layouts: ``--tasks`` and ``--limit`` inside ``setup`` (the
     limit their task figures have), and, for a single held-out domain, that domain's source and token count
     also at the top of ``heldout``. Their recipe digests hashed the recipe file's bytes: a row whose recipe
-    still hashes so gets today's digest (comments and layout left out), any other stays stale.
+    still hashes so gets today's digest (comments and layout left out), any other stays stale. Format 2 rows
+    hold their checkpoint's ``serving`` entry as ``layercut.json`` wrote it then, engines and all, and a format 2
+    ``setup`` may lack the options added since (:func:`_complete_setup`).
     """
     version = data.get("format", 1)
     if version > FORMAT:
-        raise LayercutError(f"results.json has format {version}, newer than this layercut's {FORMAT}: upgrade "
-                            "layercut to read it")
+        raise LayercutError(f"results.json has format {version}, written by a newer layercut (this one reads up to "
+                            f"{FORMAT}): upgrade with pip install -U layercut")
     if version == 1:
         setup = dict(data.get("setup", {}))
         tasks, limit = setup.pop("tasks", None), setup.pop("limit", None)
@@ -138,8 +144,36 @@ def migrate(data: dict) -> dict:
             data["heldout"] = {"domains": heldout["domains"]}
         for row in (data.get("cells") or {}).values():
             upgrade_digest(row)
+    if version <= 2:
+        for row in (data.get("cells") or {}).values():
+            _upgrade_serving(row)
+        _complete_setup(data.get("setup"))
     data["format"] = FORMAT
     return data
+
+
+def _complete_setup(setup: dict | None) -> None:
+    """Format 3: ``setup`` holds the options added after comparisons were first recorded.
+
+    Each at the value that does what was done before it: ``load.offload`` "none" (``--offload`` came with the
+    block-by-block pass, 2026-11-26) and ``engine`` "transformers" (``--engine``, commit 900f015, 2026-11-27).
+    """
+    if not isinstance(setup, dict):
+        return
+    setup.setdefault("engine", "transformers")
+    if isinstance(setup.get("load"), dict):
+        setup["load"].setdefault("offload", "none")
+
+
+def _upgrade_serving(row: dict) -> None:
+    """Format 3: a cell's ``serving`` as ``layercut.json`` now writes it (``prune.checkpoint.report.upgrade_serving``).
+
+    A row from before ``serving`` entries (2026-11-27) says only whether its checkpoint was ``vanilla``.
+    """
+    if isinstance(row.get("serving"), dict):
+        row["serving"] = upgrade_serving(row["serving"])
+    elif isinstance(row.get("vanilla"), bool):
+        row["serving"] = serving_entry(VANILLA if row["vanilla"] else LAYERCUT)
 
 
 def read_results(path: Path) -> Results:
@@ -178,18 +212,11 @@ def open_results(out: Path, setup: dict, overwrite: bool) -> Results:
     return results
 
 
-# setup options added after comparisons were recorded, at the value that does what was done before them: a
-# results.json without the key was run that way (``--offload`` came with the block-by-block pass, 2026-11-26)
-ADDED_SETUP = {"load.offload": "none", "engine": "transformers"}
-
-
 def differing(stored: dict, now: dict, prefix: str = "") -> list[str]:
     """The options of ``now`` whose value differs from ``stored``'s, as dotted paths (``data.samples: 32 -> 64``)."""
     found = []
     for key in now:
         old, new = stored.get(key), now[key]
-        if key not in stored and ADDED_SETUP.get(f"{prefix}{key}", object()) == new:
-            continue
         if isinstance(old, dict) and isinstance(new, dict):
             found += differing(old, new, f"{prefix}{key}.")
         elif old != new:

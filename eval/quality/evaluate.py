@@ -34,7 +34,7 @@ from eval.quality.report import write_report
 from eval.speed.measure import block_count
 from prune.atomic import atomic_directory, check_output_dir
 from prune.checkpoint.load_config import LoadConfig
-from prune.checkpoint.write import read_report
+from prune.checkpoint.report import read_report
 from prune.data.calibration import check_seq_len, load_documents
 from prune.errors import LayercutError
 from prune.loading.loader import check_tokenizer

@@ -146,10 +146,9 @@ def find_converter(converter: str | Path | None = None) -> Path:
 
 def serving_of(folder: Path) -> dict:
     """The ``serving`` entry of a checkpoint's ``layercut.json`` ({} for a folder layercut did not write)."""
-    report = folder / "layercut.json"
-    if not report.is_file():
-        return {}
-    return json.loads(report.read_text(encoding="utf-8")).get("serving", {})
+    from prune.checkpoint.report import read_report
+
+    return read_report(folder).get("serving", {})
 
 
 def check_servable(folder: Path) -> str:
@@ -255,7 +254,8 @@ def is_decilm_folder(folder: Path) -> bool:
 
 def _decilm_source(folder: Path, scratch: Path) -> Path:
     """The DeciLM folder llama.cpp converts: ``folder`` itself or its copy; refused where llama.cpp runs it wrong."""
-    from prune.checkpoint.decilm import llama_cpp_limits, write_decilm
+    from prune.checkpoint.decilm import write_decilm
+    from prune.checkpoint.decilm_config import llama_cpp_limits
 
     source = folder if is_decilm_folder(folder) else write_decilm(folder, scratch / "decilm", llama_cpp=True)
     limits = llama_cpp_limits(json.loads((source / "config.json").read_text(encoding="utf-8")))
@@ -406,10 +406,9 @@ def gguf_field(reader, key: str):
 
 def _original_blocks(folder: Path) -> int | None:
     """The unpruned depth, from ``layercut.json`` (None for a folder layercut did not write)."""
-    report = folder / "layercut.json"
-    if not report.is_file():
-        return None
-    report = json.loads(report.read_text(encoding="utf-8"))
+    from prune.checkpoint.report import read_report
+
+    report = read_report(folder)
     # every original index is either covered by a kept block's layout entry or listed as dropped
     seen = [i for entry in report.get("layout") or [] for i in entry] + list(report.get("dropped") or [])
     return max(seen) + 1 if seen else None

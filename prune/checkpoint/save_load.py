@@ -27,15 +27,16 @@ from pathlib import Path
 from torch import nn
 
 from prune.atomic import atomic_directory
-from prune.checkpoint.serving import sublayer_refusal
-from prune.checkpoint.write import read_report, write_checkpoint
+from prune.checkpoint.decilm_config import decilm_config, decilm_serving, sublayer_refusal
+from prune.checkpoint.report import read_report, upgrade_records
+from prune.checkpoint.write import write_checkpoint
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel, check_safetensors, damaged, load_model
 from prune.model import remote_code as hf_remote_code
 from prune.model.adapters import get_blocks
 from prune.model.layouts import DECILM, LAYERCUT, VANILLA, serving_entry
-from prune.model.surgery import block_layout, replacement_records
-from prune.replace import METHODS, ReplacedBlock, method_for_module, record_method
+from prune.model.surgery import RECORDS_ATTR, block_layout, replacement_records
+from prune.replace import METHODS, ReplacedBlock, method_for_module
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +115,6 @@ def serving_report(model: nn.Module, maps: bool) -> dict:
         if refusal is not None:  # the DeciLM layout cannot hold them: whole blocks are what ships
             return serving_entry(LAYERCUT, instead="--unit block (whole blocks: a plain checkpoint)",
                                  why=f"removed sub-layers outside the DeciLM layout: {refusal}")
-        from prune.checkpoint.decilm import decilm_config, decilm_serving
-
         # as prune.checkpoint.gguf writes it for llama.cpp: removed MLPs as zero MLPs
         # (llama.cpp skips an FFN-free layer)
         entry = decilm_serving(decilm_config(config, records, zero_mlps=True))
@@ -199,8 +198,7 @@ def attach_maps_(model: nn.Module, path: str | Path) -> int:
 
 def _maps_needed(model: nn.Module) -> list[str]:
     """The methods of the model's replacement records whose maps live in ``replacements.safetensors``."""
-    # records name their method under "method" ("kind" in checkpoints written before the rename)
-    methods = [record_method(r) for r in replacement_records(model)]
+    methods = [r["method"] for r in replacement_records(model)]
     return [m for m in methods if m in METHODS and not METHODS[m].servable]
 
 
@@ -234,8 +232,11 @@ def load(path: str | Path, **load_model_kwargs) -> LoadedModel:
         **load_model_kwargs: passed to ``prune.loading.loader.load_model`` as they are (``dtype``, ``device``,
             ``load_in_4bit``, ``load_in_8bit``, ``tokenizer``, ...).
     """
-    read_report(path)  # a damaged layercut.json is a one-line error now, not in the tool that reads it later
+    read_report(path)  # a damaged or newer layercut.json is a one-line error now, not in the tool that reads it later
     loaded = load_model(str(path), allow_maps=True, **load_model_kwargs)
+    records = replacement_records(loaded.model)
+    if records:  # config.json has no format number: its records are read as the report's are
+        setattr(loaded.model.config, RECORDS_ATTR, upgrade_records(records))
     records = hf_remote_code.sublayer_records(loaded.model.config)
     if records:
         try:

@@ -8,7 +8,6 @@ touches the one already there). The folder and its files get the modes of any fi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -16,43 +15,15 @@ import re
 from pathlib import Path
 
 from prune.atomic import atomic_directory, write_json
-from prune.errors import LayercutError
+from prune.checkpoint.report import MODEL_PATH, REPORT_FILE, stamped
 from prune.loading.names import EMBEDDED_MODEL, MODEL_ALIASES, base_model_id, model_license
 from prune.model.adapters import is_offloaded
 from prune.replace.registry import describe_replacement
 
 logger = logging.getLogger(__name__)
 
-REPORT_FILE = "layercut.json"
-# layercut.json's key for the original model's file or folder, relative to the checkpoint folder: the report names
-# the model portably (no path of this machine), and read_report re-opens it from here
-MODEL_PATH = "model_path"
 # a report's heldout "stage" when its figure was measured before a later distill.run
 HELDOUT_BEFORE_DISTILL = "before distill.run"
-
-
-def read_report(folder: str | Path) -> dict:
-    """The ``layercut.json`` of a checkpoint folder, or an empty dict when it has none (or is no folder).
-
-    Raises:
-        LayercutError: the file exists but is not valid JSON (a report we cannot read is never guessed).
-    """
-    path = Path(folder).expanduser() / REPORT_FILE
-    if not path.is_file():
-        return {}
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        why = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8 text"
-        raise LayercutError(f"{path} is damaged, not valid JSON ({why}): re-export the checkpoint with prune.run "
-                            "or restore the file from a copy") from None
-    if not isinstance(report, dict):
-        raise LayercutError(f"{path} is damaged (a JSON {type(report).__name__}, not an object): re-export the "
-                            "checkpoint with prune.run or restore the file from a copy")
-    local = report.get(MODEL_PATH)
-    if isinstance(local, str) and local and not os.path.isabs(local) and (path.parent / local).exists():
-        report["model_name"] = str((path.parent / local).resolve())  # re-opened where it lies (distill.run)
-    return report
 
 
 # an absolute path inside a longer text ("a.txt@0.5,/home/me/b.txt@0.5"): it keeps its last component
@@ -107,10 +78,10 @@ def report_license(report: dict) -> str | None:
 
 
 def written_report(report: dict, folder: str | Path | None = None) -> dict:
-    """What ``layercut.json`` in ``folder`` holds: :func:`portable_report` and two additions.
+    """What ``layercut.json`` in ``folder`` holds: :func:`portable_report`, its format number and two additions.
 
     The licence, read while the model's files are at hand, and where a local original model lies relative to
-    ``folder`` (:data:`MODEL_PATH`), for :func:`read_report` to re-open it.
+    ``folder`` (``MODEL_PATH``), for :func:`prune.checkpoint.report.read_report` to re-open it.
     """
     shown = portable_report(report)
     license_ = report_license(report)
@@ -120,7 +91,7 @@ def written_report(report: dict, folder: str | Path | None = None) -> dict:
     local = _relative_model_path(report, folder) if folder is not None else None
     if local is not None:
         shown[MODEL_PATH] = local
-    return shown
+    return stamped(shown)
 
 
 def _relative_model_path(report: dict, folder: str | Path) -> str | None:
@@ -337,8 +308,8 @@ HfApi().upload_folder(folder_path="{name}", repo_id="<you>/{name}", repo_type="m
 
 Serving: its removed sub-layers fit the DeciLM layout (`DeciLMForCausalLM`, no-op entries of `block_configs`),
 which vLLM runs: `python -m prune.decilm {name} --out {name}-decilm` writes that folder for `vllm serve`.
-Where `layercut.json` says `llama_cpp: true`, `python -m prune.export_gguf {name}` writes a GGUF for llama.cpp
-(its DeciLM converter reads Llama-2 and Llama-3 vocabularies only).
+Unless `layercut.json`'s `serving.why_not` names `llamacpp`, `python -m prune.export_gguf {name}` writes a GGUF
+for llama.cpp (its DeciLM converter reads Llama-2 and Llama-3 vocabularies only).
 """
 
 

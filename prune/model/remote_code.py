@@ -296,8 +296,9 @@ def remove_sublayers(model: nn.Module, records: list[dict], blocks_path: str | N
 def _maps_recorded(base_config: dict) -> bool:
     """Whether the wrapped config's replacement records name a method whose maps live in the maps file."""
     records = base_config.get(RECORDS_KEY) or []
-    # a record says so itself ("maps"); records written before that flag name a method of MAP_TYPES
-    return any(r.get("maps") or r.get("method", r.get("kind")) in MAP_TYPES for r in records if isinstance(r, dict))
+    # this file is copied into each checkpoint and reads the config it was written with: an earlier checkpoint's
+    # records (no "maps" flag) are read by its own earlier copy, and prune.load upgrades them (upgrade_records)
+    return any(r.get("maps") for r in records if isinstance(r, dict))
 
 
 def _blocks_path(model: nn.Module, blocks_path: str | None) -> str:

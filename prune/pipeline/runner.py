@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prune.atomic import atomic_directory, check_output_dir, output_lock, write_json
+from prune.checkpoint.report import REPORT_FILE
 from prune.checkpoint.save_load import write_model
-from prune.checkpoint.write import REPORT_FILE, library_versions, written_report
+from prune.checkpoint.write import library_versions, written_report
 from prune.data.calibration import CalibrationData, calibration_data, check_sources
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel, load_config

@@ -36,7 +36,7 @@ from prune.replace.capture import Recorder, record
 from prune.replace.config import ReplaceConfig
 from prune.replace.fitter import Replacement, SpanFitter
 from prune.replace.modules import ReplacedBlock
-from prune.replace.registry import get_method, record_method
+from prune.replace.registry import get_method
 
 logger = logging.getLogger(__name__)
 
@@ -393,7 +393,7 @@ def replacement_modules(model: nn.Module) -> list[nn.Module]:
     layout = block_layout(model)
     modules: list[nn.Module] = []
     for entry in replacement_records(model):
-        name = record_method(entry)
+        name = entry["method"]
         spec = get_method(name)
         position = host_position(layout, entry["replaces"])
         module = spec.trained_module(model, blocks[position], entry) if spec.trained_module else None

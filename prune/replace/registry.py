@@ -252,11 +252,6 @@ def resolve_options(method: Method, given: dict) -> MethodOptions:
     return method.options(**given)
 
 
-def record_method(record: dict) -> str:
-    """The method name of a replacement record (``"method"``, or ``"kind"`` in checkpoints before the rename)."""
-    return record["method"] if "method" in record else record["kind"]
-
-
 def method_for_module(module: nn.Module) -> Method:
     """The method whose saved module type ``module`` is.
 
@@ -274,7 +269,7 @@ def describe_replacement(record: dict) -> str:
 
     Example: ``replaced blocks [1, 2] by linear (1056 parameters, 0.7 of the fitted update, independent fit, 0.1s)``.
     """
-    name = record_method(record)
+    name = record["method"]
     added = get_method(name).describe(record) if name in METHODS else f"{record.get('params', '?')} parameters"
     if record.get("update_scale", 1) != 1:  # the default is not least squares: say which map was built
         added += f", {record['update_scale']:g} of the fitted update"

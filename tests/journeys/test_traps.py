@@ -342,7 +342,7 @@ def test_card_and_report_hold_no_local_path(tiny_folder, tmp_path, capsys, one_t
     assert report["data"]["source"].startswith("calibration.txt")
     assert f"Made with layercut from `{tiny_folder.name}`" in (out / "README.md").read_text()
     # what re-opens the model is relative to the checkpoint: distill.run still finds its teacher
-    from prune.checkpoint.write import read_report
+    from prune.checkpoint.report import read_report
 
     assert (out / report["model_path"]).resolve() == tiny_folder.resolve()
     assert read_report(out)["model_name"] == str(tiny_folder.resolve())

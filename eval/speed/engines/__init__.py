@@ -15,7 +15,10 @@ for transformers only. An engine's package is an extra: a missing one is a one-l
 A new engine is one module here, ``<name>.py``, whose ``ENGINE`` is an :class:`Engine` called ``<name>``
 (what it declares: :mod:`eval.speed.engines.base`), plus its test. Every module of this package but
 ``base`` is registered under its name as ``"eval.speed.engines.<name>:ENGINE"`` and imported when the
-engine is first named; ``eval.bench``'s ``--engine``/``--engines`` and each engine's flags follow.
+engine is first named; ``eval.bench``'s ``--engine``/``--engines`` and each engine's flags,
+``eval.compare --engine``, ``prune.ship --engine`` (the engines that serve a plain checkpoint), which engines
+refuse a checkpoint (:meth:`Engine.refusal`) and the "serves" label of a comparison (:func:`serves_label`)
+follow. Its name (``llamacpp``) is its key everywhere; its ``display`` (``llama.cpp``) is text only.
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ from eval.speed.engines.base import (
     checkpoint_bytes,
     checkpoint_folder,
     display_name,
+    engines_for,
     get_engine,
     register_engine,
+    serves_label,
     setting,
     setting_specs,
     setting_values,
@@ -48,8 +53,8 @@ from eval.speed.engines.base import (
 
 __all__ = ["ENGINES", "GGUF_EXPORT_FOLDER", "REFERENCE", "WEIGHT_SUFFIXES", "Engine", "EngineModel",
            "EngineOptions", "EngineRegistry", "EngineSettings", "SettingSpec", "add_setting_arguments", "block_count",
-           "checkpoint_bytes", "checkpoint_folder", "display_name", "get_engine", "register_engine", "setting",
-           "setting_specs", "setting_values"]
+           "checkpoint_bytes", "checkpoint_folder", "display_name", "engines_for", "get_engine", "register_engine",
+           "serves_label", "setting", "setting_specs", "setting_values"]
 
 NOT_ENGINES = {"base"}  # modules of this package that are no engine
 

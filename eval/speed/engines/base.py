@@ -10,13 +10,17 @@ loads a model. Each engine declares:
   names it (``llama.cpp``);
 * ``module``, ``distribution`` and ``extra``: its package, the package's PyPI name and layercut's extra
   that installs it (``pip install 'layercut[llamacpp]'``, from ``[project.optional-dependencies]``);
-* ``layouts``: the checkpoint layouts it runs (``prune.model.layouts``), and ``entry_key``, the key of a
-  checkpoint's ``serving`` entry that says whether this checkpoint runs in it;
+* ``layouts``: the checkpoint layouts it serves as they ship (``prune.model.layouts``); a checkpoint's
+  ``serving`` entry may still name it under ``why_not`` (:meth:`Engine.refusal`);
 * ``options``: its own settings, a subclass of :class:`EngineOptions` whose fields (made by
   :func:`setting`) are its ``eval.bench`` flags (:func:`add_setting_arguments`).
 
 Settings every engine reads (loading, threads, context, how many models share the machine) are the
 fields of :class:`EngineSettings`; each engine's own are in its ``engines`` mapping.
+
+Which engines run a checkpoint is this registry's answer, never a list kept elsewhere: :func:`engines_for` and
+:func:`serves_label` (``eval.compare``'s "serves" column, ``eval.bench serving``), ``Engine.refusal`` (the
+engines' checks), and the ``--engine`` choices of ``eval.bench``, ``eval.compare`` and ``prune.ship``.
 """
 
 from __future__ import annotations
@@ -223,9 +227,7 @@ class Engine:
         module: The package's import name.
         distribution: The package's name on PyPI.
         extra: layercut's extra that installs it, None for a core dependency.
-        layouts: The checkpoint layouts it runs (``prune.model.layouts``).
-        entry_key: The key of a checkpoint's ``serving`` entry saying whether it runs in this engine
-            (``llama_cpp``; its reason under ``<key>_why_not``), None when the layout alone decides.
+        layouts: The checkpoint layouts it serves as they ship (``prune.model.layouts``).
         options: Its own settings (fields made by :func:`setting`: its flags).
         max_batch: Sequences one timing may hold, None for any.
     """
@@ -237,7 +239,6 @@ class Engine:
     distribution = ""
     extra: str | None = None
     layouts: tuple[str, ...] = ()
-    entry_key: str | None = None
     options: type[EngineOptions] = EngineOptions
     max_batch: int | None = None
 
@@ -279,21 +280,19 @@ class Engine:
             module = importlib.import_module(self.module) if self.available() else None
             return getattr(module, "__version__", None)
 
-    def refusal(self, serving: dict) -> str | None:
-        """Why a checkpoint with this ``serving`` entry is not given to the engine (None: it is).
+    def serves(self, serving: dict) -> bool:
+        """Whether the engine serves a checkpoint with this ``serving`` entry as it ships.
 
-        The entry's ``entry_key`` decides where it has one; else its layout, one of ``layouts`` (an entry
-        of no known layout is given: the engine's load says what it cannot run).
+        Its layout is one of ``layouts``, and the entry does not name the engine under ``why_not`` (a fact of that
+        checkpoint, such as llama.cpp's DeciLM converter limits).
         """
-        from prune.model.layouts import LAYOUTS
+        return serving.get("layout") in self.layouts and not (serving.get("why_not") or {}).get(self.name)
 
-        if self.entry_key is not None and self.entry_key in serving:
-            runs = bool(serving[self.entry_key])
-        else:
-            runs = serving.get("layout") not in LAYOUTS or serving["layout"] in self.layouts
-        if runs:
+    def refusal(self, serving: dict) -> str | None:
+        """Why a checkpoint with this ``serving`` entry is not given to the engine (None: it is, :meth:`serves`)."""
+        if self.serves(serving):
             return None
-        return (self.entry_key and serving.get(f"{self.entry_key}_why_not")) or serving.get("why") or "not servable"
+        return (serving.get("why_not") or {}).get(self.name) or serving.get("why") or "not servable"
 
     def describe(self, settings: EngineSettings) -> dict:
         """The settings that matter to this engine, as a speed report records them (JSON-ready)."""
@@ -409,6 +408,29 @@ def get_engine(name: str) -> Engine:
 def display_name(name: str) -> str:
     """How text names the engine ``name`` (its ``display``; an unregistered name as it is)."""
     return (getattr(ENGINES.get(name), "display", "") or name) if name in ENGINES else name
+
+
+def engines_for(serving: dict) -> list[str]:
+    """The registered engines that serve a checkpoint with this ``serving`` entry as it ships, in registry order."""
+    return [name for name, engine in ENGINES.items() if engine.serves(serving)]
+
+
+def serves_label(serving: dict | None) -> str:
+    """The short "serves" label of a ``serving`` entry: ``llama.cpp, vLLM (DeciLM layout)``, ``no (maps)``.
+
+    The engines' display names (:func:`engines_for`), then the layout's note (``prune.model.layouts``);
+    ``-`` for no entry.
+    """
+    from prune.model.layouts import LAYOUTS
+
+    if not serving:
+        return "-"
+    layout = LAYOUTS.get(serving.get("layout", ""))
+    note = layout.note if layout is not None else serving.get("layout")
+    names = ", ".join(display_name(name) for name in engines_for(serving))
+    if not names:
+        return f"no ({note})" if note else "no"
+    return f"{names} ({note})" if note else names
 
 
 # ---- the settings as flags ----

@@ -101,7 +101,7 @@ class LlamaCppEngine(Engine):
     name, display, module, distribution, extra = "llamacpp", "llama.cpp", "llama_cpp", "llama-cpp-python", "llamacpp"
     summary = ("llama.cpp through llama-cpp-python; a folder is exported to float32 GGUF once; --threads sets its "
                "threads")
-    layouts, entry_key, options, max_batch = (VANILLA, DECILM), "llama_cpp", LlamaCppOptions, 1
+    layouts, options, max_batch = (VANILLA, DECILM), LlamaCppOptions, 1
 
     def describe(self, settings: EngineSettings) -> dict:
         """Threads, context and GPU layers (the GGUF's own types are the dtype)."""

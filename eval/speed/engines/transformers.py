@@ -25,7 +25,7 @@ from eval.speed.peak_memory import weights_bytes
 from eval.speed.timing import greedy_decode, time_decode, time_prefill
 from prune.measure.perplexity import Window, stream_nll
 from prune.model.adapters import input_device, max_positions
-from prune.model.layouts import DECILM, LAYERCUT, VANILLA
+from prune.model.layouts import VANILLA
 from prune.replace import parameter_count
 
 
@@ -34,7 +34,11 @@ class TransformersEngine(Engine):
 
     name, display, module, distribution = REFERENCE, "transformers", "transformers", "transformers"
     summary = "in this process, with its peak memory"
-    layouts = (VANILLA, DECILM, LAYERCUT)
+    layouts = (VANILLA,)  # as it ships; sub-layer removals and maps need layercut or trust_remote_code
+
+    def refusal(self, serving: dict) -> str | None:
+        """None: ``prune.load`` opens every layout in this process (the reference of every comparison)."""
+        return None
 
     def load(self, path: str, settings: EngineSettings | None = None) -> EngineModel:
         """``prune.load`` with ``settings.load``'s dtype, device and tokenizer."""

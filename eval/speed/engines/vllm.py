@@ -136,7 +136,7 @@ class VllmEngine(Engine):
 
     name, display, module, distribution, extra = "vllm", "vLLM", "vllm", "vllm", "vllm"
     summary = "vLLM's offline LLM, prefix caching off"
-    layouts, entry_key, options = (VANILLA, DECILM), "vllm", VllmOptions
+    layouts, options = (VANILLA, DECILM), VllmOptions
 
     @staticmethod
     def dtype(settings: EngineSettings) -> str:

@@ -11,6 +11,7 @@ import torch
 
 from eval.bench.cli import main as bench_main
 from eval.bench.serving import parse_models, windows_of
+from eval.speed.engines import Engine
 from prune.checkpoint.save_load import load
 from prune.errors import LayercutError
 from tests.helpers import CONVERTER, NO_CONVERTER, byte_fallback_tokenizer, make_tiny_model, run_prune_cli
@@ -61,7 +62,7 @@ def test_transformers_rows_equal_a_direct_computation_and_maps_are_labelled(tiny
     assert result["rows"]["maps"]["transformers"]["serving"]["layout"] == "layercut"
     assert len(result["rows"]["dense"]["transformers"]["greedy"]) == 32
     table = (out / "serving.md").read_text()
-    assert "| maps | no (maps) |" in table and "| dense | transformers, vLLM, llama.cpp |" in table
+    assert "| maps | no (maps) |" in table and "| dense | transformers, llama.cpp, vLLM |" in table
 
     # a second engine's run into the same folder adds its column and keeps the first one's
     stored = json.loads((out / "serving.json").read_text())
@@ -108,7 +109,7 @@ def test_llama_cpp_gives_transformers_perplexity_and_refuses_maps(tmp_path, caps
     assert not rows["maps"]["llamacpp"]["runs"] and "vLLM or llama.cpp" in rows["maps"]["llamacpp"]["why"]
 
 
-class BlockCountEngine:
+class BlockCountEngine(Engine):
     """A stand-in engine timing each checkpoint by its block count, as written in its config.json."""
 
     name, module, distribution, extra, max_batch = "blocks", "json", "blocks-engine", None, None
@@ -204,3 +205,16 @@ def test_the_serving_table_and_flags_name_the_registered_engines():
     assert "| m | - | 10.000 | 10.000 (+0.000 %) | no: not here |" in table
     usage = build_parser()._subparsers._group_actions[0].choices["serving"].format_help()
     assert "comma list of transformers, llamacpp, vllm" in " ".join(usage.split())
+
+
+def test_a_serving_table_of_format_1_reads_its_rows_serving_entries_in_the_current_format():
+    from eval.bench.serving import FORMAT, markdown, migrate
+
+    old = {"layout": "decilm", "engines": ["vllm"], "vllm": True, "llama_cpp": False, "llama_cpp_why_not": "no-op FFN"}
+    stored = migrate({"setup": {}, "rows": {"m": {"vllm": {"runs": True, "ppl": 9.0, "serving": old}}}})
+    assert stored["format"] == FORMAT
+    assert stored["rows"]["m"]["vllm"]["serving"] == {"layout": "decilm", "why_not": {"llamacpp": "no-op FFN"}}
+    setup = {"heldout": "t.txt", "windows": 1, "seq_len": 8, "predicted": 7}
+    assert "| m | vLLM (DeciLM layout) |" in markdown({**stored, "setup": setup})
+    with pytest.raises(LayercutError, match="upgrade with pip install -U layercut"):
+        migrate({"format": FORMAT + 1})

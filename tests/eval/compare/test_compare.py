@@ -18,7 +18,7 @@ from eval.compare.heldout import mean_perplexity
 from eval.compare.leaderboard import head_caveat, task_rows_note
 from eval.compare.leaderboard import leaderboard as render_leaderboard
 from eval.compare.measurements import calibration_digest
-from eval.compare.results import Results, check_calibration, migrate
+from eval.compare.results import FORMAT, Results, check_calibration, migrate
 from eval.compare.stats import analyse as analyse_results
 from eval.compare.stats import gap_stderr
 from prune.data.calibration import DataConfig, calibration_data
@@ -145,7 +145,7 @@ def test_heldout_file_and_sleb_agrees_with_the_oracle(tiny_folder, tmp_path, cap
     assert code == 0, err
     results = json.loads((out / "results.json").read_text())
     domain = results["heldout"]["domains"]["other"]
-    assert domain["source"] == str(text.resolve()) and domain["tokens"] > 100 and results["format"] == 2
+    assert domain["source"] == str(text.resolve()) and domain["tokens"] > 100 and results["format"] == FORMAT
     assert "decode_speedup" not in results["cells"]["shortgpt@1"]
     # SLEB's first removal is the oracle's best single removal (both on the shared calibration tokens)
     removed = results["oracle"]["removed"]
@@ -566,10 +566,35 @@ def test_without_kept_weights_adding_tasks_runs_the_cell_again(tiny_folder, tmp_
 def test_a_comparison_written_with_tasks_in_its_setup_resumes():
     results = {"setup": {"model": "m", "tasks": "piqa", "limit": 200, "batch_size": 4}, "dense": None, "cells": {}}
     results = migrate(results)
-    assert results["setup"] == {"model": "m", "batch_size": 4} and results["task_limit"] == 200
+    assert results["setup"] == {"model": "m", "batch_size": 4, "engine": "transformers"}
+    assert results["task_limit"] == 200
     untouched = migrate({"setup": {"model": "m", "tasks": None, "limit": None}, "dense": None, "cells": {}})
-    assert "task_limit" not in untouched and untouched["setup"] == {"model": "m"}
-    assert Results.from_dict(untouched).to_dict()["format"] == 2
+    assert "task_limit" not in untouched and untouched["setup"] == {"model": "m", "engine": "transformers"}
+    assert Results.from_dict(untouched).to_dict()["format"] == FORMAT
+
+
+def test_a_comparison_of_format_2_reads_its_rows_serving_entries_in_the_current_format():
+    from eval.compare.leaderboard import serves
+
+    decilm = {"layout": "decilm", "engines": ["vllm"], "vllm": True, "llama_cpp": False,
+              "llama_cpp_why_not": "a no-op FFN", "why": "no-op entries"}
+    results = migrate({"format": 2, "setup": {}, "dense": None,
+                       "cells": {"a@1": {"serving": decilm, "vanilla": False}, "b@1": {"vanilla": True},
+                                 "c@1": {"vanilla": False}}})
+    cells = results["cells"]
+    assert cells["a@1"]["serving"] == {"layout": "decilm", "why": "no-op entries",
+                                       "why_not": {"llamacpp": "a no-op FFN"}}
+    assert [serves(cells[key]) for key in ("a@1", "b@1", "c@1")] == [
+        "vLLM (DeciLM layout)", "transformers, llama.cpp, vLLM", "no (maps)"]
+
+
+def test_a_comparison_recorded_before_an_option_existed_resumes_at_that_option_s_old_value():
+    from eval.compare.results import differing
+
+    stored = migrate({"format": 2, "setup": {"model": "m", "load": {"dtype": "float32"}}, "dense": None, "cells": {}})
+    now = {"model": "m", "load": {"dtype": "float32", "offload": "none"}, "engine": "transformers"}
+    assert differing(stored["setup"], now) == []
+    assert differing(stored["setup"], {**now, "engine": "vllm"}) == ["engine ('transformers' there, 'vllm' now)"]
 
 
 def test_rows_without_tasks_are_compared_on_perplexity_alone():

@@ -86,32 +86,67 @@ def _extras() -> dict[str, list[str]]:
 
 @pytest.mark.parametrize("name", ENGINES.names())
 def test_each_engine_declares_its_extra_layouts_and_settings(name):
-    from prune.model.layouts import ENGINE_NAMES, LAYOUTS, VANILLA, serving_entry
+    from prune.model.layouts import LAYOUTS, VANILLA, serving_entry
 
     engine = get_engine(name)
     assert engine.name == name and type(engine).__module__ == f"eval.speed.engines.{name}"
-    assert engine.display and engine.summary and ENGINE_NAMES[name] == engine.display
+    assert engine.display and engine.summary
     if engine.extra is not None:  # the extra installs the package: pip install 'layercut[<extra>]'
         assert any(dep.startswith(engine.distribution) for dep in _extras()[engine.extra])
     assert VANILLA in engine.layouts and set(engine.layouts) <= set(LAYOUTS)
-    for layout, spec in LAYOUTS.items():
-        entry = serving_entry(layout)
-        if engine.entry_key is not None:  # a serving engine: prune.model.layouts lists it where it runs
-            listed = {ENGINE_NAMES.get(e, e) for e in spec.engines}  # layercut.json spells them vllm, llama.cpp
-            assert (engine.display in listed) == (layout in engine.layouts) == entry[engine.entry_key]
-        assert (engine.refusal(entry) is None) == (layout in engine.layouts)
+    for layout in LAYOUTS:
+        assert engine.serves(serving_entry(layout)) == (layout in engine.layouts)
     for key, spec in engine.options.specs().items():
         assert spec.flag.startswith("--") and spec.help and key in engine.options.defaults()
 
 
+def test_which_engines_serve_a_layout_is_the_registry_s_answer():
+    from eval.speed.engines import engines_for, serves_label
+    from prune.model.layouts import DECILM, LAYERCUT, VANILLA, serving_entry
+
+    assert engines_for(serving_entry(VANILLA)) == ["transformers", "llamacpp", "vllm"]
+    assert serves_label(serving_entry(VANILLA)) == "transformers, llama.cpp, vLLM"
+    assert serves_label(serving_entry(DECILM)) == "llama.cpp, vLLM (DeciLM layout)"
+    assert serves_label({**serving_entry(DECILM), "why_not": {"llamacpp": "no deci"}}) == "vLLM (DeciLM layout)"
+    assert serves_label(serving_entry(LAYERCUT)) == "no (maps)" and serves_label(None) == "-"
+
+
+def test_a_registered_engine_appears_in_every_choice_and_label():
+    """A new engine module is all it takes: registered, it is a choice of every command and named in the labels."""
+    from eval.bench.cli import build_parser as bench_parser
+    from eval.compare.cli import build_parser as compare_parser
+    from eval.compare.leaderboard import serves
+    from eval.speed.engines import engines_for
+    from prune.model.layouts import DECILM, VANILLA, serving_entry
+    from ship.config import ship_engines
+
+    class ToyEngine(Engine):
+        name, display, summary, module, distribution = "toy", "Toy-LLM", "a toy", "toy_llm", "toy-llm"
+        layouts = (VANILLA, DECILM)
+
+    ENGINES.register("toy", ToyEngine())
+    try:
+        assert "toy" in engines_for(serving_entry(VANILLA)) and "toy" in ship_engines()
+        assert serves({"serving": serving_entry(DECILM)}) == "llama.cpp, vLLM, Toy-LLM (DeciLM layout)"
+        engine_flag = next(a for a in compare_parser()._actions if "--engine" in a.option_strings)
+        assert "toy" in engine_flag.choices and "toy (a toy)" in engine_flag.help
+        commands = bench_parser()._subparsers._group_actions[0].choices  # eval.bench's
+        assert "toy (a toy)" in " ".join(commands["speed"].format_help().split())
+        assert "llamacpp, vllm, toy" in " ".join(commands["serving"].format_help().split())
+        assert ToyEngine().refusal({**serving_entry(DECILM), "why_not": {"toy": "too small"}}) == "too small"
+    finally:
+        ENGINES.unregister("toy")
+    assert "toy" not in engines_for(serving_entry(VANILLA))
+
+
 def test_a_serving_entry_says_why_an_engine_does_not_run_it():
     llamacpp, transformers = get_engine("llamacpp"), get_engine("transformers")
-    entry = {"layout": "decilm", "vllm": True, "llama_cpp": False, "llama_cpp_why_not": "no deci for this one"}
+    entry = {"layout": "decilm", "why_not": {"llamacpp": "no deci for this one"}}
     assert llamacpp.refusal(entry) == "no deci for this one" and get_engine("vllm").refusal(entry) is None
     maps = {"layout": "layercut", "why": "maps are part of no vLLM or llama.cpp"}
     assert "vLLM or llama.cpp" in llamacpp.refusal(maps)
-    assert transformers.refusal({"layout": "layercut", "llama_cpp": False}) is None  # prune.load runs every layout
-    assert llamacpp.refusal({"layout": "something new"}) is None  # its load says what it cannot run
+    assert transformers.refusal(maps) is None  # prune.load runs every layout
+    assert not transformers.serves(maps), "as it ships, a checkpoint with maps needs layercut"
 
 
 def test_each_engine_reads_its_own_settings_and_flags():

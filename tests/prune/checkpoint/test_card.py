@@ -35,7 +35,8 @@ def test_base_model_is_the_hub_id_not_a_local_path():
 
 
 def test_the_card_and_report_name_the_model_without_a_local_path(tmp_path):
-    from prune.checkpoint.write import portable_name, read_report, written_report
+    from prune.checkpoint.report import read_report
+    from prune.checkpoint.write import portable_name, written_report
 
     card = model_card(REPORT)
     assert GGUF not in card and "Made with layercut from `smollm2-135m`" in card and "# smollm2-135m with" in card

@@ -13,13 +13,8 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import prune
-from prune.checkpoint.decilm import (
-    CONFIG_CODE_FILE,
-    decilm_config,
-    decilm_serving,
-    ffn_mult_for,
-    write_decilm,
-)
+from prune.checkpoint.decilm import write_decilm
+from prune.checkpoint.decilm_config import CONFIG_CODE_FILE, decilm_config, decilm_serving, ffn_mult_for
 from prune.checkpoint.save_load import save
 from prune.decilm import main
 from prune.errors import LayercutError
@@ -132,9 +127,9 @@ def test_written_tensors_are_exactly_the_kept_ones(source, decilm):
     assert (decilm / CONFIG_CODE_FILE).is_file() and not (decilm / "modeling_layercut.py").exists()
     report = json.loads((decilm / "layercut.json").read_text())
     assert report["source_model"] == "tiny"
-    assert report["serving"]["layout"] == "decilm" and report["serving"]["vllm"] is True
+    assert report["serving"]["layout"] == "decilm" and set(report["serving"]["why_not"]) == {"llamacpp"}
     # block 2 keeps its attention without an MLP: llama.cpp would skip the whole layer
-    assert report["serving"]["llama_cpp"] is False and "--llama-cpp" in report["serving"]["llama_cpp_why_not"]
+    assert "--llama-cpp" in report["serving"]["why_not"]["llamacpp"]
 
 
 def _reference(folder: Path, base: dict) -> LlamaForCausalLM:
@@ -170,7 +165,7 @@ def test_the_decilm_folder_computes_the_layercut_model(source, tmp_path, llama_c
         assert engine_width(config["block_configs"][2]["ffn"]["ffn_mult"], HIDDEN) == 256
         written = tensors(out)
         assert all(not written[f"model.layers.2.mlp.{p}_proj.weight"].any() for p in ("gate", "up", "down"))
-        assert decilm_serving(config)["llama_cpp"] is True
+        assert "why_not" not in decilm_serving(config)
 
 
 def test_the_config_reads_as_vllm_reads_it(decilm):
@@ -283,7 +278,7 @@ def test_export_gguf_writes_sublayer_removals_as_llama_cpps_deci_and_takes_the_d
     from prune.checkpoint.gguf import convert
 
     report = json.loads((servable_source / "layercut.json").read_text())
-    assert report["serving"]["layout"] == "decilm" and report["serving"]["llama_cpp"]
+    assert report["serving"]["layout"] == "decilm" and "why_not" not in report["serving"]
     path, checked = convert(servable_source, tmp_path / "slim.gguf", converter=CONVERTER)
     assert checked["architecture"] == "deci" and checked["blocks"] == 4 and checked["compared"] > 0
     assert checked["max_rel_diff"] == 0.0

@@ -52,7 +52,7 @@ def test_a_pruned_llama_goes_through_gguf_and_back_with_its_logits(tiny_llama_fo
     drop_blocks_(model, [1])  # a pruned model: 3 blocks, renumbered
     slim = save(model, byte_fallback_tokenizer(), tmp_path / "slim", {"dropped": [1]})
     report = json.loads((slim / "layercut.json").read_text())
-    assert report["serving"]["layout"] == "vanilla" and report["serving"]["llama_cpp"]
+    assert report["serving"]["layout"] == "vanilla" and "why_not" not in report["serving"]
     path, checked = convert(slim, converter=CONVERTER)
     assert path == slim / "gguf" / "slim-f32.gguf" and path.is_file() and not list(slim.rglob(".*partial"))
     assert checked["blocks"] == 3 and checked["architecture"] == "llama"
@@ -132,7 +132,7 @@ def test_a_map_checkpoint_folder_is_refused(tiny_folder, tmp_path, capsys):
                                "--samples", "4", "--seq-len", "32", "--out", str(tmp_path / "maps"))
     assert code == 0
     report = json.loads((tmp_path / "maps" / "layercut.json").read_text())
-    assert report["serving"]["layout"] == "layercut" and not report["serving"]["llama_cpp"]
+    assert report["serving"]["layout"] == "layercut"
     assert main([str(tmp_path / "maps"), "--converter", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not servable" in err and "layercut-linear-vanilla" in err

@@ -116,7 +116,7 @@ def test_describe_replacement_is_the_cli_line():
     whole = describe_replacement({"method": "linear", "replaces": [1, 2], "params": 1056, "fit": "independent",
                                   "fit_seconds": 0.04, "update_scale": 1.0})
     assert whole.endswith("(1056 parameters, independent fit, 0.0s)")
-    assert describe_replacement({"kind": "fold", "replaces": [2], "params": 0, "rewrites": "mlp.down_proj",
+    assert describe_replacement({"method": "fold", "replaces": [2], "params": 0, "rewrites": "mlp.down_proj",
                                  "fit": "sequential", "fit_seconds": 1.26}) == (
         "replaced blocks [2] by fold (folded into the previous block's mlp.down_proj, sequential fit, 1.3s)")
     assert describe_replacement({"method": "lowrank", "replaces": [3], "params": 160, "linear_params": 1056,
