@@ -127,8 +127,9 @@ class WorkFolder:
         path = self.path / name
         if not path.is_file():
             return None
+        data = self.read_json(path)  # its own one-line error (a LayercutError is a ValueError: not wrapped again)
         try:
-            return kind.from_json(self.read_json(path))
+            return kind.from_json(data)
         except (TypeError, ValueError) as err:
             raise LayercutError(f"{path} is damaged ({err}): {self.start_over()}") from None
 

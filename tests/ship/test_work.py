@@ -40,6 +40,7 @@ def test_a_damaged_result_is_one_line_that_says_how_to_start_over(tmp_path, text
         WorkFolder(tmp_path).read(SHORTLIST, Shortlist)
     message = str(raised.value)
     assert "\n" not in message and why in message and "to start over" in message, message
+    assert message.count("is damaged") == 1, message  # said once, not wrapped in itself
 
 
 def test_a_file_in_the_way_of_the_work_folder_and_damaged_settings_are_one_line(tmp_path):
