@@ -139,7 +139,7 @@ def test_a_registered_engine_appears_in_every_choice_and_label():
         assert "toy" in engine_flag.choices and "toy (a toy)" in engine_flag.help
         commands = bench_parser()._subparsers._group_actions[0].choices  # eval.bench's
         assert "toy (a toy)" in " ".join(commands["speed"].format_help().split())
-        assert "llamacpp, vllm, toy" in " ".join(commands["serving"].format_help().split())
+        assert "toy" in [word.strip(",.;:()") for word in commands["serving"].format_help().split()]
         assert ToyEngine().refusal({**serving_entry(DECILM), "why_not": {"toy": "too small"}}) == "too small"
     finally:
         ENGINES.unregister("toy")
