@@ -185,8 +185,11 @@ def running_processes(samples: int = 5, interval_s: float = 0.01) -> int | None:
     return int(statistics.median(counts))
 
 
-def apply_threads(args: argparse.Namespace) -> None:
-    """Set torch's CPU threads from ``--threads``, else from :func:`default_threads`."""
+def apply_threads(args: argparse.Namespace | object) -> None:
+    """Set torch's CPU threads from ``--threads``, else from :func:`default_threads`.
+
+    ``args``: the parsed flags, or an options dataclass with a ``threads`` field (``eval.bench``'s subcommands).
+    """
     threads = getattr(args, "threads", None)
     if threads is not None and threads < 1:
         raise LayercutError(f"--threads must be a positive integer, got {threads}")

@@ -5,9 +5,10 @@
     python -m eval.bench serving --model dense=smollm2-135m --model slim=slim/ --heldout ptb.txt [--out serving/]
 
 Each subcommand is a module of :mod:`eval.bench` that registers itself in ``eval.bench.registry.SUBCOMMANDS``
-(name -> how to add its arguments, how to run it); this module imports every module of the package and
-builds one sub-parser per registered subcommand (each module's docstring shows its command). A new subcommand
-is one module, plus its test.
+(name -> its options dataclass, its run); this module imports every module of the package, derives one
+sub-parser per registered subcommand from its options and hands ``run`` the options object the flags build
+(each module's docstring shows its command). A new subcommand is one module here: its options dataclass, its
+run, one ``register_subcommand`` call (plus its test).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run one ``eval.bench`` subcommand."""
     args = build_parser().parse_args(argv)
-    return SUBCOMMANDS[args.command].run(args)
+    command = SUBCOMMANDS[args.command]
+    return command.run(command.parse(args))
 
 
 def console_main() -> None:

@@ -19,7 +19,6 @@ none did, it says so and the best global run's figures stand beside local's.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 from dataclasses import dataclass
@@ -27,12 +26,12 @@ from pathlib import Path
 
 import torch
 
-from eval.bench.registry import register_subcommand
+from eval.bench.registry import bench_option, data_option, register_subcommand, threads_option
 from eval.quality.perplexity import perplexity, tokenize_text
-from prune.data.calibration import calibration_data, load_documents
+from prune.data.calibration import DataConfig, calibration_data, load_documents
 from prune.errors import LayercutError
 from prune.memory import measured_stage
-from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args
+from prune.options import apply_threads
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.runner import blocks_to_drop, score_model
 from prune.replace import METHODS, ReplaceConfig, check_span_lengths, replace_blocks_, spans_of
@@ -185,40 +184,59 @@ def plot_heal_cost(results: dict, path) -> Path:
 # ---- eval.bench heal-cost ----
 
 
-def add_heal_cost_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``eval.bench heal-cost``."""
-    parser.add_argument("--model", default="smollm2-135m", help="model name or folder (default: smollm2-135m)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
-    parser.add_argument("--drop", type=int, default=8, help="blocks to remove (default: 8)")
-    parser.add_argument("--heldout", required=True,
-                        help="text the calibration and distillation never saw: a .txt/.jsonl/.parquet file or a "
-                             "datasets spec")
-    parser.add_argument("--heldout-chars", type=int, default=None, help="score only its first N characters")
-    parser.add_argument("--score", default="linearity", help="ranking criterion, as prune.run (default: linearity)")
-    parser.add_argument("--select", default="topk", help="a selection, as prune.run (default: topk)")
-    parser.add_argument("--steps", default=",".join(map(str, DEFAULT_STEPS)),
-                        help="the global runs' step counts, tried in turn until one reaches local (default: "
-                             f"{','.join(map(str, DEFAULT_STEPS))})")
-    parser.add_argument("--start", default="none", help="the training-free repair global healing starts from "
-                                                        "(default: none, removal)")
-    parser.add_argument("--train", default="lora", help="what global healing trains: lora, all, replacements "
-                                                        "(default: lora)")
-    add_data_arguments(parser, samples=32, seq_len=512, what="sequence and perplexity window")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
-    parser.add_argument("--out", help="folder for heal_cost.json, heal_cost.md and heal_cost.png (default: print only)")
-    add_threads_argument(parser)
+@dataclass(frozen=True)
+class HealCostBenchOptions:
+    """The options of ``eval.bench heal-cost``: its flags, in ``--help``'s order.
+
+    Attributes:
+        model: model name or folder.
+        device: cpu, cuda, cuda:N or auto.
+        drop: blocks to remove.
+        heldout: text the calibration and distillation never saw (a file or datasets spec).
+        heldout_chars: score only its first this many characters (None: all).
+        score: ranking criterion, as ``prune.run``.
+        select: selection, as ``prune.run``.
+        steps: comma list of the global runs' step counts, tried in turn.
+        start: the training-free repair global healing starts from.
+        train: what global healing trains.
+        data: the calibration text.
+        batch_size: sequences per forward pass.
+        out: folder for ``heal_cost.json``, ``heal_cost.md`` and ``heal_cost.png`` (None: print only).
+        threads: CPU threads (None: the free cores).
+    """
+
+    model: str = bench_option("smollm2-135m", "model name or folder (default: smollm2-135m)")
+    device: str = bench_option("cpu", "cpu, cuda, cuda:N or auto (default: cpu)")
+    drop: int = bench_option(8, "blocks to remove (default: 8)", type=int)
+    heldout: str | None = bench_option(
+        None, "text the calibration and distillation never saw: a .txt/.jsonl/.parquet file or a datasets spec",
+        required=True)
+    heldout_chars: int | None = bench_option(None, "score only its first N characters", type=int)
+    score: str = bench_option("linearity", "ranking criterion, as prune.run (default: linearity)")
+    select: str = bench_option("topk", "a selection, as prune.run (default: topk)")
+    steps: str = bench_option(",".join(map(str, DEFAULT_STEPS)),
+                              "the global runs' step counts, tried in turn until one reaches local (default: "
+                              f"{','.join(map(str, DEFAULT_STEPS))})")
+    start: str = bench_option("none", "the training-free repair global healing starts from (default: none, removal)")
+    train: str = bench_option("lora", "what global healing trains: lora, all, replacements (default: lora)")
+    data: DataConfig = data_option(samples=32, seq_len=512, what="sequence and perplexity window")
+    batch_size: int = bench_option(4, "sequences per forward pass (default: 4)", type=int)
+    out: str | None = bench_option(None, "folder for heal_cost.json, heal_cost.md and heal_cost.png (default: print "
+                                         "only)")
+    threads: int | None = threads_option()
 
 
-def run_heal_cost(args: argparse.Namespace) -> int:
-    """Run the benchmark of ``args``, print its table and write it under ``--out``."""
-    apply_threads(args)
+def run_heal_cost(command: HealCostBenchOptions) -> int:
+    """Run the benchmark of ``command``, print its table and write it under ``--out``."""
+    apply_threads(command)
     try:
-        steps = tuple(int(s) for s in str(args.steps).split(",") if s.strip())
+        steps = tuple(int(s) for s in str(command.steps).split(",") if s.strip())
     except ValueError:
-        raise LayercutError(f"--steps takes step counts like 25,50,100, got '{args.steps}'") from None
-    prune = PruneConfig(load={"model": args.model, "device": args.device}, data=data_config_from_args(args),
-                        batch_size=args.batch_size, score=args.score, select=args.select, drop=args.drop)
-    options = HealCostOptions(prune, args.heldout, args.heldout_chars, steps, args.start, args.train)
+        raise LayercutError(f"--steps takes step counts like 25,50,100, got '{command.steps}'") from None
+    prune = PruneConfig(load={"model": command.model, "device": command.device}, data=command.data,
+                        batch_size=command.batch_size, score=command.score, select=command.select,
+                        drop=command.drop)
+    options = HealCostOptions(prune, command.heldout, command.heldout_chars, steps, command.start, command.train)
     documents, _ = load_documents(options.heldout, flag="--heldout")
     loaded = prune.load.load()
     heldout = tokenize_text(loaded.tokenizer, "\n\n".join(documents)[: options.heldout_chars])
@@ -226,14 +244,14 @@ def run_heal_cost(args: argparse.Namespace) -> int:
     results = heal_cost(loaded, calibration, heldout, options)
     table = heal_cost_markdown(results)
     print(table)
-    if args.out:
+    if command.out:
         from prune.atomic import atomic_directory, write_json
 
-        with atomic_directory(args.out, overwrite=True) as staging:
+        with atomic_directory(command.out, overwrite=True) as staging:
             write_json(Path(staging) / "heal_cost.json", results)
             (Path(staging) / "heal_cost.md").write_text(table + "\n", encoding="utf-8")
             plot_heal_cost(results, Path(staging) / "heal_cost.png")
     return 0
 
 
-register_subcommand("heal-cost", HEAL_COST_HELP, add_heal_cost_arguments, run_heal_cost)
+register_subcommand("heal-cost", HEAL_COST_HELP, HealCostBenchOptions, run_heal_cost)

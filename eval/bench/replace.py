@@ -12,7 +12,6 @@ with ``remove`` for the method ``none``.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import time
@@ -22,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from eval.bench.registry import register_subcommand
+from eval.bench.registry import bench_option, data_option, register_subcommand, threads_option
 from eval.quality.perplexity import perplexity, tokenize_text
-from prune.data.calibration import CalibrationData, calibration_data, load_documents
+from prune.data.calibration import CalibrationData, DataConfig, calibration_data, load_documents
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
-from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args, parse_counts
+from prune.options import apply_threads, parse_counts
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.runner import blocks_to_drop, score_model
 from prune.replace import METHODS, ReplaceConfig, check_span_lengths, replace_blocks_, spans_of
@@ -272,44 +271,62 @@ def benchmark_replacements(prune, drops: list[int], variants: str, heldout: str,
 REPLACE_HELP = "held-out perplexity of remove / linear / sequential / fold / lowrank / distilled replacements"
 
 
-def add_replace_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``eval.bench replace``."""
-    parser.add_argument("--model", default="smollm2-135m", help="model name or folder (default: smollm2-135m)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: cpu)")
-    parser.add_argument("--drop", default="4,8", help="comma-separated block counts to remove (default: 4,8)")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, from {', '.join(VARIANTS)} (default: all)")
-    parser.add_argument("--heldout", required=True,
-                        help="text the calibration never saw: .txt/.jsonl/.parquet file or datasets spec")
-    parser.add_argument("--heldout-chars", type=int, default=None,
-                        help="score only the first N characters of it (default: all)")
-    parser.add_argument("--score", default="linearity", help="ranking criterion, as prune.run (default: linearity)")
-    parser.add_argument("--select", default="topk", help="topk, span or greedy, as prune.run (default: topk)")
-    add_data_arguments(parser, samples=64, seq_len=512, what="sequence and perplexity window")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
-    parser.add_argument("--distill-steps", type=int, default=100,
-                        help="steps of the +distill variants, other DistillConfig defaults (default: 100)")
-    parser.add_argument("--out", help="folder for replace.json, replace.md and replace.png (default: print only)")
-    add_threads_argument(parser)
+@dataclass(frozen=True)
+class ReplaceBenchOptions:
+    """The options of ``eval.bench replace``: its flags, in ``--help``'s order.
+
+    Attributes:
+        model: model name or folder.
+        device: cpu, cuda, cuda:N or auto.
+        drop: comma list of block counts to remove.
+        variants: comma list of variants (:func:`parse_variants`).
+        heldout: text the calibration never saw (a file or datasets spec).
+        heldout_chars: score only its first this many characters (None: all).
+        score: ranking criterion, as ``prune.run``.
+        select: selection, as ``prune.run``.
+        data: the calibration text.
+        batch_size: sequences per forward pass.
+        distill_steps: steps of the +distill variants.
+        out: folder for ``replace.json``, ``replace.md`` and ``replace.png`` (None: print only).
+        threads: CPU threads (None: the free cores).
+    """
+
+    model: str = bench_option("smollm2-135m", "model name or folder (default: smollm2-135m)")
+    device: str = bench_option("cpu", "cpu, cuda, cuda:N or auto (default: cpu)")
+    drop: str = bench_option("4,8", "comma-separated block counts to remove (default: 4,8)")
+    variants: str = bench_option(None, lambda: f"comma-separated, from {', '.join(VARIANTS)} (default: all)",
+                                 default_factory=lambda: ",".join(VARIANTS))
+    heldout: str | None = bench_option(
+        None, "text the calibration never saw: .txt/.jsonl/.parquet file or datasets spec", required=True)
+    heldout_chars: int | None = bench_option(None, "score only the first N characters of it (default: all)",
+                                             type=int)
+    score: str = bench_option("linearity", "ranking criterion, as prune.run (default: linearity)")
+    select: str = bench_option("topk", "topk, span or greedy, as prune.run (default: topk)")
+    data: DataConfig = data_option(samples=64, seq_len=512, what="sequence and perplexity window")
+    batch_size: int = bench_option(4, "sequences per forward pass (default: 4)", type=int)
+    distill_steps: int = bench_option(100, "steps of the +distill variants, other DistillConfig defaults "
+                                           "(default: 100)", type=int)
+    out: str | None = bench_option(None, "folder for replace.json, replace.md and replace.png (default: print only)")
+    threads: int | None = threads_option()
 
 
-def run_replace(args: argparse.Namespace) -> int:
-    """Run the ablation of ``args``, print its table and write it (with its plot) under ``--out``."""
-    apply_threads(args)
-    prune = PruneConfig(load={"model": args.model, "device": args.device}, data=data_config_from_args(args),
-                        batch_size=args.batch_size, score=args.score, select=args.select)
-    results = benchmark_replacements(prune, parse_counts(args.drop, "--drop"), args.variants,
-                                     args.heldout, args.heldout_chars, args.distill_steps)
+def run_replace(options: ReplaceBenchOptions) -> int:
+    """Run the ablation of ``options``, print its table and write it (with its plot) under ``--out``."""
+    apply_threads(options)
+    prune = PruneConfig(load={"model": options.model, "device": options.device}, data=options.data,
+                        batch_size=options.batch_size, score=options.score, select=options.select)
+    results = benchmark_replacements(prune, parse_counts(options.drop, "--drop"), options.variants,
+                                     options.heldout, options.heldout_chars, options.distill_steps)
     table = compare_markdown(results)
     print(table)
-    if args.out:
+    if options.out:
         from prune.atomic import atomic_directory, write_json
 
-        with atomic_directory(args.out, overwrite=True) as staging:
+        with atomic_directory(options.out, overwrite=True) as staging:
             write_json(staging / "replace.json", results)
             (staging / "replace.md").write_text(table + "\n", encoding="utf-8")
             plot_compare(results, staging / "replace.png")
     return 0
 
 
-register_subcommand("replace", REPLACE_HELP, add_replace_arguments, run_replace)
+register_subcommand("replace", REPLACE_HELP, ReplaceBenchOptions, run_replace)

@@ -17,7 +17,6 @@ costs. ``OUT/scale.json`` and ``OUT/scale.md`` say so.
 
 from __future__ import annotations
 
-import argparse
 import codecs
 import contextlib
 import json
@@ -27,12 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from eval.bench.registry import register_subcommand
+from eval.bench.registry import bench_option, register_subcommand, threads_option
 from prune.atomic import write_file_atomic, write_json
 from prune.checkpoint.report import read_report
 from prune.errors import LayercutError
@@ -48,7 +47,7 @@ from prune.model.shaped import (
     shaped_record,
     write_shaped,
 )
-from prune.options import add_threads_argument, apply_threads
+from prune.options import apply_threads
 
 SCALE_HELP = ("write a random-weight checkpoint of a real model's shape (llama-3-8b, ...), then plan, run and check "
               "a block-by-block prune of it: real time and memory, meaningless scores")
@@ -58,6 +57,7 @@ RANDOM_NOTE = ("The weights are random: every score and perplexity measured on t
 # calibration of the default run: at least this many sequences, more where the scores need 4 tokens per dimension
 DEFAULT_SAMPLES = 8
 DEFAULT_SEQ_LEN = 512
+RUN_GROUP = "the run (python -m prune.run --offload sequential --data builtin)"  # --help's group of its flags
 CHECK_CHUNK_ELEMENTS = 2**24  # the export check compares row slices of at most this many values at a time
 
 # prune.run in a child process that records its own peak memory as it ends, whatever it ends with
@@ -85,32 +85,43 @@ class ScaleOptions:
         out: folder for ``scale.json``, ``scale.md`` and the slim checkpoint (``OUT/slim``).
         checkpoint: where the shaped checkpoint goes (None: ``OUT/<shape>-<dtype>``).
         write_only: stop after writing the checkpoint.
+        seed: the checkpoint's seed.
         drop: blocks the run removes.
         samples: calibration sequences (None: enough for the scores, at least :data:`DEFAULT_SAMPLES`).
         seq_len: tokens per sequence.
         replace: the run's ``--replace``.
         heldout_samples: the run's ``--heldout-samples`` (0: no held-out perplexity, meaningless here anyway).
         device: the run's ``--device``.
-        threads: torch's CPU threads here and in each run (None: prune.run's default).
-        seed: the checkpoint's seed.
         in_memory: also run the same prune with the whole model in memory and compare (scores, fitted
             tensors, time, peak memory): for shapes that fit.
+        threads: torch's CPU threads here and in each run (None: prune.run's default).
     """
 
-    shape: str
-    dtype: str = "float32"
-    out: str = "bench-scale"
-    checkpoint: str | None = None
-    write_only: bool = False
-    drop: int = 8
-    samples: int | None = None
-    seq_len: int = DEFAULT_SEQ_LEN
-    replace: str = "fold"
-    heldout_samples: int = 0
-    device: str = "cpu"
-    threads: int | None = None
-    seed: int = 0
-    in_memory: bool = False
+    # each field is its flag of eval.bench scale, in --help's order
+    shape: str = bench_option(MISSING, "the real model whose shape is written", choices=shape_names,
+                              required=True)
+    dtype: str = bench_option("float32", "the checkpoint's dtype (default: float32)", choices=DTYPES)
+    out: str = bench_option("bench-scale", "folder for scale.json, scale.md, logs/ and the slim checkpoint slim/ "
+                            "(default: bench-scale/)")
+    checkpoint: str | None = bench_option(None, "where the shaped checkpoint goes, reused when complete (default: "
+                                          "OUT/<shape>-<dtype>)", metavar="DIR")
+    write_only: bool = bench_option(False, "write the checkpoint and stop", action="store_true")
+    seed: int = bench_option(0, "the checkpoint's random seed (default: 0)", type=int)
+    drop: int = bench_option(8, "blocks removed (default: 8)", type=int, group=RUN_GROUP)
+    samples: int | None = bench_option(
+        None, f"calibration sequences (default: {DEFAULT_SAMPLES}, more where the shape's width needs "
+              f"{MIN_TOKENS_PER_DIM} tokens per dimension: 32 for a width of 4096 at 512 tokens)",
+        type=int, group=RUN_GROUP)
+    seq_len: int = bench_option(DEFAULT_SEQ_LEN, f"tokens per sequence (default: {DEFAULT_SEQ_LEN})", type=int,
+                                group=RUN_GROUP)
+    replace: str = bench_option("fold", "the repair (prune.run --replace; default: fold)", group=RUN_GROUP)
+    heldout_samples: int = bench_option(0, "held-out sequences whose perplexity ends the run (meaningless on random "
+                                        "weights; default: 0 = skipped)", type=int, group=RUN_GROUP)
+    device: str = bench_option("cpu", "cpu, cuda or cuda:N (default: cpu)", group=RUN_GROUP)
+    in_memory: bool = bench_option(False, "also run the same prune with the whole model in memory and compare "
+                                   "scores, exported tensors, time and peak memory (for a shape that fits)",
+                                   action="store_true", group=RUN_GROUP)
+    threads: int | None = threads_option()
 
     def __post_init__(self):
         if self.shape not in shape_names():
@@ -528,45 +539,13 @@ def _check_line(check: dict) -> str:
 # ---- eval.bench scale ----
 
 
-def add_scale_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``eval.bench scale``."""
-    parser.add_argument("--shape", required=True, choices=shape_names(), help="the real model whose shape is written")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="the checkpoint's dtype (default: float32)")
-    parser.add_argument("--out", default="bench-scale", help="folder for scale.json, scale.md, logs/ and the slim "
-                        "checkpoint slim/ (default: bench-scale/)")
-    parser.add_argument("--checkpoint", default=None, metavar="DIR",
-                        help="where the shaped checkpoint goes, reused when complete (default: OUT/<shape>-<dtype>)")
-    parser.add_argument("--write-only", action="store_true", help="write the checkpoint and stop")
-    parser.add_argument("--seed", type=int, default=0, help="the checkpoint's random seed (default: 0)")
-    group = parser.add_argument_group("the run (python -m prune.run --offload sequential --data builtin)")
-    group.add_argument("--drop", type=int, default=8, help="blocks removed (default: 8)")
-    group.add_argument("--samples", type=int, default=None,
-                       help=f"calibration sequences (default: {DEFAULT_SAMPLES}, more where the shape's width needs "
-                       f"{MIN_TOKENS_PER_DIM} tokens per dimension: 32 for a width of 4096 at 512 tokens)")
-    group.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
-                       help=f"tokens per sequence (default: {DEFAULT_SEQ_LEN})")
-    group.add_argument("--replace", default="fold", help="the repair (prune.run --replace; default: fold)")
-    group.add_argument("--heldout-samples", type=int, default=0,
-                       help="held-out sequences whose perplexity ends the run (meaningless on random weights; "
-                       "default: 0 = skipped)")
-    group.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    group.add_argument("--in-memory", action="store_true",
-                       help="also run the same prune with the whole model in memory and compare scores, exported "
-                       "tensors, time and peak memory (for a shape that fits)")
-    add_threads_argument(parser)
-
-
-def run_scale(args: argparse.Namespace) -> int:
-    """Run the benchmark of ``args``, print its table and write ``scale.json`` and ``scale.md`` under ``--out``.
+def run_scale(options: ScaleOptions) -> int:
+    """Run the benchmark of ``options``, print its table and write ``scale.json`` and ``scale.md`` under ``--out``.
 
     Returns:
         0, or 1 when the export check failed.
     """
-    apply_threads(args)
-    options = ScaleOptions(shape=args.shape, dtype=args.dtype, out=args.out, checkpoint=args.checkpoint,
-                           write_only=args.write_only, drop=args.drop, samples=args.samples, seq_len=args.seq_len,
-                           replace=args.replace, heldout_samples=args.heldout_samples, device=args.device,
-                           threads=args.threads, seed=args.seed, in_memory=args.in_memory)
+    apply_threads(options)
     result = benchmark_scale(options)
     table = scale_markdown(result)
     print(table)
@@ -577,4 +556,4 @@ def run_scale(args: argparse.Namespace) -> int:
     return 0 if result.get("check", {}).get("passed", True) else 1
 
 
-register_subcommand("scale", SCALE_HELP, add_scale_arguments, run_scale)
+register_subcommand("scale", SCALE_HELP, ScaleOptions, run_scale)

@@ -18,7 +18,6 @@ against ``--replace linear`` of the same blocks, interleaved: what a linear map 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import multiprocessing
@@ -32,7 +31,7 @@ import psutil
 import torch
 from tqdm.auto import tqdm
 
-from eval.bench.registry import register_subcommand
+from eval.bench.registry import bench_option, data_option, register_subcommand, threads_option
 from prune.checkpoint.load_config import LoadConfig
 from prune.checkpoint.save_load import load
 from prune.data.calibration import BUILTIN, DataConfig, calibration_data
@@ -44,7 +43,7 @@ from prune.measure.scores import block_scores
 from prune.memory import peak_rss_bytes, reset_peak_rss
 from prune.model.adapters import get_blocks, hidden_size, num_blocks
 from prune.model.capture import residual_states
-from prune.options import add_data_arguments, add_threads_argument, apply_threads, data_config_from_args, parse_counts
+from prune.options import apply_threads, parse_counts
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.runner import run_prune
 
@@ -326,42 +325,59 @@ def benchmark_scoring(model: str, device: str, data: DataConfig, batch_size: int
 SCORING_HELP = "streamed scoring time vs a plain forward pass; peak memory vs storing every hidden state"
 
 
-def add_scoring_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``eval.bench scoring``."""
-    parser.add_argument("--model", default="smollm2-135m", help="model name or folder (default: smollm2-135m)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    add_data_arguments(parser, samples=None, seq_len=512, data=BUILTIN,
-                       data_help="builtin, the novel alone: the text does not change what scoring it costs")
-    add_threads_argument(parser)
-    parser.add_argument("--tokens", default="8192,32768", help="token counts for the memory rows (default: 8192,32768)")
-    parser.add_argument("--time-tokens", type=int, default=8192, help="tokens per timed pass (default: 8192)")
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per forward pass (default: 4)")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds (default: 3)")
-    parser.add_argument("--methods", default="streamed,stored", help="memory rows (default: streamed,stored)")
-    parser.add_argument("--end-to-end", type=int, default=4, metavar="DROP",
-                        help="time whole prune runs removing DROP blocks against replacing them by linear maps "
-                             "(default calibration: 64 sequences of --seq-len; default: 4; 0 skips)")
-    parser.add_argument("--out", help="folder for scoring.json and scoring.md (default: print only)")
+@dataclass(frozen=True)
+class ScoringBenchOptions:
+    """The options of ``eval.bench scoring``: its flags, in ``--help``'s order.
+
+    Attributes:
+        model: model name or folder.
+        device: cpu, cuda or cuda:N.
+        data: the calibration text (its ``samples`` unused: the passes count tokens).
+        threads: CPU threads (None: the free cores).
+        tokens: comma list of token counts for the memory rows.
+        time_tokens: tokens per timed pass.
+        batch_size: sequences per forward pass.
+        repeats: interleaved timed rounds.
+        methods: comma list of memory rows.
+        end_to_end: blocks the timed whole prune runs remove (0: skip them).
+        out: folder for ``scoring.json`` and ``scoring.md`` (None: print only).
+    """
+
+    model: str = bench_option("smollm2-135m", "model name or folder (default: smollm2-135m)")
+    device: str = bench_option("cpu", "cpu, cuda or cuda:N (default: cpu)")
+    data: DataConfig = data_option(
+        samples=None, seq_len=512, data=BUILTIN,
+        data_help="builtin, the novel alone: the text does not change what scoring it costs")
+    threads: int | None = threads_option()
+    tokens: str = bench_option("8192,32768", "token counts for the memory rows (default: 8192,32768)")
+    time_tokens: int = bench_option(8192, "tokens per timed pass (default: 8192)", type=int)
+    batch_size: int = bench_option(4, "sequences per forward pass (default: 4)", type=int)
+    repeats: int = bench_option(3, "interleaved timed rounds (default: 3)", type=int)
+    methods: str = bench_option("streamed,stored", "memory rows (default: streamed,stored)")
+    end_to_end: int = bench_option(4, "time whole prune runs removing DROP blocks against replacing them by linear "
+                                      "maps (default calibration: 64 sequences of --seq-len; default: 4; 0 skips)",
+                                   type=int, metavar="DROP")
+    out: str | None = bench_option(None, "folder for scoring.json and scoring.md (default: print only)")
 
 
-def run_scoring(args: argparse.Namespace) -> int:
-    """Run the benchmark of ``args``, print its table and write it under ``--out``."""
-    apply_threads(args)
-    token_counts = parse_counts(args.tokens, "--tokens")
-    if args.end_to_end < 0:
-        raise LayercutError(f"--end-to-end must be a block count >= 0, got {args.end_to_end}")
-    result = benchmark_scoring(args.model, args.device, data_config_from_args(args), args.batch_size,
-                               args.time_tokens, args.repeats, token_counts, args.methods.split(","),
-                               args.end_to_end)
-    table = scoring_markdown(args.model, result["timing"], result["rows"], result["end_to_end"])
+def run_scoring(options: ScoringBenchOptions) -> int:
+    """Run the benchmark of ``options``, print its table and write it under ``--out``."""
+    apply_threads(options)
+    token_counts = parse_counts(options.tokens, "--tokens")
+    if options.end_to_end < 0:
+        raise LayercutError(f"--end-to-end must be a block count >= 0, got {options.end_to_end}")
+    result = benchmark_scoring(options.model, options.device, options.data, options.batch_size,
+                               options.time_tokens, options.repeats, token_counts, options.methods.split(","),
+                               options.end_to_end)
+    table = scoring_markdown(options.model, result["timing"], result["rows"], result["end_to_end"])
     print(table)
-    if args.out:
+    if options.out:
         from prune.atomic import atomic_directory, write_json
 
-        with atomic_directory(args.out, overwrite=True) as staging:
+        with atomic_directory(options.out, overwrite=True) as staging:
             write_json(staging / "scoring.json", {k: v for k, v in result.items() if k != "rows"})
             (staging / "scoring.md").write_text(table + "\n", encoding="utf-8")
     return 0
 
 
-register_subcommand("scoring", SCORING_HELP, add_scoring_arguments, run_scoring)
+register_subcommand("scoring", SCORING_HELP, ScoringBenchOptions, run_scoring)

@@ -16,25 +16,23 @@ environment adds its engine's column to the same table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
-from eval.bench.registry import register_subcommand
+from eval.bench.registry import bench_option, engine_settings_option, register_subcommand
 from eval.speed.engines import (
     ENGINES,
     REFERENCE,
     EngineSettings,
-    add_setting_arguments,
     display_name,
     get_engine,
     serves_label,
-    setting_values,
 )
 from prune.checkpoint.report import upgrade_serving
 from prune.errors import LayercutError
@@ -231,21 +229,39 @@ def first_difference(mine: list[int], theirs: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), min(len(mine), len(theirs)))
 
 
-def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``eval.bench serving``."""
-    parser.add_argument("--model", action="append", required=True,
-                        help="LABEL=PATH (or a path): a checkpoint folder, alias or GGUF file (repeatable)")
-    parser.add_argument("--heldout", required=True, help="held-out text (.txt/.jsonl/.parquet or datasets spec)")
-    parser.add_argument("--tokens", type=int, default=4096, help="held-out tokens scored (default: 4096)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per window (default: 512)")
-    parser.add_argument("--greedy-tokens", type=int, default=32,
-                        help="greedy ids generated after the first window's first 32 tokens, compared with "
-                        "transformers' (0: skip; default: 32)")
-    parser.add_argument("--engines", default=",".join(DEFAULT_ENGINES),
-                        help=f"comma list of {', '.join(ENGINES.names())} (default: {','.join(DEFAULT_ENGINES)})")
-    add_setting_arguments(parser)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the free cores)")
-    parser.add_argument("--out", default=None, help="folder for serving.json and serving.md (default: print only)")
+def _engines_help() -> str:
+    # written when the parser is built: an engine registered after this module is imported is listed too
+    return f"comma list of {', '.join(ENGINES.names())} (default: {','.join(DEFAULT_ENGINES)})"
+
+
+@dataclass(frozen=True)
+class ServingBenchOptions:
+    """The options of ``eval.bench serving``: its flags, in ``--help``'s order.
+
+    Attributes:
+        model: ``LABEL=PATH`` (or a path) of each checkpoint folder, alias or GGUF file.
+        heldout: held-out text (a file or datasets spec).
+        tokens: held-out tokens scored.
+        seq_len: tokens per window.
+        greedy_tokens: greedy ids generated after the first window's first 32 tokens (0: skip).
+        engines: comma list of the engines scoring.
+        settings: the engines' own settings given, by name.
+        threads: CPU threads (None: the free cores).
+        out: folder for ``serving.json`` and ``serving.md`` (None: print only).
+    """
+
+    model: list[str] | None = bench_option(
+        None, "LABEL=PATH (or a path): a checkpoint folder, alias or GGUF file (repeatable)", action="append",
+        required=True)
+    heldout: str | None = bench_option(None, "held-out text (.txt/.jsonl/.parquet or datasets spec)", required=True)
+    tokens: int = bench_option(4096, "held-out tokens scored (default: 4096)", type=int)
+    seq_len: int = bench_option(512, "tokens per window (default: 512)", type=int)
+    greedy_tokens: int = bench_option(32, "greedy ids generated after the first window's first 32 tokens, compared "
+                                          "with transformers' (0: skip; default: 32)", type=int)
+    engines: str = bench_option(",".join(DEFAULT_ENGINES), _engines_help)
+    settings: dict = engine_settings_option()
+    threads: int | None = bench_option(None, "CPU threads (default: the free cores)", type=int)
+    out: str | None = bench_option(None, "folder for serving.json and serving.md (default: print only)")
 
 
 def _resolved(path: str) -> str:
@@ -254,26 +270,27 @@ def _resolved(path: str) -> str:
     return str(local.resolve()) if local.exists() else path
 
 
-def run_serving(args: argparse.Namespace) -> int:
+def run_serving(options: ServingBenchOptions) -> int:
     """Score every model in every engine on the same ids; print and save the table."""
     from prune.atomic import write_json
     from prune.options import apply_threads
 
-    apply_threads(args)
-    if args.seq_len < 2 or args.tokens < args.seq_len:
-        raise LayercutError(f"--seq-len must be at least 2 and at most --tokens ({args.tokens}), got {args.seq_len}")
-    models = parse_models(args.model)
-    ids = held_out_ids(args.heldout, next(iter(models.values())))
-    windows = windows_of(ids, args.seq_len, args.tokens)
-    setup = serving_setup(args.heldout, args.seq_len, windows)
-    settings = EngineSettings.build(threads=args.threads, context=args.seq_len, **setting_values(args))
-    rows = {engine: score_engine(engine, models, windows, settings, args.greedy_tokens)
-            for engine in args.engines.split(",")}
+    apply_threads(options)
+    if options.seq_len < 2 or options.tokens < options.seq_len:
+        raise LayercutError(f"--seq-len must be at least 2 and at most --tokens ({options.tokens}), got "
+                            f"{options.seq_len}")
+    models = parse_models(options.model)
+    ids = held_out_ids(options.heldout, next(iter(models.values())))
+    windows = windows_of(ids, options.seq_len, options.tokens)
+    setup = serving_setup(options.heldout, options.seq_len, windows)
+    settings = EngineSettings.build(threads=options.threads, context=options.seq_len, **options.settings)
+    rows = {engine: score_engine(engine, models, windows, settings, options.greedy_tokens)
+            for engine in options.engines.split(",")}
     for per_model in rows.values():
         for label, row in per_model.items():
             row["serving"] = model_layout(models[label])
             row["path"] = _resolved(models[label])
-    out = Path(args.out) if args.out else None
+    out = Path(options.out) if options.out else None
     result = merge(out, setup, rows)
     table = markdown(result)
     print(table)
@@ -295,4 +312,4 @@ def _in_words(names: list[str]) -> str:
 SERVING_HELP = (f"perplexity of each checkpoint in {_in_words([e.display for e in ENGINES.values()])} on the same "
                 "token ids")
 
-register_subcommand("serving", SERVING_HELP, add_serving_arguments, run_serving)
+register_subcommand("serving", SERVING_HELP, ServingBenchOptions, run_serving)

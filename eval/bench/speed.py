@@ -9,60 +9,82 @@ The engines and their own flags are :mod:`eval.speed.engines`' registry; the mea
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
-from eval.bench.registry import register_subcommand
+from eval.bench.registry import (
+    bench_option,
+    engine_settings_option,
+    load_option,
+    register_subcommand,
+    threads_option,
+)
 from eval.quality.report import speed_markdown, write_speed_report
-from eval.speed.engines import ENGINES, REFERENCE, EngineSettings, add_setting_arguments, setting_values
+from eval.speed.engines import ENGINES, REFERENCE, EngineSettings
 from eval.speed.measure import SpeedOptions, benchmark_engine_speed, benchmark_speed, memory_mode, noise_warnings
 from prune.checkpoint.load_config import LoadConfig
-from prune.options import add_load_arguments, add_threads_argument, apply_threads, load_config_from_args
+from prune.options import apply_threads
 
 SPEED_HELP = (f"prefill/decode speed ({', '.join(engine.display for engine in ENGINES.values())}) and peak memory "
               "against a baseline")
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--engine`` and every engine's own flags, from the registry, in an ``engine`` group."""
-    engine = parser.add_argument_group("engine")
+def _engine_help() -> str:
+    # written when the parser is built: an engine registered after this module is imported is listed too
     ways = "; ".join(f"{name} ({entry.summary})" for name, entry in ENGINES.items())
-    engine.add_argument("--engine", default=REFERENCE, help=f"what runs the models (default: {REFERENCE}): {ways}")
-    add_setting_arguments(engine)
+    return f"what runs the models (default: {REFERENCE}): {ways}"
 
 
-def add_speed_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``eval.bench speed``."""
-    models = parser.add_argument_group("models")
-    models.add_argument("--model", action="append", required=True, help="candidate name or folder (repeatable)")
-    models.add_argument("--baseline", required=True, help="original model name or folder")
-    add_load_arguments(parser, model_flag=False, title="loading")
-    sizes = parser.add_argument_group("workload")
-    defaults = SpeedOptions()
-    sizes.add_argument("--prompt-len", type=int, default=defaults.prompt_len, help="prefill tokens (default: 256)")
-    sizes.add_argument("--new-tokens", type=int, default=defaults.new_tokens, help="decode steps (default: 64)")
-    sizes.add_argument("--batch-size", type=int, default=defaults.batch_size, help="sequences (default: 1)")
-    sizes.add_argument("--repeats", type=int, default=defaults.repeats, help="timed rounds (default: 5)")
-    sizes.add_argument("--warmup", type=int, default=defaults.warmup, help="untimed rounds first (default: 1)")
-    sizes.add_argument(
-        "--memory",
-        choices=("subprocess", "inprocess", "off"),
-        default=None,
-        help="peak memory (--engine transformers only): each model in a fresh process (the default), in this "
-             "process (approximate), or not at all; other engines: off",
-    )
-    add_engine_arguments(parser)
-    add_threads_argument(parser)
-    parser.add_argument("--out", help="folder for speed.json and speed.md (default: print only)")
+_WORKLOAD = SpeedOptions()
 
 
-def run_speed(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class SpeedBenchOptions:
+    """The options of ``eval.bench speed``: its flags, in ``--help``'s order.
+
+    Attributes:
+        model: the candidates' names or folders.
+        baseline: the original model's name or folder.
+        load: how both are loaded (its model is the baseline).
+        prompt_len: prefill tokens.
+        new_tokens: decode steps.
+        batch_size: sequences.
+        repeats: timed rounds.
+        warmup: untimed rounds first.
+        memory: how peak memory is measured (None: :func:`eval.speed.measure.memory_mode`'s default).
+        engine: what runs the models.
+        settings: the engine's own settings given, by name.
+        threads: CPU threads (None: the free cores).
+        out: folder for ``speed.json`` and ``speed.md`` (None: print only).
+    """
+
+    model: list[str] | None = bench_option(None, "candidate name or folder (repeatable)", action="append",
+                                           required=True, group="models")
+    baseline: str | None = bench_option(None, "original model name or folder", required=True, group="models")
+    load: LoadConfig | None = load_option(model_from="baseline", model_flag=False, title="loading")
+    prompt_len: int = bench_option(_WORKLOAD.prompt_len, "prefill tokens (default: 256)", type=int, group="workload")
+    new_tokens: int = bench_option(_WORKLOAD.new_tokens, "decode steps (default: 64)", type=int, group="workload")
+    batch_size: int = bench_option(_WORKLOAD.batch_size, "sequences (default: 1)", type=int, group="workload")
+    repeats: int = bench_option(_WORKLOAD.repeats, "timed rounds (default: 5)", type=int, group="workload")
+    warmup: int = bench_option(_WORKLOAD.warmup, "untimed rounds first (default: 1)", type=int, group="workload")
+    memory: str | None = bench_option(
+        None, "peak memory (--engine transformers only): each model in a fresh process (the default), in this "
+              "process (approximate), or not at all; other engines: off",
+        choices=("subprocess", "inprocess", "off"), group="workload")
+    engine: str = bench_option(REFERENCE, _engine_help, group="engine")
+    settings: dict = engine_settings_option(group="engine")
+    threads: int | None = threads_option()
+    out: str | None = bench_option(None, "folder for speed.json and speed.md (default: print only)")
+
+
+def run_speed(options: SpeedBenchOptions) -> int:
     """Time the baseline and the candidates interleaved, measure memory, print and save."""
-    apply_threads(args)
-    result = measure_speed(args.engine, args.baseline, args.model, load_config_from_args(args, model=args.baseline),
-                           prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch_size=args.batch_size,
-                           repeats=args.repeats, warmup=args.warmup, memory=args.memory, threads=args.threads,
-                           settings=setting_values(args), out=args.out)
+    apply_threads(options)
+    result = measure_speed(options.engine, options.baseline, options.model, options.load,
+                           prompt_len=options.prompt_len, new_tokens=options.new_tokens,
+                           batch_size=options.batch_size, repeats=options.repeats, warmup=options.warmup,
+                           memory=options.memory, threads=options.threads, settings=options.settings,
+                           out=options.out)
     print(f"engine: {result['engine']} {result.get('engine_version') or ''}".rstrip())
     print(speed_markdown(result))
     for ratio in result["ratios"]:
@@ -71,8 +93,8 @@ def run_speed(args: argparse.Namespace) -> int:
               f"{ratio['prefill'] / ratio['ideal']:.1%})")
     for line in result["warnings"]:
         print(f"warning: {line}")
-    if args.out:
-        print(f"wrote {Path(args.out) / 'speed.json'} and {Path(args.out) / 'speed.md'}")
+    if options.out:
+        print(f"wrote {Path(options.out) / 'speed.json'} and {Path(options.out) / 'speed.md'}")
     return 0
 
 
@@ -112,4 +134,4 @@ def measure_speed(engine_name: str, baseline: str, models: list[str], load: Load
     return result
 
 
-register_subcommand("speed", SPEED_HELP, add_speed_arguments, run_speed)
+register_subcommand("speed", SPEED_HELP, SpeedBenchOptions, run_speed)

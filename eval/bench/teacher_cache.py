@@ -14,7 +14,6 @@ table reports): the smallest candidate whose top-K KL of the pruned, untrained s
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -27,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from eval.bench.registry import register_subcommand
+from eval.bench.registry import bench_option, data_option, register_subcommand, threads_option
 from prune.checkpoint.report import read_report
+from prune.data.calibration import DataConfig
 from prune.errors import LayercutError
-from prune.options import add_data_arguments, add_threads_argument, apply_threads
+from prune.options import apply_threads
 
 logger = logging.getLogger(__name__)
 
@@ -307,56 +307,67 @@ def cache_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def add_teacher_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """``eval.bench teacher-cache``'s flags, with :class:`CacheBenchOptions`' defaults."""
-    d = CacheBenchOptions()
-    parser.add_argument("--model", default=d.model, help=f"teacher, pruned with linear maps (default: {d.model})")
-    parser.add_argument("--drop", type=int, default=d.drop, help=f"blocks removed (default: {d.drop})")
-    parser.add_argument("--student", default=None, help="an already pruned student folder (default: prune --model)")
-    parser.add_argument("--steps", type=int, default=d.steps, help=f"steps of each distillation (default: {d.steps})")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size,
-                        help=f"sequences per step (default: {d.batch_size})")
-    parser.add_argument("--k", default=d.k, help="K of the top-K cache, or auto: the smallest of --k-candidates whose "
-                        "top-K KL is within --k-tolerance of the full KL on a selection split (default: auto)")
-    parser.add_argument("--k-candidates", default=",".join(map(str, d.k_candidates)),
-                        help=f"K tried by --k auto (default: {','.join(map(str, d.k_candidates))})")
-    parser.add_argument("--k-tolerance", type=float, default=d.k_tolerance,
-                        help=f"share of the full KL a top-K KL may miss (default: {d.k_tolerance})")
-    add_data_arguments(parser, samples=d.samples, seq_len=d.seq_len, heldout_samples=d.heldout_samples, data=d.data,
-                       data_help="builtin, the novel alone (no minutes of sampling on a CPU)",
-                       heldout_help="sequences the final KL is measured on")
-    parser.add_argument("--selection-samples", type=int, default=d.selection_samples,
-                        help=f"training sequences --k auto chooses on (default: {d.selection_samples})")
-    parser.add_argument("--prune-samples", type=int, default=d.prune_samples,
-                        help=f"calibration sequences of the pruning (default: {d.prune_samples})")
-    parser.add_argument("--work", default=d.work, help=f"students, caches and distilled models (default: {d.work})")
-    parser.add_argument("--out", help="folder for teacher_cache.json and teacher_cache.md (default: print only)")
-    add_threads_argument(parser)
+_D = CacheBenchOptions()  # the flags' defaults are the benchmark's
 
 
-def run_teacher_cache(args: argparse.Namespace) -> int:
-    """Run the benchmark of ``args``, print its table and write it under ``--out``."""
-    apply_threads(args)
+@dataclass(frozen=True)
+class TeacherCacheBenchOptions:
+    """The options of ``eval.bench teacher-cache``: its flags, in ``--help``'s order (see :class:`CacheBenchOptions`).
+
+    ``k_candidates`` is the comma list the command line gives; ``data`` holds the distillation text, its sequences,
+    seed and held-out sequences; ``out``: folder for ``teacher_cache.json`` and ``teacher_cache.md`` (None: print
+    only).
+    """
+
+    model: str = bench_option(_D.model, f"teacher, pruned with linear maps (default: {_D.model})")
+    drop: int = bench_option(_D.drop, f"blocks removed (default: {_D.drop})", type=int)
+    student: str | None = bench_option(None, "an already pruned student folder (default: prune --model)")
+    steps: int = bench_option(_D.steps, f"steps of each distillation (default: {_D.steps})", type=int)
+    batch_size: int = bench_option(_D.batch_size, f"sequences per step (default: {_D.batch_size})", type=int)
+    k: str = bench_option(_D.k, "K of the top-K cache, or auto: the smallest of --k-candidates whose top-K KL is "
+                          "within --k-tolerance of the full KL on a selection split (default: auto)")
+    k_candidates: str = bench_option(",".join(map(str, _D.k_candidates)),
+                                     f"K tried by --k auto (default: {','.join(map(str, _D.k_candidates))})")
+    k_tolerance: float = bench_option(_D.k_tolerance,
+                                      f"share of the full KL a top-K KL may miss (default: {_D.k_tolerance})",
+                                      type=float)
+    data: DataConfig = data_option(samples=_D.samples, seq_len=_D.seq_len, heldout_samples=_D.heldout_samples,
+                                          data=_D.data,
+                                          data_help="builtin, the novel alone (no minutes of sampling on a CPU)",
+                                          heldout_help="sequences the final KL is measured on")
+    selection_samples: int = bench_option(_D.selection_samples, "training sequences --k auto chooses on (default: "
+                                          f"{_D.selection_samples})", type=int)
+    prune_samples: int = bench_option(_D.prune_samples,
+                                      f"calibration sequences of the pruning (default: {_D.prune_samples})", type=int)
+    work: str = bench_option(_D.work, f"students, caches and distilled models (default: {_D.work})")
+    out: str | None = bench_option(None, "folder for teacher_cache.json and teacher_cache.md (default: print only)")
+    threads: int | None = threads_option()
+
+
+def run_teacher_cache(command: TeacherCacheBenchOptions) -> int:
+    """Run the benchmark of ``command``, print its table and write it under ``--out``."""
+    apply_threads(command)
     try:
-        candidates = [int(k) for k in str(args.k_candidates).split(",")]
+        candidates = [int(k) for k in str(command.k_candidates).split(",")]
     except ValueError:
-        raise LayercutError(f"--k-candidates takes comma-separated integers, got {args.k_candidates!r}") from None
+        raise LayercutError(f"--k-candidates takes comma-separated integers, got {command.k_candidates!r}") from None
+    data = command.data
     options = CacheBenchOptions(
-        model=args.model, drop=args.drop, student=args.student, steps=args.steps, batch_size=args.batch_size,
-        k=args.k, k_candidates=candidates, k_tolerance=args.k_tolerance, data=args.data, samples=args.samples,
-        seq_len=args.seq_len, heldout_samples=args.heldout_samples, selection_samples=args.selection_samples,
-        prune_samples=args.prune_samples, seed=args.seed, threads=args.threads or torch.get_num_threads(),
-        work=args.work)
+        model=command.model, drop=command.drop, student=command.student, steps=command.steps,
+        batch_size=command.batch_size, k=command.k, k_candidates=candidates, k_tolerance=command.k_tolerance,
+        data=data.data, samples=data.samples, seq_len=data.seq_len, heldout_samples=data.heldout_samples,
+        selection_samples=command.selection_samples, prune_samples=command.prune_samples, seed=data.seed,
+        threads=command.threads or torch.get_num_threads(), work=command.work)
     result = benchmark_teacher_cache(options)
     table = cache_markdown(result)
     print(table)
-    if args.out:
+    if command.out:
         from prune.atomic import atomic_directory, write_json
 
-        with atomic_directory(args.out, overwrite=True) as staging:
+        with atomic_directory(command.out, overwrite=True) as staging:
             write_json(staging / "teacher_cache.json", result)
             (staging / "teacher_cache.md").write_text(table + "\n", encoding="utf-8")
     return 0
 
 
-register_subcommand("teacher-cache", TEACHER_CACHE_HELP, add_teacher_cache_arguments, run_teacher_cache)
+register_subcommand("teacher-cache", TEACHER_CACHE_HELP, TeacherCacheBenchOptions, run_teacher_cache)

@@ -6,13 +6,14 @@ import pkgutil
 import runpy
 import subprocess
 import sys
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import pytest
 
 import eval.bench
 from eval.bench.cli import NOT_SUBCOMMANDS, build_parser, discover_subcommands, main
-from eval.bench.registry import SUBCOMMANDS, register_subcommand
+from eval.bench.registry import OPTION_KEY, SUBCOMMANDS, BenchOption, bench_option, register_subcommand
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -23,26 +24,71 @@ def test_every_module_of_the_package_registers_its_subcommand():
     assert discover_subcommands() == ["heal-cost", "replace", "scale", "scoring", "serving", "speed", "teacher-cache"]
     assert {name.replace("-", "_") for name in SUBCOMMANDS.names()} == modules  # one module, one subcommand
     for name, command in SUBCOMMANDS.items():
-        assert command.help and callable(command.add_arguments) and callable(command.run), name
+        assert command.help and fields(command.options) and callable(command.run), name
     with pytest.raises(ValueError, match="'speed' is already registered"):
-        register_subcommand("speed", "again", lambda parser: None, lambda args: 0)
+        register_subcommand("speed", "again", SUBCOMMANDS["speed"].options, lambda options: 0)
 
 
-def test_a_registered_subcommand_gets_a_parser_and_runs(capsys):
-    def add(parser):
-        parser.add_argument("--times", type=int, default=1)
+@dataclass(frozen=True)
+class ToyOptions:
+    """A subcommand's options of one test: a repeatable flag and a number."""
 
-    def run(args):
-        print("toy " * args.times)
+    word: list[str] | None = bench_option(None, "a word to say (repeatable)", action="append", required=True)
+    times: int = bench_option(1, "how many times (default: 1)", type=int, group="toy group")
+
+
+def test_a_registered_subcommand_gets_its_flags_from_its_options_and_runs_with_them(capsys):
+    received = []
+
+    def run(options: ToyOptions) -> int:
+        received.append(options)
+        print(" ".join(options.word * options.times))
         return 0
 
-    register_subcommand("toy", "a subcommand of one test", add, run)
+    register_subcommand("toy", "a subcommand of one test", ToyOptions, run)
     try:
         assert "toy" in build_parser().format_usage()
-        assert main(["toy", "--times", "2"]) == 0
-        assert capsys.readouterr().out.strip() == "toy toy"
+        toy = build_parser()._subparsers._group_actions[0].choices["toy"]  # the derived sub-parser
+        text = " ".join(toy.format_help().split())
+        assert "--word WORD a word to say (repeatable)" in text and "toy group: --times TIMES" in text
+        assert main(["toy", "--word", "hi", "--word", "there", "--times", "2"]) == 0
+        assert received == [ToyOptions(word=["hi", "there"], times=2)]  # the typed object, not the parsed flags
+        assert capsys.readouterr().out.strip() == "hi there hi there"
+        with pytest.raises(SystemExit) as refused:
+            main(["toy"])
+        assert refused.value.code == 2 and "--word" in capsys.readouterr().err  # required, as declared
     finally:
         SUBCOMMANDS.unregister("toy")
+    assert "toy" not in SUBCOMMANDS
+
+
+def test_an_options_field_without_its_flag_is_refused_when_registered():
+    @dataclass
+    class Undeclared:
+        times: int = 1
+
+    with pytest.raises(TypeError, match="'times' needs its metadata"):
+        register_subcommand("undeclared", "no flag", Undeclared, lambda options: 0)
+    assert "undeclared" not in SUBCOMMANDS
+
+
+def test_every_flag_defaults_to_its_options_field_default():
+    """An option not given on the command line is the default the options dataclass gives a Python caller."""
+    required = {"speed": ["--model", "m", "--baseline", "b"], "serving": ["--model", "m", "--heldout", "h"],
+                "replace": ["--heldout", "h"], "heal-cost": ["--heldout", "h"],
+                "scale": ["--shape", "llama-tiny", "--drop", "1"]}
+    parser = build_parser()
+    for name, command in SUBCOMMANDS.items():
+        given = required.get(name, [])
+        options = command.parse(parser.parse_args([name, *given]))
+        assert isinstance(options, command.options), name
+        for item in fields(options):
+            shared_without_default = (not isinstance(item.metadata[OPTION_KEY], BenchOption)
+                                      and item.default_factory is MISSING)  # --threads, the loading flags
+            if f"--{item.name.replace('_', '-')}" in given or shared_without_default:
+                continue
+            default = item.default if item.default is not MISSING else item.default_factory()
+            assert getattr(options, item.name) == default, (name, item.name)
 
 
 def test_the_library_modules_do_not_import_the_cli():
