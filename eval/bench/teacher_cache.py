@@ -54,6 +54,7 @@ class CacheBenchOptions:
         k_candidates: the K tried by "auto".
         k_tolerance: "auto" takes the smallest K whose top-K KL is within this share of the full KL.
         data: distillation text (``--data``).
+        text_field: the field of a .jsonl/.parquet/datasets source that holds the text (``--text-field``).
         samples: training sequences.
         seq_len: tokens per sequence.
         heldout_samples: held-out sequences the final KL is measured on.
@@ -73,6 +74,7 @@ class CacheBenchOptions:
     k_candidates: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256])
     k_tolerance: float = 0.01
     data: str = "builtin"
+    text_field: str = "text"
     samples: int = 512
     seq_len: int = 128
     heldout_samples: int = 32
@@ -111,8 +113,9 @@ def _threads(options: CacheBenchOptions) -> list[str]:
 
 
 def _data_flags(options: CacheBenchOptions) -> list[str]:
-    return ["--data", options.data, "--samples", str(options.samples), "--seq-len", str(options.seq_len),
-            "--seed", str(options.seed), "--heldout-samples", str(options.heldout_samples)]
+    return ["--data", options.data, "--text-field", options.text_field, "--samples", str(options.samples),
+            "--seq-len", str(options.seq_len), "--seed", str(options.seed), "--heldout-samples",
+            str(options.heldout_samples)]
 
 
 def prune_student(options: CacheBenchOptions, work: Path) -> Path:
@@ -122,7 +125,8 @@ def prune_student(options: CacheBenchOptions, work: Path) -> Path:
     out = work / "student"
     if not (out / "layercut.json").is_file():
         _child(["-m", "prune.run", "--model", options.model, "--drop", str(options.drop), "--replace", "linear",
-                "--data", options.data, "--samples", str(options.prune_samples), "--heldout-samples", "0",
+                "--data", options.data, "--text-field", options.text_field, "--samples", str(options.prune_samples),
+                "--heldout-samples", "0",
                 "--out", str(out), "--overwrite", *_threads(options)], "pruning")
     return out
 
@@ -133,7 +137,7 @@ def distill_config(options: CacheBenchOptions, k: int | None):
     from prune.data.calibration import DataConfig
 
     data = DataConfig(options.data, options.samples, options.seq_len, options.seed,
-                      heldout_samples=options.heldout_samples)
+                      heldout_samples=options.heldout_samples, text_field=options.text_field)
     return DistillConfig(steps=options.steps, batch_size=options.batch_size, log_every=1, save_every=0,
                          seed=options.seed, data=data, teacher_cache=None if k is None else f"topk={k}")
 
@@ -355,7 +359,8 @@ def run_teacher_cache(command: TeacherCacheBenchOptions) -> int:
     options = CacheBenchOptions(
         model=command.model, drop=command.drop, student=command.student, steps=command.steps,
         batch_size=command.batch_size, k=command.k, k_candidates=candidates, k_tolerance=command.k_tolerance,
-        data=data.data, samples=data.samples, seq_len=data.seq_len, heldout_samples=data.heldout_samples,
+        data=data.data, text_field=data.text_field, samples=data.samples, seq_len=data.seq_len,
+        heldout_samples=data.heldout_samples,
         selection_samples=command.selection_samples, prune_samples=command.prune_samples, seed=data.seed,
         threads=command.threads or torch.get_num_threads(), work=command.work)
     result = benchmark_teacher_cache(options)

@@ -64,3 +64,25 @@ def test_step_times_verdict_and_table(tmp_path):
     assert "| online KD | 400 | 1.000 | - | 0.5000 |" in table
     assert "| cached top-16 | 200 | 0.500 | 3.0 | 0.5100 |" in table
     assert table[-1] == "K = 16: given (--k)" and "(target <= 0.6: met)" in table[-2]
+
+
+def test_the_text_field_reaches_the_children_and_the_distillation(tmp_path):
+    from eval.bench.cli import build_parser as bench_parser
+    from eval.bench.registry import SUBCOMMANDS
+    from eval.bench.teacher_cache import _data_flags, prune_student
+
+    args = bench_parser().parse_args(["teacher-cache", "--data", "rows.jsonl", "--text-field", "body"])
+    assert SUBCOMMANDS["teacher-cache"].parse(args).data.text_field == "body"
+    options = CacheBenchOptions(data="rows.jsonl", text_field="body")
+    flags = _data_flags(options)
+    assert flags[flags.index("--text-field") + 1] == "body"
+    assert distill_config(options, 16).data.text_field == "body"
+    spawned = []
+    import eval.bench.teacher_cache as bench
+
+    original, bench._child = bench._child, lambda argv, what: spawned.append(argv)
+    try:
+        prune_student(options, tmp_path)
+    finally:
+        bench._child = original
+    assert spawned[0][spawned[0].index("--text-field") + 1] == "body"
