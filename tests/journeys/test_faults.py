@@ -1,9 +1,10 @@
 """Faults as a user meets them: ``kill -9`` inside each long command, then the same command again; NaN/inf weights.
 
-A killed run runs the real CLI in a subprocess through a small driver that sends itself SIGKILL at a
+A killed run runs the real CLI in a process of its own through a small driver that sends itself SIGKILL at a
 chosen point (``LAYERCUT_FAULT``): no ``finally`` block, signal handler or atexit hook runs, as with
 ``kill -9``, the OOM killer or a lost machine. The run after it is the plain ``python -m ...`` command,
-and its figures are compared with an uninterrupted run's.
+and its figures are compared with an uninterrupted run's. Both start as ``python`` would, in a child forked from
+a Python that has imported torch and transformers once (:mod:`tests.journeys.warm_python`), not paying that per run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.helpers import CONVERTER, NO_CONVERTER, byte_fallback_tokenizer, make_tiny_model, make_tiny_tokenizer
+from tests.journeys.warm_python import WarmPython
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -127,19 +129,25 @@ def _env(root: Path, fault: str | None = None) -> dict[str, str]:
     return env
 
 
-def run_killed(root: Path, fault: str, module: str, args: list) -> None:
+@pytest.fixture(scope="module")
+def python(tmp_path_factory):
+    """Starts each command as ``python`` would, in a child forked with torch and transformers already imported."""
+    server = WarmPython(_env(tmp_path_factory.mktemp("warm-python")))
+    yield server
+    server.close()
+
+
+def run_killed(python: WarmPython, root: Path, fault: str, module: str, args: list) -> None:
     """``module``'s CLI with ``fault`` armed; asserts it died of SIGKILL (not an error before the fault)."""
     driver = root / "fault_driver.py"
     driver.write_text(DRIVER, encoding="utf-8")
-    done = subprocess.run([sys.executable, str(driver), module, *map(str, args)], cwd=root, env=_env(root, fault),
-                          capture_output=True, text=True, timeout=300)
+    done = python.run([driver, module, *args], cwd=root, env=_env(root, fault))
     assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
 
 
-def run_again(root: Path, module: str, args: list) -> subprocess.CompletedProcess:
+def run_again(python: WarmPython, root: Path, module: str, args: list) -> subprocess.CompletedProcess:
     """The plain ``python -m module ARGS`` a user types after the kill; asserts exit 0."""
-    done = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=root, env=_env(root),
-                          capture_output=True, text=True, timeout=300)
+    done = python.run(["-m", module, *args], cwd=root, env=_env(root))
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
@@ -184,7 +192,7 @@ def text_file(tmp_path_factory, sample_text) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prune_killed(tmp_path_factory, tiny_folder, text_file) -> dict:
+def prune_killed(tmp_path_factory, python, tiny_folder, text_file) -> dict:
     from prune.run import main
 
     root = tmp_path_factory.mktemp("prune-kill")
@@ -193,10 +201,10 @@ def prune_killed(tmp_path_factory, tiny_folder, text_file) -> dict:
             "--threads", "1", "--out", out]
     assert in_process(main, args) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    run_killed(root, "export-staging", "prune.run", [*args, "--overwrite"])
+    run_killed(python, root, "export-staging", "prune.run", [*args, "--overwrite"])
     state = {"root": root, "out": out, "args": args, "before": before,
              "after_kill": {p.name: p.read_bytes() for p in out.iterdir()}, "hidden_after_kill": hidden(root)}
-    run_again(root, "prune.run", [*args, "--overwrite"])
+    run_again(python, root, "prune.run", [*args, "--overwrite"])
     state["hidden_after_rerun"] = hidden(root)
     return state
 
@@ -216,13 +224,13 @@ def test_a_rerun_clears_the_staging_folder_a_killed_export_left(prune_killed):
     assert prune_killed["hidden_after_rerun"] == []
 
 
-def test_prune_run_killed_between_its_two_renames_keeps_the_previous_output(prune_killed):
+def test_prune_run_killed_between_its_two_renames_keeps_the_previous_output(python, prune_killed):
     root = prune_killed["root"]
     out = root / "slim-rename"
     shutil.copytree(prune_killed["out"], out)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     args = [*prune_killed["args"][:-1], out, "--overwrite"]
-    run_killed(root, "export-rename", "prune.run", args)
+    run_killed(python, root, "export-rename", "prune.run", args)
     # the next command into that folder puts the previous output back (here: one without --overwrite, refused)
     from prune.run import main
 
@@ -303,13 +311,13 @@ def assert_same_distillation(out: Path, reference: Path, start_step: int) -> Non
     assert log_rows(out) == log_rows(reference) and [row["step"] for row in log_rows(out)] == [1, 2, 3, 4, 5, 6]
 
 
-def test_distill_run_killed_while_checkpointing_resumes_to_the_same_weights(tmp_path, student, text_file,
+def test_distill_run_killed_while_checkpointing_resumes_to_the_same_weights(python, tmp_path, student, text_file,
                                                                             distilled, capsys):
     from distill.run import main
 
     out, work = tmp_path / "healed", tmp_path / "healed.work"
     args = distill_args(student, text_file, out)
-    run_killed(tmp_path, "distill-checkpoint", "distill.run", args)
+    run_killed(python, tmp_path, "distill-checkpoint", "distill.run", args)
     assert not out.exists()
     checkpoints = work / "checkpoints"
     # the half-written step-4 file stays under its temporary name; step 2 is the one a resume reads
@@ -322,13 +330,13 @@ def test_distill_run_killed_while_checkpointing_resumes_to_the_same_weights(tmp_
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "--resume" in errors[0] and "step 2" in errors[0], errors
 
-    done = run_again(tmp_path, "distill.run", [*args, "--resume"])
+    done = run_again(python, tmp_path, "distill.run", [*args, "--resume"])
     assert "(from step 2)" in done.stdout  # steps 1 and 2 are not trained again
     assert_same_distillation(out, distilled, start_step=2)
     assert not work.exists(), "the work folder (and the half checkpoint in it) is removed after the export"
 
 
-def test_distill_run_killed_while_writing_its_teacher_cache_reruns_to_the_same_weights(tmp_path, student,
+def test_distill_run_killed_while_writing_its_teacher_cache_reruns_to_the_same_weights(python, tmp_path, student,
                                                                                        text_file):
     from distill.run import main
 
@@ -337,10 +345,10 @@ def test_distill_run_killed_while_writing_its_teacher_cache_reruns_to_the_same_w
     assert in_process(main, [*distill_args(student, text_file, reference / "healed"), *cached]) == 0
     out, work = tmp_path / "healed", tmp_path / "healed.work"
     args = [*distill_args(student, text_file, out), *cached]
-    run_killed(tmp_path, "teacher-cache", "distill.run", args)
+    run_killed(python, tmp_path, "teacher-cache", "distill.run", args)
     assert not out.exists() and not (work / "teacher_cache").exists()
     assert [p.name for p in work.iterdir() if p.name.startswith(".teacher_cache.tmp-")], "the fault did not fire"
-    done = run_again(tmp_path, "distill.run", args)  # nothing was trained: the same command starts again
+    done = run_again(python, tmp_path, "distill.run", args)  # nothing was trained: the same command starts again
     assert "teacher cache: top-8" in done.stdout and "written in" in done.stdout
     assert_same_tensors(load_file(out / "model.safetensors"), load_file(reference / "healed" / "model.safetensors"))
     assert not work.exists(), "the work folder (and the dead writer's staging folder) is removed after the export"
@@ -439,11 +447,11 @@ def weight_files(out: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("fault", ["compare-between", "compare-inside"])
-def test_eval_compare_killed_resumes_without_recomputing_finished_cells(tmp_path, tiny_folder, text_file, compared,
-                                                                        fault):
+def test_eval_compare_killed_resumes_without_recomputing_finished_cells(python, tmp_path, tiny_folder, text_file,
+                                                                        compared, fault):
     out = tmp_path / "cmp"
     args = compare_args(tiny_folder, text_file, out)
-    run_killed(tmp_path, fault, "eval.compare.cli", args)  # the module holding main
+    run_killed(python, tmp_path, fault, "eval.compare.cli", args)  # the module holding main
     # the record on disk is whole and holds the finished cell alone: nothing of the killed one is a result
     killed = json.loads((out / "results.json").read_text())
     assert sorted(killed["cells"]) == ["shortgpt@1"]
@@ -452,7 +460,7 @@ def test_eval_compare_killed_resumes_without_recomputing_finished_cells(tmp_path
         assert weight_files(out) == ["cells/layercut-linear-drop1/model.safetensors",
                                      "cells/layercut-linear-drop1/replacements.safetensors"]
 
-    run_again(tmp_path, "eval.compare", args)
+    run_again(python, tmp_path, "eval.compare", args)
     results = json.loads((out / "results.json").read_text())
     assert figures(results) == figures(compared)
     assert [run["cells"] for run in results["timing"]["runs"]] == [1, 1]  # the rerun ran the unfinished cell alone
@@ -485,9 +493,9 @@ def _shortlist(folder: Path) -> dict:
 
 
 @pytest.mark.parametrize("fault", ["ship-shortlist", "ship-build", "ship-heal-checkpoint", "ship-heal", "ship-card"])
-def test_prune_ship_killed_in_a_stage_continues_to_the_same_checkpoint(tmp_path, ship_args, shipped, fault):
+def test_prune_ship_killed_in_a_stage_continues_to_the_same_checkpoint(python, tmp_path, ship_args, shipped, fault):
     args = [*ship_args, "--no-verify", "--out", "slim"]
-    run_killed(tmp_path, fault, "prune.ship", args)
+    run_killed(python, tmp_path, fault, "prune.ship", args)
     assert not (tmp_path / "slim").exists(), "a killed run left a partial --out"
     if fault == "ship-shortlist":  # the first repair's candidates are kept: the rerun measures only the others
         kept = json.loads((tmp_path / "slim.work" / "shortlist.partial.json").read_text())
@@ -495,7 +503,7 @@ def test_prune_ship_killed_in_a_stage_continues_to_the_same_checkpoint(tmp_path,
     if fault == "ship-heal-checkpoint":  # distill's checkpoint of step 10 (of 20) is kept for the rerun
         checkpoints = tmp_path / "slim.work" / "healed.work" / "checkpoints"
         assert [p.name for p in checkpoints.iterdir()] == ["step-00000010.pt"]
-    done = run_again(tmp_path, "prune.ship", args)
+    done = run_again(python, tmp_path, "prune.ship", args)
     assert "continuing the run kept in" in done.stdout
     assert ("resuming from step 10" in done.stdout) == (fault == "ship-heal-checkpoint"), done.stdout
     assert _shortlist(tmp_path / "slim") == _shortlist(shipped)
@@ -504,30 +512,30 @@ def test_prune_ship_killed_in_a_stage_continues_to_the_same_checkpoint(tmp_path,
     assert card.startswith("---\n") and card.count("## What was chosen, and why") == 1
 
 
-def test_prune_ship_killed_between_engine_checks_runs_only_the_checks_left(tmp_path, ship_args):
+def test_prune_ship_killed_between_engine_checks_runs_only_the_checks_left(python, tmp_path, ship_args):
     args = [*ship_args, "--out", "slim"]
-    run_killed(tmp_path, "ship-verify", "prune.ship", args)
+    run_killed(python, tmp_path, "ship-verify", "prune.ship", args)
     work = tmp_path / "slim.work"
     assert (work / "verify" / "serving.json").is_file()  # the held-out texts' check is done
     assert not (work / "verify" / "speed.json").is_file()
-    done = run_again(tmp_path, "prune.ship", args)
+    done = run_again(python, tmp_path, "prune.ship", args)
     assert done.stdout.count("verifying:") == 1, done.stdout  # the speed check alone
     assert "## Speed in transformers" in (tmp_path / "slim" / "README.md").read_text()
 
 
 @pytest.mark.skipif(CONVERTER is None, reason=NO_CONVERTER)
-def test_prune_ship_killed_inside_its_gguf_export_reruns_to_the_same_file(tmp_path, text_file):
+def test_prune_ship_killed_inside_its_gguf_export_reruns_to_the_same_file(python, tmp_path, text_file):
     model = tmp_path / "model"
     make_tiny_model("llama").save_pretrained(model)
     byte_fallback_tokenizer().save_pretrained(model)  # a vocabulary llama.cpp's converter reads
     args = ["--model", model, "--data", text_file, "--samples", "16", "--seq-len", "32", "--heldout-samples", "2",
             "--drop", "2", "--engine", "llamacpp", "--gguf-type", "f32", "--converter", CONVERTER, "--no-verify",
             "--heal-steps", "0"]
-    run_again(tmp_path, "prune.ship", [*args, "--out", "reference"])
-    run_killed(tmp_path, "gguf-converted", "prune.ship", [*args, "--out", "slim"])
+    run_again(python, tmp_path, "prune.ship", [*args, "--out", "reference"])
+    run_killed(python, tmp_path, "gguf-converted", "prune.ship", [*args, "--out", "slim"])
     assert not (tmp_path / "slim").exists()
     assert list(tmp_path.glob("slim.work/checkpoint/gguf/.slim-f32.gguf*")), "the fault did not fire"
-    done = run_again(tmp_path, "prune.ship", [*args, "--out", "slim"])
+    done = run_again(python, tmp_path, "prune.ship", [*args, "--out", "slim"])
     assert "continuing the run kept in" in done.stdout and "writing the f32 GGUF" in done.stdout
     shipped, reference = tmp_path / "slim" / "gguf" / "slim-f32.gguf", tmp_path / "reference" / "gguf"
     assert shipped.read_bytes() == (reference / "reference-f32.gguf").read_bytes()
@@ -539,17 +547,17 @@ def test_prune_ship_killed_inside_its_gguf_export_reruns_to_the_same_file(tmp_pa
 
 
 @pytest.mark.skipif(CONVERTER is None, reason=NO_CONVERTER)
-def test_gguf_export_killed_before_its_check_keeps_the_earlier_file_and_reruns_whole(tmp_path):
+def test_gguf_export_killed_before_its_check_keeps_the_earlier_file_and_reruns_whole(python, tmp_path):
     folder = tmp_path / "slim"
     make_tiny_model("llama").save_pretrained(folder)
     byte_fallback_tokenizer().save_pretrained(folder)
     out = tmp_path / "slim.gguf"
     out.write_bytes(b"the earlier export")
     args = [folder, "--out", out, "--converter", CONVERTER]
-    run_killed(tmp_path, "gguf-converted", "prune.export_gguf", args)
+    run_killed(python, tmp_path, "gguf-converted", "prune.export_gguf", args)
     assert out.read_bytes() == b"the earlier export"  # the new file never replaced it unchecked
     assert [p.name for p in tmp_path.glob(".slim.gguf*")], "the fault did not fire"
-    run_again(tmp_path, "prune.export_gguf", args)
+    run_again(python, tmp_path, "prune.export_gguf", args)
     assert out.read_bytes()[:4] == b"GGUF" and not list(tmp_path.glob(".slim.gguf*"))
 
 
@@ -598,7 +606,8 @@ def test_one_of_two_distill_processes_killed_ends_the_launch_naming_it_and_resum
 # prune.decilm: killed with the DeciLM folder staged, over an earlier output
 
 
-def test_decilm_export_killed_when_staged_keeps_the_earlier_output_and_reruns_to_the_same(tmp_path, text_file):
+def test_decilm_export_killed_when_staged_keeps_the_earlier_output_and_reruns_to_the_same(python, tmp_path,
+                                                                                          text_file):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from prune.decilm import main as decilm
@@ -621,10 +630,10 @@ def test_decilm_export_killed_when_staged_keeps_the_earlier_output_and_reruns_to
     shutil.copytree(reference, out)
     (out / "earlier.txt").write_text("the earlier output")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    run_killed(tmp_path, "decilm-staged", "prune.decilm", [source, "--out", out, "--overwrite"])
+    run_killed(python, tmp_path, "decilm-staged", "prune.decilm", [source, "--out", out, "--overwrite"])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert any(name.endswith(".tmp") for name in hidden(tmp_path)), "the fault did not fire"
-    run_again(tmp_path, "prune.decilm", [source, "--out", out, "--overwrite"])
+    run_again(python, tmp_path, "prune.decilm", [source, "--out", out, "--overwrite"])
     assert not (out / "earlier.txt").exists() and not [n for n in hidden(tmp_path) if n.startswith(".decilm")]
     assert_same_tensors(load_file(out / "model.safetensors"), load_file(reference / "model.safetensors"))
     assert json.loads((out / "config.json").read_text()) == json.loads((reference / "config.json").read_text())
