@@ -28,10 +28,11 @@ CARD = "README.md"
 
 def ship_card(config: ShipConfig, report: dict, shortlist: Shortlist, verified: Verified | None,
               chosen: PruneConfig, times: dict[str, float], healed: Healing | None = None,
-              gguf: str | None = None) -> str:
+              gguf: str | None = None, planned: dict[str, float] | None = None) -> str:
     """The page of a shipped checkpoint: the choice and its evidence, the loss, the speed, the commands.
 
-    ``report``: the shipped checkpoint's ``layercut.json``; ``gguf``: the GGUF's path inside ``OUT``.
+    ``report``: the shipped checkpoint's ``layercut.json``; ``gguf``: the GGUF's path inside ``OUT``;
+    ``planned``: the planner's seconds per stage, said beside the measured ones.
     """
     name = config.name
     prune = card_sections(report, plain=True, name=name)
@@ -43,7 +44,9 @@ def ship_card(config: ShipConfig, report: dict, shortlist: Shortlist, verified: 
         "front": prune["front"],
         "title": [f"# {title}, {before} -> {after} blocks, for {engine}", ""],
         "made": [f"Made with `prune.ship` in {sum(times.values()) / 60:.1f} min ("
-                 + ", ".join(f"{stage} {seconds:.0f} s" for stage, seconds in times.items())
+                 + ", ".join(f"{stage} {seconds:.0f} s" + (f" (planned {planned[stage]:.0f} s)"
+                                                            if planned and stage in planned else "")
+                             for stage, seconds in times.items())
                  + f"): blocks {best.blocks} removed, {_repair_words(best.repair)}; a plain "
                  f"{report['architecture']} checkpoint ({best.params:,} parameters, the original "
                  f"{shortlist.params_before:,}). Per-block scores and every setting are in `layercut.json`.", ""],

@@ -69,12 +69,14 @@ class Healing(StageResult):
         return said + ("kept." if self.kept else "not kept; the checkpoint is the one built, unhealed.")
 
 
-def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageResult]) -> tuple[int, str]:
+def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageResult],
+               reserve: float | None = None) -> tuple[int, str]:
     """(steps, why): ``--heal-steps``, or fewer when ``--time-budget`` leaves time for fewer.
 
-    The time left is the budget less the stages done and a reserve for the engine checks (the build's time
-    per held-out text and two more: measured on a 2-core CPU, reports/ship/); a step costs the planner's
-    time (``planned``, for ``--heal-steps`` steps) x ``HEAL_MARGIN``.
+    The time left is the budget less the stages done and a reserve for the export and the engine checks:
+    ``reserve``, the planner's seconds for them (``ship.costs``), else the build's time per held-out text and
+    two more (measured on a 2-core CPU, reports/ship/); a step costs the planner's time (``planned``, for
+    ``--heal-steps`` steps) x ``HEAL_MARGIN``.
     """
     steps = config.heal_steps
     if not steps:
@@ -85,7 +87,8 @@ def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageRe
     if not planned:
         return 0, "no plan of its time to hold against --time-budget"
     spent = sum(stage.seconds for stage in done)
-    reserve = done[-1].seconds * (max(len(config.heldout), 1) + 2) if config.verify else 0
+    if reserve is None:
+        reserve = done[-1].seconds * (max(len(config.heldout), 1) + 2) if config.verify else 0
     left = budget - spent - reserve
     per_step = planned / config.heal_steps * HEAL_MARGIN
     fits = max(int(left // per_step), 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from eval.speed.engines import ENGINES, display_name
 from prune.errors import LayercutError
@@ -13,16 +14,10 @@ from prune.pipeline.config import PruneConfig
 from prune.pipeline.resolve import Amounts
 from prune.pipeline.runner import on_meta, preflight
 from ship.config import HEAL_OPTIONS, ShipConfig, duration_words
+from ship.costs import ShipWork, stage_seconds
 from ship.work import StageResult
 
 logger = logging.getLogger(__name__)
-
-# what the planner's time of prune.run is multiplied by before it is held against --time-budget: the shortlist
-# fits each repair in a capture pass of its own, and the engine checks load both models once per held-out text.
-# Measured on a 2-core CPU (reports/ship/): 22x (Gemma-3-270M, drop 4), 37x and 43x (SmolLM2-135M, drops 4, 8),
-# four held-out texts each
-PLAN_FACTOR = 40.0
-
 
 @dataclass(kw_only=True)
 class Plan(StageResult):
@@ -34,6 +29,13 @@ class Plan(StageResult):
     planned_seconds: float | None = None
     planned_peak: dict | None = None
     planned_heal_seconds: float | None = None
+    planned_stages: dict | None = None  # the planner's seconds per stage (ship.costs)
+
+    def planned_total(self, *, heal: bool = True) -> float | None:
+        """The planner's seconds for the whole run (without the heal, which fits itself into what is left)."""
+        if not self.planned_stages:
+            return None
+        return sum(seconds for stage, seconds in self.planned_stages.items() if heal or stage != "heal")
 
 
 def blocks_for_target(model, amounts: Amounts) -> int:
@@ -84,19 +86,60 @@ def make_plan(config: ShipConfig) -> Plan:
                 params=None if amounts is None else amounts.params, drop=count)
     if planned is not None:
         check_plan(planned)
-        budget = config.time_budget
-        if budget is not None and planned.seconds * PLAN_FACTOR > budget:
-            raise LayercutError(f"--time-budget {duration_words(budget)}: the planner gives prune.run "
-                                f"{duration_words(planned.seconds)} here, and a shipped run takes about "
-                                f"{PLAN_FACTOR:g}x that ({duration_words(planned.seconds * PLAN_FACTOR)}): give "
-                                "more time, a smaller --samples, or a smaller budget")
         plan.planned_seconds = planned.seconds
         plan.planned_peak = planned.to_dict()["peak"]
         plan.planned_heal_seconds = planned_heal(config, sized)
+        if count is not None:
+            plan.planned_stages = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
+                planned.shape, planned.inp, ship_work(config, meta.skeleton, count, plan.planned_heal_seconds)).items()}
+        budget, needed = config.time_budget, plan.planned_total(heal=False)
+        if budget is not None and needed is not None and needed > budget:
+            raise LayercutError(f"--time-budget {duration_words(budget)}: the planner gives this run "
+                                f"{duration_words(needed)} before any healing ({_stage_words(plan.planned_stages)}): "
+                                "give more time, a smaller --samples, or a smaller budget")
     elif config.time_budget is not None:
         logger.warning("the planner cannot cost %s before loading: --time-budget is held against the stages "
                        "as they run", prune.load.model)
     return plan
+
+
+def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | None) -> ShipWork:
+    """What the run will do, as :mod:`ship.costs` counts it.
+
+    The repairs the shortlist fits (those the skeleton takes), the text it samples, the held-out tokens it
+    verifies on.
+    """
+    from prune.data.calibration import self_rows
+    from prune.planner.shape import shape_of_model
+    from prune.replace import METHODS
+    from ship.shortlist import applicable, servable_repairs
+
+    shape = shape_of_model(skeleton) if skeleton is not None else None
+    # as the shortlist sizes them: a repair adding more parameters than the blocks remove is never fitted
+    removed = drop * shape.block_params if shape else 0
+    repairs = [name for name in servable_repairs() if name != "none"
+               and (skeleton is None or (applicable(name, skeleton) is None and not (
+                   METHODS[name].adds_params and METHODS[name].adds_params(skeleton) > removed)))]
+    widths = tuple(METHODS[name].fit_width(shape.hidden, shape.intermediate) if shape else 1 for name in repairs)
+    data = config.prune.data
+    original_kept = False
+    if config.gguf:  # the original's engine file, written by an earlier run's checks with its serving rows
+        from eval.speed.engines.base import checkpoint_folder
+        from eval.speed.engines.llamacpp import gguf_export_path
+        from prune.checkpoint.gguf import QUANTIZER_TYPES
+
+        folder = checkpoint_folder(config.prune.load.model)
+        original_kept = folder is not None and gguf_export_path(Path(folder)).is_file()
+    return ShipWork(drop=drop, repairs=widths, self_rows=self_rows(data, config.prune.load.model),
+                    heldout_tokens=4096 if config.heldout else max(data.heldout_samples, 1) * data.seq_len,
+                    texts=max(len(config.heldout), 1), gguf=config.gguf, original_kept=original_kept,
+                    quantized=config.gguf and config.gguf_type in QUANTIZER_TYPES, speed_rounds=config.speed_repeats,
+                    prompt_len=config.prompt_len, new_tokens=config.new_tokens,
+                    heal_seconds=(heal_seconds or 0.0) if config.heal_steps else 0.0, verify=config.verify)
+
+
+def _stage_words(stages: dict) -> str:
+    return ", ".join(f"{stage} {duration_words(seconds)}" for stage, seconds in stages.items() if seconds >= 1)
 
 
 def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
@@ -132,6 +175,7 @@ def check_engine(config: ShipConfig) -> None:
 def plan_line(plan: Plan, config: ShipConfig) -> str:
     """What the plan says, in one line."""
     what = f"{plan.drop} of {plan.num_blocks} blocks" if plan.drop is not None else "the budget's blocks"
-    time_ = (f"; the planner gives prune.run {duration_words(plan.planned_seconds)}"
-             if plan.planned_seconds is not None else "")
+    total = plan.planned_total()
+    time_ = (f"; the planner gives it {duration_words(total)} ({_stage_words(plan.planned_stages)})"
+             if total is not None else "")
     return f"plan: {what} go, verified in {display_name(config.engine)}{time_}"

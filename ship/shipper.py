@@ -89,7 +89,7 @@ class Shipper:
             times = {"plan": plan.seconds, "shortlist": shortlist.seconds, "build": built.seconds,
                      "heal": healed.seconds, "export": exported.seconds,
                      "verify": verified.seconds if verified else 0.0}
-            self.card(final, shortlist, verified, times, healed)
+            self.card(final, shortlist, verified, times, healed, plan.planned_stages)
             os.replace(final, out)
         self.say(f"wrote {out}/ ({self.elapsed():.0f} s); every stage's output is in {work.path}/")
         return out
@@ -172,7 +172,9 @@ class Shipper:
 
     def heal(self, plan: Plan, done: list[StageResult]) -> Healing:
         """``healed/``: the built checkpoint distilled towards the original, when that lowers the KL."""
-        steps, why = heal_steps(self.config, plan.planned_heal_seconds, done)
+        later = plan.planned_stages or {}
+        reserve = later["export"] + later["verify"] if later else None
+        steps, why = heal_steps(self.config, plan.planned_heal_seconds, done, reserve)
         if not steps:
             return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, None, None, say=self.say)
         calibration = self._calibration()
@@ -204,17 +206,19 @@ class Shipper:
         return verify(self.config, final, gguf, heldout, self.work / VERIFY, say=self.say)
 
     def card(self, final: Path, shortlist: Shortlist, verified: Verified | None, times: dict[str, float],
-             healed: Healing | None) -> None:
+             healed: Healing | None, planned: dict | None = None) -> None:
         """``README.md`` of the checkpoint that ships, and the settings that mark the folder shipped."""
         report = read_report(final)
         gguf = self.gguf(final).relative_to(final).as_posix() if self.config.gguf else None
         chosen = chosen_config(self.config.prune, shortlist, Path("slim"))
         write_text_atomic(final / CARD, ship_card(self.config, report, shortlist, verified, chosen, times, healed,
-                                                  gguf))
+                                                  gguf, planned))
         # in the shipped folder (what a user uploads): no path of this machine
         write_json_atomic(final / SETTINGS, {"settings": portable(self.config.settings()),
                                              "digest": self.config.digest(), "shortlist": shortlist.to_json(),
-                                             "verified": portable(_shipped_figures(verified))})
+                                             "verified": portable(_shipped_figures(verified)),
+                                             "seconds": {stage: round(value, 1) for stage, value in times.items()},
+                                             "planned": planned})
 
     # ---- what a resumed run reads back --------------------------------------------------------------------
 

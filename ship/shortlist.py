@@ -27,7 +27,7 @@ from prune.pipeline.config import PruneConfig
 from prune.pipeline.removal import planned_blocks
 from prune.pipeline.runner import Scored
 from prune.replace import METHODS, ReplaceConfig, check_replacement_supported, parameter_count
-from prune.selection.repaired import RepairedCosts
+from prune.selection.repaired import RepairedCosts, fit_together, shared_references
 from prune.selection.strategies import SELECTIONS
 from ship.work import StageResult, write_json_atomic
 
@@ -165,14 +165,30 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
     target = config.resolve(model).target_params
     repairs = [(name, applicable(name, model)) for name in servable_repairs()]
     candidates = _candidates(scored, model, base, amounts, [name for name, why in repairs if why is None])
+    with shared_references(scored.memo):  # the original runs once over the measuring rows, for every repair
+        return _measured(scored, model, config, count, candidates, repairs, dense, target, deadline, elapsed,
+                         progress)
+
+
+def _measured(scored: Scored, model, config: PruneConfig, count: int, candidates: list[Candidate], repairs: list,
+              dense: int, target: int | None, deadline: float | None, elapsed: Callable[[], float],
+              progress: Progress) -> Shortlist:
+    """Fit and measure every candidate (the ones ``progress`` kept aside); the lowest KL is chosen."""
     costs = {name: RepairedCosts(model, scored.calibration.token_ids,
                                  ReplaceConfig(method=name, batch_size=config.batch_size),
                                  batch_size=config.batch_size, memo=scored.memo)
              for name, why in repairs if why is None}
+    restored = {repair for repair in costs if progress.restore(repair, [c for c in candidates if c.repair == repair])}
+    for candidate in candidates:  # sized before any fit: a repair that makes the model bigger is not fitted
+        if candidate.repair not in restored:
+            _size(candidate, model, dense, target)
+    # one capture pass fits every span of every repair's candidates
+    fit_together([(cost, [c.blocks for c in candidates if c.repair == repair and not c.note])
+                  for repair, cost in costs.items() if repair not in restored])
     with tqdm(total=len(candidates), desc="shortlist", unit="candidate") as bar:
-        for repair, cost in costs.items():  # one capture pass fits every span of a repair's candidates
+        for repair, cost in costs.items():
             todo = [c for c in candidates if c.repair == repair]
-            if progress.restore(repair, todo):
+            if repair in restored:
                 bar.update(len(todo))
                 continue
             if deadline is not None and elapsed() > deadline and any(c.measured for c in candidates):
@@ -180,10 +196,7 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
                     candidate.note = "not measured: --time-budget spent"
                 bar.update(len(todo))
                 continue
-            for candidate in todo:  # sized before any fit: a repair that makes the model bigger is not fitted
-                _size(candidate, model, dense, target)
             todo = [c for c in todo if not c.note]
-            cost.fit_sets([c.blocks for c in todo])
             for candidate, measured in zip(todo, cost.measure_sets([c.blocks for c in todo]), strict=True):
                 candidate.kl, candidate.ppl = measured["kl"], measured["ppl"]
                 if not math.isfinite(candidate.kl):
@@ -219,6 +232,10 @@ def _candidates(scored: Scored, model, base: PruneConfig, amounts, repairs: list
     for name, selection in SELECTIONS.items():
         if not (selection.repairs and selection.measures == "pass"):
             continue
+        if selection.prepare is not None:  # what its runs for every repair share, done once
+            selection.prepare(scored.memo, model, calibration.token_ids,
+                              [dataclasses.replace(base, replace=r).replace for r in repairs if r != "none"],
+                              base.batch_size)
         for repair in (r for r in repairs if r != "none"):
             variant = dataclasses.replace(base, select=name, replace=repair)
             blocks = tuple(planned_blocks(model, calibration, moments, scores, variant, amounts, scored.memo))

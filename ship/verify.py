@@ -1,7 +1,8 @@
 """The verify stage: the file that ships, in its engine, against transformers on the same token ids, and its speed.
 
 For every held-out text: the original and the slim checkpoint in transformers, and the shipped file in the
-engine (the GGUF of ``--gguf-type`` for llama.cpp, the folder for vLLM): perplexity and greedy ids. Then the
+engine (the GGUF of ``--gguf-type`` for llama.cpp, the folder for vLLM): perplexity and greedy ids. The
+original's rows are measured once per model, text and library versions, then read from the cache. Then the
 shipped file's speed against the original's in the engine. The engines run in processes of their own
 (:func:`eval.bench.checks.run_in_child`): their memory and their failures stay theirs. Each check's figures
 are kept in ``OUT.work/verify/`` as it ends, so a stopped run measures only what is left.
@@ -52,7 +53,8 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
     data = config.prune.data
     tokens = max(data.heldout_samples, 1) * data.seq_len if not config.heldout else 4096
     serving = ServingCheck(models=tuple(models), texts=texts, tokenizer=config.prune.load.model, seq_len=data.seq_len,
-                           tokens=tokens, threads=config.threads, converter=config.converter)
+                           tokens=tokens, threads=config.threads, converter=config.converter,
+                           kept=(ORIGINAL,))  # the original's rows are the same in every run of it: kept in the cache
     domains = _kept(folder / "serving.json", lambda: run_in_child(serving, folder / "serving.log"),
                     lambda: say(f"verifying: {len(texts)} held-out text(s), the original and the checkpoint in "
                                 f"transformers" + (f", {served.name} in {config.engine}"

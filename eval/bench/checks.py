@@ -5,7 +5,9 @@
                                         tokenizer="slim/"), log=Path("verify/serving.log"))
 
 A :class:`ServingCheck` scores every (model, engine) pair on the same token ids of each held-out text, each
-model loaded once per engine for all the texts (``eval.bench serving``'s scoring); a :class:`SpeedCheck`
+model loaded once per engine for all the texts (``eval.bench serving``'s scoring); the rows of the models it
+names in ``kept`` (the original, the same in every run) are read from the cache when an earlier check measured
+the same files on the same token ids with the same engine and libraries (:func:`kept_row_path`); a :class:`SpeedCheck`
 times a model against its original in one engine (``eval.bench speed``'s). :func:`run_in_child` runs one in
 a fresh Python process: an engine's memory, threads and crashes stay its own, and the
 caller gets the figures back as the function's value, or one line when the check failed (its log has the rest).
@@ -13,6 +15,7 @@ caller gets the figures back as the function's value, or one line when the check
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -39,6 +42,7 @@ class ServingCheck:
         greedy_tokens: greedy ids generated after each text's first window's first 32 tokens (0: none).
         threads: CPU threads (None: the free cores).
         converter: llama.cpp's ``convert_hf_to_gguf.py``, for a folder scored in llama.cpp.
+        kept: labels of ``models`` whose rows are kept in the cache and read from it (:func:`kept_row_path`).
     """
 
     models: tuple[tuple[str, str, str], ...]
@@ -49,6 +53,7 @@ class ServingCheck:
     greedy_tokens: int = GREEDY_TOKENS
     threads: int | None = None
     converter: str | None = None
+    kept: tuple[str, ...] = ()
 
     def run(self) -> dict:
         """{text label: {"setup": ..., "rows": {model label: {engine: row}}}} (``eval.bench serving``'s rows)."""
@@ -59,18 +64,74 @@ class ServingCheck:
                    for label, text in self.texts}
         settings = EngineSettings.build(threads=self.threads, context=self.seq_len,
                                         **({"converter": self.converter} if self.converter else {}))
-        engines: dict[str, dict[str, str]] = {}
-        for label, model, engine in self.models:
-            engines.setdefault(engine, {})[label] = model
         result = {label: {"setup": serving_setup(text, self.seq_len, windows[label]), "rows": {}}
                   for label, text in self.texts}
+        engines: dict[str, dict[str, str]] = {}
+        stored: dict[tuple[str, str], dict[str, Path]] = {}  # (label, engine) -> text -> its kept row's file
+        for label, model, engine in self.models:
+            if label in self.kept:
+                paths = {text: kept_row_path(model, engine, windows[text], self.greedy_tokens, self.threads)
+                         for text in windows}
+                rows = {text: _read_row(path) for text, path in paths.items() if path is not None}
+                if len(rows) == len(windows) and all(row is not None for row in rows.values()):
+                    for text, row in rows.items():
+                        result[text]["rows"].setdefault(label, {})[engine] = {**row, "kept": True}
+                    continue
+                stored[(label, engine)] = {text: path for text, path in paths.items() if path is not None}
+            engines.setdefault(engine, {})[label] = model
         for engine, models in engines.items():
             scored = score_texts(engine, models, windows, settings, self.greedy_tokens)
             for text, per_model in scored.items():
                 for label, row in per_model.items():
                     row.update(serving=model_layout(models[label]), path=str(models[label]))
                     result[text]["rows"].setdefault(label, {})[engine] = row
+                    path = stored.get((label, engine), {}).get(text)
+                    if path is not None and row.get("runs"):
+                        _keep_row(path, row)
         return result
+
+
+def kept_row_path(model: str, engine: str, window_ids: list[list[int]], greedy_tokens: int,
+                  threads: int | None = None) -> Path | None:
+    """Where the cache keeps ``model``'s serving row in ``engine`` on these windows (None: its files unknown).
+
+    The name is a digest of what the row depends on: the model's files (path, names, sizes and times), the
+    engine and its version, torch's and transformers' versions, the token ids, the greedy length and the threads
+    (the order of a sum changes with them, and a greedy id may follow).
+    """
+    import importlib.metadata
+
+    from eval.speed.engines import get_engine
+    from eval.speed.engines.base import checkpoint_folder
+    from prune.loading.gguf import cache_dir
+
+    given = Path(model).expanduser()
+    found = given if given.exists() else Path(checkpoint_folder(model) or model)
+    if found.is_file():
+        files = [found]
+    elif found.is_dir():
+        files = sorted(p for p in found.iterdir() if p.is_file() and p.suffix != ".gguf")
+    else:
+        return None
+    stamp = [str(found.resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    versions = [get_engine(engine).version()] + [importlib.metadata.version(name) for name in ("torch", "transformers")]
+    key = json.dumps([stamp, engine, versions, window_ids, greedy_tokens, threads])
+    return cache_dir() / "serving-rows" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def _read_row(path: Path) -> dict | None:
+    try:
+        row = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # absent or damaged: measured again
+        return None
+    return row if isinstance(row, dict) and row.get("runs") else None
+
+
+def _keep_row(path: Path, row: dict) -> None:
+    from prune.atomic import write_file_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(path, lambda staging: Path(staging).write_text(json.dumps(row, default=str), encoding="utf-8"))
 
 
 @dataclass(frozen=True)

@@ -409,9 +409,12 @@ def samples_kept_in(folder: str | Path) -> Iterator[None]:
         _KEPT_IN.pop()
 
 
-def _sample_key(model, tokenizer, count: int, seq_len: int, seed: int, options: dict,
+def _sample_key(model, tokenizer, count: int | None, seq_len: int, seed: int, options: dict,
                 batch_size: int = SELF_BATCH) -> str | None:
-    """What the sampled tokens depend on, hashed; ``None`` when the weights cannot be stamped."""
+    """What the sampled tokens depend on, hashed; ``None`` when the weights cannot be stamped.
+
+    ``count`` None: the key of every sample of these settings, whatever its rows (:func:`cached_samples`).
+    """
     stamp = weights_fingerprint(model, sums=True)
     if stamp is None:
         return None
@@ -427,30 +430,75 @@ def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, batch:
 
     Sampling is the slow part of the default calibration on a CPU (256 x 128 tokens of SmolLM2-135M take
     about 9 minutes on 2 cores), and every distillation and comparison cell of one model asks for the same
-    tokens. The file is named by a digest of everything the tokens depend on, the weights' values
-    included (:func:`prune.stamps.weights_fingerprint` with sums); anything else, an unreadable file or
-    weights that cannot be stamped, samples again.
+    tokens. A sample is drawn in whole batches of ``batch`` rows (the last one too, its surplus rows kept)
+    and named by a digest of everything the tokens depend on but the row count, the weights' values included
+    (:func:`prune.stamps.weights_fingerprint` with sums), and its rows: ``KEY-ROWS.safetensors``. The first
+    rows of a sample are the rows of any smaller one, batch for batch, so a kept sample serves every request
+    its whole batches cover (``--samples 32`` reads the first 20 rows of the 36 the default calibration keeps).
+    Anything else, an unreadable file or weights that cannot be stamped, samples again.
     """
-    key = _sample_key(model, tokenizer, count, seq_len, seed, options, batch)
-    if key is None:
+    every = _sample_key(model, tokenizer, None, seq_len, seed, options, batch)
+    if every is None:
         return sample_sequences(model, tokenizer, count, seq_len, seed, batch_size=batch, **options)
-    name = f"{key}.safetensors"
-    path = self_cache_dir() / name
+    # an earlier version named a sample by its exact row count: read first, it is what that request drew then
+    exact = f"{_sample_key(model, tokenizer, count, seq_len, seed, options, batch)}.safetensors"
     # a folder keeping its own samples first: it holds what an earlier run, maybe on another machine, measured on
-    kept = [folder / name for folder in reversed(_KEPT_IN)]
-    ids = source = None
-    for candidate in (*kept, path, SHIPPED_SAMPLES / name):  # shipped: the embedded model's first run
-        ids = _read_samples(candidate, count, seq_len)
-        if ids is not None:
-            source = candidate
+    kept = list(reversed(_KEPT_IN))
+    whole = source = None
+    for folder in (*kept, self_cache_dir(), SHIPPED_SAMPLES):  # shipped: the embedded model's first run
+        for candidate in (folder / exact, *_covering(folder, every, count, batch)):
+            whole = _read_samples(candidate, count, seq_len)
+            if whole is not None:
+                source = candidate
+                break
+        if whole is not None:
             break
-    if ids is None:
-        ids = sample_sequences(model, tokenizer, count, seq_len, seed, batch_size=batch, **options)
-        _keep_samples(ids, path)
-    for target in kept:  # the cache is not filled from a folder: its copy would outlive the folder's run
-        if target != source and _read_samples(target, count, seq_len) is None:
-            _keep_samples(ids, target)
-    return ids
+    if whole is None:
+        rows = -(-count // batch) * batch
+        whole = sample_sequences(model, tokenizer, rows, seq_len, seed, batch_size=batch, **options)
+        source = self_cache_dir() / f"{every}-{rows}.safetensors"
+        _keep_samples(whole, source)
+    for folder in kept:  # the cache is not filled from a folder: its copy would outlive the folder's run
+        if source.parent != folder and _read_samples(folder / source.name, count, seq_len) is None:
+            _keep_samples(whole, folder / source.name)
+    return whole[:count]
+
+
+def self_rows(config: DataConfig, model: str) -> int:
+    """Rows of the model's own text ``config`` samples (whole batches), 0 where it samples none or its text ships.
+
+    Read from the settings alone, before any weight: the embedded model's default sample ships with layercut
+    (:data:`SHIPPED_SAMPLES`: 36 rows, of which any 32 or all 36 serve), so its runs sample nothing.
+    """
+    from prune.loading.names import EMBEDDED_MODEL
+
+    sources = config.sources
+    weights = [source.weight for source in sources]
+    wanted = {index: samples + heldout for index, (samples, heldout) in enumerate(zip(
+        shares(config.samples, weights), shares(config.heldout_samples, weights), strict=True))}
+    rows = 0
+    for index, source in enumerate(sources):
+        if not source.is_self:
+            continue
+        count, batch = wanted[index], dict(source.sampling).get("batch", SELF_BATCH)
+        shipped = (model.lower() == EMBEDDED_MODEL and config.seq_len == 512 and config.seed == 0
+                   and dict(source.sampling) == SELF_DEFAULTS and (count <= 32 or count == 36))
+        rows += 0 if shipped else -(-count // int(batch)) * int(batch)
+    return rows
+
+
+def _covering(folder: Path, every: str, count: int, batch: int) -> list[Path]:
+    """The samples of key ``every`` in ``folder`` whose rows hold ``count`` rows drawn in whole batches, fewest first.
+
+    A sample of ``m`` rows holds them when ``count == m``, or when ``count`` rows fit in its first ``m // batch``
+    batches (an earlier version drew a last, smaller batch: its rows are not those of a whole one).
+    """
+    found = []
+    for path in folder.glob(f"{every}-*.safetensors") if folder.is_dir() else ():
+        rows = path.stem.rpartition("-")[2]
+        if rows.isdigit() and (int(rows) == count or count <= int(rows) // batch * batch):
+            found.append((int(rows), path))
+    return [path for _, path in sorted(found)]
 
 
 def _keep_samples(ids: torch.Tensor, path: Path) -> None:
@@ -463,8 +511,11 @@ def _keep_samples(ids: torch.Tensor, path: Path) -> None:
         logger.warning("could not keep the sampled text in %s (%s): the next run samples again", path, err)
 
 
-def _read_samples(path: Path, count: int, seq_len: int) -> torch.Tensor | None:
-    """The [count, seq_len] token ids kept in ``path``; None when it is missing, unreadable or of another shape."""
+def _read_samples(path: Path, count: int | None, seq_len: int) -> torch.Tensor | None:
+    """The [rows, seq_len] token ids kept in ``path``, ``count`` rows at least.
+
+    None when the file is missing, unreadable, of another shape or too short.
+    """
     if not path.is_file():
         return None
     from safetensors.torch import load_file
@@ -474,9 +525,9 @@ def _read_samples(path: Path, count: int, seq_len: int) -> torch.Tensor | None:
     except Exception as err:  # a truncated or foreign file is only a missed cache entry
         logger.warning("ignoring the unreadable sample cache %s (%s): sampling again", path, err)
         return None
-    if tuple(ids.shape) != (count, seq_len) or ids.dtype != torch.long:
+    if ids.dim() != 2 or ids.shape[1] != seq_len or ids.dtype != torch.long or ids.shape[0] < (count or 1):
         return None
-    logger.info("sampled text read from %s (%d x %d tokens)", path, count, seq_len)
+    logger.info("sampled text read from %s (%d x %d tokens)", path, ids.shape[0], seq_len)
     return ids
 
 

@@ -177,6 +177,36 @@ def fit_spans(model: nn.Module, spans: Sequence[tuple[int, ...]], token_ids: tor
     return {r.span: r for r in fit(model, fitters, token_ids, config)}
 
 
+def fit_spans_of_methods(model: nn.Module, wanted: Sequence[tuple[ReplaceConfig, Sequence[tuple[int, ...]]]],
+                         token_ids: torch.Tensor) -> list[dict[tuple[int, ...], Replacement]]:
+    """:func:`fit_spans` for several methods, their fitters fed by one capture pass where their batches agree.
+
+    ``wanted``: (a method's config, its spans) pairs; returns each pair's fits, in order. A fit observes the same
+    activations whichever other fits the pass feeds (the hooks only record), so each is what :func:`fit_spans`
+    gives it alone; methods that cut the batches otherwise (``short``, ``batch_size``) or a skeleton's
+    block-by-block pass are fitted on their own.
+    """
+    results: list[dict[tuple[int, ...], Replacement]] = [{} for _ in wanted]
+    groups: dict[tuple[int, int], list[int]] = {}
+    for index, (config, spans) in enumerate(wanted):
+        if get_method(config.method).fitter is None or not spans:
+            continue
+        if is_offloaded(model):
+            results[index] = fit_spans(model, spans, token_ids, config)
+        else:
+            cut = config.short if short_cut(token_ids, config) else 0
+            groups.setdefault((config.batch_size, cut), []).append(index)
+    original = list(get_blocks(model)[1])
+    for members in groups.values():
+        fitters = [(index, get_method(config.method).fitter(model, original, span, config))
+                   for index in members for config in [wanted[index][0]]
+                   for span in dict.fromkeys(map(tuple, wanted[index][1]))]
+        done = _fit_independent(model, [fitter for _, fitter in fitters], token_ids, wanted[members[0]][0])
+        for (index, _), replacement in zip(fitters, done, strict=True):
+            results[index][replacement.span] = replacement
+    return results
+
+
 def surgered_view(model: nn.Module, replacements: Sequence[Replacement]):
     """The model with ``replacements`` (fitted on its current blocks) in place for the length of a ``with``."""
     return _surgered_view(model, list(get_blocks(model)[1]), replacements)

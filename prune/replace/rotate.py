@@ -200,20 +200,29 @@ def fit_rotation(moments: PairMoments, dim: int, ridge: float = 0.0, iterations:
     rotation = torch.eye(dim, dtype=gram.dtype, device=gram.device)
     scale = 1.0
 
-    def loss_of(s: float, q: torch.Tensor, w: torch.Tensor) -> float:
-        return (yy - 2 * s * float(torch.sum(q * c_ry)) - 2 * float(torch.sum(w * c_zy)) + s * s * tr_rr
-                + 2 * s * float(torch.sum(q * (g_rz @ w))) + float(torch.sum(w * (g_zz @ w))))
+    def solved(s: float, q: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """``W'`` for ``(s, Q)`` and the loss of ``(s, Q, W')``.
 
-    weight = torch.cholesky_solve(c_zy - scale * g_rz.T @ rotation, factor)
-    start = previous = loss_of(scale, rotation, weight)
+        The loss's two largest products come from the solve itself: with ``a = G_rz^T Q`` and the right-hand side
+        ``b = C_zy - s a``, ``(G_zz + lam I) W' = b`` gives ``<W', G_zz W'> = <W', b> - lam <W', W'>`` and
+        ``<Q, G_rz W'> = <a, W'>``: no [intermediate, intermediate] product per round.
+        """
+        a = g_rz.T @ q
+        rhs = c_zy - s * g_rz.T @ q  # spelled as it always was ((s G_rz^T) Q): the same weights to the last bit
+        w = torch.cholesky_solve(rhs, factor)
+        loss = (yy - 2 * s * float(torch.sum(q * c_ry)) - 2 * float(torch.sum(w * c_zy)) + s * s * tr_rr
+                + 2 * s * float(torch.sum(a * w)) + float(torch.sum(w * rhs)) - lam * float(torch.sum(w * w)))
+        return w, loss
+
+    weight, start = solved(scale, rotation)
+    previous = start
     done = 0
     for _ in range(iterations):
         done += 1
         u, sigma, vh = torch.linalg.svd(c_ry - g_rz @ weight)
         rotation = u @ vh
         scale = max(float(sigma.sum()) / tr_rr, 1e-6)
-        weight = torch.cholesky_solve(c_zy - scale * g_rz.T @ rotation, factor)
-        loss = loss_of(scale, rotation, weight)
+        weight, loss = solved(scale, rotation)
         if previous - loss <= 1e-9 * abs(start):
             previous = loss
             break

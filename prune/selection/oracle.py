@@ -101,6 +101,26 @@ def states_entering(model: nn.Module, batch: torch.Tensor, upto: int) -> list[to
     return [kept[0] for kept in states] if all(len(kept) == 1 for kept in states) else None
 
 
+def logits_and_states(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    """The logits of ``batch`` and the hidden state entering every block, from one pass.
+
+    The states are kept as :func:`states_entering` keeps them; None when a block did not run exactly once.
+    """
+    _, blocks = get_blocks(model)
+    states: list[list[torch.Tensor]] = [[] for _ in blocks]
+
+    def keeper(position: int):
+        def keep(_module, args, kwargs):
+            state = block_input(args, kwargs).detach()
+            states[position].append(state.to("cpu", copy=True) if state.device.type == "cuda" else state.clone())
+        return keep
+
+    handles = [block.register_forward_pre_hook(keeper(i), with_kwargs=True) for i, block in enumerate(blocks)]
+    with hooks_held(handles):
+        logits = model(input_ids=batch, use_cache=False).logits
+    return logits, [kept[0] for kept in states] if all(len(kept) == 1 for kept in states) else None
+
+
 def _loss_without(model: nn.Module, batch: torch.Tensor, position: int) -> float:
     with blocks_removed(model, [position]):
         return batch_loss(model, batch)

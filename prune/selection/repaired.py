@@ -50,11 +50,12 @@ from prune.replace import (
     Replacement,
     check_span_lengths,
     fit_spans,
+    fit_spans_of_methods,
     get_method,
     spans_of,
     surgered_view,
 )
-from prune.selection.oracle import logits_from, states_entering
+from prune.selection.oracle import logits_and_states, logits_from, states_entering
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,9 @@ ROWS = ("eighth", "crossfit")
 # a run's memo may hold, under this name, ``(repair key) -> dict`` making the costs dict of a repair (eval.compare
 # keeps them on disk that way, so a comparison killed mid-selection resumes from its last finished step)
 COSTS_STORE = "repaired-costs"
+# a run's memo may hold, under this name, a dict in which every RepairedCosts keeps the original model's passes over
+# the measuring rows (:func:`shared_references`)
+REFERENCES = "repaired-references"
 # positions whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
 _CHUNK = 64
 
@@ -160,6 +164,8 @@ class RepairedCosts:
             store = memo.get(COSTS_STORE) if memo is not None else None
             shared["costs"] = store(self.key) if store is not None else {}
         self.costs: dict[tuple[int, ...], dict[str, float]] = shared["costs"]
+        # the original's passes over the measuring rows, where the caller shares them (:func:`shared_references`)
+        self.references: dict | None = None if memo is None else memo.get(REFERENCES)
         self._fold = 0  # the fold whose fits the views put in place
         self._plain = False  # set when starting a pass at a later block does not reproduce the whole pass
         self._checked = False
@@ -207,12 +213,16 @@ class RepairedCosts:
             return
         for fold in range(len(self.folds)):
             with self._on_fold(fold):
-                missing = [span for blocks in sets for span in spans_of(sorted(blocks)) if span not in self.fits]
-                missing = list(dict.fromkeys(missing))
+                missing = self._missing(sets)
                 if missing:
                     logger.info("repaired selection: fitting %d span(s) on %d rows", len(missing),
                                 self.fit_ids.shape[0])
                     self.fits.update(fit_spans(self.model, missing, self.fit_ids, self.config))
+
+    def _missing(self, sets: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The spans of ``sets`` not fitted yet on the current fold's rows."""
+        return list(dict.fromkeys(span for blocks in sets for span in spans_of(sorted(blocks))
+                                  if span not in self.fits))
 
     def fit_sets(self, sets: Sequence[Sequence[int]]) -> None:
         """Fit every span of ``sets`` not fitted yet, all in one capture pass (rather than one pass per set)."""
@@ -315,16 +325,21 @@ class RepairedCosts:
         try:
             for first in range(0, measure_ids.shape[0], self.batch_size):
                 batch = measure_ids[first : first + self.batch_size].to(input_device(self.model))
-                dense = torch.log_softmax(self.model(input_ids=batch, use_cache=False).logits[:, :-1].float(), -1)
-                states = None
                 # a view that differs from the base nowhere (the empty set against none) runs whole
                 deepest = max((s for s in starts if s < len(get_blocks(self.model)[1])), default=0)
-                if not self._plain and deepest > 0:
-                    with self.view(base):
-                        states = states_entering(self.model, batch, deepest)
-                    if states is None:
-                        logger.warning("repaired selection: a block ran more than once; measuring whole passes")
-                        self._plain = True
+                if not base and self.references is not None:  # the original's pass, shared by every repair
+                    dense, states = self._original_pass(first, batch)
+                    states = states[: deepest + 1] if states is not None and deepest > 0 else None
+                else:
+                    dense = torch.log_softmax(self.model(input_ids=batch, use_cache=False).logits[:, :-1].float(),
+                                              -1)
+                    states = None
+                    if not self._plain and deepest > 0:
+                        with self.view(base):
+                            states = states_entering(self.model, batch, deepest)
+                if states is None and not self._plain and deepest > 0:
+                    logger.warning("repaired selection: a block ran more than once; measuring whole passes")
+                    self._plain = True
                 for i, blocks in enumerate(sets):
                     with self.view(blocks):
                         logits = self._logits(batch, starts[i], states)
@@ -337,6 +352,18 @@ class RepairedCosts:
         finally:
             self.model.train(was_training)
         return targets
+
+    def _original_pass(self, first: int, batch: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """The original model's log-probabilities on a batch of measuring rows and the state entering each block.
+
+        Kept in :attr:`references` (shared by every repair measured on the same rows), so the repairs of a
+        shortlist run the original once per batch rather than twice each.
+        """
+        key = (self.rows, self._fold, first)
+        if key not in self.references:
+            logits, states = logits_and_states(self.model, batch)
+            self.references[key] = (torch.log_softmax(logits[:, :-1].float(), -1), states)
+        return self.references[key]
 
     def _logits(self, batch: torch.Tensor, start: int, states: list[torch.Tensor] | None) -> torch.Tensor:
         """The current view's logits, its blocks before ``start`` skipped when their output is at hand."""
@@ -354,6 +381,45 @@ class RepairedCosts:
                 self._plain = True
                 return reference
         return logits
+
+
+@contextmanager
+def shared_references(memo: dict) -> Iterator[None]:
+    """Inside the ``with``, repairs measured with ``memo`` run the original once per batch of measuring rows.
+
+    Not once per repair: its log-probabilities and states are kept (a batch's logits in float32, several hundred
+    MB for a large vocabulary) and dropped at the end. Only the costs made inside the ``with`` share them.
+    """
+    memo[REFERENCES] = {}
+    try:
+        yield
+    finally:
+        memo.pop(REFERENCES, None)
+
+
+def fit_together(wanted: Sequence[tuple[RepairedCosts, Sequence[Sequence[int]]]]) -> None:
+    """:meth:`RepairedCosts.fit_sets` of several repairs on the same model and rows, one capture pass per fold.
+
+    ``prune.ship`` measures every servable repair: each fit is what its own pass would give it (the hooks of
+    the others only record), and the calibration is read once rather than once per repair.
+    """
+    wanted = [(costs, [s for s in sets if costs._valid(s)]) for costs, sets in wanted if not costs.removes_only]
+    if not wanted:
+        return
+    first = wanted[0][0]
+    for costs, _ in wanted:
+        if costs.model is not first.model or len(costs.folds) != len(first.folds) or not all(
+                torch.equal(a[0], b[0]) for a, b in zip(costs.folds, first.folds, strict=True)):
+            raise ValueError("fit_together fits repairs of one model on the same rows")
+    for fold in range(len(first.folds)):
+        pending = []
+        for costs, sets in wanted:
+            with costs._on_fold(fold):
+                pending.append((costs, costs._missing(sets)))
+        fits = fit_spans_of_methods(first.model, [(costs.config, missing) for costs, missing in pending],
+                                    first.folds[fold][0])
+        for (costs, _), found in zip(pending, fits, strict=True):
+            costs._fold_fits[fold].update(found)
 
 
 @torch.no_grad()
@@ -438,16 +504,26 @@ def map_errors(model: nn.Module, token_ids: torch.Tensor, update_scale: float = 
     One pass over the calibration (the fitting rows, then the measuring rows of :func:`split_rows`); the map
     is ``update_scale`` of the way from the identity to the least-squares fit, as ``--replace linear`` applies it.
     """
+    return map_errors_of_shares(model, token_ids, [update_scale], ridge, batch_size)[update_scale]
+
+
+def map_errors_of_shares(model: nn.Module, token_ids: torch.Tensor, shares: Sequence[float], ridge: float = 0.0,
+                         batch_size: int = 4) -> dict[float, list[float]]:
+    """:func:`map_errors` for every share of the update in ``shares``, all from the one pass.
+
+    The moments do not depend on the share, only the map fitted from them does: ``prune.ship``, which runs
+    ``repaired-fast`` for repairs applying 0.7 and 1.0 of their update, reads the calibration once, not twice.
+    """
     fit_ids, measure_ids = split_rows(token_ids)
     fitted = stream_any(model, fit_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
     held = stream_any(model, measure_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
-    errors = []
+    errors: dict[float, list[float]] = {share: [] for share in shares}
     for block in range(len(get_blocks(model)[1])):
-        fit = scale_update(fit_linear_map(fitted.pair(block, block + 1), ridge), update_scale)
-        moments = held.pair(block, block + 1)
-        sse = residual_sums(fit, moments)
+        full, moments = fit_linear_map(fitted.pair(block, block + 1), ridge), held.pair(block, block + 1)
         energy = torch.diagonal(moments.cyy) + moments.n * moments.mean_y**2  # uncentred: the state's own size
-        errors.append(float(sse.sum() / energy.sum()))
+        for share, found in errors.items():
+            sse = residual_sums(scale_update(full, share), moments)
+            found.append(float(sse.sum() / energy.sum()))
     return errors
 
 

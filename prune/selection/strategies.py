@@ -35,7 +35,14 @@ from prune.model.adapters import is_offloaded
 from prune.model.surgery import blocks_removed
 from prune.registry import Registry
 from prune.selection.oracle import removal_cache, removal_perplexities
-from prune.selection.repaired import RepairedCosts, greedy_order, map_errors, single_costs, update_share
+from prune.selection.repaired import (
+    RepairedCosts,
+    greedy_order,
+    map_errors,
+    map_errors_of_shares,
+    single_costs,
+    update_share,
+)
 
 if TYPE_CHECKING:
     from prune.replace import ReplaceConfig
@@ -134,6 +141,9 @@ class Selection:
         repairs: each candidate set is repaired by the run's method before it is measured.
         rows: for a repaired selection, which calibration rows measure a set (``prune.selection.repaired.ROWS``):
             "eighth" (one in eight; the others fit) or "crossfit" (every row, by repairs fitted on the other half).
+        prepare: for a selection about to run for several repairs on the same model and calibration (``prune.ship``
+            runs each one-pass selection once per repair), the work they share, done once into the run's memo:
+            ``(memo, model, token_ids, replaces, batch_size) -> None``; None where there is none.
     """
 
     name: str
@@ -143,6 +153,7 @@ class Selection:
     units: bool = False
     repairs: bool = False
     rows: str = "eighth"
+    prepare: Callable[..., None] | None = None
 
     def __call__(self, inputs: SelectionInput) -> list[int]:
         """The blocks (or units) the strategy chooses."""
@@ -158,7 +169,7 @@ SELECTIONS: Registry[Selection] = Registry("selection")
 
 
 def register_selection(name: str, help: str = "", *, measures: str | bool = "", units: bool = False,
-                       repairs: bool = False, rows: str = "eighth"):
+                       repairs: bool = False, rows: str = "eighth", prepare: Callable[..., None] | None = None):
     """Decorator registering a selection strategy in :data:`SELECTIONS` as ``name``, with what it declares.
 
     Args:
@@ -168,9 +179,10 @@ def register_selection(name: str, help: str = "", *, measures: str | bool = "", 
         units: it ranks sub-layer units too (:attr:`Selection.units`).
         repairs: it repairs each candidate set before measuring it (:attr:`Selection.repairs`).
         rows: the rows a repaired selection measures on (:attr:`Selection.rows`).
+        prepare: the work its runs for several repairs share (:attr:`Selection.prepare`).
     """
     pattern = "once" if measures is True else measures or ""
-    return SELECTIONS.decorator(name, lambda run: Selection(name, run, help, pattern, units, repairs, rows))
+    return SELECTIONS.decorator(name, lambda run: Selection(name, run, help, pattern, units, repairs, rows, prepare))
 
 
 def measured_selections() -> tuple[str, ...]:
@@ -408,8 +420,16 @@ def _repaired_once(inputs: SelectionInput) -> list[int]:
     return sorted(candidates, key=lambda b: (measured[b]["ppl"], b))[: inputs.count]
 
 
+def _prepare_repaired_fast(memo: dict, model, token_ids, replaces, batch_size: int) -> None:
+    """The map errors of every share of the update among ``replaces``, from one pass rather than one per share."""
+    shares = [share for share in dict.fromkeys(map(update_share, replaces)) if ("map_errors", share) not in memo]
+    if shares:
+        found = map_errors_of_shares(model, token_ids, shares, batch_size=batch_size)
+        memo.update({("map_errors", share): errors for share, errors in found.items()})
+
+
 @register_selection("repaired-fast", "the K whose least-squares map misses least on held-out rows (one pass)",
-                    measures="pass", repairs=True)
+                    measures="pass", repairs=True, prepare=_prepare_repaired_fast)
 def _repaired_fast(inputs: SelectionInput) -> list[int]:
     """One pass: the ``count`` blocks whose least-squares map misses the least of their output on held-out rows."""
     if inputs.model is None or inputs.token_ids is None:

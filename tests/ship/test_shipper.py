@@ -171,7 +171,8 @@ def test_a_repair_that_unties_a_tied_head_is_not_a_candidate_when_it_makes_the_m
 ])
 def test_bad_input_is_one_line_before_any_weight_is_read(tiny_folder, text_file, tmp_path, capsys, extra, words,
                                                          monkeypatch, no_model_load):
-    monkeypatch.setattr("ship.plan.PLAN_FACTOR", 1e9)  # the tiny model's plan is well under a second
+    # the tiny model's plan is well under a second
+    monkeypatch.setattr("ship.plan.stage_seconds", lambda *_: {"shortlist": 3600.0, "heal": 60.0})
     args = base_args(tiny_folder, text_file)
     with pytest.raises(SystemExit) if extra[0] == "--unit" else _nothing():
         code, _, err = ship(capsys, *args, *extra, "--no-verify", "--out", tmp_path / "o")

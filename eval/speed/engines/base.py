@@ -199,6 +199,8 @@ class EngineModel:
         device: Where it runs, in words.
         settings: The settings it was loaded with.
         context: Tokens one request may hold in the engine, None for no fixed limit.
+        scorer: What the engine keeps for scoring besides ``model`` (llama.cpp: a context that returns every
+            position's logits, opened at the first window and reused for the others), None until then.
     """
 
     model: Any
@@ -212,6 +214,7 @@ class EngineModel:
     device: str
     settings: EngineSettings
     context: int | None = None
+    scorer: Any = None
 
 
 # ---- the engine ----
@@ -227,6 +230,7 @@ class Engine:
         module: The package's import name.
         distribution: The package's name on PyPI.
         extra: layercut's extra that installs it, None for a core dependency.
+        install_note: what its install costs, said where it is missing (a package built from source).
         layouts: The checkpoint layouts it serves as they ship (``prune.model.layouts``).
         options: Its own settings (fields made by :func:`setting`: its flags).
         max_batch: Sequences one timing may hold, None for any.
@@ -238,6 +242,7 @@ class Engine:
     module = ""
     distribution = ""
     extra: str | None = None
+    install_note: str = ""
     layouts: tuple[str, ...] = ()
     options: type[EngineOptions] = EngineOptions
     max_batch: int | None = None
@@ -252,7 +257,8 @@ class Engine:
     def missing_message(self) -> str:
         """The one line for a missing package."""
         install = f"pip install 'layercut[{self.extra}]'" if self.extra else f"pip install {self.distribution}"
-        return f"--engine {self.name} needs {self.distribution}: {install}"
+        return f"--engine {self.name} needs {self.distribution}: {install}" + (f" ({self.install_note})"
+                                                                             if self.install_note else "")
 
     def check(self) -> None:
         """Raise the one-line error when the package is missing.

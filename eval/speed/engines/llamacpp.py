@@ -102,6 +102,8 @@ class LlamaCppEngine(Engine):
     summary = ("llama.cpp through llama-cpp-python; a folder is exported to float32 GGUF once; --threads sets its "
                "threads")
     layouts, options, max_batch = (VANILLA, DECILM), LlamaCppOptions, 1
+    # PyPI has no binary wheel of llama-cpp-python: pip compiles llama.cpp (measured: 20-26 minutes on 2 cores)
+    install_note = "pip compiles llama.cpp from source: about 25 minutes on 2 CPU cores, once"
 
     def describe(self, settings: EngineSettings) -> dict:
         """Threads, context and GPU layers (the GGUF's own types are the dtype)."""
@@ -192,20 +194,26 @@ class LlamaCppEngine(Engine):
         if handle.max_positions is not None and len(ids) > handle.max_positions:
             raise LayercutError(f"{len(ids)} tokens exceed the {handle.max_positions} positions of {handle.source}: "
                                 "score shorter windows")
-        # its own context: every position's logits (logits_all), which the timed one does not copy out
-        llm = self._open(Path(handle.source), handle.settings, len(ids), logits_all=True)
-        try:
-            llm.eval(ids)
-            logits = torch.from_numpy(llm.scores[: len(ids) - 1].copy())  # [n - 1, vocab] float32
-        finally:
-            llm.close()
+        # a context of its own that keeps every position's logits (the timed one does not copy them out), opened
+        # once: reopening it per window read the whole file again each time
+        llm = handle.scorer
+        if llm is None or llm.n_ctx() < len(ids):
+            if llm is not None:
+                llm.close()
+            llm = handle.scorer = self._open(Path(handle.source), handle.settings, max(len(ids), handle.context or 0),
+                                             logits_all=True)
+        llm.reset()  # n_tokens = 0: the window is computed from an empty KV cache
+        llm.eval(ids)
+        logits = torch.from_numpy(llm.scores[: len(ids) - 1].copy())  # [n - 1, vocab] float32
         targets = torch.tensor(ids[1:])  # [n - 1]
         return float(token_nll(logits[None], targets[None])[0]), len(ids) - 1
 
     def close(self, handle: EngineModel) -> None:
         """Free the model and its context."""
-        if handle.model is not None:
-            handle.model.close()
+        for llm in (handle.model, handle.scorer):
+            if llm is not None:
+                llm.close()
+        handle.scorer = None
         super().close(handle)
 
 

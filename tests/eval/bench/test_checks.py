@@ -38,3 +38,37 @@ def test_a_failed_check_is_one_line_naming_its_log(tiny_folder, tmp_path):
     message = str(raised.value)
     assert "\n" not in message and "missing.txt" in message and "serving.log" in message
     assert "exit 2" in message  # the check's own one-line refusal, not a crash
+
+
+def test_the_original_s_rows_are_measured_once_then_read_from_the_cache(tiny_folder, tmp_path, sample_text,
+                                                                       monkeypatch):
+    import eval.bench.serving as serving
+
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "a.txt"
+    text.write_text(sample_text)
+    scored: list[list[str]] = []
+    real = serving.score_texts
+    monkeypatch.setattr(serving, "score_texts", lambda engine, models, *a: scored.append(sorted(models)) or
+                        real(engine, models, *a))
+    check = ServingCheck(models=(("original", str(tiny_folder), "transformers"),
+                                 ("slim", str(tiny_folder), "transformers")),
+                         texts=(("a", str(text)),), tokenizer=str(tiny_folder), seq_len=16, tokens=64,
+                         greedy_tokens=4, threads=1, kept=("original",))
+    first, second = check.run(), check.run()
+    assert scored == [["original", "slim"], ["slim"]]  # the second run scored the slim model alone
+    measured, kept = first["a"]["rows"]["original"]["transformers"], second["a"]["rows"]["original"]["transformers"]
+    assert kept.pop("kept") is True and "kept" not in measured
+    assert kept == measured and kept["ppl"] > 1
+    # other token ids (another text, or more of it) are another key: measured again
+    longer = ServingCheck(**{**check.__dict__, "tokens": 48})
+    longer.run()
+    assert scored[-1] == ["original", "slim"]
+    # a changed file of the model is another key as well
+    config = tiny_folder / "config.json"
+    config.write_text(config.read_text())
+    import os
+
+    os.utime(config, ns=(1, 1))
+    check.run()
+    assert scored[-1] == ["original", "slim"]

@@ -197,8 +197,11 @@ def test_the_default_calibration_is_half_the_novel_half_the_models_own_text(toke
     tok, model = tokenised_novel, make_tiny_model("llama")  # the novel tokenised once a session (conftest)
     data = calibration_data(tok, config, model=model)
     assert [(p["samples"], p["heldout"]) for p in data.mixture] == [(3, 1), (3, 1)]
-    # the second half is the model's own text: the 3 + 1 sequences it samples with the source's seed
-    sampled = sample_sequences(model, tok, 4, 32, seed=_source_seed(0, 1, mixed=True))
+    # the second half is the model's own text: the first 3 + 1 sequences of the whole batch it samples with the
+    # source's seed
+    from prune.data.calibration import SELF_BATCH
+
+    sampled = sample_sequences(model, tok, SELF_BATCH, 32, seed=_source_seed(0, 1, mixed=True))[:4]
     rows = {tuple(r.tolist()) for r in data.token_ids}
     assert {tuple(r.tolist()) for r in sampled[:3]} <= rows and len(rows) == 6
     assert torch.equal(data.heldout_by_source[data.mixture[1]["source"]], sampled[3:])
@@ -233,14 +236,42 @@ def test_sampled_text_is_kept_for_the_same_model_and_options(sample_cache, one_t
     config = DataConfig(data="self", samples=4, seq_len=16, heldout_samples=1)
     first = calibration_data(tok, config, model=model)
     again = calibration_data(tok, config, model=model)
-    assert passes == [(5, 16)] and len(list(folder.glob("*.safetensors"))) == 1
+    assert passes == [(8, 16)] and len(list(folder.glob("*.safetensors"))) == 1  # a whole batch of 8 rows
     assert torch.equal(again.token_ids, first.token_ids) and torch.equal(again.heldout_ids, first.heldout_ids)
-    # the kept tokens are the ones sampling gives
-    assert torch.equal(torch.cat([first.token_ids, first.heldout_ids]), sample_sequences(model, tok, 5, 16, seed=0))
+    # the kept tokens are the first rows sampling gives
+    assert torch.equal(torch.cat([first.token_ids, first.heldout_ids]), sample_sequences(model, tok, 8, 16, seed=0)[:5])
     calibration_data(tok, DataConfig(data="self", samples=4, seq_len=16, heldout_samples=1, seed=1), model=model)
     calibration_data(tok, DataConfig(data="self:temperature=0.8", samples=4, seq_len=16, heldout_samples=1),
                      model=model)
     assert len(passes) == 3 and len(list(folder.glob("*.safetensors"))) == 3
+
+
+def test_a_kept_sample_serves_every_smaller_request_its_whole_batches_cover(sample_cache, one_thread):
+    from prune.data.calibration import cached_samples
+
+    folder, passes = sample_cache
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    large = cached_samples(model, tok, 20, 16, 0)  # three whole batches of 8 drawn, 24 rows kept
+    assert passes == [(24, 16)] and [p.stem.rpartition("-")[2] for p in folder.glob("*.safetensors")] == ["24"]
+    for count in (3, 8, 13, 24):
+        assert torch.equal(cached_samples(model, tok, count, 16, 0), large[:count] if count <= 20 else
+                           cached_samples(model, tok, 24, 16, 0))
+    assert len(passes) == 1
+    # drawn afresh, a smaller request is the first rows of the larger one: the same tokens with or without it
+    for path in folder.glob("*.safetensors"):
+        path.unlink()
+    assert torch.equal(cached_samples(model, tok, 13, 16, 0), large[:13]) and passes[-1] == (16, 16)
+    # a sample an earlier version drew with a smaller last batch (20 rows: 8, 8, 4) serves its first 16 rows or all
+    # 20, never 17-19: its third batch's rows are not a whole batch's
+    (kept,) = folder.glob("*.safetensors")
+    legacy = sample_sequences(model, tok, 20, 16, seed=0)
+    from safetensors.torch import save_file
+
+    kept.unlink()
+    save_file({"ids": legacy}, str(folder / kept.name.replace("-16.", "-20.")))
+    assert torch.equal(cached_samples(model, tok, 16, 16, 0), legacy[:16])
+    assert torch.equal(cached_samples(model, tok, 20, 16, 0), legacy) and len(passes) == 2
+    assert torch.equal(cached_samples(model, tok, 18, 16, 0), large[:18]) and len(passes) == 3
 
 
 def test_a_sampling_batch_is_its_own_draw_and_its_own_cache_entry(sample_cache, one_thread):

@@ -167,3 +167,21 @@ def test_layouts_that_cannot_carry_a_rotation_are_refused_in_one_line(model_type
     assert "\n" not in str(error.value) and str(error.value).startswith("--replace fold-rotate: ")
     with pytest.raises(LayercutError, match=f"^--replace rotate-twin: .*{why}"):  # the name it is registered as
         check_rotatable(make_tiny_model(model_type), "rotate-twin")
+
+
+def test_the_fit_s_losses_read_from_its_solves_are_the_squared_errors_of_its_maps():
+    """The rounds take the loss from the solve's own products; it must be the error of (s, Q, W') on the data."""
+    gen = torch.Generator().manual_seed(1)
+    d, width, n = 5, 9, 3000
+    r = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    z = torch.randn(n, width, generator=gen, dtype=torch.float64)
+    y = 0.8 * r + z @ torch.randn(width, d, generator=gen, dtype=torch.float64) + 0.5 * torch.randn(
+        n, d, generator=gen, dtype=torch.float64)  # noise: no exact fit, the rounds stop on a small gain
+    x = torch.cat([r, z], 1)
+    moments = PairMoments(n, torch.zeros(d + width, dtype=torch.float64), torch.zeros(d, dtype=torch.float64),
+                          x.T @ x, x.T @ y, y.T @ y)
+    for ridge in (0.0, 0.1):
+        fit = fit_rotation(moments, d, ridge=ridge, iterations=40)
+        error = float(((y - fit.scale * r @ fit.rotation - z @ fit.weight) ** 2).sum())
+        assert abs(fit.loss - error) < 1e-9 * error and fit.loss < fit.start_loss
+        assert 1 <= fit.iterations < 40

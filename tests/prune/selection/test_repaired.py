@@ -243,3 +243,80 @@ def test_prune_run_selects_for_the_repair_and_reports_each_step(tiny_folder, tmp
     assert len(selection["steps"][0]["costs"]) == 4 and len(selection["steps"][1]["costs"]) == 3
     chosen = selection["steps"][0]
     assert chosen["drop"] == int(min(chosen["costs"], key=lambda b: chosen["costs"][b]["ppl"]))
+
+
+def _count_passes(model, monkeypatch) -> list[int]:
+    """A list that grows by one at each call of the model's base (a capture or statistics pass)."""
+    calls: list[int] = []
+    base = model.base_model
+    real = base.forward
+    monkeypatch.setattr(base, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_several_repairs_fitted_together_read_the_rows_once_and_fit_what_each_alone_fits(one_thread, monkeypatch):
+    from prune.selection.repaired import fit_together
+
+    model = make_tiny_model("llama", seed=3)
+    sets = [[1, 2], [2], [1]]
+    alone = {}
+    for method in ("fold", "fold-rotate", "cosine"):
+        costs = RepairedCosts(model, IDS, ReplaceConfig(method=method, progress=False), batch_size=4)
+        costs.fit_sets(sets)
+        alone[method] = costs
+    together = {m: RepairedCosts(model, IDS, ReplaceConfig(method=m, progress=False), batch_size=4) for m in alone}
+    calls = _count_passes(model, monkeypatch)
+    fit_together([(costs, sets) for costs in together.values()])
+    assert len(calls) == -(-split_rows(IDS)[0].shape[0] // 4)  # one pass over the fitting rows, in batches of 4
+    for method, costs in together.items():
+        assert sorted(costs.fits) == sorted(alone[method].fits) == [(1,), (1, 2), (2,)]
+        for span, fitted in costs.fits.items():
+            before = alone[method].fits[span]
+            assert fitted.method == method and fitted.record.get("scale") == before.record.get("scale")
+            with costs.view(list(span)):
+                mine = [p.detach().clone() for p in model.parameters()]
+            with alone[method].view(list(span)):
+                theirs = [p.detach().clone() for p in model.parameters()]
+            assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True)), (method, span)
+        # fold-rotate's hosted form is hooks, not weights: the measured costs tell its fits apart
+        assert costs.measure_sets(sets) == alone[method].measure_sets(sets), method
+
+
+def test_repaired_fast_prepared_for_several_shares_reads_the_rows_once_and_ranks_as_alone(one_thread, monkeypatch):
+    from prune.selection.strategies import SELECTIONS
+
+    model = make_tiny_model("llama", seed=5)
+    shares = {0.7: map_errors(model, IDS, 0.7), 1.0: map_errors(model, IDS, 1.0)}
+    memo: dict = {}
+    calls = _count_passes(model, monkeypatch)
+    replaces = [ReplaceConfig(method=m) for m in ("fold", "fold-rotate", "cosine")]
+    SELECTIONS.get("repaired-fast").prepare(memo, model, IDS, replaces, 4)
+    fit, measure = split_rows(IDS)
+    assert len(calls) == -(-fit.shape[0] // 4) + -(-measure.shape[0] // 4)  # the two row sets, once
+    assert memo == {("map_errors", share): errors for share, errors in shares.items()}
+    assert shares[0.7] != shares[1.0]
+
+
+def test_repairs_sharing_the_original_s_passes_measure_what_each_measures_alone(one_thread, monkeypatch):
+    from prune.selection.repaired import fit_together, shared_references
+
+    model = make_tiny_model("llama", seed=4)
+    sets = [[1, 2], [2], [1]]
+    methods = ("fold", "cosine", "none")
+    alone = {m: RepairedCosts(model, IDS, ReplaceConfig(method=m, progress=False), batch_size=4).measure_sets(sets)
+             for m in methods}
+    memo: dict = {}
+    with shared_references(memo):
+        costs = {m: RepairedCosts(model, IDS, ReplaceConfig(method=m, progress=False), batch_size=4, memo=memo)
+                 for m in methods}
+        fit_together([(c, sets) for c in costs.values()])
+        whole = model.forward
+        heads: list[int] = []
+        monkeypatch.setattr(model, "forward", lambda *a, **k: heads.append(1) or whole(*a, **k))
+        shared = {m: c.measure_sets(sets) for m, c in costs.items()}
+    assert shared == alone  # the same numbers, to the last bit
+    measuring_batches = -(-split_rows(IDS)[1].shape[0] // 4)
+    # the original's logits once per batch, not once per repair; then a pass per set from its cut, and each repair's
+    # one check that such a pass gives the whole pass's logits
+    assert len(heads) == measuring_batches + len(methods) * (measuring_batches * len(sets) + 1)
+    assert "repaired-references" not in memo  # dropped at the end of the with

@@ -1,0 +1,151 @@
+"""The planner's seconds for each of ``prune.ship``'s stages, from the model's config alone.
+
+``prune.planner`` times ``prune.run``'s stages by their arithmetic at a measured rate. A ship runs other work,
+counted here in the same units before any weight is read:
+
+- shortlist: the calibration's own text from the model, where the data samples it and no earlier run kept it
+  (``--data`` with ``self``; SmolLM2-135M's default sample ships with layercut), a decode step per token of a
+  batch of rows, each reading every weight; the scoring pass (every state's statistics), the one pass
+  ``repaired-fast`` reads, one capture pass over the fitting rows that feeds every repair's fits, the fits' own
+  sums and solves (``fit_width`` of each repair's registration), and the measuring passes (each repair's
+  reference pass and one per candidate from its first changed block);
+- build: a capture pass over every calibration row, the chosen repair's fit, the held-out perplexities of
+  the original and the checkpoint, the checkpoint written;
+- heal: ``prune.planner``'s distillation stage for ``--heal-steps`` (:func:`ship.plan.planned_heal`);
+- export: llama.cpp's converter reading and writing the float32 checkpoint, and its quantizer;
+- verify: the held-out tokens through the original (unless its rows are kept) and the checkpoint in
+  transformers, the shipped file in its engine, and the speed check's rounds; each check in a fresh process.
+
+Rates are ``prune.planner.stages``' FLOP rate times what a kind of pass reached of it on this 2-core machine
+(SmolLM2-135M, ``--drop 8 --samples 32``, idle, 2026-12-02; ``reports/ship-fast/``), and byte rates for what reads
+and writes files. On a GPU the same counts run at the GPU rate; the per-process and file costs are kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prune.planner.inputs import PlanInput
+from prune.planner.memory import weight_bytes
+from prune.planner.shape import ModelShape
+from prune.planner.stages import CPU_FLOPS, _flops, _rate
+
+# what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
+SCORING_SHARE = 0.40  # the scoring pass, every state's Gram and every pair's cosines (62 s for 16,384 tokens)
+STREAM_SHARE = 0.46  # repaired-fast's pass: adjacent pairs' statistics, no cosines
+CAPTURE_SHARE = 0.55  # a capture pass recording a span's activations for its fits
+LOGITS_SHARE = 0.45  # a pass that reads the logits (measuring, transformers' perplexity)
+ENGINE_SHARE = 0.35  # llama.cpp scoring every position of a window (logits_all)
+FIT_FLOPS = 2.0e10  # float64 sums and solves of the closed-form fits
+SAMPLE_BYTES_PER_S = 1.7e9  # a sampling step reads every weight: 25 tokens/s for 8 rows of SmolLM2-135M
+CONVERT_BYTES_PER_S = 2.2e7  # llama.cpp's converter: float32 checkpoint bytes a second
+QUANTIZE_SHARE = 0.4  # its quantizer after it (q4_k_m), as a share of the conversion's time
+WRITE_BYTES_PER_S = 2.0e8  # safetensors written through a staging folder
+PROCESS_SECONDS = 8.0  # a fresh Python importing torch and transformers, and loading a model
+FIT_ITERATIONS = 50  # fold-rotate's alternating rounds at most (prune.replace.rotate)
+
+
+@dataclass(frozen=True)
+class ShipWork:
+    """What a ship run does, as counts: its model's budget and what its shortlist will try.
+
+    Attributes:
+        drop: blocks removed.
+        repairs: the training-free repairs the shortlist fits (removal not counted), by ``fit_width``.
+        sets: block sets the one-pass selections are expected to choose (each crossed with every repair).
+        spans: spans per set (a top-k choice of scattered blocks has several).
+        self_rows: rows of the model's own text sampled for calibration (0: none, or kept).
+        heldout_tokens: held-out tokens the verify stage scores per text, and ``texts`` of them.
+        gguf: the engine reads a GGUF (llama.cpp): the export runs, and the engine scores it.
+        quantized: the GGUF goes through llama.cpp's quantizer after the conversion (``q4_k_m``).
+        original_kept: the original's serving rows and its engine file are kept from an earlier run.
+        verify: the engine checks run (``--no-verify``: not).
+    """
+
+    drop: int
+    repairs: tuple[int, ...]
+    sets: int = 3
+    spans: int = 2
+    self_rows: int = 0
+    heldout_tokens: int = 4096
+    texts: int = 1
+    gguf: bool = True
+    quantized: bool = False
+    original_kept: bool = False
+    speed_rounds: int = 3
+    prompt_len: int = 256
+    new_tokens: int = 64
+    heal_seconds: float = 0.0
+    verify: bool = True
+
+
+def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str, float]:
+    """Seconds of each stage (``shortlist``, its calibration included, ``build``, ``heal``, ``export``, ``verify``)."""
+    rate = _rate(inp)
+    layers, kept = shape.layers, shape.layers - work.drop
+    tokens = inp.samples * inp.seq_len
+    measure = max(1, inp.samples // 8) * inp.seq_len
+    moments = (2 * layers + 1) * 2 * shape.hidden ** 2
+
+    def passes(count: float, blocks: float, share: float, head: bool = False, extra: float = 0.0) -> float:
+        return count * (_flops(shape, blocks, head) + extra) / (rate * share)
+
+    fit_rate = FIT_FLOPS * rate / CPU_FLOPS  # the fits run where the model does
+    sampling = 0.0
+    if work.self_rows:
+        steps = math.ceil(work.self_rows / 8) * inp.seq_len
+        sampling = steps * weight_bytes(shape, inp, layers) / SAMPLE_BYTES_PER_S
+    fits = sum(_fit_flops(shape, width, tokens - measure) for width in work.repairs) * work.sets * work.spans
+    shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
+                 + passes(tokens, layers, STREAM_SHARE, extra=moments / 2)
+                 + passes(tokens - measure, layers, CAPTURE_SHARE)
+                 + fits / fit_rate
+                 + passes(measure * (len(work.repairs) + 1), layers, LOGITS_SHARE, head=True)
+                 + passes(measure * work.sets * (len(work.repairs) + 1), layers / 2, LOGITS_SHARE, head=True))
+    checkpoint = weight_bytes(shape, inp, kept)
+    chosen = max(work.repairs, default=0)
+    # the chosen set's spans (one, where it is contiguous), its capture pass stopping after the last of them (three
+    # quarters of the way on average), then prune.run's held-out perplexity of the original and of the checkpoint
+    build = (passes(tokens, 0.75 * layers, CAPTURE_SHARE) + _fit_flops(shape, chosen, tokens) / fit_rate
+             + passes(2 * inp.heldout_samples * inp.seq_len, layers, LOGITS_SHARE, head=True)
+             + checkpoint / WRITE_BYTES_PER_S)
+    # the quantizer reads the converted float32 file and writes a quarter of it
+    export = (1 + QUANTIZE_SHARE * work.quantized) * checkpoint / CONVERT_BYTES_PER_S if work.gguf else 0.0
+    held = work.texts * work.heldout_tokens
+    models = (0 if work.original_kept else 1) + 1
+    verify = (passes(held * (0 if work.original_kept else 1), layers, LOGITS_SHARE, head=True)
+              + passes(held, kept, LOGITS_SHARE, head=True)
+              + (passes(held, kept, ENGINE_SHARE, head=True) if work.gguf else 0.0)
+              + _speed_seconds(shape, inp, work)
+              + (0.0 if work.original_kept or not work.gguf else weight_bytes(shape, inp, layers) / CONVERT_BYTES_PER_S)
+              + (models + 2) * PROCESS_SECONDS) if work.verify else 0.0
+    return {"shortlist": sampling + shortlist, "build": build, "heal": work.heal_seconds,
+            "export": export, "verify": verify}
+
+
+def _fit_flops(shape: ModelShape, width: int, tokens: int) -> float:
+    """FLOP of a span's fit over ``tokens``: its float64 sums and its solves.
+
+    The sums are the Gram of the regressor and its cross with the target; a rotating fit's rounds each take an
+    SVD of the hidden width and solve against the regressor.
+    """
+    if not width:
+        return 0.0
+    sums = 2 * tokens * (width + shape.hidden) ** 2
+    rounds = FIT_ITERATIONS * (20 * shape.hidden ** 3 + 4 * width ** 2 * shape.hidden) if width > shape.hidden else 0
+    return sums + width ** 3 + rounds
+
+
+def _speed_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
+    """The speed check: a warm-up and the timed rounds of the original and the checkpoint.
+
+    A round is a prefill of ``prompt_len`` tokens and ``new_tokens`` single-token decode steps, each step reading
+    every weight.
+    """
+    total = 0.0
+    for blocks in (shape.layers, shape.layers - work.drop):
+        prefill = work.prompt_len * _flops(shape, blocks, True) / (_rate(inp) * ENGINE_SHARE)
+        decode = work.new_tokens * weight_bytes(shape, inp, blocks) / (SAMPLE_BYTES_PER_S * 8 / 2)
+        total += (work.speed_rounds + 1) * 2 * (prefill + decode)
+    return total
