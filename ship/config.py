@@ -1,7 +1,8 @@
-"""One ``prune.ship`` run's settings (:class:`ShipConfig`), its durations and the engines it verifies in.
+"""One ``prune.ship`` run's settings (:class:`ShipConfig`), its durations, its engines and its repairs.
 
 The engines are :mod:`eval.speed.engines`' registry: the ones whose declared layouts include the plain
-(``vanilla``) one, so a new engine that runs plain checkpoints is a ship target with no change here.
+(``vanilla``) one, so a new engine that runs plain checkpoints is a ship target with no change here. The repairs
+the shortlist tries are the registered ones that are servable and closed-form (:func:`servable_repairs`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from prune.data.calibration import names_a_file
 from prune.errors import LayercutError
 from prune.model.layouts import VANILLA
 from prune.pipeline.config import PruneConfig
+from prune.replace import METHODS, check_replacement_supported
 
 # the healing: KL on the logits (distill's default objective) through LoRA on every Linear of the kept blocks and
 # the fold's projections trained in full, merged at the end (a plain checkpoint). LoRA, not the projections alone:
@@ -30,6 +32,22 @@ DEFAULT_HEAL_STEPS = 200
 def ship_engines() -> list[str]:
     """The registered engines that run a plain checkpoint, the reference first (``--engine``'s choices)."""
     return [name for name, engine in ENGINES.items() if VANILLA in engine.layouts]
+
+
+def servable_repairs() -> list[str]:
+    """The training-free repairs whose checkpoint is a plain one, best default first, and removal last."""
+    ranked = sorted((m for m in METHODS.values() if m.servable and m.closed_form),
+                    key=lambda m: 0 if m.default_for is None else -1)
+    return [m.name for m in ranked] + ["none"]
+
+
+def applicable(method: str, model) -> str | None:
+    """None where ``method`` can repair ``model``'s layout, else why not (its one-line refusal)."""
+    try:
+        check_replacement_supported(model, method)
+    except LayercutError as err:
+        return str(err)
+    return None
 
 
 @dataclass

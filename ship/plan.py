@@ -13,7 +13,7 @@ from prune.model.adapters import get_blocks
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.resolve import Amounts
 from prune.pipeline.runner import on_meta, preflight
-from ship.config import HEAL_OPTIONS, ShipConfig, duration_words
+from ship.config import HEAL_OPTIONS, ShipConfig, applicable, duration_words, servable_repairs
 from ship.costs import ShipWork, stage_seconds
 from ship.work import StageResult
 
@@ -112,7 +112,6 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
     from prune.data.calibration import self_rows
     from prune.planner.shape import shape_of_model
     from prune.replace import METHODS
-    from ship.shortlist import applicable, servable_repairs
 
     shape = shape_of_model(skeleton) if skeleton is not None else None
     # as the shortlist sizes them: a repair adding more parameters than the blocks remove is never fitted

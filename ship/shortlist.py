@@ -26,9 +26,10 @@ from prune.model.adapters import get_blocks
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.removal import planned_blocks
 from prune.pipeline.runner import Scored
-from prune.replace import METHODS, ReplaceConfig, check_replacement_supported, parameter_count
+from prune.replace import METHODS, ReplaceConfig, parameter_count
 from prune.selection.repaired import RepairedCosts, fit_together, shared_references
 from prune.selection.strategies import SELECTIONS
+from ship.config import applicable, servable_repairs
 from ship.work import StageResult, write_json_atomic
 
 # the share of --time-budget the shortlist may spend measuring; building and verifying take the rest
@@ -93,22 +94,6 @@ class Shortlist(StageResult):
         """The candidates' indices by KL, the unmeasured last."""
         return sorted(range(len(self.candidates)),
                       key=lambda i: (self.candidates[i].kl is None, self.candidates[i].kl or 0))
-
-
-def servable_repairs() -> list[str]:
-    """The training-free repairs whose checkpoint is a plain one, best default first, and removal last."""
-    ranked = sorted((m for m in METHODS.values() if m.servable and m.closed_form),
-                    key=lambda m: 0 if m.default_for is None else -1)
-    return [m.name for m in ranked] + ["none"]
-
-
-def applicable(method: str, model) -> str | None:
-    """None where ``method`` can repair ``model``'s layout, else why not (its one-line refusal)."""
-    try:
-        check_replacement_supported(model, method)
-    except LayercutError as err:
-        return str(err)
-    return None
 
 
 class Progress:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from prune.replace import METHODS
-from ship.shortlist import servable_repairs
+from ship.config import servable_repairs
 from tests.helpers import make_tiny_model, make_tiny_tokenizer, run_prune_cli
 
 
