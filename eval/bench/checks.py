@@ -102,18 +102,14 @@ def kept_row_path(model: str, engine: str, window_ids: list[list[int]], greedy_t
     import importlib.metadata
 
     from eval.speed.engines import get_engine
-    from eval.speed.engines.base import checkpoint_folder
+    from eval.speed.engines.base import checkpoint_folder, files_stamp
     from prune.loading.gguf import cache_dir
 
     given = Path(model).expanduser()
     found = given if given.exists() else Path(checkpoint_folder(model) or model)
-    if found.is_file():
-        files = [found]
-    elif found.is_dir():
-        files = sorted(p for p in found.iterdir() if p.is_file() and p.suffix != ".gguf")
-    else:
+    if not found.exists():
         return None
-    stamp = [str(found.resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    stamp = files_stamp(found)
     versions = [get_engine(engine).version()] + [importlib.metadata.version(name) for name in ("torch", "transformers")]
     key = json.dumps([stamp, engine, versions, window_ids, greedy_tokens, threads])
     return cache_dir() / "serving-rows" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"

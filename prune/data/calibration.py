@@ -382,6 +382,7 @@ SELF_CACHE_FORMAT = 1  # bumped when what a cached sample means changes
 # sampling takes when idle. Keyed like the cache: only the same weights, tokenizer, seed, options and
 # device read it, so it is the text such a run would sample itself.
 SHIPPED_SAMPLES = Path(str(resources.files("prune.data"))) / "corpus" / "self-text"
+SHIPPED_ROWS = 36  # the rows of that sample (32 + 4 held out: half of the default 64 + 8)
 
 
 def self_cache_dir() -> Path:
@@ -454,7 +455,7 @@ def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, batch:
         if whole is not None:
             break
     if whole is None:
-        rows = -(-count // batch) * batch
+        rows = _whole_batches(count, batch)
         whole = sample_sequences(model, tokenizer, rows, seq_len, seed, batch_size=batch, **options)
         source = self_cache_dir() / f"{every}-{rows}.safetensors"
         _keep_samples(whole, source)
@@ -468,7 +469,7 @@ def self_rows(config: DataConfig, model: str) -> int:
     """Rows of the model's own text ``config`` samples (whole batches), 0 where it samples none or its text ships.
 
     Read from the settings alone, before any weight: the embedded model's default sample ships with layercut
-    (:data:`SHIPPED_SAMPLES`: 36 rows, of which any 32 or all 36 serve), so its runs sample nothing.
+    (:data:`SHIPPED_SAMPLES`, :data:`SHIPPED_ROWS` rows), so its runs sample nothing.
     """
     from prune.loading.names import EMBEDDED_MODEL
 
@@ -482,21 +483,30 @@ def self_rows(config: DataConfig, model: str) -> int:
             continue
         count, batch = wanted[index], dict(source.sampling).get("batch", SELF_BATCH)
         shipped = (model.lower() == EMBEDDED_MODEL and config.seq_len == 512 and config.seed == 0
-                   and dict(source.sampling) == SELF_DEFAULTS and (count <= 32 or count == 36))
-        rows += 0 if shipped else -(-count // int(batch)) * int(batch)
+                   and dict(source.sampling) == SELF_DEFAULTS and _holds(SHIPPED_ROWS, count, int(batch)))
+        rows += 0 if shipped else _whole_batches(count, int(batch))
     return rows
 
 
-def _covering(folder: Path, every: str, count: int, batch: int) -> list[Path]:
-    """The samples of key ``every`` in ``folder`` whose rows hold ``count`` rows drawn in whole batches, fewest first.
+def _whole_batches(count: int, batch: int) -> int:
+    """The rows a sample of ``count`` draws: whole batches of ``batch``."""
+    return -(-count // batch) * batch
 
-    A sample of ``m`` rows holds them when ``count == m``, or when ``count`` rows fit in its first ``m // batch``
-    batches (an earlier version drew a last, smaller batch: its rows are not those of a whole one).
+
+def _holds(rows: int, count: int, batch: int) -> bool:
+    """Whether a sample of ``rows`` rows serves ``count``: all of it, or rows its whole batches cover.
+
+    An earlier version drew a last, smaller batch: its rows are not those of a whole one.
     """
+    return count == rows or count <= rows // batch * batch
+
+
+def _covering(folder: Path, every: str, count: int, batch: int) -> list[Path]:
+    """The samples of key ``every`` in ``folder`` that hold ``count`` rows (:func:`_holds`), fewest first."""
     found = []
     for path in folder.glob(f"{every}-*.safetensors") if folder.is_dir() else ():
         rows = path.stem.rpartition("-")[2]
-        if rows.isdigit() and (int(rows) == count or count <= int(rows) // batch * batch):
+        if rows.isdigit() and _holds(int(rows), count, batch):
             found.append((int(rows), path))
     return [path for _, path in sorted(found)]
 

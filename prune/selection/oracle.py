@@ -75,13 +75,8 @@ class _Captured(BaseException):
     """Ends a forward pass once the block inputs it was run for are kept (no model code catches it)."""
 
 
-def states_entering(model: nn.Module, batch: torch.Tensor, upto: int) -> list[torch.Tensor] | None:
-    """The hidden state entering blocks ``0..upto`` on ``batch`` (copies; on the CPU when the model is on a GPU).
-
-    None when a block did not run exactly once (the state could not be told apart).
-    """
-    _, blocks = get_blocks(model)
-    states: list[list[torch.Tensor]] = [[] for _ in range(upto + 1)]
+def _keeping_states(blocks, states: list[list[torch.Tensor]], upto: int | None = None) -> list:
+    """Hooks keeping the state entering each of ``blocks`` (copies; off the GPU), ``upto`` the last one needed."""
 
     def keeper(position: int):
         def keep(_module, args, kwargs):
@@ -92,13 +87,26 @@ def states_entering(model: nn.Module, batch: torch.Tensor, upto: int) -> list[to
                 raise _Captured  # nothing behind it is needed: skip the rest and the LM head
         return keep
 
-    handles = [blocks[i].register_forward_pre_hook(keeper(i), with_kwargs=True) for i in range(upto + 1)]
-    with hooks_held(handles):
+    return [blocks[i].register_forward_pre_hook(keeper(i), with_kwargs=True) for i in range(len(states))]
+
+
+def _each_once(states: list[list[torch.Tensor]]) -> list[torch.Tensor] | None:
+    return [kept[0] for kept in states] if all(len(kept) == 1 for kept in states) else None
+
+
+def states_entering(model: nn.Module, batch: torch.Tensor, upto: int) -> list[torch.Tensor] | None:
+    """The hidden state entering blocks ``0..upto`` on ``batch`` (copies; on the CPU when the model is on a GPU).
+
+    None when a block did not run exactly once (the state could not be told apart).
+    """
+    _, blocks = get_blocks(model)
+    states: list[list[torch.Tensor]] = [[] for _ in range(upto + 1)]
+    with hooks_held(_keeping_states(blocks, states, upto)):
         try:
             model(input_ids=batch, use_cache=False)
         except _Captured:
             pass
-    return [kept[0] for kept in states] if all(len(kept) == 1 for kept in states) else None
+    return _each_once(states)
 
 
 def logits_and_states(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
@@ -108,17 +116,9 @@ def logits_and_states(model: nn.Module, batch: torch.Tensor) -> tuple[torch.Tens
     """
     _, blocks = get_blocks(model)
     states: list[list[torch.Tensor]] = [[] for _ in blocks]
-
-    def keeper(position: int):
-        def keep(_module, args, kwargs):
-            state = block_input(args, kwargs).detach()
-            states[position].append(state.to("cpu", copy=True) if state.device.type == "cuda" else state.clone())
-        return keep
-
-    handles = [block.register_forward_pre_hook(keeper(i), with_kwargs=True) for i, block in enumerate(blocks)]
-    with hooks_held(handles):
+    with hooks_held(_keeping_states(blocks, states)):
         logits = model(input_ids=batch, use_cache=False).logits
-    return logits, [kept[0] for kept in states] if all(len(kept) == 1 for kept in states) else None
+    return logits, _each_once(states)
 
 
 def _loss_without(model: nn.Module, batch: torch.Tensor, position: int) -> float:

@@ -512,6 +512,16 @@ def block_count(model: torch.nn.Module) -> int:
         return int(value)
 
 
+def files_stamp(path: Path) -> list[str]:
+    """What a copy or a measurement of ``path`` depends on: its place, and each file's name, size and time.
+
+    A folder's files are every one a converter or an engine may read (tokenizer files too), not the GGUFs
+    written beside them.
+    """
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file() and p.suffix != ".gguf")
+    return [str(path.resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+
+
 def export_path(folder: Path, suffix: str) -> Path:
     """Where an engine's copy of a checkpoint folder is cached: keyed by its path and its files' sizes and times.
 
@@ -519,10 +529,7 @@ def export_path(folder: Path, suffix: str) -> Path:
     """
     from prune.loading.gguf import cache_dir
 
-    # every file a converter may read (tokenizer files too), not the GGUFs written beside them
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix != ".gguf")
-    stamp = [str(folder.resolve())] + [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
-    digest = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(files_stamp(folder)).encode()).hexdigest()[:16]
     return cache_dir() / GGUF_EXPORT_FOLDER / f"{folder.name}-{digest}{suffix}"
 
 
