@@ -14,7 +14,7 @@ from distill.config import DistillConfig
 from eval.compare.config import CompareConfig, block_budget, cell_config
 from eval.compare.digest import recipe_digest
 from eval.compare.heldout import Heldout, measure_domains
-from eval.compare.metrics import measure_metrics
+from eval.compare.metrics import Original, measure_metrics
 from eval.compare.results import Row
 from eval.quality.lmeval import primary_metric, run_lm_eval
 from eval.speed.measure import WEIGHT_SUFFIXES, SpeedOptions, make_prompt, time_decode
@@ -83,16 +83,18 @@ def engine_decode_seconds(path: str, config: CompareConfig) -> tuple[float, floa
     return times[1], times[-1] / times[0]
 
 
-def measure(model, tokenizer, heldout: Heldout, config: CompareConfig, path: str | None = None) -> Row:
+def measure(model, tokenizer, heldout: Heldout, config: CompareConfig, path: str | None = None,
+            original: Original | None = None) -> Row:
     """Parameters, held-out perplexity per domain, lm-eval tasks and decode seconds of one model.
 
     ``path``: the model's checkpoint (a cell's folder, or the dense source), which an engine other than
     transformers times; a checkpoint that engine does not run gets ``decode_why`` instead of seconds.
+    ``original``: what metrics that judge against the original compare ``model`` with.
     """
     row: Row = {"params": parameter_count(model), "blocks": num_blocks(model)}
     measure_domains(model, heldout, row)
     measure_tasks(model, tokenizer, config.tasks, row, limit=config.limit, data_dir=config.data_dir)
-    measure_metrics(model, tokenizer, config.metrics, row)
+    measure_metrics(model, tokenizer, config.metrics, row, original)
     if config.speed_tokens and config.engine == "transformers":
         # the spread says whether the median is a measurement or the noise of a busy machine
         row["decode_s"], row["decode_spread"] = decode_seconds(model, config.seq_len, config.speed_tokens)
@@ -109,7 +111,8 @@ def kept_weights(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(f.suffix in WEIGHT_SUFFIXES for f in folder.iterdir())
 
 
-def complete_cell(row: Row, folder: Path, config: CompareConfig, heldout: Heldout) -> Row | None:
+def complete_cell(row: Row, folder: Path, config: CompareConfig, heldout: Heldout,
+                  original: Original | None = None) -> Row | None:
     """``row`` with the domains and tasks it lacks, measured on the cell's kept weights.
 
     None, and the cell runs again, when no weights were kept or they do not give the row's own
@@ -127,7 +130,7 @@ def complete_cell(row: Row, folder: Path, config: CompareConfig, heldout: Heldou
     row = copy.deepcopy(row)
     measure_domains(loaded.model, heldout, row, [name for name in heldout.names() if name not in known])
     measure_tasks(loaded.model, loaded.tokenizer, config.tasks, row, limit=config.limit, data_dir=config.data_dir)
-    measure_metrics(loaded.model, loaded.tokenizer, config.metrics, row)
+    measure_metrics(loaded.model, loaded.tokenizer, config.metrics, row, original)
     row["completed_from_checkpoint"] = True
     return row
 
@@ -184,7 +187,7 @@ def _add_ratios(row: Row, dense: Row, names: list[str]) -> None:
 
 
 def run_cell(name: str, path: Path, drop: int, config: CompareConfig, loaded: LoadedModel, scored: Scored,
-             heldout: Heldout, dense: Row) -> Row:
+             heldout: Heldout, dense: Row, original: Original | None = None) -> Row:
     """One method at one drop on a fresh copy of the model; the cell's row."""
     started = time.perf_counter()
     # before the recipe is read: a recipe edited while the cell runs must not lend the row its new digest
@@ -204,7 +207,7 @@ def run_cell(name: str, path: Path, drop: int, config: CompareConfig, loaded: Lo
         row = _method_row(name, path, digest, drop, prune_config, result, folder)
         row.update(prune_seconds=round(time.perf_counter() - started, 2), copy_seconds=round(copy_seconds, 2))
         _add_distill(row, result.report, prune_config)
-        row.update(measure(student.model, student.tokenizer, heldout, config, folder))
+        row.update(measure(student.model, student.tokenizer, heldout, config, folder, original))
     finally:  # also after Ctrl-C or a failure: weights nobody asked to keep do not stay behind (a model's size each)
         if not config.keep_checkpoints:
             drop_weights(folder)

@@ -13,6 +13,7 @@ import argparse
 
 from eval.compare.config import CompareConfig, cell_config, method_list, parse_drops, parse_methods
 from eval.compare.grid import run_comparison, summary_lines
+from eval.compare.metrics import METRICS
 from eval.compare.plots import README
 from eval.quality.evaluate import parse_limit
 from eval.speed.engines import ENGINES, REFERENCE
@@ -74,8 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also measure calibration perplexity with each block alone removed, and each score's "
                        "Spearman correlation with it")
     group.add_argument("--metrics", default=None,
-                       help="extra measurements of every model, comma list of registered metrics (weights-mb) "
-                       "(default: none)")
+                       help="extra measurements of every model, comma list of registered metrics "
+                       f"({', '.join(METRICS.names())}; fidelity: the original's NLL of each model's greedy text and "
+                       "the share of its own greedy tokens kept) (default: none)")
     group.add_argument("--keep-checkpoints", action="store_true",
                        help="keep every cell's weights under cells/ (default: reports only; a cell's weights are "
                        "the size of the model)")

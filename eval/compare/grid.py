@@ -14,7 +14,7 @@ from eval.compare.config import CompareConfig, cell_config
 from eval.compare.digest import recipe_digest, recipe_state
 from eval.compare.heldout import Domain, Heldout, measure_domains, plan_domains, reconcile_domains, refresh_rows
 from eval.compare.measurements import MeasurementStore, calibration_digest
-from eval.compare.metrics import has_metrics, measure_metrics
+from eval.compare.metrics import Original, has_metrics, measure_metrics
 from eval.compare.plots import write_reports
 from eval.compare.results import (
     Results,
@@ -51,6 +51,7 @@ class Session:
     store: MeasurementStore
     run: dict  # this invocation's entry under ``timing.runs``
     begun: float
+    original: Original  # the loaded model and the held-out text, for metrics judged against the original
 
 
 SAMPLES_FOLDER = "self-text"  # in a comparison's folder: the sampled text its cells were measured on
@@ -142,7 +143,7 @@ def _open_session(config: CompareConfig, results: Results, domains: list[Domain]
     run["setup_seconds"] = round(time.perf_counter() - begun, 2)
     heldout = Heldout(domains, scored, loaded.tokenizer, config.seq_len, config.batch_size, config.heldout_tokens)
     results.heldout = heldout.describe
-    return Session(loaded, scored, heldout, store, run, begun)
+    return Session(loaded, scored, heldout, store, run, begun, Original(loaded.model, heldout.streams()))
 
 
 def _measure_dense(results: Results, session: Session, config: CompareConfig) -> None:
@@ -150,12 +151,12 @@ def _measure_dense(results: Results, session: Session, config: CompareConfig) ->
     model, tokenizer = session.loaded.model, session.loaded.tokenizer
     if results.dense is None:
         source = checkpoint_folder(config.load.model) or config.load.model  # what an engine other than torch loads
-        results.dense = measure(model, tokenizer, session.heldout, config, source)
+        results.dense = measure(model, tokenizer, session.heldout, config, source, session.original)
         return
     missing = [name for name in session.heldout.names() if name not in results.dense.get("domains", {})]
     measure_domains(model, session.heldout, results.dense, missing)
     measure_tasks(model, tokenizer, config.tasks, results.dense, limit=config.limit, data_dir=config.data_dir)
-    measure_metrics(model, tokenizer, config.metrics, results.dense)
+    measure_metrics(model, tokenizer, config.metrics, results.dense, session.original)
 
 
 def _oracle(results: Results, session: Session, config: CompareConfig) -> None:
@@ -179,14 +180,15 @@ def _work_on(results: Results, session: Session, config: CompareConfig, cell: tu
     key = cell_key(name, drop)
     completed = None
     if need == "complete":
-        completed = complete_cell(results.cells[key], cell_dir(config.out, name, drop), config, session.heldout)
+        completed = complete_cell(results.cells[key], cell_dir(config.out, name, drop), config, session.heldout,
+                                  session.original)
     if completed is not None:
         results.cells[key] = completed
         session.run["cells_completed"] = session.run.get("cells_completed", 0) + 1
     else:
         try:
             results.cells[key] = run_cell(name, path, drop, config, session.loaded, session.scored, session.heldout,
-                                          results.dense)
+                                          results.dense, session.original)
         except CellRefused as err:
             # one method that cannot take this model or drop (a fold on sandwich norms) does not end the others
             logger.warning("%s at drop %d refused: %s", name, drop, err)

@@ -134,6 +134,10 @@ class Heldout:
         """The domain names in order."""
         return [domain.name for domain in self.domains]
 
+    def streams(self) -> list[torch.Tensor]:
+        """Each domain's tokens as one 1-D stream, in domain order (calibration sequences laid end to end)."""
+        return [self.packed[name].reshape(-1) if name in self.packed else self.ids[name] for name in self.names()]
+
     def perplexity(self, model, name: str) -> float:
         """Held-out perplexity of ``model`` on the domain ``name``."""
         if name in self.packed:

@@ -67,6 +67,9 @@ def _preamble(results: Results, analysis: dict, cells: dict, states: dict) -> li
              "median of 3, against the dense model. Wall time: the cell's prune, fit, "
              "distillation and measurements.", ""]
     lines += _task_note(analysis, results)
+    for metric in METRICS.values():  # what each measured metric's column means, in its own words
+        if metric.note and metric.field in (results.dense or {}):
+            lines += [metric.note(results.dense[metric.field]), ""]
     lines += stale_note(states)
     lines += _versus_note(analysis)
     lines += _wall_time_note(timing)

@@ -137,3 +137,20 @@ def test_a_damaged_results_file_is_one_line_naming_it(tiny_folder, tmp_path, cap
     code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt")
     assert code == 2 and err.strip().splitlines()[-1].startswith("error: ")
     assert f"{out / 'results.json'} is damaged" in err and "Traceback" not in err
+
+
+def test_generation_fidelity_is_a_column_judged_by_the_dense_model(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    code, _, err = run(capsys, *small(tiny_folder, out), "--drop", "1", "--methods", "shortgpt", "--speed-tokens", "0",
+                       "--metrics", "fidelity")
+    assert code == 0, err
+    results = json.loads((out / "results.json").read_text())
+    dense, cell = results["dense"]["fidelity"], results["cells"]["shortgpt@1"]["fidelity"]
+    assert dense["kept"] == 1.0 and dense["nll"] == dense["own_nll"]  # the original against itself
+    assert cell["own_nll"] == dense["own_nll"]  # one reference, decoded once, for every row
+    assert 0.0 <= cell["kept"] < 1.0 and cell["nll"] > 0
+    assert (cell["prompts"], cell["prompt_tokens"], cell["new_tokens"]) == (32, 64, 32)
+    table = (out / "README.md").read_text()
+    assert "| greedy kept / NLL by original |" in table
+    assert f"| {cell['kept']:.2f} / {cell['nll']:.2f} |" in table
+    assert "each model writes 32 greedy tokens after each of 32 held-out prompts of 64 tokens" in table
