@@ -234,6 +234,11 @@ def run(options: EvalOptions) -> dict:
     settings.update({k: v for k, v in asdict(options.load).items() if k != "model"})
     settings["data_dir"] = str(data_dir) if data_dir else "hub (datasets / lm-eval registry)"
     settings["seq_len"] = options.seq_len or f"min({DEFAULT_MAX_SEQ_LEN}, model maximum)"
+    # a generating task's token budget is a setting of its figure, said once rather than as a table row
+    budgets = {key.split("/")[0]: value for entry in entries for key, value in entry["metrics"].items()
+               if key.endswith("/max_gen_toks")}
+    if budgets:
+        settings["max_gen_toks"] = budgets
     results = {"baseline": options.baseline, "settings": settings, "primary_metrics": primary_keys(entries),
                "models": entries}  # fmt: skip
     # written beside --out and renamed into place: a crash or kill never leaves half a report

@@ -19,12 +19,17 @@ The same YAMLs work with lm-eval's own command line:
 ``lm-eval run --include_path eval/tasks --metadata '{"data_dir": "../shared/data"}' --tasks piqa ...``.
 
 What layercut knows of a task besides lm-eval's config (the files it reads, the metric to quote, the
-accuracy of a random guess) is one :class:`TaskSpec` in :func:`task_table`, read from the
+accuracy of a random guess, whether its prompts go through the chat template, a generating task's token
+budget) is one :class:`TaskSpec` in :func:`task_table`, read from the
 ``metadata: {layercut: ...}`` block of its YAML; tasks with no YAML here are :data:`HUB_TASKS`. Adding an
 offline task is adding its YAML.
 
 The task table and data folder are :mod:`eval.quality.task_specs`, the rows a ``limit`` reads :mod:`eval.quality.rows`;
 both are re-exported here, so ``from eval.quality.lmeval import task_table, task_rows`` keeps working.
+
+``ifeval`` generates (greedily, 256 tokens unless ``max_gen_toks`` says otherwise) through the model's chat
+template, in a ``simple_evaluate`` call of its own, and needs the ``ifeval`` extra and NLTK's punkt_tab data,
+checked first (:mod:`eval.quality.ifeval`).
 
 Tested with lm-eval :data:`LM_EVAL_TESTED` (the task registry and ``custom_dataset`` hooks change
 between minor versions).
@@ -45,6 +50,7 @@ from typing import Any
 
 import torch
 
+import eval.quality.ifeval  # noqa: F401  (registers the ifeval need's check)
 from eval.quality.rows import TASK_SEED, check_limit, describe_rows, row_draw, row_range, task_rows
 from eval.quality.task_specs import (
     DATA_DIR_ENV,
@@ -54,6 +60,7 @@ from eval.quality.task_specs import (
     TASKS_DIR,
     TaskSpec,
     chance_level,
+    check_task_needs,
     local_data_files,
     offline_names,
     offline_tasks,
@@ -77,6 +84,7 @@ __all__ = [
     "TaskSpec",
     "answered_prompts",
     "chance_level",
+    "check_chat_template",
     "check_limit",
     "check_registry_data",
     "clean_metrics",
@@ -143,7 +151,8 @@ def plan_tasks(tasks: Sequence[str] | str, data_dir: Path | None) -> tuple[list[
         ``(local, registry)``: standard names to run from ``data_dir`` (their files checked), and the rest.
 
     Raises:
-        LayercutError: no tasks, an unknown name, or a missing local file.
+        LayercutError: no tasks, an unknown name, a missing local file, or what a task's scoring imports is
+            missing (:func:`eval.quality.ifeval.check_ifeval_ready`).
     """
     local: list[str] = []
     registry: list[str] = []
@@ -161,6 +170,7 @@ def plan_tasks(tasks: Sequence[str] | str, data_dir: Path | None) -> tuple[list[
             registry.append(name)
         else:
             raise unknown_task_error(name)
+    check_task_needs([*local, *registry])  # before lm-eval imports a task's scoring code (ifeval's downloads)
     return list(dict.fromkeys(local)), registry
 
 
@@ -186,7 +196,8 @@ def check_registry_data(names: Sequence[str]) -> None:
         ) from None
 
 
-def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot: int | None) -> Any:
+def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot: int | None,
+                   max_gen_toks: int | None = None) -> Any:
     """Validate the options; return ``limit`` as lm-eval reads it (:func:`check_limit`).
 
     A range of rows (``"START:END"``) or a draw (``"N~START:END"``) is returned as it came: :func:`_evaluate`
@@ -197,6 +208,9 @@ def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot
         raise LayercutError(f"batch_size must be a positive integer, got {batch_size!r}")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise LayercutError(f"num_fewshot must be a non-negative integer, got {num_fewshot!r}")
+    if max_gen_toks is not None and (isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int)
+                                     or max_gen_toks < 1):
+        raise LayercutError(f"max_gen_toks must be a positive whole number of tokens, got {max_gen_toks!r}")
     return limit
 
 
@@ -333,6 +347,7 @@ def local_tasks(names: Sequence[str], data_dir: str | Path | None) -> dict[str, 
     """
     for name in names:
         local_data_files(name, data_dir)
+    check_task_needs(list(names))
     return _load_tasks(_local_task_manager(resolve_data_dir(data_dir)), names)
 
 
@@ -367,8 +382,10 @@ def _quiet_lm_eval() -> Iterator[None]:
         task_logger.removeFilter(notice)
 
 
-def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed,
+def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed, chat: bool = False,
+              max_gen_toks: int | None = None,
               rows: dict[str, list[float]] | None = None) -> dict[str, dict[str, float]]:
+    """One ``simple_evaluate`` call: ``chat`` and ``max_gen_toks`` apply to every task of it (lm-eval's rule)."""
     from lm_eval import evaluator
 
     indices, specs = None, list(names)
@@ -380,7 +397,8 @@ def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed,
         out = evaluator.simple_evaluate(
             model=lm, tasks=specs, task_manager=task_manager, limit=limit, samples=indices, num_fewshot=num_fewshot,
             log_samples=rows is not None, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-            fewshot_random_seed=seed,
+            fewshot_random_seed=seed, apply_chat_template=chat,
+            gen_kwargs=None if max_gen_toks is None else {"max_gen_toks": max_gen_toks},
         )
     logger.info("lm-eval %s done in %.1f s", ",".join(names), time.perf_counter() - start)
     if out is None:  # non-zero rank of a distributed run: rank 0 reports
@@ -391,7 +409,16 @@ def _evaluate(lm, names: list[str], task_manager, *, limit, num_fewshot, seed,
             kept = sorted((s for s in samples if s.get("filter", "none") == "none" and metric in s),
                           key=lambda s: s["doc_id"])
             rows[task] = [float(s[metric]) for s in kept]
-    return {task: clean_metrics(raw) for task, raw in out["results"].items()}
+    return {task: clean_metrics(raw) | _budget_ran(out.get("configs", {}).get(task))
+            for task, raw in out["results"].items()}
+
+
+def _budget_ran(config: dict[str, Any] | None) -> dict[str, int]:
+    """``{"max_gen_toks": N}`` for a task that generated (the budget it ran with, so a figure says it); else ``{}``."""
+    if not config or config.get("output_type") != "generate_until":
+        return {}
+    budget = (config.get("generation_kwargs") or {}).get("max_gen_toks")
+    return {"max_gen_toks": int(budget)} if isinstance(budget, (int, float)) else {}
 
 
 def run_lm_eval(
@@ -405,6 +432,7 @@ def run_lm_eval(
     num_fewshot: int | None = None,
     seed: int = TASK_SEED,
     rows: dict[str, list[float]] | None = None,
+    max_gen_toks: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """Evaluate ``model`` on lm-eval tasks, from local files when a data folder is given.
 
@@ -425,23 +453,63 @@ def run_lm_eval(
         rows: A dict to fill with each task's primary metric row by row (in row order), for paired
             comparisons: two models scored on the same rows differ by far less noise than their
             separate standard errors suggest.
+        max_gen_toks: Tokens a generating task (``ifeval``) may write per row, greedily; ``None``: each task's
+            own budget (:attr:`TaskSpec.max_gen_toks`, 256 for ifeval, below lm-eval's 1280 so a CPU can run
+            it; a registry task layercut has no spec for keeps lm-eval's).
 
     Returns:
         ``{task: {metric: value}}`` with lm-eval's metric names without the ``,none`` suffix, e.g.
-        ``{"piqa": {"acc": .., "acc_stderr": .., "acc_norm": .., "acc_norm_stderr": ..}}``. Groups that
-        lm-eval aggregates appear under their own name.
+        ``{"piqa": {"acc": .., "acc_stderr": .., "acc_norm": .., "acc_norm_stderr": ..}}``; a task that
+        generates also has ``max_gen_toks``, the budget it ran with. Groups that lm-eval aggregates appear
+        under their own name. Tasks whose spec says ``chat`` ran with the model's chat template.
 
     Raises:
-        LayercutError: bad options, an unknown task, a missing data folder or file, or a missing model folder.
+        LayercutError: bad options, an unknown task, a missing data folder or file, a missing model folder,
+            missing packages or data for a task's scoring, or a chat task on a tokenizer without a chat template.
     """
-    limit = _check_options(limit, batch_size, num_fewshot)
+    limit = _check_options(limit, batch_size, num_fewshot, max_gen_toks)
     _check_lm_eval_version()
     root = resolve_data_dir(data_dir)
     local, registry = plan_tasks(tasks, root)
     if root is not None and num_fewshot:
         logger.warning("offline tasks have no train split: few-shot examples come from the evaluated split")
     lm = wrap_model(model, tokenizer, batch_size)
-    return _evaluate_planned(lm, local, registry, root, limit=limit, num_fewshot=num_fewshot, seed=seed, rows=rows)
+    return _evaluate_planned(lm, local, registry, root, limit=limit, num_fewshot=num_fewshot, seed=seed, rows=rows,
+                             max_gen_toks=max_gen_toks)
+
+
+def check_chat_template(tokenizer: Any, names: Sequence[str]) -> None:
+    """Refuse, in one line, to run a task whose spec says ``chat`` with a tokenizer that has no chat template.
+
+    lm-eval would fail deep in the run, or (with a template-less tokenizer it cannot tell) score raw prompts
+    under the task's name; a base model's IFEval figure without a template is not the figure the task means.
+
+    Raises:
+        LayercutError: a chat task and a tokenizer without ``chat_template``.
+    """
+    table = task_table()
+    chat = [name for name in names if name in table and table[name].chat]
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise LayercutError(
+            f"{', '.join(chat)} runs its prompts through the model's chat template, and this tokenizer has none; "
+            f"evaluate an instruct/chat model, pass the tokenizer of its instruct version (--tokenizer / tokenizer=), "
+            f"or set tokenizer.chat_template"
+        )
+
+
+def _run_settings(names: Sequence[str], max_gen_toks: int | None) -> dict[tuple[bool, int | None], list[str]]:
+    """Tasks grouped by what lm-eval sets per ``simple_evaluate`` call: the chat template and the token budget.
+
+    A task's budget is ``max_gen_toks`` when given, else its spec's (``None``, lm-eval's own, for a task with
+    none); the budget only reaches tasks that generate, so tasks that score given answers share any group's.
+    """
+    table = task_table()
+    groups: dict[tuple[bool, int | None], list[str]] = {}
+    for name in names:
+        spec = table[name] if name in table else None
+        budget = max_gen_toks if max_gen_toks is not None else spec.max_gen_toks if spec else None
+        groups.setdefault((bool(spec and spec.chat), budget), []).append(name)
+    return groups
 
 
 def _evaluate_planned(lm, local: list[str], registry: list[str], root: Path | None,
@@ -449,15 +517,21 @@ def _evaluate_planned(lm, local: list[str], registry: list[str], root: Path | No
     """Run :func:`plan_tasks`' two lists: the local tasks with the hub shut, then the registry's.
 
     With a data folder the registry tasks run offline too: a run given local data reads no network, so a
-    registry task's data must already be in the hub cache (what :func:`check_registry_data` checks).
+    registry task's data must already be in the hub cache (what :func:`check_registry_data` checks). Each list
+    runs as one ``simple_evaluate`` call per chat setting and token budget (:func:`_run_settings`).
     """
+    max_gen_toks = kwargs.pop("max_gen_toks", None)
+    check_chat_template(lm.tokenizer, [*local, *registry])
     results: dict[str, dict[str, float]] = {}
     if local:
         logger.info("running %s from local files in %s", ", ".join(local), root)
+        manager = _local_task_manager(root)
         with hub_offline():
-            results.update(_evaluate(lm, local, _local_task_manager(root), **kwargs))
+            for (chat, budget), names in _run_settings(local, max_gen_toks).items():
+                results.update(_evaluate(lm, names, manager, chat=chat, max_gen_toks=budget, **kwargs))
     if registry:
         logger.info("running %s from lm-eval's registry%s", ", ".join(registry), " (offline)" if root else "")
         with hub_offline() if root is not None else nullcontext():
-            results.update(_evaluate(lm, registry, _registry(), **kwargs))
+            for (chat, budget), names in _run_settings(registry, max_gen_toks).items():
+                results.update(_evaluate(lm, names, _registry(), chat=chat, max_gen_toks=budget, **kwargs))
     return results

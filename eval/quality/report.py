@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 _LOWER_IS_BETTER = ("perplexity", "nll", "bits_per_byte", "word_perplexity", "byte_perplexity")
 _MIB = 1024 * 1024
 # Bookkeeping numbers lm-eval returns beside the metrics: kept in results.json, left out of the table.
-_NOT_METRICS = ("sample_len", "samples")
+_NOT_METRICS = ("sample_len", "samples", "max_gen_toks")  # bookkeeping and settings, not scores
 
 
 def is_lower_better(metric_key: str) -> bool:

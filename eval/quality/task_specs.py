@@ -12,6 +12,7 @@ Nothing here imports lm-eval: reading the table costs a YAML parse, not lm-eval'
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Sequence
@@ -23,6 +24,10 @@ import yaml
 
 from prune.errors import LayercutError
 from prune.registry import Registry
+
+# what a task's scoring code can need besides lm-eval (a YAML's ``needs:``), each a check that refuses in one line
+# when it is missing; a module that provides a need registers its check here (eval.quality.ifeval)
+TASK_NEEDS: Registry = Registry("task need")
 
 DATA_DIR_ENV = "LAYERCUT_DATA"
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
@@ -48,6 +53,13 @@ class TaskSpec:
         files: The files the task reads, relative to the data folder; empty for a task only lm-eval's
             registry runs (its data from the hub).
         source: The YAML the spec was read from; ``None`` for :data:`HUB_TASKS`.
+        chat: Whether the prompts go through the model's chat template (``chat: true`` in the block). lm-eval
+            applies a template to every task of a run, so :func:`eval.quality.lmeval.run_lm_eval` runs these
+            tasks in a run of their own.
+        max_gen_toks: The token budget of a task that generates (``generation_kwargs.max_gen_toks`` of its
+            lm-eval config, which the block does not repeat); ``None`` for a task that scores given answers.
+        needs: What its scoring code needs besides lm-eval (``needs: [ifeval]``), each a check of
+            :data:`TASK_NEEDS` run before lm-eval imports that code.
     """
 
     name: str
@@ -55,6 +67,9 @@ class TaskSpec:
     chance: float
     files: tuple[str, ...] = ()
     source: Path | None = None
+    chat: bool = False
+    max_gen_toks: int | None = None
+    needs: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.primary_metric, str) or not self.primary_metric:
@@ -67,6 +82,14 @@ class TaskSpec:
                                                         for f in self.files):
             raise ValueError(f"files must be paths relative to the data folder, e.g. [piqa/valid.jsonl], got "
                              f"{self.files!r}")
+        if not isinstance(self.needs, tuple) or not all(isinstance(need, str) for need in self.needs):
+            raise ValueError(f"needs must be a list of names, e.g. [ifeval], got {self.needs!r}")
+        if not isinstance(self.chat, bool):
+            raise ValueError(f"chat must be true or false (whether prompts go through the chat template), got "
+                             f"{self.chat!r}")
+        if self.max_gen_toks is not None and (isinstance(self.max_gen_toks, bool)
+                                              or not isinstance(self.max_gen_toks, int) or self.max_gen_toks < 1):
+            raise ValueError(f"max_gen_toks must be a positive whole number of tokens, got {self.max_gen_toks!r}")
 
     @property
     def offline(self) -> bool:
@@ -133,14 +156,27 @@ def read_task_spec(path: str | Path) -> TaskSpec | None:
     files = block["files"]
     try:
         spec = TaskSpec(str(config["task"]), block["primary_metric"], block["chance"],
-                        tuple(files) if isinstance(files, list) else files, path)
+                        tuple(files) if isinstance(files, list) else files, path, block.get("chat", False),
+                        needs=tuple(block["needs"]) if isinstance(block.get("needs"), list) else block.get("needs", ()))
     except ValueError as err:
         raise LayercutError(f"{path}: metadata.layercut.{err}") from None
+    try:
+        spec = dataclasses.replace(spec, max_gen_toks=_token_budget(config))
+    except ValueError as err:
+        raise LayercutError(f"{path}: generation_kwargs.{err}") from None
     metrics = [m.get("metric") for m in config.get("metric_list") or [] if isinstance(m, dict)]
     if metrics and spec.primary_metric not in metrics:
         raise LayercutError(f"{path}: primary_metric {spec.primary_metric!r} is not in the task's metric_list "
                             f"({', '.join(map(str, metrics))}); name one of them")
     return spec
+
+
+def _token_budget(config: dict[str, Any]) -> int | None:
+    """A generating task's ``generation_kwargs.max_gen_toks``; ``None`` for another task or no budget set."""
+    if config.get("output_type") != "generate_until":
+        return None
+    kwargs = config.get("generation_kwargs")
+    return kwargs.get("max_gen_toks") if isinstance(kwargs, dict) else None
 
 
 def task_dirs() -> tuple[Path, ...]:
@@ -289,3 +325,11 @@ def unknown_task_error(name: str) -> LayercutError:
         f"unknown task {name!r}: not an offline task ({known}) nor in lm-eval's registry; "
         f"`lm-eval ls tasks` lists lm-eval's tasks (`lm-eval --tasks list` before 0.4.10)"
     )
+
+
+def check_task_needs(names: Sequence[str]) -> None:
+    """Run the check of every need (:data:`TASK_NEEDS`) of the tasks ``names``; a name without a spec needs nothing."""
+    table = task_table()
+    for name in dict.fromkeys(names):
+        for need in table[name].needs if name in table else ():
+            TASK_NEEDS.get(need)()

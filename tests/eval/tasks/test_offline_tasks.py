@@ -54,6 +54,12 @@ OLD_CHANCE = {
     "lambada_standard": 0.0,
 }
 
+# the tasks added since, one YAML each
+NEW_OFFLINE_TASKS = {"ifeval": ("ifeval/input_data.jsonl",)}
+NEW_PRIMARY_METRIC = {"ifeval": "prompt_level_strict_acc"}
+NEW_CHANCE = {"ifeval": 0.0}
+NEW_VERSION = {"boolq": 2.0, "ifeval": 4.0}  # lm-eval's version of the task, where it is not 1.0
+
 # A toy offline task: 5 answers a row, rows already in the hub's layout, so the shipped reader reads them.
 TOY_YAML = """\
 task: toy_qa
@@ -102,12 +108,14 @@ def _toy(tmp_path: Path) -> tuple[Path, Path, Path]:
 # ------------------------------------------------------------------------- the shipped table
 def test_the_table_gives_back_the_three_old_tables_exactly():
     table = task_table()
-    assert {name: spec.files for name, spec in table.items() if spec.offline} == OLD_OFFLINE_TASKS
-    assert sorted(offline_tasks()) == sorted(OLD_OFFLINE_TASKS)
-    assert {name: spec.chance for name, spec in table.items()} == OLD_CHANCE
-    for task in [*OLD_CHANCE, *OLD_PRIMARY_METRIC, "no_such_task"]:
-        assert primary_metric(task) == OLD_PRIMARY_METRIC.get(task, "acc"), task
-        assert stats.chance(task) == OLD_CHANCE.get(task), task
+    offline, chance, primary = OLD_OFFLINE_TASKS | NEW_OFFLINE_TASKS, OLD_CHANCE | NEW_CHANCE, \
+        OLD_PRIMARY_METRIC | NEW_PRIMARY_METRIC
+    assert {name: spec.files for name, spec in table.items() if spec.offline} == offline
+    assert sorted(offline_tasks()) == sorted(offline)
+    assert {name: spec.chance for name, spec in table.items()} == chance
+    for task in [*chance, *primary, "no_such_task"]:
+        assert primary_metric(task) == primary.get(task, "acc"), task
+        assert stats.chance(task) == chance.get(task), task
     assert stats.chance("no_such_task") is None
 
 
@@ -123,8 +131,8 @@ def test_lm_eval_reads_the_layercut_block_as_free_metadata(tmp_path):
     """lm-eval keeps the block in the task's metadata, hands it to the reader, and reads only ``version``."""
     for path in sorted(TASKS_DIR.glob("*.yaml")):  # lm-eval merges includes as our reader does
         metadata = load_yaml(path, resolve_func=False)["metadata"]
-        assert tuple(metadata["layercut"]["files"]) == OLD_OFFLINE_TASKS[path.stem]
-        assert metadata["version"] == (2.0 if path.stem == "boolq" else 1.0)
+        assert tuple(metadata["layercut"]["files"]) == (OLD_OFFLINE_TASKS | NEW_OFFLINE_TASKS)[path.stem]
+        assert metadata["version"] == NEW_VERSION.get(path.stem, 1.0)
     tasks, _, data = _toy(tmp_path)
     manager = TaskManager(include_path=str(tasks), include_defaults=False, metadata={"data_dir": str(data)})
     with hub_offline():
@@ -152,7 +160,7 @@ def test_a_toy_task_in_a_copy_of_the_tasks_folder(tmp_path):
     (copy / "toy_qa.yaml").write_text(TOY_YAML)
     table = task_table([copy])
     assert table["toy_qa"].chance == 0.2 and table["toy_qa"].primary_metric == "acc_norm"
-    assert {name: spec.chance for name, spec in table.items() if name != "toy_qa"} == OLD_CHANCE
+    assert {name: spec.chance for name, spec in table.items() if name != "toy_qa"} == OLD_CHANCE | NEW_CHANCE
 
 
 def test_the_toy_task_scores_what_lm_evals_own_task_scores(tmp_path, monkeypatch, tiny_tokenizer):
@@ -188,6 +196,10 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
     (lambda text: text.replace("primary_metric: acc_norm", "primary_metric: f1"), "not in the task's metric_list"),
     (lambda text: text.replace("chance: 0.2", "chance: 1.5"), "metadata.layercut.chance must be a number in [0, 1)"),
     (lambda text: text.replace("files: [toy/rows.jsonl]", "files: [/abs/rows.jsonl]"), "metadata.layercut.files"),
+    (lambda text: text.replace("chance: 0.2", "chance: 0.2\n    chat: maybe"), "metadata.layercut.chat must be"),
+    (lambda text: text.replace("output_type: multiple_choice", "output_type: generate_until\n"
+                                                               "generation_kwargs: {max_gen_toks: -1}"),
+     "generation_kwargs.max_gen_toks must be a positive whole number"),
 ])
 def test_a_bad_layercut_block_is_one_line_naming_the_file(tmp_path, edit, words):
     _, yaml_path, _ = _toy(tmp_path)
@@ -214,4 +226,8 @@ def test_task_spec_checks_its_fields():
         TaskSpec("t", "acc", -0.1)
     with pytest.raises(ValueError, match="primary_metric"):
         TaskSpec("t", "", 0.5)
+    with pytest.raises(ValueError, match="chat must be true or false"):
+        TaskSpec("t", "acc", 0.5, chat="yes")
+    with pytest.raises(ValueError, match="max_gen_toks must be a positive whole number"):
+        TaskSpec("t", "acc", 0.0, max_gen_toks=0)
     assert not TaskSpec("t", "acc", 0.5).offline and TaskSpec("t", "acc", 0.5, ("t/rows.jsonl",)).offline
