@@ -102,10 +102,15 @@ def _lost(config: ShipConfig, report: dict, verified: Verified | None, gguf: str
     header = "| held-out text | original | this checkpoint | ratio |"
     if config.engine != REFERENCE:
         header += f" {shipped} in {engine} | vs transformers | same greedy ids |"
+    header += " original's greedy tokens kept |"
+    writer = f"`{shipped}` in {engine}" if config.engine != REFERENCE else "this checkpoint"
     lines += [f"Perplexity on each held-out text ({_texts(verified)}): the original and this checkpoint in "
               "transformers"
               + (f", and the file that ships, `{shipped}`, in {engine} on the same token ids" if config.engine
-                 != REFERENCE else "") + ".", "", header, "|" + "---|" * (header.count("|") - 1)]
+                 != REFERENCE else "") + ". Multiple choice and perplexity score text someone else wrote; the last "
+              f"column is what the model writes: of the original's greedy continuation of the text's opening, how "
+              f"many tokens {writer} writes the same before the first that differs.", "", header,
+              "|" + "---|" * (header.count("|") - 1)]
     for domain, serving in verified.domains.items():
         lines.append(_domain_row(domain, serving, config.engine))
     return lines + [""]
@@ -191,13 +196,21 @@ def _domain_row(domain: str, serving: dict, engine: str) -> str:
         return f"| {domain} | not measured | | |"
     cells = f"| {domain} | {original['ppl']:.3f} | {slim['ppl']:.3f} | x{slim['ppl'] / original['ppl']:.3f} |"
     if engine == REFERENCE:
-        return cells
+        return cells + f" {_kept(slim.get('greedy'), original.get('greedy'))} |"
     served = _row(serving, SHIPPED, engine)
     if not served:
         why = ((serving.get("rows") or {}).get(SHIPPED, {}).get(engine) or {}).get("why", "not measured")
-        return cells + f" {why} | | |"
+        return cells + f" {why} | | | |"
     gap = f"{(served['ppl'] / slim['ppl'] - 1) * 100:+.3f} %"
-    return cells + f" {served['ppl']:.3f} | {gap} | {_greedy(served.get('greedy'), slim.get('greedy'))} |"
+    return (cells + f" {served['ppl']:.3f} | {gap} | {_greedy(served.get('greedy'), slim.get('greedy'))} | "
+            f"{_kept(served.get('greedy'), original.get('greedy'))} |")
+
+
+def _kept(mine: list | None, original: list | None) -> str:
+    """How many of the original's greedy ids a slim model writes the same before the first that differs."""
+    if not mine or not original:
+        return ""
+    return f"{first_difference(mine, original)} of {len(original)}"
 
 
 def _greedy(mine: list | None, theirs: list | None) -> str:

@@ -41,6 +41,28 @@ def servable_repairs() -> list[str]:
     return [m.name for m in ranked] + ["none"]
 
 
+# a shipped checkpoint is judged at the parameter count of removing its blocks: a repair may add at most this share
+# over it. fold-rotate on a tied head unties it (+vocab x hidden: +28.3M on SmolLM2-135M, as large as the original at
+# drop 8), so where the head is tied ship leaves it out; prune.run --replace fold-rotate still builds it
+PARAMS_TOLERANCE = 0.02
+
+
+def params_cap(removal: int, target: int | None) -> int:
+    """The most parameters a candidate may have: ``--target-params`` when given, else removal's count + 2 %."""
+    return target if target is not None else math.floor(removal * (1 + PARAMS_TOLERANCE))
+
+
+def oversize_note(params: int, removal: int, target: int | None, repair: str) -> str | None:
+    """Why a candidate of ``params`` parameters, repaired by ``repair``, is not one (:func:`params_cap`), or None."""
+    if params <= params_cap(removal, target):
+        return None
+    if target is not None:
+        return f"not a candidate: {params:,} parameters, above --target-params {target:,}"
+    return (f"not a candidate: {params:,} parameters, {params / removal - 1:.0%} more than removing the same blocks "
+            f"({removal:,}); a shipped checkpoint adds at most {PARAMS_TOLERANCE:.0%} (prune.run --replace {repair} "
+            "builds it)")
+
+
 def applicable(method: str, model) -> str | None:
     """None where ``method`` can repair ``model``'s layout, else why not (its one-line refusal)."""
     try:

@@ -13,7 +13,7 @@ from prune.model.adapters import get_blocks
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.resolve import Amounts
 from prune.pipeline.runner import on_meta, preflight
-from ship.config import HEAL_OPTIONS, ShipConfig, applicable, duration_words, servable_repairs
+from ship.config import HEAL_OPTIONS, ShipConfig, applicable, duration_words, params_cap, servable_repairs
 from ship.costs import ShipWork, stage_seconds
 from ship.work import StageResult
 
@@ -111,14 +111,16 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
     """
     from prune.data.calibration import self_rows
     from prune.planner.shape import shape_of_model
-    from prune.replace import METHODS
+    from prune.replace import METHODS, parameter_count
 
     shape = shape_of_model(skeleton) if skeleton is not None else None
-    # as the shortlist sizes them: a repair adding more parameters than the blocks remove is never fitted
-    removed = drop * shape.block_params if shape else 0
+    # as the shortlist sizes them (ship.config.params_cap): a repair adding more than its cap allows is never fitted
+    removal = parameter_count(skeleton) - drop * shape.block_params if shape else 0
+    target = config.prune.resolve(skeleton).target_params if skeleton is not None else None
     repairs = [name for name in servable_repairs() if name != "none"
                and (skeleton is None or (applicable(name, skeleton) is None and not (
-                   METHODS[name].adds_params and METHODS[name].adds_params(skeleton) > removed)))]
+                   METHODS[name].adds_params and removal + METHODS[name].adds_params(skeleton)
+                   > params_cap(removal, target))))]
     widths = tuple(METHODS[name].fit_width(shape.hidden, shape.intermediate) if shape else 1 for name in repairs)
     data = config.prune.data
     original_kept = False

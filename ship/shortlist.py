@@ -5,8 +5,8 @@ span, and each selection that declares a one-pass measure of its repair), each c
 repair whose checkpoint is a plain one of the original architecture (the methods registered as servable and
 ``closed_form``, and removal). Each candidate is fitted on most calibration rows and measured on the rows no
 fit saw (``prune.selection.repaired.RepairedCosts``): the KL of its next-token distribution from the original
-model's, and its perplexity. The lowest KL wins; a candidate with more parameters than the original model (a
-repair that unties a tied head) or than ``--target-params`` is not one.
+model's, and its perplexity. The lowest KL wins; a candidate with over 2 % more parameters than removing its
+blocks (a repair that unties a tied head), or more than ``--target-params``, is not one.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from prune.pipeline.runner import Scored
 from prune.replace import METHODS, ReplaceConfig, parameter_count
 from prune.selection.repaired import RepairedCosts, fit_together, shared_references
 from prune.selection.strategies import SELECTIONS
-from ship.config import applicable, servable_repairs
+from ship.config import applicable, oversize_note, servable_repairs
 from ship.work import StageResult, write_json_atomic
 
 # the share of --time-budget the shortlist may spend measuring; building and verifying take the rest
@@ -232,12 +232,10 @@ def _candidates(scored: Scored, model, base: PruneConfig, amounts, repairs: list
 def _size(candidate: Candidate, model, dense: int, target: int | None) -> None:
     """Its parameter count: the kept blocks' and what its repair declares it adds (``Method.adds_params``).
 
-    A candidate above the original's count (or ``--target-params``) is noted as not one.
+    A candidate above removal's count + 2 % (or above ``--target-params``) is noted as not one
+    (:func:`ship.config.oversize_note`).
     """
     removed = sum(p.numel() for b in candidate.blocks for p in get_blocks(model)[1][b].parameters())
     method = METHODS[candidate.repair]
     candidate.params = dense - removed + (method.adds_params(model) if method.adds_params else 0)
-    if candidate.params > dense:
-        candidate.note = f"not a candidate: {candidate.params:,} parameters, more than the original's {dense:,}"
-    elif target is not None and candidate.params > target:
-        candidate.note = f"not a candidate: {candidate.params:,} parameters, above --target-params {target:,}"
+    candidate.note = oversize_note(candidate.params, dense - removed, target, candidate.repair) or ""

@@ -21,8 +21,8 @@ REPORT = {"source_model": "HuggingFaceTB/SmolLM2-135M", "model_name": "smollm2-1
 def config(tmp_path, **changes) -> ShipConfig:
     prune = PruneConfig(load={"model": "smollm2-135m", "dtype": "bfloat16"}, drop="8", protect="0,1,-1",
                         batch_size=2, data={"samples": 32})
-    return ShipConfig(prune=prune, out=str(tmp_path / "slim8"), engine="llamacpp", gguf_type="q4_k_m",
-                      time_budget=150.0, speed_repeats=1, **changes)
+    settings = {"engine": "llamacpp", "gguf_type": "q4_k_m", "time_budget": 150.0, "speed_repeats": 1, **changes}
+    return ShipConfig(prune=prune, out=str(tmp_path / "slim8"), **settings)
 
 
 def shortlist() -> Shortlist:
@@ -30,15 +30,15 @@ def shortlist() -> Shortlist:
                      candidates=[Candidate([1, 2], "fold", ["topk/linearity"], params=106_000_000, kl=0.5, ppl=19.0)])
 
 
-def serving_rows(greedy_shipped: list[int]) -> dict:
+def serving_rows(greedy_shipped: list[int], greedy_original: tuple = (1, 2, 3, 4)) -> dict:
     row = {"runs": True, "greedy": [1, 2, 3, 4]}
-    return {"rows": {"original": {"transformers": {**row, "ppl": 10.0}},
+    return {"rows": {"original": {"transformers": {**row, "ppl": 10.0, "greedy": list(greedy_original)}},
                      "slim": {"transformers": {**row, "ppl": 20.0}},
                      "shipped": {"llamacpp": {"runs": True, "ppl": 20.5, "greedy": greedy_shipped}}}}
 
 
 def test_every_engine_row_names_and_measures_the_file_that_ships(tmp_path):
-    verified = Verified(domains={"news": serving_rows([1, 2, 3, 4]), "wiki": serving_rows([1, 2, 9, 9])},
+    verified = Verified(domains={"news": serving_rows([1, 2, 3, 4], (1, 5, 3, 4)), "wiki": serving_rows([1, 2, 9, 9])},
                         speed={"ratios": []}, heldout=["news.txt", "wiki.txt"],
                         files={"shipped": "gguf/slim8-q4_k_m.gguf", "engine": "llamacpp", "gguf_type": "q4_k_m"})
     healed = Healing(steps=50, why="--heal-steps 50", kept=True, kl_before=0.5, kl_after=0.3, ppl_before=19.0,
@@ -46,8 +46,10 @@ def test_every_engine_row_names_and_measures_the_file_that_ships(tmp_path):
     card = ship_card(config(tmp_path), REPORT, shortlist(), verified, PruneConfig(drop=8, replace="fold"),
                      {"plan": 1.0, "verify": 2.0}, healed, gguf="gguf/slim8-q4_k_m.gguf")
     assert "| held-out text | original | this checkpoint | ratio | gguf/slim8-q4_k_m.gguf in llama.cpp |" in card
-    assert "| news | 10.000 | 20.000 | x2.000 | 20.500 | +2.500 % | yes (4 tokens) |" in card
-    assert "| wiki | 10.000 | 20.000 | x2.000 | 20.500 | +2.500 % | **no**: from token 2 of 4 |" in card
+    # the last column: the shipped file's greedy ids against the original's (not transformers' slim ones)
+    assert "| news | 10.000 | 20.000 | x2.000 | 20.500 | +2.500 % | yes (4 tokens) | 1 of 4 |" in card
+    assert "| wiki | 10.000 | 20.000 | x2.000 | 20.500 | +2.500 % | **no**: from token 2 of 4 | 2 of 4 |" in card
+    assert "| vs transformers | same greedy ids | original's greedy tokens kept |" in card
     assert "`gguf/slim8-q4_k_m.gguf` (q4_k_m; the original runs as llama.cpp's f32 conversion" in card
     # one card: the held-out figures come from the verified rows alone, the folder is named as the user has it
     assert "10.000 -> 20.000" not in card and "## Held-out perplexity" not in card
@@ -78,3 +80,15 @@ def test_the_ship_command_of_the_cli_parses_back_to_the_same_config(tmp_path):
     again = config_from_args(build_parser().parse_args(argv))
     assert again.settings() == original.settings()
     assert (again.time_budget, again.speed_repeats, again.verify) == (150.0, 1, False)
+
+
+def test_in_transformers_the_kept_greedy_tokens_are_the_checkpoint_s_against_the_original(tmp_path):
+    rows = serving_rows([], (1, 2, 7, 4))
+    del rows["rows"]["shipped"]
+    verified = Verified(domains={"news": rows}, speed={"ratios": []}, heldout=["news.txt"],
+                        files={"engine": "transformers"})
+    card = ship_card(config(tmp_path, engine="transformers", gguf_type="f32"), REPORT, shortlist(), verified,
+                     PruneConfig(drop=8, replace="fold"), {"plan": 1.0, "verify": 2.0}, None, gguf=None)
+    assert "| held-out text | original | this checkpoint | ratio | original's greedy tokens kept |" in card
+    assert "| news | 10.000 | 20.000 | x2.000 | 2 of 4 |" in card  # [1, 2, 3, 4] against the original's [1, 2, 7, 4]
+    assert "how many tokens this checkpoint writes the same" in card

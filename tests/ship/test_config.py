@@ -59,3 +59,19 @@ def test_the_settings_a_resumed_run_must_match_hold_the_budget_and_the_engine(ti
     assert config.settings()["drop"] == 2 and config.settings()["engine"] == "transformers"
     assert config.settings()["gguf_type"] is None  # only llama.cpp's GGUF depends on it
     assert config.work.name == "o.work" and len(config.digest()) == 10
+
+
+def test_a_shipped_checkpoint_adds_at_most_two_percent_over_removing_its_blocks():
+    from ship.config import oversize_note, params_cap
+
+    removal = 106_194_240  # SmolLM2-135M with 8 blocks removed
+    assert params_cap(removal, None) == 108_318_124
+    assert oversize_note(108_318_124, removal, None, "fold-rotate") is None
+    # fold-rotate at drop 8 unties the tied head: below the original's 134,515,008, yet 27 % over removal
+    note = oversize_note(134_505_792, removal, None, "fold-rotate")
+    assert note == ("not a candidate: 134,505,792 parameters, 27% more than removing the same blocks (106,194,240); "
+                    "a shipped checkpoint adds at most 2% (prune.run --replace fold-rotate builds it)")
+    # a --target-params the user gives is the cap, above or below removal's + 2 %
+    assert oversize_note(134_505_792, removal, 135_000_000, "fold-rotate") is None
+    assert oversize_note(107_000_000, removal, 106_500_000, "fold") == ("not a candidate: 107,000,000 parameters, "
+                                                                         "above --target-params 106,500,000")
