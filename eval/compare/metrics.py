@@ -107,7 +107,8 @@ def _weights_mb(model, tokenizer) -> dict:
 
 
 def _fidelity_cell(value: dict) -> str:
-    return f"{value['kept']:.2f} / {value['nll']:.2f}"
+    spread = f" ± {value['nll_stderr']:.2f}" if value.get("nll_stderr") else ""  # rows measured before it: none
+    return f"{value['kept']:.2f} / {value['nll']:.2f}{spread}"
 
 
 def _fidelity_note(dense: dict) -> str:

@@ -150,8 +150,17 @@ class Reference:
             written = greedy_continuations(model, self.prompts, self.options, desc="slim greedy")
             nll = continuation_nll(self.original, self.prompts, written, self.options)
         kept = kept_prefix(self.greedy, written)
-        result = {"kept": float(kept.mean()), "nll": float(nll.mean()), "own_nll": float(self.own_nll.mean())}
+        result = {"kept": float(kept.mean()), "nll": float(nll.mean()), "own_nll": float(self.own_nll.mean()),
+                  # per prompt, in prompt order: two models measured on the same prompts compare row by row (paired
+                  # gaps), far less noisy than their separate standard errors suggest
+                  "kept_rows": [round(float(v), 6) for v in kept], "nll_rows": [round(float(v), 6) for v in nll],
+                  "nll_stderr": _stderr(nll), "kept_stderr": _stderr(kept)}
         if not math.isfinite(result["nll"]):
             raise LayercutError("the original gives a non-finite likelihood to the continuations: its logits "
                                 "overflow in this dtype; measure fidelity in float32 or bfloat16")
         return {**result, **self.options.describe()}
+
+
+def _stderr(values: torch.Tensor) -> float:
+    """Standard error of the mean of ``values`` (0 for a single value)."""
+    return float(values.double().std() / math.sqrt(len(values))) if len(values) > 1 else 0.0

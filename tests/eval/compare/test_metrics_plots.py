@@ -152,5 +152,5 @@ def test_generation_fidelity_is_a_column_judged_by_the_dense_model(tiny_folder, 
     assert (cell["prompts"], cell["prompt_tokens"], cell["new_tokens"]) == (32, 64, 32)
     table = (out / "README.md").read_text()
     assert "| greedy kept / NLL by original |" in table
-    assert f"| {cell['kept']:.2f} / {cell['nll']:.2f} |" in table
+    assert f"| {cell['kept']:.2f} / {cell['nll']:.2f} ± {cell['nll_stderr']:.2f} |" in table
     assert "each model writes 32 greedy tokens after each of 32 held-out prompts of 64 tokens" in table

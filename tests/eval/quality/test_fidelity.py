@@ -86,3 +86,8 @@ def test_the_original_is_faithful_to_itself_and_a_pruned_copy_is_not(models):
     # the original's own greedy tokens are its most likely at every step: another model's are less likely to it
     assert pruned["nll"] > itself["own_nll"]
     assert {"prompts": 32, "prompt_tokens": 64, "new_tokens": 8}.items() <= pruned.items()
+    assert len(pruned["nll_rows"]) == len(pruned["kept_rows"]) == len(prompts)
+    assert sum(pruned["nll_rows"]) / len(prompts) == pytest.approx(pruned["nll"], rel=1e-5)
+    rows = torch.tensor(pruned["nll_rows"], dtype=torch.float64)
+    assert pruned["nll_stderr"] == pytest.approx(float(rows.std() / len(prompts) ** 0.5), rel=1e-4)
+    assert itself["kept_stderr"] == 0.0  # every prompt kept whole
