@@ -25,5 +25,5 @@ python -m eval.compare --model "$GEMMA" --drop 4 $COMMON --out /tmp/gemma3-270m-
 for pair in smollm2-135m-fidelity:smollm2-135m smollm2-135m-fidelity-rows:smollm2-135m-drop8-rows \
             gemma3-270m-fidelity:gemma3-270m; do
   out=/tmp/${pair%%:*} folder=reports/generation-fidelity/${pair##*:}
-  mkdir -p $folder && cp $out/README.md $out/results.json $folder/
+  mkdir -p $folder && cp $out/README.md $out/results.json $out/*.png $folder/
 done
