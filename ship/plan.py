@@ -109,7 +109,7 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
     The repairs the shortlist fits (those the skeleton takes), the text it samples, the held-out tokens it
     verifies on.
     """
-    from prune.data.calibration import self_rows
+    from prune.data.self_text import self_rows
     from prune.planner.shape import shape_of_model
     from prune.replace import METHODS, parameter_count
 

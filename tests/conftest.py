@@ -33,11 +33,11 @@ from tests.helpers import (  # noqa: E402
 @pytest.fixture(scope="session", autouse=True)
 def _sample_cache(tmp_path_factory):
     """Sampled calibration text is kept for this session only, never in the user's ~/.cache/layercut."""
-    import prune.data.calibration
+    import prune.data.self_text
 
     folder = tmp_path_factory.mktemp("self-text")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(prune.data.calibration, "self_cache_dir", lambda: folder)
+        patch.setattr(prune.data.self_text, "self_cache_dir", lambda: folder)
         yield folder
 
 

@@ -27,7 +27,7 @@ from eval.compare.results import (
     write_text,
 )
 from eval.speed.engines import checkpoint_folder
-from prune.data.calibration import samples_kept_in
+from prune.data.self_text import samples_kept_in
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
 from prune.pipeline.runner import Scored, layout_refusals, on_meta, preflight, score_calibration

@@ -29,7 +29,7 @@ both are re-exported here, so ``from eval.quality.lmeval import task_table, task
 
 ``ifeval`` generates (greedily, 256 tokens unless ``max_gen_toks`` says otherwise) through the model's chat
 template, in a ``simple_evaluate`` call of its own, and needs the ``ifeval`` extra and NLTK's punkt_tab data,
-checked first (:mod:`eval.quality.ifeval`).
+checked first (:mod:`eval.quality.needs.ifeval`).
 
 Tested with lm-eval :data:`LM_EVAL_TESTED` (the task registry and ``custom_dataset`` hooks change
 between minor versions).
@@ -50,7 +50,6 @@ from typing import Any
 
 import torch
 
-import eval.quality.ifeval  # noqa: F401  (registers the ifeval need's check)
 from eval.quality.rows import TASK_SEED, check_limit, describe_rows, row_draw, row_range, task_rows
 from eval.quality.task_specs import (
     DATA_DIR_ENV,
@@ -61,6 +60,7 @@ from eval.quality.task_specs import (
     TaskSpec,
     chance_level,
     check_task_needs,
+    check_token_budget,
     local_data_files,
     offline_names,
     offline_tasks,
@@ -152,7 +152,7 @@ def plan_tasks(tasks: Sequence[str] | str, data_dir: Path | None) -> tuple[list[
 
     Raises:
         LayercutError: no tasks, an unknown name, a missing local file, or what a task's scoring imports is
-            missing (:func:`eval.quality.ifeval.check_ifeval_ready`).
+            missing (:func:`eval.quality.needs.ifeval.check_ifeval_ready`).
     """
     local: list[str] = []
     registry: list[str] = []
@@ -208,9 +208,10 @@ def _check_options(limit: int | float | str | None, batch_size: int, num_fewshot
         raise LayercutError(f"batch_size must be a positive integer, got {batch_size!r}")
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise LayercutError(f"num_fewshot must be a non-negative integer, got {num_fewshot!r}")
-    if max_gen_toks is not None and (isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int)
-                                     or max_gen_toks < 1):
-        raise LayercutError(f"max_gen_toks must be a positive whole number of tokens, got {max_gen_toks!r}")
+    try:
+        check_token_budget(max_gen_toks)
+    except ValueError as err:
+        raise LayercutError(str(err)) from None
     return limit
 
 

@@ -25,16 +25,19 @@ import yaml
 from prune.errors import LayercutError
 from prune.registry import Registry
 
-# what a task's scoring code can need besides lm-eval (a YAML's ``needs:``), each a check that refuses in one line
-# when it is missing; a module that provides a need registers its check here (eval.quality.ifeval)
-TASK_NEEDS: Registry = Registry("task need")
-
 DATA_DIR_ENV = "LAYERCUT_DATA"
 TASKS_DIR = Path(__file__).resolve().parents[1] / "tasks"
 
 TASK_DIRS_ENV = "LAYERCUT_TASKS"  # more folders of offline task YAMLs, separated like $PATH
 # names users type that mean a different task offline
 OFFLINE_ALIASES: dict[str, str] = {"lambada": "lambada_openai"}
+
+
+def check_token_budget(max_gen_toks: Any) -> None:
+    """Raise ``ValueError`` unless ``max_gen_toks`` is ``None`` (each task's own) or a positive whole number."""
+    if max_gen_toks is not None and (isinstance(max_gen_toks, bool) or not isinstance(max_gen_toks, int)
+                                     or max_gen_toks < 1):
+        raise ValueError(f"max_gen_toks must be a positive whole number of tokens, got {max_gen_toks!r}")
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class TaskSpec:
         max_gen_toks: The token budget of a task that generates (``generation_kwargs.max_gen_toks`` of its
             lm-eval config, which the block does not repeat); ``None`` for a task that scores given answers.
         needs: What its scoring code needs besides lm-eval (``needs: [ifeval]``), each a check of
-            :data:`TASK_NEEDS` run before lm-eval imports that code.
+            :data:`eval.quality.needs.TASK_NEEDS` run before lm-eval imports that code.
     """
 
     name: str
@@ -87,9 +90,7 @@ class TaskSpec:
         if not isinstance(self.chat, bool):
             raise ValueError(f"chat must be true or false (whether prompts go through the chat template), got "
                              f"{self.chat!r}")
-        if self.max_gen_toks is not None and (isinstance(self.max_gen_toks, bool)
-                                              or not isinstance(self.max_gen_toks, int) or self.max_gen_toks < 1):
-            raise ValueError(f"max_gen_toks must be a positive whole number of tokens, got {self.max_gen_toks!r}")
+        check_token_budget(self.max_gen_toks)
 
     @property
     def offline(self) -> bool:
@@ -328,7 +329,9 @@ def unknown_task_error(name: str) -> LayercutError:
 
 
 def check_task_needs(names: Sequence[str]) -> None:
-    """Run the check of every need (:data:`TASK_NEEDS`) of the tasks ``names``; a name without a spec needs nothing."""
+    """Run the check of every need (:mod:`eval.quality.needs`) of the tasks ``names`` (none for a name unknown)."""
+    from eval.quality.needs import TASK_NEEDS  # its checks import task_specs
+
     table = task_table()
     for name in dict.fromkeys(names):
         for need in table[name].needs if name in table else ():

@@ -64,26 +64,17 @@ def _check_aligned(task: str, rows: list, labels: list, paths: list[Path]) -> No
 
 
 # ---------------------------------------------- rows already in the hub's layout (ARC, IFEval)
-def load_jsonl_test(data_dir: str | None = None, layercut: dict | None = None, **_: Any) -> datasets.DatasetDict:
-    """The test split: the task's one JSON-lines file, rows already in the hub's layout (ARC's ``allenai/ai2_arc``)."""
-    (path,) = _files(None, data_dir, layercut)
-    return _one_split("test", _read_jsonl(path))
+def load_jsonl(data_dir: str | None = None, layercut: dict | None = None, split: str = "test",
+               **_: Any) -> datasets.DatasetDict:
+    """The task's one JSON-lines file as the split ``split``, rows already in the hub's layout.
 
-
-def load_jsonl_validation(data_dir: str | None = None, layercut: dict | None = None, **_: Any) -> datasets.DatasetDict:
-    """The validation split: the task's one JSON-lines file, rows already in the hub's layout."""
-    (path,) = _files(None, data_dir, layercut)
-    return _one_split("validation", _read_jsonl(path))
-
-
-def load_jsonl_train(data_dir: str | None = None, layercut: dict | None = None, **_: Any) -> datasets.DatasetDict:
-    """The train split: the task's one JSON-lines file, rows already in the hub's layout (IFEval's ``google/IFEval``).
-
-    A column of dicts whose rows name different keys (IFEval's ``kwargs``) becomes one struct with every key, the
-    keys a row lacks set to ``None``, as on the hub; lm-eval's IFEval checks drop those ``None`` arguments.
+    ARC's ``allenai/ai2_arc`` (test), IFEval's ``google/IFEval`` (``dataset_kwargs: {split: train}`` in its YAML,
+    the hub's one split). A column of dicts whose rows name different keys (IFEval's ``kwargs``) becomes one struct
+    with every key, the keys a row lacks set to ``None``, as on the hub; lm-eval's IFEval checks drop those
+    ``None`` arguments.
     """
     (path,) = _files(None, data_dir, layercut)
-    return _one_split("train", _read_jsonl(path))
+    return _one_split(split, _read_jsonl(path))
 
 
 # ------------------------------------------------------------------------------------------ PIQA

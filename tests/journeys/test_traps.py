@@ -168,7 +168,7 @@ def test_the_maximum_drop_named_is_accepted_on_a_30_block_model():
 
 def test_decoding_with_the_cache_emits_no_future_warning(one_thread):
     from eval.speed.timing import SpeedOptions, greedy_decode, make_prompt
-    from prune.data.calibration import sample_sequences
+    from prune.data.self_text import sample_sequences
 
     model = make_tiny_model("llama")
     with warnings.catch_warnings(record=True) as caught:

@@ -19,8 +19,9 @@ from lm_eval.api.task import ConfigurableTask
 from lm_eval.models.huggingface import HFLM
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from eval.quality import ifeval, lmeval
+from eval.quality import lmeval
 from eval.quality.lmeval import hub_offline, local_tasks, plan_tasks, run_lm_eval, task_table
+from eval.quality.needs import ifeval
 from eval.tasks import local_docs
 from prune.errors import LayercutError
 
@@ -118,7 +119,7 @@ def _requests(task, lm: HFLM, samples: list[int]) -> list[tuple[int, str, dict]]
 
 # ------------------------------------------------------------------------ (a) the rows and requests
 def test_the_offline_rows_are_the_files_rows_in_the_hubs_layout(data):
-    split = local_docs.load_jsonl_train(data, {"files": ["ifeval/input_data.jsonl"]})["train"]
+    split = local_docs.load_jsonl(data, {"files": ["ifeval/input_data.jsonl"]}, split="train")["train"]
     rows = _jsonl_rows()
     assert len(split) == len(rows) == 541
     for ours, row in zip(split, rows, strict=True):

@@ -27,7 +27,6 @@ from lm_eval.tasks import TaskManager
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from eval.quality import lmeval
-from eval.quality.ifeval import check_ifeval_ready
 from eval.quality.lmeval import (
     answered_prompts,
     clean_metrics,
@@ -39,6 +38,7 @@ from eval.quality.lmeval import (
     resolve_data_dir,
     run_lm_eval,
 )
+from eval.quality.needs.ifeval import check_ifeval_ready
 from eval.tasks import local_docs
 from prune.errors import LayercutError
 

@@ -63,7 +63,7 @@ NEW_VERSION = {"boolq": 2.0, "ifeval": 4.0}  # lm-eval's version of the task, wh
 # A toy offline task: 5 answers a row, rows already in the hub's layout, so the shipped reader reads them.
 TOY_YAML = """\
 task: toy_qa
-custom_dataset: !function eval.tasks.local_docs.load_jsonl_test
+custom_dataset: !function eval.tasks.local_docs.load_jsonl
 output_type: multiple_choice
 test_split: test
 doc_to_text: "Question: {{question}}\\nAnswer:"

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from prune.data.calibration import DataConfig, _top_p_sample, calibration_data, load_documents, sample_sequences
+from prune.data.calibration import DataConfig, calibration_data, load_documents
+from prune.data.self_text import _top_p_sample, sample_sequences
 from prune.data.sources import parse_sources, shares
 from prune.errors import LayercutError
 from tests.helpers import make_tiny_model, make_tiny_tokenizer
@@ -199,7 +200,7 @@ def test_the_default_calibration_is_half_the_novel_half_the_models_own_text(toke
     assert [(p["samples"], p["heldout"]) for p in data.mixture] == [(3, 1), (3, 1)]
     # the second half is the model's own text: the first 3 + 1 sequences of the whole batch it samples with the
     # source's seed
-    from prune.data.calibration import SELF_BATCH
+    from prune.data.self_text import SELF_BATCH
 
     sampled = sample_sequences(model, tok, SELF_BATCH, 32, seed=_source_seed(0, 1, mixed=True))[:4]
     rows = {tuple(r.tolist()) for r in data.token_ids}
@@ -216,17 +217,17 @@ def test_the_default_calibration_is_half_the_novel_half_the_models_own_text(toke
 @pytest.fixture
 def sample_cache(tmp_path, monkeypatch):
     """An empty sample cache, and a count of the sampling passes that miss it."""
-    import prune.data.calibration
+    import prune.data.self_text
 
-    monkeypatch.setattr(prune.data.calibration, "self_cache_dir", lambda: tmp_path / "self-text")
+    monkeypatch.setattr(prune.data.self_text, "self_cache_dir", lambda: tmp_path / "self-text")
     passes = []
-    sample = prune.data.calibration.sample_sequences
+    sample = prune.data.self_text.sample_sequences
 
     def counted(*args, **kwargs):
         passes.append(args[2:4])
         return sample(*args, **kwargs)
 
-    monkeypatch.setattr(prune.data.calibration, "sample_sequences", counted)
+    monkeypatch.setattr(prune.data.self_text, "sample_sequences", counted)
     return tmp_path / "self-text", passes
 
 
@@ -247,7 +248,7 @@ def test_sampled_text_is_kept_for_the_same_model_and_options(sample_cache, one_t
 
 
 def test_a_kept_sample_serves_every_smaller_request_its_whole_batches_cover(sample_cache, one_thread):
-    from prune.data.calibration import cached_samples
+    from prune.data.self_text import cached_samples
 
     folder, passes = sample_cache
     tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
@@ -291,7 +292,7 @@ def test_a_sampling_batch_is_its_own_draw_and_its_own_cache_entry(sample_cache, 
     import hashlib
     import json
 
-    from prune.data.calibration import SELF_BATCH, SELF_CACHE_FORMAT, SELF_DEFAULTS, _sample_key
+    from prune.data.self_text import SELF_BATCH, SELF_CACHE_FORMAT, SELF_DEFAULTS, _sample_key
     from prune.stamps import weights_fingerprint
 
     weight = model.get_input_embeddings().weight
@@ -326,8 +327,8 @@ def test_an_unreadable_sample_cache_is_sampled_again_and_mended(sample_cache, on
 
 def test_a_folder_keeps_the_text_sampled_for_it_and_serves_it_where_sampling_would_draw_other_tokens(
         sample_cache, one_thread, tmp_path, monkeypatch):
-    import prune.data.calibration
-    from prune.data.calibration import samples_kept_in
+    import prune.data.self_text
+    from prune.data.self_text import samples_kept_in
 
     folder, passes = sample_cache
     tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
@@ -338,9 +339,9 @@ def test_a_folder_keeps_the_text_sampled_for_it_and_serves_it_where_sampling_wou
     (kept,) = results.glob("*.safetensors")
     assert len(passes) == 1 and (folder / kept.name).is_file()  # drawn once, kept in both places
     # another machine: an empty cache, and a sampler that draws other tokens (other kernels, other rounding)
-    monkeypatch.setattr(prune.data.calibration, "self_cache_dir", lambda: tmp_path / "elsewhere")
+    monkeypatch.setattr(prune.data.self_text, "self_cache_dir", lambda: tmp_path / "elsewhere")
     other = torch.zeros(4, 16, dtype=torch.long)
-    monkeypatch.setattr(prune.data.calibration, "sample_sequences", lambda *a, **k: other)
+    monkeypatch.setattr(prune.data.self_text, "sample_sequences", lambda *a, **k: other)
     with samples_kept_in(results):
         assert torch.equal(calibration_data(tok, config, model=model).token_ids, first)
     assert not (tmp_path / "elsewhere").exists()  # read from the folder; the cache is not filled from it
@@ -366,7 +367,7 @@ def test_weights_on_the_meta_device_have_no_stamp():
 
 
 def test_shipped_samples_serve_a_first_run_and_are_never_written(sample_cache, one_thread, tmp_path, monkeypatch):
-    import prune.data.calibration
+    import prune.data.self_text
 
     folder, passes = sample_cache
     tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
@@ -376,7 +377,7 @@ def test_shipped_samples_serve_a_first_run_and_are_never_written(sample_cache, o
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     kept.rename(shipped / kept.name)  # as if prepared once and installed with the package
-    monkeypatch.setattr(prune.data.calibration, "SHIPPED_SAMPLES", shipped)
+    monkeypatch.setattr(prune.data.self_text, "SHIPPED_SAMPLES", shipped)
     assert torch.equal(calibration_data(tok, config, model=model).token_ids, sampled)
     assert len(passes) == 1 and not list(folder.glob("*.safetensors"))  # read, not sampled, nothing copied
     other = DataConfig(data="self", samples=4, seq_len=16, heldout_samples=0, seed=1)
@@ -387,7 +388,7 @@ def test_shipped_samples_serve_a_first_run_and_are_never_written(sample_cache, o
 @pytest.mark.slow
 def test_the_embedded_models_first_run_reads_the_shipped_sample(monkeypatch):
     """prune.run's default calibration of the embedded model on a CPU samples nothing: its text ships."""
-    import prune.data.calibration
+    import prune.data.self_text
     from prune.loading.loader import load_model
     from prune.loading.names import find_embedded_gguf
 
@@ -398,8 +399,8 @@ def test_the_embedded_models_first_run_reads_the_shipped_sample(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("sampled although the shipped text has this key")
 
-    monkeypatch.setattr(prune.data.calibration, "sample_sequences", refuse)
+    monkeypatch.setattr(prune.data.self_text, "sample_sequences", refuse)
     data = calibration_data(loaded.tokenizer, DataConfig(), model=loaded.model)
     assert tuple(data.token_ids.shape) == (64, 512) and data.heldout_ids.shape[0] == 8
-    shipped = list(prune.data.calibration.SHIPPED_SAMPLES.glob("*.safetensors"))
+    shipped = list(prune.data.self_text.SHIPPED_SAMPLES.glob("*.safetensors"))
     assert len(shipped) == 1 and shipped[0].stat().st_size < 200_000  # 36 x 512 int64 tokens

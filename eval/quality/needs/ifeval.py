@@ -1,6 +1,6 @@
 """What lm-eval's IFEval checks need, checked before anything imports them.
 
-    from eval.quality.ifeval import check_ifeval_ready
+    from eval.quality.needs.ifeval import check_ifeval_ready
     check_ifeval_ready()   # a one-line LayercutError naming the fix, or nothing
 
 lm-eval scores IFEval with ``lm_eval.tasks.ifeval``, which imports ``langdetect``, ``immutabledict`` and
@@ -17,7 +17,7 @@ from importlib import metadata
 
 from packaging.version import Version
 
-from eval.quality.task_specs import TASK_NEEDS
+from eval.quality.needs import TASK_NEEDS
 from prune.errors import LayercutError
 
 IFEVAL_PACKAGES = ("langdetect", "immutabledict", "nltk")  # the modules lm-eval's checks import
