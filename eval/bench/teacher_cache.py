@@ -49,6 +49,8 @@ class CacheBenchOptions:
         drop: blocks removed (replaced by closed-form linear maps).
         student: an already pruned student folder (skips pruning).
         steps: optimizer steps of each distillation.
+        train: what both runs train (``distill.run --train``): "replacements" (the maps), "lora" (``prune.ship``'s
+            heal: LoRA on the kept blocks), ...
         batch_size: sequences per step.
         k: K of the cache, or "auto" (chosen on the selection split from ``k_candidates``).
         k_candidates: the K tried by "auto".
@@ -69,6 +71,7 @@ class CacheBenchOptions:
     drop: int = 4
     student: str | None = None
     steps: int = 100
+    train: str = "replacements"
     batch_size: int = 4
     k: str = "auto"
     k_candidates: list[int] = field(default_factory=lambda: [16, 32, 64, 128, 256])
@@ -138,7 +141,8 @@ def distill_config(options: CacheBenchOptions, k: int | None):
 
     data = DataConfig(options.data, options.samples, options.seq_len, options.seed,
                       heldout_samples=options.heldout_samples, text_field=options.text_field)
-    return DistillConfig(steps=options.steps, batch_size=options.batch_size, log_every=1, save_every=0,
+    return DistillConfig(steps=options.steps, train=options.train, batch_size=options.batch_size, log_every=1,
+                         save_every=0,
                          seed=options.seed, data=data, teacher_cache=None if k is None else f"topk={k}")
 
 
@@ -146,7 +150,8 @@ def distill_flags(options: CacheBenchOptions, student: Path, out: Path, k: int |
     """``distill.run``'s arguments for one of the two runs (the cached one with ``--teacher-cache``)."""
     cache = ["--teacher-cache", f"topk={k}"] if k is not None else []
     return ["-m", "distill.run", "--student", str(student), "--teacher", options.model, "--out", str(out),
-            "--steps", str(options.steps), "--batch-size", str(options.batch_size), "--log-every", "1",
+            "--steps", str(options.steps), "--train", options.train, "--batch-size", str(options.batch_size),
+            "--log-every", "1",
             "--save-every", "0", "--overwrite", *_data_flags(options), *cache, *_threads(options)]
 
 
@@ -293,7 +298,8 @@ def cache_markdown(result: dict) -> str:
     rows = [("online KD", result["online"], "-"),
             (f"cached top-{result['k']}", result["cached"], f"{result['cached']['cache_write']['seconds']:.1f}")]
     lines = [f"Teacher cache: {result['model']} at drop {result['drop']}, {result['options']['steps']} steps of "
-             f"{result['options']['batch_size']} x {result['options']['seq_len']} tokens ({result['device']}); KL "
+             f"{result['options']['batch_size']} x {result['options']['seq_len']} tokens training "
+             f"{result['options'].get('train', 'replacements')} ({result['device']}); KL "
              f"(full softmax) on {result['heldout_sequences']} held-out sequences, {result['kl_before']:.4f} before "
              "distillation", "",
              "| run | peak RSS (MiB) | median s/step | cache write (s) | held-out KL |", "|---|---:|---:|---:|---:|"]
@@ -327,6 +333,8 @@ class TeacherCacheBenchOptions:
     drop: int = bench_option(_D.drop, f"blocks removed (default: {_D.drop})", type=int)
     student: str | None = bench_option(None, "an already pruned student folder (default: prune --model)")
     steps: int = bench_option(_D.steps, f"steps of each distillation (default: {_D.steps})", type=int)
+    train: str = bench_option(_D.train, "what both distillations train, as distill.run --train (default: "
+                              f"{_D.train}; lora: prune.ship's heal)")
     batch_size: int = bench_option(_D.batch_size, f"sequences per step (default: {_D.batch_size})", type=int)
     k: str = bench_option(_D.k, "K of the top-K cache, or auto: the smallest of --k-candidates whose top-K KL is "
                           "within --k-tolerance of the full KL on a selection split (default: auto)")
@@ -358,7 +366,8 @@ def run_teacher_cache(command: TeacherCacheBenchOptions) -> int:
     data = command.data
     options = CacheBenchOptions(
         model=command.model, drop=command.drop, student=command.student, steps=command.steps,
-        batch_size=command.batch_size, k=command.k, k_candidates=candidates, k_tolerance=command.k_tolerance,
+        train=command.train, batch_size=command.batch_size, k=command.k, k_candidates=candidates,
+        k_tolerance=command.k_tolerance,
         data=data.data, text_field=data.text_field, samples=data.samples, seq_len=data.seq_len,
         heldout_samples=data.heldout_samples,
         selection_samples=command.selection_samples, prune_samples=command.prune_samples, seed=data.seed,

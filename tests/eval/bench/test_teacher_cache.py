@@ -1,5 +1,6 @@
 """``eval.bench teacher-cache``: the runs it starts, the options it checks, and how it reads and reports them."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -23,12 +24,15 @@ OPTIONS = CacheBenchOptions(steps=7, batch_size=2, samples=40, seq_len=32, heldo
                             threads=1)
 
 
+@pytest.mark.parametrize("train", ["replacements", "lora"])
 @pytest.mark.parametrize("k", [None, 16])
-def test_the_cache_writer_asks_for_the_config_the_distillation_child_builds(k):
+def test_the_cache_writer_asks_for_the_config_the_distillation_child_builds(k, train):
     """The cache is keyed by the run's config: the writer's must be the one ``distill.run`` makes of the flags."""
-    flags = distill_flags(OPTIONS, Path("student"), Path("out"), k)
+    options = dataclasses.replace(OPTIONS, train=train)
+    flags = distill_flags(options, Path("student"), Path("out"), k)
     assert flags[:2] == ["-m", "distill.run"] and ("--teacher-cache" in flags) == (k is not None)
-    assert config_from_args(build_parser().parse_args(flags[2:])) == distill_config(OPTIONS, k)
+    config = config_from_args(build_parser().parse_args(flags[2:]))
+    assert config == distill_config(options, k) and config.train == train
 
 
 @pytest.mark.parametrize("values,message", [
