@@ -18,7 +18,14 @@ counted here in the same units before any weight is read:
 
 Rates are ``prune.planner.stages``' FLOP rate times what a kind of pass reached of it on this 2-core machine
 (SmolLM2-135M, ``--drop 8 --samples 32``, idle, 2026-12-02; ``reports/ship-fast/``), and byte rates for what reads
-and writes files. On a GPU the same counts run at the GPU rate; the per-process and file costs are kept.
+and writes files, all at the reference machine's speed and multiplied by this CPU's now
+(:func:`prune.planner.machine.machine_speed`). On a GPU the same counts run at the GPU rate; the per-process and
+file costs stay the CPU's.
+
+They were fitted on the run ``after8`` of reports/ship-fast, whose scoring pass took 7.8 s a batch, and are given
+here at the reference speed, where the same pass took 4.03 s (its run ``r8``, 2026-12-02): every rate x 1.94,
+and the shares x 1.94 x 1.8e11 / 1.22e11 (``CPU_FLOPS`` was 1.8e11 when they were fitted). A share over 1: that pass
+outruns the scoring pass, which also multiplies every state's float32 moments.
 """
 
 from __future__ import annotations
@@ -27,22 +34,27 @@ import math
 from dataclasses import dataclass
 
 from prune.planner.inputs import PlanInput
+from prune.planner.machine import machine_speed
 from prune.planner.memory import weight_bytes
 from prune.planner.shape import ModelShape
 from prune.planner.stages import CPU_FLOPS, _flops, _rate
 
 # what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
-SCORING_SHARE = 0.40  # the scoring pass, every state's Gram and every pair's cosines (62 s for 16,384 tokens)
-STREAM_SHARE = 0.46  # repaired-fast's pass: adjacent pairs' statistics, no cosines
-CAPTURE_SHARE = 0.55  # a capture pass recording a span's activations for its fits
-LOGITS_SHARE = 0.45  # a pass that reads the logits (measuring, transformers' perplexity)
-ENGINE_SHARE = 0.35  # llama.cpp scoring every position of a window (logits_all)
-FIT_FLOPS = 2.0e10  # float64 sums and solves of the closed-form fits
-SAMPLE_BYTES_PER_S = 1.7e9  # a sampling step reads every weight: 25 tokens/s for 8 rows of SmolLM2-135M
-CONVERT_BYTES_PER_S = 2.2e7  # llama.cpp's converter: float32 checkpoint bytes a second
+SCORING_SHARE = 1.145  # the scoring pass, every state's Gram and every pair's cosines (32 s for 16,384 tokens)
+STREAM_SHARE = 1.317  # repaired-fast's pass: adjacent pairs' statistics, no cosines
+CAPTURE_SHARE = 1.574  # a capture pass recording a span's activations for its fits
+LOGITS_SHARE = 1.288  # a pass that reads the logits (measuring, transformers' perplexity)
+ENGINE_SHARE = 1.002  # llama.cpp scoring every position of a window (logits_all)
+# the verify stage's transformers check: every 512-token window's perplexity, then 32 greedy tokens, each held-out
+# text tokenized whole first (fitted on the run r8 of reports/ship-fast: 83 s for both models against 50 s at
+# LOGITS_SHARE)
+SERVING_SHARE = 0.776
+FIT_FLOPS = 3.88e10  # float64 sums and solves of the closed-form fits
+SAMPLE_BYTES_PER_S = 3.3e9  # a sampling step reads every weight: 48 tokens/s for 8 rows of SmolLM2-135M
+CONVERT_BYTES_PER_S = 4.27e7  # llama.cpp's converter: float32 checkpoint bytes a second
 QUANTIZE_SHARE = 0.4  # its quantizer after it (q4_k_m), as a share of the conversion's time
-WRITE_BYTES_PER_S = 2.0e8  # safetensors written through a staging folder
-PROCESS_SECONDS = 8.0  # a fresh Python importing torch and transformers, and loading a model
+WRITE_BYTES_PER_S = 3.88e8  # safetensors written through a staging folder
+PROCESS_SECONDS = 4.12  # a fresh Python importing torch and transformers, and loading a model
 FIT_ITERATIONS = 50  # fold-rotate's alternating rounds at most (prune.replace.rotate)
 
 
@@ -92,10 +104,11 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
         return count * (_flops(shape, blocks, head) + extra) / (rate * share)
 
     fit_rate = FIT_FLOPS * rate / CPU_FLOPS  # the fits run where the model does
+    cpu = machine_speed()  # the converter, the sampling's reads, the writes and the processes run on this CPU
     sampling = 0.0
     if work.self_rows:
         steps = math.ceil(work.self_rows / 8) * inp.seq_len
-        sampling = steps * weight_bytes(shape, inp, layers) / SAMPLE_BYTES_PER_S
+        sampling = steps * weight_bytes(shape, inp, layers) / (SAMPLE_BYTES_PER_S * cpu)
     fits = sum(_fit_flops(shape, width, tokens - measure) for width in work.repairs) * work.sets * work.spans
     shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
                  + passes(tokens, layers, STREAM_SHARE, extra=moments / 2)
@@ -109,17 +122,18 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     # quarters of the way on average), then prune.run's held-out perplexity of the original and of the checkpoint
     build = (passes(tokens, 0.75 * layers, CAPTURE_SHARE) + _fit_flops(shape, chosen, tokens) / fit_rate
              + passes(2 * inp.heldout_samples * inp.seq_len, layers, LOGITS_SHARE, head=True)
-             + checkpoint / WRITE_BYTES_PER_S)
+             + checkpoint / (WRITE_BYTES_PER_S * cpu))
     # the quantizer reads the converted float32 file and writes a quarter of it
-    export = (1 + QUANTIZE_SHARE * work.quantized) * checkpoint / CONVERT_BYTES_PER_S if work.gguf else 0.0
+    export = (1 + QUANTIZE_SHARE * work.quantized) * checkpoint / (CONVERT_BYTES_PER_S * cpu) if work.gguf else 0.0
     held = work.texts * work.heldout_tokens
     models = (0 if work.original_kept else 1) + 1
-    verify = (passes(held * (0 if work.original_kept else 1), layers, LOGITS_SHARE, head=True)
-              + passes(held, kept, LOGITS_SHARE, head=True)
+    verify = (passes(held * (0 if work.original_kept else 1), layers, SERVING_SHARE, head=True)
+              + passes(held, kept, SERVING_SHARE, head=True)
               + (passes(held, kept, ENGINE_SHARE, head=True) if work.gguf else 0.0)
               + _speed_seconds(shape, inp, work)
-              + (0.0 if work.original_kept or not work.gguf else weight_bytes(shape, inp, layers) / CONVERT_BYTES_PER_S)
-              + (models + 2) * PROCESS_SECONDS) if work.verify else 0.0
+              + (0.0 if work.original_kept or not work.gguf else weight_bytes(shape, inp, layers) / (
+                  CONVERT_BYTES_PER_S * cpu))
+              + (models + 2) * PROCESS_SECONDS / cpu) if work.verify else 0.0
     return {"shortlist": sampling + shortlist, "build": build, "heal": work.heal_seconds,
             "export": export, "verify": verify}
 
@@ -146,6 +160,6 @@ def _speed_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
     total = 0.0
     for blocks in (shape.layers, shape.layers - work.drop):
         prefill = work.prompt_len * _flops(shape, blocks, True) / (_rate(inp) * ENGINE_SHARE)
-        decode = work.new_tokens * weight_bytes(shape, inp, blocks) / (SAMPLE_BYTES_PER_S * 8 / 2)
+        decode = work.new_tokens * weight_bytes(shape, inp, blocks) / (SAMPLE_BYTES_PER_S * machine_speed() * 8 / 2)
         total += (work.speed_rounds + 1) * 2 * (prefill + decode)
     return total

@@ -23,15 +23,13 @@ from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL
 from prune.loading.loader import LoadedModel
 from prune.model.surgery import LAYOUT_ATTR
 from prune.selection.repaired import divergence, split_rows
-from ship.config import HEAL_OPTIONS, ShipConfig, duration_words
+from ship.config import HEAL_OPTIONS, HEAL_SEQ_LEN, ShipConfig, duration_words
 from ship.work import StageResult
 
-# sequences of this many tokens (distill's default length): calibration rows are cut into them
-HEAL_SEQ_LEN = 128
-# the planner's distillation time is multiplied by this before the steps are fitted into the time left: its FLOP
-# count leaves out LoRA's many small products and the float32 KL over the vocabulary (SmolLM2-135M, 2-core CPU:
-# 1.97 s a step planned, 4.9 s measured in prune.ship's healing, reports/ship/)
-HEAL_MARGIN = 2.5
+# the planner's healing time (its rates measured on this heal's own kind of step, prune.planner.stages.TRAIN_SHARE)
+# is multiplied by this before the steps are fitted into the time left: a heal that overruns takes the engine
+# checks' time
+HEAL_MARGIN = 1.15
 # fewer steps than this are not worth a teacher's load: healing is skipped
 HEAL_MIN_STEPS = 20
 # a checkpoint of the training every this many steps (and at the last): a killed heal resumes from the latest,
@@ -62,11 +60,18 @@ class Healing(StageResult):
         if not self.steps:
             return f"Not healed: {self.why}."
         said = (f"Healed: {self.steps} steps of distillation towards the original ({self.why}; KL of the "
-                "next-token distributions, LoRA on every Linear of the kept blocks, merged, so the checkpoint stays "
-                f"plain), on {self.tokens or 0:,} calibration tokens. On the calibration rows it did not train "
+                f"next-token distributions, from the original's top-{_cache_k()} logits written once, LoRA on every "
+                "Linear of the kept blocks, merged, so the checkpoint stays plain), on "
+                f"{self.tokens or 0:,} calibration tokens. "
+                "On the calibration rows it did not train "
                 f"on (the shortlist's measuring rows): KL {self.kl_before:.4f} -> {self.kl_after:.4f}, perplexity "
                 f"{self.ppl_before:.3f} -> {self.ppl_after:.3f}: ")
         return said + ("kept." if self.kept else "not kept; the checkpoint is the one built, unhealed.")
+
+
+def _cache_k() -> str:
+    """K of the heal's teacher cache (``HEAL_OPTIONS``' ``topk=K``)."""
+    return HEAL_OPTIONS["teacher_cache"].partition("=")[2]
 
 
 def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageResult],

@@ -13,7 +13,16 @@ from prune.model.adapters import get_blocks
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.resolve import Amounts
 from prune.pipeline.runner import on_meta, preflight
-from ship.config import HEAL_OPTIONS, ShipConfig, applicable, duration_words, params_cap, servable_repairs
+from ship.config import (
+    HEAL_OPTIONS,
+    HEAL_SEQ_LEN,
+    ShipConfig,
+    applicable,
+    duration_words,
+    heal_sequences,
+    params_cap,
+    servable_repairs,
+)
 from ship.costs import ShipWork, stage_seconds
 from ship.work import StageResult
 
@@ -144,19 +153,25 @@ def _stage_words(stages: dict) -> str:
 
 
 def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
-    """The planner's seconds for ``--heal-steps`` steps of the healing (None: no healing, or no plan)."""
+    """The planner's seconds for ``--heal-steps`` steps of the healing (None: no healing, or no plan).
+
+    Its sequences are those the heal trains on (:func:`ship.config.heal_sequences`); with the teacher's cache,
+    writing it counts too.
+    """
     from prune.planner.estimate import hardware_for, plan_config
 
     if not config.heal_steps:
         return None
-    options = {**HEAL_OPTIONS, "steps": config.heal_steps}
+    train, unseen = heal_sequences(prune.data.samples, prune.data.seq_len)
+    options = {**HEAL_OPTIONS, "steps": config.heal_steps,
+               "data": {"samples": train, "heldout_samples": unseen, "seq_len": HEAL_SEQ_LEN}}
     try:
         planned = plan_config(dataclasses.replace(prune, distill=options), hardware_for(prune.load.device))
     except Exception as err:  # noqa: BLE001 - the heal is then fitted to the time by its steps alone
         logger.info("no plan for the healing (%s)", err)
         return None
-    stage = next((s for s in planned.stages if s.name == "distillation"), None)
-    return None if stage is None else stage.seconds
+    stages = [s.seconds for s in planned.stages if s.name in ("teacher cache", "distillation")]
+    return sum(stages) if stages else None
 
 
 def check_engine(config: ShipConfig) -> None:

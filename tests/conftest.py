@@ -15,6 +15,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 if "HF_MODULES_CACHE" not in os.environ:  # a folder of this run's own, removed when the run ends
     os.environ["HF_MODULES_CACHE"] = tempfile.mkdtemp(prefix="layercut-test-modules-")
     atexit.register(shutil.rmtree, os.environ["HF_MODULES_CACHE"], ignore_errors=True)
+# the planner's CPU rates at the reference machine's speed: a plan a test checks must not move with the machine's load
+# (prune.planner.machine; tests of the probe itself unset it)
+os.environ["LAYERCUT_MACHINE_SPEED"] = "1"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

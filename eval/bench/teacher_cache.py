@@ -297,7 +297,9 @@ def cache_markdown(result: dict) -> str:
     mib = 2**20
     rows = [("online KD", result["online"], "-"),
             (f"cached top-{result['k']}", result["cached"], f"{result['cached']['cache_write']['seconds']:.1f}")]
-    lines = [f"Teacher cache: {result['model']} at drop {result['drop']}, {result['options']['steps']} steps of "
+    student = result["options"].get("student")
+    pruned = f"student {Path(student).name}" if student else f"at drop {result['drop']}"
+    lines = [f"Teacher cache: {result['model']}, {pruned}, {result['options']['steps']} steps of "
              f"{result['options']['batch_size']} x {result['options']['seq_len']} tokens training "
              f"{result['options'].get('train', 'replacements')} ({result['device']}); KL "
              f"(full softmax) on {result['heldout_sequences']} held-out sequences, {result['kl_before']:.4f} before "

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from prune.errors import LayercutError
 from prune.planner.inputs import DistillSpec, Hardware, PlanInput
+from prune.planner.machine import machine_speed
 from prune.planner.memory import add
 from prune.planner.shape import ModelShape, build_on_meta, read_config, shape_of_model, shape_of_name
 from prune.planner.stages import (
@@ -85,8 +86,15 @@ class RunPlan:
             "stages": [{"name": s.name, "seconds": s.seconds, "note": s.note,
                         "peak": {d: s.peak(d) for d in s.devices},
                         "parts": {d: dict(p) for d, p in s.devices.items()}} for s in self.stages],
-            "throughput": GPU_SOURCE if self.inp.on_gpu else CPU_SOURCE,
+            "throughput": throughput_source(self.inp),
         }
+
+
+def throughput_source(inp: PlanInput) -> str:
+    """Where the plan's rate comes from: the GPU's assumption, or the CPU's measurement at this CPU's speed now."""
+    if inp.on_gpu:
+        return GPU_SOURCE
+    return f"{CPU_SOURCE}; this CPU now x{machine_speed():.2f} of it"
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -225,10 +233,13 @@ def distill_spec(options: dict, fallback_seq_len: int = 128) -> DistillSpec:
         if match is None:
             raise LayercutError(f"teacher_cache takes topk=K (topk=64), got {cache!r}")
         cache = int(match.group(1))
+    # a cache holds each sequence once, however many times the steps read it (prune.ship's heal reads its few
+    # calibration rows many times)
+    sequences = int(data.get("samples", 0) or 0) + int(data.get("heldout_samples", 0) or 0)
     return DistillSpec(steps=int(options.get("steps", 0)), batch_size=options.get("batch_size", defaults.batch_size),
                        seq_len=data.get("seq_len", fallback_seq_len), grad_accum=options.get("grad_accum", 1),
                        train=options.get("train", defaults.train), lora_r=options.get("lora_r", defaults.lora_r),
-                       kl=kl, teacher_cache=int(cache))
+                       kl=kl, teacher_cache=int(cache), cache_sequences=sequences)
 
 
 def plan_input(config, shape: ModelShape, hardware: Hardware) -> PlanInput:
@@ -398,7 +409,7 @@ def format_plan(plan: RunPlan) -> str:
     verdict = ("fits" if plan.fits() else "tight: within the estimate's 20 %" if plan.fits(REFUSE_MARGIN)
                else "does not fit")
     lines.append(f"peak {_gb(need)} on {device} in {stage} ({verdict}); time about {_duration(plan.seconds)} "
-                 f"({GPU_SOURCE if inp.on_gpu else CPU_SOURCE})")
+                 f"({throughput_source(inp)})")
     if not plan.fits():
         found = fixes(plan)
         lines.append("makes it fit: " + (", or ".join(found) if found else "no option tried; more devices"))

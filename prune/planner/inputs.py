@@ -21,6 +21,8 @@ class DistillSpec:
         kl: a loss on the logits (float32 [batch, seq, vocab] for teacher and student).
         teacher_cache: top-k of a teacher-logit cache (the teacher is then not in memory while training);
             0: the teacher runs beside the student.
+        cache_sequences: sequences the cache is written over, the training and held-out ones (``data``'s
+            ``samples`` + ``heldout_samples``); 0: as many as the steps read.
     """
 
     steps: int = 0
@@ -31,6 +33,7 @@ class DistillSpec:
     lora_r: int = 8
     kl: bool = True
     teacher_cache: int = 0
+    cache_sequences: int = 0
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from prune.planner.inputs import DTYPE_BYTES, PlanInput
+from prune.planner.machine import machine_speed
 from prune.planner.memory import (
     CPU_BASELINE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -33,15 +34,24 @@ from prune.planner.shape import ModelShape
 from prune.replace.registry import METHODS, closed_form_methods
 from prune.selection.repaired import MEASURE_EVERY
 
-# Throughput. CPU: SmolLM2-135M's scoring pass ran 718 tokens/s on 2 threads of this 2-core machine
-# (2026-11-27, prune.run --drop 4), 253 MFLOP a token (2 x 106 M block parameters + the float32 moment
-# products): 1.8e11 FLOP/s in float32. GPU: an assumption, 40 % of an H100 SXM's 989 TFLOP/s dense bf16
-# (NVIDIA H100 datasheet); bitsandbytes 4/8-bit weights at half that (they are dequantized per call).
-CPU_FLOPS = 1.8e11
+# Throughput. CPU: SmolLM2-135M's scoring pass ran 482 tokens/s on 2 threads of this 2-core machine
+# (2026-12-02, prune.run --drop 4 --samples 32, idle, while prune.planner.machine's probe took its reference
+# 0.0835 s), 253 MFLOP a token (2 x 106 M block parameters + the float32 moment products): 1.22e11 FLOP/s in
+# float32, multiplied by this CPU's speed now against that machine (prune.planner.machine). GPU: an assumption,
+# 40 % of an H100 SXM's 989 TFLOP/s dense bf16 (NVIDIA H100 datasheet); bitsandbytes 4/8-bit weights at half
+# that (they are dequantized per call).
+CPU_FLOPS = 1.22e11
 GPU_FLOPS = 0.4 * 989e12
 QUANTIZED_SPEED = 0.5
 DISK_BYTES_PER_S = 1.0e9  # assumption: a local NVMe read with a cold page cache
-CPU_SOURCE = "CPU: 1.8e11 FLOP/s measured (SmolLM2-135M scoring, 718 tokens/s, 2 threads)"
+CPU_SOURCE = "CPU: 1.22e11 FLOP/s measured (SmolLM2-135M scoring, 482 tokens/s, 2 threads)"
+# What distillation reaches of CPU_FLOPS on the CPU: eval.bench teacher-cache --train lora on SmolLM2-135M at drop 8
+# (prune.ship's heal; 4 x 128 tokens a step, 2 threads, idle, the reference machine's speed, 2026-12-02): the
+# student's forward and backward 2.718 s a step (the cached run: 217.5 GFLOP planned), the teacher's forward 0.776 s
+# more (the online run, 3.494 s: 137.7 GFLOP). The teacher's forward outruns the scoring pass, which also
+# multiplies every state's float32 moments; the student's backward through LoRA's many small products does not.
+TRAIN_SHARE = 0.656
+TEACHER_SHARE = 1.455
 GPU_SOURCE = "GPU: 40 % of H100 bf16 peak (989 TFLOP/s, NVIDIA datasheet) = 4.0e14 FLOP/s per GPU"
 
 
@@ -113,10 +123,10 @@ def _flops(shape: ModelShape, blocks: int, head: bool = False) -> float:
 
 
 def _rate(inp: PlanInput, quantized: bool | None = None, parallel: int = 1) -> float:
-    """FLOP/s: the CPU's measured, or ``parallel`` GPUs' assumed (half for bitsandbytes weights)."""
+    """FLOP/s: the CPU's measured (at this CPU's speed now), or ``parallel`` GPUs' assumed (half for bitsandbytes)."""
     quantized = inp.quant_bits < 16 if quantized is None else quantized
     if not inp.on_gpu:
-        return CPU_FLOPS
+        return CPU_FLOPS * machine_speed()
     return GPU_FLOPS * parallel * (QUANTIZED_SPEED if quantized else 1.0)
 
 
@@ -353,8 +363,10 @@ def stage_distillation(shape: ModelShape, inp: PlanInput, moments_alive: bool = 
         _moments(devices, shape, inp)
     tokens = spec.steps * spec.grad_accum * spec.batch_size * spec.seq_len
     backward = 3 if spec.train == "all" else 2  # frozen weights: gradients of the inputs only
-    student = backward * (_flops(shape, shape.layers - inp.drop, True) + 2 * map_params(shape, inp)) / _rate(inp)
-    teacher = 0.0 if spec.teacher_cache else _flops(shape, shape.layers, True) / _rate(inp)
+    train_share, teacher_share = (1.0, 1.0) if inp.on_gpu else (TRAIN_SHARE, TEACHER_SHARE)
+    student = backward * (_flops(shape, shape.layers - inp.drop, True) + 2 * map_params(shape, inp)) / (
+        _rate(inp) * train_share)
+    teacher = 0.0 if spec.teacher_cache else _flops(shape, shape.layers, True) / (_rate(inp) * teacher_share)
     where = "per GPU, FSDP" if inp.hardware.fsdp and inp.hardware.gpus > 1 else "device map"
     note = f"{spec.steps} steps x {spec.grad_accum * spec.batch_size} x {spec.seq_len} tokens ({where})"
     return Stage("distillation", devices, tokens * (student + teacher), note)
@@ -371,6 +383,8 @@ def stage_teacher_cache(shape: ModelShape, inp: PlanInput) -> Stage | None:
     names = compute_devices(inp)
     add(devices[names[0]], "activations", forward_bytes(shape, inp, tokens))
     add(devices[names[-1]], "logits", tokens * shape.vocab * (4 + inp.act_bytes))
-    total = spec.steps * spec.grad_accum * tokens
-    return Stage("teacher cache", devices, total * _flops(shape, shape.layers, True) / _rate(inp),
+    read = spec.steps * spec.grad_accum * spec.batch_size
+    total = (spec.cache_sequences or read) * spec.seq_len
+    share = 1.0 if inp.on_gpu else TEACHER_SHARE
+    return Stage("teacher cache", devices, total * _flops(shape, shape.layers, True) / (_rate(inp) * share),
                  f"top-{spec.teacher_cache} logits of {total:,} tokens")

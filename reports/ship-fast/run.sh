@@ -22,3 +22,24 @@ for run in after8 after8b after4; do
   cp /tmp/ship/$run/README.md /tmp/ship/$run/ship.json reports/ship-fast/$run/
   cp /tmp/ship/$run.work/*.json reports/ship-fast/$run/
 done
+
+# 2026-12-02, evening (after 556fb8f: fold-rotate no longer a candidate on a tied head; the heal reads the teacher's
+# top-256 cache; the planner scaled by this CPU's speed, prune.planner.machine). Every run starts from a cache
+# holding only SmolLM2-135M's converted checkpoint, except d4, which reads h8's (the original's engine file and
+# serving rows kept, as on a user's second run).
+for run in r8 h8 d4; do
+  case $run in
+    r8) flags="--drop 8 --samples 32 --heal-steps 0"; cache=/tmp/cacheR8 ;;
+    h8) flags="--drop 8 --samples 32"; cache=/tmp/cacheH8 ;;
+    d4) flags="--drop 4"; cache=/tmp/cacheH8 ;;
+  esac
+  [ "$run" = d4 ] || { rm -rf $cache; cp -r /tmp/cache0 $cache; }  # /tmp/cache0: the converted checkpoint alone
+  (cd /tmp/ship && LAYERCUT_CACHE=$cache /usr/bin/time -v python -m prune.ship --model smollm2-135m $flags \
+    --engine llamacpp --gguf-type q4_k_m --threads 2 $HELDOUT --out $run)
+  mkdir -p reports/ship-fast/$run
+  cp /tmp/ship/$run/README.md /tmp/ship/$run/ship.json reports/ship-fast/$run/
+  cp /tmp/ship/$run.work/*.json reports/ship-fast/$run/
+done
+# the heal's step online and from the teacher's cache, on r8's checkpoint (the student the heal starts from)
+python -m eval.bench teacher-cache --model smollm2-135m --student /tmp/ship/r8 --steps 40 --samples 160 --batch-size 4 \
+  --k 256 --train lora --threads 2 --work /tmp/tc8/work --out reports/ship-fast/heal-teacher-cache

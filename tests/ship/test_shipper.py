@@ -104,6 +104,7 @@ def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_it_never_trained_on
     assert any(not torch.equal(healed[name], before[name]) for name in before)
     card = (out / "README.md").read_text()
     assert "Healed: 30 steps of distillation towards the original" in card and "kept." in card
+    assert "from the original's top-256 logits written once" in card and report["heal"]["teacher_cache"]
     assert "--heal-steps 30" in card and "# the checkpoint before healing, without the shortlist:" in card
     assert "in transformers before healing:" in card  # prune.run measured its held-out rows before the heal
     assert (out / "scores.md").is_file() and (out / "linearity_profile.png").is_file()  # carried from the build

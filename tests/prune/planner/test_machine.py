@@ -1,0 +1,50 @@
+"""The planner's CPU rates follow this CPU's speed: measured by a probe, or fixed by ``$LAYERCUT_MACHINE_SPEED``."""
+
+import math
+
+import pytest
+
+from prune.errors import LayercutError
+from prune.planner import machine
+from prune.planner.inputs import Hardware, PlanInput
+from prune.planner.stages import CPU_FLOPS, GPU_FLOPS, _rate
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """``machine_speed`` measured afresh (tests fix it to 1 in conftest), its cache cleared before and after."""
+    monkeypatch.delenv(machine.SPEED_ENV, raising=False)
+    machine.machine_speed.cache_clear()
+    yield monkeypatch
+    machine.machine_speed.cache_clear()
+
+
+def test_a_cpu_twice_as_fast_as_the_reference_plans_twice_the_rate(measured):
+    measured.setattr(machine, "probe_seconds", lambda: machine.REFERENCE_SECONDS / 2)
+    assert machine.machine_speed() == pytest.approx(2.0)
+    assert _rate(PlanInput(model="m")) == pytest.approx(2 * CPU_FLOPS)
+    measured.setattr(machine, "probe_seconds", lambda: 1 / 0)  # measured once per process: not called again
+    assert machine.machine_speed() == pytest.approx(2.0)
+
+
+def test_the_environment_fixes_the_speed_and_a_bad_value_is_refused(measured):
+    measured.setattr(machine, "probe_seconds", lambda: 1 / 0)  # never measured when the environment says
+    measured.setenv(machine.SPEED_ENV, "0.5")
+    assert machine.machine_speed() == 0.5 and _rate(PlanInput(model="m")) == pytest.approx(CPU_FLOPS / 2)
+    for bad in ("fast", "0", "-1", "nan", "inf"):
+        machine.machine_speed.cache_clear()
+        measured.setenv(machine.SPEED_ENV, bad)
+        with pytest.raises(LayercutError, match="LAYERCUT_MACHINE_SPEED.*positive number"):
+            machine.machine_speed()
+
+
+def test_the_probe_times_real_products():
+    seconds = machine.probe_seconds(rounds=1)
+    assert math.isfinite(seconds) and 0 < seconds < 30
+    assert machine.REFERENCE_SECONDS > 0
+
+
+def test_a_gpu_plan_does_not_use_the_cpu_speed(measured):
+    measured.setenv(machine.SPEED_ENV, "3")
+    gpu = PlanInput(model="m", hardware=Hardware(gpus=1, gpu_memory=80e9, host_memory=64e9))
+    assert _rate(gpu) == GPU_FLOPS
