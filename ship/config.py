@@ -33,18 +33,27 @@ DEFAULT_HEAL_STEPS = 200
 HEAL_SEQ_LEN = 128
 
 
+def heal_rows(token_ids):
+    """Rows of ``token_ids`` [n, seq] cut into rows of ``HEAL_SEQ_LEN`` tokens (the rows as they are when shorter)."""
+    rows, seq = token_ids.shape
+    if seq <= HEAL_SEQ_LEN:
+        return token_ids
+    usable = seq // HEAL_SEQ_LEN * HEAL_SEQ_LEN
+    return token_ids[:, :usable].reshape(rows * (usable // HEAL_SEQ_LEN), HEAL_SEQ_LEN)
+
+
 def heal_sequences(samples: int, seq_len: int) -> tuple[int, int]:
-    """(training, measuring) sequences of ``HEAL_SEQ_LEN`` tokens the heal cuts from ``samples`` calibration rows.
+    """(training, measuring) sequences the heal cuts (:func:`heal_rows`) from ``samples`` calibration rows.
 
     The shortlist's fitting rows train, its measuring rows measure (:func:`prune.selection.repaired.split_rows`).
+    Counted on a placeholder of the rows' shape, so the count is the heal's own cut.
     """
     import torch
 
     from prune.selection.repaired import split_rows
 
-    fit, measure = split_rows(torch.zeros(samples, 1))
-    pieces = seq_len // HEAL_SEQ_LEN if seq_len > HEAL_SEQ_LEN else 1
-    return fit.shape[0] * pieces, measure.shape[0] * pieces
+    fit, measure = split_rows(torch.zeros(samples, seq_len, dtype=torch.bool))  # a byte a token
+    return heal_rows(fit).shape[0], heal_rows(measure).shape[0]
 
 
 def ship_engines() -> list[str]:

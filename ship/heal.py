@@ -23,7 +23,7 @@ from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL
 from prune.loading.loader import LoadedModel
 from prune.model.surgery import LAYOUT_ATTR
 from prune.selection.repaired import divergence, split_rows
-from ship.config import HEAL_OPTIONS, HEAL_SEQ_LEN, ShipConfig, duration_words
+from ship.config import HEAL_OPTIONS, ShipConfig, duration_words, heal_rows
 from ship.work import StageResult
 
 # the planner's healing time (its rates measured on this heal's own kind of step, prune.planner.stages.TRAIN_SHARE)
@@ -120,7 +120,7 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
         return result
     prune = config.prune
     fit_ids, measure_ids = split_rows(calibration)
-    train, unseen = _cut(fit_ids, HEAL_SEQ_LEN), _cut(measure_ids, HEAL_SEQ_LEN)
+    train, unseen = heal_rows(fit_ids), heal_rows(measure_ids)
     student = load(checkpoint, dtype=prune.load.dtype, device=prune.load.device)
     report = read_report(checkpoint)
     if getattr(student.model.config, LAYOUT_ATTR, None) is None:
@@ -160,12 +160,3 @@ def carry_extras(built: Path, healed: Path) -> None:
         if path.is_file() and not target.exists() and path.suffix not in _NOT_CARRIED and path.name not in (
                 REPORT_FILE, "README.md"):
             shutil.copy2(path, target)
-
-
-def _cut(token_ids, length: int):
-    """Rows of ``token_ids`` [n, seq] cut into rows of ``length`` tokens (the rows as they are when shorter)."""
-    rows, seq = token_ids.shape
-    if seq <= length:
-        return token_ids
-    usable = seq // length * length
-    return token_ids[:, :usable].reshape(rows * (usable // length), length)
