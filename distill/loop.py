@@ -163,8 +163,12 @@ class Run:
         saved = info.get("config", {})
         changed = sorted(k for k, v in self.config.to_dict().items() if saved.get(k) != v)
         processes, now = info.get("processes", 1), self.accelerator.num_processes
-        if "grad_accum" in changed and saved.get("grad_accum", 0) * processes == self.config.grad_accum * now:
-            changed.remove("grad_accum")  # the same micro-batches per step, spread over another process count
+        drawn, draws = (saved.get("batch_size", 0) * saved.get("grad_accum", 0) * processes,
+                        self.config.batch_size * self.config.grad_accum * now)
+        if {"grad_accum", "batch_size"} & set(changed) and drawn == draws:
+            # the same sequences per step, spread over another process count or micro-batch size: a step takes the
+            # same stretch of BatchOrder's stream, so the same rows
+            changed = [name for name in changed if name not in ("grad_accum", "batch_size")]
         elif processes != now:
             per_step = saved.get("grad_accum", 1) * processes
             fix = (f"pass --grad-accum {per_step // now} to draw" if per_step % now == 0 else

@@ -145,6 +145,7 @@ def ship_command(config: ShipConfig) -> str:
     if config.gguf and config.gguf_type != "f32":
         parts.append(f"--gguf-type {config.gguf_type}")
     defaults = ShipConfig.__dataclass_fields__
+    # not --processes nor --threads: on any count the same checkpoint, within float rounding (ShipConfig.settings)
     for flag, key in (("--heal-steps", "heal_steps"), ("--repeats", "speed_repeats"), ("--prompt-len", "prompt_len"),
                       ("--new-tokens", "new_tokens")):
         if getattr(config, key) != defaults[key].default:

@@ -3,6 +3,7 @@
     python -m prune.ship --model smollm2-135m --drop 8 --engine llamacpp --out slim8/
     python -m prune.ship --model smollm2-135m --target-speedup 1.25 --engine vllm --time-budget 30m --out slim/
     python -m prune.ship --model gemma3-270m --drop 4 --engine transformers --heldout wiki.txt --out gemma-slim/
+    python -m prune.ship --model smollm2-135m --drop 8 --device cuda --processes 2 --out slim8/   # heal on 2 GPUs
 
 Plans (refuses what cannot fit, in one line), scores every block once, shortlists block sets x servable repairs,
 measures each on calibration rows no fit saw (KL from the original and perplexity), builds the best one as
@@ -29,7 +30,7 @@ from prune.options import (
 )
 from prune.pipeline.config import PruneConfig
 from prune.selection.strategies import DEFAULT_PROTECT
-from ship.config import DEFAULT_HEAL_STEPS, ShipConfig, parse_duration, ship_engines
+from ship.config import DEFAULT_HEAL_STEPS, HEAL_BATCH, ShipConfig, parse_duration, ship_engines
 from ship.shipper import Shipper, remove_work
 
 
@@ -70,6 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="at most N steps of distillation towards the original after the build (KL, LoRA merged: "
                        "the checkpoint stays plain), as many as --time-budget leaves; kept only when it lowers the "
                        "KL on the calibration rows it does not train on (default: 200; 0: no healing)")
+    group.add_argument("--processes", type=int, default=1, metavar="N",
+                       help="heal on N processes launched by accelerate (DDP: one GPU each with --device cuda, gloo "
+                       f"on the CPU, where they share the cores), splitting the {HEAL_BATCH} sequences of a step "
+                       "between them: the weights of one process within float rounding (a divisor of "
+                       f"{HEAL_BATCH}; default: 1)")
     group.add_argument("--no-verify", action="store_true", help="skip the engine checks (the card says so)")
     group = parser.add_argument_group("output")
     group.add_argument("--out", required=True, help="folder of the shipped checkpoint (OUT.work/ keeps each stage)")
@@ -88,7 +94,8 @@ def config_from_args(args: argparse.Namespace) -> ShipConfig:
                       time_budget=None if args.time_budget is None else parse_duration(args.time_budget),
                       heldout=list(args.heldout), gguf_type=args.gguf_type, converter=args.converter,
                       verify=not args.no_verify, speed_repeats=args.repeats, prompt_len=args.prompt_len,
-                      new_tokens=args.new_tokens, threads=args.threads, heal_steps=args.heal_steps)
+                      new_tokens=args.new_tokens, threads=args.threads, heal_steps=args.heal_steps,
+                      processes=args.processes)
 
 
 @cli_entry

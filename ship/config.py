@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from distill.config import DistillConfig
+from distill.launch import check_devices, per_process
 from eval.speed.engines import ENGINES
 from prune.data.calibration import names_a_file
 from prune.errors import LayercutError
@@ -27,7 +29,9 @@ from prune.replace import METHODS, check_replacement_supported
 # lower perplexity on every text. The teacher's top-256 logits are written once and read at every step: its forward
 # was 22 % of an online step (eval.bench teacher-cache --train lora, SmolLM2-135M at drop 8, 40 steps: 2.718 s a step
 # against 3.494 s, the held-out KL 0.4117 against 0.4094), and the heal reads its rows several times over
-HEAL_OPTIONS = {"train": "lora", "teacher_cache": "topk=256"}
+# (4 sequences a step: distill's default, stated here because --processes splits them between the processes)
+HEAL_BATCH = 4
+HEAL_OPTIONS = {"train": "lora", "teacher_cache": "topk=256", "batch_size": HEAL_BATCH}
 DEFAULT_HEAL_STEPS = 200
 # sequences of this many tokens (distill's default length): the heal cuts its calibration rows into them
 HEAL_SEQ_LEN = 128
@@ -120,6 +124,9 @@ class ShipConfig:
         threads: CPU threads passed to the engines (None: theirs).
         heal_steps: at most this many distillation steps after the build (0: no healing); with
             ``time_budget``, as many as fit in the time left.
+        processes: the heal trains on this many processes, launched by accelerate (DDP; over gloo on the CPU,
+            one GPU each with a GPU ``--device``), splitting each step's ``HEAL_BATCH`` sequences between them:
+            the weights one process trains, within float rounding (:mod:`distill.launch`).
     """
 
     prune: PruneConfig
@@ -135,6 +142,7 @@ class ShipConfig:
     new_tokens: int = 64
     threads: int | None = None
     heal_steps: int = DEFAULT_HEAL_STEPS
+    processes: int = 1
 
     def __post_init__(self):
         engines = ship_engines()
@@ -156,6 +164,8 @@ class ShipConfig:
                                     "(or a datasets spec)")
         if self.heal_steps < 0:
             raise LayercutError(f"--heal-steps must be 0 (no healing) or more, got {self.heal_steps}")
+        per_process(DistillConfig(batch_size=HEAL_BATCH), self.processes)  # they split a step's sequences
+        check_devices(self.processes, self.prune.load.device)
         for name, value in (("--repeats", self.speed_repeats), ("--prompt-len", self.prompt_len),
                             ("--new-tokens", self.new_tokens)):
             if value < 1:
@@ -177,7 +187,12 @@ class ShipConfig:
         return self.engine == "llamacpp"
 
     def settings(self) -> dict:
-        """What the result depends on (a resumed run must match it): the model, data, budget and the engine."""
+        """What the result depends on (a resumed run must match it): the model, data, budget and the engine.
+
+        Not ``processes``: the heal on N processes trains the same rows per step to the same weights, within float
+        rounding, and its checkpoints continue on any count, so a run stopped on one continues on two (and a
+        shipped folder is the same run's) rather than starting over; ``threads`` is left out for the same reason.
+        """
         config = self.prune
         return {"model": config.load.model, "dtype": config.load.dtype, "data": dataclasses.asdict(config.data),
                 "drop": config.drop, "target_params": config.target_params, "target_speedup": config.target_speedup,

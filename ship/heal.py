@@ -3,7 +3,9 @@
 At most ``--heal-steps`` steps (KL of the next-token distributions; LoRA on the kept blocks, merged, so the
 checkpoint stays plain), as many as the time left allows, on the calibration rows the shortlist's fits read;
 kept only when it lowers the KL on the shortlist's measuring rows. The training is ``distill``'s own step
-(:class:`distill.step.DistillStep`), called here with the original already in memory.
+(:class:`distill.step.DistillStep`), called here with the original already in memory; with ``--processes N`` it
+writes the teacher's cache here and trains on N processes launched by accelerate, each loading the built checkpoint
+(:mod:`distill.launch`), and the measuring and writing stay here.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Healing(StageResult):
     ppl_after: float | None = None
     tokens: int | None = None
     distill_seconds: float | None = None
+    processes: int = 1  # the processes the training ran on (the world size they reported)
 
     def words(self) -> str:
         """The card's paragraph on the healing: how many steps and why, and whether it was kept."""
@@ -62,11 +65,15 @@ class Healing(StageResult):
         said = (f"Healed: {self.steps} steps of distillation towards the original ({self.why}; KL of the "
                 f"next-token distributions, from the original's top-{_cache_k()} logits written once, LoRA on every "
                 "Linear of the kept blocks, merged, so the checkpoint stays plain), on "
-                f"{self.tokens or 0:,} calibration tokens. "
+                f"{self.tokens or 0:,} calibration tokens{_over(self.processes)}. "
                 "On the calibration rows it did not train "
                 f"on (the shortlist's measuring rows): KL {self.kl_before:.4f} -> {self.kl_after:.4f}, perplexity "
                 f"{self.ppl_before:.3f} -> {self.ppl_after:.3f}: ")
         return said + ("kept." if self.kept else "not kept; the checkpoint is the one built, unhealed.")
+
+
+def _over(processes: int) -> str:
+    return f", over {processes} processes" if processes > 1 else ""
 
 
 def _cache_k() -> str:
@@ -128,19 +135,21 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     before = divergence(student.model, original.model, measure_ids, prune.batch_size)
     kept = list_checkpoints(default_work_folder(healed))  # the step's work folder: beside healed/
     resumed = f"; resuming from step {kept[-1][0]}" if kept else ""
-    say(f"healing: {steps} steps of distillation towards the original ({why}); KL before {before['kl']:.4f}"
-        + resumed)
+    say(f"healing: {steps} steps of distillation towards the original ({why}){_over(config.processes)}; KL before "
+        f"{before['kl']:.4f}" + resumed)
     step_config = dataclasses.replace(prune, out=str(healed))
     save_every = max(steps // HEAL_CHECKPOINTS, HEAL_MIN_SAVE_EVERY)
     step = DistillStep({**HEAL_OPTIONS, "steps": steps, "seed": prune.data.seed, "save_every": save_every},
                        step_config)
-    done = step(student, step_config, token_ids=train, heldout_ids=unseen, teacher=original, resume=True)
+    done = step(student, step_config, token_ids=train, heldout_ids=unseen, teacher=original, resume=True,
+                processes=config.processes, folder=checkpoint)
     for folder in done.cleanup:
         shutil.rmtree(folder, ignore_errors=True)
     after = divergence(student.model, original.model, measure_ids, prune.batch_size)
     result = dataclasses.replace(result, kl_before=before["kl"], kl_after=after["kl"], ppl_before=before["ppl"],
                                  ppl_after=after["ppl"], kept=after["kl"] < before["kl"], tokens=int(train.numel()),
-                                 distill_seconds=done.report.get("seconds"))
+                                 distill_seconds=done.report.get("seconds"),
+                                 processes=done.report.get("processes", 1))
     say(f"healed: KL {before['kl']:.4f} -> {after['kl']:.4f} on rows it did not train on; "
         + ("kept" if result.kept else "not kept (the built checkpoint ships)"))
     if result.kept:

@@ -13,6 +13,7 @@ from prune.model.adapters import get_blocks
 from prune.pipeline.config import PruneConfig
 from prune.pipeline.resolve import Amounts
 from prune.pipeline.runner import on_meta, preflight
+from prune.planner.machine import machine_speed
 from ship.config import (
     HEAL_OPTIONS,
     HEAL_SEQ_LEN,
@@ -23,7 +24,7 @@ from ship.config import (
     params_cap,
     servable_repairs,
 )
-from ship.costs import ShipWork, stage_seconds
+from ship.costs import PROCESS_SECONDS, ShipWork, stage_seconds
 from ship.work import StageResult
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,8 @@ def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
     """The planner's seconds for ``--heal-steps`` steps of the healing (None: no healing, or no plan).
 
     Its sequences are those the heal trains on (:func:`ship.config.heal_sequences`); with the teacher's cache,
-    writing it counts too.
+    writing it counts too (once, before any process starts). On ``--processes N`` the training's arithmetic is
+    the same, spread (:func:`spread_training`).
     """
     from prune.planner.estimate import hardware_for, plan_config
 
@@ -170,8 +172,24 @@ def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
     except Exception as err:  # noqa: BLE001 - the heal is then fitted to the time by its steps alone
         logger.info("no plan for the healing (%s)", err)
         return None
-    stages = [s.seconds for s in planned.stages if s.name in ("teacher cache", "distillation")]
-    return sum(stages) if stages else None
+    stages = {s.name: s.seconds for s in planned.stages if s.name in ("teacher cache", "distillation")}
+    if not stages:
+        return None
+    gpus = hardware_for(prune.load.device).gpus
+    return stages.get("teacher cache", 0.0) + spread_training(stages.get("distillation", 0.0), config.processes, gpus)
+
+
+def spread_training(seconds: float, processes: int, gpus: int) -> float:
+    """The planner's ``seconds`` of training, on ``processes`` processes.
+
+    On GPUs, one each, a process does 1/N of the arithmetic; on the CPU they share its cores: the same arithmetic
+    at the same rate, no faster. Either way each process starts Python and torch and loads the checkpoint
+    (``ship.costs.PROCESS_SECONDS``): at once on GPUs, in turn on the CPU's shared cores.
+    """
+    if processes <= 1:
+        return seconds
+    starts = (1 if gpus else processes) * PROCESS_SECONDS / machine_speed()
+    return (seconds / processes if gpus else seconds) + starts
 
 
 def check_engine(config: ShipConfig) -> None:
