@@ -8,6 +8,7 @@ gives the result the uninterrupted one would.
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import time
@@ -81,6 +82,7 @@ class Shipper:
             self._forget_lost_outputs()
             built = work.stage(BUILD, Built, lambda: self.build(shortlist))
             healed = work.stage(HEAL, Healing, lambda: self.heal(plan, [plan, shortlist, built]))
+            self._release()  # no stage after the heal reads the original: its memory is the engine checks'
             final = work / HEALED if healed.kept else work / CHECKPOINT
             if config.gguf and not self.gguf(final).is_file():
                 self._remake(EXPORT)
@@ -136,6 +138,19 @@ class Shipper:
         shutil.rmtree(self.work / VERIFY, ignore_errors=True)
 
     # ---- the stages that need the model --------------------------------------------------------------------
+
+    def _release(self) -> None:
+        """Drop the original and the scoring pass; on a GPU hand their memory back to the device.
+
+        The engine checks run in processes of their own: vLLM takes a share of the GPU's whole memory, which
+        this process's cached blocks would otherwise hold.
+        """
+        import torch
+
+        self.loaded = self.scored = None
+        gc.collect()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
 
     def _load(self) -> LoadedModel:
         if self.loaded is None:

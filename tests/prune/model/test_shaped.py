@@ -160,3 +160,15 @@ def test_llama_3_8b_has_the_published_shape_and_parameter_count():
     assert shape_bytes("llama-3-8b", "float32") == 4 * parameters
     assert shape_bytes("llama-3.2-1b", "bfloat16") == 2 * 1_235_814_400  # tied: the embedding counted once
     assert shape_bytes("qwen2.5-7b", "bfloat16") == 2 * 7_615_616_512
+
+
+def test_gemma_3_270m_has_the_published_shape_and_parameter_count():
+    config = shape_config("gemma-3-270m")
+    assert config.model_type == "gemma3_text"
+    assert config.layer_types.count("full_attention") == 3 and config.sliding_window == 512  # 5 local : 1 global
+    d, ffn, heads, kv, vocab, layers = 640, 2048, 4 * 256, 256, 262144, 18
+    # q, o; k, v; gate, up, down; q and k norms; four sandwich norms
+    per_block = 2 * d * heads + 2 * d * kv + 3 * d * ffn + 2 * 256 + 4 * d
+    parameters = vocab * d + layers * per_block + d  # tied embedding, blocks, final norm
+    assert parameters == 268_098_176  # Gemma-3-270M's own count
+    assert shape_bytes("gemma-3-270m", "bfloat16") == 2 * parameters
