@@ -2,7 +2,9 @@
 
 The engines are :mod:`eval.speed.engines`' registry: the ones whose declared layouts include the plain
 (``vanilla``) one, so a new engine that runs plain checkpoints is a ship target with no change here. The repairs
-the shortlist tries are the registered ones that are servable and closed-form (:func:`servable_repairs`).
+the shortlist tries are the registered ones that are servable and closed-form (:func:`servable_repairs`). The heal's
+options and row cut are :mod:`distill.heal`'s (``eval.bench heal-curve`` runs the same heal); ship's modules read
+them here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distill.config import DistillConfig
+from distill.heal import HEAL_BATCH as HEAL_BATCH
+from distill.heal import HEAL_OPTIONS as HEAL_OPTIONS
+from distill.heal import HEAL_SEQ_LEN as HEAL_SEQ_LEN
+from distill.heal import HealRows
+from distill.heal import heal_rows as heal_rows
 from distill.launch import check_devices, per_process
 from eval.speed.engines import ENGINES
 from prune.data.calibration import names_a_file
@@ -23,41 +30,19 @@ from prune.model.layouts import VANILLA
 from prune.pipeline.config import PruneConfig
 from prune.replace import METHODS, check_replacement_supported
 
-# the healing: KL on the logits (distill's default objective) through LoRA on every Linear of the kept blocks and
-# the fold's projections trained in full, merged at the end (a plain checkpoint). LoRA, not the projections alone:
-# on the selection split (SmolLM2-135M, drop 8, fold-rotate, 200 steps; reports/servable-repairs/) it left the
-# lower perplexity on every text. The teacher's top-256 logits are written once and read at every step: its forward
-# was 22 % of an online step (eval.bench teacher-cache --train lora, SmolLM2-135M at drop 8, 40 steps: 2.718 s a step
-# against 3.494 s, the held-out KL 0.4117 against 0.4094), and the heal reads its rows several times over
-# (4 sequences a step: distill's default, stated here because --processes splits them between the processes)
-HEAL_BATCH = 4
-HEAL_OPTIONS = {"train": "lora", "teacher_cache": "topk=256", "batch_size": HEAL_BATCH}
 DEFAULT_HEAL_STEPS = 200
-# sequences of this many tokens (distill's default length): the heal cuts its calibration rows into them
-HEAL_SEQ_LEN = 128
-
-
-def heal_rows(token_ids):
-    """Rows of ``token_ids`` [n, seq] cut into rows of ``HEAL_SEQ_LEN`` tokens (the rows as they are when shorter)."""
-    rows, seq = token_ids.shape
-    if seq <= HEAL_SEQ_LEN:
-        return token_ids
-    usable = seq // HEAL_SEQ_LEN * HEAL_SEQ_LEN
-    return token_ids[:, :usable].reshape(rows * (usable // HEAL_SEQ_LEN), HEAL_SEQ_LEN)
 
 
 def heal_sequences(samples: int, seq_len: int) -> tuple[int, int]:
-    """(training, measuring) sequences the heal cuts (:func:`heal_rows`) from ``samples`` calibration rows.
+    """(training, measuring) sequences the heal cuts (:class:`distill.heal.HealRows`) from ``samples`` calibration rows.
 
     The shortlist's fitting rows train, its measuring rows measure (:func:`prune.selection.repaired.split_rows`).
     Counted on a placeholder of the rows' shape, so the count is the heal's own cut.
     """
     import torch
 
-    from prune.selection.repaired import split_rows
-
-    fit, measure = split_rows(torch.zeros(samples, seq_len, dtype=torch.bool))  # a byte a token
-    return heal_rows(fit).shape[0], heal_rows(measure).shape[0]
+    rows = HealRows.of(torch.zeros(samples, seq_len, dtype=torch.bool))  # a byte a token
+    return rows.train.shape[0], rows.unseen.shape[0]
 
 
 def ship_engines() -> list[str]:

@@ -17,15 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.checkpoints import default_work_folder, list_checkpoints
-from distill.step import DistillStep
+from distill.heal import HealRows, heal_student, heal_training
 from prune.atomic import atomic_directory
-from prune.checkpoint.report import REPORT_FILE, read_report
-from prune.checkpoint.save_load import load, write_model
+from prune.checkpoint.report import REPORT_FILE
+from prune.checkpoint.save_load import write_model
 from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL
 from prune.loading.loader import LoadedModel
-from prune.model.surgery import LAYOUT_ATTR
-from prune.selection.repaired import divergence, split_rows
-from ship.config import HEAL_OPTIONS, ShipConfig, duration_words, heal_rows
+from prune.selection.repaired import divergence
+from ship.config import HEAL_OPTIONS, ShipConfig, duration_words
 from ship.work import StageResult
 
 # the planner's healing time (its rates measured on this heal's own kind of step, prune.planner.stages.TRAIN_SHARE)
@@ -34,10 +33,6 @@ from ship.work import StageResult
 HEAL_MARGIN = 1.15
 # fewer steps than this are not worth a teacher's load: healing is skipped
 HEAL_MIN_STEPS = 20
-# a checkpoint of the training every this many steps (and at the last): a killed heal resumes from the latest,
-# losing at most a tenth of its steps; LoRA's parameters and optimizer state are small beside the model
-HEAL_CHECKPOINTS = 10
-HEAL_MIN_SAVE_EVERY = 10
 # files of the built checkpoint that the healed one is written without (its own weights and card replace them)
 _NOT_CARRIED = (".safetensors", ".bin", ".gguf")
 
@@ -117,8 +112,9 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     """Distil ``checkpoint`` towards ``original``; written to ``healed`` when its KL falls on unseen rows.
 
     ``calibration``: the shortlist's rows [samples, seq]; the heal trains on its fitting rows, cut into
-    ``HEAL_SEQ_LEN`` tokens, and measures on its measuring rows. A heal killed after a checkpoint of its
-    training (``healed.work/checkpoints/``, distill's own) continues from it to the same weights.
+    ``HEAL_SEQ_LEN`` tokens, and measures on its measuring rows (:class:`distill.heal.HealRows`); the training is
+    :func:`distill.heal.heal_training`, which ``eval.bench heal-curve`` runs too. A heal killed after a checkpoint
+    of its training (``healed.work/checkpoints/``, distill's own) continues from it to the same weights.
     """
     result = Healing(steps=steps, why=why)
     shutil.rmtree(healed, ignore_errors=True)  # a killed heal's output: written again (its training resumes)
@@ -126,28 +122,21 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
         say(f"not healing: {why}")
         return result
     prune = config.prune
-    fit_ids, measure_ids = split_rows(calibration)
-    train, unseen = heal_rows(fit_ids), heal_rows(measure_ids)
-    student = load(checkpoint, dtype=prune.load.dtype, device=prune.load.device)
-    report = read_report(checkpoint)
-    if getattr(student.model.config, LAYOUT_ATTR, None) is None:
-        setattr(student.model.config, LAYOUT_ATTR, report.get("layout"))
-    before = divergence(student.model, original.model, measure_ids, prune.batch_size)
+    rows = HealRows.of(calibration)
+    student, report = heal_student(checkpoint, prune.load.dtype, prune.load.device)
+    before = divergence(student.model, original.model, rows.measure, prune.batch_size)
     kept = list_checkpoints(default_work_folder(healed))  # the step's work folder: beside healed/
     resumed = f"; resuming from step {kept[-1][0]}" if kept else ""
     say(f"healing: {steps} steps of distillation towards the original ({why}){_over(config.processes)}; KL before "
         f"{before['kl']:.4f}" + resumed)
-    step_config = dataclasses.replace(prune, out=str(healed))
-    save_every = max(steps // HEAL_CHECKPOINTS, HEAL_MIN_SAVE_EVERY)
-    step = DistillStep({**HEAL_OPTIONS, "steps": steps, "seed": prune.data.seed, "save_every": save_every},
-                       step_config)
-    done = step(student, step_config, token_ids=train, heldout_ids=unseen, teacher=original, resume=True,
-                processes=config.processes, folder=checkpoint)
+    done = heal_training(student, original, rows, steps, dataclasses.replace(prune, out=str(healed)), resume=True,
+                         processes=config.processes, folder=checkpoint)
     for folder in done.cleanup:
         shutil.rmtree(folder, ignore_errors=True)
-    after = divergence(student.model, original.model, measure_ids, prune.batch_size)
+    after = divergence(student.model, original.model, rows.measure, prune.batch_size)
     result = dataclasses.replace(result, kl_before=before["kl"], kl_after=after["kl"], ppl_before=before["ppl"],
-                                 ppl_after=after["ppl"], kept=after["kl"] < before["kl"], tokens=int(train.numel()),
+                                 ppl_after=after["ppl"], kept=after["kl"] < before["kl"],
+                                 tokens=int(rows.train.numel()),
                                  distill_seconds=done.report.get("seconds"),
                                  processes=done.report.get("processes", 1))
     say(f"healed: KL {before['kl']:.4f} -> {after['kl']:.4f} on rows it did not train on; "

@@ -27,7 +27,7 @@ __all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "console_main", "discove
 
 logger = logging.getLogger(__name__)
 
-NOT_SUBCOMMANDS = {"checks", "cli", "registry"}  # modules of eval.bench that register no subcommand
+NOT_SUBCOMMANDS = {"checks", "cli", "output", "registry"}  # modules of eval.bench that register no subcommand
 
 
 def discover_subcommands() -> list[str]:

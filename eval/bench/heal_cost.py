@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from eval.bench.output import finish_figure, pyplot, report_results, steps_line
 from eval.bench.registry import bench_option, data_option, register_subcommand, threads_option
 from eval.quality.perplexity import perplexity, tokenize_text
 from prune.data.calibration import DataConfig, calibration_data, load_documents
@@ -155,30 +156,14 @@ def heal_cost_markdown(results: dict) -> str:
 
 def plot_heal_cost(results: dict, path) -> Path:
     """PNG: held-out perplexity against wall seconds, the global runs as a line, local as a point, dense dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     local, rows = results["local"], results["global"]
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    ax.plot([r["seconds"] for r in rows], [r["perplexity"] for r in rows], "o-",
-            label=f"{results['start']} + global healing ({results['train']})")
-    for row in rows:
-        ax.annotate(f"{row['steps']}", (row["seconds"], row["perplexity"]), fontsize=7, xytext=(3, 3),
-                    textcoords="offset points")
+    fig, ax = pyplot().subplots(figsize=(6, 4), dpi=120)
+    steps_line(ax, [r["seconds"] for r in rows], [r["perplexity"] for r in rows], [r["steps"] for r in rows],
+               f"{results['start']} + global healing ({results['train']})")
     ax.plot([local["seconds"]], [local["perplexity"]], "s", color="C3", label="local (block by block)")
-    ax.axhline(results["dense"]["perplexity"], color="black", ls="--", lw=1, label="dense")
-    ax.set_xlabel("wall seconds")
-    ax.set_ylabel("held-out perplexity")
-    ax.set_title(f"{results['model']}, drop {len(results['dropped'])}: local against global healing")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return finish_figure(fig, ax, path, reference=(results["dense"]["perplexity"], "dense"), xlabel="wall seconds",
+                         ylabel="held-out perplexity",
+                         title=f"{results['model']}, drop {len(results['dropped'])}: local against global healing")
 
 
 # ---- eval.bench heal-cost ----
@@ -242,15 +227,7 @@ def run_heal_cost(command: HealCostBenchOptions) -> int:
     heldout = tokenize_text(loaded.tokenizer, "\n\n".join(documents)[: options.heldout_chars])
     calibration = calibration_data(loaded.tokenizer, prune.data, model=loaded.model)
     results = heal_cost(loaded, calibration, heldout, options)
-    table = heal_cost_markdown(results)
-    print(table)
-    if command.out:
-        from prune.atomic import atomic_directory, write_json
-
-        with atomic_directory(command.out, overwrite=True) as staging:
-            write_json(Path(staging) / "heal_cost.json", results)
-            (Path(staging) / "heal_cost.md").write_text(table + "\n", encoding="utf-8")
-            plot_heal_cost(results, Path(staging) / "heal_cost.png")
+    report_results(command.out, "heal_cost", results, heal_cost_markdown(results), plot_heal_cost)
     return 0
 
 

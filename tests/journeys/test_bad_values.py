@@ -229,6 +229,9 @@ COMMANDS = [
     Command("eval.bench heal-cost", "eval.bench.cli", lambda env: (["heal-cost"], {}, [
         "--model", env.tiny, "--drop", "1", "--heldout", env.text, "--steps", "2", "--data", env.text, *_DATA,
         "--threads", "1"]), subcommand="heal-cost"),
+    Command("eval.bench heal-curve", "eval.bench.cli", lambda env: (["heal-curve"], {}, [
+        "--model", env.teacher, "--checkpoint", env.student, "--heldout", env.text, "--steps", "0,2", "--data",
+        env.text, *_DATA, "--heldout-tokens", "64", "--window", "32", "--threads", "1"]), subcommand="heal-curve"),
     Command("eval.lens", "eval.lens.run", _lens),
     Command("eval.compare", "eval.compare.cli", _compare, adjust=dict(_PLAN)),
     Command("eval.mapfit", "eval.mapfit.cli", _mapfit),

@@ -53,9 +53,10 @@ def test_steps_and_bench_subcommands_are_registries():
     from prune.pipeline.steps import STEPS, register_step, step_factory, unregister_step
 
     assert isinstance(SUBCOMMANDS, Registry)
-    assert sorted(SUBCOMMANDS.names())[:6] == ["heal-cost", "replace", "scale", "scoring", "serving", "speed"]
+    assert sorted(SUBCOMMANDS.names())[:7] == ["heal-cost", "heal-curve", "replace", "scale", "scoring", "serving",
+                                               "speed"]
     # each module of eval.bench, by name
-    assert "{heal-cost,replace,scale,scoring,serving,speed" in build_parser().format_usage()
+    assert "{heal-cost,heal-curve,replace,scale,scoring,serving,speed" in build_parser().format_usage()
 
     def factory(options, config):
         return None

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from ship.config import ShipConfig
 from tests.helpers import _TEXT, REPO, make_student_pair, make_tiny_tokenizer
 
-STEPS = 30  # the heal checkpoints every 10 steps (ship.heal.HEAL_MIN_SAVE_EVERY)
+STEPS = 30  # the heal checkpoints every 10 steps (distill.heal.HEAL_MIN_SAVE_EVERY)
 TOLERANCE = 1e-5  # float32 sums in another order (two halves of a batch, averaged by DDP), over 30 steps
 
 

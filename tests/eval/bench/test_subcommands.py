@@ -21,7 +21,9 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_every_module_of_the_package_registers_its_subcommand():
     modules = {info.name for info in pkgutil.iter_modules(eval.bench.__path__)
                if info.name not in NOT_SUBCOMMANDS and not info.name.startswith("_")}
-    assert discover_subcommands() == ["heal-cost", "replace", "scale", "scoring", "serving", "speed", "teacher-cache"]
+    # sorted: the registry keeps the order the modules were first imported, which other tests' imports decide
+    assert sorted(discover_subcommands()) == ["heal-cost", "heal-curve", "replace", "scale", "scoring", "serving",
+                                             "speed", "teacher-cache"]
     assert {name.replace("-", "_") for name in SUBCOMMANDS.names()} == modules  # one module, one subcommand
     for name, command in SUBCOMMANDS.items():
         assert command.help and fields(command.options) and callable(command.run), name
@@ -76,6 +78,7 @@ def test_every_flag_defaults_to_its_options_field_default():
     """An option not given on the command line is the default the options dataclass gives a Python caller."""
     required = {"speed": ["--model", "m", "--baseline", "b"], "serving": ["--model", "m", "--heldout", "h"],
                 "replace": ["--heldout", "h"], "heal-cost": ["--heldout", "h"],
+                "heal-curve": ["--checkpoint", "c", "--heldout", "h"],
                 "scale": ["--shape", "llama-tiny", "--drop", "1"]}
     parser = build_parser()
     for name, command in SUBCOMMANDS.items():
@@ -107,4 +110,4 @@ def test_python_dash_m_eval_bench_lists_the_subcommands(capsys, monkeypatch):
     with pytest.raises(SystemExit) as done:
         runpy.run_module("eval.bench", run_name="__main__")
     assert done.value.code == 0
-    assert "{heal-cost,replace,scale,scoring,serving,speed,teacher-cache}" in capsys.readouterr().out
+    assert "{heal-cost,heal-curve,replace,scale,scoring,serving,speed,teacher-cache}" in capsys.readouterr().out

@@ -1,0 +1,95 @@
+"""``prune.ship``'s heal as distillation: its options, the rows it trains and measures on, and its training.
+
+One heal, two callers: ``ship.heal`` runs it once inside a ship run (resuming, on ``--processes N``), and
+``eval.bench heal-curve`` runs it at several step counts on one built checkpoint to measure what a step buys.
+Both read the options, the rows and the training here, so the bench's healed weights are ship's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from distill.step import DistillStep
+from prune.checkpoint.report import read_report
+from prune.checkpoint.save_load import load
+from prune.loading.loader import LoadedModel
+from prune.model.surgery import LAYOUT_ATTR
+from prune.pipeline.steps import StepResult
+from prune.selection.repaired import split_rows
+
+# the healing: KL on the logits (distill's default objective) through LoRA on every Linear of the kept blocks and
+# the fold's projections trained in full, merged at the end (a plain checkpoint). LoRA, not the projections alone:
+# on the selection split (SmolLM2-135M, drop 8, fold-rotate, 200 steps; reports/servable-repairs/) it left the
+# lower perplexity on every text. The teacher's top-256 logits are written once and read at every step: its forward
+# was 22 % of an online step (eval.bench teacher-cache --train lora, SmolLM2-135M at drop 8, 40 steps: 2.718 s a step
+# against 3.494 s, the held-out KL 0.4117 against 0.4094), and the heal reads its rows several times over
+# (4 sequences a step: distill's default, stated here because --processes splits them between the processes)
+HEAL_BATCH = 4
+HEAL_OPTIONS = {"train": "lora", "teacher_cache": "topk=256", "batch_size": HEAL_BATCH}
+# sequences of this many tokens (distill's default length): the heal cuts its calibration rows into them
+HEAL_SEQ_LEN = 128
+# a checkpoint of the training every this many steps (and at the last): a killed heal resumes from the latest,
+# losing at most a tenth of its steps; LoRA's parameters and optimizer state are small beside the model
+HEAL_CHECKPOINTS = 10
+HEAL_MIN_SAVE_EVERY = 10
+
+
+def heal_rows(token_ids: torch.Tensor) -> torch.Tensor:
+    """Rows of ``token_ids`` [n, seq] cut into rows of ``HEAL_SEQ_LEN`` tokens (the rows as they are when shorter)."""
+    rows, seq = token_ids.shape
+    if seq <= HEAL_SEQ_LEN:
+        return token_ids
+    usable = seq // HEAL_SEQ_LEN * HEAL_SEQ_LEN
+    return token_ids[:, :usable].reshape(rows * (usable // HEAL_SEQ_LEN), HEAL_SEQ_LEN)
+
+
+@dataclass(frozen=True)
+class HealRows:
+    """The calibration rows as the heal reads them (:meth:`of`).
+
+    Attributes:
+        train: the shortlist's fitting rows cut by :func:`heal_rows` [n, HEAL_SEQ_LEN]: what the heal trains on.
+        unseen: its measuring rows, cut the same way: distillation's held-out rows.
+        measure: the measuring rows as they are [m, seq]: the KL before and after is measured on them.
+    """
+
+    train: torch.Tensor
+    unseen: torch.Tensor
+    measure: torch.Tensor
+
+    @classmethod
+    def of(cls, calibration: torch.Tensor) -> HealRows:
+        """The heal's rows of ``calibration`` [samples, seq] (:func:`prune.selection.repaired.split_rows`)."""
+        fit, measure = split_rows(calibration)
+        return cls(heal_rows(fit), heal_rows(measure), measure)
+
+    def tokens(self, steps: int) -> int:
+        """Tokens ``steps`` steps train on: ``HEAL_BATCH`` rows of ``train`` a step (rows read again once seen)."""
+        return steps * HEAL_BATCH * int(self.train.shape[1])
+
+
+def heal_student(checkpoint: str | Path, dtype: str, device: str) -> tuple[LoadedModel, dict]:
+    """The built checkpoint loaded to be healed, and its ``layercut.json`` (the layout the teacher cache pairs)."""
+    student = load(checkpoint, dtype=dtype, device=device)
+    report = read_report(checkpoint)
+    if getattr(student.model.config, LAYOUT_ATTR, None) is None:
+        setattr(student.model.config, LAYOUT_ATTR, report.get("layout"))
+    return student, report
+
+
+def heal_training(student: LoadedModel, original: LoadedModel, rows: HealRows, steps: int, step_config, *,
+                  resume: bool = False, processes: int = 1, folder: str | Path | None = None) -> StepResult:
+    """Distil ``student`` in place towards ``original`` for ``steps`` steps of the heal (:data:`HEAL_OPTIONS`).
+
+    ``step_config``: the run's ``PruneConfig`` with ``out`` set; its data seed seeds the training and
+    ``<out>.work/`` holds the teacher cache and the checkpoints (one every tenth of the steps, at least
+    ``HEAL_MIN_SAVE_EVERY`` apart). ``resume``, ``processes`` and ``folder``: :class:`distill.step.DistillStep`'s.
+    """
+    save_every = max(steps // HEAL_CHECKPOINTS, HEAL_MIN_SAVE_EVERY)
+    options = {**HEAL_OPTIONS, "steps": steps, "seed": step_config.data.seed, "save_every": save_every}
+    step = DistillStep(options, step_config)
+    return step(student, step_config, token_ids=rows.train, heldout_ids=rows.unseen, teacher=original, resume=resume,
+                processes=processes, folder=folder)

@@ -1,0 +1,142 @@
+"""``eval.bench heal-curve``: prune.ship's heal at several step counts on one checkpoint, timed and scored.
+
+The bench's healed weights are ``ship.heal.heal``'s for the same checkpoint, rows and seed; its step-0 row is the
+checkpoint as built.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eval.bench import heal_curve as bench
+from eval.bench.cli import main
+from eval.quality.perplexity import perplexity, tokenize_text
+from prune.checkpoint.save_load import load
+from prune.errors import EXIT_BAD_INPUT
+from tests.helpers import _TEXT, make_student_pair, make_tiny_tokenizer
+
+STEPS = 3
+WINDOW, TOKENS = 64, 256  # the tiny model holds 256 positions: windows shorter than the bench's 512
+
+
+def capturing(monkeypatch, module) -> list[dict[str, torch.Tensor]]:
+    """The student's weights after each ``heal_training`` that ``module`` calls, in call order."""
+    trained, healed = module.heal_training, []
+
+    def keeping(student, *args, **kwargs):
+        done = trained(student, *args, **kwargs)
+        healed.append({name: tensor.detach().clone() for name, tensor in student.model.state_dict().items()})
+        return done
+
+    monkeypatch.setattr(module, "heal_training", keeping)
+    return healed
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("heal-curve")
+    pair = make_student_pair(root)
+    ids = make_tiny_tokenizer()(_TEXT * 40)["input_ids"]
+    calibration = torch.tensor(ids[: 16 * 64]).reshape(16, 64)  # 14 rows train, rows 7 and 15 measure
+    save_file({"token_ids": calibration}, str(root / "calibration.safetensors"))
+    held = root / "held.txt"
+    held.write_text(_TEXT[::-1] * 10, encoding="utf-8")  # words in another order than the calibration's
+    return {**pair, "root": root, "calibration": calibration, "held": held}
+
+
+def bench_args(setup, *extra) -> list[str]:
+    return ["heal-curve", "--model", str(setup["teacher"]), "--checkpoint", str(setup["student"]),
+            "--calibration", str(setup["root"] / "calibration.safetensors"), "--heldout", f"held={setup['held']}",
+            "--heldout-tokens", str(TOKENS), "--window", str(WINDOW), "--threads", "1", *extra]
+
+
+@pytest.fixture(scope="module")
+def curve(setup):
+    """The bench at steps 0,3 written to OUT, and the weights its healed run left."""
+    before = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        healed = capturing(monkeypatch, bench)
+        out = setup["root"] / "curve"
+        try:
+            code = main(bench_args(setup, "--steps", f"0,{STEPS}", "--out", str(out)))
+        finally:
+            torch.set_num_threads(before)
+    assert code == 0
+    return out, json.loads((out / "heal_curve.json").read_text()), healed
+
+
+def test_the_bench_writes_its_rows_the_table_and_the_plot(setup, curve):
+    out, results, healed = curve
+    assert {p.name for p in out.iterdir()} == {"heal_curve.json", "heal_curve.md", "heal_curve.png"}
+    assert (out / "heal_curve.png").read_bytes()[:4] == b"\x89PNG"
+    built, trained = results["points"]
+    assert [built["steps"], trained["steps"]] == [0, STEPS] and len(healed) == 1  # step 0 trains nothing
+    assert built["seconds"] == 0 and built["tokens"] == 0 and trained["seconds"] > 0
+    assert trained["tokens"] == STEPS * 4 * 64  # 4 rows a step, the 64-token rows as they are (under 128)
+    assert results["heal"]["train_rows"] == 14 and results["heal"]["measure_rows"] == 2
+    assert trained["kl"] != built["kl"] and trained["domains"]["held"] != built["domains"]["held"]
+    # the built checkpoint's KL is what ship's heal must lower to keep a run
+    assert results["kl_before"] == built["kl"] and not built["kept"]
+    assert trained["kept"] == (trained["kl"] < built["kl"])
+    table = (out / "heal_curve.md").read_text()
+    assert "| steps | minutes | tokens trained | KL (measuring rows) | held ppl | geometric mean |" in table
+    assert f"| {STEPS} | " in table and "| original | - | - | 0 |" in table
+
+
+def test_step_zero_is_the_checkpoint_as_built_and_the_original_is_scored_once(setup, curve, one_thread):
+    _, results, _ = curve
+    ids = tokenize_text(make_tiny_tokenizer(), setup["held"].read_text(encoding="utf-8"))[:TOKENS]
+    for folder, row in ((setup["student"], results["points"][0]), (setup["teacher"], results["original"])):
+        model = load(folder, dtype="float32").model
+        expected = perplexity(model, ids, seq_len=WINDOW, batch_size=4, progress=False).perplexity
+        assert row["domains"]["held"] == pytest.approx(expected, rel=1e-6)
+        assert row["heldout_ppl"] == pytest.approx(expected, rel=1e-6)  # one text: its own mean
+
+
+def test_the_healed_weights_are_ship_heals(setup, curve, tmp_path, monkeypatch):
+    import ship.heal
+    from prune.pipeline.config import PruneConfig
+    from ship.config import ShipConfig
+
+    _, _, (bench_weights,) = curve
+    healed = capturing(monkeypatch, ship.heal)
+    config = ShipConfig(prune=PruneConfig(load={"model": str(setup["teacher"])}, drop=2), out=str(tmp_path / "slim"),
+                        engine="transformers", heal_steps=STEPS)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the bench's --threads 1
+    try:
+        healing = ship.heal.heal(config, STEPS, "the test's", setup["student"], tmp_path / "healed",
+                                 setup["calibration"], config.prune.load.load(), say=lambda line: None)
+    finally:
+        torch.set_num_threads(before)
+    (ship_weights,) = healed
+    assert sorted(ship_weights) == sorted(bench_weights)
+    assert max(float((ship_weights[name] - bench_weights[name]).abs().max()) for name in ship_weights) == 0.0
+    if healing.kept:  # what ship writes is those weights
+        written = load_file(str(tmp_path / "healed" / "model.safetensors"))
+        assert all(torch.equal(written[name], bench_weights[name]) for name in written)
+
+
+@pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--steps", "0,-5", "--steps takes distinct step counts of 0 or more"),
+    ("--steps", "ten", "--steps takes distinct step counts of 0 or more"),
+    ("--steps", "50,50", "--steps takes distinct step counts of 0 or more"),
+    ("--checkpoint", "no/such/folder", "--checkpoint no/such/folder: no checkpoint there"),
+    ("--calibration", "no/such.safetensors", "no such file"),
+    ("--window", "1", "--window must be at least 2"),
+])
+def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(setup, capsys, one_thread, flag, value, says):
+    code = main([*bench_args(setup), flag, value])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_BAD_INPUT and says in err and len(err.splitlines()) == 1, err
+
+
+def test_a_window_longer_than_the_model_holds_is_one_line(setup, capsys, one_thread):
+    code = main([*bench_args(setup), "--window", "512"])
+    err = capsys.readouterr().err.strip()  # after the original loads: its progress bar, then the one line
+    assert code == EXIT_BAD_INPUT and "Traceback" not in err, err
+    assert "holds 256 positions: pass --window 256 or less" in err.splitlines()[-1]
