@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--heal-steps", type=int, default=DEFAULT_HEAL_STEPS, metavar="N",
                        help="at most N steps of distillation towards the original after the build (KL, LoRA merged: "
                        "the checkpoint stays plain), as many as --time-budget leaves; kept only when it lowers the "
-                       "KL on the calibration rows it does not train on (default: 200; 0: no healing)")
+                       "KL on the calibration rows it does not train on "
+                       f"(default: {DEFAULT_HEAL_STEPS}; 0: no healing)")
     group.add_argument("--processes", type=int, default=1, metavar="N",
                        help="heal on N processes launched by accelerate (DDP: one GPU each with --device cuda, gloo "
                        f"on the CPU, where they share the cores), splitting the {HEAL_BATCH} sequences of a step "

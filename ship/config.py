@@ -30,7 +30,11 @@ from prune.model.layouts import VANILLA
 from prune.pipeline.config import PruneConfig
 from prune.replace import METHODS, check_replacement_supported
 
-DEFAULT_HEAL_STEPS = 200
+# the fewest steps that buy 90 % of what 200 buy, chosen on the selection split (reports/ship-defaults/: SmolLM2-135M
+# at drop 4, fold on blocks 12-15, the geometric-mean perplexity of its four texts 32.68 built, 30.19 after 50 steps,
+# 29.60 after 100, 29.48 after 200: 100 steps buy 96 % of 200's gain in log-perplexity, 50 steps 77 %), at half the
+# heal's minutes
+DEFAULT_HEAL_STEPS = 100
 
 
 def heal_sequences(samples: int, seq_len: int) -> tuple[int, int]:

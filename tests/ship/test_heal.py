@@ -14,12 +14,13 @@ def test_the_heal_takes_the_steps_the_time_budget_leaves(tmp_path, tiny_folder):
 
     def steps(budget, heldout=(), verify=True):
         config = ShipConfig(prune=PruneConfig(load={"model": str(tiny_folder)}, drop=2), out=str(tmp_path / "o"),
-                            engine="transformers", time_budget=budget, heldout=list(heldout), verify=verify)
+                            engine="transformers", time_budget=budget, heldout=list(heldout), verify=verify,
+                            heal_steps=200)
         done = [StageResult(seconds=10.0), StageResult(seconds=100.0), StageResult(seconds=20.0)]
         return heal_steps(config, 200.0, done)  # 1 s a step planned
 
     # spent 130 s; the reserve for the checks: the build's 20 s x (1 text + 2) = 60 s; a step 1 s x HEAL_MARGIN
-    assert steps(None) == (200, "--heal-steps 200")
+    assert steps(None) == (200, "--heal-steps 200")  # --heal-steps 200 given
     assert steps(190 + 100 * HEAL_MARGIN)[0] == 100
     assert steps(190 + 100 * HEAL_MARGIN, heldout=["a", "b"])[0] == 100 - math.ceil(20 / HEAL_MARGIN)  # 20 s more
     assert steps(130 + 100 * HEAL_MARGIN, verify=False)[0] == 100
