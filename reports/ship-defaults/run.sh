@@ -1,0 +1,19 @@
+# prune.ship's defaults chosen on the selection split, and the drop-4 run with the new defaults (2026-12-03, 2-core
+# CPU, float32, SmolLM2-135M, one job at a time). Run from the repository root with ../shared/data beside it.
+set -e
+S=/tmp/layercut-selection
+python -m eval.lab selection-split ../shared/data $S
+# 1. the shortlist and build at drop 4 with 32 and with 64 calibration rows (training-free, no engine check)
+for s in 32 64; do
+  python -m prune.ship --model smollm2-135m --drop 4 --samples $s --heal-steps 0 --no-verify --engine transformers \
+    --threads 2 --out /tmp/sel-runs/d4s$s
+done
+# 2. ship's heal at 0, 50, 100 and 200 steps on the 32-row build (each from the start, with its own schedule), and
+# the 64-row build as built and after 100 steps; the texts are the selection split's
+SEL="--heldout plays=$S/plays_last_fifth.txt --heldout arc_easy=$S/arc_easy.jsonl --heldout hellaswag=$S/hellaswag.jsonl --heldout piqa=$S/piqa.jsonl"
+python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/sel-runs/d4s32 \
+  --calibration /tmp/sel-runs/d4s32.work/calibration.safetensors --steps 0,50,100,200 $SEL --threads 2 \
+  --out reports/ship-defaults/curve32
+python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/sel-runs/d4s64 \
+  --calibration /tmp/sel-runs/d4s64.work/calibration.safetensors --steps 0,100 $SEL --threads 2 \
+  --out reports/ship-defaults/curve64
