@@ -17,3 +17,11 @@ python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/sel-runs/
 python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/sel-runs/d4s64 \
   --calibration /tmp/sel-runs/d4s64.work/calibration.safetensors --steps 0,100 $SEL --threads 2 \
   --out reports/ship-defaults/curve64
+# 3. the drop-4 run with every default (64 rows, now 100 heal steps), llama.cpp q4_k_m, the four held-out texts of
+# reports/ship-fast; the cache held SmolLM2-135M's converted checkpoint and no llama.cpp file of the original
+D=../shared/data
+HELDOUT="--heldout novel=$D/austen/sensesensibility.txt --heldout news=$D/ptb/ptb.test.txt --heldout wiki=$D/wikitext-2-raw-v1/test.jsonl --heldout plays=$D/tinyshakespeare/input.txt"
+(cd /tmp/ship && /usr/bin/time -v python -m prune.ship --model smollm2-135m --drop 4 --engine llamacpp \
+  --gguf-type q4_k_m --threads 2 $HELDOUT --out d4)
+mkdir -p reports/ship-defaults/d4
+cp /tmp/ship/d4/README.md /tmp/ship/d4/ship.json /tmp/ship/d4.work/*.json reports/ship-defaults/d4/
