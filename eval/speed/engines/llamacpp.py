@@ -102,8 +102,9 @@ class LlamaCppEngine(Engine):
     summary = ("llama.cpp through llama-cpp-python; a folder is exported to float32 GGUF once; --threads sets its "
                "threads")
     layouts, options, max_batch = (VANILLA, DECILM), LlamaCppOptions, 1
-    # PyPI has no binary wheel of llama-cpp-python: pip compiles llama.cpp (measured: 20-26 minutes on 2 cores)
-    install_note = "pip compiles llama.cpp from source: about 25 minutes on 2 CPU cores, once"
+    # PyPI has no binary wheel of llama-cpp-python: pip compiles llama.cpp (measured on 2 cores: 20-26 minutes
+    # until 2026-12-02, 8-9 minutes on 2026-12-03 beside other jobs)
+    install_note = "pip compiles llama.cpp from source: 10-25 minutes on 2 CPU cores, once"
 
     def describe(self, settings: EngineSettings) -> dict:
         """Threads, context and GPU layers (the GGUF's own types are the dtype)."""
