@@ -181,9 +181,17 @@ def _stop(child: subprocess.Popen) -> None:
 
 def load_trained(model: torch.nn.Module, work: str | Path) -> None:
     """Put the launched run's trained weights (``work/TRAINED_FILE``) into ``model``, the same student."""
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file
 
-    load_model(model, str(Path(work) / TRAINED_FILE), strict=True)
+    state = load_file(str(Path(work) / TRAINED_FILE))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # save_model writes a tied tensor once: a key left out must share its storage with one that was read
+    tensors = model.state_dict()
+    read = {tensors[key].data_ptr() for key in state}
+    untied = [key for key in missing if tensors[key].data_ptr() not in read]
+    if unexpected or untied:
+        raise LayercutError(f"{TRAINED_FILE} does not hold this student's weights ({(unexpected or untied)[0]}): "
+                            "run the command again")
 
 
 def train_launched(path: Path) -> None:
