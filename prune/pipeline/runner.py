@@ -88,7 +88,7 @@ class PruneResult:
 class OnMeta:
     """A model's config and, where transformers can build it there, its skeleton on the meta device.
 
-    ``config`` is None for a ``.gguf`` seen for the first time (its config comes with the conversion);
+    ``config`` is None for a ``.gguf`` whose header transformers cannot read (the conversion says why);
     ``skeleton`` (and its parameter count ``params``) is None for a config transformers cannot build on the
     meta device.
     """
@@ -99,8 +99,14 @@ class OnMeta:
 
 
 def on_meta(model: str) -> OnMeta:
-    """Read ``model``'s config and build it on the meta device: no weight is read."""
+    """Read ``model``'s config and build it on the meta device: no weight is read.
+
+    A ``.gguf`` not converted yet is read from its header (:func:`prune.planner.shape.read_config`), so a first
+    run plans and resolves its budget before the conversion, as every later one does.
+    """
     model_config = load_config(model)
+    if model_config is None:
+        model_config = _header_config(model)
     if model_config is None:
         return OnMeta(None, None)
     try:
@@ -117,17 +123,17 @@ def preflight(config: PruneConfig, meta: OnMeta | None = None) -> Amounts | None
     Every local calibration file must read as text; the amounts (``--drop``, ``--protect``, units, targets)
     are resolved once against the block count and the parameters counted on the meta device, the
     calibration ``--seq-len`` against the model's positions. Returns those amounts, which the run is
-    handed; None for a model whose config is not at hand without converting it (a ``.gguf`` seen for the
-    first time), resolved once it is loaded. ``meta``: :func:`on_meta` of the same model, where the caller
-    built it already.
+    handed; None for a model whose config is not at hand without loading it (a ``.gguf`` header transformers
+    cannot read, a config it cannot build on the meta device), resolved once it is loaded. ``meta``:
+    :func:`on_meta` of the same model, where the caller built it already.
     """
     check_sources(config.data)  # local files: cheap to read twice
     meta = meta if meta is not None else on_meta(config.load.model)
-    if meta.config is None:
-        _check_gguf_header(config)
+    if meta.config is None:  # a header transformers cannot read: the conversion says why
         return None
     if meta.skeleton is None:  # its amounts are resolved once it is loaded
         check_positions(config, meta.config)
+        check_tokens(config, meta.config)
         return None
     # a layout the repair cannot take (a fold on sandwich norms) is refused before any weight is read
     check_replacement_supported(meta.skeleton, config.replace.method)
@@ -137,8 +143,8 @@ def preflight(config: PruneConfig, meta: OnMeta | None = None) -> Amounts | None
 def layout_refusals(meta: OnMeta, methods: Iterable[str]) -> dict[str, str]:
     """The repairs among ``methods`` that the layout of the model in ``meta`` refuses, each with its one-line why.
 
-    From the model's config alone, before any weight is read. Empty when there is no skeleton (a ``.gguf``
-    seen for the first time): those refusals come once the model is loaded.
+    From the model's config alone, before any weight is read. Empty when there is no skeleton (an unreadable
+    ``.gguf`` header): those refusals come once the model is loaded.
     """
     if meta.skeleton is None:
         return {}
@@ -151,20 +157,18 @@ def layout_refusals(meta: OnMeta, methods: Iterable[str]) -> dict[str, str]:
     return refused
 
 
-def _check_gguf_header(config: PruneConfig) -> None:
-    """``--seq-len`` and the tokens against the header of a ``.gguf`` not converted yet (the planner reads it too).
+def _header_config(model: str):
+    """The config in the header of a ``.gguf`` not converted yet (the planner reads it too); None if unreadable.
 
     A header transformers cannot read is left to the conversion, which says why in one line.
     """
     try:
-        model_config = read_config(config.load.model)
+        return read_config(model)
     except LayercutError:
         raise
     except Exception:  # noqa: BLE001 - the conversion gives the one-line error of a file it cannot read
-        logger.debug("no header config for %s: its --seq-len is checked once it is loaded", config.load.model)
-        return
-    check_positions(config, model_config)
-    check_tokens(config, model_config)
+        logger.debug("no header config for %s: it is checked once it is loaded", model)
+        return None
 
 
 def score_model(model, calibration: CalibrationData, config: PruneConfig,

@@ -182,6 +182,23 @@ def test_bad_input_is_one_line_before_any_weight_is_read(tiny_folder, text_file,
     assert not (tmp_path / "o.work" / "ship.json").exists()  # nothing that would refuse the corrected command
 
 
+def test_a_gguf_seen_for_the_first_time_is_planned_and_held_to_its_budget_from_its_header(
+        tmp_path, text_file, capsys, monkeypatch, no_model_load):
+    from tests.prune.loading.test_loader import _byte_level_tokenizer, _tiny_llama, _write_tiny_gguf
+
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    tokenizer = _byte_level_tokenizer()
+    path = tmp_path / "tiny.gguf"
+    _write_tiny_gguf(path, _tiny_llama(len(tokenizer), tie=True), tokenizer)
+    monkeypatch.setattr("ship.plan.stage_seconds", lambda *_: {"shortlist": 3600.0, "heal": 60.0})
+    args = base_args(path, text_file)
+    args[args.index("--drop") + 1:args.index("--drop") + 2] = ["1", "--protect", "none"]  # the tiny GGUF has 2 blocks
+    code, _, err = ship(capsys, *args, "--time-budget", "30m", "--no-verify", "--out", tmp_path / "o")
+    # before 2026-12-03 a first run of a .gguf had no plan: no stage times, and --time-budget went unchecked
+    assert code == 2 and "--time-budget 30m: the planner gives this run 60m before any healing" in err, err
+    assert not (tmp_path / "cache").exists()  # refused from the header: nothing converted
+
+
 def test_a_target_the_blocks_cannot_reach_is_refused_before_any_weight_is_read(tiny_folder, text_file, tmp_path,
                                                                                capsys, no_model_load):
     args = base_args(tiny_folder, text_file)

@@ -493,8 +493,8 @@ def test_a_seq_len_past_a_gguf_header_positions_fails_before_converting(tmp_path
     monkeypatch.setattr(prune_gguf, "_convert_gguf", lambda *args: pytest.fail("converted before the check"))
     limit = AutoConfig.from_pretrained(tmp_path, gguf_file=path.name).max_position_embeddings
     # 10 MB of host memory: the planner would refuse the run for memory first, advising --offload
-    code = main(["--model", str(path), "--seq-len", "100000", "--drop", "1", "--plan-host-memory", "10MB", "--out",
-                 str(tmp_path / "o")])
+    code = main(["--model", str(path), "--seq-len", "100000", "--drop", "1", "--protect", "none",
+                 "--plan-host-memory", "10MB", "--out", str(tmp_path / "o")])
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert code == 2 and errors == [f"error: --seq-len 100000 exceeds the model's {limit} positions: lower --seq-len "
                                     "(and raise --samples to keep the tokens)"]
