@@ -5,8 +5,9 @@ counted here in the same units before any weight is read:
 
 - shortlist: the calibration's own text from the model, where the data samples it and no earlier run kept it
   (``--data`` with ``self``; SmolLM2-135M's default sample ships with layercut), a decode step per token of a
-  batch of rows, each reading every weight; the scoring pass (every state's statistics), the one pass
-  ``repaired-fast`` reads, one capture pass over the fitting rows that feeds every repair's fits, the fits' own
+  batch of rows, each reading every weight; the scoring pass (every state's statistics, and beside them the
+  measuring rows' alone, which ``repaired-fast`` reads), one capture pass over the fitting rows that feeds every
+  repair's fits, the fits' own
   sums and solves (``fit_width`` of each repair's registration), and the measuring passes (each repair's
   reference pass and one per candidate from its first changed block);
 - build: a capture pass over every calibration row, the chosen repair's fit, the held-out perplexities of
@@ -41,7 +42,6 @@ from prune.planner.stages import CPU_FLOPS, _flops, _rate
 
 # what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
 SCORING_SHARE = 1.145  # the scoring pass, every state's Gram and every pair's cosines (32 s for 16,384 tokens)
-STREAM_SHARE = 1.317  # repaired-fast's pass: adjacent pairs' statistics, no cosines
 CAPTURE_SHARE = 1.574  # a capture pass recording a span's activations for its fits
 LOGITS_SHARE = 1.288  # a pass that reads the logits (measuring, transformers' perplexity)
 ENGINE_SHARE = 1.002  # llama.cpp scoring every position of a window (logits_all)
@@ -111,7 +111,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
         sampling = steps * weight_bytes(shape, inp, layers) / (SAMPLE_BYTES_PER_S * cpu)
     fits = sum(_fit_flops(shape, width, tokens - measure) for width in work.repairs) * work.sets * work.spans
     shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
-                 + passes(tokens, layers, STREAM_SHARE, extra=moments / 2)
+                 + measure * moments / 2 / (rate * SCORING_SHARE)  # the measuring rows' statistics kept apart
                  + passes(tokens - measure, layers, CAPTURE_SHARE)
                  + fits / fit_rate
                  + passes(measure * (len(work.repairs) + 1), layers, LOGITS_SHARE, head=True)

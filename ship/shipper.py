@@ -163,7 +163,8 @@ class Shipper:
         config = self.config.prune
         loaded = self._load()
         self.say("scoring every block (one pass)")
-        self.scored = score_calibration(loaded, config, cosine_pairs="all")
+        # the measuring rows' statistics kept apart: repaired-fast's candidates need no pass of their own
+        self.scored = score_calibration(loaded, config, cosine_pairs="all", measuring_apart=True)
         calibration = self.scored.calibration
         self._keep_calibration(calibration.token_ids)
         if calibration.heldout_ids is not None and not self.config.heldout:
@@ -180,7 +181,7 @@ class Shipper:
         """``checkpoint/``: prune.run's checkpoint of the chosen candidate."""
         self.say(f"building {shortlist.best.describe()}")
         if self.scored is None:  # a resumed run: the shortlist's own pass again, so the fits read the same sums
-            self.scored = score_calibration(self._load(), self.config.prune, cosine_pairs="all")
+            self.scored = score_calibration(self._load(), self.config.prune, cosine_pairs="all", measuring_apart=True)
         done = build(self.config.prune, shortlist, self.work / CHECKPOINT, self.loaded, self.scored)
         self.loaded = None  # surgered in place: not the original any more
         return done

@@ -220,7 +220,7 @@ def _candidates(scored: Scored, model, base: PruneConfig, amounts, repairs: list
         if selection.prepare is not None:  # what its runs for every repair share, done once
             selection.prepare(scored.memo, model, calibration.token_ids,
                               [dataclasses.replace(base, replace=r).replace for r in repairs if r != "none"],
-                              base.batch_size)
+                              base.batch_size, moments)
         for repair in (r for r in repairs if r != "none"):
             variant = dataclasses.replace(base, select=name, replace=repair)
             blocks = tuple(planned_blocks(model, calibration, moments, scores, variant, amounts, scored.memo))

@@ -88,6 +88,7 @@ class StateMoments:
         cosine_pairs: str = "adjacent",
         device: torch.device | str | None = None,
         precision: str = "float32",
+        shifts_from: StateMoments | None = None,
     ):
         self.num_states = num_states
         self.pairs = sorted(set(pairs))
@@ -124,6 +125,10 @@ class StateMoments:
         # score -> each block's value, taken while a block-by-block pass still held the block's statistics
         # (prune.measure.blockwise); the statistics themselves were released
         self.early_scores: dict[str, list[float]] = {}
+        # the statistics of some rows alone, kept beside these by the same pass (stream_moments' held_rows)
+        self.held: HeldRows | None = None
+        # shifting each state as another accumulator does keeps the raw sums of the two subtractable (minus)
+        self._shifts_from = shifts_from
 
     @property
     def n(self) -> int:
@@ -141,7 +146,8 @@ class StateMoments:
         wide = self.precision == "float64" or flat.dtype == torch.float64
         rows = flat.to(device=self.device or flat.device, dtype=torch.float64 if wide else torch.float32)
         if self.shifts[index] is None:
-            self.shifts[index] = rows.mean(0, dtype=torch.float64).to(rows.dtype)
+            self.shifts[index] = (rows.mean(0, dtype=torch.float64).to(rows.dtype) if self._shifts_from is None
+                                  else self._shifts_from.shifts[index].to(rows.device))
             self.sums[index] = torch.zeros(rows.shape[1], dtype=torch.float64, device=rows.device)
             self.grams[index] = torch.zeros(rows.shape[1], rows.shape[1], dtype=torch.float64, device=rows.device)
         shifted = rows - self.shifts[index]
@@ -273,6 +279,31 @@ class StateMoments:
         tuu = self.update_sq[(i, j)] - self.n * float(ou @ ou)
         return PairMoments(self.n, mean_x, mean_y, cxx, cxx + cxu, cyy, cxu, tuu, partial(self.gram_eigh, i))
 
+    def minus(self, part: StateMoments) -> StateMoments:
+        """The Grams and cross Grams of the tokens these statistics saw and ``part``'s did not (no cosines).
+
+        ``part`` must have shifted every state as these did (``shifts_from=self``): the raw sums are then sums
+        over tokens, and the difference is those of the other tokens, as a pass over them alone would give
+        (within each batch product's float32 rounding, :class:`StateMoments`).
+        """
+        if part.num_states != self.num_states or not set(part.pairs) >= set(self.pairs) or any(
+                a is not None and b is not None and not torch.equal(a, b.to(a.device))
+                for a, b in zip(self.shifts, part.shifts, strict=True)):
+            raise ValueError("minus takes statistics of the same states and pairs, shifted alike (shifts_from)")
+        rest = StateMoments(self.num_states, self.pairs, "none", self.device, self.precision)
+        rest.counts = [a - b for a, b in zip(self.counts, part.counts, strict=True)]
+        rest.shifts = list(self.shifts)
+        for index in range(self.num_states):
+            if self.sums[index] is not None:
+                known = part.sums[index] is not None
+                rest.sums[index] = self.sums[index] - (part.sums[index].to(self.sums[index].device) if known else 0)
+                rest.grams[index] = self.grams[index] - (part.grams[index].to(self.grams[index].device)
+                                                         if known else 0)
+        rest.cross = {pair: gram - part.cross[pair].to(gram.device) if pair in part.cross else gram.clone()
+                      for pair, gram in self.cross.items()}
+        rest.update_sq = {pair: value - part.update_sq.get(pair, 0.0) for pair, value in self.update_sq.items()}
+        return rest
+
     def mean_cosine(self, i: int, j: int) -> float:
         """Token-averaged cosine similarity between states i and j."""
         return float(self.cos_sum[i, j] / self.n)
@@ -284,6 +315,20 @@ class StateMoments:
     def last_token_angular_distance(self, i: int, j: int) -> float:
         """Angular distance arccos(cos)/pi between states i and j at each sequence's last token, averaged."""
         return float(self.last_angle_sum[i, j] / self.sequences)
+
+
+@dataclass
+class HeldRows:
+    """The statistics of some calibration rows alone, streamed in the pass that took every row's.
+
+    ``token_ids`` is the [samples, seq] tensor that pass read (the same object, so a caller can tell which
+    calibration these describe) and ``rows`` the rows kept apart; ``moments`` shift each state as the whole
+    pass's do, so ``whole.minus(moments)`` are the statistics of the other rows.
+    """
+
+    token_ids: torch.Tensor
+    rows: tuple[int, ...]
+    moments: StateMoments
 
 
 def _cosines(rows: torch.Tensor, norms: torch.Tensor, other: torch.Tensor, other_norms: torch.Tensor) -> torch.Tensor:
@@ -320,6 +365,7 @@ def stream_moments(
     progress: bool = True,
     precision: str = "float32",
     mlp_contribution: str | None = None,
+    held_rows: Sequence[int] | None = None,
 ) -> StateMoments:
     """Run ``model`` over ``token_ids`` [samples, seq] and stream the residual-state moments.
 
@@ -336,6 +382,9 @@ def stream_moments(
             (``prune.selection.sublayers.contribution_path``), also each block's middle state (after attention,
             before the MLP): 2L + 1 states, 2i + 1 between block i's attention and MLP, so every
             score's value ``u`` rates sub-layer ``u``.
+        held_rows: rows of ``token_ids`` whose statistics are also kept alone (``moments.held``, a
+            :class:`HeldRows` without cosines): a repair measured on those rows and fitted on the others
+            (``prune.selection.repaired.map_errors``) reads both from this one pass.
     """
     if is_offloaded(model):
         raise LayercutError("this pass runs the whole model, and its blocks are offloaded: use "
@@ -343,12 +392,28 @@ def stream_moments(
     count = num_blocks(model) * (1 if mlp_contribution is None else 2)
     moments = StateMoments(count + 1, adjacent_pairs(count) if pairs is None else pairs, cosine_pairs, stats_device,
                            precision)
+    held = None
+    if held_rows is not None:
+        held = StateMoments(count + 1, moments.pairs, "none", stats_device, precision, shifts_from=moments)
+        moments.held = HeldRows(token_ids, tuple(sorted(set(held_rows))), held)
+    holding = False  # whether the current batch has held rows
+
+    def observe(index: int, state: torch.Tensor) -> None:
+        moments.observe(index, state)
+        if holding:
+            held.observe(index, state)
+
     device = input_device(model)
     starts = range(0, token_ids.shape[0], batch_size)
-    with residual_states(model, moments.observe, mlp_contribution):
+    with residual_states(model, observe, mlp_contribution):
         for start in tqdm(starts, desc="capture", unit="batch", disable=not progress):
             batch = token_ids[start : start + batch_size].to(device)  # [batch, seq]
             moments.begin_batch(None)
+            if held is not None:
+                mine = torch.tensor([start + row in moments.held.rows for row in range(batch.shape[0])])
+                holding = bool(mine.any())
+                if holding:
+                    held.begin_batch(mine[:, None].expand(batch.shape))
             # The base model stops before the LM head: [batch, seq, vocab] logits would cost more than the stats.
             model.base_model(input_ids=batch, use_cache=False)
     logger.info("streamed statistics of %d states over %d tokens", count + 1, moments.n)

@@ -37,6 +37,7 @@ from prune.planner.shape import build_on_meta, read_config, shape_of_model
 from prune.replace import check_replacement_supported, parameter_count
 from prune.selection.budget import check_params_budget
 from prune.selection.oracle import Oracle, oracle_table
+from prune.selection.repaired import measuring_rows
 from prune.selection.sublayers import Unit, unit_moments
 
 logger = logging.getLogger(__name__)
@@ -61,13 +62,17 @@ class Scored:
     memo: dict = field(default_factory=dict)
 
 
-def score_calibration(loaded: LoadedModel, config: PruneConfig, cosine_pairs: str | None = None) -> Scored:
+def score_calibration(loaded: LoadedModel, config: PruneConfig, cosine_pairs: str | None = None,
+                      measuring_apart: bool = False) -> Scored:
     """Calibration text of ``config.data`` and one streamed pass over it.
 
-    ``cosine_pairs`` defaults to what ``config`` needs; pass "all" to serve every selection.
+    ``cosine_pairs`` defaults to what ``config`` needs; pass "all" to serve every selection. ``measuring_apart``:
+    the pass also keeps the statistics of the rows a repaired selection measures on
+    (``prune.selection.repaired.measuring_rows``), so ``repaired-fast`` needs no pass of its own.
     """
     calibration = calibration_data(loaded.tokenizer, config.data, model=loaded.model)
-    moments, scores = score_model(loaded.model, calibration, config, cosine_pairs)
+    held = measuring_rows(calibration.token_ids) if measuring_apart else None
+    moments, scores = score_model(loaded.model, calibration, config, cosine_pairs, held)
     return Scored(calibration, moments, scores)
 
 
@@ -171,9 +176,13 @@ def _header_config(model: str):
         return None
 
 
-def score_model(model, calibration: CalibrationData, config: PruneConfig,
-                cosine_pairs: str | None = None) -> tuple[StateMoments, dict]:
-    """One streamed pass; every registered score for every block."""
+def score_model(model, calibration: CalibrationData, config: PruneConfig, cosine_pairs: str | None = None,
+                held_rows: Sequence[int] | None = None) -> tuple[StateMoments, dict]:
+    """One streamed pass; every registered score for every block.
+
+    ``held_rows``: calibration rows whose statistics the pass also keeps alone (``stream_moments``); a pass
+    block by block keeps none (those who read them take their own pass).
+    """
     check_enough_tokens(calibration.num_tokens, hidden_size(model))
     if is_offloaded(model):  # block by block, each block's scores taken and its statistics freed at once
         moments = stream_moments_blockwise(model, calibration.token_ids, batch_size=config.batch_size,
@@ -181,7 +190,7 @@ def score_model(model, calibration: CalibrationData, config: PruneConfig,
                                             scores=list(SCORES))
     else:
         moments = stream_moments(model, calibration.token_ids, batch_size=config.batch_size,
-                                 cosine_pairs=cosine_pairs or needed_cosine_pairs(config))
+                                 cosine_pairs=cosine_pairs or needed_cosine_pairs(config), held_rows=held_rows)
     return moments, block_scores(moments, list(SCORES))
 
 

@@ -42,6 +42,7 @@ from prune.errors import LayercutError
 from prune.measure.blockwise import stream_any
 from prune.measure.heldout import packed_perplexity
 from prune.measure.least_squares import fit_linear_map, residual_sums, scale_update
+from prune.measure.moments import StateMoments
 from prune.model.adapters import get_blocks, input_device
 from prune.model.surgery import blocks_removed
 from prune.replace import (
@@ -93,12 +94,34 @@ def _two_rows_or_more(token_ids: torch.Tensor) -> int:
     return token_ids.shape[0]
 
 
+def measuring_rows(token_ids: torch.Tensor, every: int = MEASURE_EVERY) -> list[int]:
+    """The rows of ``token_ids`` [samples, seq] that measure (:func:`split_rows`): every-1, 2*every-1, ..."""
+    rows = _two_rows_or_more(token_ids)
+    return list(range(every - 1, rows, every)) or [rows - 1]
+
+
 def split_rows(token_ids: torch.Tensor, every: int = MEASURE_EVERY) -> tuple[torch.Tensor, torch.Tensor]:
     """[samples, seq] -> (fitting rows, measuring rows): rows every-1, 2*every-1, ... measure."""
-    rows = _two_rows_or_more(token_ids)
-    measure = list(range(every - 1, rows, every)) or [rows - 1]
-    fit = [row for row in range(rows) if row not in measure]
+    measure = measuring_rows(token_ids, every)
+    fit = [row for row in range(token_ids.shape[0]) if row not in measure]
     return token_ids[fit], token_ids[measure]
+
+
+def _split_moments(moments: StateMoments | None, token_ids: torch.Tensor,
+                   blocks: int) -> tuple[StateMoments, StateMoments] | None:
+    """(fitting rows', measuring rows') statistics from a pass that kept the measuring rows apart, else None.
+
+    Only statistics of these very tokens, every block's (input, output) pair and the measuring rows of
+    :func:`split_rows` serve; anything else (another calibration, sub-layer states) is measured afresh.
+    """
+    held = getattr(moments, "held", None)
+    if held is None or held.token_ids is not token_ids and not (
+            held.token_ids.shape == token_ids.shape and torch.equal(held.token_ids, token_ids)):
+        return None
+    if held.rows != tuple(measuring_rows(token_ids)) or moments.num_states != blocks + 1 or any(
+            (b, b + 1) not in moments.cross for b in range(blocks)):
+        return None
+    return moments.minus(held.moments), held.moments
 
 
 def crossfit_halves(token_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -498,25 +521,32 @@ def update_share(replace: ReplaceConfig | None) -> float:
 
 
 def map_errors(model: nn.Module, token_ids: torch.Tensor, update_scale: float = 1.0, ridge: float = 0.0,
-               batch_size: int = 4) -> list[float]:
+               batch_size: int = 4, moments: StateMoments | None = None) -> list[float]:
     """Per block: the share of its output's energy its least-squares map misses on rows the map was not fitted on.
 
-    One pass over the calibration (the fitting rows, then the measuring rows of :func:`split_rows`); the map
-    is ``update_scale`` of the way from the identity to the least-squares fit, as ``--replace linear`` applies it.
+    One pass over the calibration (the fitting rows, then the measuring rows of :func:`split_rows`), or none
+    where the scoring pass's ``moments`` kept the measuring rows apart; the map is ``update_scale`` of the way
+    from the identity to the least-squares fit, as ``--replace linear`` applies it.
     """
-    return map_errors_of_shares(model, token_ids, [update_scale], ridge, batch_size)[update_scale]
+    return map_errors_of_shares(model, token_ids, [update_scale], ridge, batch_size, moments)[update_scale]
 
 
 def map_errors_of_shares(model: nn.Module, token_ids: torch.Tensor, shares: Sequence[float], ridge: float = 0.0,
-                         batch_size: int = 4) -> dict[float, list[float]]:
+                         batch_size: int = 4, moments: StateMoments | None = None) -> dict[float, list[float]]:
     """:func:`map_errors` for every share of the update in ``shares``, all from the one pass.
 
     The moments do not depend on the share, only the map fitted from them does: ``prune.ship``, which runs
     ``repaired-fast`` for repairs applying 0.7 and 1.0 of their update, reads the calibration once, not twice.
+    ``moments``: the scoring pass's statistics of ``model`` over ``token_ids``; where that pass kept the
+    measuring rows' apart (``stream_moments(held_rows=measuring_rows(...))``), no pass runs here at all.
     """
-    fit_ids, measure_ids = split_rows(token_ids)
-    fitted = stream_any(model, fit_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
-    held = stream_any(model, measure_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
+    found = _split_moments(moments, token_ids, len(get_blocks(model)[1]))
+    if found is not None:
+        fitted, held = found
+    else:
+        fit_ids, measure_ids = split_rows(token_ids)
+        fitted = stream_any(model, fit_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
+        held = stream_any(model, measure_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
     errors: dict[float, list[float]] = {share: [] for share in shares}
     for block in range(len(get_blocks(model)[1])):
         full, moments = fit_linear_map(fitted.pair(block, block + 1), ridge), held.pair(block, block + 1)

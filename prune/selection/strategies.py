@@ -143,7 +143,8 @@ class Selection:
             "eighth" (one in eight; the others fit) or "crossfit" (every row, by repairs fitted on the other half).
         prepare: for a selection about to run for several repairs on the same model and calibration (``prune.ship``
             runs each one-pass selection once per repair), the work they share, done once into the run's memo:
-            ``(memo, model, token_ids, replaces, batch_size) -> None``; None where there is none.
+            ``(memo, model, token_ids, replaces, batch_size, moments) -> None``, ``moments`` the scoring pass's
+            statistics; None where there is none.
     """
 
     name: str
@@ -420,11 +421,14 @@ def _repaired_once(inputs: SelectionInput) -> list[int]:
     return sorted(candidates, key=lambda b: (measured[b]["ppl"], b))[: inputs.count]
 
 
-def _prepare_repaired_fast(memo: dict, model, token_ids, replaces, batch_size: int) -> None:
-    """The map errors of every share of the update among ``replaces``, from one pass rather than one per share."""
+def _prepare_repaired_fast(memo: dict, model, token_ids, replaces, batch_size: int, moments=None) -> None:
+    """The map errors of every share of the update among ``replaces``, from one pass rather than one per share.
+
+    From none where the scoring pass's ``moments`` kept the measuring rows apart.
+    """
     shares = [share for share in dict.fromkeys(map(update_share, replaces)) if ("map_errors", share) not in memo]
     if shares:
-        found = map_errors_of_shares(model, token_ids, shares, batch_size=batch_size)
+        found = map_errors_of_shares(model, token_ids, shares, batch_size=batch_size, moments=moments)
         memo.update({("map_errors", share): errors for share, errors in found.items()})
 
 
@@ -437,6 +441,7 @@ def _repaired_fast(inputs: SelectionInput) -> list[int]:
     share = update_share(inputs.replace)
     # one pass per share of the update: the repairs applying the same share (prune.ship tries several) share it
     errors = _memo(inputs, ("map_errors", share),
-                   lambda: map_errors(inputs.model, inputs.token_ids, share, batch_size=inputs.batch_size))
+                   lambda: map_errors(inputs.model, inputs.token_ids, share, batch_size=inputs.batch_size,
+                                      moments=inputs.moments))
     candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]
     return sorted(candidates, key=lambda b: (errors[b], b))[: inputs.count]

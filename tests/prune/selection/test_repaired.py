@@ -297,6 +297,40 @@ def test_repaired_fast_prepared_for_several_shares_reads_the_rows_once_and_ranks
     assert shares[0.7] != shares[1.0]
 
 
+def test_a_scoring_pass_that_keeps_the_measuring_rows_apart_spares_repaired_fast_its_passes(one_thread,
+                                                                                            monkeypatch):
+    from prune.measure.moments import stream_moments
+    from prune.selection.repaired import measuring_rows
+    from prune.selection.strategies import SELECTIONS
+
+    model = make_tiny_model("llama", seed=5)
+    apart = stream_moments(model, IDS, batch_size=4, cosine_pairs="all", progress=False,
+                           held_rows=measuring_rows(IDS))
+    plain = stream_moments(model, IDS, batch_size=4, cosine_pairs="all", progress=False)
+    # the whole pass's own statistics are untouched by what it keeps beside them
+    assert all(torch.equal(a, b) for a, b in zip(apart.grams, plain.grams, strict=True))
+    assert torch.equal(apart.cos_sum, plain.cos_sum)
+    fit, measure = split_rows(IDS)
+    assert apart.held.moments.n == measure.numel() and apart.minus(apart.held.moments).n == fit.numel()
+    passes = {share: map_errors(model, IDS, share) for share in (0.7, 1.0)}
+    memo: dict = {}
+    calls = _count_passes(model, monkeypatch)
+    SELECTIONS.get("repaired-fast").prepare(memo, model, IDS, [ReplaceConfig(method=m) for m in ("fold", "cosine")],
+                                            4, apart)
+    assert not calls  # no pass of its own
+    for share, errors in passes.items():
+        # the same sums, grouped into other float32 batch products
+        torch.testing.assert_close(torch.tensor(memo[("map_errors", share)]), torch.tensor(errors), rtol=1e-5,
+                                   atol=1e-7)
+        assert sorted(range(len(errors)), key=errors.__getitem__) == sorted(
+            range(len(errors)), key=memo[("map_errors", share)].__getitem__)
+    # statistics of other tokens, or a pass that kept nothing apart, are never read as these rows'
+    for other, moments in ((IDS.flip(0), apart), (IDS, plain)):
+        calls.clear()
+        map_errors(model, other, 1.0, moments=moments)
+        assert len(calls) == -(-fit.shape[0] // 4) + -(-measure.shape[0] // 4)
+
+
 def test_repairs_sharing_the_original_s_passes_measure_what_each_measures_alone(one_thread, monkeypatch):
     from prune.selection.repaired import fit_together, shared_references
 

@@ -1,0 +1,43 @@
+"""Statistics of some calibration rows kept apart in the pass that takes every row's (``held_rows``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prune.measure.moments import StateMoments, stream_moments
+from tests.helpers import make_tiny_model
+
+IDS = torch.randint(3, 320, (12, 24), generator=torch.Generator().manual_seed(1))
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_the_whole_pass_minus_the_held_rows_is_a_pass_over_the_other_rows(one_thread):
+    model = make_tiny_model("llama", seed=2)
+    held_rows = [0, 5, 11]  # the first batch's first row too: the held rows take the whole pass's shift
+    whole = stream_moments(model, IDS, batch_size=4, progress=False, held_rows=held_rows)
+    others = [row for row in range(IDS.shape[0]) if row not in held_rows]
+    held = stream_moments(model, IDS[held_rows], batch_size=4, progress=False, cosine_pairs="none")
+    rest = stream_moments(model, IDS[others], batch_size=4, progress=False, cosine_pairs="none")
+    for found, alone in ((whole.held.moments, held), (whole.minus(whole.held.moments), rest)):
+        assert found.n == alone.n
+        for block in range(whole.num_states - 1):
+            mine, theirs = found.pair(block, block + 1), alone.pair(block, block + 1)
+            # other shifts and other float32 batch products: the same sums to float32's rounding
+            for name in ("mean_x", "mean_y", "cxx", "cxy", "cyy", "cxu"):
+                assert _relative(getattr(mine, name), getattr(theirs, name)) < 2e-6, (block, name)
+            assert mine.tuu == pytest.approx(theirs.tuu, rel=2e-6)
+    assert whole.held.rows == (0, 5, 11) and whole.held.token_ids is IDS
+
+
+def test_minus_refuses_statistics_shifted_otherwise(one_thread):
+    model = make_tiny_model("llama", seed=2)
+    whole = stream_moments(model, IDS, batch_size=4, progress=False)
+    alone = stream_moments(model, IDS[4:8], batch_size=4, progress=False)  # shifted by its own first batch
+    with pytest.raises(ValueError, match="shifted alike"):
+        whole.minus(alone)
+    with pytest.raises(ValueError, match="shifted alike"):
+        whole.minus(StateMoments(whole.num_states - 1, [], "none"))
