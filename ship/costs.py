@@ -38,7 +38,7 @@ from prune.planner.inputs import PlanInput
 from prune.planner.machine import machine_speed
 from prune.planner.memory import weight_bytes
 from prune.planner.shape import ModelShape
-from prune.planner.stages import CPU_FLOPS, _flops, _rate
+from prune.planner.stages import EIGH_FLOPS, _flops, _rate, fit_flops, fit_rate
 
 # what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
 SCORING_SHARE = 1.145  # the scoring pass, every state's Gram and every pair's cosines (32 s for 16,384 tokens)
@@ -49,13 +49,11 @@ ENGINE_SHARE = 1.002  # llama.cpp scoring every position of a window (logits_all
 # text tokenized whole first (fitted on the run r8 of reports/ship-fast: 83 s for both models against 50 s at
 # LOGITS_SHARE)
 SERVING_SHARE = 0.776
-FIT_FLOPS = 3.88e10  # float64 sums and solves of the closed-form fits
 SAMPLE_BYTES_PER_S = 3.3e9  # a sampling step reads every weight: 48 tokens/s for 8 rows of SmolLM2-135M
 CONVERT_BYTES_PER_S = 4.27e7  # llama.cpp's converter: float32 checkpoint bytes a second
 QUANTIZE_SHARE = 0.4  # its quantizer after it (q4_k_m), as a share of the conversion's time
 WRITE_BYTES_PER_S = 3.88e8  # safetensors written through a staging folder
 PROCESS_SECONDS = 4.12  # a fresh Python importing torch and transformers, and loading a model
-FIT_ITERATIONS = 50  # fold-rotate's alternating rounds at most (prune.replace.rotate)
 
 
 @dataclass(frozen=True)
@@ -65,6 +63,7 @@ class ShipWork:
     Attributes:
         drop: blocks removed.
         repairs: the training-free repairs the shortlist fits (removal not counted), by ``fit_width``.
+        rounds: each of those repairs' ``fit_rounds`` (none given: every fit solved once).
         sets: block sets the one-pass selections are expected to choose (each crossed with every repair).
         spans: spans per set (a top-k choice of scattered blocks has several).
         self_rows: rows of the model's own text sampled for calibration (0: none, or kept).
@@ -77,6 +76,7 @@ class ShipWork:
 
     drop: int
     repairs: tuple[int, ...]
+    rounds: tuple[int, ...] = ()
     sets: int = 3
     spans: int = 2
     self_rows: int = 0
@@ -103,24 +103,29 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     def passes(count: float, blocks: float, share: float, head: bool = False, extra: float = 0.0) -> float:
         return count * (_flops(shape, blocks, head) + extra) / (rate * share)
 
-    fit_rate = FIT_FLOPS * rate / CPU_FLOPS  # the fits run where the model does
+    fits_rate = fit_rate(inp)  # the fits run where the model does
     cpu = machine_speed()  # the converter, the sampling's reads, the writes and the processes run on this CPU
     sampling = 0.0
     if work.self_rows:
         steps = math.ceil(work.self_rows / 8) * inp.seq_len
         sampling = steps * weight_bytes(shape, inp, layers) / (SAMPLE_BYTES_PER_S * cpu)
-    fits = sum(_fit_flops(shape, width, tokens - measure) for width in work.repairs) * work.sets * work.spans
+    rounds = dict(zip(range(len(work.repairs)), work.rounds, strict=False))
+    fits = sum(fit_flops(shape, width, tokens - measure, rounds.get(i, 0))
+               for i, width in enumerate(work.repairs)) * work.sets * work.spans
     shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
+                 + (layers + 1) * EIGH_FLOPS * shape.hidden ** 3 / fits_rate  # the scores' decompositions
                  + measure * moments / 2 / (rate * SCORING_SHARE)  # the measuring rows' statistics kept apart
                  + passes(tokens - measure, layers, CAPTURE_SHARE)
-                 + fits / fit_rate
+                 + fits / fits_rate
                  + passes(measure * (len(work.repairs) + 1), layers, LOGITS_SHARE, head=True)
                  + passes(measure * work.sets * (len(work.repairs) + 1), layers / 2, LOGITS_SHARE, head=True))
     checkpoint = weight_bytes(shape, inp, kept)
-    chosen = max(work.repairs, default=0)
+    # the widest repair stands for the one chosen: the dearest fit, as the build reads it
+    chosen = max(range(len(work.repairs)), key=work.repairs.__getitem__, default=None)
+    chosen_fit = 0.0 if chosen is None else fit_flops(shape, work.repairs[chosen], tokens, rounds.get(chosen, 0))
     # the chosen set's spans (one, where it is contiguous), its capture pass stopping after the last of them (three
     # quarters of the way on average), then prune.run's held-out perplexity of the original and of the checkpoint
-    build = (passes(tokens, 0.75 * layers, CAPTURE_SHARE) + _fit_flops(shape, chosen, tokens) / fit_rate
+    build = (passes(tokens, 0.75 * layers, CAPTURE_SHARE) + chosen_fit / fits_rate
              + passes(2 * inp.heldout_samples * inp.seq_len, layers, LOGITS_SHARE, head=True)
              + checkpoint / (WRITE_BYTES_PER_S * cpu))
     # the quantizer reads the converted float32 file and writes a quarter of it
@@ -136,19 +141,6 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
               + (models + 2) * PROCESS_SECONDS / cpu) if work.verify else 0.0
     return {"shortlist": sampling + shortlist, "build": build, "heal": work.heal_seconds,
             "export": export, "verify": verify}
-
-
-def _fit_flops(shape: ModelShape, width: int, tokens: int) -> float:
-    """FLOP of a span's fit over ``tokens``: its float64 sums and its solves.
-
-    The sums are the Gram of the regressor and its cross with the target; a rotating fit's rounds each take an
-    SVD of the hidden width and solve against the regressor.
-    """
-    if not width:
-        return 0.0
-    sums = 2 * tokens * (width + shape.hidden) ** 2
-    rounds = FIT_ITERATIONS * (20 * shape.hidden ** 3 + 4 * width ** 2 * shape.hidden) if width > shape.hidden else 0
-    return sums + width ** 3 + rounds
 
 
 def _speed_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:

@@ -141,7 +141,8 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
 
         folder = checkpoint_folder(config.prune.load.model)
         original_kept = folder is not None and gguf_export_path(Path(folder)).is_file()
-    return ShipWork(drop=drop, repairs=widths, self_rows=self_rows(data, config.prune.load.model),
+    return ShipWork(drop=drop, repairs=widths, rounds=tuple(METHODS[name].fit_rounds for name in repairs),
+                    self_rows=self_rows(data, config.prune.load.model),
                     heldout_tokens=4096 if config.heldout else max(data.heldout_samples, 1) * data.seq_len,
                     texts=max(len(config.heldout), 1), gguf=config.gguf, original_kept=original_kept,
                     quantized=config.gguf and config.gguf_type in QUANTIZER_TYPES, speed_rounds=config.speed_repeats,

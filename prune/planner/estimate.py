@@ -254,7 +254,23 @@ def plan_input(config, shape: ModelShape, hardware: Hardware) -> PlanInput:
         protected=len(parse_protect(config.protect, shape.layers)), checkpoint_dtype=shape.dtype,
         distill=distill_spec(config.distill, DistillSpec().seq_len), hardware=hardware,
         # the config's own check: the data it names is the fix's to change (the fix's words say so)
-        offloadable=all(flag == "--data" for flag, _ in config.offload_refusals()))
+        offloadable=all(flag == "--data" for flag, _ in config.offload_refusals()),
+        shape_speed=_shape_speed(shape, hardware, config))
+
+
+def _shape_speed(shape: ModelShape, hardware: Hardware, config) -> float:
+    """:func:`prune.planner.machine.shape_speed` of the model's widths on the run's batch (a CPU run's only).
+
+    Block by block a block runs one sequence at a time; sequences longer than 512 tokens are timed at 512, which
+    bounds the probe's cost.
+    """
+    if hardware.gpus:
+        return 1.0
+    from prune.planner.machine import shape_speed
+
+    offloaded = getattr(config.load, "offload", "none") == "sequential"
+    return shape_speed(shape.hidden, shape.intermediate, shape.heads, 1 if offloaded else config.batch_size,
+                       min(config.data.seq_len, 512))
 
 
 def plan_config(config, hardware: Hardware, shape: ModelShape | None = None, keeps_original: bool = False) -> RunPlan:

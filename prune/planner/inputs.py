@@ -77,6 +77,8 @@ class PlanInput:
     # whether --offload sequential could run these options, as PruneConfig.offload_refusals says (the data aside);
     # False where no config says so, and a plan then never proposes it
     offloadable: bool = False
+    # the FLOP rate of this model's widths over the reference widths' on this CPU (prune.planner.machine.shape_speed)
+    shape_speed: float = 1.0
 
     @property
     def on_gpu(self) -> bool:

@@ -9,6 +9,10 @@ a second), and ``$LAYERCUT_MACHINE_SPEED`` fixes it (tests set 1: their plans mu
 
     from prune.planner.machine import machine_speed
     machine_speed()   # 1.9: this CPU runs the planner's work 1.9x as fast as the reference machine did
+
+A model of another width runs at another FLOP rate on the same CPU: a Llama-3.2-1B-shaped block at about 1.5x
+SmolLM2-135M's, whose scoring gave the rates. :func:`shape_speed` times a block of the model's widths against one
+of the reference widths, in turns, on the threads and batch the run will use; the CPU rates are multiplied by it too.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -75,3 +80,66 @@ def machine_speed() -> float:
     logger.info("this CPU runs the planner's work at %.2fx the reference machine (%d threads)", speed,
                 torch.get_num_threads())
     return speed
+
+
+# the block the reference rates were measured on: SmolLM2-135M's widths (hidden, MLP, heads)
+REFERENCE_BLOCK = (576, 1536, 9)
+SHAPE_ROUNDS = 3  # turns of (reference block, the model's block); the median of their ratios is the factor
+
+
+def _block_forward(hidden: int, intermediate: int, heads: int, sequences: int, seq_len: int) -> Callable[[], int]:
+    """A Llama block of these widths with random float32 weights, as a call running it on a batch; FLOP a call."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    heads = heads if heads and hidden % heads == 0 else 1
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                         num_key_value_heads=heads, num_hidden_layers=1, vocab_size=2, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    config._attn_implementation = "sdpa"
+    generator = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        block = LlamaDecoderLayer(config, 0)
+    block = block.to_empty(device="cpu").eval()
+    with torch.no_grad():
+        for param in block.parameters():
+            param.normal_(0, 0.02, generator=generator)
+    states = torch.randn(sequences, seq_len, hidden, generator=generator)
+    positions = torch.arange(seq_len)[None].expand(sequences, -1)
+    rotary = LlamaRotaryEmbedding(config)(states, positions)
+
+    def run() -> None:
+        with torch.no_grad():
+            block(states, position_embeddings=rotary, attention_mask=None, position_ids=positions)
+
+    flop = 2 * sum(p.numel() for p in block.parameters()) * sequences * seq_len
+    return run, flop
+
+
+@functools.cache
+def shape_speed(hidden: int, intermediate: int, heads: int, sequences: int = 4, seq_len: int = 512) -> float:
+    """The FLOP rate of a block of these widths over the reference widths' (:data:`REFERENCE_BLOCK`) on this CPU now.
+
+    Both blocks run on ``sequences`` x ``seq_len`` tokens (the run's batch; one sequence block by block), in turns,
+    after a warm-up: the machine's own speed cancels out of their ratio. 1 for the reference widths, and where
+    ``$LAYERCUT_MACHINE_SPEED`` fixes the machine (tests: a plan must not depend on the machine's load). A block of
+    8B's widths costs about a second a turn and its 0.9 GB of float32 weights while it runs.
+    """
+    if os.environ.get(SPEED_ENV) or (hidden, intermediate) == REFERENCE_BLOCK[:2]:
+        return 1.0
+    reference, reference_flop = _block_forward(*REFERENCE_BLOCK, 4, seq_len)  # CPU_FLOPS's own batch
+    model, model_flop = _block_forward(hidden, intermediate, heads, sequences, seq_len)
+    reference()
+    model()
+    ratios = []
+    for _ in range(SHAPE_ROUNDS):
+        began = time.perf_counter()
+        reference()
+        middle = time.perf_counter()
+        model()
+        ended = time.perf_counter()
+        ratios.append((model_flop / (ended - middle)) / (reference_flop / (middle - began)))
+    factor = statistics.median(ratios)
+    logger.info("a block of width %d (MLP %d) runs at %.2fx the FLOP rate of the reference widths here", hidden,
+                intermediate, factor)
+    return factor

@@ -53,6 +53,15 @@ CPU_SOURCE = "CPU: 1.22e11 FLOP/s measured (SmolLM2-135M scoring, 482 tokens/s, 
 TRAIN_SHARE = 0.656
 TEACHER_SHARE = 1.455
 GPU_SOURCE = "GPU: 40 % of H100 bf16 peak (989 TFLOP/s, NVIDIA datasheet) = 4.0e14 FLOP/s per GPU"
+# The closed-form work in float64, at the reference machine's speed (fitted on prune.ship's SmolLM2-135M runs,
+# ship.costs): a fit's sums (its regressor's Gram and the cross with its target) and the eigendecompositions that
+# the scores and the least-squares solves go through (prune.measure.least_squares).
+FIT_FLOPS = 3.88e10
+# torch.linalg.eigh of an n x n float64 matrix, in FIT_FLOPS' operations per n^3: 0.13-0.15 ns per n^3 at n = 576 to
+# 4,096 on 2 threads of this machine (2026-12-03, its probe at 0.98-1.02x), 0.19 ns at n = 8,192 (a Llama-3.2-1B
+# shape's fold, 105 s of a 430 s prune.run). Counted as n^3 until then, the fold's solve at the MLP width was most
+# of what the planner missed on the 1B and 8B shapes.
+EIGH_FLOPS = 6.0
 
 
 
@@ -126,7 +135,7 @@ def _rate(inp: PlanInput, quantized: bool | None = None, parallel: int = 1) -> f
     """FLOP/s: the CPU's measured (at this CPU's speed now), or ``parallel`` GPUs' assumed (half for bitsandbytes)."""
     quantized = inp.quant_bits < 16 if quantized is None else quantized
     if not inp.on_gpu:
-        return CPU_FLOPS * machine_speed()
+        return CPU_FLOPS * machine_speed() * inp.shape_speed
     return GPU_FLOPS * parallel * (QUANTIZED_SPEED if quantized else 1.0)
 
 
@@ -153,8 +162,31 @@ def stage_scoring(shape: ModelShape, inp: PlanInput) -> Stage:
     add(devices[compute_devices(inp)[0]], "activations", forward_bytes(shape, inp, tokens))
     _moments(devices, shape, inp)
     flop = inp.calibration_tokens * (_flops(shape, shape.layers) + (2 * shape.layers + 1) * 2 * shape.hidden ** 2)
-    seconds = flop / _rate(inp) + _disk_pass(shape, inp)
+    # every state's centred Gram is decomposed once for the scores (prune.measure.moments.StateMoments.gram_eigh)
+    eighs = (shape.layers + 1) * EIGH_FLOPS * shape.hidden ** 3
+    seconds = flop / _rate(inp) + eighs / fit_rate(inp) + _disk_pass(shape, inp)
     return Stage("scoring", devices, seconds, f"{inp.calibration_tokens:,} tokens")
+
+
+def fit_rate(inp: PlanInput) -> float:
+    """FLOP/s of the float64 closed-form work: :data:`FIT_FLOPS` at this CPU's speed (on GPUs, scaled as theirs).
+
+    Not by the model's widths (``inp.shape_speed``): the decompositions' rate is LAPACK's, not the blocks' GEMMs'.
+    """
+    return FIT_FLOPS * (machine_speed() if not inp.on_gpu else _rate(inp) / CPU_FLOPS)
+
+
+def fit_flops(shape: ModelShape, width: int, tokens: int, rounds: int = 0) -> float:
+    """FLOP of one span's closed-form fit over ``tokens``, as :data:`FIT_FLOPS` counts them: its sums and solves.
+
+    The sums are the Gram of the regressor (``width`` wide: the hidden state, or the MLP's input for a fold) and
+    its cross with the target; the solve decomposes that Gram (:data:`EIGH_FLOPS`); a rotating fit's ``rounds``
+    (``Method.fit_rounds``) each take an SVD of the hidden width and solve against the regressor.
+    """
+    if not width:
+        return 0.0
+    sums = 2 * tokens * (width + shape.hidden) ** 2
+    return sums + EIGH_FLOPS * width ** 3 + rounds * (20 * shape.hidden ** 3 + 4 * width ** 2 * shape.hidden)
 
 
 def _disk_pass(shape: ModelShape, inp: PlanInput) -> float:
@@ -190,9 +222,13 @@ def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
     # (prune.measure.least_squares); a fold's are the MLP width squared (1B shape: 1.6 GB)
     add(devices[first], "solve workspace (float64)", 3 * width ** 2 * 8)
     flop = passes * inp.calibration_tokens * _flops(shape, shape.layers)
+    # the time counts one span's sums and solve: the blocks a score ranks most removable mostly form one run (every
+    # SmolLM2-135M drop of reports/ship-defaults, both shaped runs of reports/scale); each further span adds its own
+    rounds = METHODS[inp.replace].fit_rounds if inp.replace in METHODS else 0
+    solve = fit_flops(shape, width, passes * inp.calibration_tokens, rounds) / fit_rate(inp)
     note = f"{inp.spans} span(s) at most; closed-form sums" + ("" if inp.replace in closed_form_methods() else
                                                                 f" (a trained {inp.replace} counted as one)")
-    return Stage("fitting", devices, flop / _rate(inp) + passes * _disk_pass(shape, inp), note)
+    return Stage("fitting", devices, flop / _rate(inp) + solve + passes * _disk_pass(shape, inp), note)
 
 
 def _fit_width(shape: ModelShape, method: str) -> int:

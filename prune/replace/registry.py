@@ -80,6 +80,8 @@ class Method:
         fit_width: ``(hidden, intermediate) -> int``, the width of what its closed-form fit regresses on (the
             span input's: hidden; a fold's MLP activations: intermediate). The planner sizes the fit's
             float64 sums and, block by block, the activations a span keeps until its output, with it.
+        fit_rounds: the alternating rounds its closed-form fit takes at most with its default options, each an
+            SVD of the hidden width and a solve (fold-rotate's); 0 for a fit solved once. The planner times it.
     """
 
     name: str
@@ -103,6 +105,7 @@ class Method:
     adds_params: Callable[[nn.Module], int] | None = None
     measured_as: Callable[[Any], Any] | None = None  # ReplaceConfig -> ReplaceConfig (config imports this module)
     fit_width: Callable[[int, int], int] = lambda hidden, _intermediate: hidden
+    fit_rounds: int = 0
 
     def __post_init__(self):
         if self.serving not in (VANILLA, LAYERCUT):

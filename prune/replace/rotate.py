@@ -443,5 +443,5 @@ register_method(Method(
     options=RotateOptions, fitter=RotateFitter, check_model=check_rotatable, check_spans=check_foldable,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=_describe, default_for=rotate_default, adds_params=untie_cost,
-    fit_width=lambda hidden, intermediate: hidden + intermediate,
+    fit_width=lambda hidden, intermediate: hidden + intermediate, fit_rounds=RotateOptions().rotate_iterations,
 ))

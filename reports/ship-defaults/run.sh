@@ -25,3 +25,9 @@ HELDOUT="--heldout novel=$D/austen/sensesensibility.txt --heldout news=$D/ptb/pt
   --gguf-type q4_k_m --threads 2 $HELDOUT --out d4)
 mkdir -p reports/ship-defaults/d4
 cp /tmp/ship/d4/README.md /tmp/ship/d4/ship.json /tmp/ship/d4.work/*.json reports/ship-defaults/d4/
+
+# the same run at 55ef709 (repaired-fast from the scoring pass), as d4b
+(cd /tmp/ship && /usr/bin/time -v python -m prune.ship --model smollm2-135m --drop 4 --engine llamacpp \
+  --gguf-type q4_k_m --threads 2 $HELDOUT --out d4b)
+mkdir -p reports/ship-defaults/d4-55ef709
+cp /tmp/ship/d4b/README.md /tmp/ship/d4b/ship.json /tmp/ship/d4b.work/*.json reports/ship-defaults/d4-55ef709/

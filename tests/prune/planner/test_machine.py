@@ -48,3 +48,42 @@ def test_a_gpu_plan_does_not_use_the_cpu_speed(measured):
     measured.setenv(machine.SPEED_ENV, "3")
     gpu = PlanInput(model="m", hardware=Hardware(gpus=1, gpu_memory=80e9, host_memory=64e9))
     assert _rate(gpu) == GPU_FLOPS
+
+
+@pytest.fixture
+def shaped(monkeypatch):
+    """``shape_speed`` measured afresh (the environment fixes it in tests), its cache cleared before and after."""
+    monkeypatch.delenv(machine.SPEED_ENV, raising=False)
+    machine.shape_speed.cache_clear()
+    machine.machine_speed.cache_clear()
+    yield monkeypatch
+    machine.shape_speed.cache_clear()
+    machine.machine_speed.cache_clear()  # measured here: later tests read the environment's 1 again
+
+
+def test_a_model_s_widths_scale_the_cpu_rate_by_their_timed_block_against_the_reference_one(shaped):
+    # a block twice the reference's FLOP rate: its call takes as long for twice the arithmetic
+    timing = {}
+
+    def forward(hidden, intermediate, heads, sequences, seq_len):
+        run, flop = real(hidden, intermediate, heads, sequences, seq_len)
+        timing[hidden] = flop
+        return (lambda: time_sleep(0.002)), (2 * 1e9 if hidden != machine.REFERENCE_BLOCK[0] else 1e9)
+
+    real, time_sleep = machine._block_forward, __import__("time").sleep
+    shaped.setattr(machine, "_block_forward", forward)
+    assert machine.shape_speed(64, 256, 4, 1, 32) == pytest.approx(2.0, rel=0.5)
+    assert set(timing) == {machine.REFERENCE_BLOCK[0], 64}  # both blocks were built, at their widths
+    assert machine.shape_speed(*machine.REFERENCE_BLOCK[:2], 9) == 1.0  # the reference widths: nothing timed
+    assert _rate(PlanInput(model="m", shape_speed=1.5)) == pytest.approx(1.5 * CPU_FLOPS * machine.machine_speed())
+    shaped.setenv(machine.SPEED_ENV, "1")
+    machine.shape_speed.cache_clear()
+    assert machine.shape_speed(64, 256, 4, 1, 32) == 1.0  # fixed machine, fixed rates
+
+
+def test_the_shape_probe_times_real_blocks(shaped):
+    run, flop = machine._block_forward(64, 256, 4, 2, 16)
+    run()
+    assert flop == 2 * (4 * 64 * 64 + 3 * 64 * 256 + 2 * 64) * 2 * 16  # 4 projections, 3 MLP matrices, 2 norms
+    factor = machine.shape_speed(64, 256, 4, 1, 16)
+    assert math.isfinite(factor) and factor > 0

@@ -389,3 +389,19 @@ def test_a_measuring_selection_block_by_block_holds_one_block_and_reads_the_disk
     assert "weights" in in_memory.devices["cpu"] and "weights" not in block_by_block.devices["cpu"]
     assert block_by_block.peak("cpu") < in_memory.peak("cpu") / 3
     assert block_by_block.seconds > in_memory.seconds  # every pass reads the blocks it runs
+
+
+def test_a_fit_counts_its_decomposition_at_its_width_and_only_a_rotating_fit_its_rounds():
+    from types import SimpleNamespace
+
+    from prune.planner.stages import EIGH_FLOPS, fit_flops
+    from prune.replace import METHODS
+
+    assert METHODS["fold"].fit_rounds == 0 and METHODS["fold-rotate"].fit_rounds == 50
+    shape = SimpleNamespace(hidden=2048)
+    # a Llama-3.2-1B fold: the eigendecomposition of the MLP-width Gram took 105 s of a 430 s prune.run
+    # (2026-12-03), which the planner counted as 8192^3 (a sixth of it) before
+    fold = fit_flops(shape, 8192, 8192)
+    assert fold == 2 * 8192 * (8192 + 2048) ** 2 + EIGH_FLOPS * 8192 ** 3 and EIGH_FLOPS >= 5
+    assert fit_flops(shape, 8192, 8192, rounds=50) == fold + 50 * (20 * 2048 ** 3 + 4 * 8192 ** 2 * 2048)
+    assert fit_flops(shape, 0, 8192) == 0.0
