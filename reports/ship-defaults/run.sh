@@ -31,3 +31,17 @@ cp /tmp/ship/d4/README.md /tmp/ship/d4/ship.json /tmp/ship/d4.work/*.json report
   --gguf-type q4_k_m --threads 2 $HELDOUT --out d4b)
 mkdir -p reports/ship-defaults/d4-55ef709
 cp /tmp/ship/d4b/README.md /tmp/ship/d4b/ship.json /tmp/ship/d4b.work/*.json reports/ship-defaults/d4-55ef709/
+
+# drop 8 at 55ef709, as reports/ship-fast's r8 and h8 (h8b heals the default 100 steps), each from a cache holding
+# only SmolLM2-135M's converted checkpoint (/tmp/cache0)
+for run in r8b h8b; do
+  case $run in
+    r8b) flags="--drop 8 --samples 32 --heal-steps 0"; cache=/tmp/cacheR8 ;;
+    h8b) flags="--drop 8 --samples 32"; cache=/tmp/cacheH8 ;;
+  esac
+  rm -rf $cache; cp -r /tmp/cache0 $cache
+  (cd /tmp/ship && LAYERCUT_CACHE=$cache /usr/bin/time -v python -m prune.ship --model smollm2-135m $flags \
+    --engine llamacpp --gguf-type q4_k_m --threads 2 $HELDOUT --out $run)
+  mkdir -p reports/ship-defaults/${run%b}-55ef709
+  cp /tmp/ship/$run/README.md /tmp/ship/$run.work/*.json reports/ship-defaults/${run%b}-55ef709/
+done
