@@ -38,7 +38,7 @@ from prune.planner.inputs import PlanInput
 from prune.planner.machine import machine_speed
 from prune.planner.memory import weight_bytes
 from prune.planner.shape import ModelShape
-from prune.planner.stages import EIGH_FLOPS, _flops, _rate, fit_flops, fit_rate
+from prune.planner.stages import _flops, _rate, fit_flops, fit_rate, score_decompositions
 
 # what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
 SCORING_SHARE = 1.145  # the scoring pass, every state's Gram and every pair's cosines (32 s for 16,384 tokens)
@@ -109,20 +109,19 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     if work.self_rows:
         steps = math.ceil(work.self_rows / 8) * inp.seq_len
         sampling = steps * weight_bytes(shape, inp, layers) / (SAMPLE_BYTES_PER_S * cpu)
-    rounds = dict(zip(range(len(work.repairs)), work.rounds, strict=False))
-    fits = sum(fit_flops(shape, width, tokens - measure, rounds.get(i, 0))
-               for i, width in enumerate(work.repairs)) * work.sets * work.spans
+    fitted = list(zip(work.repairs, work.rounds or (0,) * len(work.repairs), strict=True))  # (width, rounds)
+    fits = sum(fit_flops(shape, width, tokens - measure, rounds) for width, rounds in fitted) * work.sets * work.spans
     shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
-                 + (layers + 1) * EIGH_FLOPS * shape.hidden ** 3 / fits_rate  # the scores' decompositions
+                 + score_decompositions(shape) / fits_rate
                  + measure * moments / 2 / (rate * SCORING_SHARE)  # the measuring rows' statistics kept apart
                  + passes(tokens - measure, layers, CAPTURE_SHARE)
                  + fits / fits_rate
                  + passes(measure * (len(work.repairs) + 1), layers, LOGITS_SHARE, head=True)
                  + passes(measure * work.sets * (len(work.repairs) + 1), layers / 2, LOGITS_SHARE, head=True))
     checkpoint = weight_bytes(shape, inp, kept)
-    # the widest repair stands for the one chosen: the dearest fit, as the build reads it
-    chosen = max(range(len(work.repairs)), key=work.repairs.__getitem__, default=None)
-    chosen_fit = 0.0 if chosen is None else fit_flops(shape, work.repairs[chosen], tokens, rounds.get(chosen, 0))
+    # the widest repair stands for the one chosen, as the build fits it over every row
+    chosen = max(fitted, default=(0, 0))  # (width, rounds); width 0: no fit
+    chosen_fit = fit_flops(shape, chosen[0], tokens, chosen[1])
     # the chosen set's spans (one, where it is contiguous), its capture pass stopping after the last of them (three
     # quarters of the way on average), then prune.run's held-out perplexity of the original and of the checkpoint
     build = (passes(tokens, 0.75 * layers, CAPTURE_SHARE) + chosen_fit / fits_rate

@@ -162,10 +162,16 @@ def stage_scoring(shape: ModelShape, inp: PlanInput) -> Stage:
     add(devices[compute_devices(inp)[0]], "activations", forward_bytes(shape, inp, tokens))
     _moments(devices, shape, inp)
     flop = inp.calibration_tokens * (_flops(shape, shape.layers) + (2 * shape.layers + 1) * 2 * shape.hidden ** 2)
-    # every state's centred Gram is decomposed once for the scores (prune.measure.moments.StateMoments.gram_eigh)
-    eighs = (shape.layers + 1) * EIGH_FLOPS * shape.hidden ** 3
-    seconds = flop / _rate(inp) + eighs / fit_rate(inp) + _disk_pass(shape, inp)
+    seconds = flop / _rate(inp) + score_decompositions(shape) / fit_rate(inp) + _disk_pass(shape, inp)
     return Stage("scoring", devices, seconds, f"{inp.calibration_tokens:,} tokens")
+
+
+def score_decompositions(shape: ModelShape) -> float:
+    """FLOP of the scores' decompositions, as :data:`FIT_FLOPS` counts them: every state's centred Gram, once.
+
+    (``prune.measure.moments.StateMoments.gram_eigh``.)
+    """
+    return (shape.layers + 1) * EIGH_FLOPS * shape.hidden ** 3
 
 
 def fit_rate(inp: PlanInput) -> float:

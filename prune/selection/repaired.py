@@ -115,8 +115,7 @@ def _split_moments(moments: StateMoments | None, token_ids: torch.Tensor,
     :func:`split_rows` serve; anything else (another calibration, sub-layer states) is measured afresh.
     """
     held = getattr(moments, "held", None)
-    if held is None or held.token_ids is not token_ids and not (
-            held.token_ids.shape == token_ids.shape and torch.equal(held.token_ids, token_ids)):
+    if held is None or not torch.equal(held.token_ids, token_ids):
         return None
     if held.rows != tuple(measuring_rows(token_ids)) or moments.num_states != blocks + 1 or any(
             (b, b + 1) not in moments.cross for b in range(blocks)):
