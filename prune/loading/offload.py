@@ -125,7 +125,9 @@ def write_offloaded(model: nn.Module, folder: Path) -> None:
 
     Each block's tensors are read under the index the block had in the source and written under its
     index now, with the changes repairs made to it (:func:`rewrite_tensors`); everything else keeps its
-    name. Shards of about :data:`SHARD_BYTES` and their index, as ``save_pretrained`` writes them.
+    name and is written from memory, where the skeleton holds it (as loaded, or as a repair changed it:
+    fold-rotate's turned embedding, the LM head it unties). Shards of about :data:`SHARD_BYTES` and their
+    index, as ``save_pretrained`` writes them.
     """
     from safetensors.torch import save_file
 
@@ -145,8 +147,9 @@ def write_offloaded(model: nn.Module, folder: Path) -> None:
         if len(shards) > 1 else ["model.safetensors"]
     for file, shard in zip(files, shards, strict=True):
         # contiguous copies: a tensor read from a file may share storage with nothing else
-        read = blocks.read_many(list(shard.values()), device="cpu")  # a shard goes to disk, never to the GPU
-        save_file({t: read[s].contiguous() for t, s in shard.items()}, folder / file, metadata={"format": "pt"})
+        read = blocks.read_many([s for t, s in shard.items() if tensors[t].is_meta], device="cpu")  # never the GPU
+        save_file({t: (read[s] if tensors[t].is_meta else tensors[t].detach().cpu()).contiguous()
+                   for t, s in shard.items()}, folder / file, metadata={"format": "pt"})
     if len(files) > 1:
         index = {"metadata": {}, "weight_map": {t: f for f, shard in zip(files, shards, strict=True) for t in shard}}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")

@@ -20,6 +20,9 @@ What it costs and where it stops:
 - It is exact but for each norm's epsilon, which sees ``s^2`` times the mean square: a relative change of
   ``eps (1 - 1/s^2) / (2 ms(x))`` in that norm's output, about 1e-7 for a 1e-5 epsilon on a stream of mean
   square 10.
+- Block by block (``--offload sequential``) the change of basis is registered against each block's tensors
+  and applied wherever they are read next, the export's copy included; the embedding (and a head it unties)
+  stay in memory there and are written from it.
 - Only RMSNorm blocks whose gain multiplies the normalised stream (the Llama family) can take it: a LayerNorm
   subtracts the mean, which a rotation does not keep, and sandwich norms (Gemma-2/3) normalise the MLP's write
   itself, so neither ``W'`` nor the rotation folds there.
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 
 from prune.errors import LayercutError
+from prune.loading.offload import current_tensor, rewrite_tensors, streamed
 from prune.measure.moments import PairMoments
 from prune.model.adapters import arch_spec, get_blocks, get_submodule, hidden_size, input_device
 from prune.model.layouts import VANILLA
@@ -76,14 +80,20 @@ class BlockRoles:
     writers: list[nn.Linear]
 
 
-def stream_roles(model: nn.Module) -> list[BlockRoles]:
-    """Each block's stream readers and writers, found by one forward pass of two tokens.
+class _Seen(Exception):
+    """Ends :func:`stream_roles`' pass once the last block it asks about has run."""
+
+
+def stream_roles(model: nn.Module, upto: int | None = None) -> list[BlockRoles]:
+    """The stream readers and writers of blocks ``0..upto-1`` (every block: None), found by a pass of two tokens.
 
     A reader is a linear layer fed the very tensor a norm returned; a writer is any other linear layer of the
     block whose output has the stream's width. Raises a one-line error where the block is not of the form
-    ``x + W_o f(norm(x) W_in)`` the change of basis needs.
+    ``x + W_o f(norm(x) W_in)`` the change of basis needs. The pass stops after block ``upto - 1``: a skeleton
+    (``--offload sequential``) reads no block behind the last cut.
     """
     _, blocks = get_blocks(model)
+    blocks = list(blocks)[:upto]
     width = hidden_size(model)
     spec = arch_spec(model)
     outputs: dict[int, nn.Module] = {}  # id(tensor a norm returned) -> that norm
@@ -102,9 +112,15 @@ def stream_roles(model: nn.Module) -> list[BlockRoles]:
         for module in block.modules():
             if isinstance(module, nn.Linear):
                 handles.append(module.register_forward_pre_hook(partial(_note_input, fed)))
+    def stop(_module, _args, _output):
+        raise _Seen
+
+    handles.append(blocks[-1].register_forward_hook(stop))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), streamed(model):
             model(input_ids=torch.tensor([[1, 2]], device=input_device(model)), use_cache=False)
+    except _Seen:
+        pass
     finally:
         for handle in handles:
             handle.remove()
@@ -261,7 +277,6 @@ class BasisFold:
 
     def apply(self) -> Callable[[], None]:
         """Write the cut into the weights; the returned function puts the old ones back."""
-        saved: list[tuple[nn.Parameter, torch.Tensor]] = []
         model = self.model
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
         untied = head is not None and head.weight is embed.weight
@@ -272,34 +287,49 @@ class BasisFold:
             logger.info("fold-rotate unties the LM head from the embedding: +%d parameters",
                         embed.weight.numel())
 
-        def put(param: nn.Parameter, value: torch.Tensor) -> None:
-            saved.append((param, param.data))
-            param.data = value.to(dtype=param.dtype, device=param.device).contiguous()
+        undos: list[Callable[[], None]] = []
+
+        def put(module: nn.Module, attr: str, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+            """``module.attr`` becomes ``change(itself)``, computed in float64 and cast back.
+
+            A skeleton's block holds no weights (``--offload sequential``): the change is what every later
+            read of the tensor returns, the export's included (``rewrite_tensors``), as ``fold``'s patch.
+            """
+            param = getattr(module, attr)
+
+            def changed(old: torch.Tensor) -> torch.Tensor:
+                return change(old.detach().double()).to(dtype=old.dtype, device=old.device).contiguous()
+
+            if param.is_meta:
+                undos.append(rewrite_tensors([(module, attr, changed)]))
+                return
+            old = param.data
+            param.data = changed(old)
+            undos.append(partial(setattr, param, "data", old))
 
         scale, rotation = self.fit.scale, self.fit.rotation
-        own = self.projection.weight  # [d, intermediate]: y = z own^T
-        put(own, self.fit.weight.T)
+        weight = self.fit.weight.T  # [d, intermediate]: y = z W'^T, the host's new MLP write
+        put(self.projection, "weight", lambda _old: weight)
         mapped = {self.projection}  # p's new write is already in the basis after the cut
         for index, roles in enumerate(self.roles[: self.host + 1]):
             for norm, readers in roles.readers:
-                gain = norm.weight.detach().double()
+                # read now, as earlier cuts left it: the readers take it before the norm's own gain is ones
+                gain = current_tensor(norm, "weight").detach().double()
                 for reader in readers:
                     # norm(s x Q) = norm(x) Q: a reader of the turned stream reads W_in (g) Q
-                    put(reader.weight, (reader.weight.detach().double() * gain.to(reader.weight.device))
-                        @ rotation.to(reader.weight.device))
-                put(norm.weight, torch.ones_like(norm.weight))
+                    put(reader, "weight", lambda old, gain=gain: (old * gain.to(old.device)) @ rotation.to(old.device))
+                put(norm, "weight", torch.ones_like)
             for writer in roles.writers:
                 if index == self.host and writer in mapped:
                     continue
-                q = rotation.to(writer.weight.device)
-                put(writer.weight, scale * q.T @ writer.weight.detach().double())
+                put(writer, "weight", lambda old: scale * rotation.to(old.device).T @ old)
                 if writer.bias is not None:
-                    put(writer.bias, scale * writer.bias.detach().double() @ q)
-        put(embed.weight, scale * embed.weight.detach().double() @ rotation.to(embed.weight.device))
+                    put(writer, "bias", lambda old: scale * old @ rotation.to(old.device))
+        put(embed, "weight", lambda old: scale * old @ rotation.to(old.device))
 
         def undo() -> None:
-            for param, value in reversed(saved):
-                param.data = value
+            for step in reversed(undos):
+                step()
             if untied:
                 head.weight = embed.weight
                 _set_tied(model, True)
@@ -366,7 +396,7 @@ class RotateFitter(SpanFitter):
         self.where = "fold"
         self.projection = mlp_output_projection(self.model, self.original[self.host])
         self.moments = PairAccumulator()
-        self.roles = _roles_of(self.model, self.original)
+        self.roles = _roles_of(self.model, self.original, self.host + 1)
 
     def hook_inputs(self, recorder: Recorder) -> None:
         """Also capture the projection's input z and output m."""
@@ -384,7 +414,7 @@ class RotateFitter(SpanFitter):
         n = self.moments.n
         options = self.config.options
         fit = fit_rotation(uncentred(self.moments.moments()), self.dim, options.ridge, options.rotate_iterations)
-        own = self.projection.weight.detach().double().T
+        own = current_tensor(self.projection, "weight").detach().double().T  # a skeleton's: read from its checkpoint
         shared = share_of(fit, own, options.update_scale)
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         unties = head is not None and head.weight is embed.weight
@@ -400,14 +430,16 @@ class RotateFitter(SpanFitter):
             "unties_head": unties, "head_params_added": embed.weight.numel() if unties else 0})
 
 
-# model -> (its blocks, their roles): one forward pass serves every span fitted on the same blocks
+# model -> (its blocks, the roles of the first ones): one pass serves every span fitted on the same blocks
 _ROLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _roles_of(model: nn.Module, blocks: Sequence[nn.Module]) -> list[BlockRoles]:
+def _roles_of(model: nn.Module, blocks: Sequence[nn.Module], upto: int) -> list[BlockRoles]:
+    """The roles of ``blocks[:upto]`` (the blocks up to a cut's host: all its change of basis turns)."""
     known = _ROLES.get(model)
-    if known is None or len(known[0]) != len(blocks) or any(a is not b for a, b in zip(known[0], blocks, strict=True)):
-        known = (list(blocks), stream_roles(model))
+    if (known is None or len(known[0]) != len(blocks) or any(a is not b for a, b in zip(known[0], blocks, strict=True))
+            or len(known[1]) < upto):
+        known = (list(blocks), stream_roles(model, upto))
         _ROLES[model] = known
     return known[1]
 
@@ -437,9 +469,8 @@ def _describe(record: dict) -> str:
 
 register_method(Method(
     "fold-rotate", "the map's scale and rotation as a change of basis upstream of the cut, the rest folded into "
-    "the previous block's MLP (plain checkpoint; unties a tied head)", serving=VANILLA,
-    blockwise_refusal="rewrites every weight before the cut, the embedding's included (a change of basis of the "
-    "residual stream)", closed_form=True,
+    "the previous block's MLP (plain checkpoint; unties a tied head)", serving=VANILLA, closed_form=True,
+    offloadable=True,  # a skeleton's blocks take the change of basis as they are read (rewrite_tensors)
     options=RotateOptions, fitter=RotateFitter, check_model=check_rotatable, check_spans=check_foldable,
     trained_module=lambda model, block, _record: mlp_output_projection(model, block),
     describe=_describe, default_for=rotate_default, adds_params=untie_cost,

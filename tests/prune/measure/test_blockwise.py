@@ -57,7 +57,7 @@ def test_a_skeleton_scores_as_the_loaded_model(model_type, tmp_path, one_thread)
     assert all(p.is_meta for p in get_blocks(skeleton)[1].parameters())
 
 
-REPAIRS_OFFLOADED = ("fold", "magcomp", "cosine", "local", "lowrank", "linearpatch")
+REPAIRS_OFFLOADED = ("fold", "fold-rotate", "magcomp", "cosine", "local", "lowrank", "linearpatch")
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +227,6 @@ def test_skeleton_keeps_one_block_in_memory_at_a_time(tmp_path, one_thread):
 
 @pytest.mark.parametrize(("flags", "named"), [
     (["--replace", "linear", "--fit", "sequential"], "original model's states"),
-    (["--replace", "fold-rotate"], "change of basis"),
     (["--replace", "block"], "new block"),
     (["--distill-steps", "5"], "--distill-steps"),
     (["--unit", "mlp"], "--unit"),
@@ -296,3 +295,46 @@ def test_a_skeleton_fit_runs_no_block_behind_its_last_span(tmp_path, one_thread)
                                     if not next(module.parameters()).is_meta else None)
     fit_replacements(skeleton, [1], IDS, ReplaceConfig(method="fold", progress=False))
     assert len(blocks) > 2 and sorted(set(ran)) == [0, 1]
+
+
+def test_fold_rotate_on_a_skeleton_writes_the_in_memory_checkpoint_tied_head_included(tmp_path, one_thread):
+    """Two composed cuts of fold-rotate on a tied model: the change of basis reaches every block before each cut
+    and the embedding; the skeleton's export (its head untied from memory) gives the in-memory checkpoint's logits,
+    and finding the blocks' roles read no block behind the last cut's host."""
+    from transformers import AutoModelForCausalLM
+
+    from prune.loading.offload import write_offloaded
+    from prune.replace import ReplaceConfig, fit_replacements, install_replacements_
+    from prune.replace.rotate import stream_roles
+
+    model = make_tiny_model("llama", tie_word_embeddings=True, num_hidden_layers=7)
+    model.save_pretrained(tmp_path / "source")
+    make_tiny_tokenizer().save_pretrained(tmp_path / "source")
+    skeleton = load_offloaded(str(tmp_path / "source"), dtype="float32").model
+    _, blocks = get_blocks(skeleton)
+    ran = []
+    handles = [block.register_forward_hook(lambda module, *_, index=index: ran.append(index)
+                                           if not next(module.parameters()).is_meta else None)
+               for index, block in enumerate(blocks)]
+    assert len(stream_roles(skeleton, upto=4)) == 4 and sorted(set(ran)) == [0, 1, 2, 3]
+    for handle in handles:
+        handle.remove()
+    config = ReplaceConfig(method="fold-rotate", progress=False)
+    for target in (model, skeleton):
+        install_replacements_(target, fit_replacements(target, [2, 4], IDS, config))
+        assert not target.config.tie_word_embeddings
+    model.save_pretrained(tmp_path / "memory")
+    (tmp_path / "skeleton").mkdir()
+    write_offloaded(skeleton, tmp_path / "skeleton")
+    logits = {}
+    for out in ("memory", "skeleton"):
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / out).eval()
+        assert reloaded.config.num_hidden_layers == 5
+        assert reloaded.lm_head.weight.data_ptr() != reloaded.model.embed_tokens.weight.data_ptr()
+        with torch.no_grad():
+            logits[out] = reloaded(IDS[:2]).logits
+    assert (logits["memory"] - model(IDS[:2]).logits).abs().max() < 1e-6
+    torch.testing.assert_close(logits["skeleton"], logits["memory"], rtol=0, atol=1e-5)
+    with torch.no_grad():
+        unrepaired = AutoModelForCausalLM.from_pretrained(tmp_path / "source").eval()(IDS[:2]).logits
+    assert (unrepaired[..., :5] - logits["memory"][..., :5]).abs().max() > 1e-3  # (a different model: sanity)

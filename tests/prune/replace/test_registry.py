@@ -224,7 +224,7 @@ def test_capabilities_are_declared_where_each_method_registers():
 
     # the lists --plan and --offload sequential used to keep by hand, now read from the registrations
     assert set(closed_form_methods()) == {"linear", "fold", "fold-rotate", "cosine", "linearpatch", "magcomp"}
-    assert set(offloadable_methods()) == set(METHODS) - {"block", "fold-rotate"}
+    assert set(offloadable_methods()) == set(METHODS) - {"block"}
     assert {name for name, method in METHODS.items() if method.serving == LAYERCUT} == {"linear", "lowrank",
                                                                                       "linearpatch"}
     for method in METHODS.values():
@@ -247,7 +247,15 @@ def test_the_default_repair_is_the_best_servable_one_the_layout_takes(model_type
 
 def test_a_skeleton_defaults_to_the_best_repair_it_can_run_block_by_block():
     from prune.replace.registry import default_method
+    from prune.replace.rotate import RotateFitter, RotateOptions
 
     untied = make_tiny_model("llama", tie_word_embeddings=False)
-    assert default_method(untied) == "fold-rotate"  # in memory
-    assert default_method(untied, offloaded=True) == "fold"  # fold-rotate rewrites every block: not block by block
+    assert default_method(untied) == default_method(untied, offloaded=True) == "fold-rotate"  # both ways
+    # a method that cannot run block by block does not compete there, however it ranks in memory
+    register_method(Method("rotate-in-memory-only", "test only", serving="vanilla", options=RotateOptions,
+                           fitter=RotateFitter, default_for=lambda _model: 9, blockwise_refusal="is a test"))
+    try:
+        assert default_method(untied) == "rotate-in-memory-only"
+        assert default_method(untied, offloaded=True) == "fold-rotate"
+    finally:
+        unregister_method("rotate-in-memory-only")
