@@ -233,7 +233,8 @@ def _speed_words(speed: dict, before: int, after: int) -> str:
     ideal = before / after
     ratios = speed.get("ratios") or []
     if not ratios:
-        return f"No speed figures (the ideal decode speed-up is L/(L-k) = {ideal:.3f}x)."
+        why = f", {speed['skipped']}" if speed.get("skipped") else ""
+        return f"No speed figures{why} (the ideal decode speed-up is L/(L-k) = {ideal:.3f}x)."
     r = ratios[0]
     repeats = speed.get("options", {}).get("repeats", "")
     return (f"{repeats} timed rounds: prefill x{r['prefill']:.3f}, decode x{r['decode']:.3f} (ratio of median "

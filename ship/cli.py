@@ -4,6 +4,8 @@
     python -m prune.ship --model smollm2-135m --target-speedup 1.25 --engine vllm --time-budget 30m --out slim/
     python -m prune.ship --model gemma3-270m --drop 4 --engine transformers --heldout wiki.txt --out gemma-slim/
     python -m prune.ship --model smollm2-135m --drop 8 --device cuda --processes 2 --out slim8/   # heal on 2 GPUs
+    python -m prune.ship --model meta-llama/Meta-Llama-3-70B --offload sequential --data builtin --drop 20 \
+        --dtype bfloat16 --device cuda --out slim70/   # one block in memory at a time; not healed
 
 Plans (refuses what cannot fit, in one line), scores every block once, shortlists block sets x servable repairs,
 measures each on calibration rows no fit saw (KL from the original and perplexity), builds the best one as
@@ -37,7 +39,7 @@ from ship.shipper import Shipper, remove_work
 def build_parser() -> argparse.ArgumentParser:
     """The ``prune.ship`` argument parser."""
     parser = CommandParser(prog="python -m prune.ship", description=__doc__.split("\n")[0])
-    add_load_arguments(parser)
+    add_load_arguments(parser, offload=True)
     add_data_arguments(parser, samples=64, seq_len=512, heldout_samples=8)
     group = parser.add_argument_group("budget (one of)")
     group.add_argument("--drop", default=None, help="blocks to remove: a count (4) or a share (25%%)")

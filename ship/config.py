@@ -141,9 +141,6 @@ class ShipConfig:
             raise LayercutError("prune.ship needs a budget: pass --drop K, --target-speedup X or --target-params N")
         if self.prune.unit != "block":
             raise LayercutError("prune.ship removes whole blocks: drop --unit")
-        if self.prune.load.offload != "none":
-            raise LayercutError("prune.ship measures candidates with the whole model in memory: drop --offload "
-                                "(block by block: python -m prune.run --offload sequential)")
         if self.time_budget is not None and not (math.isfinite(self.time_budget) and self.time_budget > 0):
             raise LayercutError(f"--time-budget must be a positive, finite duration, got {self.time_budget!r}")
         for spec in self.heldout:  # else a missing file is found by the verify stage, after the shortlist and build

@@ -88,6 +88,9 @@ def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageRe
     steps = config.heal_steps
     if not steps:
         return 0, "--heal-steps 0"
+    if config.prune.load.offload != "none":
+        return 0, (f"--offload {config.prune.load.offload}: the heal trains the whole checkpoint in memory (heal it "
+                   "on a larger machine with python -m distill.run)")
     budget = config.time_budget
     if budget is None:
         return steps, f"--heal-steps {steps}"

@@ -21,6 +21,7 @@ from prune.checkpoint.report import REPORT_FILE, read_report
 from prune.checkpoint.write import portable
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
+from prune.model.adapters import is_offloaded
 from prune.pipeline.runner import Scored, score_calibration
 from ship.build import Built, build, chosen_config
 from ship.card import CARD, ship_card
@@ -158,13 +159,22 @@ class Shipper:
             self.loaded = self.config.prune.load.load()
         return self.loaded
 
+    def _score(self, loaded: LoadedModel) -> Scored:
+        """The scoring pass, the measuring rows' statistics kept apart (repaired-fast then needs no pass of its own).
+
+        Block by block: the adjacent pairs' cosines alone (a skeleton's pass holds two states at a time; the
+        shortlist's selections read no other) and no rows apart (repaired-fast takes its own passes).
+        """
+        if is_offloaded(loaded.model):
+            return score_calibration(loaded, self.config.prune, cosine_pairs="adjacent")
+        return score_calibration(loaded, self.config.prune, cosine_pairs="all", measuring_apart=True)
+
     def shortlist(self, plan: Plan) -> Shortlist:
         """Score once, then measure every candidate (:func:`ship.shortlist.make_shortlist`)."""
         config = self.config.prune
         loaded = self._load()
         self.say("scoring every block (one pass)")
-        # the measuring rows' statistics kept apart: repaired-fast's candidates need no pass of their own
-        self.scored = score_calibration(loaded, config, cosine_pairs="all", measuring_apart=True)
+        self.scored = self._score(loaded)
         calibration = self.scored.calibration
         self._keep_calibration(calibration.token_ids)
         if calibration.heldout_ids is not None and not self.config.heldout:
@@ -181,7 +191,7 @@ class Shipper:
         """``checkpoint/``: prune.run's checkpoint of the chosen candidate."""
         self.say(f"building {shortlist.best.describe()}")
         if self.scored is None:  # a resumed run: the shortlist's own pass again, so the fits read the same sums
-            self.scored = score_calibration(self._load(), self.config.prune, cosine_pairs="all", measuring_apart=True)
+            self.scored = self._score(self._load())
         done = build(self.config.prune, shortlist, self.work / CHECKPOINT, self.loaded, self.scored)
         self.loaded = None  # surgered in place: not the original any more
         return done

@@ -21,6 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from prune.errors import LayercutError
+from prune.loading.offload import streamed
 from prune.measure.scores import SCORES
 from prune.model.adapters import get_blocks
 from prune.pipeline.config import PruneConfig
@@ -150,7 +151,9 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
     target = config.resolve(model).target_params
     repairs = [(name, applicable(name, model)) for name in servable_repairs()]
     candidates = _candidates(scored, model, base, amounts, [name for name, why in repairs if why is None])
-    with shared_references(scored.memo):  # the original runs once over the measuring rows, for every repair
+    # the original runs once over the measuring rows, for every repair; a skeleton's whole passes (the measures)
+    # read each block as it is called
+    with shared_references(scored.memo), streamed(model):
         return _measured(scored, model, config, count, candidates, repairs, dense, target, deadline, elapsed,
                          progress)
 

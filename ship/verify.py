@@ -56,7 +56,7 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
     serving = ServingCheck(models=tuple(models), texts=texts, tokenizer=load.model, seq_len=data.seq_len,
                            tokens=tokens, threads=config.threads, converter=config.converter,
                            kept=(ORIGINAL,),  # the original's rows are the same in every run of it: kept in the cache
-                           dtype=load.dtype, device=load.device)
+                           dtype=load.dtype, device=load.device, offload=load.offload)
     domains = _kept(folder / "serving.json", lambda: run_in_child(serving, folder / "serving.log"),
                     lambda: say(f"verifying: {len(texts)} held-out text(s), the original and the checkpoint in "
                                 f"transformers" + (f", {served.name} in {config.engine}"
@@ -64,9 +64,15 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
     speed = SpeedCheck(baseline=config.prune.load.model, model=str(served), engine=config.engine,
                        repeats=config.speed_repeats, prompt_len=config.prompt_len, new_tokens=config.new_tokens,
                        threads=config.threads, converter=config.converter, dtype=load.dtype, device=load.device)
-    timed = _kept(folder / "speed.json", lambda: run_in_child(speed, folder / "speed.log"),
-                  lambda: say(f"verifying: the speed of {served.name} against {config.prune.load.model} in "
-                              f"{config.engine}"))
+    if config.engine == REFERENCE and load.offload != "none":
+        # transformers would time its reads of every block from the checkpoint, not the model: none is served so
+        say(f"verifying: no speed check: --offload {load.offload} reads each block from disk in transformers (time "
+            "it in a serving engine: --engine llamacpp or vllm)")
+        timed = {"skipped": f"--offload {load.offload} in transformers"}
+    else:
+        timed = _kept(folder / "speed.json", lambda: run_in_child(speed, folder / "speed.log"),
+                      lambda: say(f"verifying: the speed of {served.name} against {config.prune.load.model} in "
+                                  f"{config.engine}"))
     files = {SHIPPED: served.relative_to(checkpoint).as_posix() if served != checkpoint else ".",
              "engine": config.engine, "gguf_type": config.gguf_type if config.gguf else None}
     return Verified(domains=domains, speed=timed, heldout=[portable(text) for _, text in texts], files=files)

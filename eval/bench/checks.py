@@ -45,6 +45,8 @@ class ServingCheck:
         kept: labels of ``models`` whose rows are kept in the cache and read from it (:func:`kept_row_path`).
         dtype: the dtype the models are loaded in (``LoadConfig.dtype``; vLLM takes it too, llama.cpp its file's).
         device: where transformers runs them (``LoadConfig.device``: cpu, cuda, cuda:N, auto).
+        offload: how transformers holds them (``LoadConfig.offload``; "sequential": a skeleton whose passes read
+            one block at a time, for models larger than memory; the same figures).
     """
 
     models: tuple[tuple[str, str, str], ...]
@@ -58,6 +60,7 @@ class ServingCheck:
     kept: tuple[str, ...] = ()
     dtype: str = "auto"
     device: str = "cpu"
+    offload: str = "none"
 
     def run(self) -> dict:
         """{text label: {"setup": ..., "rows": {model label: {engine: row}}}} (``eval.bench serving``'s rows)."""
@@ -67,7 +70,8 @@ class ServingCheck:
 
         windows = {label: windows_of(held_out_ids(text, self.tokenizer), self.seq_len, self.tokens)
                    for label, text in self.texts}
-        settings = EngineSettings.build(load=LoadConfig(dtype=self.dtype, device=self.device), threads=self.threads,
+        settings = EngineSettings.build(load=LoadConfig(dtype=self.dtype, device=self.device, offload=self.offload),
+                                        threads=self.threads,
                                         context=self.seq_len,
                                         **({"converter": self.converter} if self.converter else {}))
         result = {label: {"setup": serving_setup(text, self.seq_len, windows[label]), "rows": {}}

@@ -357,7 +357,8 @@ class HostedRotation:
         """Hook the host; the returned function takes the hooks and ``W'`` back out."""
         written: dict[str, torch.Tensor] = {}
         weight = self.projection.weight
-        unwrite = WeightPatch(self.projection, self.fit.weight.T.to(dtype=weight.dtype, device=weight.device)
+        device = self.fit.weight.device if weight.is_meta else weight.device  # a skeleton's: read where it runs
+        unwrite = WeightPatch(self.projection, self.fit.weight.T.to(dtype=weight.dtype, device=device)
                               .contiguous()).apply()
 
         def seen(_module, _args, output):

@@ -175,6 +175,39 @@ def test_a_repair_that_unties_a_tied_head_is_not_a_candidate_when_it_makes_the_m
     assert shortlist["candidates"][shortlist["chosen"]]["repair"] != "fold-rotate"
 
 
+def test_a_skeleton_ships_the_in_memory_pick_and_checkpoint_and_says_what_it_skipped(tmp_path, text_file, capsys,
+                                                                                        one_thread):
+    """``--offload sequential``: the same candidates, KLs and pick as in memory, the same tensors to 1e-6 (the
+    default repair of an untied head, fold-rotate, among them), verified in transformers one block at a time;
+    the heal and the speed check, which need the whole model in memory, are skipped and the card says why."""
+    folder = tmp_path / "untied"
+    make_tiny_model("llama", tie_word_embeddings=False, num_hidden_layers=6).save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    found = {}
+    for offload in ("none", "sequential"):
+        out = tmp_path / offload
+        code, stdout, err = ship(capsys, *base_args(folder, text_file), "--heal-steps", "5", "--prompt-len", "16",
+                                 "--new-tokens", "4", "--repeats", "1", "--offload", offload, "--out", out)
+        assert code == 0, err
+        # the built checkpoint: kept in the work folder where a heal shipped, else shipped itself
+        built = next(f for f in (tmp_path / f"{offload}.work" / "checkpoint" / "model.safetensors",
+                                 out / "model.safetensors") if f.is_file())
+        found[offload] = (json.loads((out / "ship.json").read_text()), load_file(built),
+                          (out / "README.md").read_text(), stdout)
+    (memory, weights, card, _), (skeleton, streamed, streamed_card, said) = found["none"], found["sequential"]
+    listed = [(c["blocks"], c["repair"], c["kl"]) for c in memory["shortlist"]["candidates"]]
+    assert [(b, r) for b, r, _ in listed] == [(c["blocks"], c["repair"]) for c in skeleton["shortlist"]["candidates"]]
+    for (_, _, kl), other in zip(listed, skeleton["shortlist"]["candidates"], strict=True):
+        assert (kl is None) == (other["kl"] is None) and (kl is None or math.isclose(kl, other["kl"], rel_tol=1e-4))
+    assert memory["shortlist"]["chosen"] == skeleton["shortlist"]["chosen"]
+    assert "fold-rotate" in {r for _, r, _ in listed}
+    assert weights.keys() == streamed.keys()
+    assert max(float((weights[k] - streamed[k]).abs().max()) for k in weights) <= 1e-6
+    assert "Not healed: --offload sequential" in streamed_card and "Not healed" not in card
+    assert "no speed check" in said and "No speed figures, --offload sequential" in streamed_card
+    assert "| calibration held-out rows |" in streamed_card  # the perplexities, measured on the skeletons
+
+
 @pytest.mark.parametrize(("extra", "words"), [
     (["--time-budget", "1s"], "--time-budget 1s: the planner gives"),
     (["--time-budget", "soon"], "give a duration such as 30m"),

@@ -23,6 +23,7 @@ from eval.speed.engines.base import (
 )
 from eval.speed.peak_memory import weights_bytes
 from eval.speed.timing import greedy_decode, time_decode, time_prefill
+from prune.loading.offload import streamed
 from prune.measure.perplexity import Window, stream_nll
 from prune.model.adapters import input_device, max_positions
 from prune.model.layouts import VANILLA
@@ -61,14 +62,19 @@ class TransformersEngine(Engine):
         return time_decode(handle.model, torch.as_tensor(prompt_ids).reshape(-1, prompt_ids.shape[-1]), new_tokens)
 
     def greedy(self, handle: EngineModel, prompt_ids, new_tokens: int) -> list[int]:
-        """``eval.speed.timing.greedy_decode``'s ids: argmax steps on the KV cache."""
+        """``eval.speed.timing.greedy_decode``'s ids: argmax steps on the KV cache (a skeleton's blocks streamed)."""
         (ids,) = prompt_rows(prompt_ids)
-        return greedy_decode(handle.model, torch.tensor([ids]), new_tokens)[0][0].tolist()
+        with streamed(handle.model):
+            return greedy_decode(handle.model, torch.tensor([ids]), new_tokens)[0][0].tolist()
 
     def nll(self, handle: EngineModel, token_ids) -> tuple[float, int]:
-        """``prune.measure.perplexity.stream_nll`` over one window of all the tokens."""
+        """``prune.measure.perplexity.stream_nll`` over one window of all the tokens.
+
+        A skeleton (``--offload sequential``) streams its blocks, one in memory at a time.
+        """
         ids = torch.tensor(token_list(token_ids))  # [n]
-        return stream_nll(handle.model, ids, [Window(0, len(ids), 1)], 1), len(ids) - 1
+        with streamed(handle.model):
+            return stream_nll(handle.model, ids, [Window(0, len(ids), 1)], 1), len(ids) - 1
 
 
 ENGINE = TransformersEngine()
