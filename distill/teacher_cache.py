@@ -12,6 +12,11 @@ K) that ``distill.job`` matches before loading anything, so a resumed run never 
 
 The folder is written under a temporary name and renamed; under ``accelerate launch`` the main process writes
 it while the others wait, then every process reads it.
+
+A cache of at most :data:`KEPT_MAX_BYTES` is also kept across runs, under its key in
+``$LAYERCUT_CACHE/teacher-cache/`` (the :data:`KEPT_COUNT` latest): a later run of the same teacher on the same
+token ids (``prune.ship`` on one model and calibration, whatever its budget) copies it instead of running the
+teacher again (77 s of SmolLM2-135M's 32,768 heal tokens on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ HEADER = "header.json"
 CACHE_FORMAT = 1  # bumped when what the files mean changes
 DTYPE = "float32"  # of the logits and the rest's log-sum-exp; the ids are int32
 _ARRAYS = ("logits", "indices", "rest_lse", "ids")
+KEPT_DIR = "teacher-cache"  # under $LAYERCUT_CACHE: caches kept across runs, one folder per key
+# a cache larger than this is left in its run's work folder alone: distill.run's caches of millions of tokens
+# would fill the user's cache folder (ship's heal: 67 MB for 32,768 tokens at K = 256)
+KEPT_MAX_BYTES = 512 * 1024**2
+KEPT_COUNT = 4  # the latest caches kept; older ones are deleted as a new one is kept
+KEEP_ENV = "LAYERCUT_KEEP_TEACHER_CACHE"
 
 
 def cache_folder(work: str | Path) -> Path:
@@ -263,9 +274,11 @@ def prepare_cache(folder: Path | None, teacher: nn.Module, token_ids: torch.Tens
             logger.warning("the teacher cache in %s was written for another teacher, data or K: writing it again",
                            folder)
         header = {"key": key, "request": request, "precision": precision, "vocab": vocab, **(meta or {})}
-        write_cache(folder, teacher, token_ids, heldout_ids, k, header, batch_size=batch_size, sources=sources,
-                    autocast=autocast)
-        written = True
+        if not _copy_kept(key, folder, header):
+            write_cache(folder, teacher, token_ids, heldout_ids, k, header, batch_size=batch_size, sources=sources,
+                        autocast=autocast)
+            written = True
+            _keep(key, folder)
     state.wait_for_everyone()
     cache = open_cache(folder, key=key, keep=keep)
     if cache is None:
@@ -273,3 +286,67 @@ def prepare_cache(folder: Path | None, teacher: nn.Module, token_ids: torch.Tens
                             "(free space, permissions) and run again")
     cache.written = written
     return cache
+
+
+def kept_folder(key: str) -> Path | None:
+    """Where the cache of ``key`` is kept across runs (``$LAYERCUT_CACHE/teacher-cache/<key>``).
+
+    None with ``LAYERCUT_KEEP_TEACHER_CACHE=0`` (a benchmark timing the teacher's pass sets it).
+    """
+    from prune.loading.gguf import cache_dir
+
+    if os.environ.get(KEEP_ENV, "1") == "0":
+        return None
+    return cache_dir() / KEPT_DIR / key
+
+
+def _copy_kept(key: str, folder: Path, header: dict) -> bool:
+    """Copy the cache kept under ``key`` into ``folder`` (its header this run's); False where none is kept."""
+    kept = kept_folder(key)
+    if kept is None or open_cache(kept, key=key) is None:
+        return False
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        for path in kept.iterdir():
+            if path.name != HEADER:
+                shutil.copy2(path, staging / path.name)
+        # the arrays are the kept ones; what this run asked for (its request, its teacher's name) is its own
+        stored = json.loads((kept / HEADER).read_text(encoding="utf-8"))
+        (staging / HEADER).write_text(json.dumps({**stored, **header, "kept_from": str(kept)}, indent=1),
+                                      encoding="utf-8")
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("teacher cache: the teacher's targets kept from an earlier run of the same teacher and token ids "
+                "(%s), not computed again", kept)
+    return True
+
+
+def _keep(key: str, folder: Path) -> None:
+    """Keep a copy of the cache just written in ``folder`` for later runs, if it is small enough.
+
+    It never fails the run: a cache folder that cannot be written only loses the saving.
+    """
+    kept = kept_folder(key)
+    if kept is None or sum(path.stat().st_size for path in folder.iterdir()) > KEPT_MAX_BYTES:
+        return
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=kept.parent))
+        try:
+            for path in folder.iterdir():
+                shutil.copy2(path, staging / path.name)
+            shutil.rmtree(kept, ignore_errors=True)
+            os.replace(staging, kept)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        others = sorted((p for p in kept.parent.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                        key=lambda p: p.stat().st_mtime, reverse=True)
+        for old in others[KEPT_COUNT:]:
+            shutil.rmtree(old, ignore_errors=True)
+    except OSError as err:
+        logger.warning("the teacher cache could not be kept for later runs in %s (%s)", kept, err)

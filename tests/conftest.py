@@ -44,6 +44,19 @@ def _sample_cache(tmp_path_factory):
         yield folder
 
 
+@pytest.fixture(autouse=True)
+def _kept_teacher_caches(tmp_path_factory, monkeypatch):
+    """Teacher caches kept across runs go to a folder of this test's own, never ~/.cache/layercut: no test reads
+    another's (a test of the keeping runs twice within itself)."""
+    import distill.teacher_cache
+
+    folder = tmp_path_factory.mktemp("kept-teacher-caches")
+    real = distill.teacher_cache.kept_folder
+    monkeypatch.setattr(distill.teacher_cache, "kept_folder",
+                        lambda key: None if real(key) is None else folder / key)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return make_tiny_tokenizer()

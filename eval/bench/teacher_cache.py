@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from distill.teacher_cache import KEEP_ENV
 from eval.bench.registry import bench_option, data_option, register_subcommand, threads_option
 from prune.checkpoint.report import read_report
 from prune.data.calibration import DataConfig
@@ -104,6 +105,7 @@ def _child(args: list[str], what: str, timeout_s: float = 6 * 3600) -> subproces
     """Run ``python args`` from the repository root; a failure is one line with the child's last error line."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_REPO_ROOT), env.get("PYTHONPATH")) if p)
+    env[KEEP_ENV] = "0"  # the teacher's pass is what this bench times: never a copy kept by an earlier run
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout_s)
     if done.returncode != 0:
         tail = [line for line in done.stderr.strip().splitlines() if line.strip()][-1:] or ["no output"]

@@ -106,6 +106,40 @@ def test_the_cache_holds_the_teachers_top_k_of_the_training_then_held_out_rows(t
         cache.targets(torch.tensor([1]), ids[:1], torch.ones(1, SEQ))
 
 
+def test_a_later_run_of_the_same_teacher_and_tokens_copies_the_kept_cache_instead_of_running_the_teacher(
+        tmp_path, monkeypatch, _kept_teacher_caches):
+    """prune.ship runs the same teacher on the same calibration whatever its budget: the second run's work folder
+    gets the first run's arrays (the teacher never runs), its own request in the header; another K, a cache over
+    the size limit or LAYERCUT_KEEP_TEACHER_CACHE=0 compute it; only the latest KEPT_COUNT stay."""
+    import distill.teacher_cache as module
+
+    _, teacher = _pair()
+    ids, held = _ids(), _ids(3, seed=1)
+    first = prepare_cache(tmp_path / "run1", teacher, ids, held, K, precision="float32", request={"run": 1})
+    assert first.written and len(list(_kept_teacher_caches.iterdir())) == 1
+    calls = []
+    teacher.register_forward_hook(lambda *_: calls.append(1))
+    again = prepare_cache(tmp_path / "run2", teacher, ids, held, K, precision="float32", request={"run": 2})
+    assert not again.written and not calls  # copied: the teacher did not run
+    assert again.header["key"] == first.header["key"] and again.header["request"] == {"run": 2}
+    assert again.header["kept_from"] == str(_kept_teacher_caches / first.header["key"])
+    for name in ("logits", "indices", "rest_lse", "ids"):
+        assert (again.arrays[name] == first.arrays[name]).all()
+    other_k = prepare_cache(tmp_path / "run3", teacher, ids, held, 5, precision="float32")
+    assert other_k.written and calls  # another K: the teacher ran
+    monkeypatch.setenv(module.KEEP_ENV, "0")
+    off = prepare_cache(tmp_path / "run4", teacher, ids, held, K, precision="float32")
+    assert off.written  # the kept copy is not read, and nothing more is kept
+    monkeypatch.delenv(module.KEEP_ENV)
+    monkeypatch.setattr(module, "KEPT_MAX_BYTES", 1)
+    prepare_cache(tmp_path / "run5", teacher, ids[:4], None, K, precision="float32")  # too large to keep
+    assert len(list(_kept_teacher_caches.iterdir())) == 2
+    monkeypatch.setattr(module, "KEPT_MAX_BYTES", 2**30)
+    for count in range(2, 2 + module.KEPT_COUNT):
+        prepare_cache(tmp_path / f"many{count}", teacher, ids[:count], None, K, precision="float32")
+    assert len(list(_kept_teacher_caches.iterdir())) == module.KEPT_COUNT
+
+
 def test_another_teacher_or_other_tokens_rewrite_the_cache_and_the_same_reuses_it(tmp_path):
     _, teacher = _pair()
     _, other = _pair(seed=1)
