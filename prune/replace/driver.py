@@ -188,20 +188,19 @@ def fit_spans_of_methods(model: nn.Module, wanted: Sequence[tuple[ReplaceConfig,
     """
     results: list[dict[tuple[int, ...], Replacement]] = [{} for _ in wanted]
     groups: dict[tuple[int, int], list[int]] = {}
+    offloaded = is_offloaded(model)
     for index, (config, spans) in enumerate(wanted):
         if get_method(config.method).fitter is None or not spans:
             continue
-        if is_offloaded(model):
-            results[index] = fit_spans(model, spans, token_ids, config)
-        else:
-            cut = config.short if short_cut(token_ids, config) else 0
-            groups.setdefault((config.batch_size, cut), []).append(index)
+        cut = config.short if short_cut(token_ids, config) else 0
+        groups.setdefault((config.batch_size, cut), []).append(index)
     original = list(get_blocks(model)[1])
+    fit = _fit_offloaded if offloaded else _fit_independent  # a skeleton's group: one block-by-block pass
     for members in groups.values():
         fitters = [(index, get_method(config.method).fitter(model, original, span, config))
                    for index in members for config in [wanted[index][0]]
                    for span in dict.fromkeys(map(tuple, wanted[index][1]))]
-        done = _fit_independent(model, [fitter for _, fitter in fitters], token_ids, wanted[members[0]][0])
+        done = fit(model, [fitter for _, fitter in fitters], token_ids, wanted[members[0]][0])
         for (index, _), replacement in zip(fitters, done, strict=True):
             results[index][replacement.span] = replacement
     return results
@@ -229,29 +228,34 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
         raise LayercutError("--offload sequential fits every span on the original model's states: use --fit "
                             "independent, or --offload none")
     started = time.perf_counter()
-    by_pair = {(f.span[0], f.span[-1] + 1): f for f in fitters if f.from_moments}
+    by_pair: dict[tuple[int, int], list[SpanFitter]] = {}  # several methods may fit one span (prune.ship)
+    for fitter in fitters:
+        if fitter.from_moments:
+            by_pair.setdefault((fitter.span[0], fitter.span[-1] + 1), []).append(fitter)
     hooked = [f for f in fitters if not f.from_moments]
     recorder = Recorder()
     for fitter in hooked:
         _hook_both(fitter, recorder)
     recorded: dict[int, dict[str, object]] = {}  # batch -> what the hooks recorded of it, until a span needs it
-    done: dict[tuple[int, ...], Replacement] = {}
+    done: dict[int, Replacement] = {}  # id(fitter) -> its fit
 
     def observe_ending_here(block: int, batch: int) -> None:
         values = recorded.setdefault(batch, {})
         values.update(recorder.values)
         recorder.values.clear()
-        for fitter in hooked:
-            if fitter.span[-1] == block:
-                fitter.observe(fitter.batch(values, values))
-                for key in [key for key in values if key.startswith(f"{fitter.span}.")]:
-                    del values[key]  # frees the host's activations once its span has them
+        ending = [fitter for fitter in hooked if fitter.span[-1] == block]
+        for fitter in ending:  # every method's fitter of a span reads the same recorded values
+            fitter.observe(fitter.batch(values, values))
+        prefixes = tuple({f"{fitter.span}." for fitter in ending})
+        for key in [key for key in values if key.startswith(prefixes)]:
+            del values[key]  # frees the host's activations once its spans have them
 
     def fit_ending_here(moments: StateMoments, block: int) -> None:
-        ending = [(pair, fitter) for pair, fitter in by_pair.items() if pair[1] == block + 1]
-        for (first, last), fitter in ending:
-            fitter.use_moments(moments.pair(first, last))
-            done[fitter.span] = fitter.finish()
+        ending = [(pair, group) for pair, group in by_pair.items() if pair[1] == block + 1]
+        for (first, last), group in ending:
+            for fitter in group:
+                fitter.use_moments(moments.pair(first, last))
+                done[id(fitter)] = fitter.finish()
         # a state goes once no span left reads it (a selection's candidate spans share states)
         later = {state for pair in by_pair if pair[1] > block + 1 for state in pair}
         for state in {state for pair, _ in ending for state in pair} - later:
@@ -259,7 +263,7 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
         for fitter in hooked:
             if fitter.span[-1] == block:
                 with torch.enable_grad():  # the pass runs without gradients; a fit that trains needs them
-                    done[fitter.span] = fitter.finish()
+                    done[id(fitter)] = fitter.finish()
 
     # the batches of the capture pass, without its progress bar: the block-by-block pass shows its own
     batches = list(_batches(token_ids, dataclasses.replace(config, progress=False), ""))
@@ -274,7 +278,7 @@ def _fit_offloaded(model, fitters: list[SpanFitter], token_ids, config) -> list[
     shared = (time.perf_counter() - started) / len(fitters)
     for replacement in done.values():
         replacement.record["fit_seconds"] = round(shared, 2)
-    return [done[f.span] for f in fitters]
+    return [done[id(f)] for f in fitters]
 
 
 def check_replacement_supported(model: nn.Module, method: str) -> None:

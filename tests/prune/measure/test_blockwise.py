@@ -338,3 +338,31 @@ def test_fold_rotate_on_a_skeleton_writes_the_in_memory_checkpoint_tied_head_inc
     with torch.no_grad():
         unrepaired = AutoModelForCausalLM.from_pretrained(tmp_path / "source").eval()(IDS[:2]).logits
     assert (unrepaired[..., :5] - logits["memory"][..., :5]).abs().max() > 1e-3  # (a different model: sanity)
+
+
+def test_a_skeleton_fits_several_methods_spans_in_one_block_by_block_pass(tmp_path, one_thread):
+    """prune.ship fits every repair's candidates: block by block, one pass feeds them all (the methods' fits of one
+    span share its recorded values), each fit what the in-memory pass gives it."""
+    from prune.replace import ReplaceConfig
+    from prune.replace.driver import fit_spans_of_methods
+
+    model = _saved("llama", tmp_path)
+    skeleton = load_offloaded(str(tmp_path), dtype="float32").model
+    wanted = [(ReplaceConfig(method=method, progress=False), [(1,), (1, 2), (2,)])
+              for method in ("fold", "cosine", "magcomp", "linear")]
+    passes = []
+    get_blocks(skeleton)[1][0].register_forward_hook(
+        lambda module, *_: passes.append(1) if not next(module.parameters()).is_meta else None)
+    streamed_fits = fit_spans_of_methods(skeleton, wanted, IDS)
+    assert len(passes) == len(IDS) // 4 + (len(IDS) % 4 > 0)  # block 0 ran each batch once: a single pass
+    for got, expected in zip(streamed_fits, fit_spans_of_methods(model, wanted, IDS), strict=True):
+        assert got.keys() == expected.keys() == {(1,), (1, 2), (2,)}
+        for span, fit in expected.items():
+            patch, other = fit.patch, got[span].patch
+            if patch is None:  # a map (linear): its module's weights
+                for a, b in zip(fit.module.state_dict().values(), got[span].module.state_dict().values(), strict=True):
+                    torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+            elif hasattr(patch, "factor"):  # magcomp: a scale of later writers
+                assert abs(other.factor - patch.factor) <= 1e-6 * abs(patch.factor)
+            else:  # fold, cosine: the host's new projection
+                torch.testing.assert_close(other.weight, patch.weight, rtol=0, atol=1e-6)
