@@ -305,21 +305,9 @@ def _copy_kept(key: str, folder: Path, header: dict) -> bool:
     kept = kept_folder(key)
     if kept is None or open_cache(kept, key=key) is None:
         return False
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
-    try:
-        for path in kept.iterdir():
-            if path.name != HEADER:
-                shutil.copy2(path, staging / path.name)
-        # the arrays are the kept ones; what this run asked for (its request, its teacher's name) is its own
-        stored = json.loads((kept / HEADER).read_text(encoding="utf-8"))
-        (staging / HEADER).write_text(json.dumps({**stored, **header, "kept_from": str(kept)}, indent=1),
-                                      encoding="utf-8")
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(staging, folder)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    # the arrays are the kept ones; what this run asked for (its request, its teacher's name) is its own
+    stored = json.loads((kept / HEADER).read_text(encoding="utf-8"))
+    _copy_folder(kept, folder, {**stored, **header, "kept_from": str(kept)})
     logger.info("teacher cache: the teacher's targets kept from an earlier run of the same teacher and token ids "
                 "(%s), not computed again", kept)
     return True
@@ -334,19 +322,25 @@ def _keep(key: str, folder: Path) -> None:
     if kept is None or sum(path.stat().st_size for path in folder.iterdir()) > KEPT_MAX_BYTES:
         return
     try:
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=kept.parent))
-        try:
-            for path in folder.iterdir():
-                shutil.copy2(path, staging / path.name)
-            shutil.rmtree(kept, ignore_errors=True)
-            os.replace(staging, kept)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
+        _copy_folder(folder, kept)
         others = sorted((p for p in kept.parent.iterdir() if p.is_dir() and not p.name.startswith(".")),
                         key=lambda p: p.stat().st_mtime, reverse=True)
         for old in others[KEPT_COUNT:]:
             shutil.rmtree(old, ignore_errors=True)
-    except OSError as err:
+    except (OSError, LayercutError) as err:
         logger.warning("the teacher cache could not be kept for later runs in %s (%s)", kept, err)
+
+
+def _copy_folder(source: Path, target: Path, header: dict | None = None) -> None:
+    """``source``'s files into ``target``, replacing it whole (``prune.atomic.atomic_directory``).
+
+    ``header``, when given, is written instead of ``source``'s.
+    """
+    from prune.atomic import atomic_directory
+
+    with atomic_directory(target, overwrite=True) as staging:
+        for path in source.iterdir():
+            if header is None or path.name != HEADER:
+                shutil.copy2(path, staging / path.name)
+        if header is not None:
+            (staging / HEADER).write_text(json.dumps(header, indent=1), encoding="utf-8")
