@@ -130,6 +130,10 @@ def _add_replacement_arguments(parser: argparse.ArgumentParser) -> None:
                        help="independent: fit each span on the original model's states; sequential: on the states "
                        "of the model with the earlier spans already replaced (two passes per later span) "
                        "(default: independent)")
+    group.add_argument("--fit-rows", dest="replace.fit_rows", default="all", metavar="ROWS",
+                       help="all: fit the repair on every calibration row; fitting: on the rows --select repaired "
+                       "fits on (7 in 8), reusing its fits, so the KL it measured on the others is the "
+                       "checkpoint's (prune.ship's build) (default: all)")
     for name, spec in option_specs().items():  # the fields of the methods' options (prune.replace.options)
         if spec.flag is not None:
             group.add_argument(spec.flag, dest=f"replace.{name}", type=spec.type, default=None,

@@ -23,20 +23,25 @@ class Built(StageResult):
 
 
 def chosen_config(config: PruneConfig, shortlist: Shortlist, out: Path) -> PruneConfig:
-    """The ``prune.run`` config that writes the chosen checkpoint into ``out``."""
+    """The ``prune.run`` config that writes the chosen checkpoint into ``out``.
+
+    Its repair is fitted on the rows the shortlist fitted it on (``--fit-rows fitting``): the checkpoint is the
+    candidate measured, its KL on the other rows is the checkpoint's, and the build reuses the fit.
+    """
     select, score = shortlist.best.select
     return dataclasses.replace(config, drop=shortlist.count, target_params=None, target_speedup=None, select=select,
-                               score=score, replace=shortlist.best.repair, auto_replace=False, out=str(out),
-                               overwrite=True)
+                               score=score, replace={"method": shortlist.best.repair, "fit_rows": "fitting"},
+                               auto_replace=False, out=str(out), overwrite=True)
 
 
 def build(config: PruneConfig, shortlist: Shortlist, out: Path, loaded: LoadedModel | None = None,
           scored: Scored | None = None) -> Built:
     """Write the chosen candidate's checkpoint into ``out``.
 
-    ``loaded`` and ``scored``: the model and the shortlist's scoring pass (``cosine_pairs="all"``), which the
-    build's fits read, so a resumed run that scores again as the shortlist did writes the same tensors; without
-    them, ``prune.run``'s own load and scoring. ``loaded`` is surgered in place.
+    ``loaded`` and ``scored``: the model and the shortlist's scoring pass, whose memo holds the shortlist's fits:
+    the chosen one is put in place as it was measured, with no capture pass. A resumed run (a fresh memo, or
+    none: ``prune.run``'s own load and scoring) fits it again on the same rows in the same batches, the same
+    tensors. ``loaded`` is surgered in place.
     """
     chosen = shortlist.best
     run = chosen_config(config, shortlist, out)

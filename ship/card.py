@@ -165,6 +165,8 @@ def prune_command(config: PruneConfig) -> str:
     if config.score != "linearity":
         parts.append(f"--score {config.score}")
     parts.append(f"--replace {config.replace.method}")
+    if config.replace.fit_rows != "all":
+        parts.append(f"--fit-rows {config.replace.fit_rows}")
     return " ".join(parts + _load_flags(config) + _budget_flags(config) + _data_flags(config) + ["--out slim/"])
 
 

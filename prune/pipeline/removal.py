@@ -24,6 +24,7 @@ from prune.pipeline.resolve import Amounts
 from prune.replace import parameter_count, replace_blocks_
 from prune.selection.budget import blocks_for_params
 from prune.selection.oracle import removal_cache, run_oracle
+from prune.selection.repaired import replace_as_measured_
 from prune.selection.strategies import Chosen, SelectionInput, choose_blocks, span_candidates
 from prune.selection.sublayers import (
     MEASURE_SEQUENCES,
@@ -153,7 +154,9 @@ def remove_blocks(model: nn.Module, calibration: CalibrationData, moments: State
     if dropped and measure is not None:
         with blocks_removed(model, dropped):
             removal_only = measure(model)
-    if dropped:
+    if dropped and config.replace.fit_rows == "fitting":  # the repair a repaired selection measured, as it was
+        replace_as_measured_(model, dropped, calibration.token_ids, config.replace, memo)
+    elif dropped:
         replace_blocks_(model, dropped, calibration.token_ids, config.replace, moments)
     if oracle is not None:
         sections["oracle"] = oracle.as_dict()

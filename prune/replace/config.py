@@ -11,6 +11,8 @@ from prune.replace.registry import FITS, METHODS, get_method, option_specs, reso
 
 # Bound on the captured (input, target) pairs kept for Adam; beyond it only the first batches are used.
 DEFAULT_CACHE_BYTES = 1 << 30
+# which calibration rows a repair is fitted on (ReplaceConfig.fit_rows)
+FIT_ROWS = ("all", "fitting")
 
 
 @dataclass(init=False)
@@ -26,6 +28,9 @@ class ReplaceConfig:
     Attributes:
         method: a registered method (``prune.replace.METHODS``: none | linear | lowrank | fold | block | ...).
         fit: independent (original model's inputs) | sequential (the surgered model's inputs).
+        fit_rows: all (every calibration row) | fitting (the rows a repaired selection fits on, one in
+            ``prune.selection.repaired.MEASURE_EVERY`` left to measure: the checkpoint is the repair that
+            selection measured, and its KL on the other rows describes it; ``prune.ship``'s build).
         short: also fit on the calibration tokens cut into sequences of this many tokens (0: off; None:
             the method's default, 64 for ``linear``, else 0). Task prompts are short: their states are
             those of early positions, which long calibration sequences hold few of (on SmolLM2 a
@@ -41,6 +46,7 @@ class ReplaceConfig:
 
     method: str = "linear"
     fit: str = "independent"
+    fit_rows: str = "all"
     short: int | None = None
     batch_size: int = 4
     cache_bytes: int = DEFAULT_CACHE_BYTES
@@ -66,6 +72,11 @@ class ReplaceConfig:
         if self.fit not in spec.fits:
             takers = "|".join(m.name for m in METHODS.values() if self.fit in m.fits)
             raise LayercutError(f"--fit {self.fit} applies to replacements: pass --replace {takers}")
+        if self.fit_rows not in FIT_ROWS:
+            raise LayercutError(f"--fit-rows {self.fit_rows}: choose one of {', '.join(FIT_ROWS)}")
+        if self.fit_rows != "all" and self.fit != "independent":
+            raise LayercutError("--fit-rows fitting reuses the independent fits a repaired selection measured: "
+                                "drop --fit sequential, or use --fit-rows all")
         self.options = resolve_options(spec, given)
         if self.short is None:
             self.short = spec.options.default_short

@@ -32,6 +32,7 @@ import dataclasses
 import json
 import logging
 import math
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -44,7 +45,7 @@ from prune.measure.heldout import packed_perplexity
 from prune.measure.least_squares import fit_linear_map, residual_sums, scale_update
 from prune.measure.moments import StateMoments
 from prune.model.adapters import get_blocks, input_device
-from prune.model.surgery import blocks_removed
+from prune.model.surgery import blocks_removed, drop_blocks_
 from prune.replace import (
     LeastSquaresOptions,
     ReplaceConfig,
@@ -53,6 +54,7 @@ from prune.replace import (
     fit_spans,
     fit_spans_of_methods,
     get_method,
+    install_replacements_,
     spans_of,
     surgered_view,
 )
@@ -136,7 +138,7 @@ def crossfit_halves(token_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.T
 
 def repair_key(config: ReplaceConfig) -> str:
     """What a measured repaired cost depends on besides the model and its calibration: the repair's settings."""
-    settings = {k: v for k, v in config.to_dict().items() if k not in ("progress", "batch_size", "fit")}
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("progress", "batch_size", "fit", "fit_rows")}
     return json.dumps(settings, sort_keys=True, default=str)
 
 
@@ -442,6 +444,39 @@ def fit_together(wanted: Sequence[tuple[RepairedCosts, Sequence[Sequence[int]]]]
                                     first.folds[fold][0])
         for (costs, _), found in zip(pending, fits, strict=True):
             costs._fold_fits[fold].update(found)
+
+
+def replace_as_measured_(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor, replace: ReplaceConfig,
+                        memo: dict | None = None) -> list[dict]:
+    """Replace ``dropped`` by the repair a repaired selection measured: fitted on its fitting rows alone.
+
+    ``replace.fit_rows == "fitting"``. The fits a :class:`RepairedCosts` of the same repair and rows keeps in
+    ``memo`` are put in place as they are (``prune.ship``'s build after its shortlist: no capture pass); the spans
+    it lacks are fitted as it fits them, on the same rows in the same batches, so the checkpoint is the same
+    whether the memo held them or not, and the KL measured on the other rows is the checkpoint's.
+    """
+    started = time.perf_counter()
+    spec = get_method(replace.method)
+    if spec.fitter is None:
+        drop_blocks_(model, dropped)
+        return []
+    if spec.measured_as is not None:
+        raise LayercutError(f"--fit-rows fitting ships the fit a repaired selection measured, and --replace "
+                            f"{replace.method} is measured through another method's fit: use --fit-rows all")
+    costs = RepairedCosts(model, token_ids, replace, batch_size=replace.batch_size, memo=memo)
+    spans = spans_of(sorted(dropped))
+    check_span_lengths(replace.method, spans)
+    if spec.check_spans is not None:
+        spec.check_spans(model, spans, spec.name)
+    kept = sum(span in costs.fits for span in spans)
+    replacements = costs.replacements(dropped)
+    for replacement in replacements:
+        replacement.record.update(fit="independent", fit_rows=costs.fit_ids.shape[0])
+    records = install_replacements_(model, replacements)
+    logger.info("replaced %d span(s) by %s fitted on %d of %d calibration rows (%d fit kept from the selection) "
+                "in %.1f s", len(records), replace.method, costs.fit_ids.shape[0], token_ids.shape[0], kept,
+                time.perf_counter() - started)
+    return records
 
 
 @torch.no_grad()

@@ -161,6 +161,38 @@ def test_repaired_fast_reads_its_statistics_from_the_scoring_pass(tiny_folder, t
     assert any("repaired-fast/linearity" in c["chosen_by"] for c in shortlist["candidates"])
 
 
+def test_the_build_ships_the_fit_the_shortlist_measured_with_no_pass_of_its_own(tiny_folder, text_file, tmp_path,
+                                                                                 capsys, one_thread, monkeypatch):
+    # before 2026-12-03 the build fitted the chosen repair again on every row (37 s of a 358 s SmolLM2 drop-4
+    # shortlist's 67 s build), so the checkpoint was not the candidate the shortlist measured
+    from transformers import AutoModelForCausalLM
+
+    import ship.build as build_stage
+    from prune.selection.repaired import divergence, split_rows
+
+    real = build_stage.run_prune
+
+    def no_fit(*args, **kwargs):
+        for where in ("prune.selection.repaired.fit_spans", "prune.replace.driver._fit_independent"):
+            monkeypatch.setattr(where, lambda *_, **__: pytest.fail("the build fitted again"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(build_stage, "run_prune", no_fit)
+    code, _, err = ship(capsys, *base_args(tiny_folder, text_file), "--no-verify", "--out", tmp_path / "o")
+    assert code == 0, err
+    shortlist = json.loads((tmp_path / "o" / "ship.json").read_text())["shortlist"]
+    chosen = shortlist["candidates"][shortlist["chosen"]]
+    assert chosen["repair"] != "none"
+    record = json.loads((tmp_path / "o" / "layercut.json").read_text())["replacements"][0]
+    assert record["fit_rows"] == 14  # of 16: the two measuring rows stay unseen
+    # the checkpoint's KL on the rows no fit saw is the one the shortlist chose it by
+    token_ids = load_file(tmp_path / "o.work" / "calibration.safetensors")["token_ids"]
+    measuring = split_rows(token_ids)[1]
+    built = AutoModelForCausalLM.from_pretrained(tmp_path / "o").float()
+    original = AutoModelForCausalLM.from_pretrained(tiny_folder).float()
+    assert math.isclose(divergence(built, original, measuring)["kl"], chosen["kl"], rel_tol=1e-4)
+
+
 def test_a_repair_that_unties_a_tied_head_is_not_a_candidate_when_it_makes_the_model_bigger(tmp_path, text_file,
                                                                                               capsys, one_thread):
     folder = tmp_path / "tied"

@@ -43,6 +43,8 @@ def test_to_dict_is_flat_and_covers_every_recipe_key():
     (dict(fit="sideways"), "unknown --fit 'sideways'"),
     (dict(short=1), "--fit-short takes a sequence length of at least 2"),
     (dict(batch_size=-1), "--batch-size must be positive"),
+    (dict(fit_rows="most"), "--fit-rows most: choose one of all, fitting"),
+    (dict(fit_rows="fitting", fit="sequential"), "drop --fit sequential, or use --fit-rows all"),
 ])
 def test_bad_settings_are_one_line_errors(values, message):
     with pytest.raises(LayercutError, match=message) as err:
