@@ -103,8 +103,9 @@ def test_the_built_in_options_keep_their_flags_and_recipe_keys():
     # the flat view is the layout every config had before the options became fields
     flat = ReplaceConfig(method="block").to_dict()
     assert {k: v for k, v in flat.items() if k in built_in or k not in unset_options()} == {
-        "method": "block", "fit": "independent", "fit_rows": "all", "short": 0, "batch_size": 4, "cache_bytes": 1 << 30, "seed": 0,
-        "progress": True, "rank": None, "ridge": 0.0, "steps": 200, "lr": 1e-4, "update_scale": None,
+        "method": "block", "fit": "independent", "fit_rows": "all", "short": 0, "batch_size": 4,
+        "cache_bytes": 1 << 30, "seed": 0, "progress": True, "rank": None, "ridge": 0.0, "steps": 200, "lr": 1e-4,
+        "update_scale": None,
         "rotate_iterations": None}
 
 
