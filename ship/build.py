@@ -16,10 +16,15 @@ from ship.work import StageResult
 
 @dataclass(kw_only=True)
 class Built(StageResult):
-    """``build.json``: the blocks removed and the repair, as the checkpoint holds them."""
+    """``build.json``: the blocks removed and the repair, as the checkpoint holds them.
+
+    ``as_measured``: the repair is the shortlist's fit (``--fit-rows fitting``), so the candidate's KL and
+    perplexity on the measuring rows are the checkpoint's (False in a work folder built before 2026-12-03).
+    """
 
     blocks: list
     repair: str
+    as_measured: bool = False
 
 
 def chosen_config(config: PruneConfig, shortlist: Shortlist, out: Path) -> PruneConfig:
@@ -52,4 +57,4 @@ def build(config: PruneConfig, shortlist: Shortlist, out: Path, loaded: LoadedMo
     if result.dropped != chosen.blocks:
         raise LayercutError(f"prune.run chose blocks {result.dropped} where the shortlist measured "
                             f"{chosen.blocks}: report this (its selection is not deterministic)")
-    return Built(blocks=chosen.blocks, repair=chosen.repair)
+    return Built(blocks=chosen.blocks, repair=chosen.repair, as_measured=run.replace.fit_rows == "fitting")

@@ -172,6 +172,16 @@ class ShipConfig:
         """Whether the engine serves a GGUF file (llama.cpp): the export writes one and the checks measure it."""
         return self.engine == "llamacpp"
 
+    @property
+    def no_heal(self) -> str | None:
+        """Why this run heals nothing whatever its budget (the card's and the log's words), else None."""
+        if not self.heal_steps:
+            return "--heal-steps 0"
+        if self.prune.load.offload != "none":
+            return (f"--offload {self.prune.load.offload}: the heal trains the whole checkpoint in memory (heal it "
+                    "on a larger machine with python -m distill.run)")
+        return None
+
     def settings(self) -> dict:
         """What the result depends on (a resumed run must match it): the model, data, budget and the engine.
 

@@ -10,8 +10,8 @@ counted here in the same units before any weight is read:
   repair's fits, the fits' own
   sums and solves (``fit_width`` of each repair's registration), and the measuring passes (each repair's
   reference pass and one per candidate from its first changed block);
-- build: the held-out perplexities of the original and the checkpoint, the checkpoint written (the chosen
-  repair is the shortlist's fit, put in place as it is);
+- build: the held-out perplexities of the original, of the blocks removed alone and of the checkpoint, the
+  checkpoint written (the chosen repair is the shortlist's fit, put in place as it is);
 - heal: ``prune.planner``'s distillation stage for ``--heal-steps`` (:func:`ship.plan.planned_heal`);
 - export: llama.cpp's converter reading and writing the float32 checkpoint, and its quantizer;
 - verify: the held-out tokens through the original (unless its rows are kept) and the checkpoint in
@@ -120,9 +120,9 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
                  + passes(measure * work.sets * (len(work.repairs) + 1), layers / 2, LOGITS_SHARE, head=True))
     checkpoint = weight_bytes(shape, inp, kept)
     # the shortlist's fit of the chosen candidate is put in place as it is (--fit-rows fitting): prune.run's
-    # held-out perplexity of the original and of the checkpoint, the checkpoint written
-    # (a skeleton measures no held-out rows there: it never holds the whole model)
-    heldout = 0 if inp.offload == "sequential" else 2 * inp.heldout_samples * inp.seq_len
+    # held-out perplexity of the original, of the blocks removed alone and of the checkpoint, the checkpoint
+    # written (a skeleton measures no held-out rows there: it never holds the whole model)
+    heldout = 0 if inp.offload == "sequential" else 3 * inp.heldout_samples * inp.seq_len
     build = passes(heldout, layers, LOGITS_SHARE, head=True) + checkpoint / (WRITE_BYTES_PER_S * cpu)
     # the quantizer reads the converted float32 file and writes a quarter of it
     export = (1 + QUANTIZE_SHARE * work.quantized) * checkpoint / (CONVERT_BYTES_PER_S * cpu) if work.gguf else 0.0

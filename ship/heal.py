@@ -86,11 +86,8 @@ def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageRe
     ``--heal-steps`` steps) x ``HEAL_MARGIN``.
     """
     steps = config.heal_steps
-    if not steps:
-        return 0, "--heal-steps 0"
-    if config.prune.load.offload != "none":
-        return 0, (f"--offload {config.prune.load.offload}: the heal trains the whole checkpoint in memory (heal it "
-                   "on a larger machine with python -m distill.run)")
+    if config.no_heal:
+        return 0, config.no_heal
     budget = config.time_budget
     if budget is None:
         return steps, f"--heal-steps {steps}"
@@ -111,13 +108,15 @@ def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageRe
 
 
 def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Path, calibration,
-         original: LoadedModel, say=print) -> Healing:
+         original: LoadedModel, say=print, before: dict | None = None) -> Healing:
     """Distil ``checkpoint`` towards ``original``; written to ``healed`` when its KL falls on unseen rows.
 
     ``calibration``: the shortlist's rows [samples, seq]; the heal trains on its fitting rows, cut into
     ``HEAL_SEQ_LEN`` tokens, and measures on its measuring rows (:class:`distill.heal.HealRows`); the training is
     :func:`distill.heal.heal_training`, which ``eval.bench heal-curve`` runs too. A heal killed after a checkpoint
     of its training (``healed.work/checkpoints/``, distill's own) continues from it to the same weights.
+    ``before``: the checkpoint's ``{"kl", "ppl"}`` on the measuring rows where the shortlist measured them
+    (the build put its fit in place), else measured here.
     """
     result = Healing(steps=steps, why=why)
     shutil.rmtree(healed, ignore_errors=True)  # a killed heal's output: written again (its training resumes)
@@ -127,7 +126,8 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     prune = config.prune
     rows = HealRows.of(calibration)
     student, report = heal_student(checkpoint, prune.load.dtype, prune.load.device)
-    before = divergence(student.model, original.model, rows.measure, prune.batch_size)
+    if before is None:
+        before = divergence(student.model, original.model, rows.measure, prune.batch_size)
     kept = list_checkpoints(default_work_folder(healed))  # the step's work folder: beside healed/
     resumed = f"; resuming from step {kept[-1][0]}" if kept else ""
     say(f"healing: {steps} steps of distillation towards the original ({why}){_over(config.processes)}; KL before "

@@ -163,7 +163,7 @@ def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
     """
     from prune.planner.estimate import hardware_for, plan_config
 
-    if not config.heal_steps or config.prune.load.offload != "none":  # a skeleton's run is not healed
+    if config.no_heal:
         return None
     train, unseen = heal_sequences(prune.data.samples, prune.data.seq_len)
     options = {**HEAL_OPTIONS, "steps": config.heal_steps,

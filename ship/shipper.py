@@ -204,8 +204,11 @@ class Shipper:
         if not steps:
             return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, None, None, say=self.say)
         calibration = self._calibration()
+        shortlist, built = (next(s for s in done if isinstance(s, kind)) for kind in (Shortlist, Built))
+        # the checkpoint is the candidate the shortlist measured on the heal's measuring rows: no pass again
+        before = {"kl": shortlist.best.kl, "ppl": shortlist.best.ppl} if built.as_measured else None
         return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, calibration, self._load(),
-                    say=self.say)
+                    say=self.say, before=before)
 
     def export(self, final: Path) -> Exported:
         """For llama.cpp, the GGUF of ``--gguf-type`` beside the checkpoint that ships."""

@@ -45,3 +45,14 @@ for run in r8b h8b; do
   mkdir -p reports/ship-defaults/${run%b}-55ef709
   cp /tmp/ship/$run/README.md /tmp/ship/$run.work/*.json reports/ship-defaults/${run%b}-55ef709/
 done
+
+# the build ships the shortlist's own fit (--fit-rows fitting, 187b61a) against b5e439b, where it fitted the chosen
+# repair again on every row: drop 4, training-free, the same four held-out texts, the two commits' worktrees run one
+# after the other (/tmp/wt-before at b5e439b, /tmp/wt-after at 187b61a); the cache held the original's rows and GGUF
+export LLAMA_CPP_CONVERTER=/tmp/conv/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py
+for v in before after; do
+  (cd /tmp/fr && PYTHONPATH=/tmp/wt-$v /usr/bin/time -v python -m prune.ship --model smollm2-135m --drop 4 \
+    --data builtin --heal-steps 0 --engine llamacpp --gguf-type q4_k_m --threads 2 $HELDOUT --out d4-$v)
+  mkdir -p reports/ship-defaults/d4-fit-$v
+  cp /tmp/fr/d4-$v/ship.json /tmp/fr/d4-$v.work/*.json reports/ship-defaults/d4-fit-$v/
+done

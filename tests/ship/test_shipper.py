@@ -84,15 +84,23 @@ def test_ship_keeps_the_measured_candidate_of_lowest_kl_and_prune_run_rebuilds_i
 
 
 def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_it_never_trained_on_and_the_card_says_so(
-        shipped, tmp_path, tiny_folder, text_file, capsys, one_thread):
+        shipped, tmp_path, tiny_folder, text_file, capsys, one_thread, monkeypatch):
+    import ship.heal as heal_stage
+
     unhealed, _ = shipped
     args = base_args(tiny_folder, text_file)
     args[args.index("--heal-steps") + 1] = "30"
+    passes = []
+    real = heal_stage.divergence
+    monkeypatch.setattr(heal_stage, "divergence", lambda *a, **k: passes.append(1) or real(*a, **k))
     code, stdout, err = ship(capsys, *args, "--no-verify", "--out", tmp_path / "healed")
     assert code == 0, err
     heal = json.loads((tmp_path / "healed.work" / "heal.json").read_text())
     assert heal["steps"] == 30 and heal["train"] == "lora"
     assert heal["kept"] == (heal["kl_after"] < heal["kl_before"])
+    # the KL before is the shortlist's of the candidate built (its fit, put in place): measured after only
+    shortlist = json.loads((tmp_path / "healed" / "ship.json").read_text())["shortlist"]
+    assert heal["kl_before"] == shortlist["candidates"][shortlist["chosen"]]["kl"] and len(passes) == 1
     assert heal["kept"], heal  # 30 steps towards the original on a tiny model do lower its KL
     out = tmp_path / "healed"
     report = json.loads((out / "layercut.json").read_text())
