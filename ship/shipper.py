@@ -23,9 +23,11 @@ from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
 from prune.model.adapters import is_offloaded
 from prune.pipeline.runner import Scored, score_calibration
+from prune.replace import ReplaceConfig
+from prune.selection.repaired import update_share
 from ship.build import Built, build, chosen_config
 from ship.card import CARD, ship_card
-from ship.config import ShipConfig
+from ship.config import ShipConfig, applicable, servable_repairs
 from ship.heal import Healing, heal, heal_steps
 from ship.plan import Plan, block_budget, make_plan, plan_line
 from ship.shortlist import SHORTLIST_SHARE, Progress, Shortlist, make_shortlist
@@ -163,10 +165,15 @@ class Shipper:
         """The scoring pass, the measuring rows' statistics kept apart (repaired-fast then needs no pass of its own).
 
         Block by block: the adjacent pairs' cosines alone (a skeleton's pass holds two states at a time; the
-        shortlist's selections read no other) and no rows apart (repaired-fast takes its own passes).
+        shortlist's selections read no other), and repaired-fast's map errors taken as the pass frees each block's
+        statistics, at the update shares of the repairs the shortlist will try.
         """
         if is_offloaded(loaded.model):
-            return score_calibration(loaded, self.config.prune, cosine_pairs="adjacent")
+            model, batch = loaded.model, self.config.prune.batch_size
+            shares = sorted({update_share(ReplaceConfig(method=name, batch_size=batch)) for name in servable_repairs()
+                             if name != "none" and applicable(name, model) is None})
+            return score_calibration(loaded, self.config.prune, cosine_pairs="adjacent", measuring_apart=True,
+                                     shares=shares)
         return score_calibration(loaded, self.config.prune, cosine_pairs="all", measuring_apart=True)
 
     def shortlist(self, plan: Plan) -> Shortlist:

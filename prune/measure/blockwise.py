@@ -24,7 +24,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ from tqdm.auto import tqdm
 
 from prune.errors import LayercutError
 from prune.loading.offload import CheckpointBlocks
-from prune.measure.moments import StateMoments, adjacent_pairs, stream_moments
+from prune.measure.moments import HeldRows, StateMoments, adjacent_pairs, stream_moments
 from prune.measure.scores import get_score
 from prune.model.adapters import OFFLOAD_ATTR, get_blocks, input_device, is_offloaded, num_blocks
 from prune.model.capture import block_input, block_output
@@ -165,6 +166,7 @@ def stream_moments_blockwise(
     after_call: Callable[[int, int], None] | None = None,
     rows: int | None = 1,
     upto: int | None = None,
+    held_rows: Sequence[int] | None = None,
 ) -> StateMoments:
     """``prune.measure.moments.stream_moments``, block by block: the same statistics with one block in memory.
 
@@ -186,24 +188,34 @@ def stream_moments_blockwise(
     MiB block), so by default each sequence runs alone and the outputs are put back together before the
     statistics see them (:func:`_in_rows`). Hooks see one call per batch, so ``after_call`` runs whole
     batches. ``upto``: only blocks ``0..upto-1`` run (a fit needs nothing behind its last span).
+    ``held_rows``: rows of ``token_ids`` whose statistics are also kept alone (``moments.held``), as
+    ``stream_moments`` keeps them; released with the whole pass's, so what reads both (``after_block``, which
+    runs before a block's early scores free its input) reads them block by block.
     """
     if scores and pairs is not None and any(j != i + 1 for i, j in pairs):
         raise ValueError("early scores release each state's statistics: pass adjacent pairs only")
     if cosine_pairs == "all":
         raise LayercutError("--offload sequential keeps two states at a time, and span scores compare every pair: "
                             "use --select topk (or greedy), or --offload none")
+    if held_rows is not None and (batches is not None or token_ids is None):
+        raise ValueError("held_rows are rows of token_ids: pass token_ids, not batches")
     count = num_blocks(model)
     pairs = adjacent_pairs(count) if pairs is None else sorted(set(pairs))
     moments = StateMoments(count + 1, pairs, cosine_pairs, stats_device, precision)
+    masks = _held_masks(moments, token_ids, held_rows, batch_size)  # per batch: its held rows, or None
+    held = moments.held.moments if held_rows is not None else None
     partners = _partners(pairs, cosine_pairs, count)
     last_use = {i: max([j for j in partners if i in partners[j]], default=i) for i in range(count + 1)}
     states, calls = block_inputs(model, batches if batches is not None else split_batches(token_ids, batch_size))
     kept = {0: states}
     del states  # state 0 goes once block 0 no longer needs it
     _return_freed_memory()
-    for batch in kept[0] if observed is None or 0 in observed else ():
+    for b, batch in enumerate(kept[0] if observed is None or 0 in observed else ()):
         moments.begin_batch(None)
         moments.observe(0, batch)
+        if masks[b] is not None:
+            held.begin_batch(masks[b])
+            held.observe(0, batch)
     weights = block_weights(model)
     _, blocks = get_blocks(model)
     for index in tqdm(range(count if upto is None else min(upto, count)), desc="capture (block by block)",
@@ -225,6 +237,11 @@ def stream_moments_blockwise(
                     for earlier in partners[index + 1]:
                         moments.recall(earlier, kept[earlier][b])
                     moments.observe(index + 1, output)
+                    if masks[b] is not None:
+                        held.begin_batch(masks[b])
+                        for earlier in partners[index + 1]:
+                            held.recall(earlier, kept[earlier][b])
+                        held.observe(index + 1, output)
                 if overwrite and output.shape == kept[index][b].shape and output.dtype == kept[index][b].dtype:
                     output = kept[index][b].copy_(output)
                 kept[index + 1].append(output)
@@ -232,10 +249,12 @@ def stream_moments_blockwise(
                     kept[i][b] = None
         for i in spent:
             del kept[i]
-        if scores:
-            _score_block(moments, index, scores)
         if after_block is not None:
             after_block(moments, index)
+        if scores:
+            _score_block(moments, index, scores)
+            if held is not None:
+                held.release(index)
         _return_freed_memory()
     if moments.n:
         logger.info("streamed statistics of %d states over %d tokens, one block at a time", count + 1, moments.n)
@@ -265,6 +284,27 @@ def _in_rows(block: nn.Module, hidden: torch.Tensor, call: BlockCall, rows: int 
                                 **{key: cut(value, start) for key, value in call.kwargs.items()}))
              for start in range(0, size, rows)]
     return torch.cat(parts)
+
+
+def _held_masks(moments: StateMoments, token_ids: torch.Tensor | None, held_rows: Sequence[int] | None,
+                batch_size: int) -> list[torch.Tensor | None] | dict:
+    """Per batch of :func:`split_batches`: the [batch, seq] mask of its held rows (None: it has none).
+
+    With ``held_rows``, ``moments.held`` is set to a :class:`HeldRows` shifted as ``moments``, as
+    ``stream_moments`` sets it. Without, every batch's entry is None.
+    """
+    if held_rows is None:
+        return defaultdict(lambda: None)
+    rows = tuple(sorted(set(held_rows)))
+    held = StateMoments(moments.num_states, moments.pairs, "none", moments.device, moments.precision,
+                        shifts_from=moments)
+    moments.held = HeldRows(token_ids, rows, held)
+    masks = []
+    for batch in split_batches(token_ids, batch_size):
+        start = len(masks) * batch_size
+        mine = torch.tensor([start + row in rows for row in range(batch.shape[0])])
+        masks.append(mine[:, None].expand(batch.shape) if mine.any() else None)
+    return masks
 
 
 def _score_block(moments: StateMoments, block: int, names: list[str]) -> None:

@@ -294,7 +294,8 @@ class StateMoments:
         rest.counts = [a - b for a, b in zip(self.counts, part.counts, strict=True)]
         rest.shifts = list(self.shifts)
         for index in range(self.num_states):
-            if self.sums[index] is not None:
+            # a block-by-block pass frees a state's Gram once no later block reads it (release): none left here
+            if self.sums[index] is not None and self.grams[index] is not None:
                 known = part.sums[index] is not None
                 rest.sums[index] = self.sums[index] - (part.sums[index].to(self.sums[index].device) if known else 0)
                 rest.grams[index] = self.grams[index] - (part.grams[index].to(self.grams[index].device)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,7 +37,7 @@ from prune.planner.shape import build_on_meta, read_config, shape_of_model
 from prune.replace import check_replacement_supported, parameter_count
 from prune.selection.budget import check_params_budget
 from prune.selection.oracle import Oracle, oracle_table
-from prune.selection.repaired import measuring_rows
+from prune.selection.repaired import MAP_ERRORS, held_map_errors, measuring_rows
 from prune.selection.sublayers import Unit, unit_moments
 
 logger = logging.getLogger(__name__)
@@ -63,17 +63,22 @@ class Scored:
 
 
 def score_calibration(loaded: LoadedModel, config: PruneConfig, cosine_pairs: str | None = None,
-                      measuring_apart: bool = False) -> Scored:
+                      measuring_apart: bool = False, shares: Sequence[float] = ()) -> Scored:
     """Calibration text of ``config.data`` and one streamed pass over it.
 
     ``cosine_pairs`` defaults to what ``config`` needs; pass "all" to serve every selection. ``measuring_apart``:
     the pass also keeps the statistics of the rows a repaired selection measures on
-    (``prune.selection.repaired.measuring_rows``), so ``repaired-fast`` needs no pass of its own.
+    (``prune.selection.repaired.measuring_rows``), so ``repaired-fast`` needs no pass of its own. Block by block
+    a pass frees each state's statistics as it goes: ``repaired-fast``'s map errors at ``shares`` (the update
+    shares of the repairs it will serve) are then taken in the pass and kept in the memo; others take a pass.
     """
     calibration = calibration_data(loaded.tokenizer, config.data, model=loaded.model)
     held = measuring_rows(calibration.token_ids) if measuring_apart else None
-    moments, scores = score_model(loaded.model, calibration, config, cosine_pairs, held)
-    return Scored(calibration, moments, scores)
+    errors, after_block = held_map_errors(shares) if held and shares and is_offloaded(loaded.model) else ({}, None)
+    moments, scores = score_model(loaded.model, calibration, config, cosine_pairs, held, after_block)
+    scored = Scored(calibration, moments, scores)
+    scored.memo.update({(MAP_ERRORS, share): found for share, found in errors.items()})
+    return scored
 
 
 @dataclass
@@ -177,17 +182,20 @@ def _header_config(model: str):
 
 
 def score_model(model, calibration: CalibrationData, config: PruneConfig, cosine_pairs: str | None = None,
-                held_rows: Sequence[int] | None = None) -> tuple[StateMoments, dict]:
+                held_rows: Sequence[int] | None = None,
+                after_block: Callable[[StateMoments, int], None] | None = None) -> tuple[StateMoments, dict]:
     """One streamed pass; every registered score for every block.
 
-    ``held_rows``: calibration rows whose statistics the pass also keeps alone (``stream_moments``); a pass
-    block by block keeps none (those who read them take their own pass).
+    ``held_rows``: calibration rows whose statistics the pass also keeps alone (``stream_moments``); block by
+    block they are freed with the rest, and only ``after_block`` (called as each block's statistics are
+    complete) reads them; without it a pass block by block keeps none.
     """
     check_enough_tokens(calibration.num_tokens, hidden_size(model))
     if is_offloaded(model):  # block by block, each block's scores taken and its statistics freed at once
         moments = stream_moments_blockwise(model, calibration.token_ids, batch_size=config.batch_size,
                                             cosine_pairs=cosine_pairs or needed_cosine_pairs(config),
-                                            scores=list(SCORES))
+                                            scores=list(SCORES), after_block=after_block,
+                                            held_rows=held_rows if after_block is not None else None)
     else:
         moments = stream_moments(model, calibration.token_ids, batch_size=config.batch_size,
                                  cosine_pairs=cosine_pairs or needed_cosine_pairs(config), held_rows=held_rows)

@@ -33,7 +33,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -74,6 +74,8 @@ COSTS_STORE = "repaired-costs"
 # a run's memo may hold, under this name, a dict in which every RepairedCosts keeps the original model's passes over
 # the measuring rows (:func:`shared_references`)
 REFERENCES = "repaired-references"
+# a run's memo holds each share's map errors (map_errors_of_shares) under (MAP_ERRORS, share): repaired-fast's
+MAP_ERRORS = "map_errors"
 # positions whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
 _CHUNK = 64
 
@@ -583,12 +585,34 @@ def map_errors_of_shares(model: nn.Module, token_ids: torch.Tensor, shares: Sequ
         held = stream_any(model, measure_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
     errors: dict[float, list[float]] = {share: [] for share in shares}
     for block in range(len(get_blocks(model)[1])):
-        full, moments = fit_linear_map(fitted.pair(block, block + 1), ridge), held.pair(block, block + 1)
-        energy = torch.diagonal(moments.cyy) + moments.n * moments.mean_y**2  # uncentred: the state's own size
-        for share, found in errors.items():
-            sse = residual_sums(scale_update(full, share), moments)
-            found.append(float(sse.sum() / energy.sum()))
+        for share, error in block_map_errors(fitted, held, block, shares, ridge).items():
+            errors[share].append(error)
     return errors
+
+
+def block_map_errors(fitted: StateMoments, held: StateMoments, block: int, shares: Sequence[float],
+                     ridge: float = 0.0) -> dict[float, float]:
+    """Block ``block``'s :func:`map_errors` at each share: its map fitted on ``fitted``, measured on ``held``."""
+    full, moments = fit_linear_map(fitted.pair(block, block + 1), ridge), held.pair(block, block + 1)
+    energy = torch.diagonal(moments.cyy) + moments.n * moments.mean_y**2  # uncentred: the state's own size
+    return {share: float(residual_sums(scale_update(full, share), moments).sum() / energy.sum()) for share in shares}
+
+
+def held_map_errors(shares: Sequence[float]) -> tuple[dict[float, list[float]], Callable[[StateMoments, int], None]]:
+    """({share: per-block errors}, a block-by-block pass's ``after_block`` filling them) for a skeleton.
+
+    A block-by-block scoring pass that keeps the measuring rows apart (``stream_moments_blockwise(held_rows=...)``)
+    frees each state once its scores are taken; :func:`map_errors_of_shares` could not read them afterwards, so
+    the errors of each block are taken as soon as its output is complete, as an in-memory pass's are afterwards.
+    """
+    errors: dict[float, list[float]] = {share: [] for share in shares}
+
+    def after_block(moments: StateMoments, block: int) -> None:
+        held = moments.held.moments
+        for share, error in block_map_errors(moments.minus(held), held, block, shares).items():
+            errors[share].append(error)
+
+    return errors, after_block
 
 
 def repaired_oracle(model: nn.Module, token_ids: torch.Tensor, scores: dict[str, list[float]],

@@ -36,6 +36,7 @@ from prune.model.surgery import blocks_removed
 from prune.registry import Registry
 from prune.selection.oracle import removal_cache, removal_perplexities
 from prune.selection.repaired import (
+    MAP_ERRORS,
     RepairedCosts,
     greedy_order,
     map_errors,
@@ -426,10 +427,10 @@ def _prepare_repaired_fast(memo: dict, model, token_ids, replaces, batch_size: i
 
     From none where the scoring pass's ``moments`` kept the measuring rows apart.
     """
-    shares = [share for share in dict.fromkeys(map(update_share, replaces)) if ("map_errors", share) not in memo]
+    shares = [share for share in dict.fromkeys(map(update_share, replaces)) if (MAP_ERRORS, share) not in memo]
     if shares:
         found = map_errors_of_shares(model, token_ids, shares, batch_size=batch_size, moments=moments)
-        memo.update({("map_errors", share): errors for share, errors in found.items()})
+        memo.update({(MAP_ERRORS, share): errors for share, errors in found.items()})
 
 
 @register_selection("repaired-fast", "the K whose least-squares map misses least on held-out rows (one pass)",
@@ -440,7 +441,7 @@ def _repaired_fast(inputs: SelectionInput) -> list[int]:
         raise ValueError("repaired-fast selection needs the model and calibration tokens")
     share = update_share(inputs.replace)
     # one pass per share of the update: the repairs applying the same share (prune.ship tries several) share it
-    errors = _memo(inputs, ("map_errors", share),
+    errors = _memo(inputs, (MAP_ERRORS, share),
                    lambda: map_errors(inputs.model, inputs.token_ids, share, batch_size=inputs.batch_size,
                                       moments=inputs.moments))
     candidates = [b for b in range(len(inputs.values)) if b not in inputs.protected]

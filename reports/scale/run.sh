@@ -24,3 +24,13 @@ cp "$OUT/8b/scale.json" "$OUT/8b/scale.md" "$HERE/llama-3-8b/"
 python -m eval.bench scoring --methods sequential --tokens 32768 --time-tokens 8192 --repeats 3 --end-to-end 0 \
     --out "$OUT/scoring"
 cp "$OUT/scoring/scoring.json" "$OUT/scoring/scoring.md" "$HERE/"
+# prune.ship on the 1B shape, block by block then in memory (the tables of "fold-rotate and prune.ship block by
+# block"; ship.json of the 187b61a runs in llama-3.2-1b/ship-187b61a/)
+python -m eval.bench scale --shape llama-3.2-1b --write-only --out "$OUT/s1b"
+mkdir -p "$HERE/llama-3.2-1b/ship-187b61a"
+for off in sequential none; do
+  python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 --seq-len 512 \
+      --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 --offload $off \
+      --out "$OUT/s1b/ship-$off"
+  cp "$OUT/s1b/ship-$off/ship.json" "$HERE/llama-3.2-1b/ship-187b61a/$off.json"
+done

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from prune.measure.moments import StateMoments, stream_moments
-from tests.helpers import make_tiny_model
+from tests.helpers import make_tiny_model, make_tiny_tokenizer
 
 IDS = torch.randint(3, 320, (12, 24), generator=torch.Generator().manual_seed(1))
 
@@ -41,3 +41,28 @@ def test_minus_refuses_statistics_shifted_otherwise(one_thread):
         whole.minus(alone)
     with pytest.raises(ValueError, match="shifted alike"):
         whole.minus(StateMoments(whole.num_states - 1, [], "none"))
+
+
+def test_a_skeleton_takes_the_map_errors_of_the_held_rows_block_by_block_as_memory_does(tmp_path, one_thread):
+    """Block by block each state's statistics are freed once its scores are taken; the map errors that repaired-fast
+    reads are taken in the same pass, before the freeing, and equal the in-memory pass's (float32 rounding)."""
+    from prune.loading.offload import load_offloaded
+    from prune.measure.blockwise import stream_moments_blockwise
+    from prune.measure.scores import SCORES
+    from prune.selection.repaired import held_map_errors, map_errors_of_shares, measuring_rows
+
+    model = make_tiny_model("llama", seed=2)
+    model.save_pretrained(tmp_path)
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    ids = torch.randint(3, 320, (16, 24), generator=torch.Generator().manual_seed(3))
+    rows, shares = measuring_rows(ids), [0.7, 1.0]  # rows 7 and 15, as repaired-fast reads them
+    whole = stream_moments(model, ids, batch_size=4, progress=False, held_rows=rows)
+    expected = map_errors_of_shares(model, ids, shares, moments=whole)
+    skeleton = load_offloaded(str(tmp_path), dtype="float32").model
+    found, after_block = held_map_errors(shares)
+    streamed = stream_moments_blockwise(skeleton, ids, batch_size=4, progress=False, scores=list(SCORES),
+                                        held_rows=rows, after_block=after_block)
+    assert streamed.held.rows == tuple(rows) and all(g is None for g in streamed.grams[:-1])  # freed as it went
+    for share in shares:
+        assert found[share] == pytest.approx(expected[share], rel=1e-4)
+    assert expected[0.7] != pytest.approx(expected[1.0], rel=1e-3)  # two shares, two sets of errors
