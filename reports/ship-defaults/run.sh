@@ -56,3 +56,9 @@ for v in before after; do
   mkdir -p reports/ship-defaults/d4-fit-$v
   cp /tmp/fr/d4-$v/ship.json /tmp/fr/d4-$v.work/*.json reports/ship-defaults/d4-fit-$v/
 done
+
+# drop 4 with every default at df266ab (the build's own fit, the heal's KL before from the shortlist), as d4 above
+(cd /tmp/fr && PYTHONPATH=/tmp/wt-d4 /usr/bin/time -v python -m prune.ship --model smollm2-135m --drop 4 \
+  --engine llamacpp --gguf-type q4_k_m --threads 2 $HELDOUT --out d4d)
+mkdir -p reports/ship-defaults/d4-df266ab
+cp -n /tmp/fr/d4d/ship.json /tmp/fr/d4d.work/*.json reports/ship-defaults/d4-df266ab/
