@@ -65,7 +65,8 @@ class ShipWork:
         repairs: the training-free repairs the shortlist fits (removal not counted), by ``fit_width``.
         rounds: each of those repairs' ``fit_rounds`` (none given: every fit solved once).
         sets: block sets the one-pass selections are expected to choose (each crossed with every repair).
-        spans: spans per set (a top-k choice of scattered blocks has several).
+        spans: distinct spans per set, on average (a top-k choice of scattered blocks has several); both are
+            guesses before the scoring pass, counted after it (:func:`ship.plan.replanned_shortlist`).
         self_rows: rows of the model's own text sampled for calibration (0: none, or kept).
         heldout_tokens: held-out tokens the verify stage scores per text, and ``texts`` of them.
         gguf: the engine reads a GGUF (llama.cpp): the export runs, and the engine scores it.
@@ -78,7 +79,7 @@ class ShipWork:
     repairs: tuple[int, ...]
     rounds: tuple[int, ...] = ()
     sets: int = 3
-    spans: int = 2
+    spans: float = 2
     self_rows: int = 0
     heldout_tokens: int = 4096
     texts: int = 1

@@ -27,9 +27,9 @@ from prune.replace import ReplaceConfig
 from prune.selection.repaired import update_share
 from ship.build import Built, build, chosen_config
 from ship.card import CARD, ship_card
-from ship.config import ShipConfig, applicable, servable_repairs
+from ship.config import ShipConfig, applicable, duration_words, servable_repairs
 from ship.heal import Healing, heal, heal_steps
-from ship.plan import Plan, block_budget, make_plan, plan_line
+from ship.plan import Plan, block_budget, make_plan, plan_line, replanned_shortlist
 from ship.shortlist import SHORTLIST_SHARE, Progress, Shortlist, make_shortlist
 from ship.verify import Verified, verify
 from ship.work import (
@@ -94,7 +94,10 @@ class Shipper:
             times = {"plan": plan.seconds, "shortlist": shortlist.seconds, "build": built.seconds,
                      "heal": healed.seconds, "export": exported.seconds,
                      "verify": verified.seconds if verified else 0.0}
-            self.card(final, shortlist, verified, times, healed, plan.planned_stages)
+            planned = plan.planned_stages
+            if planned and shortlist.planned_seconds is not None:  # beside it, as counted once the sets were known
+                planned = {**planned, "shortlist once its sets were known": shortlist.planned_seconds}
+            self.card(final, shortlist, verified, times, healed, planned)
             os.replace(final, out)
         self.say(f"wrote {out}/ ({self.elapsed():.0f} s); every stage's output is in {work.path}/")
         return out
@@ -190,9 +193,19 @@ class Shipper:
         count = plan.drop if plan.drop is not None else block_budget(config, loaded.model,
                                                                      config.resolve(loaded.model))
         budget = self.config.time_budget
+
+        def replan(sets: list[list[int]]) -> float | None:
+            seconds = replanned_shortlist(self.config, count, sets)
+            if seconds is not None:
+                before = (plan.planned_stages or {}).get("shortlist")
+                self.say(f"{len({tuple(s) for s in sets})} block sets to fit and measure: the planner now gives the "
+                         f"shortlist {duration_words(seconds)}"
+                         + (f" (planned before loading: {duration_words(before)})" if before else ""))
+            return seconds
+
         return make_shortlist(self.scored, loaded.model, config, count,
                               deadline=None if budget is None else budget * SHORTLIST_SHARE, elapsed=self.elapsed,
-                              progress=Progress(self.work / SHORTLIST_PROGRESS))
+                              progress=Progress(self.work / SHORTLIST_PROGRESS), replan=replan)
 
     def build(self, shortlist: Shortlist) -> Built:
         """``checkpoint/``: prune.run's checkpoint of the chosen candidate."""

@@ -76,6 +76,7 @@ class Shortlist(StageResult):
     dense_ppl: float | None = None
     measuring_rows: list | None = None
     not_applicable: dict = field(default_factory=dict)
+    planned_seconds: float | None = None  # the planner's seconds for this stage once its candidates were known
 
     def __post_init__(self):
         self.candidates = [c if isinstance(c, Candidate) else Candidate(**c) for c in self.candidates]
@@ -137,11 +138,13 @@ class Progress:
 
 
 def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, deadline: float | None = None,
-                   elapsed: Callable[[], float] = lambda: 0.0, progress: Progress | None = None) -> Shortlist:
+                   elapsed: Callable[[], float] = lambda: 0.0, progress: Progress | None = None,
+                   replan: Callable[[list[list[int]]], float | None] | None = None) -> Shortlist:
     """List the candidates of ``count`` blocks, measure them on rows no fit saw; the lowest KL is chosen.
 
     ``deadline``: seconds of ``elapsed()`` after which no further repair's candidates are measured;
-    ``progress``: the repairs an earlier, stopped call measured (kept as each repair ends).
+    ``progress``: the repairs an earlier, stopped call measured (kept as each repair ends); ``replan``: the
+    planner's seconds for the stage given its candidates' block sets, kept as ``planned_seconds``.
     """
     progress = progress or Progress()
     base = dataclasses.replace(config, drop=count, target_params=None, target_speedup=None, replace="none",
@@ -151,11 +154,14 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
     target = config.resolve(model).target_params
     repairs = [(name, applicable(name, model)) for name in servable_repairs()]
     candidates = _candidates(scored, model, base, amounts, [name for name, why in repairs if why is None])
+    planned = None if replan is None else replan([c.blocks for c in candidates])
     # the original runs once over the measuring rows, for every repair; a skeleton's whole passes (the measures)
     # read each block as it is called
     with shared_references(scored.memo), streamed(model):
-        return _measured(scored, model, config, count, candidates, repairs, dense, target, deadline, elapsed,
+        done = _measured(scored, model, config, count, candidates, repairs, dense, target, deadline, elapsed,
                          progress)
+    done.planned_seconds = None if planned is None else round(planned, 1)
+    return done
 
 
 def _measured(scored: Scored, model, config: PruneConfig, count: int, candidates: list[Candidate], repairs: list,
@@ -172,7 +178,7 @@ def _measured(scored: Scored, model, config: PruneConfig, count: int, candidates
             _size(candidate, model, dense, target)
     # one capture pass fits every span of every repair's candidates
     fit_together([(cost, [c.blocks for c in candidates if c.repair == repair and not c.note])
-                  for repair, cost in costs.items() if repair not in restored])
+                  for repair, cost in costs.items() if repair not in restored], progress=True)
     with tqdm(total=len(candidates), desc="shortlist", unit="candidate") as bar:
         for repair, cost in costs.items():
             todo = [c for c in candidates if c.repair == repair]

@@ -423,11 +423,12 @@ def shared_references(memo: dict) -> Iterator[None]:
         memo.pop(REFERENCES, None)
 
 
-def fit_together(wanted: Sequence[tuple[RepairedCosts, Sequence[Sequence[int]]]]) -> None:
+def fit_together(wanted: Sequence[tuple[RepairedCosts, Sequence[Sequence[int]]]], progress: bool = False) -> None:
     """:meth:`RepairedCosts.fit_sets` of several repairs on the same model and rows, one capture pass per fold.
 
     ``prune.ship`` measures every servable repair: each fit is what its own pass would give it (the hooks of
-    the others only record), and the calibration is read once rather than once per repair.
+    the others only record), and the calibration is read once rather than once per repair. ``progress``: a bar
+    for the pass (ship's shortlist: on a 1B model block by block it is minutes with no other output).
     """
     wanted = [(costs, [s for s in sets if costs._valid(s)]) for costs, sets in wanted if not costs.removes_only]
     if not wanted:
@@ -442,8 +443,8 @@ def fit_together(wanted: Sequence[tuple[RepairedCosts, Sequence[Sequence[int]]]]
         for costs, sets in wanted:
             with costs._on_fold(fold):
                 pending.append((costs, costs._missing(sets)))
-        fits = fit_spans_of_methods(first.model, [(costs.config, missing) for costs, missing in pending],
-                                    first.folds[fold][0])
+        fits = fit_spans_of_methods(first.model, [(dataclasses.replace(costs.config, progress=progress), missing)
+                                                  for costs, missing in pending], first.folds[fold][0])
         for (costs, _), found in zip(pending, fits, strict=True):
             costs._fold_fits[fold].update(found)
 

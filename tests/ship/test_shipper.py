@@ -83,6 +83,26 @@ def test_ship_keeps_the_measured_candidate_of_lowest_kl_and_prune_run_rebuilds_i
         assert torch.equal(again[name], tensor), name
 
 
+def test_the_shortlist_is_planned_again_from_the_block_sets_the_scoring_pass_chose(shipped, tiny_folder, text_file,
+                                                                                   tmp_path, one_thread):
+    from ship.cli import build_parser, config_from_args
+    from ship.plan import replanned_shortlist
+
+    out, stdout = shipped
+    found = json.loads((out / "ship.json").read_text())
+    sets = list({tuple(c["blocks"]) for c in found["shortlist"]["candidates"]})
+    config = config_from_args(build_parser().parse_args(
+        [str(a) for a in base_args(tiny_folder, text_file)] + ["--no-verify", "--out", str(tmp_path / "other")]))
+    again = replanned_shortlist(config, 2, [list(s) for s in sets])
+    assert again > 0 and found["shortlist"]["planned_seconds"] == round(again, 1)
+    assert found["planned"]["shortlist once its sets were known"] == round(again, 1)
+    assert f"{len(sets)} block sets to fit and measure: the planner now gives the shortlist" in stdout
+    # every repair fits each span of each set: scattered sets cost more than one span, a set counted once
+    one = replanned_shortlist(config, 2, [[1, 2]])
+    assert replanned_shortlist(config, 2, [[1, 2], [2, 1]]) == one
+    assert replanned_shortlist(config, 2, [[0, 2], [1, 3]]) > replanned_shortlist(config, 2, [[0, 1], [2, 3]]) > one
+
+
 def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_it_never_trained_on_and_the_card_says_so(
         shipped, tmp_path, tiny_folder, text_file, capsys, one_thread, monkeypatch):
     import ship.heal as heal_stage

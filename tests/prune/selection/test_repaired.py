@@ -282,6 +282,19 @@ def test_several_repairs_fitted_together_read_the_rows_once_and_fit_what_each_al
         assert costs.measure_sets(sets) == alone[method].measure_sets(sets), method
 
 
+def test_fitting_together_shows_a_bar_for_its_pass_only_when_asked(one_thread, capsys):
+    from prune.selection.repaired import fit_together
+
+    model = make_tiny_model("llama", seed=3)
+    for progress in (False, True):
+        costs = [RepairedCosts(model, IDS, ReplaceConfig(method=m, progress=False), batch_size=4)
+                 for m in ("fold", "cosine")]
+        fit_together([(c, [[1, 2]]) for c in costs], progress=progress)
+        bars = capsys.readouterr().err
+        batches = -(-split_rows(IDS)[0].shape[0] // 4)
+        assert (f"{batches}/{batches}" in bars) is progress, bars  # ship's shortlist: minutes at 1B scale
+
+
 def test_repaired_fast_prepared_for_several_shares_reads_the_rows_once_and_ranks_as_alone(one_thread, monkeypatch):
     from prune.selection.strategies import SELECTIONS
 
