@@ -128,7 +128,8 @@ def _fit_independent(model, fitters: list[SpanFitter], token_ids, config) -> lis
         for fitter in fitters:
             _hook_both(fitter, recorder)
 
-    for batch in _batches(token_ids, config, f"fit {config.method}"):
+    methods = ", ".join(dict.fromkeys(fitter.config.method for fitter in fitters))  # one pass may feed several
+    for batch in _batches(token_ids, config, f"fit {methods}"):
         values = record(model, batch, setup)
         for fitter in fitters:
             fitter.observe(fitter.batch(values, values))

@@ -34,3 +34,17 @@ for off in sequential none; do
       --out "$OUT/s1b/ship-$off"
   cp "$OUT/s1b/ship-$off/ship.json" "$HERE/llama-3.2-1b/ship-187b61a/$off.json"
 done
+# the same at b08fea3 (the skeleton's scoring pass keeps the measuring rows apart; ship.json in ship-b08fea3/)
+mkdir -p "$HERE/llama-3.2-1b/ship-b08fea3"
+for off in sequential none; do
+  python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 --seq-len 512 \
+      --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 --offload $off \
+      --out "$OUT/s1b/ship-b08fea3-$off"
+  cp "$OUT/s1b/ship-b08fea3-$off/ship.json" "$HERE/llama-3.2-1b/ship-b08fea3/$off.json"
+done
+# the skeleton's again at b058062 (the shortlist planned again once its sets are known; ship-b058062/)
+python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 --seq-len 512 \
+    --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 --offload sequential \
+    --out "$OUT/s1b/ship-b058062-sequential"
+mkdir -p "$HERE/llama-3.2-1b/ship-b058062"
+cp "$OUT/s1b/ship-b058062-sequential/ship.json" "$HERE/llama-3.2-1b/ship-b058062/sequential.json"

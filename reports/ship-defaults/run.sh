@@ -62,3 +62,8 @@ done
   --engine llamacpp --gguf-type q4_k_m --threads 2 $HELDOUT --out d4d)
 mkdir -p reports/ship-defaults/d4-df266ab
 cp -n /tmp/fr/d4d/ship.json /tmp/fr/d4d.work/*.json reports/ship-defaults/d4-df266ab/
+
+# the shortlist planned again once its sets are known (b058062), training-free in transformers
+(cd /tmp/fr && PYTHONPATH=/tmp/wt-rp python -m prune.ship --model smollm2-135m --drop 4 --data builtin --heal-steps 0 \
+  --engine transformers --no-verify --threads 2 --out rp-d4)
+mkdir -p reports/ship-defaults/d4-b058062 && cp /tmp/fr/rp-d4/ship.json reports/ship-defaults/d4-b058062/

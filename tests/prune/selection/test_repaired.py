@@ -293,6 +293,7 @@ def test_fitting_together_shows_a_bar_for_its_pass_only_when_asked(one_thread, c
         bars = capsys.readouterr().err
         batches = -(-split_rows(IDS)[0].shape[0] // 4)
         assert (f"{batches}/{batches}" in bars) is progress, bars  # ship's shortlist: minutes at 1B scale
+        assert ("fit fold, cosine" in bars) is progress, bars  # the one pass feeds both methods' fits
 
 
 def test_repaired_fast_prepared_for_several_shares_reads_the_rows_once_and_ranks_as_alone(one_thread, monkeypatch):
