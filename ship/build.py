@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
 from prune.pipeline.config import PruneConfig
@@ -18,8 +20,10 @@ from ship.work import StageResult
 class Built(StageResult):
     """``build.json``: the blocks removed and the repair, as the checkpoint holds them.
 
-    ``as_measured``: the repair is the shortlist's fit (``--fit-rows fitting``), so the candidate's KL and
-    perplexity on the measuring rows are the checkpoint's (False in a work folder built before 2026-12-03).
+    ``as_measured``: the repair is the shortlist's fit (``--fit-rows fitting``) in float32, so the candidate's KL
+    and perplexity on the measuring rows are the checkpoint's (False in a work folder built before 2026-12-03). In
+    a lower precision the written weights are rounded where the shortlist's view of a cut need not be
+    (fold-rotate's hosted form turns the stream in float64): the heal measures the checkpoint again.
     """
 
     blocks: list
@@ -57,4 +61,5 @@ def build(config: PruneConfig, shortlist: Shortlist, out: Path, loaded: LoadedMo
     if result.dropped != chosen.blocks:
         raise LayercutError(f"prune.run chose blocks {result.dropped} where the shortlist measured "
                             f"{chosen.blocks}: report this (its selection is not deterministic)")
-    return Built(blocks=chosen.blocks, repair=chosen.repair, as_measured=run.replace.fit_rows == "fitting")
+    float32 = result.loaded.model.dtype == torch.float32
+    return Built(blocks=chosen.blocks, repair=chosen.repair, as_measured=run.replace.fit_rows == "fitting" and float32)

@@ -151,14 +151,14 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
                     heal_seconds=(heal_seconds or 0.0) if config.heal_steps else 0.0, verify=config.verify)
 
 
-def replanned_shortlist(config: ShipConfig, drop: int, sets: Sequence[Sequence[int]]) -> float | None:
+def replanned_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int]]) -> float | None:
     """The planner's shortlist seconds again once the scoring pass has chosen its block ``sets`` (None: no plan).
 
     Before any weight is read the planner can only guess how many block sets the one-pass selections choose and
     how scattered they are (``ShipWork.sets`` and ``spans``), and every repair fits each span of each set: on
     the project's runs SmolLM2-135M's selections gave 3-4 sets of 10-11 spans in all, a random-weight
     Llama-3.2-1B shape 2 sets of one span each, whose fits the guess (6 spans) planned at three times their
-    cost. With the sets known the same arithmetic counts them.
+    cost. With the sets known the same arithmetic counts them, and the repairs ``model`` (the loaded one) takes.
     """
     from prune.planner.estimate import hardware_for, plan_config
     from prune.replace import spans_of
@@ -173,8 +173,7 @@ def replanned_shortlist(config: ShipConfig, drop: int, sets: Sequence[Sequence[i
         logger.info("no plan for %s (%s)", config.prune.load.model, err)
         return None
     spans = {span for blocks in sets for span in spans_of(blocks)}  # a repair fits a span once for every set
-    work = dataclasses.replace(ship_work(config, on_meta(config.prune.load.model).skeleton, drop, None),
-                               sets=len(sets), spans=len(spans) / len(sets))
+    work = dataclasses.replace(ship_work(config, model, drop, None), sets=len(sets), spans=len(spans) / len(sets))
     return stage_seconds(planned.shape, planned.inp, work)["shortlist"]
 
 

@@ -195,7 +195,7 @@ class Shipper:
         budget = self.config.time_budget
 
         def replan(sets: list[list[int]]) -> float | None:
-            seconds = replanned_shortlist(self.config, count, sets)
+            seconds = replanned_shortlist(self.config, loaded.model, count, sets)
             if seconds is not None:
                 before = (plan.planned_stages or {}).get("shortlist")
                 self.say(f"{len({tuple(s) for s in sets})} block sets to fit and measure: the planner now gives the "

@@ -148,8 +148,8 @@ class PruneConfig:
         if chosen == "none":
             return self
         settings = self.replace.to_dict()
-        replace = ReplaceConfig(method=chosen, fit=settings["fit"], short=None, batch_size=self.batch_size,
-                                cache_bytes=settings["cache_bytes"], seed=settings["seed"],
+        replace = ReplaceConfig(method=chosen, fit=settings["fit"], fit_rows=settings["fit_rows"], short=None,
+                                batch_size=self.batch_size, cache_bytes=settings["cache_bytes"], seed=settings["seed"],
                                 progress=settings["progress"])
         chosen_config = dataclasses.replace(self, replace=replace)
         chosen_config.out = self.out  # as given: None writes nothing (prune.slim), not a default folder

@@ -77,6 +77,9 @@ class ReplaceConfig:
         if self.fit_rows != "all" and self.fit != "independent":
             raise LayercutError("--fit-rows fitting reuses the independent fits a repaired selection measured: "
                                 "drop --fit sequential, or use --fit-rows all")
+        if self.fit_rows != "all" and spec.measured_as is not None:  # before any pass, not at the build
+            raise LayercutError(f"--fit-rows fitting ships the fit a repaired selection measured, and --replace "
+                                f"{self.method} is measured through another method's fit: use --fit-rows all")
         self.options = resolve_options(spec, given)
         if self.short is None:
             self.short = spec.options.default_short

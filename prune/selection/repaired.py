@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -183,6 +184,9 @@ class RepairedCosts:
         # eighth keeps the key it had before crossfit existed: a memo written by an older run still reads
         self.key = repair_key(self.config) + ("" if rows == "eighth" else f" rows={rows}")
         shared = {} if memo is None else memo.setdefault(("repaired", self.key), {})
+        # a fit's patch holds the modules of the model it was fitted on (a fold writes its host's projection):
+        # whether the memo's fits are this model's (eval.compare's cells share one memo over copies of the model)
+        self.owns_fits = shared.setdefault("model", weakref.ref(model))() is model
         # per fold: a span fitted on one fold's rows serves every set of that fold
         self._fold_fits: list[dict[tuple[int, ...], Replacement | None]] = [
             shared.setdefault("fits" if fold == 0 else f"fits-{fold}", {}) for fold in range(len(self.folds))]
@@ -463,10 +467,9 @@ def replace_as_measured_(model: nn.Module, dropped: Sequence[int], token_ids: to
     if spec.fitter is None:
         drop_blocks_(model, dropped)
         return []
-    if spec.measured_as is not None:
-        raise LayercutError(f"--fit-rows fitting ships the fit a repaired selection measured, and --replace "
-                            f"{replace.method} is measured through another method's fit: use --fit-rows all")
     costs = RepairedCosts(model, token_ids, replace, batch_size=replace.batch_size, memo=memo)
+    if not costs.owns_fits:  # the memo's fits patch another copy of the model: this one's are fitted here
+        costs = RepairedCosts(model, token_ids, replace, batch_size=replace.batch_size)
     spans = spans_of(sorted(dropped))
     check_span_lengths(replace.method, spans)
     if spec.check_spans is not None:

@@ -50,3 +50,18 @@ def test_bad_settings_are_one_line_errors(values, message):
     with pytest.raises(LayercutError, match=message) as err:
         ReplaceConfig(method="linear", **values)
     assert "\n" not in str(err.value)
+
+
+def test_fit_rows_fitting_is_refused_before_any_pass_for_a_method_measured_through_another_and_kept_by_auto():
+    from prune.checkpoint.load_config import LoadConfig
+    from prune.pipeline.config import PruneConfig
+    from tests.helpers import make_tiny_model
+
+    # local is measured through a linear map's fit: it has no fit of its own on the fitting rows to ship
+    with pytest.raises(LayercutError, match="--replace local is measured through another method's fit") as err:
+        ReplaceConfig(method="local", fit_rows="fitting")
+    assert "\n" not in str(err.value)
+    # --replace auto (prune.run's default) keeps the rows it was told to fit on when it names the method
+    config = PruneConfig(load=LoadConfig(model="tiny"), drop=2, replace={"method": "auto", "fit_rows": "fitting"})
+    chosen = config.with_default_repair(make_tiny_model("llama"))
+    assert chosen.replace.method != "none" and chosen.replace.fit_rows == "fitting"

@@ -368,3 +368,24 @@ def test_repairs_sharing_the_original_s_passes_measure_what_each_measures_alone(
     # one check that such a pass gives the whole pass's logits
     assert len(heads) == measuring_batches + len(methods) * (measuring_batches * len(sets) + 1)
     assert "repaired-references" not in memo  # dropped at the end of the with
+
+
+def test_a_copy_of_the_model_ships_its_own_fit_not_the_memos_of_another_copy(one_thread):
+    from prune.selection.repaired import replace_as_measured_
+
+    model = make_tiny_model("llama", seed=3)
+    pristine = copy.deepcopy(model)
+    memo: dict = {}
+    config = ReplaceConfig(method="fold", fit_rows="fitting", progress=False)
+    RepairedCosts(model, IDS, config, batch_size=4, memo=memo).fit_sets([[1, 2]])  # a first cell's selection
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    # another cell: a copy of the model, the same memo (eval.compare); and a run with no memo at all
+    cell, alone = copy.deepcopy(pristine), copy.deepcopy(pristine)
+    replace_as_measured_(cell, [1, 2], IDS, config, memo)
+    replace_as_measured_(alone, [1, 2], IDS, config)
+    # the fold's patch is the copy's own: the first model is untouched, the copy computes what a fresh fit does
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    with torch.no_grad():
+        assert torch.equal(cell(input_ids=IDS[:2]).logits, alone(input_ids=IDS[:2]).logits)
+    # the model that fitted them reuses them as they are (prune.ship's build)
+    assert RepairedCosts(model, IDS, config, batch_size=4, memo=memo).owns_fits
