@@ -188,8 +188,10 @@ class RepairedCosts:
         # whether the memo's fits are this model's (eval.compare's cells share one memo over copies of the model)
         self.owns_fits = shared.setdefault("model", weakref.ref(model))() is model
         # per fold: a span fitted on one fold's rows serves every set of that fold
+        # (another copy fits its own: the measured costs, plain numbers, are shared all the same)
+        fitted = shared if self.owns_fits else {}
         self._fold_fits: list[dict[tuple[int, ...], Replacement | None]] = [
-            shared.setdefault("fits" if fold == 0 else f"fits-{fold}", {}) for fold in range(len(self.folds))]
+            fitted.setdefault("fits" if fold == 0 else f"fits-{fold}", {}) for fold in range(len(self.folds))]
         if "costs" not in shared:
             store = memo.get(COSTS_STORE) if memo is not None else None
             shared["costs"] = store(self.key) if store is not None else {}
@@ -468,8 +470,6 @@ def replace_as_measured_(model: nn.Module, dropped: Sequence[int], token_ids: to
         drop_blocks_(model, dropped)
         return []
     costs = RepairedCosts(model, token_ids, replace, batch_size=replace.batch_size, memo=memo)
-    if not costs.owns_fits:  # the memo's fits patch another copy of the model: this one's are fitted here
-        costs = RepairedCosts(model, token_ids, replace, batch_size=replace.batch_size)
     spans = spans_of(sorted(dropped))
     check_span_lengths(replace.method, spans)
     if spec.check_spans is not None:

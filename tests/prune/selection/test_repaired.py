@@ -389,3 +389,8 @@ def test_a_copy_of_the_model_ships_its_own_fit_not_the_memos_of_another_copy(one
         assert torch.equal(cell(input_ids=IDS[:2]).logits, alone(input_ids=IDS[:2]).logits)
     # the model that fitted them reuses them as they are (prune.ship's build)
     assert RepairedCosts(model, IDS, config, batch_size=4, memo=memo).owns_fits
+    # a copy's selection measures its views with its own fits (the first model fitted these spans, unmeasured)
+    RepairedCosts(model, IDS, config, batch_size=4, memo=memo).fit_sets([[0, 1]])
+    other = RepairedCosts(copy.deepcopy(pristine), IDS, config, batch_size=4, memo=memo)
+    assert not other.owns_fits and other.measure_sets([[0, 1]]) == RepairedCosts(
+        copy.deepcopy(pristine), IDS, config, batch_size=4).measure_sets([[0, 1]])
