@@ -27,24 +27,20 @@ cp "$OUT/scoring/scoring.json" "$OUT/scoring/scoring.md" "$HERE/"
 # prune.ship on the 1B shape, block by block then in memory (the tables of "fold-rotate and prune.ship block by
 # block"; ship.json of the 187b61a runs in llama-3.2-1b/ship-187b61a/)
 python -m eval.bench scale --shape llama-3.2-1b --write-only --out "$OUT/s1b"
-mkdir -p "$HERE/llama-3.2-1b/ship-187b61a"
-for off in sequential none; do
-  python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 --seq-len 512 \
-      --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 --offload $off \
-      --out "$OUT/s1b/ship-$off"
-  cp "$OUT/s1b/ship-$off/ship.json" "$HERE/llama-3.2-1b/ship-187b61a/$off.json"
-done
-# the same at b08fea3 (the skeleton's scoring pass keeps the measuring rows apart; ship.json in ship-b08fea3/)
-mkdir -p "$HERE/llama-3.2-1b/ship-b08fea3"
-for off in sequential none; do
-  python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 --seq-len 512 \
-      --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 --offload $off \
-      --out "$OUT/s1b/ship-b08fea3-$off"
-  cp "$OUT/s1b/ship-b08fea3-$off/ship.json" "$HERE/llama-3.2-1b/ship-b08fea3/$off.json"
-done
-# the skeleton's again at b058062 (the shortlist planned again once its sets are known; ship-b058062/)
-python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 --seq-len 512 \
-    --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 --offload sequential \
-    --out "$OUT/s1b/ship-b058062-sequential"
-mkdir -p "$HERE/llama-3.2-1b/ship-b058062"
-cp "$OUT/s1b/ship-b058062-sequential/ship.json" "$HERE/llama-3.2-1b/ship-b058062/sequential.json"
+# ship_1b COMMIT OFFLOAD...: the ship command of the tables, at the checked-out COMMIT, into llama-3.2-1b/ship-COMMIT/
+ship_1b() {
+  local commit=$1 off
+  shift
+  mkdir -p "$HERE/llama-3.2-1b/ship-$commit"
+  for off in "$@"; do
+    python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 --seq-len 512 \
+        --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 --offload "$off" \
+        --out "$OUT/s1b/ship-$commit-$off"
+    cp "$OUT/s1b/ship-$commit-$off/ship.json" "$HERE/llama-3.2-1b/ship-$commit/$off.json"
+  done
+}
+ship_1b 187b61a sequential none
+# the same at b08fea3 (the skeleton's scoring pass keeps the measuring rows apart)
+ship_1b b08fea3 sequential none
+# the skeleton's again at b058062 (the shortlist planned again once its sets are known)
+ship_1b b058062 sequential
