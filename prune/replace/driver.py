@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from prune.errors import LayercutError
 from prune.measure.moments import StateMoments, span_pairs
-from prune.model.adapters import get_blocks, is_offloaded
+from prune.model.adapters import get_blocks, is_offloaded, num_blocks
 from prune.model.layouts import LAYERCUT
 from prune.model.surgery import (
     RECORDS_ATTR,
@@ -317,6 +317,20 @@ def _short_spans(method: str, least: int, found: str, fix: str) -> LayercutError
                          f"{found}: {fix}")
 
 
+def checked_spans(model: nn.Module, dropped: Sequence[int], method: str) -> list[tuple[int, ...]]:
+    """The spans of ``dropped`` (current positions) that ``method`` will replace.
+
+    Refused in one line where it cannot: positions outside the model, spans shorter than it needs, spans its own
+    check refuses.
+    """
+    spec = get_method(method)
+    spans = spans_of(check_block_indices(dropped, num_blocks(model)))
+    check_span_lengths(method, spans)
+    if spec.check_spans is not None:
+        spec.check_spans(model, spans, spec.name)
+    return spans
+
+
 def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor,
                      config: ReplaceConfig, moments: StateMoments | None = None) -> list[Replacement]:
     """Fit one replacement per span of ``dropped`` (current positions) without changing the model.
@@ -334,10 +348,7 @@ def fit_replacements(model: nn.Module, dropped: Sequence[int], token_ids: torch.
     if spec.fitter is None:
         raise ValueError(f"--replace {config.method} fits nothing: use replace_blocks_")
     original = list(get_blocks(model)[1])
-    spans = spans_of(check_block_indices(dropped, len(original)))
-    check_span_lengths(config.method, spans)
-    if spec.check_spans is not None:
-        spec.check_spans(model, spans, spec.name)
+    spans = checked_spans(model, dropped, config.method)
     fitters = [spec.fitter(model, original, span, config) for span in spans]
     if is_offloaded(model):
         return _noted(_fit_offloaded(model, fitters, token_ids, config), token_ids, config)

@@ -52,6 +52,7 @@ from prune.replace import (
     ReplaceConfig,
     Replacement,
     check_span_lengths,
+    checked_spans,
     fit_spans,
     fit_spans_of_methods,
     get_method,
@@ -470,10 +471,7 @@ def replace_as_measured_(model: nn.Module, dropped: Sequence[int], token_ids: to
         drop_blocks_(model, dropped)
         return []
     costs = RepairedCosts(model, token_ids, replace, batch_size=replace.batch_size, memo=memo)
-    spans = spans_of(sorted(dropped))
-    check_span_lengths(replace.method, spans)
-    if spec.check_spans is not None:
-        spec.check_spans(model, spans, spec.name)
+    spans = checked_spans(model, dropped, replace.method)
     kept = sum(span in costs.fits for span in spans)
     replacements = costs.replacements(dropped)
     for replacement in replacements:
