@@ -55,8 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--engine", default="llamacpp", choices=ship_engines(),
                        help="where the checkpoint is served and verified (default: llamacpp)")
     group.add_argument("--time-budget", default=None, metavar="DURATION",
-                       help="how long the whole run may take (30m, 1h): refused up front when the plan says more; "
-                       "the shortlist stops measuring at half of it (default: no limit)")
+                       help="how long the whole run may take (30m, 1h): refused up front when the plan says even "
+                       "removal alone takes more; the shortlist tries the repairs the planner fits in half of it, "
+                       "the heal the steps left (default: no limit)")
     group.add_argument("--heldout", action="append", default=[], metavar="TEXT",
                        help="held-out text (.txt/.jsonl/.parquet or datasets spec), one per domain, for the card's "
                        "perplexities in transformers and the engine (repeatable; default: held-out rows of the "

@@ -115,7 +115,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
                  + score_decompositions(shape) / fits_rate
                  + measure * moments / 2 / (rate * SCORING_SHARE)  # the measuring rows' statistics kept apart
-                 + passes(tokens - measure, layers, CAPTURE_SHARE)
+                 + (passes(tokens - measure, layers, CAPTURE_SHARE) if work.repairs else 0.0)  # removal fits nothing
                  + fits / fits_rate
                  + passes(measure * (len(work.repairs) + 1), layers, LOGITS_SHARE, head=True)
                  + passes(measure * work.sets * (len(work.repairs) + 1), layers / 2, LOGITS_SHARE, head=True))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from ship.config import (
     servable_repairs,
 )
 from ship.costs import PROCESS_SECONDS, ShipWork, stage_seconds
+from ship.shortlist import SHORTLIST_SHARE
 from ship.work import StageResult
 
 logger = logging.getLogger(__name__)
@@ -100,25 +101,39 @@ def make_plan(config: ShipConfig) -> Plan:
         plan.planned_seconds = planned.seconds
         plan.planned_peak = planned.to_dict()["peak"]
         plan.planned_heal_seconds = planned_heal(config, sized)
+        least = None
         if count is not None:
             plan.planned_stages = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
                 planned.shape, planned.inp, ship_work(config, meta.skeleton, count, plan.planned_heal_seconds)).items()}
+            # the shortlist leaves out the repairs its share of the budget cannot pay for (ship.shortlist): the
+            # run is refused only when removal alone, which fits nothing, does not fit
+            least = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
+                planned.shape, planned.inp, ship_work(config, meta.skeleton, count, None, only=())).items()}
         budget, needed = config.time_budget, plan.planned_total(heal=False)
         if budget is not None and needed is not None and needed > budget:
-            raise LayercutError(f"--time-budget {duration_words(budget)}: the planner gives this run "
-                                f"{duration_words(needed)} before any healing ({_stage_words(plan.planned_stages)}): "
-                                "give more time, a smaller --samples, or a smaller budget")
+            least_total = None if least is None else sum(s for stage, s in least.items() if stage != "heal")
+            if least_total is None or least_total > budget:
+                raise LayercutError(
+                    f"--time-budget {duration_words(budget)}: the planner gives this run "
+                    f"{duration_words(least_total or needed)} before any healing "
+                    f"({_stage_words(least or plan.planned_stages)})"
+                    + (" with no repair tried" if least_total is not None and least_total < needed else "")
+                    + ": give more time, a smaller --samples, or a smaller budget")
+            logger.warning("--time-budget %s: the planner gives this run %s before any healing; the shortlist "
+                           "tries the repairs that fit in %d%% of the budget once its block sets are known",
+                           duration_words(budget), duration_words(needed), round(100 * SHORTLIST_SHARE))
     elif config.time_budget is not None:
         logger.warning("the planner cannot cost %s before loading: --time-budget is held against the stages "
                        "as they run", prune.load.model)
     return plan
 
 
-def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | None) -> ShipWork:
+def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | None,
+              only: Collection[str] | None = None) -> ShipWork:
     """What the run will do, as :mod:`ship.costs` counts it.
 
-    The repairs the shortlist fits (those the skeleton takes), the text it samples, the held-out tokens it
-    verifies on.
+    The repairs the shortlist fits (those the skeleton takes, of ``only`` where given), the text it samples, the
+    held-out tokens it verifies on.
     """
     from prune.data.self_text import self_rows
     from prune.planner.shape import shape_of_model
@@ -128,7 +143,7 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
     # as the shortlist sizes them (ship.config.params_cap): a repair adding more than its cap allows is never fitted
     removal = parameter_count(skeleton) - drop * shape.block_params if shape else 0
     target = config.prune.resolve(skeleton).target_params if skeleton is not None else None
-    repairs = [name for name in servable_repairs() if name != "none"
+    repairs = [name for name in servable_repairs() if name != "none" and (only is None or name in only)
                and (skeleton is None or (applicable(name, skeleton) is None and not (
                    METHODS[name].adds_params and removal + METHODS[name].adds_params(skeleton)
                    > params_cap(removal, target))))]
@@ -151,8 +166,11 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
                     heal_seconds=(heal_seconds or 0.0) if config.heal_steps else 0.0, verify=config.verify)
 
 
-def replanned_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int]]) -> float | None:
+def replanned_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int]],
+                        repairs: Collection[str] | None = None) -> float | None:
     """The planner's shortlist seconds again once the scoring pass has chosen its block ``sets`` (None: no plan).
+
+    ``repairs``: the repairs counted (default: every one the model takes; removal is always measured).
 
     Before any weight is read the planner can only guess how many block sets the one-pass selections choose and
     how scattered they are (``ShipWork.sets`` and ``spans``), and every repair fits each span of each set: on
@@ -173,7 +191,8 @@ def replanned_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Seq
         logger.info("no plan for %s (%s)", config.prune.load.model, err)
         return None
     spans = {span for blocks in sets for span in spans_of(blocks)}  # a repair fits a span once for every set
-    work = dataclasses.replace(ship_work(config, model, drop, None), sets=len(sets), spans=len(spans) / len(sets))
+    work = dataclasses.replace(ship_work(config, model, drop, None, only=repairs), sets=len(sets),
+                               spans=len(spans) / len(sets))
     return stage_seconds(planned.shape, planned.inp, work)["shortlist"]
 
 

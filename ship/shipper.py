@@ -12,7 +12,7 @@ import gc
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -194,9 +194,9 @@ class Shipper:
                                                                      config.resolve(loaded.model))
         budget = self.config.time_budget
 
-        def replan(sets: list[list[int]]) -> float | None:
-            seconds = replanned_shortlist(self.config, loaded.model, count, sets)
-            if seconds is not None:
+        def replan(sets: list[list[int]], repairs: Collection[str] | None) -> float | None:
+            seconds = replanned_shortlist(self.config, loaded.model, count, sets, repairs)
+            if seconds is not None and repairs is None:  # the whole stage's, said once
                 before = (plan.planned_stages or {}).get("shortlist")
                 self.say(f"{len({tuple(s) for s in sets})} block sets to fit and measure: the planner now gives the "
                          f"shortlist {duration_words(seconds)}"
@@ -205,7 +205,7 @@ class Shipper:
 
         return make_shortlist(self.scored, loaded.model, config, count,
                               deadline=None if budget is None else budget * SHORTLIST_SHARE, elapsed=self.elapsed,
-                              progress=Progress(self.work / SHORTLIST_PROGRESS), replan=replan)
+                              progress=Progress(self.work / SHORTLIST_PROGRESS), replan=replan, say=self.say)
 
     def build(self, shortlist: Shortlist) -> Built:
         """``checkpoint/``: prune.run's checkpoint of the chosen candidate."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,11 +30,14 @@ from prune.pipeline.runner import Scored
 from prune.replace import METHODS, ReplaceConfig, parameter_count
 from prune.selection.repaired import RepairedCosts, fit_together, shared_references
 from prune.selection.strategies import SELECTIONS
-from ship.config import applicable, oversize_note, servable_repairs
+from ship.config import applicable, duration_words, oversize_note, servable_repairs
 from ship.work import StageResult, write_json_atomic
 
 # the share of --time-budget the shortlist may spend measuring; building and verifying take the rest
 SHORTLIST_SHARE = 0.5
+
+# the planner's seconds for the stage, given the block sets and the repairs tried (None: every one); None: no plan
+Replan = Callable[[list[list[int]], Collection[str] | None], float | None]
 
 
 @dataclass
@@ -139,12 +142,14 @@ class Progress:
 
 def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, deadline: float | None = None,
                    elapsed: Callable[[], float] = lambda: 0.0, progress: Progress | None = None,
-                   replan: Callable[[list[list[int]]], float | None] | None = None) -> Shortlist:
+                   replan: Replan | None = None, say: Callable[[str], None] = print) -> Shortlist:
     """List the candidates of ``count`` blocks, measure them on rows no fit saw; the lowest KL is chosen.
 
-    ``deadline``: seconds of ``elapsed()`` after which no further repair's candidates are measured;
-    ``progress``: the repairs an earlier, stopped call measured (kept as each repair ends); ``replan``: the
-    planner's seconds for the stage given its candidates' block sets, kept as ``planned_seconds``.
+    ``deadline``: seconds of ``elapsed()`` by which the stage should end: the repairs whose fits and measures the
+    planner says do not fit in the time left are not tried, and once it has passed no further repair's
+    candidates are measured; ``progress``: the repairs an earlier, stopped call measured (kept as each repair
+    ends); ``replan``: the planner's seconds for the stage given block sets and the repairs tried (None: every
+    one), the whole stage's kept as ``planned_seconds``.
     """
     progress = progress or Progress()
     base = dataclasses.replace(config, drop=count, target_params=None, target_speedup=None, replace="none",
@@ -154,19 +159,19 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
     target = config.resolve(model).target_params
     repairs = [(name, applicable(name, model)) for name in servable_repairs()]
     candidates = _candidates(scored, model, base, amounts, [name for name, why in repairs if why is None])
-    planned = None if replan is None else replan([c.blocks for c in candidates])
+    planned = None if replan is None else replan([c.blocks for c in candidates], None)
     # the original runs once over the measuring rows, for every repair; a skeleton's whole passes (the measures)
     # read each block as it is called
     with shared_references(scored.memo), streamed(model):
         done = _measured(scored, model, config, count, candidates, repairs, dense, target, deadline, elapsed,
-                         progress)
+                         progress, None if planned is None else replan, say)
     done.planned_seconds = None if planned is None else round(planned, 1)
     return done
 
 
 def _measured(scored: Scored, model, config: PruneConfig, count: int, candidates: list[Candidate], repairs: list,
               dense: int, target: int | None, deadline: float | None, elapsed: Callable[[], float],
-              progress: Progress) -> Shortlist:
+              progress: Progress, replan: Replan | None, say: Callable[[str], None]) -> Shortlist:
     """Fit and measure every candidate (the ones ``progress`` kept aside); the lowest KL is chosen."""
     costs = {name: RepairedCosts(model, scored.calibration.token_ids,
                                  ReplaceConfig(method=name, batch_size=config.batch_size),
@@ -176,6 +181,9 @@ def _measured(scored: Scored, model, config: PruneConfig, count: int, candidates
     for candidate in candidates:  # sized before any fit: a repair that makes the model bigger is not fitted
         if candidate.repair not in restored:
             _size(candidate, model, dense, target)
+    if deadline is not None and replan is not None:
+        _within_time(candidates, [r for r in costs if r != "none" and r not in restored], replan,
+                     deadline - elapsed(), say)
     # one capture pass fits every span of every repair's candidates
     fit_together([(cost, [c.blocks for c in candidates if c.repair == repair and not c.note])
                   for repair, cost in costs.items() if repair not in restored], progress=True)
@@ -209,6 +217,37 @@ def _measured(scored: Scored, model, config: PruneConfig, count: int, candidates
                      measuring_rows=None if rows is None else list(rows),
                      not_applicable={name: why for name, why in repairs if why is not None},
                      candidates=candidates, chosen=candidates.index(best))
+
+
+def _within_time(candidates: list[Candidate], repairs: list[str], replan: Replan, left: float,
+                 say: Callable[[str], None]) -> None:
+    """Leave out the repairs whose fits and measures the planner says the time ``left`` cannot pay for.
+
+    In ``repairs``' order (the best default first), each repair is kept while the planner's seconds for the
+    kept ones' fits and measures, over removal's own, stay within ``left``; the others' candidates are noted
+    as not measured (the card's table says why), so their fits, which one pass shares, are never paid for.
+    Removal is always measured: it fits nothing.
+    """
+    def sets(names: Sequence[str]) -> list[list[int]]:
+        return [c.blocks for c in candidates if c.repair in names or c.repair == "none"]
+
+    alone = replan(sets(()), ())
+    if alone is None:
+        return
+    kept: list[str] = []
+    for repair in repairs:
+        if not any(c.repair == repair and not c.note for c in candidates):
+            continue  # none of its candidates is fitted (each larger than the budget's parameters)
+        more = (replan(sets([*kept, repair]), [*kept, repair]) or 0.0) - alone
+        if more <= left:
+            kept.append(repair)
+            continue
+        for candidate in candidates:
+            if candidate.repair == repair and not candidate.note:
+                candidate.note = (f"not measured: --time-budget left the shortlist {duration_words(max(left, 0))}, "
+                                  f"and the planner gives {duration_words(more)} with this repair")
+        say(f"--time-budget: --replace {repair} is not tried (the planner gives the shortlist "
+            f"{duration_words(more)} more with it, and {duration_words(max(left, 0))} is left)")
 
 
 def _candidates(scored: Scored, model, base: PruneConfig, amounts, repairs: list[str]) -> list[Candidate]:

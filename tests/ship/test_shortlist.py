@@ -1,0 +1,111 @@
+"""--time-budget and the shortlist: the repairs the time left cannot pay for are never fitted."""
+
+import json
+import logging
+import math
+
+import pytest
+
+from tests.ship import test_shipper
+from tests.ship.test_shipper import base_args, ship
+
+text_file, no_model_load = test_shipper.text_file, test_shipper.no_model_load  # the fixtures those tests use
+
+# seconds the fake planner gives each repair's fits and measures; removal's own work is 5 s
+EXPENSIVE = {"fold": 10_000.0}
+
+
+def fake_replan(config, model, drop, sets, repairs=None):
+    from ship.config import servable_repairs
+
+    names = [r for r in servable_repairs() if r != "none"] if repairs is None else list(repairs)
+    return 5.0 + sum(EXPENSIVE.get(name, 1.0) for name in names)
+
+
+def test_a_repair_the_time_left_cannot_pay_for_is_not_fitted_and_the_card_says_why(
+        tmp_path, tiny_folder, text_file, capsys, one_thread, monkeypatch):
+    import ship.shortlist as stage
+
+    monkeypatch.setattr("ship.shipper.replanned_shortlist", fake_replan)
+    fitted = []
+    real = stage.fit_together
+
+    def recording(wanted, progress=False):
+        fitted.extend(cost.config.method for cost, sets in wanted if sets)
+        return real(wanted, progress=progress)
+
+    monkeypatch.setattr(stage, "fit_together", recording)
+    out = tmp_path / "slim"
+    code, stdout, err = ship(capsys, *base_args(tiny_folder, text_file), "--time-budget", "1h", "--no-verify",
+                             "--out", out)
+    assert code == 0, err
+    candidates = json.loads((out / "ship.json").read_text())["shortlist"]["candidates"]
+    by_repair = {}
+    for c in candidates:
+        by_repair.setdefault(c["repair"], []).append(c)
+    # fold, the best default, would take 10,000 s of the 30 minutes the shortlist has: the repairs after it still fit
+    assert all(c["kl"] is None and c["note"].startswith("not measured: --time-budget left the shortlist")
+               for c in by_repair["fold"])
+    assert "fold" not in fitted and {"cosine", "magcomp"} <= set(fitted)
+    for repair in ("cosine", "magcomp", "none"):
+        assert any(c["kl"] is not None and math.isfinite(c["kl"]) for c in by_repair[repair]), repair
+    assert "--time-budget: --replace fold is not tried (the planner gives the shortlist 167m more" in stdout
+    card = (out / "README.md").read_text()
+    assert "| fold |" in card and "not measured: --time-budget left the shortlist" in card
+    # without a budget every repair is tried
+    fitted.clear()
+    code, _, err = ship(capsys, *base_args(tiny_folder, text_file), "--no-verify", "--out", tmp_path / "free")
+    assert code == 0, err
+    assert "fold" in fitted
+
+
+def test_the_plan_refuses_a_budget_only_when_removal_alone_does_not_fit(tiny_folder, text_file, tmp_path, caplog,
+                                                                       no_model_load, monkeypatch):
+    from ship.cli import build_parser, config_from_args
+    from ship.costs import stage_seconds
+    from ship.plan import make_plan
+
+    def fake(shape, inp, work):  # an hour for each repair's fits on top of what removal alone does
+        real = stage_seconds(shape, inp, work)
+        return {**real, "shortlist": 100.0 + 3600.0 * len(work.repairs)}
+
+    monkeypatch.setattr("ship.plan.stage_seconds", fake)
+
+    def config(budget):
+        return config_from_args(build_parser().parse_args(
+            [str(a) for a in base_args(tiny_folder, text_file)]
+            + ["--time-budget", budget, "--no-verify", "--out", str(tmp_path / "o")]))
+
+    with caplog.at_level(logging.WARNING, logger="ship.plan"):
+        plan = make_plan(config("30m"))
+    assert plan.planned_stages["shortlist"] > 3600  # every repair planned, and the run goes ahead
+    assert "the shortlist tries the repairs that fit in 50% of the budget once its block sets are known" in caplog.text
+    from prune.errors import LayercutError
+
+    with pytest.raises(LayercutError, match=r"--time-budget 60s: the planner gives this run 100s before any healing "
+                                            r"\(shortlist 100s\) with no repair tried: give more time"):
+        make_plan(config("60s"))
+
+
+def test_removal_alone_is_planned_without_the_capture_pass_its_fits_would_need(tiny_folder, monkeypatch):
+    import ship.costs
+    from prune.checkpoint.load_config import LoadConfig
+    from prune.pipeline.config import PruneConfig
+    from prune.planner.estimate import hardware_for, plan_config
+    from ship.config import ShipConfig
+    from ship.plan import ship_work
+
+    prune = PruneConfig(load=LoadConfig(model=str(tiny_folder)), data={"samples": 16, "seq_len": 32}, drop=2)
+    config = ShipConfig(prune, out="unused", engine="transformers")
+    model = prune.load.load().model
+    planned = plan_config(prune, hardware_for("cpu"))
+    every, alone = (ship_work(config, model, 2, None, only=only) for only in (None, ()))
+    assert alone.repairs == () and len(every.repairs) >= 3
+
+    def shortlists():
+        return [ship.costs.stage_seconds(planned.shape, planned.inp, w)["shortlist"] for w in (every, alone)]
+
+    before = shortlists()
+    monkeypatch.setattr(ship.costs, "CAPTURE_SHARE", ship.costs.CAPTURE_SHARE / 1e6)  # the capture pass 1e6x dearer
+    after = shortlists()
+    assert after[0] > before[0] + 10 and after[1] == before[1]
