@@ -33,7 +33,7 @@ from prune.loading.loader import LoadedModel
 from prune.pipeline.runner import Scored, layout_refusals, on_meta, preflight, score_calibration
 from prune.replace import ReplaceConfig, check_drop_for_method
 from prune.selection.oracle import oracle_table, removal_cache, run_oracle, spearman
-from prune.selection.repaired import repaired_oracle
+from prune.selection.repaired_order import repaired_oracle
 from prune.stamps import weights_fingerprint
 
 logger = logging.getLogger(__name__)

@@ -385,7 +385,7 @@ def stream_moments(
             score's value ``u`` rates sub-layer ``u``.
         held_rows: rows of ``token_ids`` whose statistics are also kept alone (``moments.held``, a
             :class:`HeldRows` without cosines): a repair measured on those rows and fitted on the others
-            (``prune.selection.repaired.map_errors``) reads both from this one pass.
+            (``prune.selection.map_errors.map_errors``) reads both from this one pass.
     """
     if is_offloaded(model):
         raise LayercutError("this pass runs the whole model, and its blocks are offloaded: use "

@@ -36,8 +36,9 @@ from prune.pipeline.steps import SurgeryStep
 from prune.planner.shape import build_on_meta, read_config, shape_of_model
 from prune.replace import check_replacement_supported, parameter_count
 from prune.selection.budget import check_params_budget
+from prune.selection.map_errors import MAP_ERRORS, held_map_errors
 from prune.selection.oracle import Oracle, oracle_table
-from prune.selection.repaired import MAP_ERRORS, held_map_errors, measuring_rows
+from prune.selection.repaired import measuring_rows
 from prune.selection.sublayers import Unit, unit_moments
 
 logger = logging.getLogger(__name__)

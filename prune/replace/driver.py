@@ -167,7 +167,8 @@ def fit_spans(model: nn.Module, spans: Sequence[tuple[int, ...]], token_ids: tor
 
     Spans may overlap (the candidates of a selection that measures repairs): an independent fit of a span
     depends on nothing but the original model and the span, so each is fitted once and reused in any set.
-    The model is not changed; put a set in place with :func:`surgered_view`.
+    The model is not changed; put a set in place with :func:`surgered_view`. Each record says whether the short
+    cut fed its fit, as :func:`fit_replacements`' do: a build that installs these fits writes it to ``layercut.json``.
     """
     spec = get_method(config.method)
     if spec.fitter is None:
@@ -175,7 +176,7 @@ def fit_spans(model: nn.Module, spans: Sequence[tuple[int, ...]], token_ids: tor
     original = list(get_blocks(model)[1])
     fitters = [spec.fitter(model, original, tuple(span), config) for span in dict.fromkeys(map(tuple, spans))]
     fit = _fit_offloaded if is_offloaded(model) else _fit_independent
-    return {r.span: r for r in fit(model, fitters, token_ids, config)}
+    return {r.span: r for r in _noted(fit(model, fitters, token_ids, config), token_ids, config)}
 
 
 def fit_spans_of_methods(model: nn.Module, wanted: Sequence[tuple[ReplaceConfig, Sequence[tuple[int, ...]]]],
@@ -201,7 +202,8 @@ def fit_spans_of_methods(model: nn.Module, wanted: Sequence[tuple[ReplaceConfig,
         fitters = [(index, get_method(config.method).fitter(model, original, span, config))
                    for index in members for config in [wanted[index][0]]
                    for span in dict.fromkeys(map(tuple, wanted[index][1]))]
-        done = fit(model, [fitter for _, fitter in fitters], token_ids, wanted[members[0]][0])
+        batches = wanted[members[0]][0]  # a group's members cut their batches alike, the short cut among them
+        done = _noted(fit(model, [fitter for _, fitter in fitters], token_ids, batches), token_ids, batches)
         for (index, _), replacement in zip(fitters, done, strict=True):
             results[index][replacement.span] = replacement
     return results

@@ -299,8 +299,8 @@ def run_oracle(model: nn.Module, token_ids: torch.Tensor, scores: dict[str, list
 def oracle_table(oracle: Oracle, scores: dict[str, list[float]] | None = None, repaired: dict | None = None) -> str:
     """Markdown: the Spearman of every score, then the perplexity with each block removed (with the scores).
 
-    ``repaired`` (``prune.selection.repaired.repaired_oracle``) adds the "repaired" column: each block's perplexity when
-    it alone is removed and repaired, and each ranking's Spearman with that.
+    ``repaired`` (``prune.selection.repaired_order.repaired_oracle``) adds the "repaired" column: each block's
+    perplexity when it alone is removed and repaired, and each ranking's Spearman with that.
     """
     lines = [f"Oracle: calibration perplexity with each block alone removed ({oracle.tokens} tokens; dense "
              f"{oracle.dense:.3f}). Spearman rank correlation of each score with it (+1 = ranks blocks as "

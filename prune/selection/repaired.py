@@ -21,9 +21,10 @@ Here each candidate set is repaired by the run's own method before it is measure
   current set's model computes there, captured once per batch. A repair whose weights reach upstream of its
   cut (fold-rotate's change of basis) is put in by hooks on its host block instead, the same function.
 
-``repaired-greedy`` (and ``-kl``) is SLEB's loop on these costs. ``repaired-once`` ranks every block once by
-its own repaired cost (one step of it). ``repaired-fast`` needs one pass: each block's least-squares map,
-fitted on the fitting rows, ranked by the share of its output it fails to reproduce on the measuring rows.
+``repaired-greedy`` (and ``-kl``) is SLEB's loop on these costs, ``repaired-once`` ranks every block once by
+its own repaired cost (one step of it): both in :mod:`prune.selection.repaired_order`. ``repaired-fast`` measures
+no view (:mod:`prune.selection.map_errors`): each block's least-squares map, fitted on the fitting rows, ranked
+by the share of its output it fails to reproduce on the measuring rows, from one pass.
 """
 
 from __future__ import annotations
@@ -34,17 +35,13 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from prune.errors import LayercutError
-from prune.measure.blockwise import stream_any
-from prune.measure.heldout import packed_perplexity
-from prune.measure.least_squares import fit_linear_map, residual_sums, scale_update
-from prune.measure.moments import StateMoments
 from prune.model.adapters import get_blocks, input_device
 from prune.model.surgery import blocks_removed, drop_blocks_
 from prune.replace import (
@@ -67,7 +64,6 @@ logger = logging.getLogger(__name__)
 # One calibration row in this many measures a repair, the others fit it: on the default 32 x 512 tokens,
 # 4 rows measure (2 of each half of the default mixture) and 28 fit.
 MEASURE_EVERY = 8
-CRITERIA = ("ppl", "kl")
 # which calibration rows measure a repaired set: "eighth" (split_rows) or "crossfit" (crossfit_halves)
 ROWS = ("eighth", "crossfit")
 # a run's memo may hold, under this name, ``(repair key) -> dict`` making the costs dict of a repair (eval.compare
@@ -76,8 +72,6 @@ COSTS_STORE = "repaired-costs"
 # a run's memo may hold, under this name, a dict in which every RepairedCosts keeps the original model's passes over
 # the measuring rows (:func:`shared_references`)
 REFERENCES = "repaired-references"
-# a run's memo holds each share's map errors (map_errors_of_shares) under (MAP_ERRORS, share): repaired-fast's
-MAP_ERRORS = "map_errors"
 # positions whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
 _CHUNK = 64
 
@@ -111,22 +105,6 @@ def split_rows(token_ids: torch.Tensor, every: int = MEASURE_EVERY) -> tuple[tor
     measure = measuring_rows(token_ids, every)
     fit = [row for row in range(token_ids.shape[0]) if row not in measure]
     return token_ids[fit], token_ids[measure]
-
-
-def _split_moments(moments: StateMoments | None, token_ids: torch.Tensor,
-                   blocks: int) -> tuple[StateMoments, StateMoments] | None:
-    """(fitting rows', measuring rows') statistics from a pass that kept the measuring rows apart, else None.
-
-    Only statistics of these very tokens, every block's (input, output) pair and the measuring rows of
-    :func:`split_rows` serve; anything else (another calibration, sub-layer states) is measured afresh.
-    """
-    held = getattr(moments, "held", None)
-    if held is None or not torch.equal(held.token_ids, token_ids):
-        return None
-    if held.rows != tuple(measuring_rows(token_ids)) or moments.num_states != blocks + 1 or any(
-            (b, b + 1) not in moments.cross for b in range(blocks)):
-        return None
-    return moments.minus(held.moments), held.moments
 
 
 def crossfit_halves(token_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -521,124 +499,7 @@ def _nll_and_kl(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor
     return nll, kl
 
 
-def greedy_order(costs: RepairedCosts, count: int, protected: Sequence[int], criterion: str,
-                 memo: dict | None = None, bar=None) -> tuple[list[int], list[dict]]:
-    """SLEB's loop on repaired costs: the ``count`` blocks in the order chosen, and what each step measured.
-
-    Each step depends only on the steps before it, so a larger drop continues a smaller one's steps (kept in
-    ``memo`` per repair, criterion and protection).
-    """
-    if criterion not in CRITERIA:
-        raise ValueError(f"criterion {criterion!r}: one of {CRITERIA}")
-    key = ("repaired-greedy", costs.key, criterion, tuple(protected))
-    steps: list[dict] = [] if memo is None else memo.setdefault(key, [])
-    blocks = len(get_blocks(costs.model)[1])
-    while len(steps) < count:
-        chosen = [step["drop"] for step in steps]
-        candidates = [b for b in range(blocks) if b not in chosen and b not in protected]
-        measured = costs.measure(chosen, candidates, bar)
-        best = min(candidates, key=lambda b: (measured[b][criterion], b))
-        if math.isinf(measured[best][criterion]):
-            raise LayercutError(f"--replace {costs.config.method} can replace none of the sets left after "
-                                f"{chosen}: lower --drop or use --select span")
-        steps.append({"chosen": chosen, "drop": best, "costs": {str(b): measured[b] for b in candidates}})
-        logger.info("repaired-greedy step %d: drop block %d (measuring %s %.4f)", len(steps), best, criterion,
-                    measured[best][criterion])
-    return [step["drop"] for step in steps[:count]], steps[:count]
-
-
-def single_costs(costs: RepairedCosts, candidates: Sequence[int], bar=None) -> dict[int, dict[str, float]]:
-    """Each candidate's own repaired cost (the first step of :func:`greedy_order`)."""
-    return costs.measure([], candidates, bar)
-
-
 def update_share(replace: ReplaceConfig | None) -> float:
     """The share of its fitted update the run's map applies (1: a method without the option, or no repair)."""
     options = replace.options if replace is not None else None
     return float(options.update_scale) if isinstance(options, LeastSquaresOptions) else 1.0
-
-
-def map_errors(model: nn.Module, token_ids: torch.Tensor, update_scale: float = 1.0, ridge: float = 0.0,
-               batch_size: int = 4, moments: StateMoments | None = None) -> list[float]:
-    """Per block: the share of its output's energy its least-squares map misses on rows the map was not fitted on.
-
-    One pass over the calibration (the fitting rows, then the measuring rows of :func:`split_rows`), or none
-    where the scoring pass's ``moments`` kept the measuring rows apart; the map is ``update_scale`` of the way
-    from the identity to the least-squares fit, as ``--replace linear`` applies it.
-    """
-    return map_errors_of_shares(model, token_ids, [update_scale], ridge, batch_size, moments)[update_scale]
-
-
-def map_errors_of_shares(model: nn.Module, token_ids: torch.Tensor, shares: Sequence[float], ridge: float = 0.0,
-                         batch_size: int = 4, moments: StateMoments | None = None) -> dict[float, list[float]]:
-    """:func:`map_errors` for every share of the update in ``shares``, all from the one pass.
-
-    The moments do not depend on the share, only the map fitted from them does: ``prune.ship``, which runs
-    ``repaired-fast`` for repairs applying 0.7 and 1.0 of their update, reads the calibration once, not twice.
-    ``moments``: the scoring pass's statistics of ``model`` over ``token_ids``; where that pass kept the
-    measuring rows' apart (``stream_moments(held_rows=measuring_rows(...))``), no pass runs here at all.
-    """
-    found = _split_moments(moments, token_ids, len(get_blocks(model)[1]))
-    if found is not None:
-        fitted, held = found
-    else:
-        fit_ids, measure_ids = split_rows(token_ids)
-        fitted = stream_any(model, fit_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
-        held = stream_any(model, measure_ids, batch_size=batch_size, cosine_pairs="none", progress=False)
-    errors: dict[float, list[float]] = {share: [] for share in shares}
-    for block in range(len(get_blocks(model)[1])):
-        for share, error in block_map_errors(fitted, held, block, shares, ridge).items():
-            errors[share].append(error)
-    return errors
-
-
-def block_map_errors(fitted: StateMoments, held: StateMoments, block: int, shares: Sequence[float],
-                     ridge: float = 0.0) -> dict[float, float]:
-    """Block ``block``'s :func:`map_errors` at each share: its map fitted on ``fitted``, measured on ``held``."""
-    full, moments = fit_linear_map(fitted.pair(block, block + 1), ridge), held.pair(block, block + 1)
-    energy = torch.diagonal(moments.cyy) + moments.n * moments.mean_y**2  # uncentred: the state's own size
-    return {share: float(residual_sums(scale_update(full, share), moments).sum() / energy.sum()) for share in shares}
-
-
-def held_map_errors(shares: Sequence[float]) -> tuple[dict[float, list[float]], Callable[[StateMoments, int], None]]:
-    """({share: per-block errors}, a block-by-block pass's ``after_block`` filling them) for a skeleton.
-
-    A block-by-block scoring pass that keeps the measuring rows apart (``stream_moments_blockwise(held_rows=...)``)
-    frees each state once its scores are taken; :func:`map_errors_of_shares` could not read them afterwards, so
-    the errors of each block are taken as soon as its output is complete, as an in-memory pass's are afterwards.
-    """
-    errors: dict[float, list[float]] = {share: [] for share in shares}
-
-    def after_block(moments: StateMoments, block: int) -> None:
-        held = moments.held.moments
-        for share, error in block_map_errors(moments.minus(held), held, block, shares).items():
-            errors[share].append(error)
-
-    return errors, after_block
-
-
-def repaired_oracle(model: nn.Module, token_ids: torch.Tensor, scores: dict[str, list[float]],
-                    replace: ReplaceConfig, batch_size: int = 4, memo: dict | None = None) -> dict:
-    """The oracle's "repaired" column: each block's own repaired cost, and every cheap ranking's Spearman with it.
-
-    Returns ``{"method", "dense", "ppl", "kl", "map_error", "spearman"}``: the original model's perplexity on the
-    measuring rows, per-block perplexity and KL of the model with that block alone removed and repaired (on
-    the same rows), the one-pass map error (:func:`map_errors`), and
-    the Spearman of each score's removability, of the map error and of the bare-removal oracle (added by the
-    caller) with the repaired perplexity (+1: ranks blocks as their repair really costs).
-    """
-    from prune.measure.scores import get_score
-    from prune.selection.oracle import spearman  # the oracle module's rank correlation, ties averaged
-
-    blocks = range(len(get_blocks(model)[1]))
-    costs = RepairedCosts(model, token_ids, replace, batch_size, memo)
-    measured = single_costs(costs, list(blocks))
-    ppl = [measured[b]["ppl"] for b in blocks]
-    errors = map_errors(model, token_ids, update_share(replace), batch_size=batch_size)
-    target = [-p for p in ppl]
-    agreement = {name: spearman(get_score(name).removability(values), target) for name, values in scores.items()}
-    agreement["map-error (repaired-fast)"] = spearman([-e for e in errors], target)
-    agreement["repaired KL"] = spearman([-measured[b]["kl"] for b in blocks], target)
-    dense = packed_perplexity(model, costs.measure_ids, batch_size, progress=False)
-    return {"method": replace.method, "dense": dense, "ppl": ppl, "kl": [measured[b]["kl"] for b in blocks],
-            "map_error": errors, "spearman": agreement}

@@ -34,16 +34,10 @@ from prune.measure.scores import Score, block_scores
 from prune.model.adapters import is_offloaded
 from prune.model.surgery import blocks_removed
 from prune.registry import Registry
+from prune.selection.map_errors import MAP_ERRORS, map_errors, map_errors_of_shares
 from prune.selection.oracle import removal_cache, removal_perplexities
-from prune.selection.repaired import (
-    MAP_ERRORS,
-    RepairedCosts,
-    greedy_order,
-    map_errors,
-    map_errors_of_shares,
-    single_costs,
-    update_share,
-)
+from prune.selection.repaired import RepairedCosts, update_share
+from prune.selection.repaired_order import greedy_order, single_costs
 
 if TYPE_CHECKING:
     from prune.replace import ReplaceConfig

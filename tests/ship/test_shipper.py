@@ -195,7 +195,7 @@ def test_a_second_call_finds_the_shipped_folder_and_a_changed_budget_is_refused(
 def test_repaired_fast_reads_its_statistics_from_the_scoring_pass(tiny_folder, text_file, tmp_path, capsys,
                                                                    one_thread, monkeypatch):
     # before 2026-12-03 it ran two passes of its own over the calibration (67 s of a 442 s drop-4 shortlist)
-    monkeypatch.setattr("prune.selection.repaired.stream_any", lambda *_, **__: pytest.fail("a pass of its own"))
+    monkeypatch.setattr("prune.selection.map_errors.stream_any", lambda *_, **__: pytest.fail("a pass of its own"))
     code, _, err = ship(capsys, *base_args(tiny_folder, text_file), "--no-verify", "--out", tmp_path / "o")
     assert code == 0, err
     shortlist = json.loads((tmp_path / "o" / "ship.json").read_text())["shortlist"]
@@ -255,7 +255,7 @@ def test_a_skeleton_ships_the_in_memory_pick_and_checkpoint_and_says_what_it_ski
     the heal and the speed check, which need the whole model in memory, are skipped and the card says why.
     Neither run's repaired-fast takes a pass of its own: block by block its map errors are taken in the scoring
     pass (before 2026-12-03 a skeleton ran two more passes for them: 161 s of a 1B shape's shortlist)."""
-    monkeypatch.setattr("prune.selection.repaired.stream_any", lambda *_, **__: pytest.fail("a pass of its own"))
+    monkeypatch.setattr("prune.selection.map_errors.stream_any", lambda *_, **__: pytest.fail("a pass of its own"))
     folder = tmp_path / "untied"
     make_tiny_model("llama", tie_word_embeddings=False, num_hidden_layers=6).save_pretrained(folder)
     make_tiny_tokenizer().save_pretrained(folder)

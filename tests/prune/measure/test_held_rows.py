@@ -49,7 +49,8 @@ def test_a_skeleton_takes_the_map_errors_of_the_held_rows_block_by_block_as_memo
     from prune.loading.offload import load_offloaded
     from prune.measure.blockwise import stream_moments_blockwise
     from prune.measure.scores import SCORES
-    from prune.selection.repaired import held_map_errors, map_errors_of_shares, measuring_rows
+    from prune.selection.map_errors import held_map_errors, map_errors_of_shares
+    from prune.selection.repaired import measuring_rows
 
     model = make_tiny_model("llama", seed=2)
     model.save_pretrained(tmp_path)

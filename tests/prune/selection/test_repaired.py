@@ -13,7 +13,9 @@ from prune.measure.moments import StateMoments
 from prune.measure.scores import get_score
 from prune.model.surgery import drop_blocks_
 from prune.replace import ReplaceConfig, replace_blocks_
-from prune.selection.repaired import RepairedCosts, crossfit_halves, greedy_order, map_errors, split_rows, update_share
+from prune.selection.map_errors import map_errors
+from prune.selection.repaired import RepairedCosts, crossfit_halves, split_rows, update_share
+from prune.selection.repaired_order import greedy_order
 from prune.selection.strategies import SelectionInput, choose_blocks, select_blocks
 from tests.helpers import make_tiny_model
 
@@ -394,3 +396,25 @@ def test_a_copy_of_the_model_ships_its_own_fit_not_the_memos_of_another_copy(one
     other = RepairedCosts(copy.deepcopy(pristine), IDS, config, batch_size=4, memo=memo)
     assert not other.owns_fits and other.measure_sets([[0, 1]]) == RepairedCosts(
         copy.deepcopy(pristine), IDS, config, batch_size=4).measure_sets([[0, 1]])
+
+
+def test_a_build_from_a_repaired_selection_s_fits_records_the_short_cut_that_fed_them(one_thread):
+    # before 2026-12-03 the selection's fits carried no fit_short: a --fit-rows fitting build wrote none into
+    # layercut.json though linear's default short cut (64 tokens) had fed its fit, as an ordinary build records
+    from prune.model.surgery import RECORDS_ATTR
+    from prune.selection.repaired import fit_together, replace_as_measured_
+
+    ids = torch.randint(3, 320, (16, 128), generator=torch.Generator().manual_seed(1))  # longer than the cut
+    config = ReplaceConfig(method="linear", fit_rows="fitting", progress=False)
+    ordinary = make_tiny_model("llama", seed=3)
+    assert [r["fit_short"] for r in replace_blocks_(ordinary, [1, 2], split_rows(ids)[0], config)] == [64]
+    # the fits the selection keeps in its memo (fit_together: prune.ship's build), and those the build fits itself
+    shortlisted, fresh, memo = make_tiny_model("llama", seed=3), make_tiny_model("llama", seed=3), {}
+    fit_together([(RepairedCosts(shortlisted, ids, config, batch_size=4, memo=memo), [[1, 2]])])
+    for model, from_memo in ((shortlisted, memo), (fresh, None)):
+        records = replace_as_measured_(model, [1, 2], ids, config, from_memo)
+        assert [r["fit_short"] for r in records] == [64]
+        assert [r["fit_short"] for r in getattr(model.config, RECORDS_ATTR)] == [64]  # what layercut.json holds
+    # a fit no short cut fed records none, as in an ordinary build
+    fold = ReplaceConfig(method="fold", fit_rows="fitting", progress=False)
+    assert all("fit_short" not in r for r in replace_as_measured_(make_tiny_model("llama", seed=3), [1, 2], ids, fold))
