@@ -61,6 +61,10 @@ def servable_repairs() -> list[str]:
     return [m.name for m in ranked] + ["none"]
 
 
+# the share of --time-budget the shortlist may spend: building, healing and verifying take the rest
+SHORTLIST_SHARE = 0.5
+
+
 # a shipped checkpoint is judged at the parameter count of removing its blocks: a repair may add at most this share
 # over it. fold-rotate on a tied head unties it (+vocab x hidden: +28.3M on SmolLM2-135M, as large as the original at
 # drop 8), so where the head is tied ship leaves it out; prune.run --replace fold-rotate still builds it

@@ -18,6 +18,7 @@ from prune.planner.machine import machine_speed
 from ship.config import (
     HEAL_OPTIONS,
     HEAL_SEQ_LEN,
+    SHORTLIST_SHARE,
     ShipConfig,
     applicable,
     duration_words,
@@ -26,7 +27,6 @@ from ship.config import (
     servable_repairs,
 )
 from ship.costs import PROCESS_SECONDS, ShipWork, stage_seconds
-from ship.shortlist import SHORTLIST_SHARE
 from ship.work import StageResult
 
 logger = logging.getLogger(__name__)

@@ -27,10 +27,10 @@ from prune.replace import ReplaceConfig
 from prune.selection.repaired import update_share
 from ship.build import Built, build, chosen_config
 from ship.card import CARD, ship_card
-from ship.config import ShipConfig, applicable, duration_words, servable_repairs
+from ship.config import SHORTLIST_SHARE, ShipConfig, applicable, duration_words, servable_repairs
 from ship.heal import Healing, heal, heal_steps
 from ship.plan import Plan, block_budget, make_plan, plan_line, replanned_shortlist
-from ship.shortlist import SHORTLIST_SHARE, Progress, Shortlist, make_shortlist
+from ship.shortlist import Progress, Shortlist, make_shortlist
 from ship.verify import Verified, verify
 from ship.work import (
     BUILD,

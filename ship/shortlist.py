@@ -33,9 +33,6 @@ from prune.selection.strategies import SELECTIONS
 from ship.config import applicable, duration_words, oversize_note, servable_repairs
 from ship.work import StageResult, write_json_atomic
 
-# the share of --time-budget the shortlist may spend measuring; building and verifying take the rest
-SHORTLIST_SHARE = 0.5
-
 # the planner's seconds for the stage, given the block sets and the repairs tried (None: every one); None: no plan
 Replan = Callable[[list[list[int]], Collection[str] | None], float | None]
 
