@@ -113,7 +113,22 @@ def _lost(config: ShipConfig, report: dict, verified: Verified | None, gguf: str
               "|" + "---|" * (header.count("|") - 1)]
     for domain, serving in verified.domains.items():
         lines.append(_domain_row(domain, serving, config.engine))
-    return lines + [""]
+    return lines + [""] + _fidelity(verified.fidelity)
+
+
+def _fidelity(figures: dict) -> list[str]:
+    """The generation fidelity paragraph (``eval.bench.checks.FidelityCheck``'s figures), or why there is none."""
+    if not figures:  # a run verified before the check existed
+        return []
+    if "skipped" in figures:
+        return [f"Generation fidelity not measured ({figures['skipped']}: each greedy token reads every block "
+                "from disk).", ""]
+    return [f"What it writes: after {figures['prompts']} prompts of {figures['prompt_tokens']} tokens cut from the "
+            f"held-out texts, this checkpoint (in transformers) and the original each wrote {figures['new_tokens']} "
+            f"greedy tokens. The original gives this checkpoint's text a negative log-likelihood of "
+            f"{figures['nll']:.3f} ± {figures['nll_stderr']:.3f} per token, against {figures['own_nll']:.3f} for its "
+            f"own (lower: closer to what the original would write); the checkpoint writes "
+            f"{figures['kept']:.1%} of the original's tokens before the first that differs.", ""]
 
 
 def _speed(config: ShipConfig, verified: Verified | None, before: int, after: int, gguf: str | None) -> list[str]:

@@ -15,7 +15,8 @@ counted here in the same units before any weight is read:
 - heal: ``prune.planner``'s distillation stage for ``--heal-steps`` (:func:`ship.plan.planned_heal`);
 - export: llama.cpp's converter reading and writing the float32 checkpoint, and its quantizer;
 - verify: the held-out tokens through the original (unless its rows are kept) and the checkpoint in
-  transformers, the shipped file in its engine, and the speed check's rounds; each check in a fresh process.
+  transformers, the shipped file in its engine, the generation fidelity check (both models decoding held-out
+  prompts, in memory only) and the speed check's rounds; each check in a fresh process.
 
 Rates are ``prune.planner.stages``' FLOP rate times what a kind of pass reached of it on this 2-core machine
 (SmolLM2-135M, ``--drop 8 --samples 32``, idle, 2026-12-02; ``reports/ship-fast/``), and byte rates for what reads
@@ -133,11 +134,30 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
               + passes(held, kept, SERVING_SHARE, head=True)
               + (passes(held, kept, ENGINE_SHARE, head=True) if work.gguf else 0.0)
               + _speed_seconds(shape, inp, work)
+              + (_fidelity_seconds(shape, inp, work) if inp.offload == "none" else 0.0)
               + (0.0 if work.original_kept or not work.gguf else weight_bytes(shape, inp, layers) / (
                   CONVERT_BYTES_PER_S * cpu))
               + (models + 2) * PROCESS_SECONDS / cpu) if work.verify else 0.0
     return {"shortlist": sampling + shortlist, "build": build, "heal": work.heal_seconds,
             "export": export, "verify": verify}
+
+
+def _fidelity_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
+    """The generation fidelity check (``eval.bench.checks.FidelityCheck``'s defaults), in a process of its own.
+
+    The original and the checkpoint each decode every prompt in batches of eight (a step reads every weight,
+    as the calibration's sampling does), then the original scores what the checkpoint wrote in one pass.
+    """
+    from eval.bench.checks import FidelityCheck
+
+    check = FidelityCheck(original="", model="", texts=(), tokenizer="")
+    tokens = check.prompts * (check.prompt_tokens + check.new_tokens)
+    steps = math.ceil(check.prompts / 8) * check.new_tokens
+    total = 2 * PROCESS_SECONDS / machine_speed()  # a fresh Python, and the second model's load
+    for blocks in (shape.layers, shape.layers - work.drop):
+        total += tokens * _flops(shape, blocks, True) / (_rate(inp) * SERVING_SHARE)
+        total += steps * weight_bytes(shape, inp, blocks) / (SAMPLE_BYTES_PER_S * machine_speed())
+    return total + tokens * _flops(shape, shape.layers, True) / (_rate(inp) * SERVING_SHARE)
 
 
 def _speed_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:

@@ -2,8 +2,10 @@
 
 For every held-out text: the original and the slim checkpoint in transformers, and the shipped file in the
 engine (the GGUF of ``--gguf-type`` for llama.cpp, the folder for vLLM): perplexity and greedy ids. The
-original's rows are measured once per model, text and library versions, then read from the cache. Then the
-shipped file's speed against the original's in the engine. The engines run in processes of their own
+original's rows are measured once per model, text and library versions, then read from the cache. Then what the
+checkpoint writes after prompts cut from those texts, judged by the original (generation fidelity, in
+transformers: multiple choice and perplexity hide what shows when a model writes), and the shipped file's speed
+against the original's in the engine. The engines run in processes of their own
 (:func:`eval.bench.checks.run_in_child`): their memory and their failures stay theirs. Each check's figures
 are kept in ``OUT.work/verify/`` as it ends, so a stopped run measures only what is left.
 """
@@ -14,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval.bench.checks import ServingCheck, SpeedCheck, run_in_child
+from eval.bench.checks import FidelityCheck, ServingCheck, SpeedCheck, run_in_child
 from eval.speed.engines import REFERENCE
 from prune.checkpoint.write import portable
 from ship.config import ShipConfig, heldout_label
@@ -31,6 +33,7 @@ class Verified(StageResult):
     speed: dict
     heldout: list
     files: dict = field(default_factory=dict)
+    fidelity: dict = field(default_factory=dict)  # FidelityCheck's figures, or {"skipped": why}
 
 
 def shipped_file(config: ShipConfig, checkpoint: Path, gguf: Path | None) -> Path:
@@ -61,6 +64,16 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
                     lambda: say(f"verifying: {len(texts)} held-out text(s), the original and the checkpoint in "
                                 f"transformers" + (f", {served.name} in {config.engine}"
                                                    if config.engine != REFERENCE else "")))
+    if load.offload != "none":
+        # a greedy token through a skeleton reads every block from the checkpoint again
+        say(f"verifying: no generation fidelity: --offload {load.offload} decodes each token from disk")
+        fidelity = {"skipped": f"--offload {load.offload}"}
+    else:
+        check = FidelityCheck(original=load.model, model=str(checkpoint), texts=texts, tokenizer=load.model,
+                              threads=config.threads, dtype=load.dtype, device=load.device)
+        fidelity = _kept(folder / "fidelity.json", lambda: run_in_child(check, folder / "fidelity.log"),
+                         lambda: say(f"verifying: what the checkpoint writes after {check.prompts} held-out "
+                                     f"prompts, judged by the original in transformers"))
     speed = SpeedCheck(baseline=config.prune.load.model, model=str(served), engine=config.engine,
                        repeats=config.speed_repeats, prompt_len=config.prompt_len, new_tokens=config.new_tokens,
                        threads=config.threads, converter=config.converter, dtype=load.dtype, device=load.device)
@@ -75,7 +88,8 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
                                   f"{config.engine}"))
     files = {SHIPPED: served.relative_to(checkpoint).as_posix() if served != checkpoint else ".",
              "engine": config.engine, "gguf_type": config.gguf_type if config.gguf else None}
-    return Verified(domains=domains, speed=timed, heldout=[portable(text) for _, text in texts], files=files)
+    return Verified(domains=domains, speed=timed, heldout=[portable(text) for _, text in texts], files=files,
+                    fidelity=fidelity)
 
 
 def _kept(path: Path, measure, announce) -> dict:

@@ -8,7 +8,8 @@ A :class:`ServingCheck` scores every (model, engine) pair on the same token ids 
 model loaded once per engine for all the texts (``eval.bench serving``'s scoring); the rows of the models it
 names in ``kept`` (the original, the same in every run) are read from the cache when an earlier check measured
 the same files on the same token ids with the same engine and libraries (:func:`kept_row_path`); a :class:`SpeedCheck`
-times a model against its original in one engine (``eval.bench speed``'s). :func:`run_in_child` runs one in
+times a model against its original in one engine (``eval.bench speed``'s); a :class:`FidelityCheck` has the
+original judge what the model writes (``eval.quality.fidelity``). :func:`run_in_child` runs one in
 a fresh Python process: an engine's memory, threads and crashes stay its own, and the
 caller gets the figures back as the function's value, or one line when the check failed (its log has the rest).
 """
@@ -181,7 +182,52 @@ class SpeedCheck:
                              threads=self.threads, settings=values)
 
 
-def run_in_child(check: ServingCheck | SpeedCheck, log: Path) -> dict:
+@dataclass(frozen=True)
+class FidelityCheck:
+    """Generation fidelity of ``model`` to ``original`` (``eval.quality.fidelity``) on prompts cut from held-out texts.
+
+    The original writes its greedy continuation of each prompt and judges the model's: its mean NLL per token of
+    what the model wrote (the original's own text gives the floor) and the share of its greedy tokens the model
+    keeps before the first that differs. Both load in transformers and are held together (the original judges).
+
+    Attributes:
+        original: the original model (name, folder).
+        model: the checkpoint folder measured.
+        texts: (label, held-out text), the prompts shared out evenly over them.
+        tokenizer: the model whose tokenizer cuts the prompts.
+        prompts, prompt_tokens, new_tokens: ``FidelityOptions``' (their defaults: ``eval.compare``'s column).
+        threads, dtype, device: as :class:`ServingCheck`'s.
+    """
+
+    original: str
+    model: str
+    texts: tuple[tuple[str, str], ...]
+    tokenizer: str
+    prompts: int = 32
+    prompt_tokens: int = 64
+    new_tokens: int = 32
+    threads: int | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+
+    def run(self) -> dict:
+        """``Reference.measure``'s figures for the model, with the texts the prompts came from."""
+        import torch
+
+        from eval.bench.serving import held_out_ids
+        from eval.quality.fidelity import FidelityOptions, Reference, prompts_from_streams
+        from prune.checkpoint.load_config import LoadConfig
+
+        options = FidelityOptions(prompts=self.prompts, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens)
+        streams = [torch.tensor(held_out_ids(text, self.tokenizer)) for _, text in self.texts]
+        load = LoadConfig(dtype=self.dtype, device=self.device)
+        original = load.load(self.original).model.eval()
+        reference = Reference(original, prompts_from_streams(streams, options), options)
+        model = load.load(self.model).model.eval()
+        return {**reference.measure(model), "texts": [label for label, _ in self.texts]}
+
+
+def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) -> dict:
     """``check.run()`` in a fresh Python process whose output goes to ``log``; its figures.
 
     The request travels as JSON beside the log (its fields), and the figures come back the same way: the
@@ -210,7 +256,7 @@ def run_in_child(check: ServingCheck | SpeedCheck, log: Path) -> dict:
 def _child(request: str, result: str) -> None:
     """The child's body: the check of ``request`` run, its figures into ``result``; an error as its last line."""
     data = json.loads(Path(request).read_text(encoding="utf-8"))
-    kind = {cls.__name__: cls for cls in (ServingCheck, SpeedCheck)}[data["kind"]]
+    kind = {cls.__name__: cls for cls in (ServingCheck, SpeedCheck, FidelityCheck)}[data["kind"]]
     fields = {key: _tuples(value) for key, value in data["fields"].items()}  # JSON gave lists for the tuples
     check = kind(**fields)
     try:

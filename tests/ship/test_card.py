@@ -92,3 +92,20 @@ def test_in_transformers_the_kept_greedy_tokens_are_the_checkpoint_s_against_the
     assert "| held-out text | original | this checkpoint | ratio | original's greedy tokens kept |" in card
     assert "| news | 10.000 | 20.000 | x2.000 | 2 of 4 |" in card  # [1, 2, 3, 4] against the original's [1, 2, 7, 4]
     assert "how many tokens this checkpoint writes the same" in card
+
+
+def test_the_card_says_what_the_checkpoint_writes_as_the_original_judges_it(tmp_path):
+    fidelity = {"prompts": 32, "prompt_tokens": 64, "new_tokens": 32, "nll": 1.2814, "nll_stderr": 0.0712,
+                "own_nll": 1.1391, "kept": 0.0641, "kept_stderr": 0.02, "texts": ["news"]}
+    card = {}
+    for label, figures in (("measured", fidelity), ("skeleton", {"skipped": "--offload sequential"}), ("old", {})):
+        verified = Verified(domains={"news": serving_rows([1, 2, 3, 4])}, speed={"ratios": []}, heldout=["news.txt"],
+                            files={"shipped": "gguf/slim8-q4_k_m.gguf", "engine": "llamacpp"}, fidelity=figures)
+        card[label] = ship_card(config(tmp_path), REPORT, shortlist(), verified, PruneConfig(drop=8, replace="fold"),
+                                {"plan": 1.0}, gguf="gguf/slim8-q4_k_m.gguf")
+    assert ("after 32 prompts of 64 tokens cut from the held-out texts, this checkpoint (in transformers) and the "
+            "original each wrote 32 greedy tokens") in card["measured"]
+    assert "negative log-likelihood of 1.281 ± 0.071 per token, against 1.139 for its own" in card["measured"]
+    assert "writes 6.4% of the original's tokens before the first that differs" in card["measured"]
+    assert "Generation fidelity not measured (--offload sequential" in card["skeleton"]
+    assert "What it writes" not in card["old"] and "Generation fidelity" not in card["old"]

@@ -23,7 +23,7 @@ def seconds(shape, work: ShipWork, **inputs) -> dict[str, float]:
     return stage_seconds(shape, PlanInput(model="tiny", samples=32, seq_len=512, **inputs), work)
 
 
-def test_every_stage_is_costed_and_each_piece_of_work_costs_where_it_is_done(shape):
+def test_every_stage_is_costed_and_each_piece_of_work_costs_where_it_is_done(shape, monkeypatch):
     work = ShipWork(drop=2, repairs=(512, 768, 256))
     base = seconds(shape, work)
     assert list(base) == STAGES and all(base[s] > 0 for s in STAGES if s != "heal") and base["heal"] == 0
@@ -44,6 +44,14 @@ def test_every_stage_is_costed_and_each_piece_of_work_costs_where_it_is_done(sha
     assert seconds(shape, dataclasses.replace(work, verify=False))["verify"] == 0
     assert seconds(shape, dataclasses.replace(work, gguf=False))["export"] == 0
     assert seconds(shape, dataclasses.replace(work, heal_seconds=90.0))["heal"] == 90.0
+    # generation fidelity decodes in memory only: a skeleton's verify is without it, by at least its two loads
+    from ship.costs import _fidelity_seconds
+
+    fidelity = _fidelity_seconds(shape, PlanInput(model="tiny", samples=32, seq_len=512), work)
+    assert 0 < fidelity < base["verify"]
+    monkeypatch.setattr("ship.costs._fidelity_seconds", lambda *_: 1000.0)
+    assert seconds(shape, work)["verify"] - base["verify"] == pytest.approx(1000.0 - fidelity)
+    assert seconds(shape, work, offload="sequential")["verify"] < base["verify"]
 
 
 def test_a_gpu_runs_the_passes_faster_and_the_files_as_slowly(shape):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import ship.verify as verify_stage
-from eval.bench.checks import ServingCheck, SpeedCheck, kept_row_path
+from eval.bench.checks import FidelityCheck, ServingCheck, SpeedCheck, kept_row_path
 from prune.pipeline.config import PruneConfig
 from ship.config import ShipConfig
 
@@ -20,9 +20,11 @@ def test_the_checks_take_the_run_s_dtype_and_device(tmp_path, monkeypatch, engin
     checkpoint.mkdir(parents=True)
     verify_stage.verify(config, checkpoint, None, [f"rows={tmp_path / 'heldout.txt'}"], tmp_path / "verify",
                         say=lambda _: None)
-    serving, speed = sent
+    serving, fidelity, speed = sent
     assert isinstance(serving, ServingCheck) and isinstance(speed, SpeedCheck)
-    assert (serving.dtype, serving.device) == (speed.dtype, speed.device) == ("bfloat16", "cuda")
+    assert isinstance(fidelity, FidelityCheck) and fidelity.model == str(checkpoint)
+    assert (serving.dtype, serving.device) == (fidelity.dtype, fidelity.device) == (speed.dtype, speed.device) \
+        == ("bfloat16", "cuda")
     assert [engine_ for _, _, engine_ in serving.models] == ["transformers"] * 2 + (
         [engine] if engine != "transformers" else [])
 

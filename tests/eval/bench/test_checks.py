@@ -72,3 +72,29 @@ def test_the_original_s_rows_are_measured_once_then_read_from_the_cache(tiny_fol
     os.utime(config, ns=(1, 1))
     check.run()
     assert scored[-1] == ["original", "slim"]
+
+
+def test_a_fidelity_check_has_the_original_judge_what_the_model_writes(tiny_folder, tmp_path, sample_text):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from eval.bench.checks import FidelityCheck
+
+    text = tmp_path / "text.txt"
+    text.write_text(sample_text)
+    other = tmp_path / "other"
+    model = AutoModelForCausalLM.from_pretrained(tiny_folder)
+    with torch.no_grad():  # a different model of the same shape: it writes other text than the original
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    model.save_pretrained(other)
+    AutoTokenizer.from_pretrained(tiny_folder).save_pretrained(other)
+    figures = {}
+    for label, folder in (("itself", tiny_folder), ("other", other)):
+        check = FidelityCheck(original=str(tiny_folder), model=str(folder), texts=(("text", str(text)),),
+                              tokenizer=str(tiny_folder), prompts=4, prompt_tokens=8, new_tokens=6, threads=1)
+        figures[label] = run_in_child(check, tmp_path / label / "fidelity.log")
+    itself, changed = figures["itself"], figures["other"]
+    assert itself["kept"] == 1.0 and itself["nll"] == pytest.approx(itself["own_nll"], rel=1e-6)
+    assert itself["texts"] == ["text"] and len(itself["nll_rows"]) == 4 and itself["new_tokens"] == 6
+    assert changed["kept"] < 1.0 and changed["nll"] > changed["own_nll"] == pytest.approx(itself["own_nll"])
