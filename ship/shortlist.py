@@ -242,9 +242,10 @@ def _within_time(candidates: list[Candidate], repairs: list[str], replan: Replan
         for candidate in candidates:
             if candidate.repair == repair and not candidate.note:
                 candidate.note = (f"not measured: --time-budget left the shortlist {duration_words(max(left, 0))}, "
-                                  f"and the planner gives {duration_words(more)} with this repair")
-        say(f"--time-budget: --replace {repair} is not tried (the planner gives the shortlist "
-            f"{duration_words(more)} more with it, and {duration_words(max(left, 0))} is left)")
+                                  f"and with this repair the planner gives its fits and measures "
+                                  f"{duration_words(more)}")
+        say(f"--time-budget: --replace {repair} is not tried (with it the planner gives the shortlist's fits and "
+            f"measures {duration_words(more)}, and {duration_words(max(left, 0))} is left)")
 
 
 def _candidates(scored: Scored, model, base: PruneConfig, amounts, repairs: list[str]) -> list[Candidate]:

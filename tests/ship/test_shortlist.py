@@ -49,7 +49,8 @@ def test_a_repair_the_time_left_cannot_pay_for_is_not_fitted_and_the_card_says_w
     assert "fold" not in fitted and {"cosine", "magcomp"} <= set(fitted)
     for repair in ("cosine", "magcomp", "none"):
         assert any(c["kl"] is not None and math.isfinite(c["kl"]) for c in by_repair[repair]), repair
-    assert "--time-budget: --replace fold is not tried (the planner gives the shortlist 167m more" in stdout
+    assert ("--time-budget: --replace fold is not tried (with it the planner gives the shortlist's fits and measures "
+            "167m, and 30m is left)") in stdout
     card = (out / "README.md").read_text()
     assert "| fold |" in card and "not measured: --time-budget left the shortlist" in card
     # without a budget every repair is tried
@@ -109,3 +110,17 @@ def test_removal_alone_is_planned_without_the_capture_pass_its_fits_would_need(t
     monkeypatch.setattr(ship.costs, "CAPTURE_SHARE", ship.costs.CAPTURE_SHARE / 1e6)  # the capture pass 1e6x dearer
     after = shortlists()
     assert after[0] > before[0] + 10 and after[1] == before[1]
+
+
+def test_the_shortlist_ends_in_time_for_the_stages_after_it():
+    from ship.plan import Plan
+    from ship.shipper import shortlist_deadline
+
+    def plan(build, verify):
+        return Plan(planned_stages={"shortlist": 500.0, "build": build, "heal": 300.0, "export": 0.0,
+                                    "verify": verify})
+
+    assert shortlist_deadline(None, plan(10.0, 20.0)) is None
+    assert shortlist_deadline(720.0, plan(10.0, 20.0)) == 360.0  # half the budget when the rest fits in the other
+    assert shortlist_deadline(720.0, plan(36.0, 362.0)) == 322.0  # the checks' 6 minutes come first
+    assert shortlist_deadline(720.0, Plan()) == 360.0  # no plan: half
