@@ -61,10 +61,15 @@ class HealRows:
     measure: torch.Tensor
 
     @classmethod
-    def of(cls, calibration: torch.Tensor) -> HealRows:
-        """The heal's rows of ``calibration`` [samples, seq] (:func:`prune.selection.repaired.split_rows`)."""
+    def of(cls, calibration: torch.Tensor, more: torch.Tensor | None = None) -> HealRows:
+        """The heal's rows of ``calibration`` [samples, seq] (:func:`prune.selection.repaired.split_rows`).
+
+        ``more`` [rows, seq]: other text it trains on beside the fitting rows (``--heal-data``); what it is
+        judged on stays the calibration's measuring rows, so a heal on more text is kept by the same test.
+        """
         fit, measure = split_rows(calibration)
-        return cls(heal_rows(fit), heal_rows(measure), measure)
+        train = heal_rows(fit) if more is None else torch.cat([heal_rows(fit), heal_rows(more)])
+        return cls(train, heal_rows(measure), measure)
 
     def tokens(self, steps: int) -> int:
         """Tokens ``steps`` steps train on: ``HEAL_BATCH`` rows of ``train`` a step (rows read again once seen)."""

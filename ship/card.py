@@ -165,6 +165,10 @@ def ship_command(config: ShipConfig) -> str:
                       ("--new-tokens", "new_tokens")):
         if getattr(config, key) != defaults[key].default:
             parts.append(f"{flag} {getattr(config, key)}")
+    if config.heal_data:
+        parts.append(f"--heal-data {_quote(portable(config.heal_data))}")
+        if config.heal_samples != defaults["heal_samples"].default:
+            parts.append(f"--heal-samples {config.heal_samples}")
     if not config.verify:
         parts.append("--no-verify")
     parts += _data_flags(p)

@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "the checkpoint stays plain), as many as --time-budget leaves; kept only when it lowers the "
                        "KL on the calibration rows it does not train on "
                        f"(default: {DEFAULT_HEAL_STEPS}; 0: no healing)")
+    group.add_argument("--heal-data", default=None, metavar="DATA",
+                       help="more text the heal trains on beside the calibration rows, as --data takes it (a file, "
+                       "datasets spec, self or a mixture); it is still judged on the calibration rows it never "
+                       "trained on (default: none)")
+    group.add_argument("--heal-samples", type=int, default=64, metavar="N",
+                       help="sequences of --seq-len tokens drawn from --heal-data (default: 64)")
     group.add_argument("--processes", type=int, default=1, metavar="N",
                        help="heal on N processes launched by accelerate (DDP: one GPU each with --device cuda, gloo "
                        f"on the CPU, where they share the cores), splitting the {HEAL_BATCH} sequences of a step "
@@ -99,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> ShipConfig:
                       heldout=list(args.heldout), gguf_type=args.gguf_type, converter=args.converter,
                       verify=not args.no_verify, speed_repeats=args.repeats, prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, threads=args.threads, heal_steps=args.heal_steps,
-                      processes=args.processes)
+                      heal_data=args.heal_data, heal_samples=args.heal_samples, processes=args.processes)
 
 
 @cli_entry

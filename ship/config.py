@@ -24,7 +24,7 @@ from distill.heal import HealRows
 from distill.heal import heal_rows as heal_rows
 from distill.launch import check_devices, per_process
 from eval.speed.engines import ENGINES
-from prune.data.calibration import names_a_file
+from prune.data.calibration import DataConfig, names_a_file
 from prune.errors import LayercutError
 from prune.model.layouts import VANILLA
 from prune.pipeline.config import PruneConfig
@@ -117,6 +117,9 @@ class ShipConfig:
         threads: CPU threads passed to the engines (None: theirs).
         heal_steps: at most this many distillation steps after the build (0: no healing); with
             ``time_budget``, as many as fit in the time left.
+        heal_data: more text the heal trains on beside the calibration's fitting rows (a ``--data`` spec; None:
+            none), ``heal_samples`` sequences of the calibration's length; the heal is judged on the calibration's
+            measuring rows either way.
         processes: the heal trains on this many processes, launched by accelerate (DDP; over gloo on the CPU,
             one GPU each with a GPU ``--device``), splitting each step's ``HEAL_BATCH`` sequences between them:
             the weights one process trains, within float rounding (:mod:`distill.launch`).
@@ -135,6 +138,8 @@ class ShipConfig:
     new_tokens: int = 64
     threads: int | None = None
     heal_steps: int = DEFAULT_HEAL_STEPS
+    heal_data: str | None = None
+    heal_samples: int = 64
     processes: int = 1
 
     def __post_init__(self):
@@ -154,12 +159,24 @@ class ShipConfig:
                                     "(or a datasets spec)")
         if self.heal_steps < 0:
             raise LayercutError(f"--heal-steps must be 0 (no healing) or more, got {self.heal_steps}")
+        if self.heal_data is not None:  # the spec and the count refused here, not after the shortlist
+            self.heal_data_config()
         per_process(DistillConfig(batch_size=HEAL_BATCH), self.processes)  # they split a step's sequences
         check_devices(self.processes, self.prune.load.device)
         for name, value in (("--repeats", self.speed_repeats), ("--prompt-len", self.prompt_len),
                             ("--new-tokens", self.new_tokens)):
             if value < 1:
                 raise LayercutError(f"{name} must be at least 1, got {value}")
+
+    def heal_data_config(self) -> DataConfig:
+        """``--heal-data``'s draw: ``heal_samples`` sequences of the calibration's length, its seed, none held out."""
+        data = self.prune.data
+        try:
+            return DataConfig(data=self.heal_data, samples=self.heal_samples, seq_len=data.seq_len, seed=data.seed,
+                              text_field=data.text_field, heldout_samples=0)
+        except LayercutError as err:  # its words name --data and --samples: say which flags they are here
+            raise LayercutError(str(err).replace("--samples", "--heal-samples").replace("--data", "--heal-data")) \
+                from None
 
     @property
     def work(self) -> Path:
@@ -198,7 +215,8 @@ class ShipConfig:
                 "drop": config.drop, "target_params": config.target_params, "target_speedup": config.target_speedup,
                 "protect": config.protect, "batch_size": config.batch_size, "engine": self.engine,
                 "heldout": list(self.heldout), "gguf_type": self.gguf_type if self.gguf else None,
-                "heal_steps": self.heal_steps}
+                "heal_steps": self.heal_steps,
+                **({"heal_data": self.heal_data, "heal_samples": self.heal_samples} if self.heal_data else {})}
 
     def digest(self) -> str:
         """A short digest of :meth:`settings` (marks a shipped folder as this run's)."""

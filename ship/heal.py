@@ -52,6 +52,7 @@ class Healing(StageResult):
     tokens: int | None = None
     distill_seconds: float | None = None
     processes: int = 1  # the processes the training ran on (the world size they reported)
+    data: str | None = None  # --heal-data, trained on beside the calibration rows
 
     def words(self) -> str:
         """The card's paragraph on the healing: how many steps and why, and whether it was kept."""
@@ -60,7 +61,8 @@ class Healing(StageResult):
         said = (f"Healed: {self.steps} steps of distillation towards the original ({self.why}; KL of the "
                 f"next-token distributions, from the original's top-{_cache_k()} logits written once, LoRA on every "
                 "Linear of the kept blocks, merged, so the checkpoint stays plain), on "
-                f"{self.tokens or 0:,} calibration tokens{_over(self.processes)}. "
+                f"{self.tokens or 0:,} tokens of the calibration" + (f" and `--heal-data {self.data}`" if self.data
+                                                                       else "") + f"{_over(self.processes)}. "
                 "On the calibration rows it did not train "
                 f"on (the shortlist's measuring rows): KL {self.kl_before:.4f} -> {self.kl_after:.4f}, perplexity "
                 f"{self.ppl_before:.3f} -> {self.ppl_after:.3f}: ")
@@ -108,7 +110,7 @@ def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageRe
 
 
 def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Path, calibration,
-         original: LoadedModel, say=print, before: dict | None = None) -> Healing:
+         original: LoadedModel, say=print, before: dict | None = None, more=None) -> Healing:
     """Distil ``checkpoint`` towards ``original``; written to ``healed`` when its KL falls on unseen rows.
 
     ``calibration``: the shortlist's rows [samples, seq]; the heal trains on its fitting rows, cut into
@@ -116,7 +118,7 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     :func:`distill.heal.heal_training`, which ``eval.bench heal-curve`` runs too. A heal killed after a checkpoint
     of its training (``healed.work/checkpoints/``, distill's own) continues from it to the same weights.
     ``before``: the checkpoint's ``{"kl", "ppl"}`` on the measuring rows where the shortlist measured them
-    (the build put its fit in place), else measured here.
+    (the build put its fit in place), else measured here; ``more``: ``--heal-data``'s rows, trained on too.
     """
     result = Healing(steps=steps, why=why)
     shutil.rmtree(healed, ignore_errors=True)  # a killed heal's output: written again (its training resumes)
@@ -124,7 +126,7 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
         say(f"not healing: {why}")
         return result
     prune = config.prune
-    rows = HealRows.of(calibration)
+    rows = HealRows.of(calibration, more)
     student, report = heal_student(checkpoint, prune.load.dtype, prune.load.device)
     if before is None:
         before = divergence(student.model, original.model, rows.measure, prune.batch_size)
@@ -139,7 +141,7 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     after = divergence(student.model, original.model, rows.measure, prune.batch_size)
     result = dataclasses.replace(result, kl_before=before["kl"], kl_after=after["kl"], ppl_before=before["ppl"],
                                  ppl_after=after["ppl"], kept=after["kl"] < before["kl"],
-                                 tokens=int(rows.train.numel()),
+                                 tokens=int(rows.train.numel()), data=config.heal_data,
                                  distill_seconds=done.report.get("seconds"),
                                  processes=done.report.get("processes", 1))
     say(f"healed: KL {before['kl']:.4f} -> {after['kl']:.4f} on rows it did not train on; "

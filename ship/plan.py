@@ -8,6 +8,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from eval.speed.engines import ENGINES, display_name
 from prune.errors import LayercutError
 from prune.model.adapters import get_blocks
@@ -22,6 +24,7 @@ from ship.config import (
     ShipConfig,
     applicable,
     duration_words,
+    heal_rows,
     heal_sequences,
     params_cap,
     servable_repairs,
@@ -212,6 +215,8 @@ def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
     if config.no_heal:
         return None
     train, unseen = heal_sequences(prune.data.samples, prune.data.seq_len)
+    if config.heal_data:  # its sequences, cut as the calibration's are, train too (the teacher's cache writes them)
+        train += heal_rows(torch.zeros(config.heal_samples, prune.data.seq_len, dtype=torch.bool)).shape[0]
     options = {**HEAL_OPTIONS, "steps": config.heal_steps,
                "data": {"samples": train, "heldout_samples": unseen, "seq_len": HEAL_SEQ_LEN}}
     try:

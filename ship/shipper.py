@@ -227,8 +227,14 @@ class Shipper:
         shortlist, built = (next(s for s in done if isinstance(s, kind)) for kind in (Shortlist, Built))
         # the checkpoint is the candidate the shortlist measured on the heal's measuring rows: no pass again
         before = {"kl": shortlist.best.kl, "ppl": shortlist.best.ppl} if built.as_measured else None
-        return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, calibration, self._load(),
-                    say=self.say, before=before)
+        original = self._load()
+        more = None
+        if self.config.heal_data:  # drawn again on a resumed run: the same spec and seed give the same rows
+            from prune.data.calibration import calibration_data
+
+            more = calibration_data(original.tokenizer, self.config.heal_data_config(), model=original.model).token_ids
+        return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, calibration, original,
+                    say=self.say, before=before, more=more)
 
     def export(self, final: Path) -> Exported:
         """For llama.cpp, the GGUF of ``--gguf-type`` beside the checkpoint that ships."""

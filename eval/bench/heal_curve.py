@@ -104,13 +104,14 @@ def _point(student: LoadedModel, original: LoadedModel, rows: HealRows, heldout:
 
 
 def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tensor, heldout: Heldout,
-               steps: Sequence[int], prune: PruneConfig) -> dict:
+               steps: Sequence[int], prune: PruneConfig, more: torch.Tensor | None = None) -> dict:
     """The curve's rows, one per step count, and the original's perplexities (see the module's docstring).
 
     ``prune``: how the checkpoint loads (``load``'s dtype and device), the heal's seed (``data.seed``) and the
-    sequences per forward pass of the measuring (``batch_size``), as a ship run's.
+    sequences per forward pass of the measuring (``batch_size``), as a ship run's; ``more``: rows of other text
+    trained on too (``prune.ship --heal-data``).
     """
-    rows = HealRows.of(calibration)
+    rows = HealRows.of(calibration, more)
     dense = {name: heldout.perplexity(original.model, name) for name in heldout.names()}
     points, before = [], None
     with tempfile.TemporaryDirectory(prefix="heal-curve-") as work:
@@ -145,7 +146,9 @@ def heal_curve_markdown(results: dict) -> str:
     heal = results["heal"]
     lines = [f"{results['model']} healed from {Path(results['checkpoint']).name} as prune.ship heals (train "
              f"{heal['train']}, teacher cache {heal['teacher_cache']}, {heal['batch_size']} x {heal['seq_len']} "
-             f"tokens a step, seed {heal['seed']}, {heal['train_rows']} training rows); KL to the original on "
+             f"tokens a step, seed {heal['seed']}, {heal['train_rows']} training rows"
+             + (f", {results['heal_data']['rows'][0]} sequences of them from {results['heal_data']['source']}"
+                if results.get("heal_data") else "") + "); KL to the original on "
              f"{heal['measure_tokens']:,} tokens of measuring rows it never trains on; perplexity in "
              f"{results['heldout']['window']}-token windows.", "",
              "| steps | minutes | tokens trained | KL (measuring rows) | "
@@ -185,6 +188,7 @@ class HealCurveBenchOptions:
         checkpoint: the built, pruned checkpoint folder.
         calibration: a ship run's ``calibration.safetensors`` (None: rows drawn from ``data``).
         data: the calibration text drawn when ``calibration`` is None; its seed seeds the heal either way.
+        heal_data: more text the heal trains on (``prune.ship --heal-data``), ``heal_samples`` sequences of it.
         steps: comma list of step counts (0: the checkpoint as built).
         heldout: ``LABEL=TEXT`` held-out texts, repeatable.
         heldout_tokens: tokens of each text scored.
@@ -203,6 +207,10 @@ class HealCurveBenchOptions:
         metavar="FILE")
     data: DataConfig = data_option(samples=64, seq_len=512,
                                    title="calibration data (drawn without --calibration; --seed seeds the heal too)")
+    heal_data: str | None = bench_option(None, "more text the heal trains on beside the calibration rows, as "
+                                               "prune.ship --heal-data (default: none)", metavar="DATA")
+    heal_samples: int = bench_option(64, "sequences drawn from --heal-data, of the calibration's length (default: 64)",
+                                     type=int)
     steps: str = bench_option(",".join(map(str, DEFAULT_STEPS)),
                               "heal step counts, each run from the built checkpoint; 0: as built (default: "
                               f"{','.join(map(str, DEFAULT_STEPS))})")
@@ -244,9 +252,15 @@ def run_heal_curve(command: HealCurveBenchOptions) -> int:
     source = str(Path(command.calibration).expanduser()) if command.calibration is not None else prune.data.data
     if calibration is None:
         calibration = calibration_data(original.tokenizer, prune.data, model=original.model).token_ids
+    more = None
+    if command.heal_data is not None:
+        drawn = DataConfig(data=command.heal_data, samples=command.heal_samples, seq_len=int(calibration.shape[1]),
+                           seed=prune.data.seed, text_field=prune.data.text_field, heldout_samples=0)
+        more = calibration_data(original.tokenizer, drawn, model=original.model).token_ids
     heldout = Heldout(domains, None, original.tokenizer, command.window, command.batch_size, command.heldout_tokens)
-    results = {**heal_curve(original, checkpoint, calibration, heldout, steps, prune),
-               "calibration": {"source": source, "rows": list(calibration.shape)}}
+    results = {**heal_curve(original, checkpoint, calibration, heldout, steps, prune, more),
+               "calibration": {"source": source, "rows": list(calibration.shape)},
+               "heal_data": None if more is None else {"source": command.heal_data, "rows": list(more.shape)}}
     report_results(command.out, "heal_curve", results, heal_curve_markdown(results), plot_heal_curve)
     return 0
 

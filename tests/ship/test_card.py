@@ -74,11 +74,12 @@ def test_the_card_commands_carry_every_option_that_is_not_its_default(tmp_path):
 def test_the_ship_command_of_the_cli_parses_back_to_the_same_config(tmp_path):
     from ship.cli import build_parser, config_from_args
 
-    original = config(tmp_path, heal_steps=50, verify=False)
+    original = config(tmp_path, heal_steps=50, verify=False, heal_data="builtin", heal_samples=16)
     argv = shlex.split(ship_command(original))[3:]
+    assert argv[argv.index("--heal-data") + 1] == "builtin" and argv[argv.index("--heal-samples") + 1] == "16"
     argv[argv.index("--out") + 1] = original.out
     again = config_from_args(build_parser().parse_args(argv))
-    assert again.settings() == original.settings()
+    assert again.settings() == original.settings() != config(tmp_path, heal_steps=50, verify=False).settings()
     assert (again.time_budget, again.speed_repeats, again.verify) == (150.0, 1, False)
 
 

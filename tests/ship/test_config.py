@@ -75,3 +75,13 @@ def test_a_shipped_checkpoint_adds_at_most_two_percent_over_removing_its_blocks(
     assert oversize_note(134_505_792, removal, 135_000_000, "fold-rotate") is None
     assert oversize_note(107_000_000, removal, 106_500_000, "fold") == ("not a candidate: 107,000,000 parameters, "
                                                                          "above --target-params 106,500,000")
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"heal_samples": 0}, "--heal-samples must be positive, got 0"),
+    ({"heal_data": "a.txt@0.5,b.txt@0.5", "heal_samples": 1}, "--heal-data mixes 2 sources but --heal-samples is 1"),
+])
+def test_heal_data_is_refused_with_its_own_flags_before_any_stage(tmp_path, changes, words):
+    changes = {"heal_data": "builtin", **changes}
+    with pytest.raises(LayercutError, match=words):
+        ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), engine="transformers", **changes)

@@ -27,3 +27,16 @@ def test_the_heal_takes_the_steps_the_time_budget_leaves(tmp_path, tiny_folder):
     assert steps(10_000)[0] == 200
     few, why = steps(190 + (HEAL_MIN_STEPS - 1) * HEAL_MARGIN)
     assert few == 0 and f"under {HEAL_MIN_STEPS}" in why
+
+
+def test_heal_data_is_planned_as_more_rows_for_the_teachers_cache(tiny_folder, tmp_path):
+    from prune.pipeline.config import PruneConfig
+    from ship.plan import planned_heal
+
+    def planned(**changes):
+        prune = PruneConfig(load={"model": str(tiny_folder)}, data={"samples": 16, "seq_len": 32}, drop=2)
+        config = ShipConfig(prune=prune, out=str(tmp_path / "o"), engine="transformers", **changes)
+        return planned_heal(config, prune)
+
+    alone, more = planned(), planned(heal_data="builtin", heal_samples=256)
+    assert alone > 0 and more > alone  # the same steps; the teacher's cache writes 256 more rows

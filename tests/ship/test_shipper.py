@@ -147,6 +147,25 @@ def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_it_never_trained_on
     assert all(torch.equal(again[name], healed[name]) for name in healed)
 
 
+def test_heal_data_is_trained_on_beside_the_calibration_rows_and_judged_on_the_same_unseen_rows(
+        shipped, tmp_path, tiny_folder, text_file, sample_text, capsys, one_thread):
+    other = tmp_path / "other.txt"
+    other.write_text(sample_text[::-1] * 2)
+    args = base_args(tiny_folder, text_file)
+    args[args.index("--heal-steps") + 1] = "20"
+    code, stdout, err = ship(capsys, *args, "--heal-data", other, "--heal-samples", "8", "--no-verify",
+                             "--out", tmp_path / "more")
+    assert code == 0, err
+    heal = json.loads((tmp_path / "more.work" / "heal.json").read_text())
+    # 14 fitting rows of 32 tokens (every 8th of 16 measures), and 8 rows of 32 tokens of the other text
+    assert heal["tokens"] == 14 * 32 + 8 * 32 and heal["data"] == str(other)
+    shortlist = json.loads((tmp_path / "more" / "ship.json").read_text())["shortlist"]
+    assert heal["kl_before"] == shortlist["candidates"][shortlist["chosen"]]["kl"]  # the same measuring rows
+    card = (tmp_path / "more" / "README.md").read_text()
+    assert f"on {14 * 32 + 8 * 32:,} tokens of the calibration and `--heal-data " in card and "other.txt`" in card
+    assert "--heal-data" in card.split("## Reproduce")[1] and "--heal-samples 8" in card
+
+
 def test_only_a_float32_build_takes_the_shortlists_figures_as_the_checkpoints(shipped, tmp_path, tiny_folder,
                                                                               text_file, capsys, one_thread):
     out, _ = shipped

@@ -121,6 +121,17 @@ def test_the_healed_weights_are_ship_heals(setup, curve, tmp_path, monkeypatch):
         assert all(torch.equal(written[name], bench_weights[name]) for name in written)
 
 
+def test_heal_data_adds_its_rows_to_what_the_heal_trains_on(setup, tmp_path, one_thread):
+    out = tmp_path / "more"
+    code = main(bench_args(setup, "--steps", "0", "--heal-data", str(setup["held"]), "--heal-samples", "4",
+                           "--out", str(out)))
+    assert code == 0
+    results = json.loads((out / "heal_curve.json").read_text())
+    assert results["heal_data"] == {"source": str(setup["held"]), "rows": [4, 64]}
+    assert results["heal"]["train_rows"] == 14 + 4 and results["heal"]["measure_rows"] == 2  # judged as before
+    assert f"18 training rows, 4 sequences of them from {setup['held']}" in (out / "heal_curve.md").read_text()
+
+
 @pytest.mark.parametrize(("flag", "value", "says"), [
     ("--steps", "0,-5", "--steps takes distinct step counts of 0 or more"),
     ("--steps", "ten", "--steps takes distinct step counts of 0 or more"),
