@@ -44,3 +44,31 @@ ship_1b 187b61a sequential none
 ship_1b b08fea3 sequential none
 # the skeleton's again at b058062 (the shortlist planned again once its sets are known)
 ship_1b b058062 sequential
+# where the skeleton's peak is (1e66254 and the split of prune.selection.repaired): the same run in-process, a thread
+# keeping the main thread's stack at each new high of VmRSS
+cat > /tmp/peak.py <<'PY'
+import json, sys, threading, time, traceback
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+highs, main = [], threading.main_thread()
+def sample():
+    best = 0
+    while True:
+        r = rss()
+        if r > best * 1.005:
+            best = r
+            frame = sys._current_frames().get(main.ident)
+            highs.append({"t": time.time(), "rss": r, "stack": traceback.format_stack(frame)[-14:] if frame else []})
+        time.sleep(0.2)
+threading.Thread(target=sample, daemon=True).start()
+from prune.ship import main as ship
+try:
+    code = ship(sys.argv[1:])
+finally:
+    json.dump(highs, open(sys.argv[sys.argv.index("--out") + 1] + ".peaks.json", "w"))
+sys.exit(code)
+PY
+PYTHONPATH=. /usr/bin/time -v python /tmp/peak.py --model /tmp/s1b/llama-3.2-1b-float32 --drop 4 --data builtin \
+  --samples 16 --seq-len 512 --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 \
+  --offload sequential --out /tmp/p1b/seq

@@ -67,3 +67,11 @@ cp -n /tmp/fr/d4d/ship.json /tmp/fr/d4d.work/*.json reports/ship-defaults/d4-df2
 (cd /tmp/fr && PYTHONPATH=/tmp/wt-rp python -m prune.ship --model smollm2-135m --drop 4 --data builtin --heal-steps 0 \
   --engine transformers --no-verify --threads 2 --out rp-d4)
 mkdir -p reports/ship-defaults/d4-b058062 && cp /tmp/fr/rp-d4/ship.json reports/ship-defaults/d4-b058062/
+
+# --time-budget 12m at 65a28c8 (training-free drop 4 in transformers; the shortlist left out what its half could not
+# pay for, the verify stage measured generation fidelity)
+python -m prune.ship --model smollm2-135m --drop 4 --engine transformers --heal-steps 0 --time-budget 12m --threads 2 \
+  $HELDOUT --out /tmp/demo/tb12
+mkdir -p reports/ship-defaults/d4-budget12m
+cp /tmp/demo/tb12/README.md /tmp/demo/tb12/ship.json /tmp/demo/tb12.work/shortlist.json \
+  /tmp/demo/tb12.work/verify/fidelity.json reports/ship-defaults/d4-budget12m/
