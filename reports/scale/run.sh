@@ -69,6 +69,6 @@ finally:
     json.dump(highs, open(sys.argv[sys.argv.index("--out") + 1] + ".peaks.json", "w"))
 sys.exit(code)
 PY
-PYTHONPATH=. /usr/bin/time -v python /tmp/peak.py --model /tmp/s1b/llama-3.2-1b-float32 --drop 4 --data builtin \
+/usr/bin/time -v python /tmp/peak.py --model /tmp/s1b/llama-3.2-1b-float32 --drop 4 --data builtin \
   --samples 16 --seq-len 512 --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 \
   --offload sequential --out /tmp/p1b/seq

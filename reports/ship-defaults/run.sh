@@ -75,3 +75,16 @@ python -m prune.ship --model smollm2-135m --drop 4 --engine transformers --heal-
 mkdir -p reports/ship-defaults/d4-budget12m
 cp /tmp/demo/tb12/README.md /tmp/demo/tb12/ship.json /tmp/demo/tb12.work/shortlist.json \
   /tmp/demo/tb12.work/verify/fidelity.json reports/ship-defaults/d4-budget12m/
+
+# --heal-data on the selection split: the checkpoint above healed 100 steps on its calibration, then with 64 rows of
+# WikiText-2's train split beside it
+S=/tmp/layercut-selection
+[ -d $S ] || python -m eval.lab selection-split ../shared/data $S
+SEL="--heldout plays=$S/plays_last_fifth.txt --heldout arc_easy=$S/arc_easy.jsonl --heldout hellaswag=$S/hellaswag.jsonl --heldout piqa=$S/piqa.jsonl"
+python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/demo/tb12 \
+  --calibration /tmp/demo/tb12.work/calibration.safetensors --steps 0,100 $SEL --threads 2 \
+  --out reports/ship-defaults/heal-data/calibration
+python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/demo/tb12 \
+  --calibration /tmp/demo/tb12.work/calibration.safetensors --steps 100 $SEL --threads 2 \
+  --heal-data $D/wikitext-2-train-prefix/wikitext2_train_first1MB.txt --heal-samples 64 \
+  --out reports/ship-defaults/heal-data/wikitext-train
