@@ -518,10 +518,13 @@ def test_prune_ship_killed_between_engine_checks_runs_only_the_checks_left(pytho
     run_killed(python, tmp_path, "ship-verify", "prune.ship", args)
     work = tmp_path / "slim.work"
     assert (work / "verify" / "serving.json").is_file()  # the held-out texts' check is done
-    assert not (work / "verify" / "speed.json").is_file()
+    assert not (work / "verify" / "fidelity.json").is_file() and not (work / "verify" / "speed.json").is_file()
     done = run_again(python, tmp_path, "prune.ship", args)
-    assert done.stdout.count("verifying:") == 1, done.stdout  # the speed check alone
-    assert "## Speed in transformers" in (tmp_path / "slim" / "README.md").read_text()
+    # the generation fidelity and speed checks alone, not the held-out texts' again
+    assert done.stdout.count("verifying:") == 2, done.stdout
+    assert "verifying: what the checkpoint writes" in done.stdout and "held-out text(s)" not in done.stdout
+    card = (tmp_path / "slim" / "README.md").read_text()
+    assert "## Speed in transformers" in card and "What it writes:" in card
 
 
 @pytest.mark.skipif(CONVERTER is None, reason=NO_CONVERTER)
