@@ -15,6 +15,8 @@ import torch
 from distill.step import DistillStep
 from prune.checkpoint.report import read_report
 from prune.checkpoint.save_load import load
+from prune.data.calibration import DataConfig
+from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
 from prune.model.surgery import LAYOUT_ATTR
 from prune.pipeline.steps import StepResult
@@ -35,6 +37,19 @@ HEAL_SEQ_LEN = 128
 # losing at most a tenth of its steps; LoRA's parameters and optimizer state are small beside the model
 HEAL_CHECKPOINTS = 10
 HEAL_MIN_SAVE_EVERY = 10
+
+
+def heal_data_config(spec: str, samples: int, calibration: DataConfig, seq_len: int | None = None) -> DataConfig:
+    """``--heal-data``'s draw of ``samples`` sequences of ``spec``, refused in the words of its own flags.
+
+    The sequences are the calibration's length (or ``seq_len``), with its seed and text field, none held out.
+    """
+    try:
+        return DataConfig(data=spec, samples=samples, seq_len=seq_len or calibration.seq_len, seed=calibration.seed,
+                          text_field=calibration.text_field, heldout_samples=0)
+    except LayercutError as err:  # its words name --data and --samples: say which flags they are here
+        raise LayercutError(str(err).replace("--samples", "--heal-samples").replace("--data", "--heal-data")) \
+            from None
 
 
 def heal_rows(token_ids: torch.Tensor) -> torch.Tensor:

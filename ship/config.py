@@ -20,7 +20,7 @@ from distill.config import DistillConfig
 from distill.heal import HEAL_BATCH as HEAL_BATCH
 from distill.heal import HEAL_OPTIONS as HEAL_OPTIONS
 from distill.heal import HEAL_SEQ_LEN as HEAL_SEQ_LEN
-from distill.heal import HealRows
+from distill.heal import HealRows, heal_data_config
 from distill.heal import heal_rows as heal_rows
 from distill.launch import check_devices, per_process
 from eval.speed.engines import ENGINES
@@ -37,15 +37,17 @@ from prune.replace import METHODS, check_replacement_supported
 DEFAULT_HEAL_STEPS = 100
 
 
-def heal_sequences(samples: int, seq_len: int) -> tuple[int, int]:
+def heal_sequences(samples: int, seq_len: int, more: int = 0) -> tuple[int, int]:
     """(training, measuring) sequences the heal cuts (:class:`distill.heal.HealRows`) from ``samples`` calibration rows.
 
-    The shortlist's fitting rows train, its measuring rows measure (:func:`prune.selection.repaired.split_rows`).
-    Counted on a placeholder of the rows' shape, so the count is the heal's own cut.
+    The shortlist's fitting rows train, its measuring rows measure (:func:`prune.selection.repaired.split_rows`);
+    ``more`` rows of ``--heal-data`` train too. Counted on placeholders of the rows' shape, so the count is the
+    heal's own cut.
     """
     import torch
 
-    rows = HealRows.of(torch.zeros(samples, seq_len, dtype=torch.bool))  # a byte a token
+    rows = HealRows.of(torch.zeros(samples, seq_len, dtype=torch.bool),  # a byte a token
+                       torch.zeros(more, seq_len, dtype=torch.bool) if more else None)
     return rows.train.shape[0], rows.unseen.shape[0]
 
 
@@ -169,14 +171,8 @@ class ShipConfig:
                 raise LayercutError(f"{name} must be at least 1, got {value}")
 
     def heal_data_config(self) -> DataConfig:
-        """``--heal-data``'s draw: ``heal_samples`` sequences of the calibration's length, its seed, none held out."""
-        data = self.prune.data
-        try:
-            return DataConfig(data=self.heal_data, samples=self.heal_samples, seq_len=data.seq_len, seed=data.seed,
-                              text_field=data.text_field, heldout_samples=0)
-        except LayercutError as err:  # its words name --data and --samples: say which flags they are here
-            raise LayercutError(str(err).replace("--samples", "--heal-samples").replace("--data", "--heal-data")) \
-                from None
+        """``--heal-data``'s draw (:func:`distill.heal.heal_data_config`) beside this run's calibration."""
+        return heal_data_config(self.heal_data, self.heal_samples, self.prune.data)
 
     @property
     def work(self) -> Path:

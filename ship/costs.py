@@ -143,16 +143,17 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
 
 
 def _fidelity_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
-    """The generation fidelity check (``eval.bench.checks.FidelityCheck``'s defaults), in a process of its own.
+    """The generation fidelity check (``eval.bench.checks.FidelityCheck``), in a process of its own.
 
-    The original and the checkpoint each decode every prompt in batches of eight (a step reads every weight,
-    as the calibration's sampling does), then the original scores what the checkpoint wrote in one pass.
+    At ``FidelityOptions``' defaults, the original and the checkpoint each decode every prompt in its batches (a
+    step reads every weight, as the calibration's sampling does), then the original scores what the checkpoint
+    wrote in one pass.
     """
-    from eval.bench.checks import FidelityCheck
+    from eval.quality.fidelity import FidelityOptions
 
-    check = FidelityCheck(original="", model="", texts=(), tokenizer="")
-    tokens = check.prompts * (check.prompt_tokens + check.new_tokens)
-    steps = math.ceil(check.prompts / 8) * check.new_tokens
+    options = FidelityOptions()
+    tokens = options.prompts * (options.prompt_tokens + options.new_tokens)
+    steps = math.ceil(options.prompts / options.batch_size) * options.new_tokens
     total = 2 * PROCESS_SECONDS / machine_speed()  # a fresh Python, and the second model's load
     for blocks in (shape.layers, shape.layers - work.drop):
         total += tokens * _flops(shape, blocks, True) / (_rate(inp) * SERVING_SHARE)

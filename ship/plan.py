@@ -8,8 +8,6 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from eval.speed.engines import ENGINES, display_name
 from prune.errors import LayercutError
 from prune.model.adapters import get_blocks
@@ -24,7 +22,6 @@ from ship.config import (
     ShipConfig,
     applicable,
     duration_words,
-    heal_rows,
     heal_sequences,
     params_cap,
     servable_repairs,
@@ -104,23 +101,21 @@ def make_plan(config: ShipConfig) -> Plan:
         plan.planned_seconds = planned.seconds
         plan.planned_peak = planned.to_dict()["peak"]
         plan.planned_heal_seconds = planned_heal(config, sized)
-        least = None
         if count is not None:
             plan.planned_stages = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
                 planned.shape, planned.inp, ship_work(config, meta.skeleton, count, plan.planned_heal_seconds)).items()}
+        budget, needed = config.time_budget, plan.planned_total(heal=False)
+        if budget is not None and needed is not None and needed > budget:
             # the shortlist leaves out the repairs its share of the budget cannot pay for (ship.shortlist): the
             # run is refused only when removal alone, which fits nothing, does not fit
             least = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
                 planned.shape, planned.inp, ship_work(config, meta.skeleton, count, None, only=())).items()}
-        budget, needed = config.time_budget, plan.planned_total(heal=False)
-        if budget is not None and needed is not None and needed > budget:
-            least_total = None if least is None else sum(s for stage, s in least.items() if stage != "heal")
-            if least_total is None or least_total > budget:
+            least_total = sum(seconds for stage, seconds in least.items() if stage != "heal")
+            if least_total > budget:
                 raise LayercutError(
                     f"--time-budget {duration_words(budget)}: the planner gives this run "
-                    f"{duration_words(least_total or needed)} before any healing "
-                    f"({_stage_words(least or plan.planned_stages)})"
-                    + (" with no repair tried" if least_total is not None and least_total < needed else "")
+                    f"{duration_words(least_total)} before any healing ({_stage_words(least)})"
+                    + (" with no repair tried" if least_total < needed else "")
                     + ": give more time, a smaller --samples, or a smaller budget")
             logger.warning("--time-budget %s: the planner gives this run %s before any healing; the shortlist "
                            "tries the repairs that fit in %d%% of the budget once its block sets are known",
@@ -214,9 +209,9 @@ def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
 
     if config.no_heal:
         return None
-    train, unseen = heal_sequences(prune.data.samples, prune.data.seq_len)
-    if config.heal_data:  # its sequences, cut as the calibration's are, train too (the teacher's cache writes them)
-        train += heal_rows(torch.zeros(config.heal_samples, prune.data.seq_len, dtype=torch.bool)).shape[0]
+    # --heal-data's sequences train too (the teacher's cache writes them)
+    train, unseen = heal_sequences(prune.data.samples, prune.data.seq_len,
+                                   config.heal_samples if config.heal_data else 0)
     options = {**HEAL_OPTIONS, "steps": config.heal_steps,
                "data": {"samples": train, "heldout_samples": unseen, "seq_len": HEAL_SEQ_LEN}}
     try:

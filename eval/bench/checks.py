@@ -24,6 +24,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from eval.quality.fidelity import FidelityOptions
 from prune.errors import LayercutError
 
 # a check's greedy continuation: this many tokens after the first window's first 32
@@ -195,7 +196,7 @@ class FidelityCheck:
         model: the checkpoint folder measured.
         texts: (label, held-out text), the prompts shared out evenly over them.
         tokenizer: the model whose tokenizer cuts the prompts.
-        prompts, prompt_tokens, new_tokens: ``FidelityOptions``' (their defaults: ``eval.compare``'s column).
+        prompts, prompt_tokens, new_tokens: ``FidelityOptions``' (its defaults, ``eval.compare``'s column's).
         threads, dtype, device: as :class:`ServingCheck`'s.
     """
 
@@ -203,9 +204,9 @@ class FidelityCheck:
     model: str
     texts: tuple[tuple[str, str], ...]
     tokenizer: str
-    prompts: int = 32
-    prompt_tokens: int = 64
-    new_tokens: int = 32
+    prompts: int = FidelityOptions.prompts
+    prompt_tokens: int = FidelityOptions.prompt_tokens
+    new_tokens: int = FidelityOptions.new_tokens
     threads: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
@@ -215,7 +216,7 @@ class FidelityCheck:
         import torch
 
         from eval.bench.serving import held_out_ids
-        from eval.quality.fidelity import FidelityOptions, Reference, prompts_from_streams
+        from eval.quality.fidelity import Reference, prompts_from_streams
         from prune.checkpoint.load_config import LoadConfig
 
         options = FidelityOptions(prompts=self.prompts, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from distill.heal import HEAL_OPTIONS, HealRows, heal_student, heal_training
+from distill.heal import HEAL_OPTIONS, HealRows, heal_data_config, heal_student, heal_training
 from eval.bench.output import finish_figure, pyplot, report_results, steps_line
 from eval.bench.registry import bench_option, data_option, load_option, register_subcommand, threads_option
 from eval.compare.heldout import Heldout, mean_perplexity, plan_domains
@@ -254,8 +254,7 @@ def run_heal_curve(command: HealCurveBenchOptions) -> int:
         calibration = calibration_data(original.tokenizer, prune.data, model=original.model).token_ids
     more = None
     if command.heal_data is not None:
-        drawn = DataConfig(data=command.heal_data, samples=command.heal_samples, seq_len=int(calibration.shape[1]),
-                           seed=prune.data.seed, text_field=prune.data.text_field, heldout_samples=0)
+        drawn = heal_data_config(command.heal_data, command.heal_samples, prune.data, int(calibration.shape[1]))
         more = calibration_data(original.tokenizer, drawn, model=original.model).token_ids
     heldout = Heldout(domains, None, original.tokenizer, command.window, command.batch_size, command.heldout_tokens)
     results = {**heal_curve(original, checkpoint, calibration, heldout, steps, prune, more),
