@@ -20,9 +20,6 @@ inside the model gives the same values (``tests/prune/measure/test_blockwise.py`
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -37,6 +34,7 @@ from prune.errors import LayercutError
 from prune.loading.offload import CheckpointBlocks
 from prune.measure.moments import HeldRows, StateMoments, adjacent_pairs, stream_moments
 from prune.measure.scores import get_score
+from prune.memory import return_freed_memory
 from prune.model.adapters import OFFLOAD_ATTR, get_blocks, input_device, is_offloaded, num_blocks
 from prune.model.capture import block_input, block_output
 
@@ -116,29 +114,6 @@ def block_weights(model: nn.Module) -> CheckpointBlocks | ResidentBlocks:
     return getattr(model, OFFLOAD_ATTR, None) or ResidentBlocks()
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    # found once: find_library runs ldconfig in a subprocess, too slow for a call per batch
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-
-
-def _return_freed_memory() -> None:
-    """Hand the C heap's free blocks back to the system (glibc's ``malloc_trim``; nothing elsewhere).
-
-    Each batch's pass frees a block's activations and a batch of a state, and glibc keeps such freed
-    blocks in its heap, where the next batch's tensors, of other sizes, do not fit them all: on
-    SmolLM2-135M (32k tokens) the resident memory grew 5 MB a batch, 125 MB a block, without this, and
-    stays within one batch's activations with it (``reports/smollm2-135m-offload``).
-    """
-    libc = _libc()
-    trim = getattr(libc, "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
 def _partners(pairs: list[tuple[int, int]], cosine_pairs: str, count: int) -> dict[int, list[int]]:
     """For each state, the earlier states its statistics are taken against (pairs and cosines)."""
     partners = {j: {i for i, jj in pairs if jj == j} for j in range(count + 1)}
@@ -209,7 +184,7 @@ def stream_moments_blockwise(
     states, calls = block_inputs(model, batches if batches is not None else split_batches(token_ids, batch_size))
     kept = {0: states}
     del states  # state 0 goes once block 0 no longer needs it
-    _return_freed_memory()
+    return_freed_memory()
     for b, batch in enumerate(kept[0] if observed is None or 0 in observed else ()):
         moments.begin_batch(None)
         moments.observe(0, batch)
@@ -255,7 +230,7 @@ def stream_moments_blockwise(
             _score_block(moments, index, scores)
             if held is not None:
                 held.release(index)
-        _return_freed_memory()
+        return_freed_memory()
     if moments.n:
         logger.info("streamed statistics of %d states over %d tokens, one block at a time", count + 1, moments.n)
     return moments

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from prune.errors import LayercutError
+from prune.memory import return_freed_memory
 from prune.model.adapters import get_blocks, input_device
 from prune.model.surgery import blocks_removed, drop_blocks_
 from prune.replace import (
@@ -229,6 +230,7 @@ class RepairedCosts:
                     logger.info("repaired selection: fitting %d span(s) on %d rows", len(missing),
                                 self.fit_ids.shape[0])
                     self.fits.update(fit_spans(self.model, missing, self.fit_ids, self.config))
+                    return_freed_memory()  # the pass's statistics, freed into glibc's heap
 
     def _missing(self, sets: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
         """The spans of ``sets`` not fitted yet on the current fold's rows."""
@@ -342,8 +344,7 @@ class RepairedCosts:
                     dense, states = self._original_pass(first, batch)
                     states = states[: deepest + 1] if states is not None and deepest > 0 else None
                 else:
-                    dense = torch.log_softmax(self.model(input_ids=batch, use_cache=False).logits[:, :-1].float(),
-                                              -1)
+                    dense = _log_probs(self.model(input_ids=batch, use_cache=False).logits)
                     states = None
                     if not self._plain and deepest > 0:
                         with self.view(base):
@@ -355,6 +356,8 @@ class RepairedCosts:
                     with self.view(blocks):
                         logits = self._logits(batch, starts[i], states)
                     batch_nll, batch_kl = _nll_and_kl(logits[:, :-1], dense, batch[:, 1:])
+                    del logits  # a batch of vocabulary-wide logits: hand it back before the next view's
+                    return_freed_memory()
                     nll[i] += batch_nll
                     kl[i] += batch_kl
                     if bar is not None and last and first + self.batch_size >= measure_ids.shape[0]:
@@ -373,7 +376,7 @@ class RepairedCosts:
         key = (self.rows, self._fold, first)
         if key not in self.references:
             logits, states = logits_and_states(self.model, batch)
-            self.references[key] = (torch.log_softmax(logits[:, :-1].float(), -1), states)
+            self.references[key] = (_log_probs(logits), states)
         return self.references[key]
 
     def _logits(self, batch: torch.Tensor, start: int, states: list[torch.Tensor] | None) -> torch.Tensor:
@@ -386,7 +389,7 @@ class RepairedCosts:
         if not self._checked:  # once: a block that passes on more than its hidden state breaks the shortcut
             self._checked = True
             reference = whole()
-            if not torch.allclose(logits.float(), reference.float(), rtol=1e-3, atol=1e-3):
+            if not _all_close(logits, reference):
                 logger.warning("repaired selection: starting at block %d differs from the whole pass; measuring "
                                "whole passes", start)
                 self._plain = True
@@ -432,6 +435,9 @@ def fit_together(wanted: Sequence[tuple[RepairedCosts, Sequence[Sequence[int]]]]
                                                   for costs, missing in pending], first.folds[fold][0])
         for (costs, _), found in zip(pending, fits, strict=True):
             costs._fold_fits[fold].update(found)
+        # the pass's statistics (MLP-wide Grams, their eigenvectors) are freed by now, but glibc keeps what fell
+        # below its mmap threshold: on a 1B skeleton that held the resident set gigabytes above the measuring's
+        return_freed_memory()
 
 
 def replace_as_measured_(model: nn.Module, dropped: Sequence[int], token_ids: torch.Tensor, replace: ReplaceConfig,
@@ -485,6 +491,29 @@ def divergence(model: nn.Module, original: nn.Module, token_ids: torch.Tensor, b
         model.train(modes[0])
         original.train(modes[1])
     return {"ppl": math.exp(nll / targets), "kl": kl / targets}
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Next-token log-probabilities of ``logits`` [batch, seq, vocab] at every position but the last, float32.
+
+    Written over the logits (or their float32 copy) a chunk of positions at a time: the same values as one
+    ``log_softmax`` over the whole batch, without a second vocabulary-wide tensor beside the first (on a 128k
+    vocabulary, 525 MB a batch of two 512-token rows).
+    """
+    out = logits[:, :-1].float()
+    for start in range(0, out.shape[1], _CHUNK):
+        out[:, start : start + _CHUNK] = torch.log_softmax(out[:, start : start + _CHUNK], -1)
+    return out
+
+
+def _all_close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.allclose`` of two batches of logits (rtol = atol = 1e-3), a chunk of positions at a time.
+
+    ``allclose`` of whole vocabulary-wide batches makes several temporaries of their size at once: on a 1B
+    skeleton this one check set the shortlist's peak.
+    """
+    return all(torch.allclose(a[:, s : s + _CHUNK].float(), b[:, s : s + _CHUNK].float(), rtol=1e-3, atol=1e-3)
+               for s in range(0, a.shape[1], _CHUNK))
 
 
 def _nll_and_kl(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
