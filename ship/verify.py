@@ -70,7 +70,8 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
         fidelity = {"skipped": f"--offload {load.offload}"}
     else:
         check = FidelityCheck(original=load.model, model=str(checkpoint), texts=texts, tokenizer=load.model,
-                              threads=config.threads, dtype=load.dtype, device=load.device)
+                              threads=config.threads, dtype=load.dtype, device=load.device,
+                              keep_original=True)  # its greedy side is the same in every run: kept in the cache
         fidelity = _kept(folder / "fidelity.json", lambda: run_in_child(check, folder / "fidelity.log"),
                          lambda: say(f"verifying: what the checkpoint writes after {check.prompts} held-out "
                                      f"prompts, judged by the original in transformers"))

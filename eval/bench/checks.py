@@ -9,7 +9,8 @@ model loaded once per engine for all the texts (``eval.bench serving``'s scoring
 names in ``kept`` (the original, the same in every run) are read from the cache when an earlier check measured
 the same files on the same token ids with the same engine and libraries (:func:`kept_row_path`); a :class:`SpeedCheck`
 times a model against its original in one engine (``eval.bench speed``'s); a :class:`FidelityCheck` has the
-original judge what the model writes (``eval.quality.fidelity``). :func:`run_in_child` runs one in
+original judge what the model writes (``eval.quality.fidelity``), the original's side read from the cache likewise
+(``keep_original``). :func:`run_in_child` runs one in
 a fresh Python process: an engine's memory, threads and crashes stay its own, and the
 caller gets the figures back as the function's value, or one line when the check failed (its log has the rest).
 """
@@ -105,8 +106,11 @@ class ServingCheck:
 
 
 def kept_row_path(model: str, engine: str, window_ids: list[list[int]], greedy_tokens: int,
-                  threads: int | None = None, *, dtype: str = "auto", device: str = "cpu") -> Path | None:
+                  threads: int | None = None, *, dtype: str = "auto", device: str = "cpu",
+                  kind: str = "serving-rows") -> Path | None:
     """Where the cache keeps ``model``'s serving row in ``engine`` on these windows (None: its files unknown).
+
+    ``kind``: the cache's folder for such rows (the fidelity check keeps the original's side apart).
 
     The name is a digest of what the row depends on: the model's files (path, names, sizes and times), the
     engine and its version, torch's and transformers' versions, the token ids, the greedy length, the threads
@@ -125,7 +129,7 @@ def kept_row_path(model: str, engine: str, window_ids: list[list[int]], greedy_t
     stamp = files_stamp(found)
     versions = [get_engine(engine).version()] + [importlib.metadata.version(name) for name in ("torch", "transformers")]
     key = json.dumps([stamp, engine, versions, window_ids, greedy_tokens, threads, dtype, device])
-    return cache_dir() / "serving-rows" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    return cache_dir() / kind / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
 def _read_row(path: Path) -> dict | None:
@@ -210,22 +214,40 @@ class FidelityCheck:
     threads: int | None = None
     dtype: str = "auto"
     device: str = "cpu"
+    keep_original: bool = False
 
     def run(self) -> dict:
-        """``Reference.measure``'s figures for the model, with the texts the prompts came from."""
+        """``Reference.measure``'s figures for the model, with the texts the prompts came from.
+
+        With ``keep_original``, the original's greedy continuations and its NLL of them are read from the cache
+        when an earlier check wrote them for the same files, prompts, settings and libraries (:func:`kept_row_path`),
+        else kept there: a second ship of the same model decodes only the checkpoint.
+        """
         import torch
 
         from eval.bench.serving import held_out_ids
         from eval.quality.fidelity import Reference, prompts_from_streams
+        from eval.speed.engines import REFERENCE
         from prune.checkpoint.load_config import LoadConfig
 
         options = FidelityOptions(prompts=self.prompts, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens)
         streams = [torch.tensor(held_out_ids(text, self.tokenizer)) for _, text in self.texts]
+        prompts = prompts_from_streams(streams, options)
+        path = kept_row_path(self.original, REFERENCE, prompts.tolist(), self.new_tokens, self.threads,
+                             dtype=self.dtype, device=self.device, kind="fidelity-original") \
+            if self.keep_original else None
+        row = _read_row(path) if path is not None else None
         load = LoadConfig(dtype=self.dtype, device=self.device)
         original = load.load(self.original).model.eval()
-        reference = Reference(original, prompts_from_streams(streams, options), options)
+        reference = Reference(original, prompts, options,
+                              greedy=torch.tensor(row["greedy"]) if row is not None else None,
+                              own_nll=torch.tensor(row["own_nll"]) if row is not None else None)
         model = load.load(self.model).model.eval()
-        return {**reference.measure(model), "texts": [label for label, _ in self.texts]}
+        figures = reference.measure(model)
+        if path is not None and row is None:
+            _keep_row(path, {"runs": 1, "greedy": reference.greedy.tolist(),
+                             "own_nll": reference.own_nll.tolist()})
+        return {**figures, "texts": [label for label, _ in self.texts], "original_kept": row is not None}
 
 
 def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) -> dict:

@@ -117,12 +117,17 @@ class Reference:
     Built once and shared by every model measured against it: the original decodes each prompt once per run.
     """
 
-    def __init__(self, original, prompts: torch.Tensor, options: FidelityOptions | None = None):
+    def __init__(self, original, prompts: torch.Tensor, options: FidelityOptions | None = None, *,
+                 greedy: torch.Tensor | None = None, own_nll: torch.Tensor | None = None):
+        """``greedy`` and ``own_nll``: the original's side measured before on these prompts (a cache), or None."""
         self.original = original
         self.prompts = prompts
         self.options = options or FidelityOptions()
-        self._greedy: torch.Tensor | None = None
-        self._own_nll: torch.Tensor | None = None
+        if greedy is not None and tuple(greedy.shape) != (len(prompts), self.options.new_tokens):
+            raise ValueError(f"a kept greedy continuation of shape {tuple(greedy.shape)} for {len(prompts)} prompts "
+                             f"of {self.options.new_tokens} new tokens")
+        self._greedy: torch.Tensor | None = greedy
+        self._own_nll: torch.Tensor | None = own_nll if greedy is not None else None
 
     @property
     def greedy(self) -> torch.Tensor:

@@ -4,7 +4,7 @@ import mmap
 
 import psutil
 
-from prune.memory import peak_rss_bytes
+from prune.memory import peak_rss_bytes, return_freed_memory
 
 SLACK = 4 * 2**20  # the kernel syncs its RSS counters lazily: readings can differ by a few pages
 SIZE = 128 * 2**20
@@ -23,3 +23,16 @@ def test_peak_rss_is_a_high_water_mark():
     peak, now = peak_rss_bytes(), psutil.Process().memory_info().rss
     assert peak >= with_block - SLACK
     assert peak - now > 100 * 2**20
+
+
+def test_freed_heap_memory_goes_back_to_the_system():
+    # blocks below glibc's mmap threshold come from its heap; one allocated after them pins the heap's top, so
+    # freeing them leaves them resident until the heap is trimmed
+    chunks = [b"x" * 100_000 for _ in range(1000)]
+    pin = b"y" * 100_000
+    del chunks
+    before = psutil.Process().memory_info().rss
+    return_freed_memory()
+    after = psutil.Process().memory_info().rss
+    assert before - after > 50 * 2**20
+    assert pin

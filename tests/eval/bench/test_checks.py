@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 
-from eval.bench.checks import ServingCheck, run_in_child
+from eval.bench.checks import FidelityCheck, ServingCheck, run_in_child
 from prune.errors import LayercutError
 
 
@@ -98,3 +101,27 @@ def test_a_fidelity_check_has_the_original_judge_what_the_model_writes(tiny_fold
     assert itself["kept"] == 1.0 and itself["nll"] == pytest.approx(itself["own_nll"], rel=1e-6)
     assert itself["texts"] == ["text"] and len(itself["nll_rows"]) == 4 and itself["new_tokens"] == 6
     assert changed["kept"] < 1.0 and changed["nll"] > changed["own_nll"] == pytest.approx(itself["own_nll"])
+
+
+def test_a_fidelity_check_keeps_the_original_s_side_and_reads_it_back(tiny_folder, tmp_path, sample_text,
+                                                                       monkeypatch):
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))  # the child processes inherit it
+    text = tmp_path / "text.txt"
+    text.write_text(sample_text)
+    check = FidelityCheck(original=str(tiny_folder), model=str(tiny_folder), texts=(("text", str(text)),),
+                          tokenizer=str(tiny_folder), prompts=4, prompt_tokens=8, new_tokens=6, threads=1,
+                          keep_original=True)
+    first = run_in_child(check, tmp_path / "first.log")
+    kept = list((tmp_path / "cache" / "fidelity-original").glob("*.json"))
+    assert not first["original_kept"] and len(kept) == 1
+    again = run_in_child(check, tmp_path / "again.log")
+    assert again["original_kept"] and {k: v for k, v in again.items() if k != "original_kept"} == {
+        k: v for k, v in first.items() if k != "original_kept"}
+    # what is read is the cache's: a floor written there is the one reported
+    row = json.loads(kept[0].read_text())
+    row["own_nll"] = [12.5] * 4
+    kept[0].write_text(json.dumps(row))
+    assert run_in_child(check, tmp_path / "third.log")["own_nll"] == pytest.approx(12.5)
+    # another thread count is another entry: the greedy ids may follow the order of a sum
+    other = run_in_child(dataclasses.replace(check, threads=2), tmp_path / "fourth.log")
+    assert not other["original_kept"] and other["own_nll"] == pytest.approx(first["own_nll"], rel=1e-5)

@@ -14,7 +14,15 @@ from prune.measure.scores import get_score
 from prune.model.surgery import drop_blocks_
 from prune.replace import ReplaceConfig, replace_blocks_
 from prune.selection.map_errors import map_errors
-from prune.selection.repaired import RepairedCosts, crossfit_halves, split_rows, update_share
+from prune.selection.repaired import (
+    _CHUNK,
+    RepairedCosts,
+    _all_close,
+    _log_probs,
+    crossfit_halves,
+    split_rows,
+    update_share,
+)
 from prune.selection.repaired_order import greedy_order
 from prune.selection.strategies import SelectionInput, choose_blocks, select_blocks
 from tests.helpers import make_tiny_model
@@ -418,3 +426,19 @@ def test_a_build_from_a_repaired_selection_s_fits_records_the_short_cut_that_fed
     # a fit no short cut fed records none, as in an ordinary build
     fold = ReplaceConfig(method="fold", fit_rows="fitting", progress=False)
     assert all("fit_short" not in r for r in replace_as_measured_(make_tiny_model("llama", seed=3), [1, 2], ids, fold))
+
+
+def test_log_probabilities_written_a_chunk_at_a_time_are_those_of_one_log_softmax():
+    logits = torch.randn(2, 2 * _CHUNK + 7, 50, generator=torch.Generator().manual_seed(1)) * 4
+    expected = torch.log_softmax(logits[:, :-1], -1)
+    assert torch.equal(_log_probs(logits.clone()), expected)
+    # a half-precision model's logits are turned into float32 first, as one log_softmax of them would be
+    assert torch.equal(_log_probs(logits.bfloat16()), torch.log_softmax(logits.bfloat16()[:, :-1].float(), -1))
+
+
+def test_logits_compared_a_chunk_at_a_time_agree_with_allclose():
+    a = torch.randn(2, 2 * _CHUNK + 7, 50, generator=torch.Generator().manual_seed(2))
+    b = a + 5e-4
+    assert _all_close(a, b) and torch.allclose(a, b, rtol=1e-3, atol=1e-3)
+    b[1, 2 * _CHUNK + 3, 10] += 0.1  # one value off, in the last chunk
+    assert not _all_close(a, b) and not torch.allclose(a, b, rtol=1e-3, atol=1e-3)
