@@ -199,6 +199,19 @@ class ShipConfig:
                     "on a larger machine with python -m distill.run)")
         return None
 
+    def fidelity_check(self, checkpoint: str, heldout: list[str]):
+        """The verify stage's generation fidelity check of ``checkpoint`` on the ``heldout`` texts.
+
+        The original's side is kept in the cache (the same in every run of it); the planner asks the same check
+        whether it is there, so both read one key.
+        """
+        from eval.bench.checks import FidelityCheck
+
+        load = self.prune.load
+        return FidelityCheck(original=load.model, model=checkpoint, texts=tuple(heldout_label(s) for s in heldout),
+                             tokenizer=load.model, threads=self.threads, dtype=load.dtype, device=load.device,
+                             keep_original=True)
+
     def settings(self) -> dict:
         """What the result depends on (a resumed run must match it): the model, data, budget and the engine.
 

@@ -16,7 +16,8 @@ counted here in the same units before any weight is read:
 - export: llama.cpp's converter reading and writing the float32 checkpoint, and its quantizer;
 - verify: the held-out tokens through the original (unless its rows are kept) and the checkpoint in
   transformers, the shipped file in its engine, the generation fidelity check (both models decoding held-out
-  prompts, in memory only) and the speed check's rounds; each check in a fresh process.
+  prompts, in memory only; the original's side unless an earlier run kept it) and the speed check's rounds; each
+  check in a fresh process.
 
 Rates are ``prune.planner.stages``' FLOP rate times what a kind of pass reached of it on this 2-core machine
 (SmolLM2-135M, ``--drop 8 --samples 32``, idle, 2026-12-02; ``reports/ship-fast/``), and byte rates for what reads
@@ -73,6 +74,7 @@ class ShipWork:
         gguf: the engine reads a GGUF (llama.cpp): the export runs, and the engine scores it.
         quantized: the GGUF goes through llama.cpp's quantizer after the conversion (``q4_k_m``).
         original_kept: the original's serving rows and its engine file are kept from an earlier run.
+        fidelity_kept: the original's side of the generation fidelity check is kept from an earlier run.
         verify: the engine checks run (``--no-verify``: not).
     """
 
@@ -87,6 +89,7 @@ class ShipWork:
     gguf: bool = True
     quantized: bool = False
     original_kept: bool = False
+    fidelity_kept: bool = False
     speed_rounds: int = 3
     prompt_len: int = 256
     new_tokens: int = 64
@@ -147,7 +150,8 @@ def _fidelity_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> floa
 
     At ``FidelityOptions``' defaults, the original and the checkpoint each decode every prompt in its batches (a
     step reads every weight, as the calibration's sampling does), then the original scores what the checkpoint
-    wrote in one pass.
+    wrote in one pass. With the original's side kept by an earlier run (``work.fidelity_kept``), only the
+    checkpoint decodes.
     """
     from eval.quality.fidelity import FidelityOptions
 
@@ -155,7 +159,8 @@ def _fidelity_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> floa
     tokens = options.prompts * (options.prompt_tokens + options.new_tokens)
     steps = math.ceil(options.prompts / options.batch_size) * options.new_tokens
     total = 2 * PROCESS_SECONDS / machine_speed()  # a fresh Python, and the second model's load
-    for blocks in (shape.layers, shape.layers - work.drop):
+    decoders = (shape.layers - work.drop,) if work.fidelity_kept else (shape.layers, shape.layers - work.drop)
+    for blocks in decoders:
         total += tokens * _flops(shape, blocks, True) / (_rate(inp) * SERVING_SHARE)
         total += steps * weight_bytes(shape, inp, blocks) / (SAMPLE_BYTES_PER_S * machine_speed())
     return total + tokens * _flops(shape, shape.layers, True) / (_rate(inp) * SERVING_SHARE)

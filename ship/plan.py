@@ -101,15 +101,21 @@ def make_plan(config: ShipConfig) -> Plan:
         plan.planned_seconds = planned.seconds
         plan.planned_peak = planned.to_dict()["peak"]
         plan.planned_heal_seconds = planned_heal(config, sized)
+        # the fidelity check's prompts come from --heldout's texts (without them, from rows the shortlist draws);
+        # asking tokenizes them, so once
+        kept = bool(config.verify and config.heldout and config.prune.load.offload == "none"
+                    and config.fidelity_check("", list(config.heldout)).original_kept())
         if count is not None:
             plan.planned_stages = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
-                planned.shape, planned.inp, ship_work(config, meta.skeleton, count, plan.planned_heal_seconds)).items()}
+                planned.shape, planned.inp, ship_work(config, meta.skeleton, count, plan.planned_heal_seconds,
+                                                      fidelity_kept=kept)).items()}
         budget, needed = config.time_budget, plan.planned_total(heal=False)
         if budget is not None and needed is not None and needed > budget:
             # the shortlist leaves out the repairs its share of the budget cannot pay for (ship.shortlist): the
             # run is refused only when removal alone, which fits nothing, does not fit
             least = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
-                planned.shape, planned.inp, ship_work(config, meta.skeleton, count, None, only=())).items()}
+                planned.shape, planned.inp,
+                ship_work(config, meta.skeleton, count, None, only=(), fidelity_kept=kept)).items()}
             least_total = sum(seconds for stage, seconds in least.items() if stage != "heal")
             if least_total > budget:
                 raise LayercutError(
@@ -127,11 +133,12 @@ def make_plan(config: ShipConfig) -> Plan:
 
 
 def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | None,
-              only: Collection[str] | None = None) -> ShipWork:
+              only: Collection[str] | None = None, fidelity_kept: bool = False) -> ShipWork:
     """What the run will do, as :mod:`ship.costs` counts it.
 
     The repairs the shortlist fits (those the skeleton takes, of ``only`` where given), the text it samples, the
-    held-out tokens it verifies on.
+    held-out tokens it verifies on; ``fidelity_kept``: the cache holds the original's side of the fidelity check
+    (:meth:`ship.config.ShipConfig.fidelity_check`, asked by the caller).
     """
     from prune.data.self_text import self_rows
     from prune.planner.shape import shape_of_model
@@ -155,7 +162,8 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
 
         folder = checkpoint_folder(config.prune.load.model)
         original_kept = folder is not None and gguf_export_path(Path(folder)).is_file()
-    return ShipWork(drop=drop, repairs=widths, rounds=tuple(METHODS[name].fit_rounds for name in repairs),
+    return ShipWork(drop=drop, repairs=widths, fidelity_kept=fidelity_kept,
+                    rounds=tuple(METHODS[name].fit_rounds for name in repairs),
                     self_rows=self_rows(data, config.prune.load.model),
                     heldout_tokens=4096 if config.heldout else max(data.heldout_samples, 1) * data.seq_len,
                     texts=max(len(config.heldout), 1), gguf=config.gguf, original_kept=original_kept,

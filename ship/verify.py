@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval.bench.checks import FidelityCheck, ServingCheck, SpeedCheck, run_in_child
+from eval.bench.checks import ServingCheck, SpeedCheck, run_in_child
 from eval.speed.engines import REFERENCE
 from prune.checkpoint.write import portable
 from ship.config import ShipConfig, heldout_label
@@ -69,9 +69,7 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
         say(f"verifying: no generation fidelity: --offload {load.offload} decodes each token from disk")
         fidelity = {"skipped": f"--offload {load.offload}"}
     else:
-        check = FidelityCheck(original=load.model, model=str(checkpoint), texts=texts, tokenizer=load.model,
-                              threads=config.threads, dtype=load.dtype, device=load.device,
-                              keep_original=True)  # its greedy side is the same in every run: kept in the cache
+        check = config.fidelity_check(str(checkpoint), heldout)
         fidelity = _kept(folder / "fidelity.json", lambda: run_in_child(check, folder / "fidelity.log"),
                          lambda: say(f"verifying: what the checkpoint writes after {check.prompts} held-out "
                                      f"prompts, judged by the original in transformers"))

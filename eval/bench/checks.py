@@ -225,21 +225,15 @@ class FidelityCheck:
         """
         import torch
 
-        from eval.bench.serving import held_out_ids
-        from eval.quality.fidelity import Reference, prompts_from_streams
-        from eval.speed.engines import REFERENCE
+        from eval.quality.fidelity import Reference
         from prune.checkpoint.load_config import LoadConfig
 
-        options = FidelityOptions(prompts=self.prompts, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens)
-        streams = [torch.tensor(held_out_ids(text, self.tokenizer)) for _, text in self.texts]
-        prompts = prompts_from_streams(streams, options)
-        path = kept_row_path(self.original, REFERENCE, prompts.tolist(), self.new_tokens, self.threads,
-                             dtype=self.dtype, device=self.device, kind="fidelity-original") \
-            if self.keep_original else None
+        prompts = self._prompts()
+        path = self._kept_path(prompts) if self.keep_original else None
         row = _read_row(path) if path is not None else None
         load = LoadConfig(dtype=self.dtype, device=self.device)
         original = load.load(self.original).model.eval()
-        reference = Reference(original, prompts, options,
+        reference = Reference(original, prompts, self._options(),
                               greedy=torch.tensor(row["greedy"]) if row is not None else None,
                               own_nll=torch.tensor(row["own_nll"]) if row is not None else None)
         model = load.load(self.model).model.eval()
@@ -248,6 +242,29 @@ class FidelityCheck:
             _keep_row(path, {"runs": 1, "greedy": reference.greedy.tolist(),
                              "own_nll": reference.own_nll.tolist()})
         return {**figures, "texts": [label for label, _ in self.texts], "original_kept": row is not None}
+
+    def original_kept(self) -> bool:
+        """Whether an earlier check kept the original's side of these prompts (the planner's question)."""
+        path = self._kept_path(self._prompts())
+        return path is not None and _read_row(path) is not None
+
+    def _options(self) -> FidelityOptions:
+        return FidelityOptions(prompts=self.prompts, prompt_tokens=self.prompt_tokens, new_tokens=self.new_tokens)
+
+    def _prompts(self):
+        import torch
+
+        from eval.bench.serving import held_out_ids
+        from eval.quality.fidelity import prompts_from_streams
+
+        streams = [torch.tensor(held_out_ids(text, self.tokenizer)) for _, text in self.texts]
+        return prompts_from_streams(streams, self._options())
+
+    def _kept_path(self, prompts) -> Path | None:
+        from eval.speed.engines import REFERENCE
+
+        return kept_row_path(self.original, REFERENCE, prompts.tolist(), self.new_tokens, self.threads,
+                             dtype=self.dtype, device=self.device, kind="fidelity-original")
 
 
 def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) -> dict:

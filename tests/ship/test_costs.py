@@ -49,6 +49,13 @@ def test_every_stage_is_costed_and_each_piece_of_work_costs_where_it_is_done(sha
 
     fidelity = _fidelity_seconds(shape, PlanInput(model="tiny", samples=32, seq_len=512), work)
     assert 0 < fidelity < base["verify"]
+    # the original's side kept by an earlier run: only the checkpoint decodes, the original still judges it
+    kept = _fidelity_seconds(shape, PlanInput(model="tiny", samples=32, seq_len=512),
+                             dataclasses.replace(work, fidelity_kept=True))
+    from prune.planner.machine import machine_speed
+    from ship.costs import PROCESS_SECONDS
+
+    assert 2 * PROCESS_SECONDS / machine_speed() < kept < fidelity  # both loads still paid for
     monkeypatch.setattr("ship.costs._fidelity_seconds", lambda *_: 1000.0)
     assert seconds(shape, work)["verify"] - base["verify"] == pytest.approx(1000.0 - fidelity)
     assert seconds(shape, work, offload="sequential")["verify"] < base["verify"]

@@ -45,3 +45,30 @@ def test_a_speed_check_loads_both_models_in_its_dtype_and_device(monkeypatch):
     monkeypatch.setattr(speed, "measure_speed", lambda engine, baseline, models, load, **options: loads.append(load))
     SpeedCheck(baseline="org/model", model="slim/", engine="transformers", dtype="bfloat16", device="cuda").run()
     assert (loads[0].model, loads[0].dtype, loads[0].device) == ("org/model", "bfloat16", "cuda")
+
+
+def test_the_planner_costs_the_original_s_fidelity_side_until_a_run_keeps_it(tiny_folder, tmp_path, sample_text,
+                                                                              monkeypatch, one_thread):
+    from ship.cli import build_parser, config_from_args
+    from ship.plan import make_plan
+
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "text.txt"
+    text.write_text(sample_text * 3)
+    config = config_from_args(build_parser().parse_args(
+        ["--model", str(tiny_folder), "--data", str(text), "--samples", "16", "--seq-len", "32", "--drop", "2",
+         "--engine", "transformers", "--threads", "1", "--heal-steps", "0", "--heldout", f"text={text}",
+         "--out", str(tmp_path / "slim")]))
+    import ship.plan as plan_module
+
+    costed = []  # what the plan costs (unrounded: a tiny model's decoding is a fraction of a planned second)
+    real = plan_module.stage_seconds
+    monkeypatch.setattr(plan_module, "stage_seconds", lambda *args: costed.append(args) or real(*args))
+    make_plan(config)
+    check = config.fidelity_check(str(tiny_folder), list(config.heldout))
+    assert check.keep_original and not check.original_kept()
+    check.run()  # the verify stage's check, as a first ship runs it: the original's side goes to the cache
+    make_plan(config)
+    assert check.original_kept() and [work.fidelity_kept for *_, work in costed] == [False, True]
+    (shape, inp, first), (_, _, second) = costed
+    assert 0 < real(shape, inp, second)["verify"] < real(shape, inp, first)["verify"]

@@ -111,9 +111,10 @@ def test_a_fidelity_check_keeps_the_original_s_side_and_reads_it_back(tiny_folde
     check = FidelityCheck(original=str(tiny_folder), model=str(tiny_folder), texts=(("text", str(text)),),
                           tokenizer=str(tiny_folder), prompts=4, prompt_tokens=8, new_tokens=6, threads=1,
                           keep_original=True)
+    assert not check.original_kept()  # the planner's question, asked before any run kept it
     first = run_in_child(check, tmp_path / "first.log")
     kept = list((tmp_path / "cache" / "fidelity-original").glob("*.json"))
-    assert not first["original_kept"] and len(kept) == 1
+    assert not first["original_kept"] and len(kept) == 1 and check.original_kept()
     again = run_in_child(check, tmp_path / "again.log")
     assert again["original_kept"] and {k: v for k, v in again.items() if k != "original_kept"} == {
         k: v for k, v in first.items() if k != "original_kept"}
@@ -123,5 +124,6 @@ def test_a_fidelity_check_keeps_the_original_s_side_and_reads_it_back(tiny_folde
     kept[0].write_text(json.dumps(row))
     assert run_in_child(check, tmp_path / "third.log")["own_nll"] == pytest.approx(12.5)
     # another thread count is another entry: the greedy ids may follow the order of a sum
+    assert not dataclasses.replace(check, threads=2).original_kept()
     other = run_in_child(dataclasses.replace(check, threads=2), tmp_path / "fourth.log")
     assert not other["original_kept"] and other["own_nll"] == pytest.approx(first["own_nll"], rel=1e-5)
