@@ -79,13 +79,14 @@ def windows_of(ids: list[int], seq_len: int, tokens: int) -> list[list[int]]:
 def held_out_ids(path: str, tokenizer_source: str, chars: int | None = None) -> list[int]:
     """The held-out text's token ids, by the tokenizer of ``tokenizer_source`` (no special tokens added)."""
     from prune.data.calibration import load_documents
+    from prune.data.windows import encode
     from prune.loading.loader import load_tokenizer
 
     text = "\n\n".join(load_documents(path, flag="--heldout")[0])
     if chars:
         text = text[:chars]
     tokenizer = load_tokenizer(tokenizer_source)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(encode(tokenizer, text))
 
 
 def model_layout(path: str) -> dict:
