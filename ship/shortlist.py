@@ -190,9 +190,11 @@ def _measured(scored: Scored, model, config: PruneConfig, count: int, candidates
             if repair in restored:
                 bar.update(len(todo))
                 continue
-            if deadline is not None and elapsed() > deadline and any(c.measured for c in candidates):
-                for candidate in todo:
-                    candidate.note = "not measured: --time-budget spent"
+            # removal is measured whatever the time: it fits nothing, and each repair is judged beside it
+            if repair != "none" and deadline is not None and elapsed() > deadline \
+                    and any(c.measured for c in candidates):
+                for candidate in todo:  # a note already there (too large, left out by the planner) says more
+                    candidate.note = candidate.note or "not measured: --time-budget spent"
                 bar.update(len(todo))
                 continue
             todo = [c for c in todo if not c.note]

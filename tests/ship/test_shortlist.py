@@ -124,3 +124,34 @@ def test_the_shortlist_ends_in_time_for_the_stages_after_it():
     assert shortlist_deadline(720.0, plan(10.0, 20.0)) == 360.0  # half the budget when the rest fits in the other
     assert shortlist_deadline(720.0, plan(36.0, 362.0)) == 322.0  # the checks' 6 minutes come first
     assert shortlist_deadline(720.0, Plan()) == 360.0  # no plan: half
+
+
+def test_a_spent_budget_stops_the_repairs_left_but_not_removal_and_keeps_the_planner_s_notes(
+        tmp_path, tiny_folder, text_file, capsys, one_thread, monkeypatch):
+    import ship.shortlist as stage
+    from ship.shipper import Shipper
+
+    monkeypatch.setattr("ship.shipper.replanned_shortlist", fake_replan)
+    monkeypatch.setitem(EXPENSIVE, "magcomp", 10_000.0)  # left out by the planner before any fit
+    spent = []  # the clock runs out once the first repair is measured
+    real = stage.RepairedCosts.measure_sets
+
+    def measuring(self, sets):
+        found = real(self, sets)
+        if sets and self.config.method != "none":
+            spent.append(self.config.method)
+        return found
+
+    monkeypatch.setattr(stage.RepairedCosts, "measure_sets", measuring)
+    monkeypatch.setattr(Shipper, "elapsed", lambda self: 1e6 if spent else 0.0)
+    out = tmp_path / "slim"
+    code, _, err = ship(capsys, *base_args(tiny_folder, text_file), "--time-budget", "1h", "--no-verify",
+                        "--out", out)
+    assert code == 0, err
+    candidates = json.loads((out / "ship.json").read_text())["shortlist"]["candidates"]
+    notes = {c["repair"]: c["note"] for c in candidates if c["kl"] is None}
+    first, left_out = spent[0], set(EXPENSIVE)  # fold and magcomp: the planner's, before any fit
+    assert first not in left_out and all(c["kl"] is not None for c in candidates if c["repair"] in (first, "none"))
+    assert all(notes[repair].startswith("not measured: --time-budget left the shortlist") for repair in left_out)
+    assert {repair for repair, note in notes.items() if note == "not measured: --time-budget spent"} == {
+        c["repair"] for c in candidates if c["repair"] not in {first, "none", *left_out}} != set()
