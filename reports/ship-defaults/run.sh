@@ -88,3 +88,30 @@ python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/demo/tb12
   --calibration /tmp/demo/tb12.work/calibration.safetensors --steps 100 $SEL --threads 2 \
   --heal-data $D/wikitext-2-train-prefix/wikitext2_train_first1MB.txt --heal-samples 64 \
   --out reports/ship-defaults/heal-data/wikitext-train
+
+# --time-budget 12m again at 6d05430 (the shortlist's deadline leaves the planner's build and checks their time,
+# c60f51c; the fidelity check keeps the original's side, 5867be7), then its verify stage again on the same
+# checkpoint, the original's side read from the cache
+python -m prune.ship --model smollm2-135m --drop 4 --engine transformers --heal-steps 0 --time-budget 12m --threads 2 \
+  $HELDOUT --out /tmp/demo/tb12c
+mkdir -p reports/ship-defaults/d4-budget12m-6d05430
+cp /tmp/demo/tb12c/README.md /tmp/demo/tb12c/ship.json /tmp/demo/tb12c.work/shortlist.json \
+  /tmp/demo/tb12c.work/verify/fidelity.json reports/ship-defaults/d4-budget12m-6d05430/
+python - <<'PY'
+import time
+from pathlib import Path
+from ship.cli import build_parser, config_from_args
+from ship.plan import make_plan
+from ship.verify import verify
+D = "../shared/data"  # as $D above
+config = config_from_args(build_parser().parse_args([
+    "--model", "smollm2-135m", "--drop", "4", "--engine", "transformers", "--heal-steps", "0", "--time-budget", "12m",
+    "--threads", "2", "--heldout", f"novel={D}/austen/sensesensibility.txt", "--heldout", f"news={D}/ptb/ptb.test.txt",
+    "--heldout", f"wiki={D}/wikitext-2-raw-v1/test.jsonl", "--heldout", f"plays={D}/tinyshakespeare/input.txt",
+    "--out", "/tmp/demo/tb12v"]))
+print("planned", make_plan(config).planned_stages)
+start = time.time()
+verify(config, Path("/tmp/demo/tb12c"), None, list(config.heldout), Path("/tmp/demo/tb12v-verify"))
+print("verify", round(time.time() - start, 1), "s")
+PY
+cp /tmp/demo/tb12v-verify/fidelity.json reports/ship-defaults/d4-budget12m-6d05430/fidelity-kept.json
