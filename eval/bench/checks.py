@@ -107,10 +107,11 @@ class ServingCheck:
 
 def kept_row_path(model: str, engine: str, window_ids: list[list[int]], greedy_tokens: int,
                   threads: int | None = None, *, dtype: str = "auto", device: str = "cpu",
-                  kind: str = "serving-rows") -> Path | None:
+                  kind: str = "serving-rows", batch: int | None = None) -> Path | None:
     """Where the cache keeps ``model``'s serving row in ``engine`` on these windows (None: its files unknown).
 
-    ``kind``: the cache's folder for such rows (the fidelity check keeps the original's side apart).
+    ``kind``: the cache's folder for such rows (the fidelity check keeps the original's side apart); ``batch``: rows
+    decoded together, where it is a setting (a greedy id may follow a kernel's order of sums as it does the threads').
 
     The name is a digest of what the row depends on: the model's files (path, names, sizes and times), the
     engine and its version, torch's and transformers' versions, the token ids, the greedy length, the threads
@@ -128,7 +129,8 @@ def kept_row_path(model: str, engine: str, window_ids: list[list[int]], greedy_t
         return None
     stamp = files_stamp(found)
     versions = [get_engine(engine).version()] + [importlib.metadata.version(name) for name in ("torch", "transformers")]
-    key = json.dumps([stamp, engine, versions, window_ids, greedy_tokens, threads, dtype, device])
+    key = json.dumps([stamp, engine, versions, window_ids, greedy_tokens, threads, dtype, device]
+                     + ([batch] if batch is not None else []))  # serving rows keep their keys
     return cache_dir() / kind / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
@@ -264,7 +266,8 @@ class FidelityCheck:
         from eval.speed.engines import REFERENCE
 
         return kept_row_path(self.original, REFERENCE, prompts.tolist(), self.new_tokens, self.threads,
-                             dtype=self.dtype, device=self.device, kind="fidelity-original")
+                             dtype=self.dtype, device=self.device, kind="fidelity-original",
+                             batch=self._options().batch_size)
 
 
 def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) -> dict:

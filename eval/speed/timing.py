@@ -59,8 +59,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _keeps_last_logits_only(model: torch.nn.Module) -> dict:
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+def keep_logits(model: torch.nn.Module, count: int = 1) -> dict:
+    """``forward``'s keyword computing only the last ``count`` positions' logits ({} for a model without it)."""
+    return {"logits_to_keep": count} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 @torch.inference_mode()
@@ -70,7 +71,7 @@ def time_prefill(model: torch.nn.Module, prompt: torch.Tensor) -> float:
     prompt = prompt.to(device)
     _sync(device)
     start = time.perf_counter()
-    model(input_ids=prompt, use_cache=False, **_keeps_last_logits_only(model))
+    model(input_ids=prompt, use_cache=False, **keep_logits(model))
     _sync(device)
     return time.perf_counter() - start
 
@@ -84,7 +85,7 @@ def greedy_decode(model: torch.nn.Module, prompt: torch.Tensor, new_tokens: int)
     """
     device = input_device(model)
     name = cache_keyword(model)  # read once, outside the timed loop
-    out = model(input_ids=prompt.to(device), use_cache=True, **_keeps_last_logits_only(model))
+    out = model(input_ids=prompt.to(device), use_cache=True, **keep_logits(model))
     cache, token = getattr(out, name), out.logits[:, -1].argmax(-1, keepdim=True)  # token: [batch, 1]
     generated = [token]
     _sync(device)

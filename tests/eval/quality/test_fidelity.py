@@ -91,3 +91,29 @@ def test_the_original_is_faithful_to_itself_and_a_pruned_copy_is_not(models):
     rows = torch.tensor(pruned["nll_rows"], dtype=torch.float64)
     assert pruned["nll_stderr"] == pytest.approx(float(rows.std() / len(prompts) ** 0.5), rel=1e-4)
     assert itself["kept_stderr"] == 0.0  # every prompt kept whole
+
+
+def test_the_nll_reads_only_the_continuation_s_logits_and_the_same_without_logits_to_keep(models):
+    original, slim, prompts = models
+    options = FidelityOptions(new_tokens=5, batch_size=3)
+    written = greedy_continuations(slim, prompts, options)
+    widths = []
+    hook = original.lm_head.register_forward_hook(lambda module, args, out: widths.append(out.shape[1]))
+    try:
+        nll = continuation_nll(original, prompts, written, options)
+    finally:
+        hook.remove()
+    assert widths == [5, 5]  # two batches, each scored on its 5 written positions, not the prompt's 12 + 4
+
+    class Plain(torch.nn.Module):  # a model whose forward has no logits_to_keep: every position's logits
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def get_input_embeddings(self):
+            return self.model.get_input_embeddings()
+
+        def forward(self, input_ids, use_cache=False):
+            return self.model(input_ids=input_ids, use_cache=use_cache)
+
+    assert torch.allclose(continuation_nll(Plain(original), prompts, written, options), nll, rtol=1e-5, atol=1e-6)
