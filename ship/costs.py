@@ -157,13 +157,17 @@ def _fidelity_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> floa
 
     options = FidelityOptions()
     tokens = options.prompts * (options.prompt_tokens + options.new_tokens)
+    written = options.prompts * options.new_tokens  # only these positions reach the head, decoding and scoring
     steps = math.ceil(options.prompts / options.batch_size) * options.new_tokens
+
+    def passes(blocks: int) -> float:
+        return (tokens * _flops(shape, blocks) + written * _flops(shape, 0, True)) / (_rate(inp) * SERVING_SHARE)
+
     total = 2 * PROCESS_SECONDS / machine_speed()  # a fresh Python, and the second model's load
     decoders = (shape.layers - work.drop,) if work.fidelity_kept else (shape.layers, shape.layers - work.drop)
     for blocks in decoders:
-        total += tokens * _flops(shape, blocks, True) / (_rate(inp) * SERVING_SHARE)
-        total += steps * weight_bytes(shape, inp, blocks) / (SAMPLE_BYTES_PER_S * machine_speed())
-    return total + tokens * _flops(shape, shape.layers, True) / (_rate(inp) * SERVING_SHARE)
+        total += passes(blocks) + steps * weight_bytes(shape, inp, blocks) / (SAMPLE_BYTES_PER_S * machine_speed())
+    return total + passes(shape.layers)
 
 
 def _speed_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:

@@ -101,10 +101,7 @@ def make_plan(config: ShipConfig) -> Plan:
         plan.planned_seconds = planned.seconds
         plan.planned_peak = planned.to_dict()["peak"]
         plan.planned_heal_seconds = planned_heal(config, sized)
-        # the fidelity check's prompts come from --heldout's texts (without them, from rows the shortlist draws);
-        # asking tokenizes them, so once
-        kept = bool(config.verify and config.heldout and config.prune.load.offload == "none"
-                    and config.fidelity_check("", list(config.heldout)).original_kept())
+        kept = count is not None and _fidelity_kept(config)
         if count is not None:
             plan.planned_stages = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
                 planned.shape, planned.inp, ship_work(config, meta.skeleton, count, plan.planned_heal_seconds,
@@ -200,6 +197,21 @@ def replanned_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Seq
     work = dataclasses.replace(ship_work(config, model, drop, None, only=repairs), sets=len(sets),
                                spans=len(spans) / len(sets))
     return stage_seconds(planned.shape, planned.inp, work)["shortlist"]
+
+
+def _fidelity_kept(config: ShipConfig) -> bool:
+    """Whether an earlier run kept the original's side of the verify stage's fidelity check (asked once a plan).
+
+    Its prompts come from ``--heldout``'s texts (without them, from rows the shortlist draws: not known yet). A text
+    the check would refuse is refused there, in the verify stage's words: the plan only costs it as measured.
+    """
+    if not (config.verify and config.heldout and config.prune.load.offload == "none"):
+        return False
+    try:
+        return config.fidelity_check("", list(config.heldout)).original_kept()
+    except Exception as err:  # noqa: BLE001 - a cost, not a check
+        logger.info("the planner costs the fidelity check's original side as measured (%s)", err)
+        return False
 
 
 def _stage_words(stages: dict) -> str:

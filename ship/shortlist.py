@@ -144,9 +144,9 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
 
     ``deadline``: seconds of ``elapsed()`` by which the stage should end: the repairs whose fits and measures the
     planner says do not fit in the time left are not tried, and once it has passed no further repair's
-    candidates are measured; ``progress``: the repairs an earlier, stopped call measured (kept as each repair
-    ends); ``replan``: the planner's seconds for the stage given block sets and the repairs tried (None: every
-    one), the whole stage's kept as ``planned_seconds``.
+    candidates are measured (removal's still are: it fits nothing); ``progress``: the repairs an earlier, stopped
+    call measured (kept as each repair ends); ``replan``: the planner's seconds for the stage given block sets and
+    the repairs tried (None: every one), the whole stage's kept as ``planned_seconds``.
     """
     progress = progress or Progress()
     base = dataclasses.replace(config, drop=count, target_params=None, target_speedup=None, replace="none",

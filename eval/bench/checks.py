@@ -105,13 +105,19 @@ class ServingCheck:
         return result
 
 
+# the fidelity-original rows' format and the code that measures them: a change to either makes this larger, so rows
+# kept before it are measured again rather than read
+FIDELITY_ROWS_VERSION = 1
+
+
 def kept_row_path(model: str, engine: str, window_ids: list[list[int]], greedy_tokens: int,
                   threads: int | None = None, *, dtype: str = "auto", device: str = "cpu",
-                  kind: str = "serving-rows", batch: int | None = None) -> Path | None:
+                  kind: str = "serving-rows", extra: list | None = None) -> Path | None:
     """Where the cache keeps ``model``'s serving row in ``engine`` on these windows (None: its files unknown).
 
-    ``kind``: the cache's folder for such rows (the fidelity check keeps the original's side apart); ``batch``: rows
-    decoded together, where it is a setting (a greedy id may follow a kernel's order of sums as it does the threads').
+    ``kind``: the cache's folder for such rows (the fidelity check keeps the original's side apart); ``extra``: what
+    else the rows depend on (the fidelity check's decode batch, since a greedy id may follow a kernel's order of
+    sums as it does the threads', and the version of the code that measured them).
 
     The name is a digest of what the row depends on: the model's files (path, names, sizes and times), the
     engine and its version, torch's and transformers' versions, the token ids, the greedy length, the threads
@@ -130,7 +136,7 @@ def kept_row_path(model: str, engine: str, window_ids: list[list[int]], greedy_t
     stamp = files_stamp(found)
     versions = [get_engine(engine).version()] + [importlib.metadata.version(name) for name in ("torch", "transformers")]
     key = json.dumps([stamp, engine, versions, window_ids, greedy_tokens, threads, dtype, device]
-                     + ([batch] if batch is not None else []))  # serving rows keep their keys
+                     + (list(extra) if extra else []))  # serving rows keep their keys
     return cache_dir() / kind / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
 
 
@@ -204,6 +210,7 @@ class FidelityCheck:
         tokenizer: the model whose tokenizer cuts the prompts.
         prompts, prompt_tokens, new_tokens: ``FidelityOptions``' (its defaults, ``eval.compare``'s column's).
         threads, dtype, device: as :class:`ServingCheck`'s.
+        keep_original: read the original's side from the cache, or keep it there (:meth:`run`).
     """
 
     original: str
@@ -246,7 +253,14 @@ class FidelityCheck:
         return {**figures, "texts": [label for label, _ in self.texts], "original_kept": row is not None}
 
     def original_kept(self) -> bool:
-        """Whether an earlier check kept the original's side of these prompts (the planner's question)."""
+        """Whether an earlier check kept the original's side of these prompts (the planner's question).
+
+        An original without local files (a hub id) is never kept, and is answered before any text is tokenized.
+        """
+        from eval.speed.engines import REFERENCE
+
+        if kept_row_path(self.original, REFERENCE, [], self.new_tokens) is None:
+            return False
         path = self._kept_path(self._prompts())
         return path is not None and _read_row(path) is not None
 
@@ -267,7 +281,7 @@ class FidelityCheck:
 
         return kept_row_path(self.original, REFERENCE, prompts.tolist(), self.new_tokens, self.threads,
                              dtype=self.dtype, device=self.device, kind="fidelity-original",
-                             batch=self._options().batch_size)
+                             extra=[self._options().batch_size, FIDELITY_ROWS_VERSION])
 
 
 def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) -> dict:

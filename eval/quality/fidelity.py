@@ -36,9 +36,9 @@ class FidelityOptions:
         prompts: prompts in all, shared out evenly over the texts they are cut from.
         prompt_tokens: tokens of each prompt.
         new_tokens: greedy tokens each model writes after a prompt.
-        batch_size: prompts decoded together (the default, every prompt at once: a decode step reads every weight
-            whatever its batch, so on a CPU 32 rows cost little more than 8; the figures move only by float
-            rounding).
+        batch_size: prompts decoded together (the default, 32, is every default prompt at once: a decode step
+            reads every weight whatever its batch, so on a CPU 32 rows cost little more than 8; the figures move
+            only by float rounding).
     """
 
     prompts: int = 32
@@ -119,7 +119,8 @@ def kept_prefix(reference: torch.Tensor, candidate: torch.Tensor) -> torch.Tenso
 class Reference:
     """The original model's side of fidelity: its prompts, its own greedy continuations and their NLL.
 
-    Built once and shared by every model measured against it: the original decodes each prompt once per run.
+    Built once and shared by every model measured against it: the original decodes each prompt at most once per
+    run (not at all when its side is given, as a cache keeps it).
     """
 
     def __init__(self, original, prompts: torch.Tensor, options: FidelityOptions | None = None, *,
