@@ -115,3 +115,28 @@ verify(config, Path("/tmp/demo/tb12c"), None, list(config.heldout), Path("/tmp/d
 print("verify", round(time.time() - start, 1), "s")
 PY
 cp /tmp/demo/tb12v-verify/fidelity.json reports/ship-defaults/d4-budget12m-6d05430/fidelity-kept.json
+
+# the fidelity check's decode batch, 8 against 32 (23958f1), alternating on one loaded pair: the checkpoint above
+python - /tmp/demo/tb12c reports/ship-defaults/fidelity-batch/fidelity_batch.json <<'PY'
+import json, sys, time
+import torch
+torch.set_num_threads(2)
+from eval.bench.serving import held_out_ids
+from eval.quality.fidelity import FidelityOptions, Reference, prompts_from_streams
+from prune.checkpoint.load_config import LoadConfig
+D = "../shared/data"  # as $D above
+texts = [f"{D}/austen/sensesensibility.txt", f"{D}/ptb/ptb.test.txt", f"{D}/wikitext-2-raw-v1/test.jsonl",
+         f"{D}/tinyshakespeare/input.txt"]
+streams = [torch.tensor(held_out_ids(t, "smollm2-135m")) for t in texts]
+prompts = prompts_from_streams(streams, FidelityOptions())
+original = LoadConfig().load("smollm2-135m").model.eval()
+slim = LoadConfig().load(sys.argv[1]).model.eval()
+rows = []
+for batch in (8, 32, 8, 32):
+    start = time.perf_counter()
+    figures = Reference(original, prompts, FidelityOptions(batch_size=batch)).measure(slim)
+    rows.append({"batch": batch, "seconds": round(time.perf_counter() - start, 2),
+                 **{k: figures[k] for k in ("kept", "nll", "own_nll", "kept_rows", "nll_rows")}})
+    print(batch, rows[-1]["seconds"], figures["kept"], figures["nll"], figures["own_nll"], flush=True)
+json.dump(rows, open(sys.argv[2], "w"), indent=1)
+PY
