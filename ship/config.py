@@ -37,18 +37,17 @@ from prune.replace import METHODS, check_replacement_supported
 DEFAULT_HEAL_STEPS = 100
 
 
-def heal_sequences(samples: int, seq_len: int, more: int = 0) -> tuple[int, int]:
-    """(training, measuring) sequences the heal cuts (:class:`distill.heal.HealRows`) from ``samples`` calibration rows.
+def heal_sequences(samples: int, seq_len: int, more: int = 0) -> int:
+    """Sequences the heal trains on (:class:`distill.heal.HealRows`), cut from ``samples`` calibration rows.
 
-    The shortlist's fitting rows train, its measuring rows measure (:func:`prune.selection.repaired.split_rows`);
-    ``more`` rows of ``--heal-data`` train too. Counted on placeholders of the rows' shape, so the count is the
-    heal's own cut.
+    The shortlist's fitting rows (:func:`prune.selection.repaired.split_rows`) and ``more`` rows of
+    ``--heal-data``. Counted on placeholders of the rows' shape, so the count is the heal's own cut.
     """
     import torch
 
     rows = HealRows.of(torch.zeros(samples, seq_len, dtype=torch.bool),  # a byte a token
                        torch.zeros(more, seq_len, dtype=torch.bool) if more else None)
-    return rows.train.shape[0], rows.unseen.shape[0]
+    return rows.train.shape[0]
 
 
 def ship_engines() -> list[str]:

@@ -45,7 +45,11 @@ from prune.planner.stages import _flops, _rate, fit_flops, fit_rate, score_decom
 # what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
 SCORING_SHARE = 1.145  # the scoring pass, every state's Gram and every pair's cosines (32 s for 16,384 tokens)
 CAPTURE_SHARE = 1.574  # a capture pass recording a span's activations for its fits
-LOGITS_SHARE = 1.288  # a pass that reads the logits (measuring, transformers' perplexity)
+LOGITS_SHARE = 1.288  # a pass that reads the logits (the shortlist's measuring)
+# prune.run's held-out perplexity (the build's three passes): 1.15-1.54x the seconds LOGITS_SHARE gave them on four
+# SmolLM2-135M drop-4 builds (2026-12-03/04, reports/ship-defaults; 25.9 s of a profiled 28.0 s build against
+# 21.0 s), so a quarter slower
+PERPLEXITY_SHARE = LOGITS_SHARE / 1.25
 ENGINE_SHARE = 1.002  # llama.cpp scoring every position of a window (logits_all)
 # the verify stage's transformers check: every 512-token window's perplexity, then 32 greedy tokens, each held-out
 # text tokenized whole first (fitted on the run r8 of reports/ship-fast: 83 s for both models against 50 s at
@@ -128,7 +132,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     # held-out perplexity of the original, of the blocks removed alone and of the checkpoint, the checkpoint
     # written (a skeleton measures no held-out rows there: it never holds the whole model)
     heldout = 0 if inp.offload == "sequential" else 3 * inp.heldout_samples * inp.seq_len
-    build = passes(heldout, layers, LOGITS_SHARE, head=True) + checkpoint / (WRITE_BYTES_PER_S * cpu)
+    build = passes(heldout, layers, PERPLEXITY_SHARE, head=True) + checkpoint / (WRITE_BYTES_PER_S * cpu)
     # the quantizer reads the converted float32 file and writes a quarter of it
     export = (1 + QUANTIZE_SHARE * work.quantized) * checkpoint / (CONVERT_BYTES_PER_S * cpu) if work.gguf else 0.0
     held = work.texts * work.heldout_tokens

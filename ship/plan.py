@@ -230,10 +230,10 @@ def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
     if config.no_heal:
         return None
     # --heal-data's sequences train too (the teacher's cache writes them)
-    train, unseen = heal_sequences(prune.data.samples, prune.data.seq_len,
-                                   config.heal_samples if config.heal_data else 0)
+    train = heal_sequences(prune.data.samples, prune.data.seq_len, config.heal_samples if config.heal_data else 0)
+    # no held-out rows: the heal's KL before and after is measured by ship, not by distillation
     options = {**HEAL_OPTIONS, "steps": config.heal_steps,
-               "data": {"samples": train, "heldout_samples": unseen, "seq_len": HEAL_SEQ_LEN}}
+               "data": {"samples": train, "heldout_samples": 0, "seq_len": HEAL_SEQ_LEN}}
     try:
         planned = plan_config(dataclasses.replace(prune, distill=options), hardware_for(prune.load.device))
     except Exception as err:  # noqa: BLE001 - the heal is then fitted to the time by its steps alone

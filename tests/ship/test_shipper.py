@@ -135,6 +135,9 @@ def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_it_never_trained_on
     card = (out / "README.md").read_text()
     assert "Healed: 30 steps of distillation towards the original" in card and "kept." in card
     assert "from the original's top-256 logits written once" in card and report["heal"]["teacher_cache"]
+    # distillation holds nothing out: the 14 fitting rows are the cache's only rows, and the KL on the measuring
+    # rows before and after is ship's own (the one pass above)
+    assert report["heal"]["teacher_cache"]["sequences"] == 14 and report["heal"]["generalisation"] is None
     assert "--heal-steps 30" in card and "# the checkpoint before healing, without the shortlist:" in card
     assert "in transformers before healing:" in card  # prune.run measured its held-out rows before the heal
     assert (out / "scores.md").is_file() and (out / "linearity_profile.png").is_file()  # carried from the build

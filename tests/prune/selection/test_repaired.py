@@ -124,6 +124,30 @@ def test_the_shortcut_runs_the_same_numbers_as_whole_passes(one_thread, method):
         assert fast[block]["kl"] == pytest.approx(slow[block]["kl"], rel=1e-4, abs=1e-7)
 
 
+def test_a_shortcut_that_differs_from_the_whole_pass_is_caught_on_one_row_and_whole_passes_measure(
+        one_thread, monkeypatch, caplog):
+    import prune.selection.repaired as repaired
+
+    model = make_tiny_model("llama", seed=3)
+    config = ReplaceConfig(method="linear", progress=False)
+    whole = RepairedCosts(model, IDS, config)
+    whole._plain = True
+    expected = whole.measure([2], [0, 1, 3])
+    real, heads = repaired.logits_from, []
+    # a block that reads more than its hidden state: starting part-way gives other logits
+    monkeypatch.setattr(repaired, "logits_from", lambda *a, **k: real(*a, **k) + 0.5)
+    broken = RepairedCosts(model, IDS, config)
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda *a, **k: heads.append(k["input_ids"].shape[0]) or forward(*a, **k))
+    with caplog.at_level("WARNING"):
+        got = broken.measure([2], [0, 1, 3])
+    assert broken._plain and "differs from the whole pass" in caplog.text
+    assert 1 in heads  # the check read the batch's first row alone
+    for block in (0, 1, 3):
+        assert got[block]["ppl"] == pytest.approx(expected[block]["ppl"], rel=1e-5)
+        assert got[block]["kl"] == pytest.approx(expected[block]["kl"], rel=1e-4, abs=1e-7)
+
+
 def test_kl_is_the_divergence_from_the_original_models_next_token_distribution(one_thread):
     model = make_tiny_model("llama", seed=1)
     _, measure_ids = split_rows(IDS)
