@@ -4,8 +4,8 @@ The planner's CPU rates (``prune.planner.stages.CPU_FLOPS``, ``ship.costs``' sha
 on one 2-core machine. The same machine ran the same ship twice as fast on the evening of the day it was costed
 (its scoring pass 7.8 s a batch, then 4.0 s: another tenant of the host), and another machine is another speed.
 So before a plan, :func:`machine_speed` times a fixed float32 product on the threads the run will use and divides
-the reference time by it; the CPU rates are multiplied by that factor. It is measured once per process (about half
-a second), and ``$LAYERCUT_MACHINE_SPEED`` fixes it (tests set 1: their plans must not depend on the machine's load).
+the reference time by it; the CPU rates are multiplied by that factor. It is measured once per process (about 1.5
+seconds), and ``$LAYERCUT_MACHINE_SPEED`` fixes it (tests set 1: their plans must not depend on the machine's load).
 
     from prune.planner.machine import machine_speed
     machine_speed()   # 1.9: this CPU runs the planner's work 1.9x as fast as the reference machine did
@@ -35,7 +35,8 @@ SPEED_ENV = "LAYERCUT_MACHINE_SPEED"
 # the product timed: a scoring batch's tokens through one MLP projection of SmolLM2-135M (float32)
 PROBE_SHAPE = (2048, 576, 1536)
 PROBE_PRODUCTS = 4  # products per round
-PROBE_ROUNDS = 5  # rounds timed after a warm-up; their median is the probe's time
+PROBE_WARMUP_SECONDS = 0.5  # products before the timed rounds: the first ones run slow (threads, clocks)
+PROBE_ROUNDS = 12  # rounds timed after the warm-up; their lower quartile is the probe's time
 # the probe's median on the machine the rates were measured on: 2 threads of this project's 2-core machine, idle,
 # 2026-12-02, between the runs that measured CPU_FLOPS (prune.planner.stages) and ship.costs' reference
 # (0.0925 s in the first of six medians, 0.0828-0.0845 s in the others: the warm ones)
@@ -43,12 +44,19 @@ REFERENCE_SECONDS = 0.0835
 
 
 def probe_seconds(rounds: int = PROBE_ROUNDS) -> float:
-    """The median seconds of ``PROBE_PRODUCTS`` float32 products of :data:`PROBE_SHAPE` on torch's threads."""
+    """Seconds of ``PROBE_PRODUCTS`` float32 products of :data:`PROBE_SHAPE` on torch's threads: the lower quartile.
+
+    Not the median of a few rounds straight after the first product: that read a shared 2-core host at 0.73-1.01x
+    within one minute (2026-12-04), and a plan made just after a run gave every stage 1.33x the seconds the same
+    run then took. Another tenant slows some rounds, never speeds one up, so the quicker rounds after a warm-up
+    are the machine's own speed; on an idle machine the rounds agree and this is their median.
+    """
     tokens, hidden, width = PROBE_SHAPE
     generator = torch.Generator().manual_seed(0)
     left = torch.randn(tokens, hidden, generator=generator)  # [tokens, hidden]
     right = torch.randn(hidden, width, generator=generator)  # [hidden, width]
-    for _ in range(PROBE_PRODUCTS):  # warm-up: the first calls allocate and spin the threads up
+    began = time.perf_counter()
+    while time.perf_counter() - began < PROBE_WARMUP_SECONDS:
         torch.mm(left, right)
     times = []
     for _ in range(rounds):
@@ -56,7 +64,7 @@ def probe_seconds(rounds: int = PROBE_ROUNDS) -> float:
         for _ in range(PROBE_PRODUCTS):
             torch.mm(left, right)
         times.append(time.perf_counter() - began)
-    return statistics.median(times)
+    return statistics.quantiles(times, n=4)[0] if len(times) >= 4 else min(times)
 
 
 @functools.cache
