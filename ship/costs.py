@@ -46,10 +46,11 @@ from prune.planner.stages import _flops, _rate, fit_flops, fit_rate, score_decom
 SCORING_SHARE = 1.145  # the scoring pass, every state's Gram and every pair's cosines (32 s for 16,384 tokens)
 CAPTURE_SHARE = 1.574  # a capture pass recording a span's activations for its fits
 LOGITS_SHARE = 1.288  # a pass that reads the logits (the shortlist's measuring)
-# prune.run's held-out perplexity (the build's three passes): 1.15-1.54x the seconds LOGITS_SHARE gave them on four
-# SmolLM2-135M drop-4 builds (2026-12-03/04, reports/ship-defaults; 25.9 s of a profiled 28.0 s build against
-# 21.0 s), so a quarter slower
-PERPLEXITY_SHARE = LOGITS_SHARE / 1.25
+# prune.run's held-out perplexity (the build's passes: the original's, then removal's and the checkpoint's over the
+# kept blocks): 1.15-1.54x the seconds LOGITS_SHARE gave them at full depth on four SmolLM2-135M drop-4 builds
+# (2026-12-03/04, reports/ship-defaults; 25.9 s of a profiled 28.0 s build against 21.0 s), a quarter slower, and
+# at drop 4 the kept blocks' passes are 0.93x the full depth's arithmetic
+PERPLEXITY_SHARE = LOGITS_SHARE / 1.34
 ENGINE_SHARE = 1.002  # llama.cpp scoring every position of a window (logits_all)
 # the verify stage's transformers check: every 512-token window's perplexity, then 32 greedy tokens, each held-out
 # text tokenized whole first (fitted on the run r8 of reports/ship-fast: 83 s for both models against 50 s at
@@ -131,8 +132,9 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     # the shortlist's fit of the chosen candidate is put in place as it is (--fit-rows fitting): prune.run's
     # held-out perplexity of the original, of the blocks removed alone and of the checkpoint, the checkpoint
     # written (a skeleton measures no held-out rows there: it never holds the whole model)
-    heldout = 0 if inp.offload == "sequential" else 3 * inp.heldout_samples * inp.seq_len
-    build = passes(heldout, layers, PERPLEXITY_SHARE, head=True) + checkpoint / (WRITE_BYTES_PER_S * cpu)
+    heldout = 0 if inp.offload == "sequential" else inp.heldout_samples * inp.seq_len
+    build = (passes(heldout, layers, PERPLEXITY_SHARE, head=True)
+             + 2 * passes(heldout, kept, PERPLEXITY_SHARE, head=True) + checkpoint / (WRITE_BYTES_PER_S * cpu))
     # the quantizer reads the converted float32 file and writes a quarter of it
     export = (1 + QUANTIZE_SHARE * work.quantized) * checkpoint / (CONVERT_BYTES_PER_S * cpu) if work.gguf else 0.0
     held = work.texts * work.heldout_tokens

@@ -37,9 +37,11 @@ PROBE_SHAPE = (2048, 576, 1536)
 PROBE_PRODUCTS = 4  # products per round
 PROBE_WARMUP_SECONDS = 0.5  # products before the timed rounds: the first ones run slow (threads, clocks)
 PROBE_ROUNDS = 12  # rounds timed after the warm-up; their lower quartile is the probe's time
-# the probe's median on the machine the rates were measured on: 2 threads of this project's 2-core machine, idle,
+# the probe's time on the machine the rates were measured on: 2 threads of this project's 2-core machine, idle,
 # 2026-12-02, between the runs that measured CPU_FLOPS (prune.planner.stages) and ship.costs' reference
-# (0.0925 s in the first of six medians, 0.0828-0.0845 s in the others: the warm ones)
+# (0.0925 s in the first of six medians of 5 rounds, 0.0828-0.0845 s in the others: the warm ones). Measured as
+# such a median; the lower quartile read within 2 % of it on an idle host (2026-12-04: ten readings each, the
+# median's quiet ones 1.018-1.039x, the quartile's 1.014-1.050x)
 REFERENCE_SECONDS = 0.0835
 
 
@@ -64,6 +66,14 @@ def probe_seconds(rounds: int = PROBE_ROUNDS) -> float:
         for _ in range(PROBE_PRODUCTS):
             torch.mm(left, right)
         times.append(time.perf_counter() - began)
+    return quick_rounds(times)
+
+
+def quick_rounds(times: list[float]) -> float:
+    """The lower quartile of the rounds' ``times`` (the quickest of fewer than four): what an idle CPU gives.
+
+    It holds while a quarter of the rounds or more ran unslowed.
+    """
     return statistics.quantiles(times, n=4)[0] if len(times) >= 4 else min(times)
 
 

@@ -388,9 +388,13 @@ class RepairedCosts:
         logits = logits_from(self.model, batch, start, states[start])
         if not self._checked:  # once: a block that passes on more than its hidden state breaks the shortcut
             self._checked = True
-            # on the batch's first row alone (rows are whole, unpadded windows, so one tells what all would): a
-            # whole pass of the batch was 19 s of a SmolLM2-135M shortlist's 141 s of measuring (2026-12-04)
-            if not _all_close(logits[:1], self.model(input_ids=batch[:1], use_cache=False).logits):
+            # in float32 on the batch's first row alone (rows are whole, unpadded windows, so one tells what all
+            # would): a whole pass of the batch was 19 s of a SmolLM2-135M shortlist's 141 s of measuring
+            # (2026-12-04). A row alone runs its products in other shapes than the batch, which rounds them
+            # otherwise: about 1e-6 in float32, but a 16-bit logit's last bit is above the 1e-3 the check allows,
+            # so there the whole batch is compared, the same shapes on both sides
+            rows = 1 if logits.dtype == torch.float32 else batch.shape[0]
+            if not _all_close(logits[:rows], self.model(input_ids=batch[:rows], use_cache=False).logits):
                 logger.warning("repaired selection: starting at block %d differs from the whole pass; measuring "
                                "whole passes", start)
                 self._plain = True

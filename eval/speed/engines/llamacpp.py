@@ -104,7 +104,7 @@ class LlamaCppEngine(Engine):
     layouts, options, max_batch = (VANILLA, DECILM), LlamaCppOptions, 1
     # PyPI has no binary wheel of llama-cpp-python: pip compiles llama.cpp (measured on 2 cores: 20-26 minutes
     # until 2026-12-02, 8-9 minutes on 2026-12-03 beside other jobs, 5.8 and 6.1 minutes on 2026-12-04, idle)
-    install_note = "pip compiles llama.cpp from source: 6-25 minutes on 2 CPU cores, once"
+    install_note = "pip compiles llama.cpp from source: 6-26 minutes on 2 CPU cores, once"
 
     def describe(self, settings: EngineSettings) -> dict:
         """Threads, context and GPU layers (the GGUF's own types are the dtype)."""

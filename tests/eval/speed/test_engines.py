@@ -180,7 +180,7 @@ def test_each_engine_reads_its_own_settings_and_flags():
 
 @pytest.mark.parametrize(("name", "module", "line"), [
     ("llamacpp", "llama_cpp", "--engine llamacpp needs llama-cpp-python: pip install 'layercut[llamacpp]' (pip "
-                              "compiles llama.cpp from source: 6-25 minutes on 2 CPU cores, once)"),
+                              "compiles llama.cpp from source: 6-26 minutes on 2 CPU cores, once)"),
     ("vllm", "vllm", "--engine vllm needs vllm: pip install 'layercut[vllm]'"),
 ])  # fmt: skip
 def test_a_missing_engine_is_one_line_naming_its_extra(monkeypatch, name, module, line):

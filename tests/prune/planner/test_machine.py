@@ -39,6 +39,15 @@ def test_the_environment_fixes_the_speed_and_a_bad_value_is_refused(measured):
             machine.machine_speed()
 
 
+def test_the_probe_reads_its_quicker_rounds_and_a_slowed_few_do_not_move_it():
+    quiet = [0.08, 0.081, 0.079, 0.08, 0.082, 0.08, 0.081, 0.08, 0.079, 0.08, 0.081, 0.08]
+    slowed = quiet[:4] + [0.2] * 8  # two thirds of the rounds behind another tenant
+    assert machine.quick_rounds(quiet) == pytest.approx(0.08, abs=1e-3)
+    assert machine.quick_rounds(slowed) == pytest.approx(0.08, abs=1e-3)
+    assert machine.quick_rounds(list(range(1, 13))) == 3.25  # between the third and fourth quickest
+    assert machine.quick_rounds([0.3, 0.1]) == 0.1
+
+
 def test_the_probe_times_real_products():
     seconds = machine.probe_seconds(rounds=1)
     assert math.isfinite(seconds) and 0 < seconds < 30

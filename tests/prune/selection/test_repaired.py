@@ -114,8 +114,13 @@ def test_the_shortcut_runs_the_same_numbers_as_whole_passes(one_thread, method):
     model = make_tiny_model("llama", seed=3)
     config = ReplaceConfig(method=method, progress=False)
     shortcut = RepairedCosts(model, IDS, config)
-    fast = shortcut.measure([2], [0, 1, 3])
+    forward, heads = model.forward, []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model, "forward", lambda *a, **k: heads.append(k["input_ids"].shape[0]) or forward(*a, **k))
+        fast = shortcut.measure([2], [0, 1, 3])
     assert shortcut._checked and not shortcut._plain  # the check against a whole pass ran and held
+    # in float32 it read one row, not the batch (fold-rotate also finds each block's stream readers on one row)
+    assert heads.count(1) == (2 if method == "fold-rotate" else 1)
     whole = RepairedCosts(model, IDS, config)
     whole._plain = True
     slow = whole.measure([2], [0, 1, 3])
@@ -146,6 +151,17 @@ def test_a_shortcut_that_differs_from_the_whole_pass_is_caught_on_one_row_and_wh
     for block in (0, 1, 3):
         assert got[block]["ppl"] == pytest.approx(expected[block]["ppl"], rel=1e-5)
         assert got[block]["kl"] == pytest.approx(expected[block]["kl"], rel=1e-4, abs=1e-7)
+
+
+def test_in_bfloat16_the_shortcut_is_checked_on_the_whole_batch_and_holds(one_thread, monkeypatch):
+    """A row alone rounds its products otherwise than the batch: in 16 bits above the check's 1e-3."""
+    model = make_tiny_model("llama", seed=3).to(torch.bfloat16)
+    costs = RepairedCosts(model, IDS, ReplaceConfig(method="linear", progress=False))
+    forward, heads = model.forward, []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: heads.append(k["input_ids"].shape[0]) or forward(*a, **k))
+    costs.measure([2], [0, 1, 3])
+    assert costs._checked and not costs._plain
+    assert 1 not in heads and len(set(heads)) == 1  # every forward, the check's included, ran a whole batch
 
 
 def test_kl_is_the_divergence_from_the_original_models_next_token_distribution(one_thread):
