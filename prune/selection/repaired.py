@@ -381,7 +381,7 @@ class RepairedCosts:
 
     def _logits(self, batch: torch.Tensor, start: int, states: list[torch.Tensor] | None) -> torch.Tensor:
         """The current view's logits, its blocks before ``start`` skipped when their output is at hand."""
-        whole = lambda: self.model(input_ids=batch, use_cache=False).logits  # noqa: E731
+        whole = lambda rows=None: self.model(input_ids=batch[:rows], use_cache=False).logits  # noqa: E731
         # nothing changed in front (start 0), or nothing left to start at (the candidate's view ends there)
         if states is None or self._plain or not 0 < start < len(get_blocks(self.model)[1]):
             return whole()
@@ -394,7 +394,7 @@ class RepairedCosts:
             # otherwise: about 1e-6 in float32, but a 16-bit logit's last bit is above the 1e-3 the check allows,
             # so there the whole batch is compared, the same shapes on both sides
             rows = 1 if logits.dtype == torch.float32 else batch.shape[0]
-            if not _all_close(logits[:rows], self.model(input_ids=batch[:rows], use_cache=False).logits):
+            if not _all_close(logits[:rows], whole(rows)):
                 logger.warning("repaired selection: starting at block %d differs from the whole pass; measuring "
                                "whole passes", start)
                 self._plain = True

@@ -41,6 +41,12 @@ def shipped_perplexity(model, blocks, method, **options):
     return packed_perplexity(shipped, measure_ids, progress=False)
 
 
+def _forward_rows(patch, model) -> list[int]:
+    """Patch ``model.forward`` to note each call's rows (its batch size); the list fills as the model runs."""
+    forward, rows = model.forward, []
+    patch.setattr(model, "forward", lambda *a, **k: rows.append(k["input_ids"].shape[0]) or forward(*a, **k))
+    return rows
+
 def test_split_rows_measures_every_eighth_row_and_fits_on_the_others():
     fit, measure = split_rows(torch.arange(16)[:, None])
     assert measure[:, 0].tolist() == [7, 15]
@@ -114,9 +120,8 @@ def test_the_shortcut_runs_the_same_numbers_as_whole_passes(one_thread, method):
     model = make_tiny_model("llama", seed=3)
     config = ReplaceConfig(method=method, progress=False)
     shortcut = RepairedCosts(model, IDS, config)
-    forward, heads = model.forward, []
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(model, "forward", lambda *a, **k: heads.append(k["input_ids"].shape[0]) or forward(*a, **k))
+        heads = _forward_rows(patch, model)
         fast = shortcut.measure([2], [0, 1, 3])
     assert shortcut._checked and not shortcut._plain  # the check against a whole pass ran and held
     # in float32 it read one row, not the batch (fold-rotate also finds each block's stream readers on one row)
@@ -138,12 +143,11 @@ def test_a_shortcut_that_differs_from_the_whole_pass_is_caught_on_one_row_and_wh
     whole = RepairedCosts(model, IDS, config)
     whole._plain = True
     expected = whole.measure([2], [0, 1, 3])
-    real, heads = repaired.logits_from, []
+    real = repaired.logits_from
     # a block that reads more than its hidden state: starting part-way gives other logits
     monkeypatch.setattr(repaired, "logits_from", lambda *a, **k: real(*a, **k) + 0.5)
     broken = RepairedCosts(model, IDS, config)
-    forward = model.forward
-    monkeypatch.setattr(model, "forward", lambda *a, **k: heads.append(k["input_ids"].shape[0]) or forward(*a, **k))
+    heads = _forward_rows(monkeypatch, model)
     with caplog.at_level("WARNING"):
         got = broken.measure([2], [0, 1, 3])
     assert broken._plain and "differs from the whole pass" in caplog.text
@@ -157,8 +161,7 @@ def test_in_bfloat16_the_shortcut_is_checked_on_the_whole_batch_and_holds(one_th
     """A row alone rounds its products otherwise than the batch: in 16 bits above the check's 1e-3."""
     model = make_tiny_model("llama", seed=3).to(torch.bfloat16)
     costs = RepairedCosts(model, IDS, ReplaceConfig(method="linear", progress=False))
-    forward, heads = model.forward, []
-    monkeypatch.setattr(model, "forward", lambda *a, **k: heads.append(k["input_ids"].shape[0]) or forward(*a, **k))
+    heads = _forward_rows(monkeypatch, model)
     costs.measure([2], [0, 1, 3])
     assert costs._checked and not costs._plain
     assert 1 not in heads and len(set(heads)) == 1  # every forward, the check's included, ran a whole batch
@@ -408,9 +411,7 @@ def test_repairs_sharing_the_original_s_passes_measure_what_each_measures_alone(
         costs = {m: RepairedCosts(model, IDS, ReplaceConfig(method=m, progress=False), batch_size=4, memo=memo)
                  for m in methods}
         fit_together([(c, sets) for c in costs.values()])
-        whole = model.forward
-        heads: list[int] = []
-        monkeypatch.setattr(model, "forward", lambda *a, **k: heads.append(1) or whole(*a, **k))
+        heads = _forward_rows(monkeypatch, model)
         shared = {m: c.measure_sets(sets) for m, c in costs.items()}
     assert shared == alone  # the same numbers, to the last bit
     measuring_batches = -(-split_rows(IDS)[1].shape[0] // 4)
