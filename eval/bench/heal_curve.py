@@ -7,14 +7,17 @@ cache in a folder of its own). Each run's wall time (the teacher cache included)
 calibration's measuring rows (the rows ship's heal is judged on, never trained on) and the perplexity of each
 ``--heldout`` text (its first ``--heldout-tokens`` tokens in ``--window``-token windows) are a row; the original's
 perplexities are measured once. The curve is what a minute of healing buys, the data behind ship's default
-``--heal-steps``.
+``--heal-steps``. With ``--tasks`` each row also has lm-eval's accuracies on them (``--limit``, ``--data-dir`` as
+``eval.compare`` takes them) and the retention above chance they make against the original's (measured once),
+with its paired gap to the checkpoint as built: what the minutes buy on the tasks, drawn beside the perplexity.
 
 The calibration rows are a ship run's own (``--calibration OUT.work/calibration.safetensors``, key ``token_ids``),
 else drawn as ``prune.ship`` draws them (``--data --samples --seq-len --seed``); ``--seed`` seeds the heal as
 ship's does.
 
     python -m eval.bench heal-curve --model smollm2-135m --checkpoint slim.work/checkpoint \
-        --calibration slim.work/calibration.safetensors --steps 0,50,100,200 --heldout plays=plays.txt --out curve/
+        --calibration slim.work/calibration.safetensors --steps 0,50,100,200 --heldout plays=plays.txt --out curve/ \
+        --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500
 """
 
 from __future__ import annotations
@@ -33,7 +36,12 @@ from tqdm.auto import tqdm
 from distill.heal import HEAL_OPTIONS, HealRows, heal_data_config, heal_student, heal_training
 from eval.bench.output import finish_figure, pyplot, report_results, steps_line
 from eval.bench.registry import bench_option, data_option, load_option, register_subcommand, threads_option
+from eval.compare.cells import measure_tasks
 from eval.compare.heldout import Heldout, mean_perplexity, plan_domains
+from eval.compare.stats import TIE_SE, gap_stderr, retention_tasks, task_figures
+from eval.quality.evaluate import parse_limit
+from eval.quality.lmeval import check_registry_data, plan_tasks
+from eval.quality.task_specs import resolve_data_dir
 from prune.checkpoint.load_config import LoadConfig
 from prune.data.calibration import DataConfig, calibration_data
 from prune.errors import LayercutError
@@ -88,31 +96,77 @@ def check_checkpoint(path: str | Path) -> Path:
     return folder
 
 
+@dataclass(frozen=True)
+class CurveTasks:
+    """lm-eval tasks scored at every point of a curve.
+
+    ``names`` in order, ``limit`` rows of each (``eval.compare --limit``'s values), from ``data_dir`` (None:
+    ``$LAYERCUT_DATA``, else the hub).
+    """
+
+    names: tuple[str, ...]
+    limit: int | float | str | None = None
+    data_dir: str | None = None
+
+    def measure(self, model, tokenizer) -> dict:
+        """A row of task figures: accuracy, standard error and the row-by-row scores of each task."""
+        row: dict = {}
+        measure_tasks(model, tokenizer, list(self.names), row, limit=self.limit, data_dir=self.data_dir)
+        return row
+
+
 def _point(student: LoadedModel, original: LoadedModel, rows: HealRows, heldout: Heldout, batch_size: int,
-           steps: int, seconds: float, report: dict | None, before: dict) -> dict:
+           steps: int, seconds: float, report: dict | None, before: dict, tasks: CurveTasks | None) -> dict:
     """One row of the curve: the healed (or built) student's KL on the measuring rows and held-out perplexities.
 
     ``before``: the built checkpoint's KL and perplexity on the measuring rows (step 0's own); ``kept``: whether
-    ship's heal would keep this one (its KL fell).
+    ship's heal would keep this one (its KL fell); with ``tasks``, its task figures (``tasks``, ``task_stderr``,
+    ``task_rows``, as an ``eval.compare`` row's).
     """
     measured = divergence(student.model, original.model, rows.measure, batch_size) if steps else before
     domains = {name: heldout.perplexity(student.model, name) for name in heldout.names()}
-    return {"steps": steps, "seconds": round(seconds, 2), "minutes": round(seconds / 60, 3),
-            "tokens": rows.tokens(steps), "distill_seconds": (report or {}).get("seconds"),
-            "kl": measured["kl"], "measure_ppl": measured["ppl"], "kept": measured["kl"] < before["kl"],
-            "domains": domains, "heldout_ppl": mean_perplexity(domains, heldout.names())}
+    point = {"steps": steps, "seconds": round(seconds, 2), "minutes": round(seconds / 60, 3),
+             "tokens": rows.tokens(steps), "distill_seconds": (report or {}).get("seconds"),
+             "kl": measured["kl"], "measure_ppl": measured["ppl"], "kept": measured["kl"] < before["kl"],
+             "domains": domains, "heldout_ppl": mean_perplexity(domains, heldout.names())}
+    if tasks is not None:
+        point.update(tasks.measure(student.model, student.tokenizer))
+    return point
+
+
+def _retention(points: list[dict], dense: dict, names: Sequence[str]) -> dict:
+    """Each point's retention above chance against the original (``dense``), and its paired gap to the first point.
+
+    The tasks counted are those the original is clearly above chance on (:func:`eval.compare.stats.retention_tasks`,
+    as a comparison counts them); without any, each point's plain task mean. The gap to the first point (the
+    checkpoint as built) is paired row by row, with its standard error, as a comparison's gaps are.
+    """
+    counted, excluded = retention_tasks(dense, list(names))
+    quality = "retention" if counted else "task_mean"
+    used = counted or list(names)
+    figures = [task_figures(point, list(names), counted, dense) for point in points]
+    for point, figure in zip(points, figures, strict=True):
+        point["quality"] = {quality: figure[quality], f"{quality}_stderr": figure[f"{quality}_stderr"]}
+        if point is not points[0]:
+            gap = figure[quality] - figures[0][quality]
+            stderr = gap_stderr(point, points[0], figure, figures[0], quality, used, dense)
+            point["quality"].update({"gap": gap, "gap_stderr": stderr, "clear": abs(gap) >= TIE_SE * stderr})
+    return {"quality": quality, "counted": counted, "excluded": excluded}
 
 
 def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tensor, heldout: Heldout,
-               steps: Sequence[int], prune: PruneConfig, more: torch.Tensor | None = None) -> dict:
+               steps: Sequence[int], prune: PruneConfig, more: torch.Tensor | None = None,
+               tasks: CurveTasks | None = None) -> dict:
     """The curve's rows, one per step count, and the original's perplexities (see the module's docstring).
 
     ``prune``: how the checkpoint loads (``load``'s dtype and device), the heal's seed (``data.seed``) and the
     sequences per forward pass of the measuring (``batch_size``), as a ship run's; ``more``: rows of other text
-    trained on too (``prune.ship --heal-data``).
+    trained on too (``prune.ship --heal-data``); ``tasks``: lm-eval tasks scored at every point and once for the
+    original, with each point's retention (``retention``).
     """
     rows = HealRows.of(calibration, more)
     dense = {name: heldout.perplexity(original.model, name) for name in heldout.names()}
+    dense_tasks = tasks.measure(original.model, original.tokenizer) if tasks is not None else {}
     points, before = [], None
     with tempfile.TemporaryDirectory(prefix="heal-curve-") as work:
         for count in tqdm(steps, desc="heal curve", unit="run"):
@@ -128,7 +182,7 @@ def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tenso
                 for folder in done.cleanup:  # its teacher cache and checkpoints: the next run writes its own
                     shutil.rmtree(folder, ignore_errors=True)
             points.append(_point(student, original, rows, heldout, prune.batch_size, count, seconds, report,
-                                 before))
+                                 before, tasks))
             del student
     return {"model": original.name, "checkpoint": str(checkpoint),
             "heal": {**HEAL_OPTIONS, "seed": prune.data.seed, "seq_len": int(rows.train.shape[1]),
@@ -136,7 +190,9 @@ def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tenso
                      "measure_tokens": int(rows.measure.numel())},
             "kl_before": before["kl"] if before else None,  # None: no step count given
             "heldout": {**heldout.describe, "window": heldout.seq_len},
-            "original": {"domains": dense, "heldout_ppl": mean_perplexity(dense, heldout.names())},
+            "original": {"domains": dense, "heldout_ppl": mean_perplexity(dense, heldout.names()), **dense_tasks},
+            "tasks": None if tasks is None or not points else
+            {"names": list(tasks.names), "limit": tasks.limit, **_retention(points, dense_tasks, tasks.names)},
             "points": points}
 
 
@@ -152,23 +208,84 @@ def heal_curve_markdown(results: dict) -> str:
              f"{heal['measure_tokens']:,} tokens of measuring rows it never trains on; perplexity in "
              f"{results['heldout']['window']}-token windows.", "",
              "| steps | minutes | tokens trained | KL (measuring rows) | "
-             + " | ".join(f"{name} ppl" for name in names) + " | geometric mean |",
-             "|" + "---:|" * (5 + len(names))]
+             + " | ".join(f"{name} ppl" for name in names) + " | geometric mean |" + _task_heads(results),
+             "|" + "---:|" * (5 + len(names) + _task_columns(results))]
     for point in results["points"]:
         lines.append(f"| {point['steps']} | {point['minutes']:.2f} | {point['tokens']:,} | {point['kl']:.4f} | "
                      + " | ".join(f"{point['domains'][name]:.3f}" for name in names)
-                     + f" | {point['heldout_ppl']:.3f} |")
+                     + f" | {point['heldout_ppl']:.3f} |" + _task_cells(results, point))
     original = results["original"]
     lines.append("| original | - | - | 0 | " + " | ".join(f"{original['domains'][name]:.3f}" for name in names)
-                 + f" | {original['heldout_ppl']:.3f} |")
+                 + f" | {original['heldout_ppl']:.3f} |" + _task_cells(results, original))
+    if results.get("tasks"):
+        lines += ["", _task_note(results["tasks"])]
     return "\n".join(lines)
 
 
+def _task_columns(results: dict) -> int:
+    """How many task columns the table has: one per task, the retention (or task mean) and its gap to step 0."""
+    return len(results["tasks"]["names"]) + 2 if results.get("tasks") else 0
+
+
+def _task_heads(results: dict) -> str:
+    if not results.get("tasks"):
+        return ""
+    quality = results["tasks"]["quality"].replace("_", " ")
+    return "".join(f" {name} |" for name in results["tasks"]["names"]) + f" {quality} | vs step 0 |"
+
+
+def _task_cells(results: dict, row: dict) -> str:
+    """A row's accuracies (%, ± lm-eval's standard error), its retention and its paired gap to the first point."""
+    tasks = results.get("tasks")
+    if not tasks:
+        return ""
+    cells = "".join(f" {100 * row['tasks'][name]:.1f} ± {100 * row['task_stderr'][name]:.1f} |"
+                    for name in tasks["names"])
+    if "quality" not in row:  # the original: what retention is measured against
+        return cells + (" 100.0 % | - |" if tasks["quality"] == "retention" else " - | - |")
+    quality = row["quality"]
+    value = f"{100 * quality[tasks['quality']]:.1f} ± {100 * quality[tasks['quality'] + '_stderr']:.1f}"
+    if "gap" not in quality:
+        return cells + f" {value} | - |"
+    gap = f"{100 * quality['gap']:+.1f} ± {100 * quality['gap_stderr']:.1f}" + ("" if quality["clear"] else " (tie)")
+    return cells + f" {value} | {gap} |"
+
+
+def _task_note(tasks: dict) -> str:
+    counted = ", ".join(tasks["counted"]) or "none"
+    excluded = "; ".join(f"{name}: {why}" for name, why in tasks["excluded"].items())
+    limit = f"{tasks['limit']} rows" if tasks["limit"] is not None else "every row"
+    return (f"Tasks: lm-eval accuracy in % ± its standard error, {limit} of each. Retention = sum over {counted} of "
+            f"(accuracy - chance) / the same sum for the original" + (f" (not counted: {excluded})" if excluded else "")
+            + f"; vs step 0: the paired gap in points to the checkpoint as built, row by row on the same rows "
+            f"(tie: under {TIE_SE:g} standard errors).")
+
+
 def plot_heal_curve(results: dict, path) -> Path:
-    """PNG: geometric-mean held-out perplexity against heal minutes, each point labelled with its steps."""
+    """PNG: geometric-mean held-out perplexity against heal minutes, each point labelled with its steps.
+
+    With tasks, the retention (or the task mean) against the same minutes beside it.
+    """
     points = results["points"]
-    fig, ax = pyplot().subplots(figsize=(6, 4), dpi=120)
-    steps_line(ax, [p["minutes"] for p in points], [p["heldout_ppl"] for p in points], [p["steps"] for p in points],
+    minutes, steps = [p["minutes"] for p in points], [p["steps"] for p in points]
+    tasks = results.get("tasks")
+    if tasks:
+        fig, (side, ax) = pyplot().subplots(1, 2, figsize=(11, 4), dpi=120)
+        quality = tasks["quality"]
+        values = [100 * p["quality"][quality] for p in points]
+        side.errorbar(minutes, values, yerr=[100 * p["quality"][f"{quality}_stderr"] for p in points], fmt="none",
+                      ecolor="gray", capsize=3)
+        steps_line(side, minutes, values, steps, "healed as prune.ship heals (steps at each point)")
+        if quality == "retention":
+            side.axhline(100.0, color="black", ls="--", lw=1, label="original")
+        side.set_xlabel("heal minutes (wall, teacher cache included)")
+        side.set_ylabel(f"{quality.replace('_', ' ')} on {', '.join(tasks['counted'] or tasks['names'])} (%)")
+        side.set_title("tasks against heal minutes")
+        side.grid(alpha=0.3)
+        side.legend(fontsize=8)
+    else:
+        fig, ax = pyplot().subplots(figsize=(6, 4), dpi=120)
+    steps_line(ax, minutes, [p["heldout_ppl"] for p in points], steps,
                "healed as prune.ship heals (steps at each point)")
     return finish_figure(fig, ax, path, reference=(results["original"]["heldout_ppl"], "original"),
                          xlabel="heal minutes (wall, teacher cache included)",
@@ -194,6 +311,9 @@ class HealCurveBenchOptions:
         heldout_tokens: tokens of each text scored.
         window: tokens per scored window.
         batch_size: sequences per forward pass of the measuring.
+        tasks: comma list of lm-eval tasks scored at each point (None: none).
+        limit: rows per task (``eval.quality.evaluate.parse_limit``'s values; None: every row).
+        data_dir: local lm-eval data (None: ``$LAYERCUT_DATA``, else the hub).
         out: folder for ``heal_curve.json``, ``heal_curve.md`` and ``heal_curve.png`` (None: print only).
         threads: CPU threads (None: the free cores).
     """
@@ -222,6 +342,13 @@ class HealCurveBenchOptions:
     window: int = bench_option(WINDOW, f"tokens per scored window (default: {WINDOW})", type=int)
     batch_size: int = bench_option(4, "sequences per forward pass of the measuring (default: 4, as prune.ship)",
                                    type=int)
+    tasks: str | None = bench_option(None, "lm-eval tasks scored at every point and for the original, comma list "
+                                           "(arc_easy,piqa), with each point's retention (default: none)")
+    limit: int | float | str | None = bench_option(
+        None, "rows per --tasks task, as eval.compare --limit takes them (400~:-500: 400 drawn from all but the last "
+              "500) (default: all)", type=parse_limit)
+    data_dir: str | None = bench_option(None, "local lm-eval data laid out like shared/data (default: "
+                                              "$LAYERCUT_DATA, else the hub)", metavar="DIR")
     out: str | None = bench_option(None, "folder for heal_curve.json, heal_curve.md and heal_curve.png (default: "
                                          "print only)")
     threads: int | None = threads_option()
@@ -236,6 +363,18 @@ def _heldout_domains(command: HealCurveBenchOptions):
     return plan_domains(",".join(command.heldout), command.data)
 
 
+def _curve_tasks(command: HealCurveBenchOptions) -> CurveTasks | None:
+    """``--tasks`` planned and their data read before any model loads (a missing file or unknown name: one line)."""
+    if command.tasks is None:
+        if command.limit is not None or command.data_dir is not None:
+            raise LayercutError("--limit and --data-dir choose the rows of --tasks: pass --tasks too "
+                                "(e.g. --tasks arc_easy,piqa)")
+        return None
+    local, registry = plan_tasks(command.tasks, resolve_data_dir(command.data_dir))
+    check_registry_data(registry)
+    return CurveTasks((*local, *registry), command.limit, command.data_dir)
+
+
 def run_heal_curve(command: HealCurveBenchOptions) -> int:
     """Run the benchmark of ``command``, print its table and write it under ``--out``."""
     apply_threads(command)
@@ -243,6 +382,7 @@ def run_heal_curve(command: HealCurveBenchOptions) -> int:
     checkpoint = check_checkpoint(command.checkpoint)
     calibration = read_calibration(command.calibration) if command.calibration is not None else None
     domains = _heldout_domains(command)
+    tasks = _curve_tasks(command)
     prune = PruneConfig(load=command.load, data=command.data, batch_size=command.batch_size)
     original = prune.load.load()
     limit = max_positions(original.model)
@@ -257,7 +397,7 @@ def run_heal_curve(command: HealCurveBenchOptions) -> int:
         drawn = heal_data_config(command.heal_data, command.heal_samples, prune.data, int(calibration.shape[1]))
         more = calibration_data(original.tokenizer, drawn, model=original.model).token_ids
     heldout = Heldout(domains, None, original.tokenizer, command.window, command.batch_size, command.heldout_tokens)
-    results = {**heal_curve(original, checkpoint, calibration, heldout, steps, prune, more),
+    results = {**heal_curve(original, checkpoint, calibration, heldout, steps, prune, more, tasks),
                "calibration": {"source": source, "rows": list(calibration.shape)},
                "heal_data": None if more is None else {"source": command.heal_data, "rows": list(more.shape)}}
     report_results(command.out, "heal_curve", results, heal_curve_markdown(results), plot_heal_curve)

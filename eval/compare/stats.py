@@ -69,12 +69,12 @@ def _beats(a: dict, b: dict, fa: dict, fb: dict, names: list[str], quality: str 
     return fa[quality] - fb[quality] >= TIE_SE * stderr() and fa[quality] > fb[quality]
 
 
-def analyse(results: Results) -> dict:
-    """Task means, retention above chance, ties and the "better than" relation of every finished row."""
-    dense = results.dense or {}
-    names = results.domains or list(dense.get("domains", {}))
-    rows = {key: row for key, row in results.cells.items() if all(n in row.get("domains", {}) for n in names)}
-    tasks = sorted({t for row in [dense, *rows.values()] for t in row.get("tasks", {})})
+def retention_tasks(dense: dict, tasks: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The ``tasks`` retention counts (the dense model clearly above chance on them), and why each other is not.
+
+    A task the dense model scores within :data:`TIE_SE` standard errors of chance has no room to lose: counted,
+    it would divide noise by noise.
+    """
     counted, excluded = [], {}
     for task in tasks:
         value = dense.get("tasks", {}).get(task)
@@ -87,6 +87,16 @@ def analyse(results: Results) -> dict:
             excluded[task] = f"dense {value:.3f} is within {TIE_SE:g} standard errors of chance {level:g}"
         else:
             counted.append(task)
+    return counted, excluded
+
+
+def analyse(results: Results) -> dict:
+    """Task means, retention above chance, ties and the "better than" relation of every finished row."""
+    dense = results.dense or {}
+    names = results.domains or list(dense.get("domains", {}))
+    rows = {key: row for key, row in results.cells.items() if all(n in row.get("domains", {}) for n in names)}
+    tasks = sorted({t for row in [dense, *rows.values()] for t in row.get("tasks", {})})
+    counted, excluded = retention_tasks(dense, tasks)
     figures = {key: task_figures(row, tasks, counted, dense) for key, row in rows.items()}
     figures["dense"] = task_figures(dense, tasks, counted, dense) if dense else {}
     quality = None if not tasks else ("retention" if counted else "task_mean")

@@ -151,3 +151,57 @@ def test_a_window_longer_than_the_model_holds_is_one_line(setup, capsys, one_thr
     err = capsys.readouterr().err.strip()  # after the original loads: its progress bar, then the one line
     assert code == EXIT_BAD_INPUT and "Traceback" not in err, err
     assert "holds 256 positions: pass --window 256 or less" in err.splitlines()[-1]
+
+
+def test_tasks_are_scored_at_every_point_and_for_the_original_once(setup, tmp_path, one_thread, shared_data,
+                                                                    monkeypatch):
+    scored = []
+    measure = bench.CurveTasks.measure
+
+    def counting(self, model, tokenizer):
+        scored.append(model)
+        return measure(self, model, tokenizer)
+
+    monkeypatch.setattr(bench.CurveTasks, "measure", counting)
+    out = tmp_path / "tasks"
+    code = main(bench_args(setup, "--steps", "0,2", "--tasks", "piqa", "--limit", "4", "--data-dir",
+                           str(shared_data), "--out", str(out)))
+    assert code == 0
+    results = json.loads((out / "heal_curve.json").read_text())
+    assert len(scored) == 3  # the original once, then each point
+    built, trained = results["points"]
+    for row in (results["original"], built, trained):
+        accuracy = row["tasks"]["piqa"]
+        assert accuracy * 4 == round(accuracy * 4) and len(row["task_rows"]["piqa"]) == 4
+        assert row["task_stderr"]["piqa"] == pytest.approx((accuracy * (1 - accuracy) / 3) ** 0.5)
+    # 4 rows of a random model are not clearly above chance: the plain task mean, as eval.compare falls back
+    assert results["tasks"]["quality"] == "task_mean" and results["tasks"]["counted"] == []
+    assert built["quality"]["task_mean"] == built["tasks"]["piqa"] and "gap" not in built["quality"]
+    assert trained["quality"]["gap"] == pytest.approx(trained["tasks"]["piqa"] - built["tasks"]["piqa"])
+    table = (out / "heal_curve.md").read_text()
+    assert "| geometric mean | piqa | task mean | vs step 0 |" in table and "Tasks: lm-eval accuracy" in table
+    assert (out / "heal_curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_retention_counts_the_tasks_the_original_is_above_chance_on_and_pairs_the_gap():
+    dense = {"tasks": {"arc_easy": 0.65, "piqa": 0.52}, "task_stderr": {"arc_easy": 0.02, "piqa": 0.03}}
+    built = {"tasks": {"arc_easy": 0.45, "piqa": 0.50}, "task_stderr": {"arc_easy": 0.02, "piqa": 0.03},
+             "task_rows": {"arc_easy": [1, 0, 0, 1], "piqa": [1, 1, 0, 0]}}
+    healed = {"tasks": {"arc_easy": 0.55, "piqa": 0.51}, "task_stderr": {"arc_easy": 0.02, "piqa": 0.03},
+              "task_rows": {"arc_easy": [1, 1, 0, 1], "piqa": [1, 1, 0, 0]}}
+    summary = bench._retention([built, healed], dense, ["arc_easy", "piqa"])
+    # piqa's 0.52 is within 2 standard errors of its 0.5 chance: only arc_easy is counted
+    assert summary["quality"] == "retention" and summary["counted"] == ["arc_easy"]
+    assert "piqa" in summary["excluded"]
+    assert built["quality"]["retention"] == pytest.approx((0.45 - 0.25) / (0.65 - 0.25))
+    assert healed["quality"]["retention"] == pytest.approx((0.55 - 0.25) / (0.65 - 0.25))
+    assert healed["quality"]["gap"] == pytest.approx(0.25)
+    # paired: one row of four changed, so the gap's error is that row's spread, not the two errors combined
+    assert healed["quality"]["gap_stderr"] == pytest.approx((0.25 / 4) ** 0.5 / 0.40)  # var 0.25 of 4 diffs
+    assert healed["quality"]["clear"] is False
+
+
+def test_limit_without_tasks_is_one_line_and_exit_2(setup, capsys, one_thread):
+    code = main([*bench_args(setup), "--limit", "4"])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_BAD_INPUT and "pass --tasks too" in err and len(err.splitlines()) == 1, err
