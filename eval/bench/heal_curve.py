@@ -38,9 +38,10 @@ from eval.bench.output import finish_figure, pyplot, report_results, steps_line
 from eval.bench.registry import bench_option, data_option, load_option, register_subcommand, threads_option
 from eval.compare.cells import measure_tasks
 from eval.compare.heldout import Heldout, mean_perplexity, plan_domains
+from eval.compare.leaderboard import task_cells
 from eval.compare.stats import TIE_SE, gap_stderr, retention_tasks, task_figures
 from eval.quality.evaluate import parse_limit
-from eval.quality.lmeval import check_registry_data, plan_tasks
+from eval.quality.lmeval import check_registry_data, describe_rows, plan_tasks
 from eval.quality.task_specs import resolve_data_dir
 from prune.checkpoint.load_config import LoadConfig
 from prune.data.calibration import DataConfig, calibration_data
@@ -100,7 +101,8 @@ def check_checkpoint(path: str | Path) -> Path:
 class CurveTasks:
     """lm-eval tasks scored at every point of a curve.
 
-    ``names`` in order, ``limit`` rows of each (``eval.compare --limit``'s values), from ``data_dir`` (None:
+    ``names``: as ``plan_tasks`` resolves them (the tasks with local files first; ``lambada`` offline is
+    ``lambada_openai``); ``limit`` rows of each (``eval.compare --limit``'s values), from ``data_dir`` (None:
     ``$LAYERCUT_DATA``, else the hub).
     """
 
@@ -134,23 +136,31 @@ def _point(student: LoadedModel, original: LoadedModel, rows: HealRows, heldout:
     return point
 
 
-def _retention(points: list[dict], dense: dict, names: Sequence[str]) -> dict:
-    """Each point's retention above chance against the original (``dense``), and its paired gap to the first point.
+def task_summary(points: list[dict], original: dict, names: Sequence[str]) -> dict:
+    """The task figures of every point and of the original, and each point's paired gap to the one of 0 steps.
 
-    The tasks counted are those the original is clearly above chance on (:func:`eval.compare.stats.retention_tasks`,
-    as a comparison counts them); without any, each point's plain task mean. The gap to the first point (the
-    checkpoint as built) is paired row by row, with its standard error, as a comparison's gaps are.
+    Each row gets ``figures``: its task mean and its retention above chance, counted over the tasks the original is
+    clearly above chance on, as a comparison counts them (:func:`eval.compare.stats.retention_tasks`); ``quality``
+    names the one the curve follows (the retention, or the task mean where no task is counted). A point gets
+    ``vs_built``: its gap to the checkpoint as built (the point of 0 steps, if one was run) in that figure, paired
+    row by row with its standard error and ``clear`` when it is at least :data:`~eval.compare.stats.TIE_SE` of them.
+    A task lm-eval gave no score for leaves the figures that need it out.
     """
-    counted, excluded = retention_tasks(dense, list(names))
+    names = list(names)
+    counted, excluded = retention_tasks(original, names)
     quality = "retention" if counted else "task_mean"
-    used = counted or list(names)
-    figures = [task_figures(point, list(names), counted, dense) for point in points]
-    for point, figure in zip(points, figures, strict=True):
-        point["quality"] = {quality: figure[quality], f"{quality}_stderr": figure[f"{quality}_stderr"]}
-        if point is not points[0]:
-            gap = figure[quality] - figures[0][quality]
-            stderr = gap_stderr(point, points[0], figure, figures[0], quality, used, dense)
-            point["quality"].update({"gap": gap, "gap_stderr": stderr, "clear": abs(gap) >= TIE_SE * stderr})
+    used = counted or [name for name in names if original.get("tasks", {}).get(name) is not None]
+    original["figures"] = task_figures(original, names, counted, original)
+    for point in points:
+        point["figures"] = task_figures(point, names, counted, original)
+    built = next((point for point in points if point["steps"] == 0), None)
+    for point in points:
+        if built is None or point is built or quality not in point["figures"] or quality not in built["figures"]:
+            continue
+        gap = point["figures"][quality] - built["figures"][quality]
+        stderr = gap_stderr(point, built, point["figures"], built["figures"], quality, used, original)
+        # no answer changed: a gap of 0 with an error of 0 is no difference at all
+        point["vs_built"] = {"gap": gap, "gap_stderr": stderr, "clear": gap != 0 and abs(gap) >= TIE_SE * stderr}
     return {"quality": quality, "counted": counted, "excluded": excluded}
 
 
@@ -162,7 +172,7 @@ def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tenso
     ``prune``: how the checkpoint loads (``load``'s dtype and device), the heal's seed (``data.seed``) and the
     sequences per forward pass of the measuring (``batch_size``), as a ship run's; ``more``: rows of other text
     trained on too (``prune.ship --heal-data``); ``tasks``: lm-eval tasks scored at every point and once for the
-    original, with each point's retention (``retention``).
+    original, each row's figures and gap to step 0 as :func:`task_summary` gives them.
     """
     rows = HealRows.of(calibration, more)
     dense = {name: heldout.perplexity(original.model, name) for name in heldout.names()}
@@ -192,7 +202,7 @@ def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tenso
             "heldout": {**heldout.describe, "window": heldout.seq_len},
             "original": {"domains": dense, "heldout_ppl": mean_perplexity(dense, heldout.names()), **dense_tasks},
             "tasks": None if tasks is None or not points else
-            {"names": list(tasks.names), "limit": tasks.limit, **_retention(points, dense_tasks, tasks.names)},
+            {"names": list(tasks.names), "limit": tasks.limit, **task_summary(points, dense_tasks, tasks.names)},
             "points": points}
 
 
@@ -223,42 +233,38 @@ def heal_curve_markdown(results: dict) -> str:
 
 
 def _task_columns(results: dict) -> int:
-    """How many task columns the table has: one per task, the retention (or task mean) and its gap to step 0."""
-    return len(results["tasks"]["names"]) + 2 if results.get("tasks") else 0
+    """How many task columns the table has: one per task, the task mean, the retention and the gap to step 0."""
+    return len(results["tasks"]["names"]) + 3 if results.get("tasks") else 0
 
 
 def _task_heads(results: dict) -> str:
     if not results.get("tasks"):
         return ""
-    quality = results["tasks"]["quality"].replace("_", " ")
-    return "".join(f" {name} |" for name in results["tasks"]["names"]) + f" {quality} | vs step 0 |"
+    return "".join(f" {name} |" for name in results["tasks"]["names"]) + " task mean | retention | vs step 0 |"
 
 
 def _task_cells(results: dict, row: dict) -> str:
-    """A row's accuracies (%, ± lm-eval's standard error), its retention and its paired gap to the first point."""
+    """A row's task columns as a comparison writes them, then its paired gap to the checkpoint as built."""
     tasks = results.get("tasks")
     if not tasks:
         return ""
-    cells = "".join(f" {100 * row['tasks'][name]:.1f} ± {100 * row['task_stderr'][name]:.1f} |"
-                    for name in tasks["names"])
-    if "quality" not in row:  # the original: what retention is measured against
-        return cells + (" 100.0 % | - |" if tasks["quality"] == "retention" else " - | - |")
-    quality = row["quality"]
-    value = f"{100 * quality[tasks['quality']]:.1f} ± {100 * quality[tasks['quality'] + '_stderr']:.1f}"
-    if "gap" not in quality:
-        return cells + f" {value} | - |"
-    gap = f"{100 * quality['gap']:+.1f} ± {100 * quality['gap_stderr']:.1f}" + ("" if quality["clear"] else " (tie)")
-    return cells + f" {value} | {gap} |"
+    vs = row.get("vs_built")
+    gap = "-" if vs is None else (f"{100 * vs['gap']:+.1f} ± {100 * vs['gap_stderr']:.1f}"
+                                  + ("" if vs["clear"] else " (tie)"))
+    return "".join(f" {cell} |" for cell in task_cells(row, tasks["names"], row.get("figures", {}), gap))
 
 
 def _task_note(tasks: dict) -> str:
-    counted = ", ".join(tasks["counted"]) or "none"
+    counted = ", ".join(tasks["counted"])
     excluded = "; ".join(f"{name}: {why}" for name, why in tasks["excluded"].items())
-    limit = f"{tasks['limit']} rows" if tasks["limit"] is not None else "every row"
-    return (f"Tasks: lm-eval accuracy in % ± its standard error, {limit} of each. Retention = sum over {counted} of "
-            f"(accuracy - chance) / the same sum for the original" + (f" (not counted: {excluded})" if excluded else "")
-            + f"; vs step 0: the paired gap in points to the checkpoint as built, row by row on the same rows "
-            f"(tie: under {TIE_SE:g} standard errors).")
+    retention = (f"Retention = sum over {counted} of (accuracy - chance) / the same sum for the original"
+                 if counted else "Retention: none, no task has the original clearly above chance (the curve follows "
+                                 "the task mean)")
+    quality = tasks["quality"].replace("_", " ")
+    return (f"Tasks ({describe_rows(tasks['limit'])}): accuracy ± lm-eval's standard error, in %. {retention}"
+            + (f"; left out: {excluded}" if excluded else "") + f". \"vs step 0\": the paired gap in {quality} "
+            f"(points) to the checkpoint as built, row by row on the same rows; tie when it is under {TIE_SE:g} "
+            "standard errors.")
 
 
 def plot_heal_curve(results: dict, path) -> Path:
@@ -272,12 +278,16 @@ def plot_heal_curve(results: dict, path) -> Path:
     if tasks:
         fig, (side, ax) = pyplot().subplots(1, 2, figsize=(11, 4), dpi=120)
         quality = tasks["quality"]
-        values = [100 * p["quality"][quality] for p in points]
-        side.errorbar(minutes, values, yerr=[100 * p["quality"][f"{quality}_stderr"] for p in points], fmt="none",
-                      ecolor="gray", capsize=3)
-        steps_line(side, minutes, values, steps, "healed as prune.ship heals (steps at each point)")
-        if quality == "retention":
-            side.axhline(100.0, color="black", ls="--", lw=1, label="original")
+        shown = [p for p in points if quality in p.get("figures", {})]
+        values = [100 * p["figures"][quality] for p in shown]
+        side.errorbar([p["minutes"] for p in shown], values,
+                      yerr=[100 * p["figures"][f"{quality}_stderr"] for p in shown], fmt="none", ecolor="gray",
+                      capsize=3)
+        steps_line(side, [p["minutes"] for p in shown], values, [p["steps"] for p in shown],
+                   "healed as prune.ship heals (steps at each point)")
+        reference = results["original"].get("figures", {}).get(quality)
+        if reference is not None:
+            side.axhline(100 * reference, color="black", ls="--", lw=1, label="original")
         side.set_xlabel("heal minutes (wall, teacher cache included)")
         side.set_ylabel(f"{quality.replace('_', ' ')} on {', '.join(tasks['counted'] or tasks['names'])} (%)")
         side.set_title("tasks against heal minutes")
@@ -366,7 +376,7 @@ def _heldout_domains(command: HealCurveBenchOptions):
 def _curve_tasks(command: HealCurveBenchOptions) -> CurveTasks | None:
     """``--tasks`` planned and their data read before any model loads (a missing file or unknown name: one line)."""
     if command.tasks is None:
-        if command.limit is not None or command.data_dir is not None:
+        if command.limit is not None or command.data_dir is not None:  # rows of nothing: a flag that does nothing
             raise LayercutError("--limit and --data-dir choose the rows of --tasks: pass --tasks too "
                                 "(e.g. --tasks arc_easy,piqa)")
         return None

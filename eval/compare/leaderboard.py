@@ -94,7 +94,7 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
     lines = [f"## Drop {drop}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     domain_cells = [f"{dense['domains'][n]:.3f}" for n in names] if len(names) > 1 else []
     lines.append(f"| - | dense | - | {dense['params']:,} | {dense['heldout_ppl']:.3f} | 1.000 | "
-                 + "".join(f"{v} | " for v in domain_cells + _task_cells(dense, tasks, figures["dense"], "-"))
+                 + "".join(f"{v} | " for v in domain_cells + task_cells(dense, tasks, figures["dense"], "-"))
                  + "- | - | " + _metric_cells(dense, metrics) + ("1.00" if "decode_s" in dense else "-")
                  + f" | - | {serves_label(serving_entry(VANILLA))} |")
     for rank, (key, row) in enumerate(rows, 1):
@@ -107,7 +107,7 @@ def _drop_table(dense: dict, analysis: dict, cells: dict, states: dict, drop: in
         mark = STALE_MARKS.get(states[key], "")
         lines.append(f"| {rank} | {row['method']}{mark} | {_removed(row)} | {row['params']:,} | "
                      f"{row['heldout_ppl']:.3f} | {row['heldout_ppl'] / dense['heldout_ppl']:.3f} | "
-                     + "".join(f"{v} | " for v in domain_cells + _task_cells(
+                     + "".join(f"{v} | " for v in domain_cells + task_cells(
                          row, tasks, figures[key], analysis["vs_best_tasks"].get(key, "-")))
                      + f"{beaten} | {_versus(analysis, key)} | {_metric_cells(row, metrics)}{speed} | "
                      f"{row['seconds']:.1f} | "
@@ -234,7 +234,11 @@ def _task_note(analysis: dict, results: Results) -> list[str]:
             "rows without task figures are compared with each other on perplexity alone." + head_caveat(results), ""]
 
 
-def _task_cells(row: dict, tasks: list[str], figures: dict, vs_best: str) -> list[str]:
+def task_cells(row: dict, tasks: list[str], figures: dict, vs_best: str) -> list[str]:
+    """A row's task columns as a comparison's table has them.
+
+    Each task's accuracy (%, ± lm-eval's error; "-" where it has none), the task mean, the retention and ``vs_best``.
+    """
     if not tasks:
         return []
     cells = []
