@@ -289,8 +289,9 @@ def plot_heal_curve(results: dict, path) -> Path:
         if reference is not None:
             side.axhline(100 * reference, color="black", ls="--", lw=1, label="original")
         side.set_xlabel("heal minutes (wall, teacher cache included)")
-        side.set_ylabel(f"{quality.replace('_', ' ')} on {', '.join(tasks['counted'] or tasks['names'])} (%)")
-        side.set_title("tasks against heal minutes")
+        side.set_ylabel("retention above chance (%)" if quality == "retention" else "task mean (%)")
+        counted = tasks["counted"] or tasks["names"]
+        side.set_title(f"{len(counted)} task{'s' if len(counted) > 1 else ''} against heal minutes (± one error)")
         side.grid(alpha=0.3)
         side.legend(fontsize=8)
     else:

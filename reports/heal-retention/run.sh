@@ -1,0 +1,30 @@
+# Retention against heal minutes (2026-12-04, 2-core CPU, float32, SmolLM2-135M at drop 8, one job at a time). Run
+# from the repository root with ../shared/data beside it.
+set -e
+D=../shared/data
+# 1. the build: the README's one command (as in reports/ship-defaults, "A newcomer from a fresh clone", at bf55546),
+#    which keeps the checkpoint as built and its calibration rows in slim8.work/
+python -m prune.ship --model smollm2-135m --drop 8 --engine llamacpp --gguf-type q4_k_m --out /tmp/newcomer/slim8/
+# 2. ship's heal at 0, 100, 200 and 400 steps on that build (each from the start, with its own schedule), each scored
+#    on the four held-out domains and on 400 drawn rows of four tasks (the grids' rows), the original once
+uptime
+python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/newcomer/slim8.work/checkpoint \
+  --calibration /tmp/newcomer/slim8.work/calibration.safetensors --steps 0,100,200,400 \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D --threads 2 --out reports/heal-retention/drop8
+uptime
+# 3. that run was at 7e56038; a review's mend (d206af1) and the plot's labels after it changed only how the task figures are
+#    summed up, written and drawn, so the folder was written again from the run's JSON (the measured figures as run)
+python - <<'PY'
+import json
+from eval.bench.heal_curve import heal_curve_markdown, plot_heal_curve, task_summary
+from eval.bench.output import report_results
+out = "reports/heal-retention/drop8"
+results = json.load(open(f"{out}/heal_curve.json"))
+for point in results["points"]:
+    point.pop("quality", None)
+tasks = results["tasks"]
+results["tasks"] = {"names": tasks["names"], "limit": tasks["limit"],
+                    **task_summary(results["points"], results["original"], tasks["names"])}
+report_results(out, "heal_curve", results, heal_curve_markdown(results), plot_heal_curve)
+PY
