@@ -127,9 +127,18 @@ def _processes_reading(path: Path) -> list[int]:
     return found
 
 
+# seconds torch elastic's agent gives its processes after a SIGTERM before it kills them (LocalElasticAgent._shutdown)
+AGENT_GRACE = 30
+
+
 @pytest.mark.slow
 def test_a_ship_killed_while_its_processes_heal_takes_them_down_too(pair, tmp_path):
-    """kill -9 of ``prune.ship`` mid-heal: its launched processes stop within seconds, not train on beside a rerun."""
+    """kill -9 of ``prune.ship`` mid-heal: its launched processes stop, not train on beside a rerun.
+
+    The launcher gets SIGTERM and passes it on; a process blocked in a collective acts on it only when the call
+    returns, so the launcher (torch elastic's agent) kills what is left after its 30 s of grace. Waiting only those
+    30 s failed once in CI (2026-12-04: both processes still there at the deadline, as the agent's kill fell due).
+    """
     out = tmp_path / "slim"
     job = tmp_path / "slim.work" / "healed.work" / "launch.json"
     checkpoints = job.parent / "checkpoints"
@@ -146,7 +155,7 @@ def test_a_ship_killed_while_its_processes_heal_takes_them_down_too(pair, tmp_pa
         assert len(_processes_reading(job)) >= 3  # the launcher and its two processes
         ship.kill()
         ship.wait()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + AGENT_GRACE + 15
         while _processes_reading(job) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _processes_reading(job) == []
