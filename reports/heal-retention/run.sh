@@ -13,7 +13,7 @@ python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/newcomer/
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D --threads 2 --out reports/heal-retention/drop8
 uptime
-# 3. that run was at 7e56038; a review's mend (d206af1) and the plot's labels after it changed only how the task figures are
+# 3. that run was at 7e56038; a review's mend (dd4e822) and the plot's labels after it changed only how the task figures are
 #    summed up, written and drawn, so the folder was written again from the run's JSON (the measured figures as run)
 python - <<'PY'
 import json
