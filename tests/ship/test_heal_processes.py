@@ -6,6 +6,7 @@ its processes down; the flag's refusals and plan.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from ship.config import ShipConfig
 from tests.helpers import _TEXT, REPO, make_student_pair, make_tiny_tokenizer
@@ -127,8 +129,8 @@ def _processes_reading(path: Path) -> list[int]:
     return found
 
 
-# seconds torch elastic's agent gives its processes after a SIGTERM before it kills them (LocalElasticAgent._shutdown)
-AGENT_GRACE = 30
+# seconds torch elastic's agent gives its processes after a SIGTERM before it kills them: its own default
+AGENT_GRACE = inspect.signature(LocalElasticAgent._shutdown).parameters["timeout"].default
 
 
 @pytest.mark.slow

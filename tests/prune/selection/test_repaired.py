@@ -47,6 +47,7 @@ def _forward_rows(patch, model) -> list[int]:
     patch.setattr(model, "forward", lambda *a, **k: rows.append(k["input_ids"].shape[0]) or forward(*a, **k))
     return rows
 
+
 def test_split_rows_measures_every_eighth_row_and_fits_on_the_others():
     fit, measure = split_rows(torch.arange(16)[:, None])
     assert measure[:, 0].tolist() == [7, 15]
