@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -186,6 +187,32 @@ def _check_gain_norm(model: nn.Module, norm: nn.Module, method: str) -> None:
 # ---- the joint fit ------------------------------------------------------------------------------------
 
 
+def _factor(g_zz: torch.Tensor, lam: float, eye: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The Cholesky factor of ``g_zz + lam I``, ``lam`` raised tenfold until it exists; the factor and that ``lam``.
+
+    ``z``'s Gram can be rank-deficient where the MLP is as wide as the fitting rows have tokens (Llama-3-8B's 14,336
+    inputs on 28 rows of 512 tokens, whose first positions repeat), and rounding then leaves it short of positive
+    definite at 1e-10 of its mean diagonal. A larger ridge is the least change that solves it: it stops at the
+    first that does, and at a tenth of the mean diagonal gives up in one line.
+    """
+    mean = float(torch.diagonal(g_zz).mean())
+    if not math.isfinite(mean):
+        raise LayercutError("--replace fold-rotate: the MLP inputs' Gram is not finite (the calibration pass "
+                            "overflowed): use --dtype float32, or --replace fold")
+    lam = max(lam, mean * 1e-10, 1e-300)  # a Gram of zeros still gets a ridge to raise
+    ceiling = max(mean * 0.1, lam)  # a user's --ridge above it is tried once
+    while True:
+        factor, info = torch.linalg.cholesky_ex(g_zz + lam * eye)
+        if int(info) == 0:
+            return factor, lam
+        if lam * 10 > ceiling * (1 + 1e-9):
+            raise LayercutError(f"--replace fold-rotate: the MLP inputs' Gram is not positive definite even with a "
+                                f"ridge of {lam:.3g}: give more calibration rows (--samples), or use --replace fold")
+        logger.info("fold-rotate: z's Gram is not positive definite with a ridge of %.3g; trying %.3g", lam,
+                    lam * 10)
+        lam *= 10
+
+
 @dataclass
 class RotateFit:
     """``y ~ scale * r @ rotation + z @ weight`` (row vectors); ``weight`` is [intermediate, d]."""
@@ -212,7 +239,7 @@ def fit_rotation(moments: PairMoments, dim: int, ridge: float = 0.0, iterations:
     tr_rr = float(torch.trace(g_rr))
     eye = torch.eye(g_zz.shape[0], dtype=gram.dtype, device=gram.device)
     lam = ridge * float(torch.diagonal(g_zz).mean()) if ridge > 0 else 1e-10 * float(torch.diagonal(g_zz).mean())
-    factor = torch.linalg.cholesky(g_zz + lam * eye)
+    factor, lam = _factor(g_zz, lam, eye)
     rotation = torch.eye(dim, dtype=gram.dtype, device=gram.device)
     scale = 1.0
 

@@ -18,7 +18,7 @@ from prune.replace import (
     replace_blocks_,
     surgered_view,
 )
-from prune.replace.rotate import check_rotatable, fit_rotation, share_of
+from prune.replace.rotate import _factor, check_rotatable, fit_rotation, share_of
 from tests.helpers import make_tiny_model
 
 LLAMA_FAMILY = ["llama", "mistral", "qwen2", "qwen3"]
@@ -185,3 +185,35 @@ def test_the_fit_s_losses_read_from_its_solves_are_the_squared_errors_of_its_map
         error = float(((y - fit.scale * r @ fit.rotation - z @ fit.weight) ** 2).sum())
         assert abs(fit.loss - error) < 1e-9 * error and fit.loss < fit.start_loss
         assert 1 <= fit.iterations < 40
+
+
+def test_an_mlp_wider_than_its_tokens_is_fitted_with_the_least_ridge_that_factors_its_gram():
+    """Fewer tokens than MLP inputs (Llama-3-8B's 14,336 on 28 rows of 512): the Gram is singular, and rounding left
+    it short of positive definite; the fit raises its ridge until Cholesky goes through, and fits as well."""
+    gen = torch.Generator().manual_seed(2)
+    d, width, n = 4, 24, 16  # z's Gram has rank 16 of 24
+    r = torch.randn(n, d, generator=gen, dtype=torch.float64)
+    z = torch.randn(n, width, generator=gen, dtype=torch.float64)
+    y = r + z @ torch.randn(width, d, generator=gen, dtype=torch.float64) * 0.1
+    x = torch.cat([r, z], 1)
+    gram = x.T @ x
+    null = torch.linalg.svd(z).Vh[-1]  # a direction z never takes: nudged below zero, as rounding leaves it
+    gram[d:, d:] -= 1e-6 * float(torch.diagonal(gram[d:, d:]).mean()) * torch.outer(null, null)
+    assert torch.linalg.cholesky_ex(gram[d:, d:] + 1e-10 * float(torch.diagonal(gram[d:, d:]).mean())
+                                    * torch.eye(width, dtype=torch.float64)).info > 0  # where it used to fail
+    moments = PairMoments(n, torch.zeros(d + width, dtype=torch.float64), torch.zeros(d, dtype=torch.float64),
+                          gram, x.T @ y, y.T @ y)
+    fit = fit_rotation(moments, d, iterations=20)
+    error = float(((y - fit.scale * r @ fit.rotation - z @ fit.weight) ** 2).sum())
+    assert torch.isfinite(fit.weight).all() and error < 1e-3 * float((y ** 2).sum())
+    # the ridge it took is the least tenfold step that factors: a tenth of it does not
+    g_zz, eye = gram[d:, d:], torch.eye(width, dtype=torch.float64)
+    _, lam = _factor(g_zz, 0.0, eye)
+    mean = float(torch.diagonal(g_zz).mean())
+    assert 1e-10 * mean < lam <= 1.0001e-5 * mean and torch.linalg.cholesky_ex(g_zz + lam / 10 * eye).info > 0
+    # a Gram no ridge up to a tenth of its diagonal can factor, or one that overflowed: one line each
+    with pytest.raises(LayercutError, match=r"^--replace fold-rotate: .*not positive definite.*--samples") as error:
+        _factor(g_zz - mean * eye, 0.0, eye)
+    assert "\n" not in str(error.value)
+    with pytest.raises(LayercutError, match="not finite"):
+        _factor(torch.full_like(g_zz, float("nan")), 0.0, eye)
