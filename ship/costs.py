@@ -22,8 +22,8 @@ counted here in the same units before any weight is read:
 Rates are ``prune.planner.stages``' FLOP rate times what a kind of pass reached of it on this 2-core machine
 (SmolLM2-135M, ``--drop 8 --samples 32``, idle, 2026-12-02; ``reports/ship-fast/``), and byte rates for what reads
 and writes files, all at the reference machine's speed and multiplied by this CPU's now
-(:func:`prune.planner.machine.machine_speed`). On a GPU the same counts run at the GPU rate; the per-process and
-file costs stay the CPU's.
+(:func:`prune.planner.machine.machine_speed`). On a GPU the same counts run at the GPU rate, and what is not
+arithmetic is counted apart (``GPU_*``, measured on an H200): processes, candidates and block calls.
 
 They were fitted on the run ``after8`` of reports/ship-fast, whose scoring pass took 7.8 s a batch, and are given
 here at the reference speed, where the same pass took 4.03 s (its run ``r8``, 2026-12-02): every rate x 1.94,
@@ -40,7 +40,15 @@ from prune.planner.inputs import PlanInput
 from prune.planner.machine import machine_speed
 from prune.planner.memory import weight_bytes
 from prune.planner.shape import ModelShape
-from prune.planner.stages import _flops, _rate, fit_flops, fit_rate, score_decompositions
+from prune.planner.stages import (
+    DISK_BYTES_PER_S,
+    GPU_BLOCK_CALL_SECONDS,
+    _flops,
+    _rate,
+    fit_flops,
+    fit_rate,
+    score_decompositions,
+)
 
 # what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
 SCORING_SHARE = 1.145  # the scoring pass, every state's Gram and every pair's cosines (32 s for 16,384 tokens)
@@ -61,6 +69,17 @@ CONVERT_BYTES_PER_S = 4.27e7  # llama.cpp's converter: float32 checkpoint bytes 
 QUANTIZE_SHARE = 0.4  # its quantizer after it (q4_k_m), as a share of the conversion's time
 WRITE_BYTES_PER_S = 3.88e8  # safetensors written through a staging folder
 PROCESS_SECONDS = 4.12  # a fresh Python importing torch and transformers, and loading a model
+# On a GPU (one H200, 2026-12-04, bfloat16: reports/gpu-ship/h200-2026-12-04) the stages of a model this small cost
+# what is not arithmetic. A verify check's fixed cost: its process (3.4-4.1 s to start there: the evening's run,
+# h200-2026-12-04b), CUDA's context, both
+# models read and warmed up, and the speed check's fresh process per model for its memory figure. SmolLM2-135M's
+# verify took 96.3 s and the Llama-3.2-1B shape's 92.5 s, about 12 and 10 s of it in their block calls, for three
+# checks each; a model's bytes are read on top of it at the disk's rate.
+GPU_PROCESS_SECONDS = 27.0
+# The shortlist's own: the calibration drawn and tokenized, the model read to the GPU and warmed (5.3 s for one
+# candidate on Gemma-3-270M's shape), then about 0.4 s a candidate (SmolLM2-135M's 20 in 12.8 s)
+GPU_SHORTLIST_SECONDS = 4.9
+GPU_CANDIDATE_SECONDS = 0.4
 
 
 @dataclass(frozen=True)
@@ -147,8 +166,40 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
               + (0.0 if work.original_kept or not work.gguf else weight_bytes(shape, inp, layers) / (
                   CONVERT_BYTES_PER_S * cpu))
               + (models + 2) * PROCESS_SECONDS / cpu) if work.verify else 0.0
+    if inp.on_gpu:
+        shortlist += GPU_SHORTLIST_SECONDS + work.sets * (len(work.repairs) + 1) * GPU_CANDIDATE_SECONDS
+        verify = _gpu_verify_seconds(shape, inp, work) if work.verify else 0.0
     return {"shortlist": sampling + shortlist, "build": build, "heal": work.heal_seconds,
             "export": export, "verify": verify}
+
+
+def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
+    """The verify stage on a GPU: three fresh processes, and the block calls of every decode step and pass.
+
+    Each check (serving, fidelity, speed) starts a process that reads both models; every pass and decode step
+    costs a call of each block it runs (:data:`prune.planner.stages.GPU_BLOCK_CALL_SECONDS`). Their arithmetic
+    is left out: a 70B model's 4,096 held-out tokens are about a second of it.
+    """
+    from eval.bench.checks import GREEDY_TOKENS
+    from eval.quality.fidelity import FidelityOptions
+
+    layers, kept = shape.layers, shape.layers - work.drop
+    both = weight_bytes(shape, inp, layers) + weight_bytes(shape, inp, kept)
+    checks = 2 + (inp.offload == "none")  # serving and speed; fidelity only in memory
+
+    def calls(count: float, blocks: int) -> float:
+        return count * blocks * GPU_BLOCK_CALL_SECONDS
+
+    windows = math.ceil(work.heldout_tokens / inp.seq_len) * work.texts
+    served = ((0 if work.original_kept else 1), 1, 1 if work.gguf else 0)  # original, slim, shipped
+    serving = sum(n * calls(windows + work.texts * GREEDY_TOKENS, blocks)
+                  for n, blocks in zip(served, (layers, kept, kept), strict=True))
+    options = FidelityOptions()
+    steps = math.ceil(options.prompts / options.batch_size) * (options.new_tokens + 1)
+    fidelity = (calls(steps, kept) + (0 if work.fidelity_kept else calls(steps, layers)) + calls(1, layers)
+                if inp.offload == "none" else 0.0)
+    speed = sum((work.speed_rounds + 1) * calls(work.new_tokens + 1, blocks) for blocks in (layers, kept))
+    return checks * (GPU_PROCESS_SECONDS + both / DISK_BYTES_PER_S) + serving + fidelity + speed
 
 
 def _fidelity_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:

@@ -52,6 +52,9 @@ CPU_SOURCE = "CPU: 1.22e11 FLOP/s measured (SmolLM2-135M scoring, 482 tokens/s, 
 # multiplies every state's float32 moments; the student's backward through LoRA's many small products does not.
 TRAIN_SHARE = 0.656
 TEACHER_SHARE = 1.455
+# float64 on a GPU: 40 % of an H100 SXM's 67 TFLOP/s FP64 Tensor Core peak (NVIDIA H100 datasheet), the closed-form
+# fits' arithmetic (prune.measure.least_squares, prune.replace.rotate)
+GPU_FP64_FLOPS = 0.4 * 67e12
 GPU_SOURCE = "GPU: 40 % of H100 bf16 peak (989 TFLOP/s, NVIDIA datasheet) = 4.0e14 FLOP/s per GPU"
 # The closed-form work in float64, at the reference machine's speed (fitted on prune.ship's SmolLM2-135M runs,
 # ship.costs): a fit's sums (its regressor's Gram and the cross with its target) and the eigendecompositions that
@@ -62,6 +65,15 @@ FIT_FLOPS = 3.88e10
 # shape's fold, 105 s of a 430 s prune.run). Counted as n^3 until then, the fold's solve at the MLP width was most
 # of what the planner missed on the 1B and 8B shapes.
 EIGH_FLOPS = 6.0
+# On a GPU, models of this project's sizes leave it idle: a pass costs its kernel launches and Python, not its
+# arithmetic. Both floors were read off one H200 (2026-12-04, reports/gpu-ship/h200-2026-12-04: bfloat16, torch 2.11,
+# transformers 5.17) and hold for the host's Python as much as for the GPU.
+# A block's forward call at a decode step: SmolLM2-135M decoded 60.4 tokens/s through 30 blocks (0.55 ms a block),
+# the Llama-3.2-1B shape 69.4 through 16 (0.90 ms: its 128k-wide head).
+GPU_BLOCK_CALL_SECONDS = 5.5e-4
+# A LoRA distillation step of 4 x 128 tokens (forward, backward, the optimizer): 100 steps took 17.8 s on SmolLM2-135M
+# at drop 8 (22 blocks), 18.2 s on the 1B shape at drop 4 (12 blocks), 23.9 s on Gemma-3-270M's shape (14 blocks)
+GPU_STEP_SECONDS = 0.18
 
 
 
@@ -175,11 +187,14 @@ def score_decompositions(shape: ModelShape) -> float:
 
 
 def fit_rate(inp: PlanInput) -> float:
-    """FLOP/s of the float64 closed-form work: :data:`FIT_FLOPS` at this CPU's speed (on GPUs, scaled as theirs).
+    """FLOP/s of the float64 closed-form work: :data:`FIT_FLOPS` at this CPU's speed (on a GPU, at its float64 rate).
 
     Not by the model's widths (``inp.shape_speed``): the decompositions' rate is LAPACK's, not the blocks' GEMMs'.
+    On a GPU the fits' share of the CPU's float32 rate is taken of the GPU's float64 one, :data:`GPU_FP64_FLOPS`
+    (of its bfloat16 one, they were planned 15 times too fast: a Llama-3-8B shape's shortlist took 257 s on an
+    H200 against 17 s planned, most of it two ``fold-rotate`` fits' rounds at the MLP's 14,336 width).
     """
-    return FIT_FLOPS * (machine_speed() if not inp.on_gpu else _rate(inp) / CPU_FLOPS)
+    return FIT_FLOPS * (machine_speed() if not inp.on_gpu else GPU_FP64_FLOPS / CPU_FLOPS)
 
 
 def fit_flops(shape: ModelShape, width: int, tokens: int, rounds: int = 0) -> float:
@@ -411,7 +426,10 @@ def stage_distillation(shape: ModelShape, inp: PlanInput, moments_alive: bool = 
     teacher = 0.0 if spec.teacher_cache else _flops(shape, shape.layers, True) / (_rate(inp) * teacher_share)
     where = "per GPU, FSDP" if inp.hardware.fsdp and inp.hardware.gpus > 1 else "device map"
     note = f"{spec.steps} steps x {spec.grad_accum * spec.batch_size} x {spec.seq_len} tokens ({where})"
-    return Stage("distillation", devices, tokens * (student + teacher), note)
+    seconds = tokens * (student + teacher)
+    if inp.on_gpu:  # a small model's step costs its launches, whatever its arithmetic
+        seconds = max(seconds, spec.steps * spec.grad_accum * GPU_STEP_SECONDS)
+    return Stage("distillation", devices, seconds, note)
 
 
 def stage_teacher_cache(shape: ModelShape, inp: PlanInput) -> Stage | None:

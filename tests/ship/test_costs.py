@@ -61,9 +61,25 @@ def test_every_stage_is_costed_and_each_piece_of_work_costs_where_it_is_done(sha
     assert seconds(shape, work, offload="sequential")["verify"] < base["verify"]
 
 
-def test_a_gpu_runs_the_passes_faster_and_the_files_as_slowly(shape):
+def test_a_gpu_runs_the_arithmetic_faster_and_pays_for_its_launches_processes_and_files(shape):
+    from prune.planner.stages import GPU_BLOCK_CALL_SECONDS
+    from ship.costs import GPU_CANDIDATE_SECONDS, GPU_PROCESS_SECONDS, GPU_SHORTLIST_SECONDS
+
     work = ShipWork(drop=2, repairs=(512,))
-    cpu = seconds(shape, work)
-    gpu = seconds(shape, work, hardware=Hardware(gpus=1, gpu_memory=80e9))
-    assert gpu["shortlist"] < cpu["shortlist"] / 10
+    one_gpu = Hardware(gpus=1, gpu_memory=80e9)
+    cpu, gpu = seconds(shape, work), seconds(shape, work, hardware=one_gpu)
     assert gpu["export"] == cpu["export"] > 0  # llama.cpp's converter reads and writes files on the CPU
+    # the shortlist: its arithmetic is next to nothing on a GPU; what it pays is a fixed cost and one a candidate
+    candidates = work.sets * (len(work.repairs) + 1)
+    floor = GPU_SHORTLIST_SECONDS + candidates * GPU_CANDIDATE_SECONDS
+    assert floor < gpu["shortlist"] < floor + 0.1
+    wider = seconds(shape, dataclasses.replace(work, repairs=(512, 512)), hardware=one_gpu)
+    assert wider["shortlist"] - gpu["shortlist"] == pytest.approx(work.sets * GPU_CANDIDATE_SECONDS, abs=0.05)
+    # verify: three checks' processes (a tiny model's bytes are nothing), then a call of every block it runs
+    assert 3 * GPU_PROCESS_SECONDS < gpu["verify"] < 3 * GPU_PROCESS_SECONDS + 5
+    more = seconds(shape, dataclasses.replace(work, speed_rounds=work.speed_rounds + 1), hardware=one_gpu)
+    calls = (work.new_tokens + 1) * (shape.layers + shape.layers - work.drop)  # a round of each model
+    assert more["verify"] - gpu["verify"] == pytest.approx(calls * GPU_BLOCK_CALL_SECONDS)
+    # a skeleton decodes nothing for fidelity: one check fewer
+    offloaded = seconds(shape, work, hardware=one_gpu, offload="sequential")
+    assert gpu["verify"] - offloaded["verify"] > GPU_PROCESS_SECONDS

@@ -324,6 +324,23 @@ def test_each_stage_holds_its_parts_on_each_device_and_a_stage_not_run_is_none()
         "cpu"]
 
 
+def test_a_small_model_s_distillation_step_on_a_gpu_costs_its_launches_and_a_large_one_its_arithmetic(llama70b):
+    from prune.planner.stages import GPU_STEP_SECONDS
+
+    small = shape_of_config(LlamaConfig(**SMOLLM2_135M))
+    on_gpu = PlanInput(model="smollm2", drop=8, checkpoint_dtype="bfloat16", distill=DistillSpec(steps=100),
+                       hardware=Hardware(gpus=1, gpu_memory=80e9, host_memory=64e9))
+    # 100 steps of 4 x 128 tokens: a fraction of a second of an H100's arithmetic, 18 s of launches measured
+    assert stage_distillation(small, on_gpu).seconds == pytest.approx(100 * GPU_STEP_SECONDS)
+    accumulated = dataclasses.replace(on_gpu, distill=DistillSpec(steps=100, grad_accum=2))
+    assert stage_distillation(small, accumulated).seconds == pytest.approx(200 * GPU_STEP_SECONDS)
+    # 70B's 100 steps are arithmetic past the floor (46 s on eight H100s); the CPU's plan has none
+    big = stage_distillation(llama70b, _big(llama70b, EIGHT_H100, distill=DistillSpec(steps=100)))
+    assert big.seconds > 2 * 100 * GPU_STEP_SECONDS
+    on_cpu = dataclasses.replace(on_gpu, hardware=Hardware())
+    assert stage_distillation(small, on_cpu).seconds > 100 * GPU_STEP_SECONDS  # slower still, by its arithmetic
+
+
 SMOLLM2_135M = dict(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192)
 
