@@ -13,6 +13,7 @@ are kept in ``OUT.work/verify/`` as it ends, so a stopped run measures only what
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,8 @@ class Verified(StageResult):
     heldout: list
     files: dict = field(default_factory=dict)
     fidelity: dict = field(default_factory=dict)  # FidelityCheck's figures, or {"skipped": why}
+    # each check's wall seconds, its fresh process included (None: kept by an earlier run, or skipped)
+    check_seconds: dict = field(default_factory=dict)
 
 
 def shipped_file(config: ShipConfig, checkpoint: Path, gguf: Path | None) -> Path:
@@ -60,19 +63,21 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
                            tokens=tokens, threads=config.threads, converter=config.converter,
                            kept=(ORIGINAL,),  # the original's rows are the same in every run of it: kept in the cache
                            dtype=load.dtype, device=load.device, offload=load.offload)
+    seconds: dict = {}
     domains = _kept(folder / "serving.json", lambda: run_in_child(serving, folder / "serving.log"),
                     lambda: say(f"verifying: {len(texts)} held-out text(s), the original and the checkpoint in "
                                 f"transformers" + (f", {served.name} in {config.engine}"
-                                                   if config.engine != REFERENCE else "")))
+                                                   if config.engine != REFERENCE else "")), seconds)
     if load.offload != "none":
         # a greedy token through a skeleton reads every block from the checkpoint again
         say(f"verifying: no generation fidelity: --offload {load.offload} decodes each token from disk")
         fidelity = {"skipped": f"--offload {load.offload}"}
+        seconds["fidelity"] = None
     else:
         check = config.fidelity_check(str(checkpoint), heldout)
         fidelity = _kept(folder / "fidelity.json", lambda: run_in_child(check, folder / "fidelity.log"),
                          lambda: say(f"verifying: what the checkpoint writes after {check.prompts} held-out "
-                                     f"prompts, judged by the original in transformers"))
+                                     f"prompts, judged by the original in transformers"), seconds)
     speed = SpeedCheck(baseline=config.prune.load.model, model=str(served), engine=config.engine,
                        repeats=config.speed_repeats, prompt_len=config.prompt_len, new_tokens=config.new_tokens,
                        threads=config.threads, converter=config.converter, dtype=load.dtype, device=load.device)
@@ -81,24 +86,31 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
         say(f"verifying: no speed check: --offload {load.offload} reads each block from disk in transformers (time "
             "it in a serving engine: --engine llamacpp or vllm)")
         timed = {"skipped": f"--offload {load.offload} in transformers"}
+        seconds["speed"] = None
     else:
         timed = _kept(folder / "speed.json", lambda: run_in_child(speed, folder / "speed.log"),
                       lambda: say(f"verifying: the speed of {served.name} against {config.prune.load.model} in "
-                                  f"{config.engine}"))
+                                  f"{config.engine}"), seconds)
     files = {SHIPPED: served.relative_to(checkpoint).as_posix() if served != checkpoint else ".",
              "engine": config.engine, "gguf_type": config.gguf_type if config.gguf else None}
     return Verified(domains=domains, speed=timed, heldout=[portable(text) for _, text in texts], files=files,
-                    fidelity=fidelity)
+                    fidelity=fidelity, check_seconds=seconds)
 
 
-def _kept(path: Path, measure, announce) -> dict:
-    """The figures kept in ``path`` by an earlier run, else measured now (``announce``-d first) and kept."""
+def _kept(path: Path, measure, announce, seconds: dict) -> dict:
+    """The figures kept in ``path`` by an earlier run, else measured now (``announce``-d first) and kept.
+
+    ``seconds[path.stem]``: how long the measuring took, None where the figures were kept.
+    """
+    seconds[path.stem] = None
     if path.is_file():
         try:
             return json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError:  # a damaged check's figures are measured again
             path.unlink()
     announce()
+    began = time.perf_counter()
     figures = measure()
+    seconds[path.stem] = round(time.perf_counter() - began, 2)
     write_json_atomic(path, figures)
     return figures

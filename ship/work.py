@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 import time
 import types
 import typing
@@ -31,9 +32,15 @@ CALIBRATION, HELDOUT = "calibration.safetensors", "heldout.txt"
 
 @dataclass(kw_only=True)
 class StageResult:
-    """What one stage found, kept as ``OUT.work/<stage>.json``; ``seconds`` is the stage's wall time."""
+    """What one stage found, kept as ``OUT.work/<stage>.json``; ``seconds`` is the stage's wall time.
+
+    ``cuda_peak``: the most bytes torch held on any one GPU in this process during the stage (None: CUDA unused),
+    so a plan's peak can be held against the stage that reached it: since the stage started, or since a reset
+    inside it (the heal's training resets the statistics as it starts). A stage's child processes are not in it.
+    """
 
     seconds: float = 0.0
+    cuda_peak: int | None = None
 
     def to_json(self) -> dict:
         """The JSON-ready fields."""
@@ -138,9 +145,16 @@ class WorkFolder:
         kept = self.read(name, kind)
         if kept is not None:
             return kept
+        cuda = _cuda_in_use()
+        if cuda is not None:
+            for index in range(cuda.device_count()):
+                cuda.reset_peak_memory_stats(index)
         began = time.perf_counter()
         result = make()
         result.seconds = round(time.perf_counter() - began, 2)
+        cuda = cuda or _cuda_in_use()  # a stage that loaded the first model started CUDA itself
+        if cuda is not None:
+            result.cuda_peak = max(int(cuda.max_memory_allocated(index)) for index in range(cuda.device_count()))
         self.write(name, result)
         return result
 
@@ -156,6 +170,12 @@ class WorkFolder:
     def remove(self) -> None:
         """Delete the folder (``--overwrite``)."""
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _cuda_in_use():
+    """``torch.cuda`` where this process has started CUDA, else None (never imports torch, never starts CUDA)."""
+    torch = sys.modules.get("torch")
+    return torch.cuda if torch is not None and torch.cuda.is_initialized() else None
 
 
 def write_json_atomic(path: Path, data: dict) -> None:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -297,7 +298,7 @@ def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) ->
     request, result = log.with_suffix(".request.json"), log.with_suffix(".result.json")
     result.unlink(missing_ok=True)
     request.write_text(json.dumps({"kind": type(check).__name__, "fields": asdict(check)}), encoding="utf-8")
-    code = f"from eval.bench.checks import _child; _child({str(request)!r}, {str(result)!r})"
+    code = f"from eval.bench.checks import _child; _child({str(request)!r}, {str(result)!r}, {time.time()!r})"
     with log.open("w", encoding="utf-8") as handle:
         done = subprocess.run([sys.executable, "-c", code], stdout=handle, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0 or not result.is_file():
@@ -310,8 +311,15 @@ def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) ->
     return figures
 
 
-def _child(request: str, result: str) -> None:
-    """The child's body: the check of ``request`` run, its figures into ``result``; an error as its last line."""
+def _child(request: str, result: str, spawned: float | None = None) -> None:
+    """The child's body: the check of ``request`` run, its figures into ``result``; an error as its last line.
+
+    ``spawned``: when the parent started this process (``time.time()``); the log says how long the process took
+    to start and how long its check ran, which on a GPU are of a size.
+    """
+    began = time.time()
+    if spawned is not None:
+        print(f"layercut check: this process started in {began - spawned:.1f} s", flush=True)
     data = json.loads(Path(request).read_text(encoding="utf-8"))
     kind = {cls.__name__: cls for cls in (ServingCheck, SpeedCheck, FidelityCheck)}[data["kind"]]
     fields = {key: _tuples(value) for key, value in data["fields"].items()}  # JSON gave lists for the tuples
@@ -323,6 +331,7 @@ def _child(request: str, result: str) -> None:
             torch.set_num_threads(check.threads)
         figures = check.run()
         Path(result).write_text(json.dumps(figures, default=str), encoding="utf-8")
+        print(f"layercut check: {data['kind']} ran in {time.time() - began:.1f} s", flush=True)
     except LayercutError as err:
         print(f"error: {err}", flush=True)
         sys.exit(2)

@@ -72,3 +72,23 @@ def test_the_planner_costs_the_original_s_fidelity_side_until_a_run_keeps_it(tin
     assert check.original_kept() and [work.fidelity_kept for *_, work in costed] == [False, True]
     (shape, inp, first), (_, _, second) = costed
     assert 0 < real(shape, inp, second)["verify"] < real(shape, inp, first)["verify"]
+
+
+def test_each_check_s_seconds_are_kept_and_a_check_kept_by_an_earlier_run_has_none(tmp_path, monkeypatch):
+    import time
+
+    def slow(check, log):
+        time.sleep(0.05 if isinstance(check, SpeedCheck) else 0.01)
+        return {}
+
+    monkeypatch.setattr(verify_stage, "run_in_child", slow)
+    config = ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"))
+    checkpoint = tmp_path / "slim.work" / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    args = (config, checkpoint, None, [f"rows={tmp_path / 'heldout.txt'}"], tmp_path / "verify")
+    seconds = verify_stage.verify(*args, say=lambda _: None).check_seconds
+    assert list(seconds) == ["serving", "fidelity", "speed"] and seconds["speed"] >= 0.05
+    assert 0.01 <= seconds["serving"] < seconds["speed"]
+    (tmp_path / "verify" / "speed.json").unlink()  # the other two kept: measured again, the speed alone
+    again = verify_stage.verify(*args, say=lambda _: None).check_seconds
+    assert again["serving"] is None and again["fidelity"] is None and again["speed"] >= 0.05

@@ -60,3 +60,34 @@ def test_the_settings_are_matched_and_marked_only_when_asked(tmp_path):
     assert work.open({"model": "m"}) is True
     with pytest.raises(LayercutError, match="holds a run with other settings"):
         work.open({"model": "other"})
+
+
+def test_a_stage_keeps_the_most_bytes_any_gpu_held_during_it_and_none_without_cuda(tmp_path, monkeypatch):
+    import ship.work as work_module
+
+    class FakeCuda:  # two GPUs; each stage starts from a reset, as torch's peak statistics do
+        def __init__(self):
+            self.peaks = [0, 0]
+
+        def device_count(self):
+            return 2
+
+        def reset_peak_memory_stats(self, index):
+            self.peaks[index] = 0
+
+        def max_memory_allocated(self, index):
+            return self.peaks[index]
+
+    work = WorkFolder(tmp_path)
+    monkeypatch.setattr(work_module, "_cuda_in_use", lambda: None)  # no CUDA started (as in CI; not on a GPU)
+    assert work.stage(PLAN, Plan, lambda: Plan(num_blocks=4)).cuda_peak is None
+    cuda = FakeCuda()
+    cuda.peaks = [7, 9]  # an earlier stage's
+    monkeypatch.setattr(work_module, "_cuda_in_use", lambda: cuda)
+
+    def stage():
+        cuda.peaks[1] += 5  # what this stage itself held on the second GPU
+        return Shortlist(**shortlist())
+
+    assert work.stage(SHORTLIST, Shortlist, stage).cuda_peak == 5
+    assert work.read(SHORTLIST, Shortlist).cuda_peak == 5  # kept with the result
