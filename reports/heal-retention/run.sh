@@ -28,3 +28,13 @@ results["tasks"] = {"names": tasks["names"], "limit": tasks["limit"],
                     **task_summary(results["points"], results["original"], tasks["names"])}
 report_results(out, "heal_curve", results, heal_curve_markdown(results), plot_heal_curve)
 PY
+# 4. (2026-12-04, evening) the same build healed 400 steps with WikiText-2 beside the calibration, the same scoring;
+#    then its paired gaps to the points of step 2 above
+uptime
+python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/newcomer/slim8.work/checkpoint \
+  --calibration /tmp/newcomer/slim8.work/calibration.safetensors --steps 400 \
+  --heal-data $D/wikitext-2-train-prefix/wikitext2_train_first1MB.txt --heal-samples 256 \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D --threads 2 --out reports/heal-retention/drop8-wikitext
+uptime
+PYTHONPATH=. python reports/heal-retention/compare_wikitext.py > reports/heal-retention/drop8-wikitext/compared.txt
