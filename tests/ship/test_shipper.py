@@ -391,3 +391,26 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def test_the_scoring_pass_and_the_surgered_model_are_freed_once_built(tmp_path, tiny_folder, text_file, one_thread):
+    """Nothing after the build reads the scoring pass's statistics or the shortlist's fits: on a GPU they would sit
+    beside the heal's two models. Freed means no reference is left, not only the attribute cleared."""
+    import weakref
+
+    from ship.cli import build_parser, config_from_args
+    from ship.shipper import Shipper
+    from ship.shortlist import Shortlist
+    from ship.work import SHORTLIST
+
+    args = build_parser().parse_args([str(a) for a in base_args(tiny_folder, text_file)]
+                                     + ["--no-verify", "--out", str(tmp_path / "slim")])
+    shipper = Shipper(config_from_args(args), say=lambda _: None)
+    plan = shipper.plan()
+    shortlist = shipper.work.stage(SHORTLIST, Shortlist, lambda: shipper.shortlist(plan))
+    scored, model = weakref.ref(shipper.scored), weakref.ref(shipper.loaded.model)
+    tokens = shipper.scored.calibration.token_ids.clone()
+    shipper.build(shortlist)
+    assert shipper.scored is None and shipper.loaded is None
+    assert scored() is None and model() is None
+    assert torch.equal(shipper._calibration(), tokens)  # the heal's rows, read back from OUT.work/
