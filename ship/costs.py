@@ -71,10 +71,9 @@ WRITE_BYTES_PER_S = 3.88e8  # safetensors written through a staging folder
 PROCESS_SECONDS = 4.12  # a fresh Python importing torch and transformers, and loading a model
 # On a GPU (one H200, 2026-12-04, bfloat16: reports/gpu-ship/h200-2026-12-04) the stages of a model this small cost
 # what is not arithmetic. A verify check's fixed cost: its process (3.4-4.1 s to start there: the evening's run,
-# h200-2026-12-04b), CUDA's context, both
-# models read and warmed up, and the speed check's fresh process per model for its memory figure. SmolLM2-135M's
-# verify took 96.3 s and the Llama-3.2-1B shape's 92.5 s, about 12 and 10 s of it in their block calls, for three
-# checks each; a model's bytes are read on top of it at the disk's rate.
+# h200-2026-12-04b), CUDA's context, both models read and warmed up, and the speed check's fresh process per model
+# for its memory figure. SmolLM2-135M's verify took 96.3 s and the Llama-3.2-1B shape's 92.5 s, about 12 and 10 s
+# of it in their block calls, for three checks each; a model's bytes are read on top of it at the disk's rate.
 GPU_PROCESS_SECONDS = 27.0
 # The shortlist's own: the calibration drawn and tokenized, the model read to the GPU and warmed (5.3 s for one
 # candidate on Gemma-3-270M's shape), then about 0.4 s a candidate (SmolLM2-135M's 20 in 12.8 s)
