@@ -41,6 +41,7 @@ class Plan(StageResult):
     planned_seconds: float | None = None
     planned_peak: dict | None = None
     planned_heal_seconds: float | None = None
+    planned_heal_peak: dict | None = None  # each device's bytes in the heal (planned_heal_peak); in planned_peak too
     planned_stages: dict | None = None  # the planner's seconds per stage (ship.costs)
 
     def planned_total(self, *, heal: bool = True) -> float | None:
@@ -101,6 +102,15 @@ def make_plan(config: ShipConfig) -> Plan:
         plan.planned_seconds = planned.seconds
         plan.planned_peak = planned.to_dict()["peak"]
         plan.planned_heal_seconds = planned_heal(config, sized)
+        plan.planned_heal_peak = planned_heal_peak(config, sized)
+        if plan.planned_heal_peak:  # the run's peak is the heal's where that holds more
+            plan.planned_peak = {device: max(plan.planned_peak.get(device, 0.0), need)
+                                 for device, need in {**plan.planned_peak, **plan.planned_heal_peak}.items()}
+            for device, need in plan.planned_heal_peak.items():
+                if need > planned.limits.get(device, float("inf")):
+                    logger.warning("the heal is planned at %.1f GB on %s, which has %.1f GB: it may not fit (pass "
+                                   "--no-heal to ship the checkpoint as built)", need / 1e9, device,
+                                   planned.limits[device] / 1e9)
         kept = count is not None and _fidelity_kept(config)
         if count is not None:
             plan.planned_stages = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
@@ -218,26 +228,55 @@ def _stage_words(stages: dict) -> str:
     return ", ".join(f"{stage} {duration_words(seconds)}" for stage, seconds in stages.items() if seconds >= 1)
 
 
-def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
-    """The planner's seconds for ``--heal-steps`` steps of the healing (None: no healing, or no plan).
+def _heal_plan(config: ShipConfig, prune: PruneConfig, keeps_original: bool = False):
+    """The planner's run of ``--heal-steps`` steps of the healing (None: no healing, or no plan).
 
-    Its sequences are those the heal trains on (:func:`ship.config.heal_sequences`); with the teacher's cache,
-    writing it counts too (once, before any process starts). On ``--processes N`` the training's arithmetic is
-    the same, spread (:func:`spread_training`).
+    Its sequences are those the heal trains on (:func:`ship.config.heal_sequences`); no held-out rows: the
+    heal's KL before and after is measured by ship, not by distillation.
     """
     from prune.planner.estimate import hardware_for, plan_config
 
-    if config.no_heal:
+    if config.no_heal or not config.heal_steps:
         return None
     # --heal-data's sequences train too (the teacher's cache writes them)
     train = heal_sequences(prune.data.samples, prune.data.seq_len, config.heal_samples if config.heal_data else 0)
-    # no held-out rows: the heal's KL before and after is measured by ship, not by distillation
     options = {**HEAL_OPTIONS, "steps": config.heal_steps,
                "data": {"samples": train, "heldout_samples": 0, "seq_len": HEAL_SEQ_LEN}}
     try:
-        planned = plan_config(dataclasses.replace(prune, distill=options), hardware_for(prune.load.device))
+        return plan_config(dataclasses.replace(prune, distill=options), hardware_for(prune.load.device),
+                           keeps_original=keeps_original)
     except Exception as err:  # noqa: BLE001 - the heal is then fitted to the time by its steps alone
         logger.info("no plan for the healing (%s)", err)
+        return None
+
+
+def planned_heal_peak(config: ShipConfig, prune: PruneConfig) -> dict[str, float] | None:
+    """Each device's bytes while the heal trains (None: no healing, or no plan).
+
+    As ship's heal holds them: the checkpoint with LoRA, its optimizer, a batch's activations and logits, and the
+    original beside it, which measures the KL after training even where the teacher's cache stands in for it; not
+    the scoring pass's statistics, which the build released (``Shipper.build``).
+    """
+    planned = _heal_plan(config, prune, keeps_original=True)
+    stage = next((s for s in planned.stages if s.name == "distillation"), None) if planned is not None else None
+    if stage is None:
+        return None
+    released = ("moments (float64)", "fit sums (float64)")
+    return {device: sum(value for part, value in parts.items() if part not in released
+                        and not (part == "original (kept)" and "teacher" in parts))  # a teacher is the original
+            for device, parts in stage.devices.items()}
+
+
+def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
+    """The planner's seconds for ``--heal-steps`` steps of the healing (None: no healing, or no plan).
+
+    With the teacher's cache, writing it counts too (once, before any process starts). On ``--processes N`` the
+    training's arithmetic is the same, spread (:func:`spread_training`).
+    """
+    from prune.planner.estimate import hardware_for
+
+    planned = _heal_plan(config, prune)
+    if planned is None:
         return None
     stages = {s.name: s.seconds for s in planned.stages if s.name in ("teacher cache", "distillation")}
     if not stages:

@@ -40,3 +40,27 @@ def test_heal_data_is_planned_as_more_rows_for_the_teachers_cache(tiny_folder, t
 
     alone, more = planned(), planned(heal_data="builtin", heal_samples=256)
     assert alone > 0 and more > alone  # the same steps; the teacher's cache writes 256 more rows
+
+
+def test_the_heal_is_planned_holding_the_original_beside_the_checkpoint_and_no_scoring_statistics(tiny_folder,
+                                                                                                  tmp_path):
+    """Ship's heal keeps the original (it measures the KL after training) though the teacher's cache stands in for
+    it during training, and the build has released the scoring pass: the plan's peak counts the one, not the other."""
+    from prune.pipeline.config import PruneConfig
+    from ship.plan import _heal_plan, make_plan, planned_heal_peak
+
+    prune = PruneConfig(load={"model": str(tiny_folder)}, data={"samples": 16, "seq_len": 32}, drop=2)
+
+    def config(**changes):
+        return ShipConfig(prune=prune, out=str(tmp_path / "o"), engine="transformers", **changes)
+
+    assert planned_heal_peak(config(heal_steps=0), prune) is None
+    peak = planned_heal_peak(config(heal_steps=50), prune)
+    training = next(s for s in _heal_plan(config(heal_steps=50), prune).stages if s.name == "distillation")
+    original = next(s for s in _heal_plan(config(heal_steps=50), prune).stages if s.name == "load").devices["cpu"]
+    parts = training.devices["cpu"]
+    assert "teacher" not in parts and "moments (float64)" in parts  # prune.run's plan: cached teacher, live moments
+    assert peak["cpu"] == sum(parts.values()) - parts["moments (float64)"] + original["weights"]
+    plan = make_plan(config(heal_steps=50))
+    assert plan.planned_heal_peak == peak and plan.planned_peak["cpu"] >= peak["cpu"]
+    assert make_plan(config(heal_steps=0)).planned_heal_peak is None
