@@ -37,4 +37,28 @@ python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/newcomer/
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D --threads 2 --out reports/heal-retention/drop8-wikitext
 uptime
-PYTHONPATH=. python reports/heal-retention/compare_wikitext.py > reports/heal-retention/drop8-wikitext/compared.txt
+python - > reports/heal-retention/drop8-wikitext/compared.txt <<'PY'
+# the 400-step heal with WikiText-2 beside the calibration, paired row by row with the curve of drop8/
+import json
+
+from eval.compare.stats import gap_stderr, retention_tasks, task_figures
+
+WIKI = "+ WikiText-2 train, 400 steps"
+old = json.load(open("reports/heal-retention/drop8/heal_curve.json"))
+new = json.load(open("reports/heal-retention/drop8-wikitext/heal_curve.json"))
+names = old["tasks"]["names"]
+# the same rows of the same tasks: the original's answers must be the same, row by row, or nothing pairs
+assert old["original"]["task_rows"] == new["original"]["task_rows"], "the original's rows differ"
+counted, _ = retention_tasks(old["original"], names)
+points = {f"calibration, {point['steps']} steps": point for point in old["points"]}
+points[WIKI] = new["points"][0]
+figures = {name: task_figures(point, names, counted, old["original"]) for name, point in points.items()}
+for other in ("calibration, 0 steps", "calibration, 400 steps"):
+    gap = figures[WIKI]["retention"] - figures[other]["retention"]
+    stderr = gap_stderr(points[WIKI], points[other], figures[WIKI], figures[other], "retention", counted,
+                        old["original"])
+    print(f"WikiText 400 vs {other}: {100 * gap:+.1f} ± {100 * stderr:.1f} points")
+for name, point in points.items():
+    print(name, "retention", round(100 * figures[name]["retention"], 1), "minutes", point["minutes"], "geo",
+          round(point["heldout_ppl"], 3), point["kl"])
+PY
