@@ -100,12 +100,15 @@ def heal_student(checkpoint: str | Path, dtype: str, device: str) -> tuple[Loade
 
 
 def heal_training(student: LoadedModel, original: LoadedModel, rows: HealRows, steps: int, step_config, *,
-                  resume: bool = False, processes: int = 1, folder: str | Path | None = None) -> StepResult:
+                  resume: bool = False, processes: int = 1, folder: str | Path | None = None,
+                  train: dict | None = None) -> StepResult:
     """Distil ``student`` in place towards ``original`` for ``steps`` steps of the heal (:data:`HEAL_OPTIONS`).
 
     ``step_config``: the run's ``PruneConfig`` with ``out`` set; its data seed seeds the training and
     ``<out>.work/`` holds the teacher cache and the checkpoints (one every tenth of the steps, at least
     ``HEAL_MIN_SAVE_EVERY`` apart). ``resume``, ``processes`` and ``folder``: :class:`distill.step.DistillStep`'s.
+    ``train``: distillation options in place of the heal's own (``{"train": "all"}``, ``{"lora_r": 32}``): what
+    ``eval.bench heal-curve --train`` compares on the selection split.
 
     Distillation scores no held-out rows of its own: both callers measure ``rows.measure`` whole against the
     original before and after, and its loss before and after on those rows cut short (with 32 of the same rows
@@ -113,7 +116,7 @@ def heal_training(student: LoadedModel, original: LoadedModel, rows: HealRows, s
     (SmolLM2-135M drop 4, 100 steps, profiled, 2026-12-04), for figures no caller read.
     """
     save_every = max(steps // HEAL_CHECKPOINTS, HEAL_MIN_SAVE_EVERY)
-    options = {**HEAL_OPTIONS, "steps": steps, "seed": step_config.data.seed, "save_every": save_every}
+    options = {**HEAL_OPTIONS, **(train or {}), "steps": steps, "seed": step_config.data.seed, "save_every": save_every}
     step = DistillStep(options, step_config)
     return step(student, step_config, token_ids=rows.train, heldout_ids=None, teacher=original, resume=resume,
                 processes=processes, folder=folder)

@@ -99,6 +99,7 @@ class ShipWork:
         original_kept: the original's serving rows and its engine file are kept from an earlier run.
         fidelity_kept: the original's side of the generation fidelity check is kept from an earlier run.
         verify: the engine checks run (``--no-verify``: not).
+        speed: the speed check runs (not for a skeleton in transformers, which reads each block from disk).
     """
 
     drop: int
@@ -118,6 +119,7 @@ class ShipWork:
     new_tokens: int = 64
     heal_seconds: float = 0.0
     verify: bool = True
+    speed: bool = True
 
 
 def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str, float]:
@@ -157,17 +159,21 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     export = (1 + QUANTIZE_SHARE * work.quantized) * checkpoint / (CONVERT_BYTES_PER_S * cpu) if work.gguf else 0.0
     held = work.texts * work.heldout_tokens
     models = (0 if work.original_kept else 1) + 1
-    verify = (passes(held * (0 if work.original_kept else 1), layers, SERVING_SHARE, head=True)
-              + passes(held, kept, SERVING_SHARE, head=True)
-              + (passes(held, kept, ENGINE_SHARE, head=True) if work.gguf else 0.0)
-              + _speed_seconds(shape, inp, work)
-              + (_fidelity_seconds(shape, inp, work) if inp.offload == "none" else 0.0)
-              + (0.0 if work.original_kept or not work.gguf else weight_bytes(shape, inp, layers) / (
-                  CONVERT_BYTES_PER_S * cpu))
-              + (models + 2) * PROCESS_SECONDS / cpu) if work.verify else 0.0
+    if not work.verify:
+        verify = 0.0
+    elif inp.on_gpu:  # launches and processes, not arithmetic
+        verify = _gpu_verify_seconds(shape, inp, work)
+    else:
+        verify = (passes(held * (0 if work.original_kept else 1), layers, SERVING_SHARE, head=True)
+                  + passes(held, kept, SERVING_SHARE, head=True)
+                  + (passes(held, kept, ENGINE_SHARE, head=True) if work.gguf else 0.0)
+                  + _speed_seconds(shape, inp, work)
+                  + (_fidelity_seconds(shape, inp, work) if inp.offload == "none" else 0.0)
+                  + (0.0 if work.original_kept or not work.gguf else weight_bytes(shape, inp, layers) / (
+                      CONVERT_BYTES_PER_S * cpu))
+                  + (models + 1 + work.speed) * PROCESS_SECONDS / cpu)
     if inp.on_gpu:
         shortlist += GPU_SHORTLIST_SECONDS + work.sets * (len(work.repairs) + 1) * GPU_CANDIDATE_SECONDS
-        verify = _gpu_verify_seconds(shape, inp, work) if work.verify else 0.0
     return {"shortlist": sampling + shortlist, "build": build, "heal": work.heal_seconds,
             "export": export, "verify": verify}
 
@@ -184,7 +190,7 @@ def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> fl
 
     layers, kept = shape.layers, shape.layers - work.drop
     both = weight_bytes(shape, inp, layers) + weight_bytes(shape, inp, kept)
-    checks = 2 + (inp.offload == "none")  # serving and speed; fidelity only in memory
+    checks = 1 + (inp.offload == "none") + work.speed  # serving; fidelity only in memory; speed where it runs
 
     def calls(count: float, blocks: int) -> float:
         return count * blocks * GPU_BLOCK_CALL_SECONDS
@@ -197,7 +203,8 @@ def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> fl
     steps = math.ceil(options.prompts / options.batch_size) * (options.new_tokens + 1)
     fidelity = (calls(steps, kept) + (0 if work.fidelity_kept else calls(steps, layers)) + calls(1, layers)
                 if inp.offload == "none" else 0.0)
-    speed = sum((work.speed_rounds + 1) * calls(work.new_tokens + 1, blocks) for blocks in (layers, kept))
+    speed = sum((work.speed_rounds + 1) * calls(work.new_tokens + 1, blocks) for blocks in (layers, kept)
+                if work.speed)
     return checks * (GPU_PROCESS_SECONDS + both / DISK_BYTES_PER_S) + serving + fidelity + speed
 
 
@@ -230,9 +237,11 @@ def _speed_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
     """The speed check: a warm-up and the timed rounds of the original and the checkpoint.
 
     A round is a prefill of ``prompt_len`` tokens and ``new_tokens`` single-token decode steps, each step reading
-    every weight.
+    every weight. Nothing where it does not run (``work.speed``).
     """
     total = 0.0
+    if not work.speed:
+        return total
     for blocks in (shape.layers, shape.layers - work.drop):
         prefill = work.prompt_len * _flops(shape, blocks, True) / (_rate(inp) * ENGINE_SHARE)
         decode = work.new_tokens * weight_bytes(shape, inp, blocks) / (SAMPLE_BYTES_PER_S * machine_speed() * 8 / 2)

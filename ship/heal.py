@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.checkpoints import default_work_folder, list_checkpoints
+from distill.config import DistillConfig
 from distill.heal import HealRows, heal_student, heal_training
 from prune.atomic import atomic_directory
 from prune.checkpoint.report import REPORT_FILE
@@ -59,8 +60,8 @@ class Healing(StageResult):
         if not self.steps:
             return f"Not healed: {self.why}."
         said = (f"Healed: {self.steps} steps of distillation towards the original ({self.why}; KL of the "
-                f"next-token distributions, from the original's top-{_cache_k()} logits written once, LoRA on every "
-                "Linear of the kept blocks, merged, so the checkpoint stays plain), on "
+                f"next-token distributions, from the original's top-{_cache_k()} logits written once, {_trained()}, "
+                "so the checkpoint stays plain), on "
                 f"{self.tokens or 0:,} tokens of the calibration" + (f" and `--heal-data {self.data}`" if self.data
                                                                        else "") + f"{_over(self.processes)}. "
                 "On the calibration rows it did not train "
@@ -71,6 +72,13 @@ class Healing(StageResult):
 
 def _over(processes: int) -> str:
     return f", over {processes} processes" if processes > 1 else ""
+
+
+def _trained() -> str:
+    """What the heal trains, in the card's words (``HEAL_OPTIONS``)."""
+    if HEAL_OPTIONS["train"] != "lora":
+        return "every weight of the kept blocks"
+    return f"LoRA of rank {HEAL_OPTIONS.get('lora_r', DistillConfig.lora_r)} on every Linear of the kept blocks, merged"
 
 
 def _cache_k() -> str:

@@ -8,7 +8,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.speed.engines import ENGINES, display_name
+from eval.speed.engines import ENGINES, REFERENCE, display_name
 from prune.errors import LayercutError
 from prune.model.adapters import get_blocks
 from prune.pipeline.config import PruneConfig
@@ -101,8 +101,9 @@ def make_plan(config: ShipConfig) -> Plan:
         check_plan(planned)
         plan.planned_seconds = planned.seconds
         plan.planned_peak = planned.to_dict()["peak"]
-        plan.planned_heal_seconds = planned_heal(config, sized)
-        plan.planned_heal_peak = planned_heal_peak(config, sized)
+        healing = _heal_plan(config, sized, keeps_original=True)  # one plan: the original kept adds memory only
+        plan.planned_heal_seconds = _heal_seconds(healing, config, sized)
+        plan.planned_heal_peak = _heal_peak(healing)
         if plan.planned_heal_peak:  # the run's peak is the heal's where that holds more
             plan.planned_peak = {device: max(plan.planned_peak.get(device, 0.0), need)
                                  for device, need in {**plan.planned_peak, **plan.planned_heal_peak}.items()}
@@ -176,7 +177,9 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
                     texts=max(len(config.heldout), 1), gguf=config.gguf, original_kept=original_kept,
                     quantized=config.gguf and config.gguf_type in QUANTIZER_TYPES, speed_rounds=config.speed_repeats,
                     prompt_len=config.prompt_len, new_tokens=config.new_tokens,
-                    heal_seconds=(heal_seconds or 0.0) if config.heal_steps else 0.0, verify=config.verify)
+                    heal_seconds=(heal_seconds or 0.0) if config.heal_steps else 0.0, verify=config.verify,
+                    # as ship.verify: a skeleton in transformers reads each block from disk, its speed unmeasured
+                    speed=not (config.prune.load.offload != "none" and config.engine == REFERENCE))
 
 
 def replanned_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int]],
@@ -257,7 +260,10 @@ def planned_heal_peak(config: ShipConfig, prune: PruneConfig) -> dict[str, float
     original beside it, which measures the KL after training even where the teacher's cache stands in for it; not
     the scoring pass's statistics, which the build released (``Shipper.build``).
     """
-    planned = _heal_plan(config, prune, keeps_original=True)
+    return _heal_peak(_heal_plan(config, prune, keeps_original=True))
+
+
+def _heal_peak(planned) -> dict[str, float] | None:
     stage = next((s for s in planned.stages if s.name == "distillation"), None) if planned is not None else None
     if stage is None:
         return None
@@ -273,9 +279,12 @@ def planned_heal(config: ShipConfig, prune: PruneConfig) -> float | None:
     With the teacher's cache, writing it counts too (once, before any process starts). On ``--processes N`` the
     training's arithmetic is the same, spread (:func:`spread_training`).
     """
+    return _heal_seconds(_heal_plan(config, prune), config, prune)
+
+
+def _heal_seconds(planned, config: ShipConfig, prune: PruneConfig) -> float | None:
     from prune.planner.estimate import hardware_for
 
-    planned = _heal_plan(config, prune)
     if planned is None:
         return None
     stages = {s.name: s.seconds for s in planned.stages if s.name in ("teacher cache", "distillation")}

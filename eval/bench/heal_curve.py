@@ -13,7 +13,8 @@ with its paired gap to the checkpoint as built: what the minutes buy on the task
 
 The calibration rows are a ship run's own (``--calibration OUT.work/calibration.safetensors``, key ``token_ids``),
 else drawn as ``prune.ship`` draws them (``--data --samples --seq-len --seed``); ``--seed`` seeds the heal as
-ship's does.
+ship's does. ``--train``, ``--lora-r`` and ``--lora-alpha`` heal otherwise than ship (every block weight, or
+another LoRA rank): what chooses ship's own on the selection split.
 
     python -m eval.bench heal-curve --model smollm2-135m --checkpoint slim.work/checkpoint \
         --calibration slim.work/calibration.safetensors --steps 0,50,100,200 --heldout plays=plays.txt --out curve/ \
@@ -33,6 +34,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from distill.config import DistillConfig
 from distill.heal import HEAL_OPTIONS, HealRows, heal_data_config, heal_student, heal_training
 from eval.bench.output import finish_figure, pyplot, report_results, steps_line
 from eval.bench.registry import bench_option, data_option, load_option, register_subcommand, threads_option
@@ -166,13 +168,14 @@ def task_summary(points: list[dict], original: dict, names: Sequence[str]) -> di
 
 def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tensor, heldout: Heldout,
                steps: Sequence[int], prune: PruneConfig, more: torch.Tensor | None = None,
-               tasks: CurveTasks | None = None) -> dict:
+               tasks: CurveTasks | None = None, train: dict | None = None) -> dict:
     """The curve's rows, one per step count, and the original's perplexities (see the module's docstring).
 
     ``prune``: how the checkpoint loads (``load``'s dtype and device), the heal's seed (``data.seed``) and the
     sequences per forward pass of the measuring (``batch_size``), as a ship run's; ``more``: rows of other text
     trained on too (``prune.ship --heal-data``); ``tasks``: lm-eval tasks scored at every point and once for the
-    original, each row's figures and gap to step 0 as :func:`task_summary` gives them.
+    original, each row's figures and gap to step 0 as :func:`task_summary` gives them; ``train``: distillation
+    options in place of the heal's own (:func:`distill.heal.heal_training`).
     """
     rows = HealRows.of(calibration, more)
     dense = {name: heldout.perplexity(original.model, name) for name in heldout.names()}
@@ -187,7 +190,7 @@ def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tenso
             if count:
                 started = time.perf_counter()
                 done = heal_training(student, original, rows, count,
-                                     dataclasses.replace(prune, out=str(Path(work) / f"steps-{count}")))
+                                     dataclasses.replace(prune, out=str(Path(work) / f"steps-{count}")), train=train)
                 seconds, report = time.perf_counter() - started, done.report
                 for folder in done.cleanup:  # its teacher cache and checkpoints: the next run writes its own
                     shutil.rmtree(folder, ignore_errors=True)
@@ -195,7 +198,7 @@ def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tenso
                                  before, tasks))
             del student
     return {"model": original.name, "checkpoint": str(checkpoint),
-            "heal": {**HEAL_OPTIONS, "seed": prune.data.seed, "seq_len": int(rows.train.shape[1]),
+            "heal": {**HEAL_OPTIONS, **(train or {}), "seed": prune.data.seed, "seq_len": int(rows.train.shape[1]),
                      "train_rows": int(rows.train.shape[0]), "measure_rows": int(rows.measure.shape[0]),
                      "measure_tokens": int(rows.measure.numel())},
             "kl_before": before["kl"] if before else None,  # None: no step count given
@@ -307,6 +310,11 @@ def plot_heal_curve(results: dict, path) -> Path:
 # ---- eval.bench heal-curve ----
 
 
+def _heal_default(name: str):
+    """The heal's own value of a distillation option (:data:`HEAL_OPTIONS`, else distillation's default)."""
+    return HEAL_OPTIONS.get(name, getattr(DistillConfig, name))
+
+
 @dataclass(frozen=True)
 class HealCurveBenchOptions:
     """The options of ``eval.bench heal-curve``: its flags, in ``--help``'s order.
@@ -317,6 +325,7 @@ class HealCurveBenchOptions:
         calibration: a ship run's ``calibration.safetensors`` (None: rows drawn from ``data``).
         data: the calibration text drawn when ``calibration`` is None; its seed seeds the heal either way.
         heal_data: more text the heal trains on (``prune.ship --heal-data``), ``heal_samples`` sequences of it.
+        train, lora_r, lora_alpha: what the heal trains, in place of ship's (None: ship's, :data:`HEAL_OPTIONS`).
         steps: comma list of step counts (0: the checkpoint as built).
         heldout: ``LABEL=TEXT`` held-out texts, repeatable.
         heldout_tokens: tokens of each text scored.
@@ -342,6 +351,13 @@ class HealCurveBenchOptions:
                                                "prune.ship --heal-data (default: none)", metavar="DATA")
     heal_samples: int = bench_option(64, "sequences drawn from --heal-data, of the calibration's length (default: 64)",
                                      type=int)
+    train: str | None = bench_option(None, f"what the heal trains: lora (adapters on every Linear of the blocks, "
+                                           f"merged) or all (every block weight) (default: {HEAL_OPTIONS['train']}, "
+                                           "as prune.ship)", choices=("lora", "all"))
+    lora_r: int | None = bench_option(None, f"LoRA's rank (default: {_heal_default('lora_r')}, as prune.ship)",
+                                      type=int)
+    lora_alpha: float | None = bench_option(None, "LoRA's scale numerator: adapters scaled by alpha / rank (default: "
+                                                  f"{_heal_default('lora_alpha'):g}, as prune.ship)", type=float)
     steps: str = bench_option(",".join(map(str, DEFAULT_STEPS)),
                               "heal step counts, each run from the built checkpoint; 0: as built (default: "
                               f"{','.join(map(str, DEFAULT_STEPS))})")
@@ -386,10 +402,23 @@ def _curve_tasks(command: HealCurveBenchOptions) -> CurveTasks | None:
     return CurveTasks((*local, *registry), command.limit, command.data_dir)
 
 
+def heal_train(command: HealCurveBenchOptions) -> dict:
+    """``--train``, ``--lora-r`` and ``--lora-alpha`` as the options they change, checked before any model loads."""
+    train = {key: value for key, value in (("train", command.train), ("lora_r", command.lora_r),
+                                           ("lora_alpha", command.lora_alpha)) if value is not None}
+    if {"lora_r", "lora_alpha"} & set(train) and train.get("train", HEAL_OPTIONS["train"]) != "lora":
+        raise LayercutError("--lora-r and --lora-alpha shape LoRA's adapters: drop them with --train all")
+    if command.lora_alpha is not None and not command.lora_alpha > 0:
+        raise LayercutError(f"--lora-alpha must be positive, got {command.lora_alpha}")
+    DistillConfig.from_dict({**HEAL_OPTIONS, **train})  # a rank below 1: its own one line
+    return train
+
+
 def run_heal_curve(command: HealCurveBenchOptions) -> int:
     """Run the benchmark of ``command``, print its table and write it under ``--out``."""
     apply_threads(command)
     steps = parse_steps(command.steps)
+    train = heal_train(command)
     checkpoint = check_checkpoint(command.checkpoint)
     calibration = read_calibration(command.calibration) if command.calibration is not None else None
     domains = _heldout_domains(command)
@@ -408,7 +437,7 @@ def run_heal_curve(command: HealCurveBenchOptions) -> int:
         drawn = heal_data_config(command.heal_data, command.heal_samples, prune.data, int(calibration.shape[1]))
         more = calibration_data(original.tokenizer, drawn, model=original.model).token_ids
     heldout = Heldout(domains, None, original.tokenizer, command.window, command.batch_size, command.heldout_tokens)
-    results = {**heal_curve(original, checkpoint, calibration, heldout, steps, prune, more, tasks),
+    results = {**heal_curve(original, checkpoint, calibration, heldout, steps, prune, more, tasks, train),
                "calibration": {"source": source, "rows": list(calibration.shape)},
                "heal_data": None if more is None else {"source": command.heal_data, "rows": list(more.shape)}}
     report_results(command.out, "heal_curve", results, heal_curve_markdown(results), plot_heal_curve)

@@ -83,3 +83,42 @@ def test_a_gpu_runs_the_arithmetic_faster_and_pays_for_its_launches_processes_an
     # a skeleton decodes nothing for fidelity: one check fewer
     offloaded = seconds(shape, work, hardware=one_gpu, offload="sequential")
     assert gpu["verify"] - offloaded["verify"] > GPU_PROCESS_SECONDS
+
+
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_a_speed_check_that_does_not_run_is_not_costed(shape, gpus):
+    from ship.costs import GPU_PROCESS_SECONDS, PROCESS_SECONDS, _speed_seconds
+
+    work = ShipWork(drop=2, repairs=(512,))
+    inputs = {"offload": "sequential", **({"hardware": Hardware(gpus=1, gpu_memory=80e9)} if gpus else {})}
+    timed, untimed = seconds(shape, work, **inputs), seconds(shape, dataclasses.replace(work, speed=False), **inputs)
+    assert {s: untimed[s] for s in STAGES if s != "verify"} == {s: timed[s] for s in STAGES if s != "verify"}
+    skipped = timed["verify"] - untimed["verify"]
+    if gpus:  # its process, which reads both models, and its rounds' block calls
+        from prune.planner.memory import weight_bytes
+        from prune.planner.stages import DISK_BYTES_PER_S, GPU_BLOCK_CALL_SECONDS
+
+        inp = PlanInput(model="tiny", samples=32, seq_len=512, **inputs)
+        both = weight_bytes(shape, inp, shape.layers) + weight_bytes(shape, inp, shape.layers - work.drop)
+        calls = (work.speed_rounds + 1) * (work.new_tokens + 1) * (2 * shape.layers - work.drop)
+        assert skipped == pytest.approx(GPU_PROCESS_SECONDS + both / DISK_BYTES_PER_S + calls * GPU_BLOCK_CALL_SECONDS)
+    else:  # its process and both models' rounds
+        from prune.planner.machine import machine_speed
+
+        rounds = _speed_seconds(shape, PlanInput(model="tiny", samples=32, seq_len=512), work)
+        assert rounds > 0 and skipped == pytest.approx(rounds + PROCESS_SECONDS / machine_speed())
+
+
+@pytest.mark.parametrize(("offload", "engine", "speed"), [("none", "transformers", True),
+                                                           ("sequential", "transformers", False),
+                                                           ("sequential", "llamacpp", True)])
+def test_ship_work_costs_the_speed_check_where_verify_runs_it(offload, engine, speed, monkeypatch):
+    from prune.pipeline.config import PruneConfig
+    from ship.config import ShipConfig
+    from ship.plan import ship_work
+
+    monkeypatch.setattr("prune.checkpoint.gguf.find_converter", lambda *_: None, raising=False)
+    config = ShipConfig(prune=PruneConfig(load={"model": "tiny", "offload": offload}, data={"data": "builtin"},
+                                          drop=2), out="slim",
+                        engine=engine, heal_steps=0)
+    assert ship_work(config, None, 2, None).speed is speed

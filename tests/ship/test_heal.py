@@ -63,4 +63,21 @@ def test_the_heal_is_planned_holding_the_original_beside_the_checkpoint_and_no_s
     assert peak["cpu"] == sum(parts.values()) - parts["moments (float64)"] + original["weights"]
     plan = make_plan(config(heal_steps=50))
     assert plan.planned_heal_peak == peak and plan.planned_peak["cpu"] >= peak["cpu"]
+    # one plan of the heal gives both: keeping the original adds memory, not seconds
+    from ship.plan import planned_heal
+
+    assert plan.planned_heal_seconds == planned_heal(config(heal_steps=50), prune) > 0
     assert make_plan(config(heal_steps=0)).planned_heal_peak is None
+
+
+def test_the_card_says_what_the_heal_trained(monkeypatch):
+    from ship.heal import HEAL_OPTIONS, Healing
+
+    healed = Healing(steps=50, why="--heal-steps 50", kept=True, kl_before=0.5, kl_after=0.4, ppl_before=30.0,
+                     ppl_after=28.0, tokens=25_600)
+    assert f"LoRA of rank {HEAL_OPTIONS.get('lora_r', 8)} on every Linear of the kept blocks, merged" in healed.words()
+    monkeypatch.setitem(HEAL_OPTIONS, "lora_r", 5)
+    assert "LoRA of rank 5 on every Linear" in healed.words()
+    monkeypatch.setitem(HEAL_OPTIONS, "train", "all")
+    assert "every weight of the kept blocks, so the checkpoint stays plain" in healed.words()
+    assert "LoRA" not in healed.words() and "merged" not in healed.words()

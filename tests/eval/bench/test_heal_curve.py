@@ -132,7 +132,30 @@ def test_heal_data_adds_its_rows_to_what_the_heal_trains_on(setup, tmp_path, one
     assert f"18 training rows, 4 sequences of them from {setup['held']}" in (out / "heal_curve.md").read_text()
 
 
+def test_train_flags_heal_otherwise_and_are_recorded(setup, tmp_path, monkeypatch, one_thread):
+    import distill.heal
+
+    asked = []
+    trained = distill.heal.DistillStep
+
+    def step(options, config):
+        asked.append(options)
+        return trained(options, config)
+
+    monkeypatch.setattr(distill.heal, "DistillStep", step)
+    out = tmp_path / "all"
+    assert main(bench_args(setup, "--steps", "2", "--train", "all", "--out", str(out))) == 0
+    assert main(bench_args(setup, "--steps", "2", "--lora-r", "4", "--lora-alpha", "8")) == 0
+    assert [(o["train"], o.get("lora_r"), o.get("lora_alpha")) for o in asked] == [("all", None, None),
+                                                                                  ("lora", 4, 8.0)]
+    assert all(o["teacher_cache"] == distill.heal.HEAL_OPTIONS["teacher_cache"] for o in asked)  # the rest is ship's
+    results = json.loads((out / "heal_curve.json").read_text())
+    assert results["heal"]["train"] == "all" and results["points"][0]["kl"] != results["kl_before"]
+
+
 @pytest.mark.parametrize(("flag", "value", "says"), [
+    ("--lora-r", "0", "--lora-r must be a positive integer"),
+    ("--lora-alpha", "-1", "--lora-alpha must be positive"),
     ("--steps", "0,-5", "--steps takes distinct step counts of 0 or more"),
     ("--steps", "ten", "--steps takes distinct step counts of 0 or more"),
     ("--steps", "50,50", "--steps takes distinct step counts of 0 or more"),
@@ -144,6 +167,12 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(setup, capsys, 
     code = main([*bench_args(setup), flag, value])
     err = capsys.readouterr().err.strip()
     assert code == EXIT_BAD_INPUT and says in err and len(err.splitlines()) == 1, err
+
+
+def test_lora_flags_with_every_weight_trained_are_one_line(setup, capsys, one_thread):
+    code = main([*bench_args(setup), "--train", "all", "--lora-r", "16"])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_BAD_INPUT and "drop them with --train all" in err and len(err.splitlines()) == 1, err
 
 
 def test_a_window_longer_than_the_model_holds_is_one_line(setup, capsys, one_thread):
