@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from distill.config import DistillConfig
 from distill.step import DistillStep
 from prune.checkpoint.report import read_report
 from prune.checkpoint.save_load import load
@@ -97,6 +98,16 @@ def heal_student(checkpoint: str | Path, dtype: str, device: str) -> tuple[Loade
     if getattr(student.model.config, LAYOUT_ATTR, None) is None:
         setattr(student.model.config, LAYOUT_ATTR, report.get("layout"))
     return student, report
+
+
+def heal_settings(train: dict | None = None) -> dict:
+    """What the heal trains and how, as distillation reads it: ``train``, ``lr`` and, for LoRA, its rank and alpha.
+
+    ``train``: options in place of :data:`HEAL_OPTIONS`' (as :func:`heal_training` takes them).
+    """
+    config = DistillConfig.from_dict({**HEAL_OPTIONS, **(train or {})})
+    lora = {"lora_r": config.lora_r, "lora_alpha": config.lora_alpha} if config.train == "lora" else {}
+    return {"train": config.train, "lr": config.lr, **lora}
 
 
 def heal_training(student: LoadedModel, original: LoadedModel, rows: HealRows, steps: int, step_config, *,

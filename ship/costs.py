@@ -16,8 +16,8 @@ counted here in the same units before any weight is read:
 - export: llama.cpp's converter reading and writing the float32 checkpoint, and its quantizer;
 - verify: the held-out tokens through the original (unless its rows are kept) and the checkpoint in
   transformers, the shipped file in its engine, the generation fidelity check (both models decoding held-out
-  prompts, in memory only; the original's side unless an earlier run kept it) and the speed check's rounds; each
-  check in a fresh process.
+  prompts, in memory only; the original's side unless an earlier run kept it) and the speed check's rounds (not
+  for a skeleton in transformers, which reads each block from disk); each check in a fresh process.
 
 Rates are ``prune.planner.stages``' FLOP rate times what a kind of pass reached of it on this 2-core machine
 (SmolLM2-135M, ``--drop 8 --samples 32``, idle, 2026-12-02; ``reports/ship-fast/``), and byte rates for what reads
@@ -179,11 +179,12 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
 
 
 def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
-    """The verify stage on a GPU: three fresh processes, and the block calls of every decode step and pass.
+    """The verify stage on a GPU: a fresh process per check, and the block calls of every decode step and pass.
 
-    Each check (serving, fidelity, speed) starts a process that reads both models; every pass and decode step
-    costs a call of each block it runs (:data:`prune.planner.stages.GPU_BLOCK_CALL_SECONDS`). Their arithmetic
-    is left out: a 70B model's 4,096 held-out tokens are about a second of it.
+    Each check that runs (serving; fidelity in memory only; speed unless ``work.speed`` is False) starts a process
+    that reads both models; every pass and decode step costs a call of each block it runs
+    (:data:`prune.planner.stages.GPU_BLOCK_CALL_SECONDS`). Their arithmetic is left out: a 70B model's 4,096 held-out
+    tokens are about a second of it.
     """
     from eval.bench.checks import GREEDY_TOKENS
     from eval.quality.fidelity import FidelityOptions

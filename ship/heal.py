@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from distill.checkpoints import default_work_folder, list_checkpoints
-from distill.config import DistillConfig
-from distill.heal import HealRows, heal_student, heal_training
+from distill.heal import HealRows, heal_settings, heal_student, heal_training
 from prune.atomic import atomic_directory
 from prune.checkpoint.report import REPORT_FILE
 from prune.checkpoint.save_load import write_model
@@ -53,15 +52,26 @@ class Healing(StageResult):
     tokens: int | None = None
     distill_seconds: float | None = None
     processes: int = 1  # the processes the training ran on (the world size they reported)
+    lora_r: int | None = None  # LoRA's rank and alpha as trained (None: not LoRA, or a heal.json written before)
+    lora_alpha: float | None = None
+    lr: float | None = None  # the peak learning rate
     data: str | None = None  # --heal-data, trained on beside the calibration rows
+
+    def trained(self) -> str:
+        """What the heal trained, in the card's words."""
+        if self.train != "lora":
+            return "every weight but the embedding and the head"
+        scale = f" and alpha {self.lora_alpha:g}" if self.lora_alpha is not None else ""
+        return (f"LoRA{f' of rank {self.lora_r}' if self.lora_r else ''}{scale} on every Linear of the kept blocks, "
+                "merged")
 
     def words(self) -> str:
         """The card's paragraph on the healing: how many steps and why, and whether it was kept."""
         if not self.steps:
             return f"Not healed: {self.why}."
         said = (f"Healed: {self.steps} steps of distillation towards the original ({self.why}; KL of the "
-                f"next-token distributions, from the original's top-{_cache_k()} logits written once, {_trained()}, "
-                "so the checkpoint stays plain), on "
+                f"next-token distributions, from the original's top-{_cache_k()} logits written once, "
+                f"{self.trained()}, so the checkpoint stays plain), on "
                 f"{self.tokens or 0:,} tokens of the calibration" + (f" and `--heal-data {self.data}`" if self.data
                                                                        else "") + f"{_over(self.processes)}. "
                 "On the calibration rows it did not train "
@@ -72,13 +82,6 @@ class Healing(StageResult):
 
 def _over(processes: int) -> str:
     return f", over {processes} processes" if processes > 1 else ""
-
-
-def _trained() -> str:
-    """What the heal trains, in the card's words (``HEAL_OPTIONS``)."""
-    if HEAL_OPTIONS["train"] != "lora":
-        return "every weight of the kept blocks"
-    return f"LoRA of rank {HEAL_OPTIONS.get('lora_r', DistillConfig.lora_r)} on every Linear of the kept blocks, merged"
 
 
 def _cache_k() -> str:
@@ -128,7 +131,7 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     ``before``: the checkpoint's ``{"kl", "ppl"}`` on the measuring rows where the shortlist measured them
     (the build put its fit in place), else measured here; ``more``: ``--heal-data``'s rows, trained on too.
     """
-    result = Healing(steps=steps, why=why)
+    result = Healing(steps=steps, why=why, **heal_settings())
     shutil.rmtree(healed, ignore_errors=True)  # a killed heal's output: written again (its training resumes)
     if not steps:
         say(f"not healing: {why}")

@@ -3,18 +3,20 @@ r"""Held-out perplexity against heal time: ``prune.ship``'s heal run at several 
 ``python -m eval.bench heal-curve`` loads the original once and, for each step count of ``--steps`` (0: the
 checkpoint as built), loads the built checkpoint afresh and heals it exactly as ``prune.ship`` does
 (:func:`distill.heal.heal_training`: the same options, seed and rows, with its own schedule and its own teacher
-cache in a folder of its own). Each run's wall time (the teacher cache included), the KL to the original on the
-calibration's measuring rows (the rows ship's heal is judged on, never trained on) and the perplexity of each
-``--heldout`` text (its first ``--heldout-tokens`` tokens in ``--window``-token windows) are a row; the original's
-perplexities are measured once. The curve is what a minute of healing buys, the data behind ship's default
-``--heal-steps``. With ``--tasks`` each row also has lm-eval's accuracies on them (``--limit``, ``--data-dir`` as
-``eval.compare`` takes them) and the retention above chance they make against the original's (measured once),
-with its paired gap to the checkpoint as built: what the minutes buy on the tasks, drawn beside the perplexity.
+cache in a folder of its own; ``--train``, ``--lora-r`` and ``--lora-alpha`` change what it trains). Each run's wall
+time (the teacher cache included), the KL to the original on the calibration's measuring rows (the rows ship's heal
+is judged on, never trained on) and the perplexity of each ``--heldout`` text (its first ``--heldout-tokens`` tokens
+in ``--window``-token windows) are a row; the original's perplexities are measured once. The curve is what a minute
+of healing buys, the data behind ship's default ``--heal-steps``. With ``--tasks`` each row also has lm-eval's
+accuracies on them (``--limit``, ``--data-dir`` as ``eval.compare`` takes them) and the retention above chance they
+make against the original's (measured once), with its paired gap to the checkpoint as built: what the minutes buy on
+the tasks, drawn beside the perplexity.
 
 The calibration rows are a ship run's own (``--calibration OUT.work/calibration.safetensors``, key ``token_ids``),
 else drawn as ``prune.ship`` draws them (``--data --samples --seq-len --seed``); ``--seed`` seeds the heal as
-ship's does. ``--train``, ``--lora-r`` and ``--lora-alpha`` heal otherwise than ship (every block weight, or
-another LoRA rank): what chooses ship's own on the selection split.
+ship's does. ``--train``, ``--lora-r`` and ``--lora-alpha`` heal otherwise than ship (every weight but the
+embedding and head at distillation's learning rate for it, or LoRA of another rank or scale): what chooses ship's
+own on the selection split; the record says what was trained, at what learning rate.
 
     python -m eval.bench heal-curve --model smollm2-135m --checkpoint slim.work/checkpoint \
         --calibration slim.work/calibration.safetensors --steps 0,50,100,200 --heldout plays=plays.txt --out curve/ \
@@ -34,8 +36,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from distill.config import DistillConfig
-from distill.heal import HEAL_OPTIONS, HealRows, heal_data_config, heal_student, heal_training
+from distill.config import DEFAULT_LR, DistillConfig
+from distill.heal import HEAL_OPTIONS, HealRows, heal_data_config, heal_settings, heal_student, heal_training
 from eval.bench.output import finish_figure, pyplot, report_results, steps_line
 from eval.bench.registry import bench_option, data_option, load_option, register_subcommand, threads_option
 from eval.compare.cells import measure_tasks
@@ -198,7 +200,10 @@ def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tenso
                                  before, tasks))
             del student
     return {"model": original.name, "checkpoint": str(checkpoint),
-            "heal": {**HEAL_OPTIONS, **(train or {}), "seed": prune.data.seed, "seq_len": int(rows.train.shape[1]),
+            # what was trained and how (a LoRA setting only where LoRA trained), and whether as ship trains
+            "heal": {**heal_settings(train), "as_ship": not train, "teacher_cache": HEAL_OPTIONS["teacher_cache"],
+                     "batch_size": HEAL_OPTIONS["batch_size"], "seed": prune.data.seed,
+                     "seq_len": int(rows.train.shape[1]),
                      "train_rows": int(rows.train.shape[0]), "measure_rows": int(rows.measure.shape[0]),
                      "measure_tokens": int(rows.measure.numel())},
             "kl_before": before["kl"] if before else None,  # None: no step count given
@@ -213,9 +218,12 @@ def heal_curve_markdown(results: dict) -> str:
     """The rows as a markdown table: steps, minutes, tokens trained, KL, each text's perplexity, their mean."""
     names = list(results["heldout"]["domains"])
     heal = results["heal"]
-    lines = [f"{results['model']} healed from {Path(results['checkpoint']).name} as prune.ship heals (train "
-             f"{heal['train']}, teacher cache {heal['teacher_cache']}, {heal['batch_size']} x {heal['seq_len']} "
-             f"tokens a step, seed {heal['seed']}, {heal['train_rows']} training rows"
+    how = "as prune.ship heals" if heal.get("as_ship", True) else "otherwise than prune.ship heals"
+    lines = [f"{results['model']} healed from {Path(results['checkpoint']).name} {how} (train {heal['train']}"
+             + (f", rank {heal['lora_r']}, alpha {heal['lora_alpha']:g}" if "lora_r" in heal else "")
+             + (f", lr {heal['lr']:g}" if "lr" in heal else "")
+             + f", teacher cache {heal['teacher_cache']}, {heal['batch_size']} x {heal['seq_len']} tokens a step, "
+             f"seed {heal['seed']}, {heal['train_rows']} training rows"
              + (f", {results['heal_data']['rows'][0]} sequences of them from {results['heal_data']['source']}"
                 if results.get("heal_data") else "") + "); KL to the original on "
              f"{heal['measure_tokens']:,} tokens of measuring rows it never trains on; perplexity in "
@@ -351,10 +359,12 @@ class HealCurveBenchOptions:
                                                "prune.ship --heal-data (default: none)", metavar="DATA")
     heal_samples: int = bench_option(64, "sequences drawn from --heal-data, of the calibration's length (default: 64)",
                                      type=int)
-    train: str | None = bench_option(None, f"what the heal trains: lora (adapters on every Linear of the blocks, "
-                                           f"merged) or all (every block weight) (default: {HEAL_OPTIONS['train']}, "
-                                           "as prune.ship)", choices=("lora", "all"))
-    lora_r: int | None = bench_option(None, f"LoRA's rank (default: {_heal_default('lora_r')}, as prune.ship)",
+    train: str | None = bench_option(
+        None, "what the heal trains, as distill.run --train: lora (adapters on every Linear of the blocks, merged; "
+              f"lr {DEFAULT_LR['lora']:g}) or all (every weight but the embedding and head; lr {DEFAULT_LR['all']:g}) "
+              f"(default: {HEAL_OPTIONS['train']}, as prune.ship)", choices=("lora", "all"))
+    lora_r: int | None = bench_option(None, f"LoRA's rank (default: {_heal_default('lora_r')}, as prune.ship); "
+                                            "alpha stays as given, so a new rank also changes the scale",
                                       type=int)
     lora_alpha: float | None = bench_option(None, "LoRA's scale numerator: adapters scaled by alpha / rank (default: "
                                                   f"{_heal_default('lora_alpha'):g}, as prune.ship)", type=float)
@@ -407,7 +417,7 @@ def heal_train(command: HealCurveBenchOptions) -> dict:
     train = {key: value for key, value in (("train", command.train), ("lora_r", command.lora_r),
                                            ("lora_alpha", command.lora_alpha)) if value is not None}
     if {"lora_r", "lora_alpha"} & set(train) and train.get("train", HEAL_OPTIONS["train"]) != "lora":
-        raise LayercutError("--lora-r and --lora-alpha shape LoRA's adapters: drop them with --train all")
+        raise LayercutError("--lora-r and --lora-alpha shape LoRA's adapters: pass --train lora, or drop them")
     if command.lora_alpha is not None and not command.lora_alpha > 0:
         raise LayercutError(f"--lora-alpha must be positive, got {command.lora_alpha}")
     DistillConfig.from_dict({**HEAL_OPTIONS, **train})  # a rank below 1: its own one line

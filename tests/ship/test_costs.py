@@ -112,13 +112,12 @@ def test_a_speed_check_that_does_not_run_is_not_costed(shape, gpus):
 @pytest.mark.parametrize(("offload", "engine", "speed"), [("none", "transformers", True),
                                                            ("sequential", "transformers", False),
                                                            ("sequential", "llamacpp", True)])
-def test_ship_work_costs_the_speed_check_where_verify_runs_it(offload, engine, speed, monkeypatch):
+def test_ship_work_costs_the_speed_check_where_verify_runs_it(offload, engine, speed, tiny_folder):
     from prune.pipeline.config import PruneConfig
     from ship.config import ShipConfig
     from ship.plan import ship_work
 
-    monkeypatch.setattr("prune.checkpoint.gguf.find_converter", lambda *_: None, raising=False)
-    config = ShipConfig(prune=PruneConfig(load={"model": "tiny", "offload": offload}, data={"data": "builtin"},
-                                          drop=2), out="slim",
+    prune = PruneConfig(load={"model": str(tiny_folder), "offload": offload}, data={"data": "builtin"}, drop=2)
+    config = ShipConfig(prune=prune, out="slim",
                         engine=engine, heal_steps=0)
     assert ship_work(config, None, 2, None).speed is speed

@@ -70,14 +70,22 @@ def test_the_heal_is_planned_holding_the_original_beside_the_checkpoint_and_no_s
     assert make_plan(config(heal_steps=0)).planned_heal_peak is None
 
 
-def test_the_card_says_what_the_heal_trained(monkeypatch):
-    from ship.heal import HEAL_OPTIONS, Healing
+def test_the_card_says_what_the_heal_trained():
+    """As the heal trained it (its heal.json), whatever the defaults are now."""
+    import dataclasses
+
+    from distill.heal import HEAL_OPTIONS, heal_settings
+    from ship.heal import Healing
 
     healed = Healing(steps=50, why="--heal-steps 50", kept=True, kl_before=0.5, kl_after=0.4, ppl_before=30.0,
-                     ppl_after=28.0, tokens=25_600)
-    assert f"LoRA of rank {HEAL_OPTIONS.get('lora_r', 8)} on every Linear of the kept blocks, merged" in healed.words()
-    monkeypatch.setitem(HEAL_OPTIONS, "lora_r", 5)
-    assert "LoRA of rank 5 on every Linear" in healed.words()
-    monkeypatch.setitem(HEAL_OPTIONS, "train", "all")
-    assert "every weight of the kept blocks, so the checkpoint stays plain" in healed.words()
-    assert "LoRA" not in healed.words() and "merged" not in healed.words()
+                     ppl_after=28.0, tokens=25_600, **heal_settings())
+    rank, alpha = HEAL_OPTIONS.get("lora_r", 8), HEAL_OPTIONS.get("lora_alpha", 16)
+    assert f"LoRA of rank {rank} and alpha {alpha:g} on every Linear of the kept blocks, merged" in healed.words()
+    assert "LoRA of rank 5 and alpha 7 on" in dataclasses.replace(healed, lora_r=5, lora_alpha=7.0).words()
+    older = dataclasses.replace(healed, lora_r=None, lora_alpha=None)  # a heal.json from before they were kept
+    assert "LoRA on every Linear of the kept blocks, merged" in older.words()
+    every = Healing(steps=50, why="w", kept=True, kl_before=0.5, kl_after=0.4, ppl_before=3.0, ppl_after=2.0,
+                    **heal_settings({"train": "all"}))
+    assert every.lr == 2e-5 and every.lora_r is None
+    assert "every weight but the embedding and the head, so the checkpoint stays plain" in every.words()
+    assert "LoRA" not in every.words() and "merged" not in every.words()

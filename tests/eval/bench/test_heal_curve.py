@@ -146,11 +146,14 @@ def test_train_flags_heal_otherwise_and_are_recorded(setup, tmp_path, monkeypatc
     out = tmp_path / "all"
     assert main(bench_args(setup, "--steps", "2", "--train", "all", "--out", str(out))) == 0
     assert main(bench_args(setup, "--steps", "2", "--lora-r", "4", "--lora-alpha", "8")) == 0
-    assert [(o["train"], o.get("lora_r"), o.get("lora_alpha")) for o in asked] == [("all", None, None),
-                                                                                  ("lora", 4, 8.0)]
+    assert [o["train"] for o in asked] == ["all", "lora"] and (asked[1]["lora_r"], asked[1]["lora_alpha"]) == (4, 8)
     assert all(o["teacher_cache"] == distill.heal.HEAL_OPTIONS["teacher_cache"] for o in asked)  # the rest is ship's
     results = json.loads((out / "heal_curve.json").read_text())
-    assert results["heal"]["train"] == "all" and results["points"][0]["kl"] != results["kl_before"]
+    heal = results["heal"]
+    # what was trained is recorded, not ship's LoRA settings beside it
+    assert heal["train"] == "all" and heal["lr"] == 2e-5 and "lora_r" not in heal and not heal["as_ship"]
+    assert "otherwise than prune.ship heals (train all, lr 2e-05," in (out / "heal_curve.md").read_text()
+    assert results["points"][0]["kl"] != results["kl_before"]
 
 
 @pytest.mark.parametrize(("flag", "value", "says"), [
@@ -172,7 +175,7 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(setup, capsys, 
 def test_lora_flags_with_every_weight_trained_are_one_line(setup, capsys, one_thread):
     code = main([*bench_args(setup), "--train", "all", "--lora-r", "16"])
     err = capsys.readouterr().err.strip()
-    assert code == EXIT_BAD_INPUT and "drop them with --train all" in err and len(err.splitlines()) == 1, err
+    assert code == EXIT_BAD_INPUT and "pass --train lora, or drop them" in err and len(err.splitlines()) == 1, err
 
 
 def test_a_window_longer_than_the_model_holds_is_one_line(setup, capsys, one_thread):
