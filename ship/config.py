@@ -20,7 +20,7 @@ from distill.config import DistillConfig
 from distill.heal import HEAL_BATCH as HEAL_BATCH
 from distill.heal import HEAL_OPTIONS as HEAL_OPTIONS
 from distill.heal import HEAL_SEQ_LEN as HEAL_SEQ_LEN
-from distill.heal import HealRows, heal_data_config
+from distill.heal import HealRows, heal_data_config, heal_settings
 from distill.heal import heal_rows as heal_rows
 from distill.launch import check_devices, per_process
 from eval.speed.engines import ENGINES
@@ -224,6 +224,8 @@ class ShipConfig:
                 "protect": config.protect, "batch_size": config.batch_size, "engine": self.engine,
                 "heldout": list(self.heldout), "gguf_type": self.gguf_type if self.gguf else None,
                 "heal_steps": self.heal_steps,
+                # what the heal trains: a run healed at another LoRA rank is another run (its checkpoints differ)
+                **({"heal": heal_settings()} if self.heal_steps else {}),
                 **({"heal_data": self.heal_data, "heal_samples": self.heal_samples} if self.heal_data else {})}
 
     def digest(self) -> str:

@@ -30,5 +30,6 @@ def test_ship_reads_the_heals_options_and_cut_from_here():
     import ship.config
 
     assert ship.config.HEAL_OPTIONS is HEAL_OPTIONS and ship.config.heal_rows is heal_rows
-    assert HEAL_OPTIONS == {"train": "lora", "teacher_cache": "topk=256", "batch_size": HEAL_BATCH}
+    assert HEAL_OPTIONS == {"train": "lora", "lora_r": 64, "lora_alpha": 128.0, "teacher_cache": "topk=256",
+                            "batch_size": HEAL_BATCH}
     assert ship.config.heal_sequences(16, 2 * HEAL_SEQ_LEN) == 28

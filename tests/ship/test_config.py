@@ -61,6 +61,23 @@ def test_the_settings_a_resumed_run_must_match_hold_the_budget_and_the_engine(ti
     assert config.work.name == "o.work" and len(config.digest()) == 10
 
 
+def test_what_the_heal_trains_is_a_setting_of_a_healed_run_only(tiny_folder, monkeypatch):
+    from distill.heal import HEAL_OPTIONS
+
+    def config(steps):
+        return ShipConfig(PruneConfig(load={"model": str(tiny_folder)}, drop=2), out="o", engine="transformers",
+                          heal_steps=steps)
+
+    healed, unhealed = config(100), config(0)
+    assert healed.settings()["heal"] == {"train": "lora", "lr": 3e-4, "lora_r": HEAL_OPTIONS["lora_r"],
+                                         "lora_alpha": HEAL_OPTIONS["lora_alpha"]}
+    assert "heal" not in unhealed.settings()
+    digests = healed.digest(), unhealed.digest()
+    # a heal at another rank (another version's default) trains other weights: its work folder is not this run's
+    monkeypatch.setitem(HEAL_OPTIONS, "lora_r", 8)
+    assert healed.digest() != digests[0] and unhealed.digest() == digests[1]
+
+
 def test_a_shipped_checkpoint_adds_at_most_two_percent_over_removing_its_blocks():
     from ship.config import oversize_note, params_cap
 
