@@ -109,9 +109,11 @@ class WorkFolder:
         marker = self.path / SETTINGS
         if not marker.is_file():
             return False
-        if self.read_json(marker).get("settings") != settings:
-            raise LayercutError(f"{self.path} holds a run with other settings (model, data, budget or engine): "
-                                "type that command again to continue it, or remove the folder")
+        held = self.read_json(marker).get("settings") or {}
+        if held != settings:  # named, so a setting the user never typed (another version's heal) is seen as such
+            differ = sorted(key for key in {*held, *settings} if held.get(key) != settings.get(key))
+            raise LayercutError(f"{self.path} holds a run with other settings ({', '.join(differ)}): type that "
+                                "run's command again to continue it, or remove the folder")
         return True
 
     def mark(self, settings: dict) -> None:

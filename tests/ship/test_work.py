@@ -58,8 +58,11 @@ def test_the_settings_are_matched_and_marked_only_when_asked(tmp_path):
     assert work.open({"model": "m"}) is False and not (tmp_path / "w").exists()
     work.mark({"model": "m"})
     assert work.open({"model": "m"}) is True
-    with pytest.raises(LayercutError, match="holds a run with other settings"):
+    with pytest.raises(LayercutError, match=r"holds a run with other settings \(model\)"):
         work.open({"model": "other"})
+    # a setting one of the runs does not have (another version's) is named too
+    with pytest.raises(LayercutError, match=r"other settings \(heal, model\): type that run's command again"):
+        work.open({"model": "other", "heal": {"lora_r": 64}})
 
 
 def test_a_stage_keeps_the_most_bytes_any_gpu_held_during_it_and_none_without_cuda(tmp_path, monkeypatch):
