@@ -82,3 +82,14 @@ for name, point in points.items():
     print(name, "retention", round(100 * figures[name]["retention"], 1), "minutes", point["minutes"], "distill s",
           point.get("distill_seconds"), "geo", round(point["heldout_ppl"], 3), "KL", round(point["kl"], 4))
 PY
+# 5. (23:12) drop 4: ship's training-free build with its defaults, then ship's new heal (rank 64, 100 steps) scored as
+#    step 2 (the curve's rank-64 heal is ship's default now: no flags)
+uptime
+python -m prune.ship --model smollm2-135m --drop 4 --heal-steps 0 --no-verify --engine transformers --threads 2 \
+  --out /tmp/d4r64/slim4
+curve() { python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/d4r64/slim4 \
+  --calibration /tmp/d4r64/slim4.work/calibration.safetensors --threads 2 "$@"; }
+curve --steps 100 \
+  --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
+  --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D --out $R/drop4-r64
+uptime
