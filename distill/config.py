@@ -28,6 +28,8 @@ DEFAULT_LR = {"replacements": 3e-4, "lora": 3e-4, "all": 2e-5}
 # AdamW moves each weight by about lr a step: above 1 a step outweighs the weights themselves, and far above it
 # (1e38) the step size overflows float32 inside torch's Adam.
 MAX_LR = 1.0
+# --lora-targets' default: adapters on every Linear of the blocks (peft's own word for it)
+LORA_ALL = "all-linear"
 DEFAULT_SEQ_LEN = 128
 DEFAULT_SAMPLES = 512  # 512 x 128 = 65k tokens; 200 steps of 4 sequences pass over them 1.6 times
 DEFAULT_WARMUP_SHARE = 0.1
@@ -68,6 +70,9 @@ class DistillConfig:
         lora_r: LoRA rank.
         lora_alpha: LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_r``).
         lora_dropout: dropout on the LoRA input.
+        lora_targets: which Linear layers of the blocks get adapters: "all-linear" (every one, as peft's
+            keyword), or a comma list of their names as the model calls them ("q_proj,v_proj"), each
+            matched against the last part of a layer's name, as peft's ``target_modules`` list matches.
         weight_decay: AdamW decoupled weight decay (0: a closed-form map should not be pulled to 0).
         max_grad_norm: gradient clipping threshold (global L2 norm); 0 disables clipping.
         log_every: write a ``train_log.jsonl`` line every this many steps (and at the last one).
@@ -92,6 +97,7 @@ class DistillConfig:
     lora_r: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
+    lora_targets: str = LORA_ALL
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     log_every: int = 10
@@ -155,6 +161,7 @@ class DistillConfig:
                 raise LayercutError(f"--{name} must be a finite number >= 0, got {value}")
         if self.lora_dropout >= 1:
             raise LayercutError(f"--lora-dropout must be below 1, got {self.lora_dropout}")
+        self.lora_targets = lora_targets_spec(self.lora_targets)
 
     @property
     def warmup(self) -> int:
@@ -209,7 +216,24 @@ class DistillConfig:
         rest = {name: weight for name, weight in losses.items() if name not in keys}
         if values["teacher_cache"] is None:  # a field newer than the digests: absent when unused, like ``losses``
             del values["teacher_cache"]
+        if values["lora_targets"] == LORA_ALL:  # newer than the digests too: absent at its default
+            del values["lora_targets"]
         return {**values, **({"losses": rest} if rest else {})}
+
+
+def lora_targets_spec(spec) -> str:
+    """``--lora-targets`` written one way: "all-linear", or its layer names comma-joined, each once, in order.
+
+    A name is a layer's own (``q_proj``), not a path: adapters go inside the blocks only, so a dot or an empty
+    name is refused in one line.
+    """
+    names = [name.strip() for name in str(spec).split(",")]
+    if names == [LORA_ALL]:
+        return LORA_ALL
+    if not all(names) or any("." in name or name == LORA_ALL for name in names):
+        raise LayercutError(f"--lora-targets takes {LORA_ALL} or a comma list of the blocks' Linear layer names "
+                            f"(q_proj,v_proj), got {spec!r}")
+    return ",".join(dict.fromkeys(names))
 
 
 def cache_k(spec) -> int:

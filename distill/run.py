@@ -73,6 +73,9 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lora-alpha", type=float, default=d.lora_alpha, help=f"LoRA alpha (default: {d.lora_alpha})")
     group.add_argument("--lora-dropout", type=float, default=d.lora_dropout,
                        help=f"LoRA dropout (default: {d.lora_dropout})")
+    group.add_argument("--lora-targets", default=d.lora_targets, metavar="NAMES",
+                       help="the blocks' Linear layers LoRA adapts: all-linear, or a comma list of their names "
+                       f"(q_proj,v_proj; a misspelt name is refused with the model's own) (default: {d.lora_targets})")
     group.add_argument("--weight-decay", type=float, default=d.weight_decay,
                        help=f"AdamW weight decay (default: {d.weight_decay})")
     group.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm,
@@ -181,7 +184,8 @@ def config_from_args(args: argparse.Namespace) -> DistillConfig:
     config = DistillConfig.from_dict(dict(
         steps=args.steps, lr=args.lr, batch_size=args.batch_size, grad_accum=args.grad_accum,
         warmup_steps=args.warmup_steps, train=args.train, lora_r=args.lora_r, lora_alpha=args.lora_alpha,
-        lora_dropout=args.lora_dropout, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        lora_dropout=args.lora_dropout, lora_targets=args.lora_targets,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         log_every=args.log_every, save_every=args.save_every, seed=args.seed, mixed_precision=args.mixed_precision,
         teacher_cache=args.teacher_cache, **losses, **legacy,
     ))

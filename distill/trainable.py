@@ -7,9 +7,10 @@
   the embeddings in many models, and the largest matrices of a small model; the layerwise loss does
   not reach the input embedding differently from the teacher's anyway).
 - ``lora``: peft LoRA adapters on every ``Linear`` (GPT-2: ``Conv1D``) of the student's blocks (the
-  attention and MLP projections), and the replacement modules trained in full: they are what the
-  surgery changed, start from a fitted initialisation and are small. Adapters are merged into the
-  weights (``merge_and_unload``) before the student is returned, so the export is a plain checkpoint.
+  attention and MLP projections; ``--lora-targets`` names some of them), and the replacement modules
+  trained in full: they are what the surgery changed, start from a fitted initialisation and are small.
+  Adapters are merged into the weights (``merge_and_unload``) before the student is returned, so the
+  export is a plain checkpoint.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from distill.config import DistillConfig
+from distill.config import LORA_ALL, DistillConfig
 from prune.errors import LayercutError
 from prune.model.adapters import get_blocks
 from prune.replace import replacement_modules
@@ -33,15 +34,29 @@ def _linear_types() -> tuple[type, ...]:
     return (nn.Linear, Conv1D)
 
 
-def lora_target_names(student: nn.Module, exclude: list[nn.Module] | None = None) -> list[str]:
-    """Full names of the ``Linear`` / ``Conv1D`` layers inside the student's blocks, minus ``exclude``'s."""
+def lora_target_names(student: nn.Module, exclude: list[nn.Module] | None = None, targets: str = LORA_ALL) -> list[str]:
+    """Full names of the ``Linear`` / ``Conv1D`` layers inside the student's blocks, minus ``exclude``'s.
+
+    ``targets``: ``DistillConfig.lora_targets``; a comma list keeps the layers whose own name (the last part of
+    the path) is in it, and a name no layer of the blocks has is refused in one line that lists theirs (a
+    misspelt ``q_porj`` would otherwise adapt fewer layers than asked, without a word).
+    """
     path, _ = get_blocks(student)
     skipped = {id(m) for module in exclude or [] for m in module.modules()}
-    return [
+    linear = [
         name
         for name, module in student.named_modules()
         if name.startswith(path + ".") and isinstance(module, _linear_types()) and id(module) not in skipped
     ]
+    if targets == LORA_ALL:
+        return linear
+    wanted = targets.split(",")
+    present = dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear)
+    missing = [name for name in wanted if name not in present]
+    if missing:
+        raise LayercutError(f"--lora-targets: the blocks have no Linear layer named {', '.join(missing)}; theirs are "
+                            f"{', '.join(present) or 'none'} (or use {LORA_ALL})")
+    return [name for name in linear if name.rsplit(".", 1)[-1] in wanted]
 
 
 def apply_lora(student: nn.Module, config: DistillConfig, exclude: list[nn.Module] | None = None) -> nn.Module:
@@ -49,7 +64,7 @@ def apply_lora(student: nn.Module, config: DistillConfig, exclude: list[nn.Modul
     from peft import LoraConfig, get_peft_model
     from transformers.pytorch_utils import Conv1D
 
-    targets = lora_target_names(student, exclude)
+    targets = lora_target_names(student, exclude, config.lora_targets)
     if not targets:
         raise LayercutError("--train lora: the student's blocks have no Linear layers to adapt; use --train all")
     conv1d = any(isinstance(student.get_submodule(name), Conv1D) for name in targets)

@@ -54,6 +54,7 @@ class Healing(StageResult):
     processes: int = 1  # the processes the training ran on (the world size they reported)
     lora_r: int | None = None  # LoRA's rank and alpha as trained (None: not LoRA, or a heal.json written before)
     lora_alpha: float | None = None
+    lora_targets: str | None = None  # the layers adapted by name (None: every Linear of the kept blocks)
     lr: float | None = None  # the peak learning rate
     data: str | None = None  # --heal-data, trained on beside the calibration rows
 
@@ -62,8 +63,9 @@ class Healing(StageResult):
         if self.train != "lora":
             return "every weight but the embedding and the head"
         scale = f" and alpha {self.lora_alpha:g}" if self.lora_alpha is not None else ""
-        return (f"LoRA{f' of rank {self.lora_r}' if self.lora_r else ''}{scale} on every Linear of the kept blocks, "
-                "merged")
+        where = (f"the {', '.join(self.lora_targets.split(','))} layers" if self.lora_targets
+                 else "every Linear")
+        return f"LoRA{f' of rank {self.lora_r}' if self.lora_r else ''}{scale} on {where} of the kept blocks, merged"
 
     def words(self) -> str:
         """The card's paragraph on the healing: how many steps and why, and whether it was kept."""

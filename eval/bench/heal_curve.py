@@ -3,7 +3,8 @@ r"""Held-out perplexity against heal time: ``prune.ship``'s heal run at several 
 ``python -m eval.bench heal-curve`` loads the original once and, for each step count of ``--steps`` (0: the
 checkpoint as built), loads the built checkpoint afresh and heals it exactly as ``prune.ship`` does
 (:func:`distill.heal.heal_training`: the same options, seed and rows, with its own schedule and its own teacher
-cache in a folder of its own; ``--train``, ``--lora-r`` and ``--lora-alpha`` change what it trains). Each run's wall
+cache in a folder of its own; ``--train``, ``--lora-r``, ``--lora-alpha`` and ``--lora-targets`` change what it
+trains). Each run's wall
 time (the teacher cache included), the KL to the original on the calibration's measuring rows (the rows ship's heal
 is judged on, never trained on) and the perplexity of each ``--heldout`` text (its first ``--heldout-tokens`` tokens
 in ``--window``-token windows) are a row; the original's perplexities are measured once. The curve is what a minute
@@ -14,8 +15,9 @@ the tasks, drawn beside the perplexity.
 
 The calibration rows are a ship run's own (``--calibration OUT.work/calibration.safetensors``, key ``token_ids``),
 else drawn as ``prune.ship`` draws them (``--data --samples --seq-len --seed``); ``--seed`` seeds the heal as
-ship's does. ``--train``, ``--lora-r`` and ``--lora-alpha`` heal otherwise than ship (every weight but the
-embedding and head at distillation's learning rate for it, or LoRA of another rank or scale): what chooses ship's
+ship's does. ``--train``, ``--lora-r``, ``--lora-alpha`` and ``--lora-targets`` heal otherwise than ship (every
+weight but the embedding and head at distillation's learning rate for it, or LoRA of another rank, scale or set of
+layers): what chooses ship's
 own on the selection split; the record says what was trained, at what learning rate.
 
     python -m eval.bench heal-curve --model smollm2-135m --checkpoint slim.work/checkpoint \
@@ -38,6 +40,7 @@ from tqdm.auto import tqdm
 
 from distill.config import DEFAULT_LR, DistillConfig
 from distill.heal import HEAL_OPTIONS, HealRows, heal_data_config, heal_settings, heal_student, heal_training
+from distill.trainable import lora_target_names
 from eval.bench.output import finish_figure, pyplot, report_results, steps_line
 from eval.bench.registry import bench_option, data_option, load_option, register_subcommand, threads_option
 from eval.compare.cells import measure_tasks
@@ -180,6 +183,9 @@ def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tenso
     options in place of the heal's own (:func:`distill.heal.heal_training`).
     """
     rows = HealRows.of(calibration, more)
+    targets = heal_settings(train).get("lora_targets")
+    if targets:  # a misspelt layer name: refused before the minutes of measuring, in the original's names
+        lora_target_names(original.model, targets=targets)
     dense = {name: heldout.perplexity(original.model, name) for name in heldout.names()}
     dense_tasks = tasks.measure(original.model, original.tokenizer) if tasks is not None else {}
     points, before = [], None
@@ -221,6 +227,7 @@ def heal_curve_markdown(results: dict) -> str:
     how = "as prune.ship heals" if heal.get("as_ship", True) else "otherwise than prune.ship heals"
     lines = [f"{results['model']} healed from {Path(results['checkpoint']).name} {how} (train {heal['train']}"
              + (f", rank {heal['lora_r']}, alpha {heal['lora_alpha']:g}" if "lora_r" in heal else "")
+             + (f", adapters on {heal['lora_targets']}" if "lora_targets" in heal else "")
              + (f", lr {heal['lr']:g}" if "lr" in heal else "")
              + f", teacher cache {heal['teacher_cache']}, {heal['batch_size']} x {heal['seq_len']} tokens a step, "
              f"seed {heal['seed']}, {heal['train_rows']} training rows"
@@ -333,7 +340,8 @@ class HealCurveBenchOptions:
         calibration: a ship run's ``calibration.safetensors`` (None: rows drawn from ``data``).
         data: the calibration text drawn when ``calibration`` is None; its seed seeds the heal either way.
         heal_data: more text the heal trains on (``prune.ship --heal-data``), ``heal_samples`` sequences of it.
-        train, lora_r, lora_alpha: what the heal trains, in place of ship's (None: ship's, :data:`HEAL_OPTIONS`).
+        train, lora_r, lora_alpha, lora_targets: what the heal trains, in place of ship's (None: ship's,
+            :data:`HEAL_OPTIONS`).
         steps: comma list of step counts (0: the checkpoint as built).
         heldout: ``LABEL=TEXT`` held-out texts, repeatable.
         heldout_tokens: tokens of each text scored.
@@ -368,6 +376,10 @@ class HealCurveBenchOptions:
                                       type=int)
     lora_alpha: float | None = bench_option(None, "LoRA's scale numerator: adapters scaled by alpha / rank (default: "
                                                   f"{_heal_default('lora_alpha'):g}, as prune.ship)", type=float)
+    lora_targets: str | None = bench_option(None, "the blocks' Linear layers LoRA adapts, as distill.run "
+                                                  "--lora-targets: a comma list of their names (q_proj,v_proj) or "
+                                                  f"all-linear (default: {_heal_default('lora_targets')}, as "
+                                                  "prune.ship)", metavar="NAMES")
     steps: str = bench_option(",".join(map(str, DEFAULT_STEPS)),
                               "heal step counts, each run from the built checkpoint; 0: as built (default: "
                               f"{','.join(map(str, DEFAULT_STEPS))})")
@@ -413,11 +425,16 @@ def _curve_tasks(command: HealCurveBenchOptions) -> CurveTasks | None:
 
 
 def heal_train(command: HealCurveBenchOptions) -> dict:
-    """``--train``, ``--lora-r`` and ``--lora-alpha`` as the options they change, checked before any model loads."""
+    """``--train`` and the ``--lora-*`` flags as the options they change, checked before any model loads.
+
+    The layer names of ``--lora-targets`` are checked against the model's once the checkpoint loads (one line).
+    """
     train = {key: value for key, value in (("train", command.train), ("lora_r", command.lora_r),
-                                           ("lora_alpha", command.lora_alpha)) if value is not None}
-    if {"lora_r", "lora_alpha"} & set(train) and train.get("train", HEAL_OPTIONS["train"]) != "lora":
-        raise LayercutError("--lora-r and --lora-alpha shape LoRA's adapters: pass --train lora, or drop them")
+                                           ("lora_alpha", command.lora_alpha), ("lora_targets", command.lora_targets))
+             if value is not None}
+    if {"lora_r", "lora_alpha", "lora_targets"} & set(train) and train.get("train", HEAL_OPTIONS["train"]) != "lora":
+        raise LayercutError("--lora-r, --lora-alpha and --lora-targets shape LoRA's adapters: pass --train lora, or "
+                            "drop them")
     if command.lora_alpha is not None and not command.lora_alpha > 0:
         raise LayercutError(f"--lora-alpha must be positive, got {command.lora_alpha}")
     DistillConfig.from_dict({**HEAL_OPTIONS, **train})  # a rank below 1: its own one line

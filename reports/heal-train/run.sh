@@ -93,3 +93,15 @@ curve --steps 100 \
   --heldout novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt \
   --tasks arc_easy,hellaswag,piqa,lambada_openai --limit 400~:-500 --data-dir $D --out $R/drop4-r64
 uptime
+# 6. (2026-12-05, 23:53) which layers LoRA adapts, on the selection split: the drop-8 build made again (its large files
+#    had not been kept; the same pick and KLs within 1e-5, relative), then rank 64 at alpha 128 on the attention's
+#    four projections, on the MLP's three, and on every Linear (ship's default, again on this build: the pair for both)
+uptime
+python -m prune.ship --model smollm2-135m --drop 8 --heal-steps 0 --no-verify --engine transformers --threads 2 \
+  --out /tmp/s8/slim8
+curve() { python -m eval.bench heal-curve --model smollm2-135m --checkpoint /tmp/s8/slim8 \
+  --calibration /tmp/s8/slim8.work/calibration.safetensors --threads 2 "$@"; }
+curve --steps 100 --lora-targets q_proj,k_proj,v_proj,o_proj $SEL --out $R/selection/lora-r64-attention
+curve --steps 100 --lora-targets gate_proj,up_proj,down_proj $SEL --out $R/selection/lora-r64-mlp
+curve --steps 100 $SEL --out $R/selection/lora-r64-rebuilt
+uptime

@@ -186,6 +186,13 @@ def test_a_count_the_samples_follow_is_named_itself(capsys, monkeypatch, flag, v
     assert err == [f"error: {flag} must be a positive integer, got {value}"]
 
 
+def test_lora_targets_of_no_layer_name_are_one_line_before_any_model_loads(capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["--student", "s", "--out", "o", "--train", "lora", "--lora-targets", "self_attn.q_proj"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "--lora-targets takes all-linear or a comma list" in err[0], err
+
+
 @pytest.mark.parametrize(("argv", "samples"), [
     (["--steps", "20"], 80),  # 20 steps of 4: sampling the default 512 took 15 minutes for 80 sequences
     (["--steps", "20", "--grad-accum", "2", "--batch-size", "2"], 80),

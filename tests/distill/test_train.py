@@ -330,6 +330,39 @@ def test_lora_targets_are_block_linears_without_the_replacements(replaced_pair):
     assert len(names) == 3 * 7  # q, k, v, o, gate, up, down in each of 3 blocks
 
 
+def test_lora_targets_by_name_keep_only_those_layers_and_refuse_a_name_no_block_has(replaced_pair):
+    student, _ = replaced_pair
+    names = lora_target_names(student, exclude=[student.model.layers[0].map], targets="q_proj,down_proj")
+    assert len(names) == 3 * 2 and {name.rsplit(".", 1)[-1] for name in names} == {"q_proj", "down_proj"}
+    with pytest.raises(LayercutError, match="no Linear layer named qproj; theirs are q_proj, k_proj"):
+        lora_target_names(student, targets="q_proj,qproj")
+
+
+def test_train_lora_on_named_targets_changes_only_those_weights(replaced_pair):
+    student, _teacher = replaced_pair
+    s_before = _params(student)
+    distill(student, _teacher, None, _config(steps=3, train="lora", lr=1e-2, lora_targets="v_proj"), token_ids=_ids())
+    changed = {name for name in _changed(s_before, student) if ".map." not in name}  # the replacement trains in full
+    assert changed and all(name.endswith("v_proj.weight") for name in changed), changed
+
+
+@pytest.mark.parametrize(("spec", "written"),
+                         [("all-linear", "all-linear"), (" q_proj , v_proj,q_proj", "q_proj,v_proj")])
+def test_lora_targets_are_written_one_way(spec, written):
+    assert DistillConfig(lora_targets=spec).lora_targets == written
+
+
+@pytest.mark.parametrize("spec", ["", "q_proj,,v_proj", "self_attn.q_proj", "q_proj,all-linear"])
+def test_lora_targets_that_name_no_layer_are_one_line(spec):
+    with pytest.raises(LayercutError, match="--lora-targets takes all-linear or a comma list"):
+        DistillConfig(lora_targets=spec)
+
+
+def test_lora_targets_enter_the_digest_only_when_not_the_default():
+    assert "lora_targets" not in DistillConfig().legacy_dict()
+    assert DistillConfig(lora_targets="q_proj").legacy_dict()["lora_targets"] == "q_proj"
+
+
 def test_lora_merged_weights_give_the_same_logits_as_the_adapted_model():
     student, _ = _dropped_pair([1])
     peft_model = apply_lora(student, _config(train="lora", lora_r=4))

@@ -82,6 +82,8 @@ def test_the_card_says_what_the_heal_trained():
     rank, alpha = HEAL_OPTIONS.get("lora_r", 8), HEAL_OPTIONS.get("lora_alpha", 16)
     assert f"LoRA of rank {rank} and alpha {alpha:g} on every Linear of the kept blocks, merged" in healed.words()
     assert "LoRA of rank 5 and alpha 7 on" in dataclasses.replace(healed, lora_r=5, lora_alpha=7.0).words()
+    named = dataclasses.replace(healed, lora_r=5, lora_alpha=7.0, lora_targets="q_proj,v_proj")
+    assert "LoRA of rank 5 and alpha 7 on the q_proj, v_proj layers of the kept blocks, merged" in named.words()
     older = dataclasses.replace(healed, lora_r=None, lora_alpha=None)  # a heal.json from before they were kept
     assert "LoRA on every Linear of the kept blocks, merged" in older.words()
     every = Healing(steps=50, why="w", kept=True, kl_before=0.5, kl_after=0.4, ppl_before=3.0, ppl_after=2.0,

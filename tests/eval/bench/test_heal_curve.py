@@ -172,10 +172,40 @@ def test_bad_input_is_one_line_and_exit_2_before_any_model_loads(setup, capsys, 
     assert code == EXIT_BAD_INPUT and says in err and len(err.splitlines()) == 1, err
 
 
-def test_lora_flags_with_every_weight_trained_are_one_line(setup, capsys, one_thread):
-    code = main([*bench_args(setup), "--train", "all", "--lora-r", "16"])
+@pytest.mark.parametrize("flag", [("--lora-r", "16"), ("--lora-targets", "q_proj")])
+def test_lora_flags_with_every_weight_trained_are_one_line(setup, capsys, one_thread, flag):
+    code = main([*bench_args(setup), "--train", "all", *flag])
     err = capsys.readouterr().err.strip()
     assert code == EXIT_BAD_INPUT and "pass --train lora, or drop them" in err and len(err.splitlines()) == 1, err
+
+
+def test_lora_targets_adapt_those_layers_and_are_recorded(setup, tmp_path, monkeypatch, one_thread):
+    import distill.trainable
+
+    adapted = []
+    apply = distill.trainable.apply_lora
+
+    def spy(student, config, exclude=None):
+        model = apply(student, config, exclude)
+        adapted.extend(name for name, _ in model.named_modules() if name.endswith(".lora_A"))
+        return model
+
+    monkeypatch.setattr(distill.trainable, "apply_lora", spy)
+    out = tmp_path / "attention"
+    assert main(bench_args(setup, "--steps", "2", "--lora-targets", "q_proj,o_proj", "--out", str(out))) == 0
+    kinds = {name.split(".lora_A")[0].rsplit(".", 1)[-1] for name in adapted}
+    assert kinds == {"q_proj", "o_proj"}, kinds
+    heal = json.loads((out / "heal_curve.json").read_text())["heal"]
+    assert heal["lora_targets"] == "q_proj,o_proj" and not heal["as_ship"]
+    assert "adapters on q_proj,o_proj" in (out / "heal_curve.md").read_text()
+
+
+def test_a_misspelt_lora_target_is_one_line_naming_the_models_layers(setup, capsys, one_thread):
+    code = main([*bench_args(setup), "--steps", "2", "--lora-targets", "q_porj"])
+    # refused once the original loads (its progress bar above), before anything is measured: one line of error
+    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert code == EXIT_BAD_INPUT and len(err) == 1, err
+    assert "no Linear layer named q_porj; theirs are q_proj, k_proj, v_proj, o_proj" in err[0], err
 
 
 def test_a_window_longer_than_the_model_holds_is_one_line(setup, capsys, one_thread):
