@@ -35,7 +35,8 @@ HEAL_BATCH = 4
 # reports/heal-train/) it lowered every text's perplexity, the geometric mean 4.0 % below rank 8's (rank 32: 2.6 %;
 # every weight at distillation's lr 2e-5: 4.4 % above), in the same 5-6 minutes; on the reported texts 4.8 % lower
 # (as rank 8's 200-400 steps), the tasks' retention a tie (+0.6 +- 1.8 points). On every Linear of the blocks: the
-# attention's projections alone were 1.2 % above it, the MLP's alone 3.0 % (the same split and build, 2026-12-05)
+# attention's projections alone were 1.2 % above it, the MLP's alone 3.0 %; rank 128 0.6 % below it for 13 % more
+# training, rank 256 0.3 % (the same split and build, 2026-12-05)
 HEAL_OPTIONS = {"train": "lora", "lora_r": 64, "lora_alpha": 128.0, "teacher_cache": "topk=256",
                 "batch_size": HEAL_BATCH}
 # sequences of this many tokens (distill's default length): the heal cuts its calibration rows into them

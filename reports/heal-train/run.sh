@@ -105,3 +105,8 @@ curve --steps 100 --lora-targets q_proj,k_proj,v_proj,o_proj $SEL --out $R/selec
 curve --steps 100 --lora-targets gate_proj,up_proj,down_proj $SEL --out $R/selection/lora-r64-mlp
 curve --steps 100 $SEL --out $R/selection/lora-r64-rebuilt
 uptime
+# 7. (2026-12-05, 00:22) ranks above 64 on every Linear, alpha twice the rank, on the same build and split
+uptime
+curve --steps 100 --lora-r 128 --lora-alpha 256 $SEL --out $R/selection/lora-r128
+curve --steps 100 --lora-r 256 --lora-alpha 512 $SEL --out $R/selection/lora-r256
+uptime
