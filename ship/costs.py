@@ -19,6 +19,11 @@ counted here in the same units before any weight is read:
   prompts, in memory only; the original's side unless an earlier run kept it) and the speed check's rounds (not
   for a skeleton in transformers, which reads each block from disk); each check in a fresh process.
 
+The shortlist's memory is counted here too (:func:`shortlist_stages`): ``prune.run``'s plan, which ship asks
+about the build (``--replace none``), holds one set of moments and no fit, where the shortlist holds two sets, the
+scores' decompositions and every repair's fits at once (a Llama-3-8B shape on an H200,
+2026-12-04: 61.3 GB measured, 26.3 GB planned for the whole run).
+
 Rates are ``prune.planner.stages``' FLOP rate times what a kind of pass reached of it on this 2-core machine
 (SmolLM2-135M, ``--drop 8 --samples 32``, idle, 2026-12-02; ``reports/ship-fast/``), and byte rates for what reads
 and writes files, all at the reference machine's speed and multiplied by this CPU's now
@@ -34,6 +39,7 @@ outruns the scoring pass, which also multiplies every state's float32 moments.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prune.planner.inputs import PlanInput
@@ -43,11 +49,13 @@ from prune.planner.shape import ModelShape
 from prune.planner.stages import (
     DISK_BYTES_PER_S,
     GPU_BLOCK_CALL_SECONDS,
+    Stage,
     _flops,
     _rate,
     fit_flops,
     fit_rate,
     score_decompositions,
+    stage_shortlist,
 )
 
 # what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
@@ -176,6 +184,21 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
         shortlist += GPU_SHORTLIST_SECONDS + work.sets * (len(work.repairs) + 1) * GPU_CANDIDATE_SECONDS
     return {"shortlist": sampling + shortlist, "build": build, "heal": work.heal_seconds,
             "export": export, "verify": verify}
+
+
+def shortlist_stages(shape: ModelShape, inp: PlanInput, work: ShipWork) -> list[Stage]:
+    """The shortlist's memory per device, phase by phase (:func:`prune.planner.stages.stage_shortlist`).
+
+    Each repair fits every distinct span of every block set once, all of them in one pass: ``sets x spans``, the
+    guess its seconds are counted on before the scoring pass has chosen the sets.
+    """
+    return stage_shortlist(shape, inp, work.repairs, work.sets * work.spans)
+
+
+def stage_peaks(stages: Sequence[Stage]) -> dict[str, float]:
+    """Each device's most bytes in any of ``stages``: a stage's phases hold their parts in turn, not together."""
+    devices = dict.fromkeys(device for stage in stages for device in stage.devices)
+    return {device: max(stage.peak(device) for stage in stages) for device in devices}
 
 
 def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:

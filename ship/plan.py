@@ -26,7 +26,7 @@ from ship.config import (
     params_cap,
     servable_repairs,
 )
-from ship.costs import PROCESS_SECONDS, ShipWork, stage_seconds
+from ship.costs import PROCESS_SECONDS, ShipWork, shortlist_stages, stage_peaks, stage_seconds
 from ship.work import StageResult
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ class Plan(StageResult):
     params: int | None = None
     drop: int | None = None
     planned_seconds: float | None = None
-    planned_peak: dict | None = None
+    planned_peak: dict | None = None  # each device's bytes in the stage that holds the most there
+    planned_peak_stage: dict | None = None  # each device's stage of planned_peak: shortlist, build or heal
+    planned_stage_peaks: dict | None = None  # each stage's bytes per device (ship.plan._plan_peaks)
     planned_heal_seconds: float | None = None
     planned_heal_peak: dict | None = None  # each device's bytes in the heal (planned_heal_peak); in planned_peak too
     planned_stages: dict | None = None  # the planner's seconds per stage (ship.costs)
@@ -100,23 +102,21 @@ def make_plan(config: ShipConfig) -> Plan:
     if planned is not None:
         check_plan(planned)
         plan.planned_seconds = planned.seconds
-        plan.planned_peak = planned.to_dict()["peak"]
+        # prune.run's own plan: the build's held-out evaluation (its scoring pass is the shortlist's, which keeps
+        # more beside it and is counted there)
+        peaks = {"build": planned.to_dict()["peak"]}
         healing = _heal_plan(config, sized, keeps_original=True)  # one plan: the original kept adds memory only
         plan.planned_heal_seconds = _heal_seconds(healing, config, sized)
         plan.planned_heal_peak = _heal_peak(healing)
-        if plan.planned_heal_peak:  # the run's peak is the heal's where that holds more
-            plan.planned_peak = {device: max(plan.planned_peak.get(device, 0.0), need)
-                                 for device, need in {**plan.planned_peak, **plan.planned_heal_peak}.items()}
-            for device, need in plan.planned_heal_peak.items():
-                if need > planned.limits.get(device, float("inf")):
-                    logger.warning("the heal is planned at %.1f GB on %s, which has %.1f GB: it may not fit (pass "
-                                   "--no-heal to ship the checkpoint as built)", need / 1e9, device,
-                                   planned.limits[device] / 1e9)
         kept = count is not None and _fidelity_kept(config)
         if count is not None:
+            work = ship_work(config, meta.skeleton, count, plan.planned_heal_seconds, fidelity_kept=kept)
             plan.planned_stages = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
-                planned.shape, planned.inp, ship_work(config, meta.skeleton, count, plan.planned_heal_seconds,
-                                                      fidelity_kept=kept)).items()}
+                planned.shape, planned.inp, work).items()}
+            peaks = {"shortlist": stage_peaks(shortlist_stages(planned.shape, planned.inp, work)), **peaks}
+        if plan.planned_heal_peak:
+            peaks["heal"] = plan.planned_heal_peak
+        _plan_peaks(plan, peaks, planned.limits)
         budget, needed = config.time_budget, plan.planned_total(heal=False)
         if budget is not None and needed is not None and needed > budget:
             # the shortlist leaves out the repairs its share of the budget cannot pay for (ship.shortlist): the
@@ -138,6 +138,31 @@ def make_plan(config: ShipConfig) -> Plan:
         logger.warning("the planner cannot cost %s before loading: --time-budget is held against the stages "
                        "as they run", prune.load.model)
     return plan
+
+
+# what the warning adds for a stage planned above a device's memory: the shortlist's block sets are a guess before
+# the scoring pass, the heal can be left out (prune.run's own plan, the build's, is refused before this: check_plan)
+_UNFIT = {"shortlist": "every repair's fits of every block set are held at once, and the sets are a guess until "
+                       "the scoring pass has chosen them",
+          "heal": "pass --no-heal to ship the checkpoint as built"}
+
+
+def _plan_peaks(plan: Plan, peaks: dict[str, dict[str, float]], limits: dict[str, float]) -> None:
+    """Set ``plan``'s peaks from each stage's bytes per device (``peaks``); warn where a stage may not fit.
+
+    A ship's stages run one after the other, each releasing what the next does not read (``Shipper.build`` the
+    scoring pass): a device's peak is the most any one stage holds there, not their sum, and the plan says which.
+    """
+    plan.planned_stage_peaks = peaks
+    devices = dict.fromkeys(device for stage in peaks.values() for device in stage)
+    plan.planned_peak = {device: max(stage.get(device, 0.0) for stage in peaks.values()) for device in devices}
+    plan.planned_peak_stage = {device: max(peaks, key=lambda name, device=device: peaks[name].get(device, 0.0))
+                               for device in devices}
+    for name, advice in _UNFIT.items():
+        for device, need in peaks.get(name, {}).items():
+            if need > limits.get(device, float("inf")):
+                logger.warning("the %s is planned at %.1f GB on %s, which has %.1f GB: it may not fit (%s)", name,
+                               need / 1e9, device, limits[device] / 1e9, advice)
 
 
 def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | None,

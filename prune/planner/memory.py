@@ -10,6 +10,9 @@ The buffers counted are the ones the code keeps alive (read off ``prune.measure.
 - evaluation: the held-out perplexity's logits, [batch, seq, vocab], three float32 copies on a CPU
   (logits, the chunk's log-softmax, the gathered targets' work; measured on SmolLM2-135M);
 - fitting: a closed-form fit's three float64 [d, d] sums per span and the recorded span inputs and outputs;
+- a repaired selection (``prune.ship``'s shortlist): the measuring rows' moments beside the others, the scores'
+  cached decompositions, every repair's fit sums at once, and the original's float32 log-probabilities of the
+  measuring rows with the states entering each block (``prune.selection.repaired``);
 - distillation: student and teacher weights, what is trained with its gradient and two AdamW states,
   the activations backward needs, and the KL's float32 logits of teacher and student.
 """
@@ -17,6 +20,7 @@ The buffers counted are the ones the code keeps alive (read off ``prune.measure.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from prune.planner.shape import ModelShape
@@ -83,6 +87,53 @@ def fit_bytes(shape: ModelShape, spans: int, width: int | None = None) -> float:
     """
     width = shape.hidden if width is None else width
     return spans * (width ** 2 + width * shape.hidden + shape.hidden ** 2) * 8
+
+
+def decomposition_bytes(shape: ModelShape) -> float:
+    """The scores' eigendecompositions of every block's input Gram (float64 eigenvalues and [d, d] vectors).
+
+    ``StateMoments.gram_eigh`` keeps each one beside the moments, so every later score and fit starting at that
+    state reads it instead of decomposing again: once every block is scored, L of them live as long as the moments.
+    """
+    return shape.layers * (shape.hidden ** 2 + shape.hidden) * 8
+
+
+def solve_bytes(width: int) -> float:
+    """A closed-form solve's float64 workspace at ``width``: three [width, width] matrices at once.
+
+    The centred Gram and its uncentred copy with the outer product between them (``prune.replace.fold.uncentred``),
+    or the ridged copy and its factor (``prune.measure.least_squares``, ``prune.replace.rotate._factor``).
+    """
+    return 3 * width ** 2 * 8
+
+
+def fitted_map_bytes(shape: ModelShape, spans: float, widths: Sequence[int]) -> float:
+    """The fits kept once solved, ``spans`` of each width in ``widths``: a float64 [width, d] map each, at most.
+
+    A rotating fold keeps that (its map and its rotation); a fold's or a cosine's patch is one projection in the
+    model's dtype, a magnitude factor nothing: an upper bound, not a measure.
+    """
+    return spans * sum(width * shape.hidden for width in widths) * 8
+
+
+def measuring_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int) -> float:
+    """A repaired selection's vocabulary-wide logits while it measures on ``rows`` calibration rows.
+
+    The original's float32 log-probabilities of every measuring row stay for the whole measuring, shared by
+    every repair (``prune.selection.repaired.shared_references``), beside one batch of a candidate's logits in
+    the model's dtype; the chunks of their log-softmax (64 positions) are left out.
+    """
+    batch = min(inp.batch_size, rows)
+    return (rows * 4 + batch * inp.act_bytes) * inp.seq_len * shape.vocab
+
+
+def measuring_state_bytes(shape: ModelShape, inp: PlanInput, rows: int) -> float:
+    """The original's state entering every block over the measuring rows, kept with its log-probabilities.
+
+    A candidate's pass starts at the first block it changes, from the state kept there
+    (``prune.selection.oracle.logits_and_states``).
+    """
+    return shape.layers * rows * inp.seq_len * shape.hidden * inp.act_bytes
 
 
 def map_params(shape: ModelShape, inp: PlanInput) -> int:

@@ -10,6 +10,7 @@ The distillation part takes plain numbers (:class:`DistillSpec`): prune never im
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prune.planner.inputs import DTYPE_BYTES, PlanInput
@@ -19,14 +20,19 @@ from prune.planner.memory import (
     CUDA_CONTEXT_BYTES,
     Parts,
     add,
+    decomposition_bytes,
     fit_bytes,
+    fitted_map_bytes,
     forward_bytes,
     kl_logit_bytes,
     lora_params,
     map_params,
+    measuring_logit_bytes,
+    measuring_state_bytes,
     moment_bytes,
     perplexity_logit_bytes,
     placed,
+    solve_bytes,
     train_activation_bytes,
     weight_bytes,
 )
@@ -241,7 +247,7 @@ def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
     _moments(devices, shape, inp, fit_bytes(shape, 1 if offloaded else inp.spans, width))
     # the solve, one span at a time: the uncentred Gram, the ridged copy and its factor, in float64
     # (prune.measure.least_squares); a fold's are the MLP width squared (1B shape: 1.6 GB)
-    add(devices[first], "solve workspace (float64)", 3 * width ** 2 * 8)
+    add(devices[first], "solve workspace (float64)", solve_bytes(width))
     flop = passes * inp.calibration_tokens * _flops(shape, shape.layers)
     # the time counts one span's sums and solve: the blocks a score ranks most removable mostly form one run (every
     # SmolLM2-135M drop of reports/ship-defaults, both shaped runs of reports/scale); each further span adds its own
@@ -343,6 +349,76 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
             folds * (free + inp.drop) * (shape.hidden ** 2 + shape.hidden) * inp.dtype_bytes)
     _moments(devices, shape, inp)
     return Stage("selection", devices, flop / _rate(inp) + reading, note)
+
+
+def stage_shortlist(shape: ModelShape, inp: PlanInput, widths: Sequence[int], spans: float) -> list[Stage]:
+    """``prune.ship``'s shortlist, phase by phase: what each holds on each device (its time is ``ship.costs``').
+
+    ``widths``: the ``fit_width`` of each repair fitted (removal fits nothing); ``spans``: the distinct spans each
+    of them fits over every block set. Every phase holds the weights, the scoring pass's moments and the measuring
+    rows' that the same pass kept apart (``prune.pipeline.runner.score_calibration``'s ``measuring_apart``), and
+    the decompositions the scores cached. Beside them, one after the other (the phases are not summed):
+
+    - map errors: ``repaired-fast``'s fitting rows' moments, the whole pass's less the measuring rows'
+      (``StateMoments.minus``), with the decompositions of their own maps (``prune.selection.map_errors``);
+    - fits: one capture pass feeds every repair's fitters (``prune.selection.repaired.fit_together``), so the sums
+      of every span of every repair live until the last is solved, beside the solved ones' maps, the widest
+      solve's workspace and each span's recorded activations of a batch. A fit is counted at its registration's
+      ``fit_width``: ``cosine`` (whose sums stay on the host) and ``magcomp`` (which sums two norms) as the hidden
+      size's, an overcount of 0.4 GB a span each on a Llama-3-8B shape, since the registry does not say where or
+      whether a fit keeps sums;
+    - measuring: the fitted maps, the original's log-probabilities and states over the measuring rows, a
+      candidate's logits.
+
+    Block by block (``--offload sequential``) the pass frees each state's statistics, the measuring rows' with
+    them, once its scores are taken: one block, the state buffers and three [d, d] matrices stay, no map errors'
+    copy is made, and one span's recorded activations stay over the calibration (a fold's host MLP across its
+    span). Every fit's sums are still counted at once: the spans of one set end at different blocks, but the
+    sets' spans overlap.
+    """
+    names = compute_devices(inp)
+    first, last = names[0], names[-1]
+    offloaded = inp.offload == "sequential"
+    rows = max(1, inp.samples // MEASURE_EVERY)  # prune.selection.repaired.measuring_rows
+    tokens = inp.batch_size * inp.seq_len
+
+    def kept(fits: float = 0.0) -> dict[str, Parts]:
+        devices = _new_devices(inp)
+        if offloaded:
+            _streamed(devices, shape, inp, inp.calibration_tokens)
+        else:
+            _weights(devices, shape, inp, shape.layers, "weights")
+        add(devices[first], "activations", forward_bytes(shape, inp, tokens))
+        _moments(devices, shape, inp, fits)
+        if not offloaded:
+            for name in names:
+                add(devices[name], "measuring rows' moments (float64)", moment_bytes(shape) / len(names))
+                add(devices[name], "decompositions (float64)", decomposition_bytes(shape) / len(names))
+        return devices
+
+    stages = []
+    maps = fitted_map_bytes(shape, spans, widths)
+    if widths and not offloaded:
+        devices = kept()
+        for name in names:
+            add(devices[name], "fitting rows' moments + decompositions (float64)",
+                (moment_bytes(shape) + decomposition_bytes(shape)) / len(names))
+        stages.append(Stage("shortlist: map errors", devices, 0.0, "repaired-fast's maps, from the scoring pass"))
+    if widths:
+        devices = kept(spans * sum(fit_bytes(shape, 1, width) for width in widths))
+        add(devices[first], "solve workspace (float64)", solve_bytes(max(widths)))
+        add(devices[first], "fitted maps", maps)
+        span_tokens = inp.calibration_tokens if offloaded else spans * tokens  # each span's x, y, m and z
+        add(devices[first], "recorded activations",
+            span_tokens * (3 * shape.hidden + shape.intermediate) * inp.act_bytes)
+        stages.append(Stage("shortlist: fits", devices, 0.0,
+                            f"{len(widths)} repair(s) x {spans:g} span(s), their sums held at once"))
+    devices = kept()
+    add(devices[first], "fitted maps", maps)
+    add(devices[first], "measuring states", measuring_state_bytes(shape, inp, rows))
+    add(devices[last], "logits", measuring_logit_bytes(shape, inp, rows))
+    stages.append(Stage("shortlist: measuring", devices, 0.0, f"{rows} measuring row(s)"))
+    return stages
 
 
 def stage_evaluation(shape: ModelShape, inp: PlanInput) -> Stage | None:

@@ -1,0 +1,52 @@
+"""``ship.plan.make_plan``: the run's memory is the most any one stage holds, and the plan names that stage.
+
+The models are configs alone, written to a folder (no weight anywhere): a Llama-3-8B shape, planned on one GPU as
+it ran on an H200 on 2026-12-04 (reports/gpu-ship/h200-2026-12-04b), and SmolLM2-135M on this CPU.
+"""
+
+import logging
+
+import pytest
+from transformers import LlamaConfig
+
+from prune.pipeline.config import PruneConfig
+from ship.config import ShipConfig
+from tests.prune.planner.test_planner import LLAMA3_8B, SMOLLM2_135M
+
+
+def _plan(folder, config: dict, tmp_path, **data):
+    from ship.plan import make_plan
+
+    LlamaConfig(**config).save_pretrained(folder)
+    prune = PruneConfig(load={"model": str(folder)}, data={"data": "builtin", **data}, drop=8)
+    return make_plan(ShipConfig(prune=prune, out=str(tmp_path / "slim"), engine="transformers"))
+
+
+def test_the_8b_shapes_plan_peaks_in_the_shortlist_and_names_it(tmp_path, monkeypatch, caplog):
+    """Before: prune.run's plan of --replace none, 26.3 GB, the whole run's (61.3 GB measured in the shortlist)."""
+    monkeypatch.setattr("prune.planner.estimate.local_gpus", lambda device: (1, 141e9))
+    plan = _plan(tmp_path / "llama-3-8b", LLAMA3_8B, tmp_path, samples=32, heldout_samples=4)
+    peaks = plan.planned_stage_peaks
+    assert list(peaks) == ["shortlist", "build", "heal"]
+    assert peaks["build"]["cuda:0"] == 26_341_337_600  # what ship planned for that run, to the byte
+    assert plan.planned_peak_stage["cuda:0"] == "shortlist"
+    assert plan.planned_peak["cuda:0"] == peaks["shortlist"]["cuda:0"] == max(p["cuda:0"] for p in peaks.values())
+    # before the scoring pass the plan guesses three block sets of two spans, each repair fitting all six at once:
+    # above the 61.3 GB the run's two sets of one span took (tests/prune/planner/test_shortlist_memory.py has them)
+    assert peaks["shortlist"]["cuda:0"] == pytest.approx(95.1e9, rel=0.002)
+    assert plan.planned_heal_peak == peaks["heal"] and peaks["heal"]["cuda:0"] < peaks["shortlist"]["cuda:0"]
+    # on an 80 GB GPU the shortlist may not fit: said, not refused (the block sets are a guess)
+    monkeypatch.setattr("prune.planner.estimate.local_gpus", lambda device: (1, 80e9))
+    with caplog.at_level(logging.WARNING, logger="ship.plan"):
+        _plan(tmp_path / "llama-3-8b", LLAMA3_8B, tmp_path, samples=32, heldout_samples=4)
+    assert "the shortlist is planned at 95.1 GB on cuda:0, which has 80.0 GB" in caplog.text
+
+
+def test_smollm2s_cpu_plan_stays_below_what_a_whole_ship_measured(tmp_path, monkeypatch):
+    """SmolLM2-135M drop 4 and 8 on the CPU: a whole ship's peak RSS was 6.3-6.8 GB (reports/ship-defaults), against
+    2.41-2.47 GB planned before the shortlist had a peak of its own."""
+    monkeypatch.setattr("prune.planner.estimate.local_gpus", lambda device: (0, 0.0))
+    plan = _plan(tmp_path / "smollm2-135m", SMOLLM2_135M, tmp_path)
+    assert plan.planned_peak_stage["cpu"] == "shortlist"  # its measuring's vocabulary-wide logits
+    assert 2.4e9 < plan.planned_peak["cpu"] < 4e9
+    assert plan.planned_peak["cpu"] == pytest.approx(3.13e9, rel=0.01)
