@@ -219,6 +219,31 @@ def replanned_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Seq
     Llama-3.2-1B shape 2 sets of one span each, whose fits the guess (6 spans) planned at three times their
     cost. With the sets known the same arithmetic counts them, and the repairs ``model`` (the loaded one) takes.
     """
+    replanned = _replanned(config, model, drop, sets, repairs)
+    if replanned is None:
+        return None
+    planned, work = replanned
+    return stage_seconds(planned.shape, planned.inp, work)["shortlist"]
+
+
+def replanned_shortlist_peak(config: ShipConfig, model, drop: int,
+                             sets: Sequence[Sequence[int]]) -> dict[str, float] | None:
+    """The shortlist's memory per device again once its block ``sets`` are known (None: no plan).
+
+    Every repair's sums of every span are held at once (:func:`ship.costs.shortlist_stages`), so the guess made
+    before loading (three sets of two spans) is far from a run's: 95.1 GB planned for a Llama-3-8B shape whose
+    two sets of one span each took 61.3 GB on an H200 (63.25 GB counted with them).
+    """
+    replanned = _replanned(config, model, drop, sets, None)
+    if replanned is None:
+        return None
+    planned, work = replanned
+    return stage_peaks(shortlist_stages(planned.shape, planned.inp, work))
+
+
+def _replanned(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int]],
+               repairs: Collection[str] | None):
+    """``plan_config``'s plan and the shortlist's work with ``sets`` counted (None: no sets, or no plan)."""
     from prune.planner.estimate import hardware_for, plan_config
     from prune.replace import spans_of
 
@@ -234,7 +259,7 @@ def replanned_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Seq
     spans = {span for blocks in sets for span in spans_of(blocks)}  # a repair fits a span once for every set
     work = dataclasses.replace(ship_work(config, model, drop, None, only=repairs), sets=len(sets),
                                spans=len(spans) / len(sets))
-    return stage_seconds(planned.shape, planned.inp, work)["shortlist"]
+    return planned, work
 
 
 def _fidelity_kept(config: ShipConfig) -> bool:
@@ -344,6 +369,13 @@ def check_engine(config: ShipConfig) -> None:
         find_converter(config.converter)
         if config.gguf_type in QUANTIZER_TYPES:
             check_quantizer(config.gguf_type)
+
+
+def memory_words(peak: dict[str, float]) -> str:
+    """Bytes per device in words: "3.1 GB", or "31.6 GB on cuda:0, 30.2 GB on cuda:1" where there are several."""
+    if len(peak) == 1:
+        return f"{next(iter(peak.values())) / 1e9:.1f} GB"
+    return ", ".join(f"{need / 1e9:.1f} GB on {device}" for device, need in peak.items())
 
 
 def plan_line(plan: Plan, config: ShipConfig) -> str:

@@ -29,7 +29,15 @@ from ship.build import Built, build, chosen_config
 from ship.card import CARD, ship_card
 from ship.config import SHORTLIST_SHARE, ShipConfig, applicable, duration_words, servable_repairs
 from ship.heal import Healing, heal, heal_steps
-from ship.plan import Plan, block_budget, make_plan, plan_line, replanned_shortlist
+from ship.plan import (
+    Plan,
+    block_budget,
+    make_plan,
+    memory_words,
+    plan_line,
+    replanned_shortlist,
+    replanned_shortlist_peak,
+)
 from ship.shortlist import Progress, Shortlist, make_shortlist
 from ship.verify import Verified, verify
 from ship.work import (
@@ -194,18 +202,26 @@ class Shipper:
                                                                      config.resolve(loaded.model))
         budget = self.config.time_budget
 
+        peaks = {}
+
         def replan(sets: list[list[int]], repairs: Collection[str] | None) -> float | None:
             seconds = replanned_shortlist(self.config, loaded.model, count, sets, repairs)
-            if seconds is not None and repairs is None:  # the whole stage's, said once
+            if seconds is not None and repairs is None:  # the whole stage's, said once, with its memory
+                peaks["known"] = replanned_shortlist_peak(self.config, loaded.model, count, sets)
                 before = (plan.planned_stages or {}).get("shortlist")
+                guessed = (plan.planned_stage_peaks or {}).get("shortlist")
                 self.say(f"{len({tuple(s) for s in sets})} block sets to fit and measure: the planner now gives the "
                          f"shortlist {duration_words(seconds)}"
-                         + (f" (planned before loading: {duration_words(before)})" if before else ""))
+                         + (f" and {memory_words(peaks['known'])}" if peaks["known"] else "")
+                         + (f" (planned before loading: {duration_words(before)}"
+                            + (f", {memory_words(guessed)}" if guessed else "") + ")" if before else ""))
             return seconds
 
-        return make_shortlist(self.scored, loaded.model, config, count, deadline=shortlist_deadline(budget, plan),
+        done = make_shortlist(self.scored, loaded.model, config, count, deadline=shortlist_deadline(budget, plan),
                               elapsed=self.elapsed,
                               progress=Progress(self.work / SHORTLIST_PROGRESS), replan=replan, say=self.say)
+        done.planned_peak = peaks.get("known")
+        return done
 
     def build(self, shortlist: Shortlist) -> Built:
         """``checkpoint/``: prune.run's checkpoint of the chosen candidate."""

@@ -77,6 +77,7 @@ class Shortlist(StageResult):
     measuring_rows: list | None = None
     not_applicable: dict = field(default_factory=dict)
     planned_seconds: float | None = None  # the planner's seconds for this stage once its candidates were known
+    planned_peak: dict | None = None  # the planner's bytes per device for this stage once they were known
 
     def __post_init__(self):
         self.candidates = [c if isinstance(c, Candidate) else Candidate(**c) for c in self.candidates]

@@ -50,3 +50,32 @@ def test_smollm2s_cpu_plan_stays_below_what_a_whole_ship_measured(tmp_path, monk
     assert plan.planned_peak_stage["cpu"] == "shortlist"  # its measuring's vocabulary-wide logits
     assert 2.4e9 < plan.planned_peak["cpu"] < 4e9
     assert plan.planned_peak["cpu"] == pytest.approx(3.13e9, rel=0.01)
+
+
+def test_the_8b_shapes_shortlist_memory_once_its_sets_are_known_is_near_what_the_h200_measured(tmp_path, monkeypatch):
+    """The H200 run's selections chose two sets of one span each: 63.25 GB counted with them (61.3 GB measured),
+    where the guess before loading (three sets of two spans) was 95.1 GB."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from ship.plan import memory_words, replanned_shortlist_peak
+
+    monkeypatch.setattr("prune.planner.estimate.local_gpus", lambda device: (1, 141e9))
+    folder = tmp_path / "llama-3-8b"
+    LlamaConfig(**LLAMA3_8B).save_pretrained(folder)
+    prune = PruneConfig(load={"model": str(folder)}, data={"data": "builtin", "samples": 32, "heldout_samples": 4},
+                        drop=8)
+    config = ShipConfig(prune=prune, out=str(tmp_path / "slim"), engine="transformers")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA3_8B))
+    known = replanned_shortlist_peak(config, model, 8, [list(range(20, 28)), list(range(21, 29))])
+    assert known["cuda:0"] == pytest.approx(63.25e9, rel=0.002)
+    assert abs(known["cuda:0"] / 61_330_509_824 - 1) < 0.3
+    # one set counted once, however often the selections chose it; a scattered set fits each of its spans
+    assert replanned_shortlist_peak(config, model, 8, [list(range(20, 28))] * 2)["cuda:0"] < known["cuda:0"]
+    scattered = replanned_shortlist_peak(config, model, 8, [[2, 4, 6, 8, 20, 22, 24, 26]])
+    assert scattered["cuda:0"] > known["cuda:0"]
+    assert replanned_shortlist_peak(config, model, 8, []) is None
+    assert memory_words(known).endswith(", 63.2 GB on cuda:0")  # beside the host's share (the CPU's rows)
+    assert memory_words({"cpu": 3.13e9}) == "3.1 GB"
+    assert memory_words({"cuda:0": 31.6e9, "cuda:1": 30.2e9}) == "31.6 GB on cuda:0, 30.2 GB on cuda:1"

@@ -86,7 +86,8 @@ def test_ship_keeps_the_measured_candidate_of_lowest_kl_and_prune_run_rebuilds_i
 def test_the_shortlist_is_planned_again_from_the_block_sets_the_scoring_pass_chose(shipped, tiny_folder, text_file,
                                                                                    tmp_path, one_thread):
     from ship.cli import build_parser, config_from_args
-    from ship.plan import replanned_shortlist
+    from ship.config import duration_words
+    from ship.plan import replanned_shortlist, replanned_shortlist_peak
 
     out, stdout = shipped
     found = json.loads((out / "ship.json").read_text())
@@ -98,6 +99,11 @@ def test_the_shortlist_is_planned_again_from_the_block_sets_the_scoring_pass_cho
     assert again > 0 and found["shortlist"]["planned_seconds"] == round(again, 1)
     assert found["planned"]["shortlist once its sets were known"] == round(again, 1)
     assert f"{len(sets)} block sets to fit and measure: the planner now gives the shortlist" in stdout
+    # its memory too, counted with the same sets (shortlist.json, and said beside the guess made before loading)
+    peak = replanned_shortlist_peak(config, model, 2, [list(s) for s in sets])
+    assert set(peak) == {"cpu"} and found["shortlist"]["planned_peak"] == pytest.approx(peak)
+    said = next(line for line in stdout.splitlines() if "block sets to fit and measure" in line)
+    assert f"the shortlist {duration_words(again)} and {peak['cpu'] / 1e9:.1f} GB" in said, said
     # every repair fits each span of each set: scattered sets cost more than one span, a set counted once
     one = replanned_shortlist(config, model, 2, [[1, 2]])
     assert replanned_shortlist(config, model, 2, [[1, 2], [2, 1]]) == one
