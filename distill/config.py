@@ -225,12 +225,13 @@ def lora_targets_spec(spec) -> str:
     """``--lora-targets`` written one way: "all-linear", or its layer names comma-joined, each once, in order.
 
     A name is a layer's own (``q_proj``), not a path: adapters go inside the blocks only, so a dot or an empty
-    name is refused in one line.
+    name is refused in one line. A recipe's YAML list (``lora_targets: [q_proj, v_proj]``) reads as the comma list.
     """
-    names = [name.strip() for name in str(spec).split(",")]
+    listed = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
+    names = [str(name).strip() for name in listed]
     if names == [LORA_ALL]:
         return LORA_ALL
-    if not all(names) or any("." in name or name == LORA_ALL for name in names):
+    if not names or not all(names) or any("." in name or name == LORA_ALL for name in names):
         raise LayercutError(f"--lora-targets takes {LORA_ALL} or a comma list of the blocks' Linear layer names "
                             f"(q_proj,v_proj), got {spec!r}")
     return ",".join(dict.fromkeys(names))

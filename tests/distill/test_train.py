@@ -347,12 +347,13 @@ def test_train_lora_on_named_targets_changes_only_those_weights(replaced_pair):
 
 
 @pytest.mark.parametrize(("spec", "written"),
-                         [("all-linear", "all-linear"), (" q_proj , v_proj,q_proj", "q_proj,v_proj")])
+                         [("all-linear", "all-linear"), (" q_proj , v_proj,q_proj", "q_proj,v_proj"),
+                          (["q_proj", "v_proj"], "q_proj,v_proj"), (["all-linear"], "all-linear")])
 def test_lora_targets_are_written_one_way(spec, written):
     assert DistillConfig(lora_targets=spec).lora_targets == written
 
 
-@pytest.mark.parametrize("spec", ["", "q_proj,,v_proj", "self_attn.q_proj", "q_proj,all-linear"])
+@pytest.mark.parametrize("spec", ["", "q_proj,,v_proj", "self_attn.q_proj", "q_proj,all-linear", [], ["q_proj", ""]])
 def test_lora_targets_that_name_no_layer_are_one_line(spec):
     with pytest.raises(LayercutError, match="--lora-targets takes all-linear or a comma list"):
         DistillConfig(lora_targets=spec)
