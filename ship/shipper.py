@@ -19,6 +19,7 @@ from pathlib import Path
 from prune.atomic import check_output_dir, output_lock, write_file_atomic
 from prune.checkpoint.report import REPORT_FILE, read_report
 from prune.checkpoint.write import portable
+from prune.data.self_text import check_chat_sources
 from prune.errors import LayercutError
 from prune.loading.loader import LoadedModel
 from prune.model.adapters import is_offloaded
@@ -191,6 +192,11 @@ class Shipper:
         """Score once, then measure every candidate (:func:`ship.shortlist.make_shortlist`)."""
         config = self.config.prune
         loaded = self._load()
+        if self.config.heal_data:  # a heal text this tokenizer cannot draw is refused before the shortlist's minutes
+            try:
+                check_chat_sources(loaded.tokenizer, self.config.heal_data_config())
+            except LayercutError as err:  # in the words of ship's own flag
+                raise LayercutError(str(err).replace("--data", "--heal-data")) from None
         self.say("scoring every block (one pass)")
         self.scored = self._score(loaded)
         calibration = self.scored.calibration

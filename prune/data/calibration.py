@@ -6,7 +6,9 @@ package (Jane Austen's *Pride and Prejudice*; ``builtin`` names it in a mixture)
 sampled from the model being pruned (the self-generated calibration of Ji et al., "Beware of
 Calibration Data for Pruning Large Language Models", ICLR 2025), spelled ``self`` or
 ``self:temperature=0.8:top_p=0.9`` (``:batch=64`` samples that many sequences at a time: faster on a GPU,
-and other tokens than the default batch of :data:`prune.data.self_text.SELF_BATCH`). Sampled text is kept on disk
+and other tokens than the default batch of :data:`prune.data.self_text.SELF_BATCH`; ``:chat`` starts each
+sequence where the model's chat template opens a conversation, so an instruct model writes requests and answers
+them, :func:`prune.data.self_text.chat_opening`). Sampled text is kept on disk
 (:func:`prune.data.self_text.cached_samples`): the same model, seed and options sample once.
 
 A mixture is a comma list of sources, each with an optional ``@weight`` (parsed by :mod:`prune.data.sources`)::

@@ -42,19 +42,57 @@ def _top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, genera
     return order.gather(-1, picked)  # [batch, 1]
 
 
+# stands where a user's first words go when the chat template is rendered, to cut the opening before them
+_USER_MARK = "LAYERCUTUSERTURN"
+
+
+def chat_opening(tokenizer) -> list[int]:
+    """The tokens the model's chat template opens a conversation with, up to where the user's first words go.
+
+    Its system turn (where the template writes a default one) and the user's turn header: sampled on from there,
+    an instruct model writes a request in its own words and then, past its end-of-turn and the assistant's header,
+    its answer, the conversations it was tuned on as it would hold them itself (the pre-query sampling of Xu et
+    al., "Magpie", 2024).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise LayercutError("--data self:chat opens the model's conversations with its chat template and this "
+                            "tokenizer has none: use self, or load a tokenizer with a chat template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _USER_MARK}], tokenize=False)
+    if _USER_MARK not in text:
+        raise LayercutError("--data self:chat: this chat template does not write the user's words as given; use self")
+    return tokenizer(text[:text.index(_USER_MARK)], add_special_tokens=False)["input_ids"]
+
+
+def check_chat_sources(tokenizer, config) -> None:
+    """Refuse a ``self:chat`` source that ``tokenizer`` cannot open, before the work ahead of its draw.
+
+    ``config``: a :class:`prune.data.calibration.DataConfig`. A ship's heal draws its text after the shortlist.
+    """
+    if any(source.is_self and dict(source.sampling).get("chat") for source in config.sources):
+        chat_opening(tokenizer)
+
+
 @torch.no_grad()
 def sample_sequences(model, tokenizer, count: int, seq_len: int, seed: int, temperature: float = 1.0,
-                     top_p: float = 0.95, batch_size: int = SELF_BATCH) -> torch.Tensor:
+                     top_p: float = 0.95, batch_size: int = SELF_BATCH, chat: int = 0) -> torch.Tensor:
     """``count`` sequences of ``seq_len`` tokens sampled from ``model``, each starting at the BOS token.
 
     The sequences start where a document starts (BOS, else EOS, which separates documents) so the
-    model writes what it considers typical text. Sampling runs past an EOS: what follows is the next
-    document, as in packed text. Same model, seed and device give the same tokens.
+    model writes what it considers typical text; ``chat``: where its chat template opens a conversation
+    (:func:`chat_opening`), so an instruct model writes requests and its answers. Sampling runs past an EOS:
+    what follows is the next document, as in packed text. Same model, seed and device give the same tokens.
     """
-    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    if start is None:
-        raise LayercutError("--data self starts sampling at the BOS or EOS token and this tokenizer has neither: "
-                            "use a text source for --data")
+    if chat:
+        opening = chat_opening(tokenizer)
+        if len(opening) >= seq_len:
+            raise LayercutError(f"--data self:chat: the chat template opens with {len(opening)} tokens, no fewer "
+                                f"than the {seq_len} of a sequence; raise --seq-len")
+    else:
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if start is None:
+            raise LayercutError("--data self starts sampling at the BOS or EOS token and this tokenizer has neither: "
+                                "use a text source for --data")
+        opening = [start]
     device = model.get_input_embeddings().weight.device
     generator = torch.Generator(device=device).manual_seed(seed)
     cache_name = cache_keyword(model)
@@ -62,10 +100,10 @@ def sample_sequences(model, tokenizer, count: int, seq_len: int, seed: int, temp
     with tqdm(total=count * seq_len, desc="sampling calibration text", unit="tok") as bar:
         for first in range(0, count, batch_size):
             batch = min(batch_size, count - first)
-            ids = torch.full((batch, 1), start, dtype=torch.long, device=device)  # [batch, 1]
-            tokens, past = [ids], None
-            bar.update(batch)
-            for _ in range(seq_len - 1):
+            ids = torch.tensor([opening], dtype=torch.long, device=device).repeat(batch, 1)  # [batch, opening]
+            tokens, past = [ids], None  # the first step reads the whole opening, the others one token
+            bar.update(batch * len(opening))
+            for _ in range(seq_len - len(opening)):
                 out = model(input_ids=tokens[-1], use_cache=True, **{cache_name: past})
                 past = getattr(out, cache_name)
                 tokens.append(_top_p_sample(out.logits[:, -1], temperature, top_p, generator))

@@ -25,7 +25,8 @@ class Source:
     Attributes:
         spec: what ``load_documents`` reads (None: the built-in corpus), or ``self``.
         weight: share of the sequences, the weights of a mixture summing to one.
-        sampling: temperature, top_p and (when given) batch of a ``self`` source (empty for text sources).
+        sampling: temperature, top_p and (when given) batch and chat of a ``self`` source (empty for text
+            sources).
     """
 
     spec: str | None
@@ -100,6 +101,12 @@ def _source(name: str, weight: float) -> Source:
     options: dict[str, float | int] = dict(SELF_DEFAULTS)
     for part in name.split(":")[1:]:
         key, _, text = part.partition("=")
+        if key == "chat":
+            # only when given, as batch: a plain sample's cache key and tokens stay those of every earlier run
+            if text not in ("", "1"):
+                raise LayercutError(f"--data '{name}': chat takes no value; write self:chat")
+            options[key] = 1
+            continue
         if key == "batch":
             # only when given: the default's cache key and tokens stay those of every earlier run
             if not text.isdecimal() or int(text) < 1:
@@ -108,7 +115,7 @@ def _source(name: str, weight: float) -> Source:
             continue
         if key not in SELF_DEFAULTS:
             raise LayercutError(f"--data '{name}': unknown sampling option '{key}'; write self or "
-                                "self:temperature=1.0:top_p=0.95:batch=8")
+                                "self:temperature=1.0:top_p=0.95:batch=8:chat")
         try:
             options[key] = float(text)
         except ValueError:

@@ -420,3 +420,14 @@ def test_the_scoring_pass_and_the_surgered_model_are_freed_once_built(tmp_path, 
     assert shipper.scored is None and shipper.loaded is None
     assert scored() is None and model() is None
     assert torch.equal(shipper._calibration(), tokens)  # the heal's rows, read back from OUT.work/
+
+
+def test_chat_heal_data_without_a_chat_template_is_refused_before_the_shortlist(tmp_path, tiny_folder, text_file,
+                                                                                capsys, one_thread):
+    code, _, err = ship(capsys, *base_args(tiny_folder, text_file), "--heal-data", "self:chat", "--no-verify",
+                        "--out", tmp_path / "chat")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("error: --heal-data self:chat opens the model's conversations with its chat "
+                                            "template and this tokenizer has none: use self, or load a tokenizer "
+                                            "with a chat template")
+    assert not (tmp_path / "chat.work" / "shortlist.json").exists() and not (tmp_path / "chat").exists()

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from prune.data.calibration import DataConfig, calibration_data, load_documents
-from prune.data.self_text import _top_p_sample, sample_sequences
+from prune.data.self_text import _top_p_sample, chat_opening, sample_sequences
 from prune.data.sources import parse_sources, shares
 from prune.errors import LayercutError
 from tests.helpers import make_tiny_model, make_tiny_tokenizer
@@ -55,6 +55,7 @@ def test_weights_are_normalised_and_default_to_equal_shares(two_texts):
     ("self:temp=0.5", "unknown sampling option 'temp'"),
     ("self:top_p=2", "top_p in (0, 1]"),
     ("self:batch=0", "batch must be a whole number of sequences"),
+    ("self:chat=yes", "chat takes no value; write self:chat"),
     ("self:batch=2.5", "batch must be a whole number of sequences"),
     ("  ", "--data is empty"),
 ])
@@ -137,6 +138,33 @@ def test_self_samples_from_the_model(one_thread):
     start = torch.full((1, 1), tok.bos_token_id)
     expected = model.generate(start, max_new_tokens=11, min_new_tokens=11, do_sample=False, pad_token_id=0)
     assert torch.equal(greedy.token_ids, expected.repeat(2, 1))
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def test_self_chat_samples_conversations_from_the_chat_templates_opening(one_thread):
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    with pytest.raises(LayercutError, match="tokenizer has none: use self") as err:
+        calibration_data(tok, DataConfig(data="self:chat", samples=2, seq_len=16), model=model)
+    assert "\n" not in str(err.value)
+    tok.chat_template = CHAT_TEMPLATE
+    opening = tok("<s>user: ", add_special_tokens=False)["input_ids"]
+    assert chat_opening(tok) == opening and opening[0] == tok.bos_token_id and len(opening) > 2
+    data = calibration_data(tok, DataConfig(data="self:chat:top_p=1e-9", samples=2, seq_len=16, heldout_samples=0),
+                            model=model)
+    assert data.source == "self(temperature=1, top_p=1e-09, chat=1)"
+    # greedy from the opening: the sequences are generate()'s continuation of it, every row the same
+    start = torch.tensor([opening])
+    expected = model.generate(start, max_new_tokens=16 - len(opening), min_new_tokens=16 - len(opening),
+                              do_sample=False, pad_token_id=0)
+    assert torch.equal(data.token_ids, expected.repeat(2, 1))
+    plain = calibration_data(tok, DataConfig(data="self:top_p=1e-9", samples=2, seq_len=16, heldout_samples=0),
+                             model=model)
+    assert not torch.equal(plain.token_ids, data.token_ids)  # the plain sample starts at BOS alone
+    with pytest.raises(LayercutError, match=f"opens with {len(opening)} tokens, no fewer than the {len(opening)} "):
+        sample_sequences(model, tok, 1, len(opening), seed=0, chat=1)
 
 
 def test_self_in_a_mixture_and_without_a_model(two_texts, one_thread):
