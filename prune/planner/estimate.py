@@ -239,7 +239,13 @@ def distill_spec(options: dict, fallback_seq_len: int = 128) -> DistillSpec:
     return DistillSpec(steps=int(options.get("steps", 0)), batch_size=options.get("batch_size", defaults.batch_size),
                        seq_len=data.get("seq_len", fallback_seq_len), grad_accum=options.get("grad_accum", 1),
                        train=options.get("train", defaults.train), lora_r=options.get("lora_r", defaults.lora_r),
-                       kl=kl, teacher_cache=int(cache), cache_sequences=sequences)
+                       lora_targets=_lora_targets(options.get("lora_targets", defaults.lora_targets)), kl=kl,
+                       teacher_cache=int(cache), cache_sequences=sequences)
+
+
+def _lora_targets(targets) -> str:
+    """``lora_targets`` as the comma string ``DistillConfig`` keeps (a recipe may hold a YAML list)."""
+    return ",".join(str(name).strip() for name in targets) if isinstance(targets, (list, tuple)) else str(targets)
 
 
 def plan_input(config, shape: ModelShape, hardware: Hardware) -> PlanInput:

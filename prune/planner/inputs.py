@@ -18,6 +18,7 @@ class DistillSpec:
         grad_accum: micro-batches per step.
         train: replacements | all | lora.
         lora_r: LoRA rank.
+        lora_targets: the Linear layers LoRA adapts (``--lora-targets``: ``all-linear`` or their names, comma list).
         kl: a loss on the logits (float32 [batch, seq, vocab] for teacher and student).
         teacher_cache: top-k of a teacher-logit cache (the teacher is then not in memory while training);
             0: the teacher runs beside the student.
@@ -31,6 +32,7 @@ class DistillSpec:
     grad_accum: int = 1
     train: str = "replacements"
     lora_r: int = 8
+    lora_targets: str = "all-linear"
     kl: bool = True
     teacher_cache: int = 0
     cache_sequences: int = 0

@@ -166,9 +166,16 @@ def kl_logit_bytes(shape: ModelShape, tokens: int, act_bytes: float, cached: boo
     return tokens * shape.vocab * (copies * 4 + 2 * act_bytes)
 
 
-def lora_params(shape: ModelShape, blocks: int, rank: int) -> float:
-    """LoRA adapters on every Linear of ``blocks`` blocks: r x (in + out) each."""
-    return blocks * rank * shape.block_linear_io
+def lora_params(shape: ModelShape, blocks: int, rank: int, targets: str = "all-linear") -> float:
+    """LoRA adapters on the Linear layers of ``blocks`` blocks that ``targets`` names: r x (in + out) each.
+
+    ``targets``: ``--lora-targets``, ``all-linear`` or a comma list of the layers' own names; a shape without
+    the names (made before they were kept) counts every Linear, as ``all-linear`` does: never fewer than trained.
+    """
+    named = dict(shape.block_linear_io_names)
+    if targets == "all-linear" or not named:
+        return blocks * rank * shape.block_linear_io
+    return blocks * rank * sum(named.get(name, 0) for name in targets.split(","))
 
 
 def add(parts: Parts, name: str, value: float) -> None:

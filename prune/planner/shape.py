@@ -49,6 +49,8 @@ class ModelShape:
         embed_params: the input embedding (and any position embedding).
         head_params: the LM head when it is not tied to the embedding, else 0.
         other_params: the rest (final norm, rotary buffers that are parameters).
+        block_linear_io_names: ``block_linear_io`` by the layers' own names (``q_proj``: the inputs plus outputs
+            of every Linear of a block so named), sorted by name: what LoRA adapts under ``--lora-targets``.
     """
 
     model_type: str
@@ -65,6 +67,7 @@ class ModelShape:
     embed_params: int
     head_params: int
     other_params: int
+    block_linear_io_names: tuple[tuple[str, int], ...] = ()
 
     @property
     def total(self) -> int:
@@ -97,14 +100,21 @@ def _experts_share(config) -> float:
     return topk / count if count and topk else 1.0
 
 
-def _block_counts(block: nn.Module, share: float) -> tuple[int, int, int, int]:
-    """(parameters, nn.Linear weight scalars, their inputs + outputs, parameters a token passes through)."""
+def _block_counts(block: nn.Module, share: float) -> tuple[int, int, int, int, dict[str, int]]:
+    """A block's counts: parameters, nn.Linear weights, their inputs + outputs, what a token passes through.
+
+    And the Linear layers' inputs + outputs by their own names (LoRA's targets).
+    """
     total = sum(p.numel() for p in block.parameters())
-    linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+    linears = [(name, m) for name, m in block.named_modules() if isinstance(m, nn.Linear)]
     experts = sum(p.numel() for name, m in block.named_modules() if name.split(".")[-1] == "experts"
                   for p in m.parameters())
-    return (total, sum(m.weight.numel() for m in linears), sum(m.in_features + m.out_features for m in linears),
-            total - experts + round(experts * share))
+    named: dict[str, int] = {}
+    for name, m in linears:
+        leaf = name.rsplit(".", 1)[-1]
+        named[leaf] = named.get(leaf, 0) + m.in_features + m.out_features
+    return (total, sum(m.weight.numel() for _, m in linears),
+            sum(m.in_features + m.out_features for _, m in linears), total - experts + round(experts * share), named)
 
 
 def _intermediate(config, hidden: int) -> int:
@@ -159,6 +169,8 @@ def shape_of_model(model: nn.Module) -> ModelShape:
         block_linear_io=round(sum(c[2] for c in counts) / layers),
         block_active_params=round(sum(c[3] for c in counts) / layers),
         embed_params=embed, head_params=head, other_params=other,
+        block_linear_io_names=tuple(sorted((name, round(sum(c[4].get(name, 0) for c in counts) / layers))
+                                           for name in {name for c in counts for name in c[4]})),
     )
 
 

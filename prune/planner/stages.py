@@ -444,7 +444,8 @@ def stage_evaluation(shape: ModelShape, inp: PlanInput) -> Stage | None:
 def _trainable_params(shape: ModelShape, inp: PlanInput) -> float:
     """Scalars that get a gradient and two AdamW states (``--train``)."""
     kept = shape.layers - inp.drop
-    extra = {"all": kept * shape.block_params, "lora": lora_params(shape, kept, inp.distill.lora_r)}
+    extra = {"all": kept * shape.block_params, "lora": lora_params(shape, kept, inp.distill.lora_r,
+                                                                         inp.distill.lora_targets)}
     return map_params(shape, inp) + extra.get(inp.distill.train, 0)
 
 

@@ -223,6 +223,29 @@ def test_distill_spec_defaults_follow_distill_config():
     assert spec.kl and not distill_spec({"steps": 1, "losses": {"layerwise_mse": 1.0}}).kl
 
 
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj", "gate_proj,up_proj,down_proj"])
+def test_lora_parameters_are_counted_for_the_layers_lora_targets_names(targets):
+    """The planner's LoRA scalars are the ones peft adds to the kept blocks' layers --lora-targets names."""
+    from peft import LoraConfig, get_peft_model
+
+    from distill.trainable import lora_target_names
+    from prune.planner.memory import lora_params
+
+    model = make_tiny_model("llama")
+    shape = shape_of_model(model)
+    names = lora_target_names(model, targets=targets)
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=names))
+    added = sum(p.numel() for name, p in peft.named_parameters() if "lora_" in name)
+    assert lora_params(shape, shape.layers, 4, targets) == added
+    spec = distill_spec({"steps": 1, "train": "lora", "lora_r": 4, "lora_targets": targets.split(",")})
+    assert spec.lora_targets == targets  # a recipe's YAML list reads as the comma list
+    if targets != "all-linear":  # fewer layers, fewer scalars: the plan is no longer every Linear's
+        assert lora_params(shape, shape.layers, 4, targets) < lora_params(shape, shape.layers, 4)
+    # a shape kept before the names were: every Linear counted, never fewer than trained
+    assert lora_params(dataclasses.replace(shape, block_linear_io_names=()), shape.layers, 4, targets) == \
+        lora_params(shape, shape.layers, 4)
+
+
 def test_parse_bytes():
     assert parse_bytes("80GB", "--x") == 80e9 and parse_bytes("24GiB", "--x") == 24 * 2**30
     with pytest.raises(LayercutError, match="--plan-gpu-memory takes a size"):
