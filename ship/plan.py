@@ -198,6 +198,8 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
     return ShipWork(drop=drop, repairs=widths, fidelity_kept=fidelity_kept,
                     rounds=tuple(METHODS[name].fit_rounds for name in repairs),
                     self_rows=self_rows(data, config.prune.load.model),
+                    heal_self_rows=self_rows(config.heal_data_config(), config.prune.load.model)
+                    if config.heal_data and not config.no_heal else 0,
                     heldout_tokens=4096 if config.heldout else max(data.heldout_samples, 1) * data.seq_len,
                     texts=max(len(config.heldout), 1), gguf=config.gguf, original_kept=original_kept,
                     quantized=config.gguf and config.gguf_type in QUANTIZER_TYPES, speed_rounds=config.speed_repeats,
@@ -207,38 +209,56 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
                     speed=not (config.prune.load.offload != "none" and config.engine == REFERENCE))
 
 
-def replanned_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int]],
-                        repairs: Collection[str] | None = None) -> float | None:
-    """The planner's shortlist seconds again once the scoring pass has chosen its block ``sets`` (None: no plan).
+@dataclass(frozen=True)
+class ReplannedShortlist:
+    """The shortlist's stage planned again once its block sets are known (:func:`replan_shortlist`).
 
-    ``repairs``: the repairs counted (default: every one the model takes; removal is always measured).
+    Attributes:
+        seconds: the stage's time for the repairs counted.
+        peak: its memory per device, every repair counted (None where only some were).
+    """
+
+    seconds: float
+    peak: dict[str, float] | None
+
+
+def replan_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int]],
+                     repairs: Collection[str] | None = None) -> ReplannedShortlist | None:
+    """The planner's shortlist seconds and memory again once the scoring pass has chosen its block ``sets``.
+
+    None: no sets, or no plan. ``repairs``: the repairs counted (default: every one the model takes; removal is
+    always measured); the memory is counted for every repair only.
 
     Before any weight is read the planner can only guess how many block sets the one-pass selections choose and
     how scattered they are (``ShipWork.sets`` and ``spans``), and every repair fits each span of each set: on
     the project's runs SmolLM2-135M's selections gave 3-4 sets of 10-11 spans in all, a random-weight
     Llama-3.2-1B shape 2 sets of one span each, whose fits the guess (6 spans) planned at three times their
     cost. With the sets known the same arithmetic counts them, and the repairs ``model`` (the loaded one) takes.
+    Every repair's sums of every span are held at once (:func:`ship.costs.shortlist_stages`), so the memory
+    guessed before loading (three sets of two spans) is far from a run's too: 95.1 GB planned for a Llama-3-8B
+    shape whose two sets of one span each took 61.3 GB on an H200 (63.25 GB counted with them).
     """
     replanned = _replanned(config, model, drop, sets, repairs)
     if replanned is None:
         return None
     planned, work = replanned
-    return stage_seconds(planned.shape, planned.inp, work)["shortlist"]
+    seconds = stage_seconds(planned.shape, planned.inp, work)["shortlist"]
+    peak = stage_peaks(shortlist_stages(planned.shape, planned.inp, work)) if repairs is None else None
+    return ReplannedShortlist(seconds, peak)
+
+
+def replanned_shortlist(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int]],
+                        repairs: Collection[str] | None = None) -> float | None:
+    """:func:`replan_shortlist`'s seconds (None: no plan)."""
+    replanned = replan_shortlist(config, model, drop, sets, repairs)
+    return None if replanned is None else replanned.seconds
 
 
 def replanned_shortlist_peak(config: ShipConfig, model, drop: int,
                              sets: Sequence[Sequence[int]]) -> dict[str, float] | None:
-    """The shortlist's memory per device again once its block ``sets`` are known (None: no plan).
-
-    Every repair's sums of every span are held at once (:func:`ship.costs.shortlist_stages`), so the guess made
-    before loading (three sets of two spans) is far from a run's: 95.1 GB planned for a Llama-3-8B shape whose
-    two sets of one span each took 61.3 GB on an H200 (63.25 GB counted with them).
-    """
-    replanned = _replanned(config, model, drop, sets, None)
-    if replanned is None:
-        return None
-    planned, work = replanned
-    return stage_peaks(shortlist_stages(planned.shape, planned.inp, work))
+    """:func:`replan_shortlist`'s memory per device, every repair counted (None: no plan)."""
+    replanned = replan_shortlist(config, model, drop, sets)
+    return None if replanned is None else replanned.peak
 
 
 def _replanned(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int]],

@@ -36,8 +36,7 @@ from ship.plan import (
     make_plan,
     memory_words,
     plan_line,
-    replanned_shortlist,
-    replanned_shortlist_peak,
+    replan_shortlist,
 )
 from ship.shortlist import Progress, Shortlist, make_shortlist
 from ship.verify import Verified, verify
@@ -211,9 +210,12 @@ class Shipper:
         peaks = {}
 
         def replan(sets: list[list[int]], repairs: Collection[str] | None) -> float | None:
-            seconds = replanned_shortlist(self.config, loaded.model, count, sets, repairs)
-            if seconds is not None and repairs is None:  # the whole stage's, said once, with its memory
-                peaks["known"] = replanned_shortlist_peak(self.config, loaded.model, count, sets)
+            replanned = replan_shortlist(self.config, loaded.model, count, sets, repairs)
+            if replanned is None:
+                return None
+            seconds = replanned.seconds
+            if repairs is None:  # the whole stage's, said once, with its memory
+                peaks["known"] = replanned.peak
                 before = (plan.planned_stages or {}).get("shortlist")
                 guessed = (plan.planned_stage_peaks or {}).get("shortlist")
                 self.say(f"{len({tuple(s) for s in sets})} block sets to fit and measure: the planner now gives the "
@@ -246,7 +248,9 @@ class Shipper:
     def heal(self, plan: Plan, done: list[StageResult]) -> Healing:
         """``healed/``: the built checkpoint distilled towards the original, when that lowers the KL."""
         later = plan.planned_stages or {}
-        reserve = later["export"] + later["verify"] if later else None
+        # the steps' time is what is left after the engine checks and the heal's own sampling of --heal-data
+        sampling = max(later["heal"] - (plan.planned_heal_seconds or 0.0), 0.0) if later else 0.0
+        reserve = later["export"] + later["verify"] + sampling if later else None
         steps, why = heal_steps(self.config, plan.planned_heal_seconds, done, reserve)
         if not steps:
             return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, None, None, say=self.say)

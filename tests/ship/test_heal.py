@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from ship.config import ShipConfig
 
 
@@ -40,6 +42,32 @@ def test_heal_data_is_planned_as_more_rows_for_the_teachers_cache(tiny_folder, t
 
     alone, more = planned(), planned(heal_data="builtin", heal_samples=256)
     assert alone > 0 and more > alone  # the same steps; the teacher's cache writes 256 more rows
+
+
+def test_the_models_own_heal_text_is_planned_as_sampling_in_the_heal_stage(tiny_folder, tmp_path):
+    """--heal-data self samples before the heal trains: the heal stage's plan holds it, the training's does not."""
+
+    from prune.pipeline.config import PruneConfig
+    from prune.planner.estimate import hardware_for, plan_config
+    from ship.costs import stage_seconds
+    from ship.plan import ship_work
+
+    prune = PruneConfig(load={"model": str(tiny_folder)}, data={"samples": 16, "seq_len": 32, "data": "builtin"},
+                        drop=2)
+
+    def work(data, samples=16):
+        config = ShipConfig(prune=prune, out=str(tmp_path / "o"), engine="transformers", heal_steps=50,
+                            heal_samples=samples, heal_data=data)
+        return ship_work(config, None, 2, 10.0)
+
+    assert work("builtin").heal_self_rows == 0 and work("self:chat").heal_self_rows == 16
+    assert work("self", samples=20).heal_self_rows == 24  # whole batches of 8, as the sampling draws them
+    planned = plan_config(prune, hardware_for("cpu"))
+    seconds = stage_seconds(planned.shape, planned.inp, work("self:chat"))
+    read = stage_seconds(planned.shape, planned.inp, work("builtin"))
+    assert read["heal"] == 10.0 < seconds["heal"] and read["shortlist"] == seconds["shortlist"]
+    more = stage_seconds(planned.shape, planned.inp, work("self:chat", samples=64))
+    assert more["heal"] - 10.0 == pytest.approx(4 * (seconds["heal"] - 10.0))  # four times the batches
 
 
 def test_the_heal_is_planned_holding_the_original_beside_the_checkpoint_and_no_scoring_statistics(tiny_folder,

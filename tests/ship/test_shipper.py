@@ -87,7 +87,7 @@ def test_the_shortlist_is_planned_again_from_the_block_sets_the_scoring_pass_cho
                                                                                    tmp_path, one_thread):
     from ship.cli import build_parser, config_from_args
     from ship.config import duration_words
-    from ship.plan import replanned_shortlist, replanned_shortlist_peak
+    from ship.plan import replan_shortlist, replanned_shortlist, replanned_shortlist_peak
 
     out, stdout = shipped
     found = json.loads((out / "ship.json").read_text())
@@ -101,6 +101,9 @@ def test_the_shortlist_is_planned_again_from_the_block_sets_the_scoring_pass_cho
     assert f"{len(sets)} block sets to fit and measure: the planner now gives the shortlist" in stdout
     # its memory too, counted with the same sets (shortlist.json, and said beside the guess made before loading)
     peak = replanned_shortlist_peak(config, model, 2, [list(s) for s in sets])
+    both = replan_shortlist(config, model, 2, [list(s) for s in sets])
+    assert (both.seconds, both.peak) == (again, peak)  # one planning gives both, as the shipper asks
+    assert replan_shortlist(config, model, 2, [list(s) for s in sets], ["fold"]).peak is None  # not every repair
     assert set(peak) == {"cpu"} and found["shortlist"]["planned_peak"] == pytest.approx(peak)
     said = next(line for line in stdout.splitlines() if "block sets to fit and measure" in line)
     assert f"the shortlist {duration_words(again)} and {peak['cpu'] / 1e9:.1f} GB" in said, said
@@ -427,7 +430,7 @@ def test_chat_heal_data_without_a_chat_template_is_refused_before_the_shortlist(
     code, _, err = ship(capsys, *base_args(tiny_folder, text_file), "--heal-data", "self:chat", "--no-verify",
                         "--out", tmp_path / "chat")
     assert code == 2 and "Traceback" not in err
-    assert err.strip().splitlines()[-1] == ("error: --heal-data self:chat opens the model's conversations with its chat "
-                                            "template and this tokenizer has none: use self, or load a tokenizer "
-                                            "with a chat template")
+    assert err.strip().splitlines()[-1] == ("error: --heal-data self:chat opens the model's conversations with its "
+                                            "chat template and this tokenizer has none: use self, or load a "
+                                            "tokenizer with a chat template")
     assert not (tmp_path / "chat.work" / "shortlist.json").exists() and not (tmp_path / "chat").exists()

@@ -17,16 +17,17 @@ EXPENSIVE = {"fold": 10_000.0}
 
 def fake_replan(config, model, drop, sets, repairs=None):
     from ship.config import servable_repairs
+    from ship.plan import ReplannedShortlist
 
     names = [r for r in servable_repairs() if r != "none"] if repairs is None else list(repairs)
-    return 5.0 + sum(EXPENSIVE.get(name, 1.0) for name in names)
+    return ReplannedShortlist(5.0 + sum(EXPENSIVE.get(name, 1.0) for name in names), None)
 
 
 def test_a_repair_the_time_left_cannot_pay_for_is_not_fitted_and_the_card_says_why(
         tmp_path, tiny_folder, text_file, capsys, one_thread, monkeypatch):
     import ship.shortlist as stage
 
-    monkeypatch.setattr("ship.shipper.replanned_shortlist", fake_replan)
+    monkeypatch.setattr("ship.shipper.replan_shortlist", fake_replan)
     fitted = []
     real = stage.fit_together
 
@@ -131,7 +132,7 @@ def test_a_spent_budget_stops_the_repairs_left_but_not_removal_and_keeps_the_pla
     import ship.shortlist as stage
     from ship.shipper import Shipper
 
-    monkeypatch.setattr("ship.shipper.replanned_shortlist", fake_replan)
+    monkeypatch.setattr("ship.shipper.replan_shortlist", fake_replan)
     monkeypatch.setitem(EXPENSIVE, "magcomp", 10_000.0)  # left out by the planner before any fit
     spent = []  # the clock runs out once the first repair is measured
     real = stage.RepairedCosts.measure_sets
