@@ -44,6 +44,7 @@ def _top_p_sample(logits: torch.Tensor, temperature: float, top_p: float, genera
 
 # stands where a user's first words go when the chat template is rendered, to cut the opening before them
 _USER_MARK = "LAYERCUTUSERTURN"
+CHAT_DATE = "26 Jul 2024"  # the date a template that writes one is given (Llama-3.1's default text)
 
 
 def chat_opening(tokenizer) -> list[int]:
@@ -57,10 +58,18 @@ def chat_opening(tokenizer) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise LayercutError("--data self:chat opens the model's conversations with its chat template and this "
                             "tokenizer has none: use self, or load a tokenizer with a chat template")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": _USER_MARK}], tokenize=False)
+    try:  # a fixed date: templates that write today's (Llama-3.1's) would open, and sample, otherwise each day
+        text = tokenizer.apply_chat_template([{"role": "user", "content": _USER_MARK}], tokenize=False,
+                                             date_string=CHAT_DATE)
+    except Exception as err:  # noqa: BLE001 - a template's own raise_exception, or one that reads other fields
+        raise LayercutError(f"--data self:chat: the chat template refuses a lone user turn ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''}); use self") from None
     if _USER_MARK not in text:
         raise LayercutError("--data self:chat: this chat template does not write the user's words as given; use self")
-    return tokenizer(text[:text.index(_USER_MARK)], add_special_tokens=False)["input_ids"]
+    opening = tokenizer(text[:text.index(_USER_MARK)], add_special_tokens=False)["input_ids"]
+    if not opening:
+        raise LayercutError("--data self:chat: this chat template writes nothing before the user's words; use self")
+    return opening
 
 
 def check_chat_sources(tokenizer, config) -> None:
@@ -69,13 +78,19 @@ def check_chat_sources(tokenizer, config) -> None:
     ``config``: a :class:`prune.data.calibration.DataConfig`. A ship's heal draws its text after the shortlist.
     """
     if any(source.is_self and dict(source.sampling).get("chat") for source in config.sources):
-        chat_opening(tokenizer)
+        _check_opening(chat_opening(tokenizer), config.seq_len)
+
+
+def _check_opening(opening: list[int], seq_len: int) -> None:
+    if len(opening) >= seq_len:
+        raise LayercutError(f"--data self:chat: the chat template opens with {len(opening)} tokens, no fewer than "
+                            f"the {seq_len} of a sequence; raise --seq-len")
 
 
 @torch.no_grad()
 def sample_sequences(model, tokenizer, count: int, seq_len: int, seed: int, temperature: float = 1.0,
                      top_p: float = 0.95, batch_size: int = SELF_BATCH, chat: int = 0) -> torch.Tensor:
-    """``count`` sequences of ``seq_len`` tokens sampled from ``model``, each starting at the BOS token.
+    """``count`` sequences of ``seq_len`` tokens sampled from ``model``, each from the same opening tokens.
 
     The sequences start where a document starts (BOS, else EOS, which separates documents) so the
     model writes what it considers typical text; ``chat``: where its chat template opens a conversation
@@ -84,9 +99,7 @@ def sample_sequences(model, tokenizer, count: int, seq_len: int, seed: int, temp
     """
     if chat:
         opening = chat_opening(tokenizer)
-        if len(opening) >= seq_len:
-            raise LayercutError(f"--data self:chat: the chat template opens with {len(opening)} tokens, no fewer "
-                                f"than the {seq_len} of a sequence; raise --seq-len")
+        _check_opening(opening, seq_len)
     else:
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         if start is None:
@@ -158,6 +171,8 @@ def _sample_key(model, tokenizer, count: int | None, seq_len: int, seed: int, op
     weight = model.get_input_embeddings().weight
     fields = [SELF_CACHE_FORMAT, stamp, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, count,
               seq_len, seed, {**SELF_DEFAULTS, **options}, batch_size, weight.device.type, str(weight.dtype)]
+    if options.get("chat"):  # another template opens other conversations (a plain sample's key stays as it was)
+        fields.append(chat_opening(tokenizer))
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 

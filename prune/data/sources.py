@@ -104,7 +104,7 @@ def _source(name: str, weight: float) -> Source:
         if key == "chat":
             # only when given, as batch: a plain sample's cache key and tokens stay those of every earlier run
             if text not in ("", "1"):
-                raise LayercutError(f"--data '{name}': chat takes no value; write self:chat")
+                raise LayercutError(f"--data '{name}': chat takes no value; write self:chat")  # (chat=1 reads the same)
             options[key] = 1
             continue
         if key == "batch":

@@ -244,8 +244,9 @@ def distill_spec(options: dict, fallback_seq_len: int = 128) -> DistillSpec:
 
 
 def _lora_targets(targets) -> str:
-    """``lora_targets`` as the comma string ``DistillConfig`` keeps (a recipe may hold a YAML list)."""
-    return ",".join(str(name).strip() for name in targets) if isinstance(targets, (list, tuple)) else str(targets)
+    """``lora_targets`` as the comma string ``DistillConfig`` keeps (a recipe may hold a YAML list, or spaces)."""
+    listed = targets if isinstance(targets, (list, tuple)) else str(targets).split(",")
+    return ",".join(dict.fromkeys(str(name).strip() for name in listed))
 
 
 def plan_input(config, shape: ModelShape, hardware: Hardware) -> PlanInput:

@@ -170,7 +170,8 @@ def lora_params(shape: ModelShape, blocks: int, rank: int, targets: str = "all-l
     """LoRA adapters on the Linear layers of ``blocks`` blocks that ``targets`` names: r x (in + out) each.
 
     ``targets``: ``--lora-targets``, ``all-linear`` or a comma list of the layers' own names; a shape without
-    the names (made before they were kept) counts every Linear, as ``all-linear`` does: never fewer than trained.
+    the names (made before they were kept) counts every Linear, as ``all-linear`` does. GPT-2's ``Conv1D``
+    layers, which LoRA adapts too, are not ``nn.Linear`` and are not counted.
     """
     named = dict(shape.block_linear_io_names)
     if targets == "all-linear" or not named:

@@ -101,9 +101,8 @@ def test_the_shortlist_is_planned_again_from_the_block_sets_the_scoring_pass_cho
     assert f"{len(sets)} block sets to fit and measure: the planner now gives the shortlist" in stdout
     # its memory too, counted with the same sets (shortlist.json, and said beside the guess made before loading)
     peak = replanned_shortlist_peak(config, model, 2, [list(s) for s in sets])
-    both = replan_shortlist(config, model, 2, [list(s) for s in sets])
-    assert (both.seconds, both.peak) == (again, peak)  # one planning gives both, as the shipper asks
-    assert replan_shortlist(config, model, 2, [list(s) for s in sets], ["fold"]).peak is None  # not every repair
+    some = replan_shortlist(config, model, 2, [list(s) for s in sets], ["fold"])
+    assert some.peak is None and 0 < some.seconds < again  # one repair counted: its seconds, no stage's memory
     assert set(peak) == {"cpu"} and found["shortlist"]["planned_peak"] == pytest.approx(peak)
     said = next(line for line in stdout.splitlines() if "block sets to fit and measure" in line)
     assert f"the shortlist {duration_words(again)} and {peak['cpu'] / 1e9:.1f} GB" in said, said

@@ -1,5 +1,7 @@
 """Calibration mixtures (``--data a.txt@0.75,b.txt@0.25``) and self-generated calibration (``--data self``)."""
 
+import re
+
 import pytest
 import torch
 
@@ -165,6 +167,27 @@ def test_self_chat_samples_conversations_from_the_chat_templates_opening(one_thr
     assert not torch.equal(plain.token_ids, data.token_ids)  # the plain sample starts at BOS alone
     with pytest.raises(LayercutError, match=f"opens with {len(opening)} tokens, no fewer than the {len(opening)} "):
         sample_sequences(model, tok, 1, len(opening), seed=0, chat=1)
+    for template, words in (("{% for m in messages %}{{ m['content'] }}{% endfor %}", "writes nothing before"),
+                            ("{{ raise_exception('roles must alternate') }}", "refuses a lone user turn "
+                                                                              "(TemplateError: roles must alternate)")):
+        tok.chat_template = template
+        with pytest.raises(LayercutError, match=re.escape(words)) as err:
+            chat_opening(tok)
+        assert "\n" not in str(err.value) and str(err.value).endswith("use self")
+
+
+def test_a_chat_sample_is_kept_under_its_templates_opening(sample_cache, one_thread):
+    """Another template opens other conversations: a kept sample of one is not read for the other."""
+    folder, passes = sample_cache
+    tok, model = make_tiny_tokenizer(), make_tiny_model("llama")
+    tok.chat_template = CHAT_TEMPLATE
+    config = DataConfig(data="self:chat", samples=2, seq_len=16, heldout_samples=0)
+    first = calibration_data(tok, config, model=model).token_ids
+    assert torch.equal(calibration_data(tok, config, model=model).token_ids, first) and len(passes) == 1
+    tok.chat_template = CHAT_TEMPLATE.replace("<s>", "</s>")
+    other = calibration_data(tok, config, model=model).token_ids
+    assert other[0, 0] == tok.eos_token_id and first[0, 0] == tok.bos_token_id
+    assert len(passes) == 2 and len(list(folder.glob("*.safetensors"))) == 2
 
 
 def test_self_in_a_mixture_and_without_a_model(two_texts, one_thread):
