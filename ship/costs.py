@@ -100,8 +100,10 @@ class ShipWork:
         sets: block sets the one-pass selections are expected to choose (each crossed with every repair).
         spans: distinct spans per set, on average (a top-k choice of scattered blocks has several); both are
             guesses before the scoring pass, counted after it (:func:`ship.plan.replan_shortlist`).
-        self_rows: rows of the model's own text sampled for calibration (0: none, or kept).
-        heal_self_rows: rows of it sampled for ``--heal-data`` (``self``, ``self:chat``), before the heal trains.
+        self_batches: batches of the model's own text sampled for calibration (0: none, or shipped), each a
+            token per step for ``seq_len`` steps (``prune.data.self_text.self_batches``).
+        heal_self_batches: batches of it sampled for ``--heal-data`` (``self``, ``self:chat``) before the heal
+            trains.
         heldout_tokens: held-out tokens the verify stage scores per text, and ``texts`` of them.
         gguf: the engine reads a GGUF (llama.cpp): the export runs, and the engine scores it.
         quantized: the GGUF goes through llama.cpp's quantizer after the conversion (``q4_k_m``).
@@ -116,8 +118,8 @@ class ShipWork:
     rounds: tuple[int, ...] = ()
     sets: int = 3
     spans: float = 2
-    self_rows: int = 0
-    heal_self_rows: int = 0
+    self_batches: int = 0
+    heal_self_batches: int = 0
     heldout_tokens: int = 4096
     texts: int = 1
     gguf: bool = True
@@ -146,10 +148,10 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     fits_rate = fit_rate(inp)  # the fits run where the model does
     cpu = machine_speed()  # the converter, the sampling's reads, the writes and the processes run on this CPU
 
-    def sampled(rows: int) -> float:  # batches of 8 rows, a token each step, every weight read per step
-        return math.ceil(rows / 8) * inp.seq_len * weight_bytes(shape, inp, layers) / (SAMPLE_BYTES_PER_S * cpu)
+    def sampled(batches: int) -> float:  # a token of every row of a batch each step, every weight read per step
+        return batches * inp.seq_len * weight_bytes(shape, inp, layers) / (SAMPLE_BYTES_PER_S * cpu)
 
-    sampling = sampled(work.self_rows) if work.self_rows else 0.0
+    sampling = sampled(work.self_batches)
     fitted = list(zip(work.repairs, work.rounds or (0,) * len(work.repairs), strict=True))  # (width, rounds)
     fits = sum(fit_flops(shape, width, tokens - measure, rounds) for width, rounds in fitted) * work.sets * work.spans
     shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
@@ -185,7 +187,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
                   + (models + 1 + work.speed) * PROCESS_SECONDS / cpu)
     if inp.on_gpu:
         shortlist += GPU_SHORTLIST_SECONDS + work.sets * (len(work.repairs) + 1) * GPU_CANDIDATE_SECONDS
-    heal = work.heal_seconds + (sampled(work.heal_self_rows) if work.heal_self_rows else 0.0)
+    heal = work.heal_seconds + sampled(work.heal_self_batches)
     return {"shortlist": sampling + shortlist, "build": build, "heal": heal,
             "export": export, "verify": verify}
 

@@ -173,7 +173,7 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
     held-out tokens it verifies on; ``fidelity_kept``: the cache holds the original's side of the fidelity check
     (:meth:`ship.config.ShipConfig.fidelity_check`, asked by the caller).
     """
-    from prune.data.self_text import self_rows
+    from prune.data.self_text import self_batches
     from prune.planner.shape import shape_of_model
     from prune.replace import METHODS, parameter_count
 
@@ -197,8 +197,8 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
         original_kept = folder is not None and gguf_export_path(Path(folder)).is_file()
     return ShipWork(drop=drop, repairs=widths, fidelity_kept=fidelity_kept,
                     rounds=tuple(METHODS[name].fit_rounds for name in repairs),
-                    self_rows=self_rows(data, config.prune.load.model),
-                    heal_self_rows=self_rows(config.heal_data_config(), config.prune.load.model)
+                    self_batches=self_batches(data, config.prune.load.model),
+                    heal_self_batches=self_batches(config.heal_data_config(), config.prune.load.model)
                     if config.heal_data and not config.no_heal else 0,
                     heldout_tokens=4096 if config.heldout else max(data.heldout_samples, 1) * data.seq_len,
                     texts=max(len(config.heldout), 1), gguf=config.gguf, original_kept=original_kept,

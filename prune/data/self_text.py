@@ -223,21 +223,32 @@ def self_rows(config, model: str) -> int:
     embedded model's default sample ships with layercut (:data:`SHIPPED_SAMPLES`, :data:`SHIPPED_ROWS` rows), so
     its runs sample nothing.
     """
+    return sum(_whole_batches(count, batch) for count, batch in _sampled(config, model))
+
+
+def self_batches(config, model: str) -> int:
+    """Batches :func:`self_rows`' rows are sampled in (``self:batch=N`` rows each): a batch's steps cost alike."""
+    return sum(-(-count // batch) for count, batch in _sampled(config, model))
+
+
+def _sampled(config, model: str) -> list[tuple[int, int]]:
+    """(rows wanted, batch) of each ``self`` source of ``config`` that samples (its text not shipped)."""
     from prune.loading.names import EMBEDDED_MODEL
 
     sources = config.sources
     weights = [source.weight for source in sources]
     wanted = {index: samples + heldout for index, (samples, heldout) in enumerate(zip(
         shares(config.samples, weights), shares(config.heldout_samples, weights), strict=True))}
-    rows = 0
+    sampled = []
     for index, source in enumerate(sources):
         if not source.is_self:
             continue
-        count, batch = wanted[index], dict(source.sampling).get("batch", SELF_BATCH)
+        count, batch = wanted[index], int(dict(source.sampling).get("batch", SELF_BATCH))
         shipped = (model.lower() == EMBEDDED_MODEL and config.seq_len == 512 and config.seed == 0
-                   and dict(source.sampling) == SELF_DEFAULTS and _holds(SHIPPED_ROWS, count, int(batch)))
-        rows += 0 if shipped else _whole_batches(count, int(batch))
-    return rows
+                   and dict(source.sampling) == SELF_DEFAULTS and _holds(SHIPPED_ROWS, count, batch))
+        if not shipped and count:
+            sampled.append((count, batch))
+    return sampled
 
 
 def _whole_batches(count: int, batch: int) -> int:

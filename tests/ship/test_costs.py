@@ -28,7 +28,7 @@ def test_every_stage_is_costed_and_each_piece_of_work_costs_where_it_is_done(sha
     base = seconds(shape, work)
     assert list(base) == STAGES and all(base[s] > 0 for s in STAGES if s != "heal") and base["heal"] == 0
     # the model's own text, sampled for calibration, is the shortlist's
-    sampled = seconds(shape, dataclasses.replace(work, self_rows=24))
+    sampled = seconds(shape, dataclasses.replace(work, self_batches=3))
     assert sampled["shortlist"] > base["shortlist"] and {s: sampled[s] for s in STAGES[1:]} == \
         {s: base[s] for s in STAGES[1:]}
     # another repair to fit and measure, more calibration, more held-out text: each where it is spent

@@ -60,8 +60,9 @@ def test_the_models_own_heal_text_is_planned_as_sampling_in_the_heal_stage(tiny_
                             heal_samples=samples, heal_data=data)
         return ship_work(config, None, 2, 10.0)
 
-    assert work("builtin").heal_self_rows == 0 and work("self:chat").heal_self_rows == 16
-    assert work("self", samples=20).heal_self_rows == 24  # whole batches of 8, as the sampling draws them
+    assert work("builtin").heal_self_batches == 0 and work("self:chat").heal_self_batches == 2
+    assert work("self", samples=20).heal_self_batches == 3  # whole batches of 8, as the sampling draws them
+    assert work("self:batch=64", samples=20).heal_self_batches == 1  # one batch of 64 rows: a third of the steps
     planned = plan_config(prune, hardware_for("cpu"))
     seconds = stage_seconds(planned.shape, planned.inp, work("self:chat"))
     read = stage_seconds(planned.shape, planned.inp, work("builtin"))
