@@ -120,3 +120,28 @@ def test_the_card_says_what_the_heal_trained():
     assert every.lr == 2e-5 and every.lora_r is None
     assert "every weight but the embedding and the head, so the checkpoint stays plain" in every.words()
     assert "LoRA" not in every.words() and "merged" not in every.words()
+
+
+def test_the_heal_texts_sampling_is_reserved_beside_the_engine_checks(tiny_folder, tmp_path, monkeypatch):
+    """The steps get what the budget leaves after the export, the checks and the heal's own sampling of its text."""
+    import ship.shipper as shipper
+    from prune.pipeline.config import PruneConfig
+    from ship.plan import Plan
+
+    asked = []
+    monkeypatch.setattr(shipper, "heal_steps", lambda config, planned, done, reserve=None: (
+        asked.append((planned, reserve)) or (0, "no steps")))
+    monkeypatch.setattr(shipper, "heal", lambda *args, **kwargs: None)
+    prune = PruneConfig(load={"model": str(tiny_folder)}, drop=2)
+    config = ShipConfig(prune=prune, out=str(tmp_path / "o"), engine="transformers", heal_steps=50,
+                        heal_data="self:chat")
+    plan = Plan(drop=2, planned_heal_seconds=20.0,
+                planned_stages={"shortlist": 1.0, "build": 1.0, "heal": 32.5, "export": 5.0, "verify": 7.0})
+    shipper.Shipper(config, say=lambda line: None).heal(plan, [])
+    assert asked[-1] == (20.0, 5.0 + 7.0 + 12.5)  # the heal stage's 32.5 s less its 20 s of training
+    plan.planned_stages = {**plan.planned_stages, "heal": 20.0}  # nothing sampled: the checks alone
+    shipper.Shipper(config, say=lambda line: None).heal(plan, [])
+    assert asked[-1] == (20.0, 12.0)
+    plan.planned_stages = None  # no plan of the stages: heal_steps reserves by the build's time itself
+    shipper.Shipper(config, say=lambda line: None).heal(plan, [])
+    assert asked[-1] == (20.0, None)
