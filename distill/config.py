@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from distill.losses import LOSSES, cache_refusal, legacy_keys
 from prune.data.calibration import DEFAULT_DATA, DataConfig, numeric_fields
 from prune.errors import LayercutError
+from prune.planner.inputs import LORA_ALL, lora_targets_spec
 
 TRAIN_MODES = ("replacements", "all", "lora")
 # Peak learning rate per --train mode. Fresh maps tolerate 3e-4; updating every pretrained weight at
@@ -28,8 +29,6 @@ DEFAULT_LR = {"replacements": 3e-4, "lora": 3e-4, "all": 2e-5}
 # AdamW moves each weight by about lr a step: above 1 a step outweighs the weights themselves, and far above it
 # (1e38) the step size overflows float32 inside torch's Adam.
 MAX_LR = 1.0
-# --lora-targets' default: adapters on every Linear of the blocks (peft's own word for it)
-LORA_ALL = "all-linear"
 DEFAULT_SEQ_LEN = 128
 DEFAULT_SAMPLES = 512  # 512 x 128 = 65k tokens; 200 steps of 4 sequences pass over them 1.6 times
 DEFAULT_WARMUP_SHARE = 0.1
@@ -219,22 +218,6 @@ class DistillConfig:
         if values["lora_targets"] == LORA_ALL:  # newer than the digests too: absent at its default
             del values["lora_targets"]
         return {**values, **({"losses": rest} if rest else {})}
-
-
-def lora_targets_spec(spec) -> str:
-    """``--lora-targets`` written one way: "all-linear", or its layer names comma-joined, each once, in order.
-
-    A name is a layer's own (``q_proj``), not a path: adapters go inside the blocks only, so a dot or an empty
-    name is refused in one line. A recipe's YAML list (``lora_targets: [q_proj, v_proj]``) reads as the comma list.
-    """
-    listed = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
-    names = [str(name).strip() for name in listed]
-    if names == [LORA_ALL]:
-        return LORA_ALL
-    if not names or not all(names) or any("." in name or name == LORA_ALL for name in names):
-        raise LayercutError(f"--lora-targets takes {LORA_ALL} or a comma list of the blocks' Linear layer names "
-                            f"(q_proj,v_proj), got {spec!r}")
-    return ",".join(dict.fromkeys(names))
 
 
 def cache_k(spec) -> int:

@@ -2,8 +2,8 @@
 
 :func:`cached_samples` is what :func:`prune.data.calibration.calibration_data` calls for a ``self`` source; a
 sample is keyed by everything its tokens depend on, kept in the converted-checkpoint cache, and the embedded
-model's default sample ships with layercut (:data:`SHIPPED_SAMPLES`). :func:`self_rows` says from the settings
-alone how many rows a run will sample, so the planner can cost it before any weight is read.
+model's default sample ships with layercut (:data:`SHIPPED_SAMPLES`). :func:`self_batches` says from the settings
+alone how many batches a run will sample, so the planner can cost it before any weight is read.
 """
 
 from __future__ import annotations
@@ -216,18 +216,13 @@ def cached_samples(model, tokenizer, count: int, seq_len: int, seed: int, batch:
     return whole[:count]
 
 
-def self_rows(config, model: str) -> int:
-    """Rows of the model's own text ``config`` samples (whole batches), 0 where it samples none or its text ships.
-
-    ``config``: a :class:`prune.data.calibration.DataConfig`. Read from the settings alone, before any weight: the
-    embedded model's default sample ships with layercut (:data:`SHIPPED_SAMPLES`, :data:`SHIPPED_ROWS` rows), so
-    its runs sample nothing.
-    """
-    return sum(_whole_batches(count, batch) for count, batch in _sampled(config, model))
-
-
 def self_batches(config, model: str) -> int:
-    """Batches :func:`self_rows`' rows are sampled in (``self:batch=N`` rows each): a batch's steps cost alike."""
+    """Batches of the model's own text ``config`` samples (``self:batch=N`` rows each), 0 where none or it ships.
+
+    ``config``: a :class:`prune.data.calibration.DataConfig`. Read from the settings alone, before any weight, so
+    the planner can cost the sampling (a batch's steps cost alike whatever its rows): the embedded model's default
+    sample ships with layercut (:data:`SHIPPED_SAMPLES`, :data:`SHIPPED_ROWS` rows), so its runs sample nothing.
+    """
     return sum(-(-count // batch) for count, batch in _sampled(config, model))
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prune.errors import LayercutError
-from prune.planner.inputs import DistillSpec, Hardware, PlanInput
+from prune.planner.inputs import DistillSpec, Hardware, PlanInput, lora_targets_spec
 from prune.planner.machine import machine_speed
 from prune.planner.memory import add
 from prune.planner.shape import ModelShape, build_on_meta, read_config, shape_of_model, shape_of_name
@@ -239,14 +239,8 @@ def distill_spec(options: dict, fallback_seq_len: int = 128) -> DistillSpec:
     return DistillSpec(steps=int(options.get("steps", 0)), batch_size=options.get("batch_size", defaults.batch_size),
                        seq_len=data.get("seq_len", fallback_seq_len), grad_accum=options.get("grad_accum", 1),
                        train=options.get("train", defaults.train), lora_r=options.get("lora_r", defaults.lora_r),
-                       lora_targets=_lora_targets(options.get("lora_targets", defaults.lora_targets)), kl=kl,
+                       lora_targets=lora_targets_spec(options.get("lora_targets", defaults.lora_targets)), kl=kl,
                        teacher_cache=int(cache), cache_sequences=sequences)
-
-
-def _lora_targets(targets) -> str:
-    """``lora_targets`` as the comma string ``DistillConfig`` keeps (a recipe may hold a YAML list, or spaces)."""
-    listed = targets if isinstance(targets, (list, tuple)) else str(targets).split(",")
-    return ",".join(dict.fromkeys(str(name).strip() for name in listed))
 
 
 def plan_input(config, shape: ModelShape, hardware: Hardware) -> PlanInput:

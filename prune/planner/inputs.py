@@ -4,7 +4,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from prune.errors import LayercutError
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# --lora-targets' default: adapters on every Linear of the blocks (peft's own word for it)
+LORA_ALL = "all-linear"
+
+
+def lora_targets_spec(spec) -> str:
+    """``--lora-targets`` written one way: "all-linear", or its layer names comma-joined, each once, in order.
+
+    A name is a layer's own (``q_proj``), not a path: adapters go inside the blocks only, so a dot or an empty
+    name is refused in one line. A recipe's YAML list (``lora_targets: [q_proj, v_proj]``) reads as the comma list.
+    """
+    listed = spec if isinstance(spec, (list, tuple)) else str(spec).split(",")
+    names = [str(name).strip() for name in listed]
+    if names == [LORA_ALL]:
+        return LORA_ALL
+    if not names or not all(names) or any("." in name or name == LORA_ALL for name in names):
+        raise LayercutError(f"--lora-targets takes {LORA_ALL} or a comma list of the blocks' Linear layer names "
+                            f"(q_proj,v_proj), got {spec!r}")
+    return ",".join(dict.fromkeys(names))
 
 
 @dataclass(frozen=True)
@@ -32,7 +54,7 @@ class DistillSpec:
     grad_accum: int = 1
     train: str = "replacements"
     lora_r: int = 8
-    lora_targets: str = "all-linear"
+    lora_targets: str = LORA_ALL
     kl: bool = True
     teacher_cache: int = 0
     cache_sequences: int = 0

@@ -23,6 +23,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from prune.planner.inputs import LORA_ALL
 from prune.planner.shape import ModelShape
 
 if TYPE_CHECKING:
@@ -166,7 +167,7 @@ def kl_logit_bytes(shape: ModelShape, tokens: int, act_bytes: float, cached: boo
     return tokens * shape.vocab * (copies * 4 + 2 * act_bytes)
 
 
-def lora_params(shape: ModelShape, blocks: int, rank: int, targets: str = "all-linear") -> float:
+def lora_params(shape: ModelShape, blocks: int, rank: int, targets: str = LORA_ALL) -> float:
     """LoRA adapters on the Linear layers of ``blocks`` blocks that ``targets`` names: r x (in + out) each.
 
     ``targets``: ``--lora-targets``, ``all-linear`` or a comma list of the layers' own names; a shape without
@@ -174,7 +175,7 @@ def lora_params(shape: ModelShape, blocks: int, rank: int, targets: str = "all-l
     layers, which LoRA adapts too, are not ``nn.Linear`` and are not counted.
     """
     named = dict(shape.block_linear_io_names)
-    if targets == "all-linear" or not named:
+    if targets == LORA_ALL or not named:
         return blocks * rank * shape.block_linear_io
     return blocks * rank * sum(named.get(name, 0) for name in targets.split(","))
 

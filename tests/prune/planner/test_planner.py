@@ -239,8 +239,12 @@ def test_lora_parameters_are_counted_for_the_layers_lora_targets_names(targets):
     assert lora_params(shape, shape.layers, 4, targets) == added
     spec = distill_spec({"steps": 1, "train": "lora", "lora_r": 4, "lora_targets": targets.split(",")})
     assert spec.lora_targets == targets  # a recipe's YAML list reads as the comma list
-    spaced = distill_spec({"steps": 1, "train": "lora", "lora_targets": ", ".join(targets.split(",") * 2)})
-    assert spaced.lora_targets == targets  # as distill reads it: names stripped, each once
+    spaced = {"steps": 1, "train": "lora", "lora_targets": ", ".join(targets.split(",") * 2)}
+    if targets == "all-linear":  # beside another name it is refused, as distill refuses it
+        with pytest.raises(LayercutError, match="--lora-targets takes all-linear or a comma list"):
+            distill_spec(spaced)
+    else:
+        assert distill_spec(spaced).lora_targets == targets  # as distill reads it: names stripped, each once
     if targets != "all-linear":  # fewer layers, fewer scalars: the plan is no longer every Linear's
         assert lora_params(shape, shape.layers, 4, targets) < lora_params(shape, shape.layers, 4)
     # a shape kept before the names were: every Linear counted, never fewer than trained
