@@ -5,7 +5,7 @@
     python -m prune.ship --model gemma3-270m --drop 4 --engine transformers --heldout wiki.txt --out gemma-slim/
     python -m prune.ship --model smollm2-135m --drop 8 --device cuda --processes 2 --out slim8/   # heal on 2 GPUs
     python -m prune.ship --model meta-llama/Meta-Llama-3-70B --offload sequential --data builtin --drop 20 \
-        --dtype bfloat16 --device cuda --out slim70/   # one block in memory at a time; not healed
+        --dtype bfloat16 --device cuda --out slim70/   # one block in memory at a time, healed block by block
 
 Plans (refuses what cannot fit, in one line), scores every block once, shortlists block sets x servable repairs,
 measures each on calibration rows no fit saw (KL from the original and perplexity), builds the best one as
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--heal-steps", type=int, default=DEFAULT_HEAL_STEPS, metavar="N",
                        help="at most N steps of distillation towards the original after the build (KL, LoRA merged: "
                        "the checkpoint stays plain), as many as --time-budget leaves; kept only when it lowers the "
-                       "KL on the calibration rows it does not train on "
+                       "KL on the calibration rows it does not train on; with --offload sequential, N steps a cut "
+                       "of the two blocks beside it towards the original's hidden states "
                        f"(default: {DEFAULT_HEAL_STEPS}; 0: no healing)")
     group.add_argument("--heal-data", default=None, metavar="DATA",
                        help="more text the heal trains on beside the calibration rows, as --data takes it (a file, "

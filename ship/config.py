@@ -162,6 +162,8 @@ class ShipConfig:
             raise LayercutError(f"--heal-steps must be 0 (no healing) or more, got {self.heal_steps}")
         if self.heal_data is not None:  # the spec and the count refused here, not after the shortlist
             self.heal_data_config()
+        if self.local_heal:
+            self._check_local_heal()
         per_process(DistillConfig(batch_size=HEAL_BATCH), self.processes)  # they split a step's sequences
         check_devices(self.processes, self.prune.load.device)
         for name, value in (("--repeats", self.speed_repeats), ("--prompt-len", self.prompt_len),
@@ -191,12 +193,27 @@ class ShipConfig:
     @property
     def no_heal(self) -> str | None:
         """Why this run heals nothing whatever its budget (the card's and the log's words), else None."""
-        if not self.heal_steps:
-            return "--heal-steps 0"
-        if self.prune.load.offload != "none":
-            return (f"--offload {self.prune.load.offload}: the heal trains the whole checkpoint in memory (heal it "
-                    "on a larger machine with python -m distill.run)")
-        return None
+        return "--heal-steps 0" if not self.heal_steps else None
+
+    @property
+    def local_heal(self) -> bool:
+        """Whether the heal runs block by block (``distill.local_heal``): under ``--offload sequential``.
+
+        Distillation of the logits holds the whole student, its optimizer and the original's logits; a skeleton
+        holds one block at a time, so each cut's pair of blocks is trained towards the original's states instead.
+        """
+        return self.prune.load.offload == "sequential" and bool(self.heal_steps)
+
+    def _check_local_heal(self) -> None:
+        """Refuse, in one line, what the heal block by block does not do."""
+        from prune.data.sources import parse_sources
+
+        if self.heal_data is not None and any(source.is_self for source in parse_sources(self.heal_data)):
+            raise LayercutError(f"--heal-data {self.heal_data} with --offload sequential: a skeleton cannot sample "
+                                "text from the model; pass a file or a dataset, or drop --heal-data")
+        if self.processes > 1:
+            raise LayercutError(f"--processes {self.processes} with --offload sequential: the heal block by block "
+                                "trains one cut's pair of blocks at a time in this process; drop --processes")
 
     def fidelity_check(self, checkpoint: str, heldout: list[str]):
         """The verify stage's generation fidelity check of ``checkpoint`` on the ``heldout`` texts.

@@ -5,7 +5,9 @@ checkpoint stays plain), as many as the time left allows, on the calibration row
 kept only when it lowers the KL on the shortlist's measuring rows. The training is ``distill``'s own step
 (:class:`distill.step.DistillStep`), called here with the original already in memory; with ``--processes N`` it
 writes the teacher's cache here and trains on N processes launched by accelerate, each loading the built checkpoint
-(:mod:`distill.launch`), and the measuring and writing stay here.
+(:mod:`distill.launch`), and the measuring and writing stay here. Under ``--offload sequential`` neither the
+student nor the original is ever whole in memory: the heal runs block by block (:func:`heal_blocks`), judged and
+kept by the same test.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from distill.checkpoints import default_work_folder, list_checkpoints
 from distill.heal import HealRows, heal_settings, heal_student, heal_training
+from distill.local_heal import LOCAL_HEAL_LR, heal_locally
 from prune.atomic import atomic_directory
-from prune.checkpoint.report import REPORT_FILE
+from prune.checkpoint.report import REPORT_FILE, read_report
 from prune.checkpoint.save_load import write_model
 from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL
 from prune.loading.loader import LoadedModel
-from prune.selection.repaired import divergence
+from prune.selection.repaired import divergence, split_rows
 from ship.config import HEAL_OPTIONS, ShipConfig, duration_words
 from ship.work import StageResult
 
@@ -31,6 +36,8 @@ from ship.work import StageResult
 # is multiplied by this before the steps are fitted into the time left: a heal that overruns takes the engine
 # checks' time
 HEAL_MARGIN = 1.15
+# what the heal block by block trains (distill.local_heal), as heal.json records it
+LOCAL_SETTINGS = {"train": "blocks", "lr": LOCAL_HEAL_LR}
 # fewer steps than this are not worth a teacher's load: healing is skipped
 HEAL_MIN_STEPS = 20
 # files of the built checkpoint that the healed one is written without (its own weights and card replace them)
@@ -57,9 +64,12 @@ class Healing(StageResult):
     lora_targets: str | None = None  # the layers adapted by name (None: every Linear of the kept blocks)
     lr: float | None = None  # the peak learning rate
     data: str | None = None  # --heal-data, trained on beside the calibration rows
+    planned_seconds: float | None = None  # block by block: the planner's seconds once the build placed the cuts
 
     def trained(self) -> str:
         """What the heal trained, in the card's words."""
+        if self.train == "blocks":
+            return "the two blocks beside each cut, every weight, one cut at a time"
         if self.train != "lora":
             return "every weight but the embedding and the head"
         scale = f" and alpha {self.lora_alpha:g}" if self.lora_alpha is not None else ""
@@ -71,15 +81,25 @@ class Healing(StageResult):
         """The card's paragraph on the healing: how many steps and why, and whether it was kept."""
         if not self.steps:
             return f"Not healed: {self.why}."
+        if self.train == "blocks":
+            said = (f"Healed block by block: {self.steps} steps a cut ({self.why}; the MSE to the original's hidden "
+                    f"states after the cut, each token's scaled to unit RMS, {self.trained()}, from the slim model's "
+                    "own inputs), on "
+                    f"{self.tokens or 0:,} tokens of the calibration" + (f" and `--heal-data {self.data}`"
+                                                                           if self.data else "") + ". ")
+            return said + self._judged()
         said = (f"Healed: {self.steps} steps of distillation towards the original ({self.why}; KL of the "
                 f"next-token distributions, from the original's top-{_cache_k()} logits written once, "
                 f"{self.trained()}, so the checkpoint stays plain), on "
                 f"{self.tokens or 0:,} tokens of the calibration" + (f" and `--heal-data {self.data}`" if self.data
-                                                                       else "") + f"{_over(self.processes)}. "
-                "On the calibration rows it did not train "
+                                                                       else "") + f"{_over(self.processes)}. ")
+        return said + self._judged()
+
+    def _judged(self) -> str:
+        return ("On the calibration rows it did not train "
                 f"on (the shortlist's measuring rows): KL {self.kl_before:.4f} -> {self.kl_after:.4f}, perplexity "
-                f"{self.ppl_before:.3f} -> {self.ppl_after:.3f}: ")
-        return said + ("kept." if self.kept else "not kept; the checkpoint is the one built, unhealed.")
+                f"{self.ppl_before:.3f} -> {self.ppl_after:.3f}: "
+                + ("kept." if self.kept else "not kept; the checkpoint is the one built, unhealed."))
 
 
 def _over(processes: int) -> str:
@@ -133,11 +153,13 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     ``before``: the checkpoint's ``{"kl", "ppl"}`` on the measuring rows where the shortlist measured them
     (the build put its fit in place), else measured here; ``more``: ``--heal-data``'s rows, trained on too.
     """
-    result = Healing(steps=steps, why=why, **heal_settings())
+    result = Healing(steps=steps, why=why, **(LOCAL_SETTINGS if config.local_heal else heal_settings()))
     shutil.rmtree(healed, ignore_errors=True)  # a killed heal's output: written again (its training resumes)
     if not steps:
         say(f"not healing: {why}")
         return result
+    if config.local_heal:
+        return heal_blocks(config, result, checkpoint, healed, calibration, original, say, before, more)
     prune = config.prune
     rows = HealRows.of(calibration, more)
     student, report = heal_student(checkpoint, prune.load.dtype, prune.load.device)
@@ -163,6 +185,49 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
         if isinstance(report.get("heldout"), dict):  # measured before healing: the card says so
             report["heldout"] = {**report["heldout"], "stage": HELDOUT_BEFORE_DISTILL}
         report["heal"] = {**done.report, "kl_before": before["kl"], "kl_after": after["kl"]}
+        with atomic_directory(healed, overwrite=True) as staging:
+            write_model(staging, student.model, student.tokenizer, healed, report)
+            carry_extras(checkpoint, staging)
+    return result
+
+
+def heal_blocks(config: ShipConfig, result: Healing, checkpoint: Path, healed: Path, calibration,
+                original: LoadedModel, say=print, before: dict | None = None, more=None) -> Healing:
+    """The heal block by block (``--offload sequential``): each cut's pair of blocks trained towards the original.
+
+    The built checkpoint is loaded as a skeleton beside the original's (:func:`distill.local_heal.heal_locally`);
+    it trains on the calibration's fitting rows (and ``more``, ``--heal-data``'s) as they are, ``result.steps`` steps
+    a cut, and is kept by the same test as the heal in memory: a lower KL on the measuring rows. A killed heal
+    starts again (its steps are a few minutes where the passes stream every block).
+    """
+    from prune.loading.offload import load_offloaded, streamed
+
+    prune = config.prune
+    fit, measure = split_rows(calibration)
+    rows = fit if more is None else torch.cat([fit, more])
+    student = load_offloaded(str(checkpoint), dtype=prune.load.dtype, device=prune.load.device)
+    report = read_report(checkpoint)
+
+    def divergence_now() -> dict:
+        with streamed(student.model), streamed(original.model):
+            return divergence(student.model, original.model, measure, prune.batch_size)
+
+    if before is None:
+        before = divergence_now()
+    say(f"healing block by block: {result.steps} steps a cut ({result.why}); KL before {before['kl']:.4f}")
+    records = heal_locally(student.model, original.model, report["layout"], rows, steps=result.steps,
+                           batch_size=prune.batch_size, seed=prune.data.seed, progress=prune.replace.progress,
+                           say=say)
+    after = divergence_now()
+    result = dataclasses.replace(result, kl_before=before["kl"], kl_after=after["kl"], ppl_before=before["ppl"],
+                                 ppl_after=after["ppl"], kept=after["kl"] < before["kl"],
+                                 tokens=sum(r["tokens"] for r in records), data=config.heal_data)
+    say(f"healed: KL {before['kl']:.4f} -> {after['kl']:.4f} on rows it did not train on; "
+        + ("kept" if result.kept else "not kept (the built checkpoint ships)"))
+    if result.kept:
+        if isinstance(report.get("heldout"), dict):  # measured before healing: the card says so
+            report["heldout"] = {**report["heldout"], "stage": HELDOUT_BEFORE_DISTILL}
+        report["heal"] = {"block_by_block": records, "kl_before": before["kl"], "kl_after": after["kl"]}
         with atomic_directory(healed, overwrite=True) as staging:
             write_model(staging, student.model, student.tokenizer, healed, report)
             carry_extras(checkpoint, staging)

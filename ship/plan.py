@@ -105,9 +105,14 @@ def make_plan(config: ShipConfig) -> Plan:
         # prune.run's own plan: the build's held-out evaluation (its scoring pass is the shortlist's, which keeps
         # more beside it and is counted there)
         peaks = {"build": planned.to_dict()["peak"]}
-        healing = _heal_plan(config, sized, keeps_original=True)  # one plan: the original kept adds memory only
-        plan.planned_heal_seconds = _heal_seconds(healing, config, sized)
-        plan.planned_heal_peak = _heal_peak(healing)
+        if config.local_heal:
+            local = _local_heal(config, planned)
+            plan.planned_heal_seconds = local.seconds if local else None
+            plan.planned_heal_peak = _stage_peak(local)
+        else:
+            healing = _heal_plan(config, sized, keeps_original=True)  # one plan: the original kept adds memory only
+            plan.planned_heal_seconds = _heal_seconds(healing, config, sized)
+            plan.planned_heal_peak = _heal_peak(healing)
         kept = count is not None and _fidelity_kept(config)
         if count is not None:
             work = ship_work(config, meta.skeleton, count, plan.planned_heal_seconds, fidelity_kept=kept)
@@ -144,7 +149,7 @@ def make_plan(config: ShipConfig) -> Plan:
 # the scoring pass, the heal can be left out (prune.run's own plan, the build's, is refused before this: check_plan)
 _UNFIT = {"shortlist": "every repair's fits of every block set are held at once, and the sets are a guess until "
                        "the scoring pass has chosen them",
-          "heal": "pass --no-heal to ship the checkpoint as built"}
+          "heal": "pass --heal-steps 0 to ship the checkpoint as built"}
 
 
 def _plan_peaks(plan: Plan, peaks: dict[str, dict[str, float]], limits: dict[str, float]) -> None:
@@ -301,6 +306,40 @@ def _stage_words(stages: dict) -> str:
     return ", ".join(f"{stage} {duration_words(seconds)}" for stage, seconds in stages.items() if seconds >= 1)
 
 
+def _local_heal(config: ShipConfig, planned):
+    """The planner's heal block by block (``--offload sequential``): ``--heal-steps`` steps a cut, one cut.
+
+    One cut: the blocks a score ranks most removable mostly form one run (as the fitting stage counts them).
+    """
+    from prune.planner.stages import stage_local_heal
+
+    return stage_local_heal(planned.shape, planned.inp, config.heal_steps) if not config.no_heal else None
+
+
+def replan_local_heal(config: ShipConfig, drop: int, layout: list[list[int]]) -> float | None:
+    """The heal block by block's seconds once the build's cuts are known (``layout``: ``layercut.json``'s).
+
+    The plan before loading puts one cut three quarters of the way down (:func:`prune.planner.stages.stage_local_heal`);
+    its passes stop at the cuts, so where they fell is most of what it missed. None: no plan.
+    """
+    from distill.local_heal import cut_depths
+    from prune.planner.estimate import hardware_for, plan_config
+    from prune.planner.stages import stage_local_heal
+
+    sized = dataclasses.replace(config.prune, drop=drop, target_params=None, target_speedup=None)
+    try:
+        planned = plan_config(sized, hardware_for(config.prune.load.device))
+    except Exception as err:  # noqa: BLE001 - the heal is then fitted to the time by the plan made before loading
+        logger.info("no plan for the heal once its cuts were known (%s)", err)
+        return None
+    stage = stage_local_heal(planned.shape, planned.inp, config.heal_steps, cut_depths(layout))
+    return stage.seconds if stage is not None else None
+
+
+def _stage_peak(stage) -> dict[str, float] | None:
+    return {device: sum(parts.values()) for device, parts in stage.devices.items()} if stage is not None else None
+
+
 def _heal_plan(config: ShipConfig, prune: PruneConfig, keeps_original: bool = False):
     """The planner's run of ``--heal-steps`` steps of the healing (None: no healing, or no plan).
 
@@ -309,7 +348,7 @@ def _heal_plan(config: ShipConfig, prune: PruneConfig, keeps_original: bool = Fa
     """
     from prune.planner.estimate import hardware_for, plan_config
 
-    if config.no_heal or not config.heal_steps:
+    if config.no_heal or not config.heal_steps or config.local_heal:
         return None
     # --heal-data's sequences train too (the teacher's cache writes them)
     train = heal_sequences(prune.data.samples, prune.data.seq_len, config.heal_samples if config.heal_data else 0)

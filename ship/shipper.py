@@ -36,6 +36,7 @@ from ship.plan import (
     make_plan,
     memory_words,
     plan_line,
+    replan_local_heal,
     replan_shortlist,
 )
 from ship.shortlist import Progress, Shortlist, make_shortlist
@@ -105,6 +106,8 @@ class Shipper:
             planned = plan.planned_stages
             if planned and shortlist.planned_seconds is not None:  # beside it, as counted once the sets were known
                 planned = {**planned, "shortlist once its sets were known": shortlist.planned_seconds}
+            if planned and healed.planned_seconds is not None:  # and the heal block by block once its cuts were
+                planned = {**planned, "heal once its cuts were known": round(healed.planned_seconds, 1)}
             self.card(final, shortlist, verified, times, healed, planned)
             os.replace(final, out)
         self.say(f"wrote {out}/ ({self.elapsed():.0f} s); every stage's output is in {work.path}/")
@@ -251,7 +254,13 @@ class Shipper:
         # the steps' time is what is left after the engine checks and the heal's own sampling of --heal-data
         sampling = max(later["heal"] - (plan.planned_heal_seconds or 0.0), 0.0) if later else 0.0
         reserve = later["export"] + later["verify"] + sampling if later else None
-        steps, why = heal_steps(self.config, plan.planned_heal_seconds, done, reserve)
+        known = None
+        if self.config.local_heal:  # block by block the recording passes stop at the cuts: planned again, placed
+            report = read_report(self.work / CHECKPOINT)
+            known = replan_local_heal(self.config, report["num_blocks_before"] - report["num_blocks_after"],
+                                      report["layout"])
+        planned = known or plan.planned_heal_seconds
+        steps, why = heal_steps(self.config, planned, done, reserve)
         if not steps:
             return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, None, None, say=self.say)
         calibration = self._calibration()
@@ -264,8 +273,10 @@ class Shipper:
             from prune.data.calibration import calibration_data
 
             more = calibration_data(original.tokenizer, self.config.heal_data_config(), model=original.model).token_ids
-        return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, calibration, original,
-                    say=self.say, before=before, more=more)
+        healed = heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, calibration, original,
+                      say=self.say, before=before, more=more)
+        healed.planned_seconds = known
+        return healed
 
     def export(self, final: Path) -> Exported:
         """For llama.cpp, the GGUF of ``--gguf-type`` beside the checkpoint that ships."""

@@ -525,3 +525,35 @@ def stage_teacher_cache(shape: ModelShape, inp: PlanInput) -> Stage | None:
     share = 1.0 if inp.on_gpu else TEACHER_SHARE
     return Stage("teacher cache", devices, total * _flops(shape, shape.layers, True) / (_rate(inp) * share),
                  f"top-{spec.teacher_cache} logits of {total:,} tokens")
+
+
+def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequence[tuple[int, int]] | None = None,
+                     blocks: int = 2) -> Stage | None:
+    """The heal block by block (``distill.local_heal``, ``prune.ship --offload sequential``).
+
+    Each cut records, over the calibration's tokens, a pass of the slim model up to its pair of blocks and one of the
+    original through the pair's depth, then takes ``steps`` Adam steps of the ``blocks`` blocks, every weight
+    trained in float32, a batch a step. ``depths``: each cut's blocks those passes run, (slim, original), once the
+    cuts are known; before that, one cut three quarters of the way down (SmolLM2-135M's fell at 42 and 53 %; the
+    most linear blocks of larger models lie deeper).
+    Memory: a streamed block and the embedding, the recorded input and target states (in the model's dtype, on
+    the CPU), the pair in float32 with its gradients and Adam's two states, and one batch's activations for backward.
+    """
+    if depths is None:
+        depths = [(round(0.75 * (shape.layers - inp.drop)), round(0.75 * shape.layers))]
+    if not steps or not inp.drop or not depths:
+        return None
+    devices = _new_devices(inp)
+    first = compute_devices(inp)[0]
+    tokens, batch = inp.calibration_tokens, inp.batch_size * inp.seq_len
+    _streamed(devices, shape, inp, 0)
+    add(devices["cpu"], "recorded states", 2 * tokens * shape.hidden * inp.act_bytes)
+    add(devices[first], "pair + gradients + Adam (float32)", 4 * blocks * shape.block_params * 4)
+    add(devices[first], "activations (backward)", train_activation_bytes(shape, blocks, batch, 4, "all"))
+    run = sum(slim + original for slim, original in depths)
+    passes = tokens * _flops(shape, run) / _rate(inp) + run / shape.layers * _disk_pass(shape, inp)
+    training = steps * batch * 3 * _flops(shape, blocks) / (_rate(inp) * (1.0 if inp.on_gpu else TRAIN_SHARE))
+    if inp.on_gpu:  # a small pair's step costs its launches, whatever its arithmetic
+        training = max(training, steps * GPU_STEP_SECONDS)
+    return Stage("local heal", devices, passes + len(depths) * training,
+                 f"{len(depths)} cut(s) x ({steps} steps of {blocks} blocks + two recording passes)")

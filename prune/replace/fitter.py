@@ -203,26 +203,41 @@ class CachingFitter(SpanFitter):
         return {"steps": self.steps, "lr": self.lr, "train_loss_start": first, "train_loss_end": last}
 
     def _adam(self, module: nn.Module, params: list, forward: Callable) -> list[float]:
-        """The Adam steps on random cached batches, cosine learning rate to 0; the loss of each step."""
-        optimizer = torch.optim.Adam(params, lr=self.lr)
-        generator = torch.Generator().manual_seed(self.config.seed)
-        steps = self.steps
-        losses = []
-        bar = tqdm(range(steps), desc=f"train {self.config.method} {list(self.span)}", disable=not self.config.progress)
-        for step in bar:
-            lr = self.lr * 0.5 * (1 + math.cos(math.pi * step / steps))  # cosine decay to 0
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            index = int(torch.randint(len(self.cache), (1,), generator=generator))
-            batch = move(self.cache[index], self.device, torch.float32)
-            loss = relative_mse(forward(module, batch), batch.y, batch.x)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            losses.append(float(loss.detach()))
-            bar.set_postfix(loss=f"{losses[-1]:.4f}")
-        return losses
+        """The Adam steps on random cached batches (:func:`adam_steps`)."""
+        return adam_steps(params, self.cache, lambda batch: forward(module, batch), steps=self.steps, lr=self.lr,
+                          seed=self.config.seed, device=self.device,
+                          desc=f"train {self.config.method} {list(self.span)}", progress=self.config.progress)
+
+
+def adam_steps(params: list, batches: Sequence[SpanBatch], forward: Callable[[SpanBatch], torch.Tensor], *,
+               steps: int, lr: float, seed: int, device: torch.device | str, desc: str,
+               progress: bool = True, loss: Callable[[torch.Tensor, SpanBatch], torch.Tensor] | None = None
+               ) -> list[float]:
+    """Adam on the MSE between ``forward(batch)`` and ``batch.y`` (relative to removal's, :func:`relative_mse`).
+
+    Each step takes one of ``batches`` at random (seeded), moved to ``device`` in float32; the learning rate
+    decays from ``lr`` to 0 on a cosine and gradients are clipped to norm 1. Returns each step's loss. What a
+    trained repair fits to its span (:class:`CachingFitter`) and what the heal block by block fits to the
+    original's stream (``distill.local_heal``) both take these steps. ``loss(output, batch)`` replaces that MSE.
+    """
+    optimizer = torch.optim.Adam(params, lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    losses = []
+    bar = tqdm(range(steps), desc=desc, disable=not progress)
+    for step in bar:
+        for group in optimizer.param_groups:
+            group["lr"] = lr * 0.5 * (1 + math.cos(math.pi * step / steps))  # cosine decay to 0
+        index = int(torch.randint(len(batches), (1,), generator=generator))
+        batch = move(batches[index], device, torch.float32)
+        output = forward(batch)
+        value = loss(output, batch) if loss is not None else relative_mse(output, batch.y, batch.x)
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        losses.append(float(value.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}")
+    return losses
 
 
 def relative_mse(pred: torch.Tensor, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -145,3 +145,48 @@ def test_the_heal_texts_sampling_is_reserved_beside_the_engine_checks(tiny_folde
     plan.planned_stages = None  # no plan of the stages: heal_steps reserves by the build's time itself
     shipper.Shipper(config, say=lambda line: None).heal(plan, [])
     assert asked[-1] == (20.0, None)
+
+
+def test_a_skeletons_heal_is_planned_block_by_block(tiny_folder, tmp_path):
+    """Under --offload sequential the plan's heal is the pair of blocks' steps and the two recording passes (no
+    teacher's cache, no student in memory): its memory is a streamed block, the recorded states and the pair with
+    Adam's states, far below the heal in memory; it grows with the steps and is none without them."""
+    from prune.pipeline.config import PruneConfig
+    from prune.planner.estimate import hardware_for, plan_config
+    from prune.planner.stages import stage_local_heal
+    from ship.plan import make_plan
+
+    def config(offload, **changes):
+        prune = PruneConfig(load={"model": str(tiny_folder), "offload": offload},
+                            data={"samples": 16, "seq_len": 32, "data": "builtin"}, drop=2)
+        return ShipConfig(prune=prune, out=str(tmp_path / "o"), engine="transformers", **changes)
+
+    streamed, memory = make_plan(config("sequential", heal_steps=50)), make_plan(config("none", heal_steps=50))
+    sized = plan_config(config("sequential").prune, hardware_for("cpu"))
+    stage = stage_local_heal(sized.shape, sized.inp, 50)
+    assert stage.seconds > 0 and streamed.planned_heal_seconds == pytest.approx(stage.seconds)
+    assert streamed.planned_heal_peak == {"cpu": pytest.approx(sum(stage.devices["cpu"].values()))}
+    assert {"recorded states", "pair + gradients + Adam (float32)"} <= set(stage.devices["cpu"])
+    assert streamed.planned_heal_peak["cpu"] < memory.planned_heal_peak["cpu"]
+    assert stage_local_heal(sized.shape, sized.inp, 100).seconds > stage.seconds
+    # once the cuts are known their passes are counted to their depths: a second cut costs as much again, a
+    # shallower one less (the tiny model's 4 blocks less 2: before loading, one cut at 3/4 of the depth)
+    one = stage_local_heal(sized.shape, sized.inp, 50, [(2, 3)])
+    assert one.seconds == pytest.approx(stage.seconds)
+    assert stage_local_heal(sized.shape, sized.inp, 50, [(2, 3), (2, 3)]).seconds == pytest.approx(2 * one.seconds)
+    assert stage_local_heal(sized.shape, sized.inp, 50, [(1, 1)]).seconds < one.seconds
+    assert make_plan(config("sequential", heal_steps=0)).planned_heal_seconds is None
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    ({"heal_data": "self"}, "--heal-data self with --offload sequential: a skeleton cannot sample"),
+    ({"processes": 2}, "--processes 2 with --offload sequential: the heal block by block"),
+])
+def test_what_the_heal_block_by_block_cannot_do_is_refused_in_one_line(tiny_folder, tmp_path, changes, words):
+    from prune.errors import LayercutError
+    from prune.pipeline.config import PruneConfig
+
+    prune = PruneConfig(load={"model": str(tiny_folder), "offload": "sequential"}, data={"data": "builtin"}, drop=2)
+    with pytest.raises(LayercutError, match=words):
+        ShipConfig(prune=prune, out=str(tmp_path / "o"), engine="transformers", **changes)
+    ShipConfig(prune=prune, out=str(tmp_path / "o"), engine="transformers", heal_steps=0, **changes)

@@ -282,7 +282,8 @@ def test_a_skeleton_ships_the_in_memory_pick_and_checkpoint_and_says_what_it_ski
                                                                                         one_thread, monkeypatch):
     """``--offload sequential``: the same candidates, KLs and pick as in memory, the same tensors to 1e-6 (the
     default repair of an untied head, fold-rotate, among them), verified in transformers one block at a time;
-    the heal and the speed check, which need the whole model in memory, are skipped and the card says why.
+    the heal runs block by block (the card says so) and the speed check, which needs the whole model in memory,
+    is skipped and the card says why.
     Neither run's repaired-fast takes a pass of its own: block by block its map errors are taken in the scoring
     pass (before 2026-12-03 a skeleton ran two more passes for them: 161 s of a 1B shape's shortlist)."""
     monkeypatch.setattr("prune.selection.map_errors.stream_any", lambda *_, **__: pytest.fail("a pass of its own"))
@@ -309,7 +310,8 @@ def test_a_skeleton_ships_the_in_memory_pick_and_checkpoint_and_says_what_it_ski
     assert "fold-rotate" in {r for _, r, _ in listed}
     assert weights.keys() == streamed.keys()
     assert max(float((weights[k] - streamed[k]).abs().max()) for k in weights) <= 1e-6
-    assert "Not healed: --offload sequential" in streamed_card and "Not healed" not in card
+    assert "Healed block by block: 5 steps a cut" in streamed_card and "block by block" not in card
+    assert json.loads((tmp_path / "sequential.work" / "heal.json").read_text())["train"] == "blocks"
     assert "no speed check" in said and "No speed figures, --offload sequential" in streamed_card
     assert "| calibration held-out rows |" in streamed_card  # the perplexities, measured on the skeletons
 

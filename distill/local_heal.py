@@ -1,0 +1,175 @@
+"""The heal block by block: the blocks beside each cut trained towards the original's stream, one cut at a time.
+
+What ``prune.ship --offload sequential`` heals with, where neither the student with its LoRA and optimizer nor the
+original's logits fit in memory. Each cut's pair of blocks (the kept block that carries the repair and the block
+after it) is copied into memory and trained with Adam so that, from the slim model's own input to the pair, it
+gives what the original's block at the same depth gives: layerwise MSE towards the teacher's residual stream,
+each token's state scaled to unit RMS first (as the next block's norm reads it: the stream's few outlier dimensions
+would otherwise rule the loss). The inputs are recorded in a pass of the slim model as healed so far (an earlier
+cut's heal is in them), the targets in a pass of the original; both passes stop at the pair, so a cut costs two
+partial passes and the steps of two blocks. A model in memory heals the same way (the tests compare the two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from prune.loading.offload import materialized, streamed
+from prune.model.adapters import get_blocks, input_device
+from prune.model.capture import block_output
+from prune.model.remote_code import float_param
+from prune.replace.capture import SpanBatch, move, record
+from prune.replace.fitter import adam_steps, relative_mse
+from prune.replace.local import StatePatch
+
+# The pair's Adam steps: a peak learning rate of 1e-3 (cosine to 0) on the MSE of unit-RMS states (normalised_mse).
+# Chosen on the selection split (SmolLM2-135M, prune.ship --drop 4 --offload sequential --data builtin: fold on
+# blocks 12-15, 100 steps; the geometric mean of its four texts' perplexity, training-free 30.87): the stream's MSE
+# at lr 3e-5, 1e-4, 3e-4, 1e-3 and 3e-3 gave 31.00, 30.75, 30.44, 30.19 and 30.89; the unit-RMS MSE at 3e-4 and 1e-3
+# 30.22 and 29.85 (-3.3 %), lower on each text. 300 steps of the stream's MSE at 1e-3: 29.72. Ship's heal in memory
+# (LoRA, KL of the logits) gave 27.57 on the same build (2026-12-05, reports/heal-blocks/)
+LOCAL_HEAL_LR = 1e-3
+LOCAL_HEAL_LOSS = "rms"
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where the slim model lost blocks, as the heal trains it.
+
+    Attributes:
+        blocks: the slim model's blocks trained (its indices): the block carrying the cut and the one after.
+        target: the original's block whose output the last of them is trained to give.
+    """
+
+    blocks: tuple[int, ...]
+    target: int
+
+
+def cuts_of(layout: list[list[int]]) -> list[Cut]:
+    """The cuts of a slim model from its layout (``layercut.json``: each block's original blocks), shallow first.
+
+    A block covering more than one original block carries a repair of the span beside it: it and the block after
+    it are trained. A gap between blocks (removed without a repair) trains the blocks on either side of it.
+    """
+    found: dict[tuple[int, ...], Cut] = {}
+    for i, covered in enumerate(layout):
+        pairs = []
+        if i and min(covered) != max(layout[i - 1]) + 1 or not i and min(covered) != 0:
+            pairs.append((max(i - 1, 0), i))
+        if len(covered) > 1:
+            pairs.append((i, min(i + 1, len(layout) - 1)))
+        for pair in pairs:
+            blocks = tuple(sorted(set(pair)))
+            found.setdefault(blocks, Cut(blocks, max(layout[blocks[-1]])))
+    return sorted(found.values(), key=lambda cut: cut.blocks)
+
+
+def cut_depths(layout: list[list[int]]) -> list[tuple[int, int]]:
+    """Each cut's blocks its two recording passes run: (the slim model's, the original's), as the planner counts them.
+
+    The slim model's pass stops as its pair's last block is called, the original's after the target block.
+    """
+    return [(cut.blocks[-1], cut.target + 1) for cut in cuts_of(layout)]
+
+
+def _batches(rows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    return [rows[i : i + batch_size] for i in range(0, rows.shape[0], batch_size)]
+
+
+@torch.no_grad()
+def _recorded(student: nn.Module, original: nn.Module, cut: Cut, rows: torch.Tensor,
+              batch_size: int) -> list[SpanBatch]:
+    """Each batch's input to the cut's first block, every trained block's call, and the original's target.
+
+    ``SpanBatch.args`` holds one ``(args, kwargs)`` call per trained block: a model whose layers attend
+    differently (Gemma-3's sliding and global layers) calls each with its own mask and rotary tables.
+    """
+    slim_blocks, original_blocks = get_blocks(student)[1], get_blocks(original)[1]
+    kept = []
+    for batch in _batches(rows, batch_size):
+        def inputs(recorder, batch_blocks=slim_blocks):
+            recorder.input_of(batch_blocks[cut.blocks[0]], "x")
+            for k, index in enumerate(cut.blocks):
+                recorder.input_of(batch_blocks[index], f"call{k}", with_call=True)
+
+        with streamed(student):
+            seen = record(student, batch, inputs)
+        with streamed(original):
+            target = record(original, batch, lambda r: r.output_of(original_blocks[cut.target], "y"))["y"]
+        calls = tuple(seen[f"call{k}.call"] for k in range(len(cut.blocks)))
+        kept.append(move(SpanBatch(seen["x"], target, calls), torch.device("cpu")))
+    return kept
+
+
+def _unit_rms(states: torch.Tensor) -> torch.Tensor:
+    states = states.float()
+    return states * torch.rsqrt(states.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def normalised_mse(output: torch.Tensor, batch: SpanBatch) -> torch.Tensor:
+    """The MSE of each token's state scaled to unit RMS (what the next block's norm reads), relative to removal's.
+
+    The stream's few outlier dimensions, hundreds of times the others, weigh the same here as in the norm after it.
+    """
+    return relative_mse(_unit_rms(output), _unit_rms(batch.y), _unit_rms(batch.x))
+
+
+# the stream's MSE as it is (adam_steps' own), and the unit-RMS one
+LOSSES = {"mse": None, "rms": normalised_mse}
+
+
+def heal_cut(student: nn.Module, original: nn.Module, cut: Cut, rows: torch.Tensor, *, steps: int,
+             lr: float = LOCAL_HEAL_LR, batch_size: int = 4, seed: int = 0, progress: bool = True,
+             loss: str = LOCAL_HEAL_LOSS) -> dict:
+    """Train ``cut``'s blocks of ``student`` towards ``original``'s output at ``cut.target``; the record.
+
+    The trained weights are put in place (on a skeleton, as changes its later passes and its export read). The
+    loss (``loss``: a key of :data:`LOSSES`) is relative to leaving the pair out (1.0): the MSE of each token's
+    state scaled to unit RMS (``rms``), or of the stream as it is (``mse``); the record holds it before the first
+    step and over the last ten.
+    """
+    batches = _recorded(student, original, cut, rows, batch_size)
+    slim_blocks = get_blocks(student)[1]
+    pair = nn.ModuleList(materialized(slim_blocks[i]) for i in cut.blocks)
+    device = input_device(student)
+    dtype = float_param(pair[0]).dtype
+    pair.to(device=device, dtype=torch.float32).eval()
+
+    def forward(batch: SpanBatch) -> torch.Tensor:
+        hidden = batch.x
+        for block, (args, kwargs) in zip(pair, batch.args, strict=True):
+            hidden = block_output(block(hidden, *args, **kwargs))
+        return hidden
+
+    params = list(pair.parameters())
+    for param in params:
+        param.requires_grad_(True)
+    losses = adam_steps(params, batches, forward, steps=steps, lr=lr, seed=seed, device=device,
+                        desc=f"heal blocks {list(cut.blocks)}", progress=progress, loss=LOSSES[loss])
+    pair.to(dtype=dtype).requires_grad_(False)
+    for index, trained in zip(cut.blocks, pair, strict=True):
+        StatePatch(slim_blocks[index], trained).apply()
+    tokens = sum(batch.x.shape[0] * batch.x.shape[1] for batch in batches)
+    last = losses[-10:]
+    return {"blocks": list(cut.blocks), "target": cut.target, "steps": steps, "lr": lr, "loss": loss, "tokens": tokens,
+            "loss_start": round(losses[0], 6) if losses else None,
+            "loss_end": round(sum(last) / len(last), 6) if last else None}
+
+
+def heal_locally(student: nn.Module, original: nn.Module, layout: list[list[int]], rows: torch.Tensor, *,
+                 steps: int, lr: float = LOCAL_HEAL_LR, batch_size: int = 4, seed: int = 0, progress: bool = True,
+                 loss: str = LOCAL_HEAL_LOSS, say: Callable[[str], None] = print) -> list[dict]:
+    """Heal every cut of ``student`` (``layout``: its blocks' original blocks) in turn, ``steps`` steps each.
+
+    ``rows`` [n, seq]: the token ids the passes record. Returns each cut's record (:func:`heal_cut`).
+    """
+    records = []
+    for cut in cuts_of(layout):
+        say(f"healing blocks {list(cut.blocks)} towards the original's block {cut.target}: {steps} steps")
+        records.append(heal_cut(student, original, cut, rows, steps=steps, lr=lr, batch_size=batch_size,
+                                seed=seed, progress=progress, loss=loss))
+    return records
