@@ -12,7 +12,7 @@ partial passes and the steps of two blocks. A model in memory heals the same way
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,11 @@ LOCAL_HEAL_LR = 1e-3
 LOCAL_HEAL_LOSS = "rms"
 
 
+def local_heal_settings() -> dict:
+    """What the heal block by block trains and how, for a run's settings (a run healed otherwise is another run)."""
+    return {"train": "blocks", "lr": LOCAL_HEAL_LR, "loss": LOCAL_HEAL_LOSS}
+
+
 @dataclass(frozen=True)
 class Cut:
     """Where the slim model lost blocks, as the heal trains it.
@@ -49,31 +54,46 @@ class Cut:
     target: int
 
 
-def cuts_of(layout: list[list[int]]) -> list[Cut]:
+def cuts_of(layout: list[list[int]], blocks_before: int | None = None) -> list[Cut]:
     """The cuts of a slim model from its layout (``layercut.json``: each block's original blocks), shallow first.
 
     A block covering more than one original block carries a repair of the span beside it: it and the block after
-    it are trained. A gap between blocks (removed without a repair) trains the blocks on either side of it.
+    it are trained. A gap between blocks (removed without a repair) trains the blocks on either side of it; blocks
+    removed after the last kept one (``blocks_before``: the original's count) train that one towards the original's
+    last block.
     """
     found: dict[tuple[int, ...], Cut] = {}
+    last = len(layout) - 1
     for i, covered in enumerate(layout):
         pairs = []
         if i and min(covered) != max(layout[i - 1]) + 1 or not i and min(covered) != 0:
             pairs.append((max(i - 1, 0), i))
         if len(covered) > 1:
-            pairs.append((i, min(i + 1, len(layout) - 1)))
+            pairs.append((i, min(i + 1, last)))
         for pair in pairs:
             blocks = tuple(sorted(set(pair)))
             found.setdefault(blocks, Cut(blocks, max(layout[blocks[-1]])))
+    if blocks_before is not None and max(layout[last]) < blocks_before - 1:
+        found.setdefault((last,), Cut((last,), blocks_before - 1))
     return sorted(found.values(), key=lambda cut: cut.blocks)
 
 
-def cut_depths(layout: list[list[int]]) -> list[tuple[int, int]]:
+def in_original_basis(cut: Cut, basis_changes: Sequence[int]) -> bool:
+    """Whether the slim model's state after ``cut``'s pair is the original's own, up to scale.
+
+    ``basis_changes``: the first removed block of each span whose repair turned every weight upstream of it (a
+    change of basis, ``fold-rotate``). Below such a span the slim model's stream is the original's turned, so a
+    shallower cut's target, read from the original, is in another basis.
+    """
+    return all(start <= cut.target for start in basis_changes)
+
+
+def cut_depths(layout: list[list[int]], blocks_before: int | None = None) -> list[tuple[int, int]]:
     """Each cut's blocks its two recording passes run: (the slim model's, the original's), as the planner counts them.
 
     The slim model's pass stops as its pair's last block is called, the original's after the target block.
     """
-    return [(cut.blocks[-1], cut.target + 1) for cut in cuts_of(layout)]
+    return [(cut.blocks[-1], cut.target + 1) for cut in cuts_of(layout, blocks_before)]
 
 
 def _batches(rows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
@@ -150,10 +170,12 @@ def heal_cut(student: nn.Module, original: nn.Module, cut: Cut, rows: torch.Tens
         param.requires_grad_(True)
     losses = adam_steps(params, batches, forward, steps=steps, lr=lr, seed=seed, device=device,
                         desc=f"heal blocks {list(cut.blocks)}", progress=progress, loss=LOSSES[loss])
-    pair.to(dtype=dtype).requires_grad_(False)
+    for param in params:  # the gradients go; the weights wait on the host until a pass or the export reads them
+        param.grad = None
+    pair.to(device="cpu", dtype=dtype).requires_grad_(False)
     for index, trained in zip(cut.blocks, pair, strict=True):
         StatePatch(slim_blocks[index], trained).apply()
-    tokens = sum(batch.x.shape[0] * batch.x.shape[1] for batch in batches)
+    tokens = int(rows.numel())
     last = losses[-10:]
     return {"blocks": list(cut.blocks), "target": cut.target, "steps": steps, "lr": lr, "loss": loss, "tokens": tokens,
             "loss_start": round(losses[0], 6) if losses else None,
@@ -162,13 +184,19 @@ def heal_cut(student: nn.Module, original: nn.Module, cut: Cut, rows: torch.Tens
 
 def heal_locally(student: nn.Module, original: nn.Module, layout: list[list[int]], rows: torch.Tensor, *,
                  steps: int, lr: float = LOCAL_HEAL_LR, batch_size: int = 4, seed: int = 0, progress: bool = True,
-                 loss: str = LOCAL_HEAL_LOSS, say: Callable[[str], None] = print) -> list[dict]:
+                 loss: str = LOCAL_HEAL_LOSS, blocks_before: int | None = None, basis_changes: Sequence[int] = (),
+                 say: Callable[[str], None] = print) -> list[dict]:
     """Heal every cut of ``student`` (``layout``: its blocks' original blocks) in turn, ``steps`` steps each.
 
-    ``rows`` [n, seq]: the token ids the passes record. Returns each cut's record (:func:`heal_cut`).
+    ``rows`` [n, seq]: the token ids the passes record; ``blocks_before``: the original's block count;
+    ``basis_changes``: see :func:`in_original_basis` (a cut above such a span is left as built, and said).
+    Returns each healed cut's record (:func:`heal_cut`).
     """
     records = []
-    for cut in cuts_of(layout):
+    for cut in cuts_of(layout, blocks_before):
+        if not in_original_basis(cut, basis_changes):
+            say(f"not healing blocks {list(cut.blocks)}: a deeper cut's repair turned the basis of their states")
+            continue
         say(f"healing blocks {list(cut.blocks)} towards the original's block {cut.target}: {steps} steps")
         records.append(heal_cut(student, original, cut, rows, steps=steps, lr=lr, batch_size=batch_size,
                                 seed=seed, progress=progress, loss=loss))

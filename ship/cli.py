@@ -9,9 +9,9 @@
 
 Plans (refuses what cannot fit, in one line), scores every block once, shortlists block sets x servable repairs,
 measures each on calibration rows no fit saw (KL from the original and perplexity), builds the best one as
-``prune.run`` would, heals it by distillation within the time left (kept when it helps on unseen rows), exports
-it (a GGUF for llama.cpp), checks it in the engine against transformers and writes ``OUT/README.md``: what was
-chosen and why, what was lost, the speed, the commands that reproduce it.
+``prune.run`` would, heals it within the time left (by distillation; block by block under ``--offload sequential``;
+kept when it helps on unseen rows), exports it (a GGUF for llama.cpp), checks it in the engine against transformers
+and writes ``OUT/README.md``: what was chosen and why, what was lost, the speed, the commands that reproduce it.
 Stopped anywhere (Ctrl-C, ``kill -9``), the same command continues from ``OUT.work/`` (:mod:`ship.shipper`).
 ``python -m ship`` and ``layercut-ship`` are this command too.
 """

@@ -23,6 +23,7 @@ from distill.heal import HEAL_SEQ_LEN as HEAL_SEQ_LEN
 from distill.heal import HealRows, heal_data_config, heal_settings
 from distill.heal import heal_rows as heal_rows
 from distill.launch import check_devices, per_process
+from distill.local_heal import local_heal_settings
 from eval.speed.engines import ENGINES
 from prune.data.calibration import DataConfig, names_a_file
 from prune.errors import LayercutError
@@ -242,7 +243,8 @@ class ShipConfig:
                 "heldout": list(self.heldout), "gguf_type": self.gguf_type if self.gguf else None,
                 "heal_steps": self.heal_steps,
                 # what the heal trains: a run healed at another LoRA rank is another run (its checkpoints differ)
-                **({"heal": heal_settings()} if self.heal_steps else {}),
+                **({"heal": local_heal_settings() if self.local_heal else heal_settings()}
+                   if self.heal_steps else {}),
                 **({"heal_data": self.heal_data, "heal_samples": self.heal_samples} if self.heal_data else {})}
 
     def digest(self) -> str:

@@ -112,13 +112,13 @@ def _cache_k() -> str:
 
 
 def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageResult],
-               reserve: float | None = None) -> tuple[int, str]:
+               reserve: float | None = None, fixed: float = 0.0) -> tuple[int, str]:
     """(steps, why): ``--heal-steps``, or fewer when ``--time-budget`` leaves time for fewer.
 
     The time left is the budget less the stages done and a reserve for the export and the engine checks:
     ``reserve``, the planner's seconds for them (``ship.costs``), else the build's time per held-out text and
     two more (measured on a 2-core CPU, reports/ship/); a step costs the planner's time (``planned``, for
-    ``--heal-steps`` steps) x ``HEAL_MARGIN``.
+    ``--heal-steps`` steps, less ``fixed``: what it costs whatever the steps, paid first) x ``HEAL_MARGIN``.
     """
     steps = config.heal_steps
     if config.no_heal:
@@ -131,8 +131,8 @@ def heal_steps(config: ShipConfig, planned: float | None, done: Sequence[StageRe
     spent = sum(stage.seconds for stage in done)
     if reserve is None:
         reserve = done[-1].seconds * (max(len(config.heldout), 1) + 2) if config.verify else 0
-    left = budget - spent - reserve
-    per_step = planned / config.heal_steps * HEAL_MARGIN
+    left = budget - spent - reserve - fixed * HEAL_MARGIN
+    per_step = (planned - fixed) / config.heal_steps * HEAL_MARGIN
     fits = max(int(left // per_step), 0)
     if fits < HEAL_MIN_STEPS:
         return 0, (f"--time-budget leaves {duration_words(max(left, 0))} after the engine checks' reserve: "
@@ -217,11 +217,15 @@ def heal_blocks(config: ShipConfig, result: Healing, checkpoint: Path, healed: P
     say(f"healing block by block: {result.steps} steps a cut ({result.why}); KL before {before['kl']:.4f}")
     records = heal_locally(student.model, original.model, report["layout"], rows, steps=result.steps,
                            batch_size=prune.batch_size, seed=prune.data.seed, progress=prune.replace.progress,
+                           blocks_before=report.get("num_blocks_before"), basis_changes=basis_changes(report),
                            say=say)
+    if not records:
+        say("not healing: no cut whose state the original gives")
+        return dataclasses.replace(result, steps=0, why="no cut whose state after it the original gives")
     after = divergence_now()
     result = dataclasses.replace(result, kl_before=before["kl"], kl_after=after["kl"], ppl_before=before["ppl"],
                                  ppl_after=after["ppl"], kept=after["kl"] < before["kl"],
-                                 tokens=sum(r["tokens"] for r in records), data=config.heal_data)
+                                 tokens=int(rows.numel()), data=config.heal_data)
     say(f"healed: KL {before['kl']:.4f} -> {after['kl']:.4f} on rows it did not train on; "
         + ("kept" if result.kept else "not kept (the built checkpoint ships)"))
     if result.kept:
@@ -232,6 +236,12 @@ def heal_blocks(config: ShipConfig, result: Healing, checkpoint: Path, healed: P
             write_model(staging, student.model, student.tokenizer, healed, report)
             carry_extras(checkpoint, staging)
     return result
+
+
+def basis_changes(report: dict) -> list[int]:
+    """The first removed block of each span whose repair turned the basis upstream (``fold-rotate``'s records)."""
+    return [min(record["replaces"]) for record in report.get("replacements") or ()
+            if "rotation_angle" in record and record.get("replaces")]
 
 
 def carry_extras(built: Path, healed: Path) -> None:

@@ -313,27 +313,43 @@ def _local_heal(config: ShipConfig, planned):
     """
     from prune.planner.stages import stage_local_heal
 
-    return stage_local_heal(planned.shape, planned.inp, config.heal_steps) if not config.no_heal else None
+    if config.no_heal:
+        return None
+    return stage_local_heal(planned.shape, planned.inp, config.heal_steps, more_rows=_more_rows(config))
 
 
-def replan_local_heal(config: ShipConfig, drop: int, layout: list[list[int]]) -> float | None:
-    """The heal block by block's seconds once the build's cuts are known (``layout``: ``layercut.json``'s).
+def _more_rows(config: ShipConfig) -> int:
+    return config.heal_samples if config.heal_data else 0
+
+
+def replan_local_heal(config: ShipConfig, report: dict) -> tuple[float, float] | None:
+    """The heal block by block's seconds once the build's cuts are known (``report``: its ``layercut.json``).
 
     The plan before loading puts one cut three quarters of the way down (:func:`prune.planner.stages.stage_local_heal`);
-    its passes stop at the cuts, so where they fell is most of what it missed. None: no plan.
+    its passes stop at the cuts, so where they fell is most of what it missed. Returns (seconds, of them the part
+    no step count changes: the recording passes and the KL after); None: no plan.
     """
     from distill.local_heal import cut_depths
     from prune.planner.estimate import hardware_for, plan_config
     from prune.planner.stages import stage_local_heal
 
-    sized = dataclasses.replace(config.prune, drop=drop, target_params=None, target_speedup=None)
+    before, layout = report["num_blocks_before"], report["layout"]
+    sized = dataclasses.replace(config.prune, drop=before - len(layout), target_params=None, target_speedup=None)
     try:
         planned = plan_config(sized, hardware_for(config.prune.load.device))
     except Exception as err:  # noqa: BLE001 - the heal is then fitted to the time by the plan made before loading
         logger.info("no plan for the heal once its cuts were known (%s)", err)
         return None
-    stage = stage_local_heal(planned.shape, planned.inp, config.heal_steps, cut_depths(layout))
-    return stage.seconds if stage is not None else None
+    depths = cut_depths(layout, before)
+
+    def seconds(steps: int) -> float | None:
+        stage = stage_local_heal(planned.shape, planned.inp, steps, depths, more_rows=_more_rows(config))
+        return stage.seconds if stage is not None else None
+
+    whole, one, two = seconds(config.heal_steps), seconds(1), seconds(2)
+    if whole is None or one is None or two is None:
+        return None
+    return whole, one - (two - one)
 
 
 def _stage_peak(stage) -> dict[str, float] | None:

@@ -254,13 +254,12 @@ class Shipper:
         # the steps' time is what is left after the engine checks and the heal's own sampling of --heal-data
         sampling = max(later["heal"] - (plan.planned_heal_seconds or 0.0), 0.0) if later else 0.0
         reserve = later["export"] + later["verify"] + sampling if later else None
-        known = None
+        known = fixed = None
         if self.config.local_heal:  # block by block the recording passes stop at the cuts: planned again, placed
-            report = read_report(self.work / CHECKPOINT)
-            known = replan_local_heal(self.config, report["num_blocks_before"] - report["num_blocks_after"],
-                                      report["layout"])
+            replanned = replan_local_heal(self.config, read_report(self.work / CHECKPOINT))
+            known, fixed = replanned if replanned is not None else (None, None)
         planned = known or plan.planned_heal_seconds
-        steps, why = heal_steps(self.config, planned, done, reserve)
+        steps, why = heal_steps(self.config, planned, done, reserve, fixed=fixed or 0.0)
         if not steps:
             return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, None, None, say=self.say)
         calibration = self._calibration()

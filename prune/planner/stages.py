@@ -80,6 +80,9 @@ GPU_BLOCK_CALL_SECONDS = 5.5e-4
 # A LoRA distillation step of 4 x 128 tokens (forward, backward, the optimizer): 100 steps took 17.8 s on SmolLM2-135M
 # at drop 8 (22 blocks), 18.2 s on the 1B shape at drop 4 (12 blocks), 23.9 s on Gemma-3-270M's shape (14 blocks)
 GPU_STEP_SECONDS = 0.18
+# float32 arithmetic on a GPU against its bfloat16 tensor cores: an H100 SXM's 67 TFLOP/s FP32 against 989 (NVIDIA
+# datasheet); the heal block by block trains its pair in float32
+FP32_SHARE = 67 / 989
 
 
 
@@ -528,16 +531,18 @@ def stage_teacher_cache(shape: ModelShape, inp: PlanInput) -> Stage | None:
 
 
 def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequence[tuple[int, int]] | None = None,
-                     blocks: int = 2) -> Stage | None:
+                     blocks: int = 2, more_rows: int = 0) -> Stage | None:
     """The heal block by block (``distill.local_heal``, ``prune.ship --offload sequential``).
 
-    Each cut records, over the calibration's tokens, a pass of the slim model up to its pair of blocks and one of the
-    original through the pair's depth, then takes ``steps`` Adam steps of the ``blocks`` blocks, every weight
-    trained in float32, a batch a step. ``depths``: each cut's blocks those passes run, (slim, original), once the
-    cuts are known; before that, one cut three quarters of the way down (SmolLM2-135M's fell at 42 and 53 %; the
-    most linear blocks of larger models lie deeper).
-    Memory: a streamed block and the embedding, the recorded input and target states (in the model's dtype, on
-    the CPU), the pair in float32 with its gradients and Adam's two states, and one batch's activations for backward.
+    Each cut records, over the fitting rows (and ``more_rows`` of ``--heal-data``), a pass of the slim model up to its
+    pair of blocks and one of the original through the pair's depth, a batch at a time (so a skeleton reads each
+    block once a batch), then takes ``steps`` Adam steps of the ``blocks`` blocks, every weight trained in float32;
+    the KL after is a pass of both models over the measuring rows. ``depths``: each cut's blocks those passes run,
+    (slim, original), once the cuts are known; before that, one cut three quarters of the way down (SmolLM2-135M's
+    fell at 42 and 53 %; the most linear blocks of larger models lie deeper).
+    Memory: a streamed block with the embedding, the original's embedding and head beside it, the recorded input
+    and target states (in the model's dtype, on the CPU), the pair in float32 with its gradients and Adam's two
+    states, and one batch's activations for backward.
     """
     if depths is None:
         depths = [(round(0.75 * (shape.layers - inp.drop)), round(0.75 * shape.layers))]
@@ -545,15 +550,22 @@ def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequ
         return None
     devices = _new_devices(inp)
     first = compute_devices(inp)[0]
-    tokens, batch = inp.calibration_tokens, inp.batch_size * inp.seq_len
+    measuring = max(1, inp.samples // MEASURE_EVERY)
+    rows = inp.samples - measuring + more_rows
+    tokens, batch = rows * inp.seq_len, inp.batch_size * inp.seq_len
     _streamed(devices, shape, inp, 0)
+    add(devices[first], "the original's embedding and head", weight_bytes(shape, inp, 0))
     add(devices["cpu"], "recorded states", 2 * tokens * shape.hidden * inp.act_bytes)
     add(devices[first], "pair + gradients + Adam (float32)", 4 * blocks * shape.block_params * 4)
     add(devices[first], "activations (backward)", train_activation_bytes(shape, blocks, batch, 4, "all"))
     run = sum(slim + original for slim, original in depths)
-    passes = tokens * _flops(shape, run) / _rate(inp) + run / shape.layers * _disk_pass(shape, inp)
-    training = steps * batch * 3 * _flops(shape, blocks) / (_rate(inp) * (1.0 if inp.on_gpu else TRAIN_SHARE))
-    if inp.on_gpu:  # a small pair's step costs its launches, whatever its arithmetic
-        training = max(training, steps * GPU_STEP_SECONDS)
-    return Stage("local heal", devices, passes + len(depths) * training,
-                 f"{len(depths)} cut(s) x ({steps} steps of {blocks} blocks + two recording passes)")
+    batches = -(-rows // inp.batch_size)
+    passes = tokens * _flops(shape, run) / _rate(inp) + batches * run / shape.layers * _disk_pass(shape, inp)
+    kl = (measuring * inp.seq_len * (_flops(shape, shape.layers - inp.drop, True) + _flops(shape, shape.layers, True))
+          / _rate(inp) + 2 * _disk_pass(shape, inp) * -(-measuring // inp.batch_size))
+    # float32 on a GPU: its rate without the bfloat16 tensor cores (FP32_SHARE); a pair's step costs its launches
+    training = steps * batch * 3 * _flops(shape, blocks) / (_rate(inp) * (FP32_SHARE if inp.on_gpu else TRAIN_SHARE))
+    if inp.on_gpu:
+        training = max(training, steps * 3 * blocks * GPU_BLOCK_CALL_SECONDS)
+    return Stage("local heal", devices, passes + len(depths) * training + kl,
+                 f"{len(depths)} cut(s) x ({steps} steps of {blocks} blocks + two recording passes) + the KL after")

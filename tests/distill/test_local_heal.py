@@ -32,6 +32,32 @@ def test_each_cut_trains_the_blocks_beside_it_towards_the_original_at_their_dept
     assert cuts_of(layout) == cuts
 
 
+def test_blocks_removed_after_the_last_kept_one_train_it_towards_the_originals_last():
+    """The layout alone cannot tell them (it ends at the last kept block): the original's block count does."""
+    assert cuts_of([[0], [1], [2], [3], [4], [5]]) == []
+    assert cuts_of([[0], [1], [2], [3], [4], [5]], blocks_before=8) == [Cut((5,), 7)]
+    assert cuts_of([[0], [1, 2], [3]], blocks_before=4) == [Cut((1, 2), 3)]
+
+
+def test_a_cut_below_a_change_of_basis_is_left_as_built(tmp_path, one_thread):
+    """fold-rotate turns every weight upstream of its span: a shallower cut's states are the original's turned, so
+    its target, read from the original, is in another basis; the deepest cut's is the original's own."""
+    from distill.local_heal import in_original_basis
+    from ship.heal import basis_changes
+
+    cuts = cuts_of([[0], [1, 2], [3], [4, 5], [6], [7]])
+    assert cuts == [Cut((1, 2), 3), Cut((3, 4), 6)]
+    report = {"replacements": [{"method": "fold-rotate", "replaces": [5], "rotation_angle": 0.1},
+                               {"method": "fold", "replaces": [2]}]}
+    assert basis_changes(report) == [5]
+    assert [in_original_basis(cut, [5]) for cut in cuts] == [False, True]
+    original, slim = _pair(tmp_path)
+    said = []
+    records = heal_locally(slim, original, block_layout(slim), torch.randint(3, 320, (4, 64)), steps=2,
+                           progress=False, basis_changes=[6], say=said.append)
+    assert records == [] and "a deeper cut's repair turned the basis" in said[0]
+
+
 def test_the_passes_that_record_a_cut_run_to_its_pair_and_through_its_target():
     """The slim model's pass stops as the pair's last block is called, the original's after its target block."""
     assert cut_depths([[0], [1], [2, 3, 4], [5], [6, 7]]) == [(3, 6), (4, 8)]
