@@ -82,8 +82,8 @@ def in_original_basis(cut: Cut, basis_changes: Sequence[int]) -> bool:
     """Whether the slim model's state after ``cut``'s pair is the original's own, up to scale.
 
     ``basis_changes``: the first removed block of each span whose repair turned every weight upstream of it (a
-    change of basis, ``fold-rotate``). Below such a span the slim model's stream is the original's turned, so a
-    shallower cut's target, read from the original, is in another basis.
+    change of basis, ``fold-rotate``). Upstream of such a span the slim model's stream is the original's turned, so
+    the target of a cut shallower than it, read from the original, is in another basis.
     """
     return all(start <= cut.target for start in basis_changes)
 
@@ -189,7 +189,7 @@ def heal_locally(student: nn.Module, original: nn.Module, layout: list[list[int]
     """Heal every cut of ``student`` (``layout``: its blocks' original blocks) in turn, ``steps`` steps each.
 
     ``rows`` [n, seq]: the token ids the passes record; ``blocks_before``: the original's block count;
-    ``basis_changes``: see :func:`in_original_basis` (a cut above such a span is left as built, and said).
+    ``basis_changes``: see :func:`in_original_basis` (a cut shallower than such a span is left as built, and said).
     Returns each healed cut's record (:func:`heal_cut`).
     """
     records = []
