@@ -22,12 +22,13 @@ import torch
 
 from distill.checkpoints import default_work_folder, list_checkpoints
 from distill.heal import HealRows, heal_settings, heal_student, heal_training
-from distill.local_heal import LOCAL_HEAL_LR, heal_locally
+from distill.local_heal import heal_locally, local_heal_settings
 from prune.atomic import atomic_directory
 from prune.checkpoint.report import REPORT_FILE, read_report
 from prune.checkpoint.save_load import write_model
 from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL
 from prune.loading.loader import LoadedModel
+from prune.loading.offload import load_offloaded, streamed
 from prune.selection.repaired import divergence, split_rows
 from ship.config import HEAL_OPTIONS, ShipConfig, duration_words
 from ship.work import StageResult
@@ -37,7 +38,7 @@ from ship.work import StageResult
 # checks' time
 HEAL_MARGIN = 1.15
 # what the heal block by block trains (distill.local_heal), as heal.json records it
-LOCAL_SETTINGS = {"train": "blocks", "lr": LOCAL_HEAL_LR}
+LOCAL_SETTINGS = {key: local_heal_settings()[key] for key in ("train", "lr")}
 # fewer steps than this are not worth a teacher's load: healing is skipped
 HEAL_MIN_STEPS = 20
 # files of the built checkpoint that the healed one is written without (its own weights and card replace them)
@@ -84,16 +85,16 @@ class Healing(StageResult):
         if self.train == "blocks":
             said = (f"Healed block by block: {self.steps} steps a cut ({self.why}; the MSE to the original's hidden "
                     f"states after the cut, each token's scaled to unit RMS, {self.trained()}, from the slim model's "
-                    "own inputs), on "
-                    f"{self.tokens or 0:,} tokens of the calibration" + (f" and `--heal-data {self.data}`"
-                                                                           if self.data else "") + ". ")
+                    f"own inputs), on {self._text()}. ")
             return said + self._judged()
         said = (f"Healed: {self.steps} steps of distillation towards the original ({self.why}; KL of the "
                 f"next-token distributions, from the original's top-{_cache_k()} logits written once, "
-                f"{self.trained()}, so the checkpoint stays plain), on "
-                f"{self.tokens or 0:,} tokens of the calibration" + (f" and `--heal-data {self.data}`" if self.data
-                                                                       else "") + f"{_over(self.processes)}. ")
+                f"{self.trained()}, so the checkpoint stays plain), on {self._text()}{_over(self.processes)}. ")
         return said + self._judged()
+
+    def _text(self) -> str:
+        return f"{self.tokens or 0:,} tokens of the calibration" + (f" and `--heal-data {self.data}`"
+                                                                     if self.data else "")
 
     def _judged(self) -> str:
         return ("On the calibration rows it did not train "
@@ -174,21 +175,9 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     for folder in done.cleanup:
         shutil.rmtree(folder, ignore_errors=True)
     after = divergence(student.model, original.model, rows.measure, prune.batch_size)
-    result = dataclasses.replace(result, kl_before=before["kl"], kl_after=after["kl"], ppl_before=before["ppl"],
-                                 ppl_after=after["ppl"], kept=after["kl"] < before["kl"],
-                                 tokens=int(rows.train.numel()), data=config.heal_data,
-                                 distill_seconds=done.report.get("seconds"),
+    result = dataclasses.replace(result, tokens=int(rows.train.numel()), distill_seconds=done.report.get("seconds"),
                                  processes=done.report.get("processes", 1))
-    say(f"healed: KL {before['kl']:.4f} -> {after['kl']:.4f} on rows it did not train on; "
-        + ("kept" if result.kept else "not kept (the built checkpoint ships)"))
-    if result.kept:
-        if isinstance(report.get("heldout"), dict):  # measured before healing: the card says so
-            report["heldout"] = {**report["heldout"], "stage": HELDOUT_BEFORE_DISTILL}
-        report["heal"] = {**done.report, "kl_before": before["kl"], "kl_after": after["kl"]}
-        with atomic_directory(healed, overwrite=True) as staging:
-            write_model(staging, student.model, student.tokenizer, healed, report)
-            carry_extras(checkpoint, staging)
-    return result
+    return _judge_and_keep(config, result, before, after, student, report, done.report, checkpoint, healed, say)
 
 
 def heal_blocks(config: ShipConfig, result: Healing, checkpoint: Path, healed: Path, calibration,
@@ -200,8 +189,6 @@ def heal_blocks(config: ShipConfig, result: Healing, checkpoint: Path, healed: P
     a cut, and is kept by the same test as the heal in memory: a lower KL on the measuring rows. A killed heal
     starts again (its steps are a few minutes where the passes stream every block).
     """
-    from prune.loading.offload import load_offloaded, streamed
-
     prune = config.prune
     fit, measure = split_rows(calibration)
     rows = fit if more is None else torch.cat([fit, more])
@@ -222,16 +209,25 @@ def heal_blocks(config: ShipConfig, result: Healing, checkpoint: Path, healed: P
     if not records:
         say("not healing: no cut whose state the original gives")
         return dataclasses.replace(result, steps=0, why="no cut whose state after it the original gives")
-    after = divergence_now()
+    result = dataclasses.replace(result, tokens=int(rows.numel()))
+    return _judge_and_keep(config, result, before, divergence_now(), student, report, {"block_by_block": records},
+                   checkpoint, healed, say)
+
+
+def _judge_and_keep(config: ShipConfig, result: Healing, before: dict, after: dict, student: LoadedModel, report: dict,
+            record: dict, checkpoint: Path, healed: Path, say) -> Healing:
+    """Either heal's result judged on the measuring rows; when its KL fell, the healed checkpoint written.
+
+    ``record``: what the training reports, kept in the healed checkpoint's ``layercut.json`` beside the KLs.
+    """
     result = dataclasses.replace(result, kl_before=before["kl"], kl_after=after["kl"], ppl_before=before["ppl"],
-                                 ppl_after=after["ppl"], kept=after["kl"] < before["kl"],
-                                 tokens=int(rows.numel()), data=config.heal_data)
+                                 ppl_after=after["ppl"], kept=after["kl"] < before["kl"], data=config.heal_data)
     say(f"healed: KL {before['kl']:.4f} -> {after['kl']:.4f} on rows it did not train on; "
         + ("kept" if result.kept else "not kept (the built checkpoint ships)"))
     if result.kept:
         if isinstance(report.get("heldout"), dict):  # measured before healing: the card says so
             report["heldout"] = {**report["heldout"], "stage": HELDOUT_BEFORE_DISTILL}
-        report["heal"] = {"block_by_block": records, "kl_before": before["kl"], "kl_after": after["kl"]}
+        report["heal"] = {**record, "kl_before": before["kl"], "kl_after": after["kl"]}
         with atomic_directory(healed, overwrite=True) as staging:
             write_model(staging, student.model, student.tokenizer, healed, report)
             carry_extras(checkpoint, staging)

@@ -223,7 +223,7 @@ def self_batches(config, model: str) -> int:
     the planner can cost the sampling (a batch's steps cost alike whatever its rows): the embedded model's default
     sample ships with layercut (:data:`SHIPPED_SAMPLES`, :data:`SHIPPED_ROWS` rows), so its runs sample nothing.
     """
-    return sum(-(-count // batch) for count, batch in _sampled(config, model))
+    return sum(_whole_batches(count, batch) // batch for count, batch in _sampled(config, model))
 
 
 def _sampled(config, model: str) -> list[tuple[int, int]]:
