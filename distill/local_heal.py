@@ -12,12 +12,19 @@ partial passes and the steps of two blocks. A model in memory heals the same way
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from distill.layout import resolve_layout
+from prune.atomic import write_file_atomic
 from prune.loading.offload import materialized, streamed
 from prune.model.adapters import get_blocks, input_device
 from prune.model.capture import block_output
@@ -144,13 +151,14 @@ LOSSES = {"mse": None, "rms": normalised_mse}
 
 def heal_cut(student: nn.Module, original: nn.Module, cut: Cut, rows: torch.Tensor, *, steps: int,
              lr: float = LOCAL_HEAL_LR, batch_size: int = 4, seed: int = 0, progress: bool = True,
-             loss: str = LOCAL_HEAL_LOSS) -> dict:
+             loss: str = LOCAL_HEAL_LOSS, keep: Path | None = None) -> dict:
     """Train ``cut``'s blocks of ``student`` towards ``original``'s output at ``cut.target``; the record.
 
     The trained weights are put in place (on a skeleton, as changes its later passes and its export read). The
     loss (``loss``: a key of :data:`LOSSES`) is relative to leaving the pair out (1.0): the MSE of each token's
     state scaled to unit RMS (``rms``), or of the stream as it is (``mse``); the record holds it before the first
-    step and over the last ten.
+    step and over the last ten. ``keep``: a file the trained weights and the record are written to (all or
+    nothing), for :func:`heal_locally` to take instead of training them again.
     """
     batches = _recorded(student, original, cut, rows, batch_size)
     slim_blocks = get_blocks(student)[1]
@@ -173,31 +181,109 @@ def heal_cut(student: nn.Module, original: nn.Module, cut: Cut, rows: torch.Tens
     for param in params:  # the gradients go; the weights wait on the host until a pass or the export reads them
         param.grad = None
     pair.to(device="cpu", dtype=dtype).requires_grad_(False)
-    for index, trained in zip(cut.blocks, pair, strict=True):
-        StatePatch(slim_blocks[index], trained).apply()
     tokens = int(rows.numel())
     last = losses[-10:]
-    return {"blocks": list(cut.blocks), "target": cut.target, "steps": steps, "lr": lr, "loss": loss, "tokens": tokens,
-            "loss_start": round(losses[0], 6) if losses else None,
-            "loss_end": round(sum(last) / len(last), 6) if last else None}
+    result = {"blocks": list(cut.blocks), "target": cut.target, "steps": steps, "lr": lr, "loss": loss,
+              "tokens": tokens, "loss_start": round(losses[0], 6) if losses else None,
+              "loss_end": round(sum(last) / len(last), 6) if last else None}
+    if keep is not None:
+        _keep_pair(keep, pair, cut, result, _digest(rows, steps, lr, batch_size, seed, loss))
+    _apply(student, cut, pair)
+    return result
+
+
+def _apply(student: nn.Module, cut: Cut, pair: Sequence[nn.Module]) -> None:
+    slim_blocks = get_blocks(student)[1]
+    for index, trained in zip(cut.blocks, pair, strict=True):
+        StatePatch(slim_blocks[index], trained).apply()
+
+
+def _digest(rows: torch.Tensor, *settings) -> str:
+    """What a kept cut was trained from: the rows' token ids and the settings (another digest: trained again)."""
+    digest = hashlib.sha256(rows.detach().cpu().to(torch.int64).contiguous().numpy().tobytes())
+    digest.update(repr(settings).encode())
+    return digest.hexdigest()
+
+
+def kept_cut_file(work: Path, cut: Cut) -> Path:
+    """Where :func:`heal_locally` keeps ``cut``'s trained weights in its work folder."""
+    return Path(work) / f"cut-{'-'.join(map(str, cut.blocks))}.safetensors"
+
+
+def _keep_pair(path: Path, pair: Sequence[nn.Module], cut: Cut, record: dict, digest: str) -> None:
+    tensors = {f"{index}.{name}": param.detach().contiguous()
+               for index, block in zip(cut.blocks, pair, strict=True) for name, param in block.named_parameters()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    metadata = {"digest": digest, "record": json.dumps(record)}
+    write_file_atomic(path, lambda staging: save_file(tensors, str(staging), metadata=metadata))
+
+
+def _kept_pair(student: nn.Module, path: Path, cut: Cut, digest: str) -> tuple[list[nn.Module], dict] | None:
+    """The pair as :func:`heal_cut` kept it in ``path``, and its record.
+
+    None where none was kept there from these rows and settings.
+    """
+    if not path.is_file():
+        return None
+    with safe_open(str(path), framework="pt") as saved:
+        metadata = saved.metadata() or {}
+        if metadata.get("digest") != digest:
+            return None
+        tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118 (safe_open is no dict)
+    pair = []
+    for index in cut.blocks:
+        block = materialized(get_blocks(student)[1][index])
+        for name, param in block.named_parameters():
+            param.data = tensors[f"{index}.{name}"].to(dtype=param.dtype)
+        pair.append(block)
+    return pair, json.loads(metadata["record"])
 
 
 def heal_locally(student: nn.Module, original: nn.Module, layout: list[list[int]], rows: torch.Tensor, *,
                  steps: int, lr: float = LOCAL_HEAL_LR, batch_size: int = 4, seed: int = 0, progress: bool = True,
                  loss: str = LOCAL_HEAL_LOSS, blocks_before: int | None = None, basis_changes: Sequence[int] = (),
-                 say: Callable[[str], None] = print) -> list[dict]:
+                 work: str | Path | None = None, say: Callable[[str], None] = print) -> list[dict]:
     """Heal every cut of ``student`` (``layout``: its blocks' original blocks) in turn, ``steps`` steps each.
 
     ``rows`` [n, seq]: the token ids the passes record; ``blocks_before``: the original's block count;
-    ``basis_changes``: see :func:`in_original_basis` (a cut shallower than such a span is left as built, and said).
+    ``basis_changes``: see :func:`in_original_basis` (a cut shallower than such a span is left as built, and said);
+    ``work``: a folder each cut's trained weights are kept in as it ends (:func:`kept_cut_file`). A heal run again
+    from the same rows and settings takes the cuts kept there instead of training them: a killed heal goes on from
+    its last whole cut, to the weights an unbroken one gives (a later cut's inputs are recorded with them).
     Returns each healed cut's record (:func:`heal_cut`).
     """
     records = []
+    digest = _digest(rows, steps, lr, batch_size, seed, loss)
     for cut in cuts_of(layout, blocks_before):
         if not in_original_basis(cut, basis_changes):
             say(f"not healing blocks {list(cut.blocks)}: a deeper cut's repair turned the basis of their states")
             continue
+        keep = kept_cut_file(Path(work), cut) if work is not None else None
+        kept = _kept_pair(student, keep, cut, digest) if keep is not None else None
+        if kept is not None:
+            pair, record = kept
+            _apply(student, cut, pair)
+            say(f"blocks {list(cut.blocks)} healed before: their trained weights read from {keep}")
+            records.append(record)
+            continue
         say(f"healing blocks {list(cut.blocks)} towards the original's block {cut.target}: {steps} steps")
         records.append(heal_cut(student, original, cut, rows, steps=steps, lr=lr, batch_size=batch_size,
-                                seed=seed, progress=progress, loss=loss))
+                                seed=seed, progress=progress, loss=loss, keep=keep))
     return records
+
+
+def basis_changes(report: dict) -> list[int]:
+    """The first removed block of each span whose repair turned the basis upstream (``fold-rotate``'s records)."""
+    return [min(record["replaces"]) for record in report.get("replacements") or ()
+            if "rotation_angle" in record and record.get("replaces")]
+
+
+def heal_built(student: nn.Module, original: nn.Module, report: dict, rows: torch.Tensor, **options) -> list[dict]:
+    """:func:`heal_locally` on a built checkpoint, its cuts read from its ``layercut.json`` (``report``).
+
+    The layout (else one rebuilt from the removed blocks, :func:`distill.layout.resolve_layout`), the original's
+    block count and the changes of basis are the report's; ``options``: :func:`heal_locally`'s other keywords.
+    """
+    layout = report.get("layout") or resolve_layout(student, original, report)
+    return heal_locally(student, original, layout, rows, blocks_before=report.get("num_blocks_before"),
+                        basis_changes=basis_changes(report), **options)

@@ -22,7 +22,7 @@ import torch
 
 from distill.checkpoints import default_work_folder, list_checkpoints
 from distill.heal import HealRows, heal_settings, heal_student, heal_training
-from distill.local_heal import heal_locally, local_heal_settings
+from distill.local_heal import heal_built, local_heal_settings
 from prune.atomic import atomic_directory
 from prune.checkpoint.report import REPORT_FILE, read_report
 from prune.checkpoint.save_load import write_model
@@ -184,10 +184,11 @@ def heal_blocks(config: ShipConfig, result: Healing, checkpoint: Path, healed: P
                 original: LoadedModel, say=print, before: dict | None = None, more=None) -> Healing:
     """The heal block by block (``--offload sequential``): each cut's pair of blocks trained towards the original.
 
-    The built checkpoint is loaded as a skeleton beside the original's (:func:`distill.local_heal.heal_locally`);
+    The built checkpoint is loaded as a skeleton beside the original's (:func:`distill.local_heal.heal_built`);
     it trains on the calibration's fitting rows (and ``more``, ``--heal-data``'s) as they are, ``result.steps`` steps
-    a cut, and is kept by the same test as the heal in memory: a lower KL on the measuring rows. A killed heal
-    starts again (its steps are a few minutes where the passes stream every block).
+    a cut, and is kept by the same test as the heal in memory: a lower KL on the measuring rows. Each cut's trained
+    pair is kept in ``healed.work/blocks/`` as it ends: a killed heal goes on from its last whole cut, to the same
+    weights.
     """
     prune = config.prune
     fit, measure = split_rows(calibration)
@@ -202,16 +203,18 @@ def heal_blocks(config: ShipConfig, result: Healing, checkpoint: Path, healed: P
     if before is None:
         before = divergence_now()
     say(f"healing block by block: {result.steps} steps a cut ({result.why}); KL before {before['kl']:.4f}")
-    records = heal_locally(student.model, original.model, report["layout"], rows, steps=result.steps,
-                           batch_size=prune.batch_size, seed=prune.data.seed, progress=prune.replace.progress,
-                           blocks_before=report.get("num_blocks_before"), basis_changes=basis_changes(report),
-                           say=say)
+    work = default_work_folder(healed)
+    records = heal_built(student.model, original.model, report, rows, steps=result.steps,
+                         batch_size=prune.batch_size, seed=prune.data.seed, progress=prune.replace.progress,
+                         work=work / "blocks", say=say)
     if not records:
         say("not healing: no cut whose state the original gives")
         return dataclasses.replace(result, steps=0, why="no cut whose state after it the original gives")
     result = dataclasses.replace(result, tokens=int(rows.numel()))
-    return _judge_and_keep(config, result, before, divergence_now(), student, report, {"block_by_block": records},
-                   checkpoint, healed, say)
+    result = _judge_and_keep(config, result, before, divergence_now(), student, report, {"block_by_block": records},
+                             checkpoint, healed, say)
+    shutil.rmtree(work, ignore_errors=True)  # the trained pairs are in healed/ now, or were not kept
+    return result
 
 
 def _judge_and_keep(config: ShipConfig, result: Healing, before: dict, after: dict, student: LoadedModel, report: dict,
@@ -232,12 +235,6 @@ def _judge_and_keep(config: ShipConfig, result: Healing, before: dict, after: di
             write_model(staging, student.model, student.tokenizer, healed, report)
             carry_extras(checkpoint, staging)
     return result
-
-
-def basis_changes(report: dict) -> list[int]:
-    """The first removed block of each span whose repair turned the basis upstream (``fold-rotate``'s records)."""
-    return [min(record["replaces"]) for record in report.get("replacements") or ()
-            if "rotation_angle" in record and record.get("replaces")]
 
 
 def carry_extras(built: Path, healed: Path) -> None:

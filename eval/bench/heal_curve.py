@@ -3,8 +3,10 @@ r"""Held-out perplexity against heal time: ``prune.ship``'s heal run at several 
 ``python -m eval.bench heal-curve`` loads the original once and, for each step count of ``--steps`` (0: the
 checkpoint as built), loads the built checkpoint afresh and heals it exactly as ``prune.ship`` does
 (:func:`distill.heal.heal_training`: the same options, seed and rows, with its own schedule and its own teacher
-cache in a folder of its own; ``--train``, ``--lora-r``, ``--lora-alpha`` and ``--lora-targets`` change what it
-trains). Each run's wall
+cache in a folder of its own; ``--train``, ``--lr``, ``--lora-r``, ``--lora-alpha`` and ``--lora-targets`` change what
+it trains). ``--train blocks`` heals as ``prune.ship --offload sequential`` does (the two blocks beside each cut
+trained towards the original's hidden states, :func:`distill.local_heal.heal_built`, here with both models in
+memory: the same arithmetic), ``--steps`` steps a cut, ``--loss`` what they minimise. Each run's wall
 time (the teacher cache included), the KL to the original on the calibration's measuring rows (the rows ship's heal
 is judged on, never trained on) and the perplexity of each ``--heldout`` text (its first ``--heldout-tokens`` tokens
 in ``--window``-token windows) are a row; the original's perplexities are measured once. The curve is what a minute
@@ -40,6 +42,7 @@ from tqdm.auto import tqdm
 
 from distill.config import DEFAULT_LR, DistillConfig
 from distill.heal import HEAL_OPTIONS, HealRows, heal_data_config, heal_settings, heal_student, heal_training
+from distill.local_heal import LOCAL_HEAL_LOSS, LOCAL_HEAL_LR, LOSSES, heal_built, local_heal_settings
 from distill.trainable import lora_target_names
 from eval.bench.output import finish_figure, pyplot, report_results, steps_line
 from eval.bench.registry import bench_option, data_option, load_option, register_subcommand, threads_option
@@ -57,7 +60,7 @@ from prune.loading.loader import LoadedModel
 from prune.model.adapters import max_positions
 from prune.options import apply_threads
 from prune.pipeline.config import PruneConfig
-from prune.selection.repaired import divergence
+from prune.selection.repaired import divergence, split_rows
 
 HEAL_CURVE_HELP = "held-out perplexity against heal minutes: prune.ship's heal at several step counts on one checkpoint"
 DEFAULT_STEPS = (0, 50, 100, 200)
@@ -125,17 +128,18 @@ class CurveTasks:
 
 
 def _point(student: LoadedModel, original: LoadedModel, rows: HealRows, heldout: Heldout, batch_size: int,
-           steps: int, seconds: float, report: dict | None, before: dict, tasks: CurveTasks | None) -> dict:
+           steps: int, seconds: float, report: dict | None, before: dict, tasks: CurveTasks | None,
+           tokens: int) -> dict:
     """One row of the curve: the healed (or built) student's KL on the measuring rows and held-out perplexities.
 
     ``before``: the built checkpoint's KL and perplexity on the measuring rows (step 0's own); ``kept``: whether
     ship's heal would keep this one (its KL fell); with ``tasks``, its task figures (``tasks``, ``task_stderr``,
-    ``task_rows``, as an ``eval.compare`` row's).
+    ``task_rows``, as an ``eval.compare`` row's); ``tokens``: the tokens its steps read.
     """
     measured = divergence(student.model, original.model, rows.measure, batch_size) if steps else before
     domains = {name: heldout.perplexity(student.model, name) for name in heldout.names()}
     point = {"steps": steps, "seconds": round(seconds, 2), "minutes": round(seconds / 60, 3),
-             "tokens": rows.tokens(steps), "distill_seconds": (report or {}).get("seconds"),
+             "tokens": tokens, "distill_seconds": (report or {}).get("seconds"),
              "kl": measured["kl"], "measure_ppl": measured["ppl"], "kept": measured["kl"] < before["kl"],
              "domains": domains, "heldout_ppl": mean_perplexity(domains, heldout.names())}
     if tasks is not None:
@@ -180,35 +184,50 @@ def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tenso
     sequences per forward pass of the measuring (``batch_size``), as a ship run's; ``more``: rows of other text
     trained on too (``prune.ship --heal-data``); ``tasks``: lm-eval tasks scored at every point and once for the
     original, each row's figures and gap to step 0 as :func:`task_summary` gives them; ``train``: distillation
-    options in place of the heal's own (:func:`distill.heal.heal_training`).
+    options in place of the heal's own (:func:`distill.heal.heal_training`), or ``{"train": "blocks"}`` (with
+    ``lr`` and ``loss``) for the heal block by block, which trains on the fitting rows as they are.
     """
-    rows = HealRows.of(calibration, more)
-    targets = heal_settings(train).get("lora_targets")
-    if targets:  # a misspelt layer name: refused before the minutes of measuring, in the original's names
-        lora_target_names(original.model, targets=targets)
+    blocks = (train or {}).get("train") == "blocks"
+    if blocks:
+        fit, measure = split_rows(calibration)
+        rows = HealRows(fit if more is None else torch.cat([fit, more]), measure)
+        settings = {**local_heal_settings(), **train}
+        as_ship = settings["lr"] == LOCAL_HEAL_LR and settings["loss"] == LOCAL_HEAL_LOSS
+    else:
+        rows = HealRows.of(calibration, more)
+        settings, as_ship = heal_settings(train), not train
+        if settings.get("lora_targets"):  # a misspelt layer name: refused before the minutes of measuring
+            lora_target_names(original.model, targets=settings["lora_targets"])
     dense = {name: heldout.perplexity(original.model, name) for name in heldout.names()}
     dense_tasks = tasks.measure(original.model, original.tokenizer) if tasks is not None else {}
     points, before = [], None
     with tempfile.TemporaryDirectory(prefix="heal-curve-") as work:
         for count in tqdm(steps, desc="heal curve", unit="run"):
-            student, _ = heal_student(checkpoint, prune.load.dtype, prune.load.device)
+            student, built = heal_student(checkpoint, prune.load.dtype, prune.load.device)
             if before is None:  # the built checkpoint's: what ship's heal must lower to be kept
                 before = divergence(student.model, original.model, rows.measure, prune.batch_size)
-            seconds, report = 0.0, None
-            if count:
-                started = time.perf_counter()
+            seconds, report, tokens = 0.0, None, rows.tokens(count)
+            started = time.perf_counter()
+            if count and blocks:
+                records = heal_built(student.model, original.model, built, rows.train, steps=count,
+                                     lr=settings["lr"], loss=settings["loss"], batch_size=prune.batch_size,
+                                     seed=prune.data.seed, say=tqdm.write)
+                seconds, report = time.perf_counter() - started, {"block_by_block": records}
+                tokens = count * prune.batch_size * int(rows.train.shape[1]) * len(records)
+            elif count:
                 done = heal_training(student, original, rows, count,
                                      dataclasses.replace(prune, out=str(Path(work) / f"steps-{count}")), train=train)
                 seconds, report = time.perf_counter() - started, done.report
                 for folder in done.cleanup:  # its teacher cache and checkpoints: the next run writes its own
                     shutil.rmtree(folder, ignore_errors=True)
             points.append(_point(student, original, rows, heldout, prune.batch_size, count, seconds, report,
-                                 before, tasks))
+                                 before, tasks, tokens))
             del student
     return {"model": original.name, "checkpoint": str(checkpoint),
             # what was trained and how (a LoRA setting only where LoRA trained), and whether as ship trains
-            "heal": {**heal_settings(train), "as_ship": not train, "teacher_cache": HEAL_OPTIONS["teacher_cache"],
-                     "batch_size": HEAL_OPTIONS["batch_size"], "seed": prune.data.seed,
+            "heal": {**settings, "as_ship": as_ship,
+                     "teacher_cache": None if blocks else HEAL_OPTIONS["teacher_cache"],
+                     "batch_size": prune.batch_size if blocks else HEAL_OPTIONS["batch_size"], "seed": prune.data.seed,
                      "seq_len": int(rows.train.shape[1]),
                      "train_rows": int(rows.train.shape[0]), "measure_rows": int(rows.measure.shape[0]),
                      "measure_tokens": int(rows.measure.numel())},
@@ -224,12 +243,15 @@ def heal_curve_markdown(results: dict) -> str:
     """The rows as a markdown table: steps, minutes, tokens trained, KL, each text's perplexity, their mean."""
     names = list(results["heldout"]["domains"])
     heal = results["heal"]
-    how = "as prune.ship heals" if heal.get("as_ship", True) else "otherwise than prune.ship heals"
+    blocks = heal["train"] == "blocks"
+    ship = "prune.ship --offload sequential" if blocks else "prune.ship"
+    how = f"as {ship} heals" if heal.get("as_ship", True) else f"otherwise than {ship} heals"
     lines = [f"{results['model']} healed from {Path(results['checkpoint']).name} {how} (train {heal['train']}"
              + (f", rank {heal['lora_r']}, alpha {heal['lora_alpha']:g}" if "lora_r" in heal else "")
              + (f", adapters on {heal['lora_targets']}" if "lora_targets" in heal else "")
-             + (f", lr {heal['lr']:g}" if "lr" in heal else "")
-             + f", teacher cache {heal['teacher_cache']}, {heal['batch_size']} x {heal['seq_len']} tokens a step, "
+             + (f", lr {heal['lr']:g}" if "lr" in heal else "") + (f", loss {heal['loss']}" if blocks else "")
+             + (f", teacher cache {heal['teacher_cache']}" if heal.get("teacher_cache") else "")
+             + f", {heal['batch_size']} x {heal['seq_len']} tokens a step{' of each cut' if blocks else ''}, "
              f"seed {heal['seed']}, {heal['train_rows']} training rows"
              + (f", {results['heal_data']['rows'][0]} sequences of them from {results['heal_data']['source']}"
                 if results.get("heal_data") else "") + "); KL to the original on "
@@ -340,8 +362,9 @@ class HealCurveBenchOptions:
         calibration: a ship run's ``calibration.safetensors`` (None: rows drawn from ``data``).
         data: the calibration text drawn when ``calibration`` is None; its seed seeds the heal either way.
         heal_data: more text the heal trains on (``prune.ship --heal-data``), ``heal_samples`` sequences of it.
-        train, lora_r, lora_alpha, lora_targets: what the heal trains, in place of ship's (None: ship's,
-            :data:`HEAL_OPTIONS`).
+        train, lr, lora_r, lora_alpha, lora_targets: what the heal trains and its peak learning rate, in place of
+            ship's (None: ship's, :data:`HEAL_OPTIONS`); ``train`` ``blocks``: the heal block by block.
+        loss: what the heal block by block minimises (a key of :data:`distill.local_heal.LOSSES`; None: its own).
         steps: comma list of step counts (0: the checkpoint as built).
         heldout: ``LABEL=TEXT`` held-out texts, repeatable.
         heldout_tokens: tokens of each text scored.
@@ -369,8 +392,15 @@ class HealCurveBenchOptions:
                                      type=int)
     train: str | None = bench_option(
         None, "what the heal trains, as distill.run --train: lora (adapters on every Linear of the blocks, merged; "
-              f"lr {DEFAULT_LR['lora']:g}) or all (every weight but the embedding and head; lr {DEFAULT_LR['all']:g}) "
-              f"(default: {HEAL_OPTIONS['train']}, as prune.ship)", choices=("lora", "all"))
+              f"lr {DEFAULT_LR['lora']:g}) or all (every weight but the embedding and head; lr {DEFAULT_LR['all']:g}); "
+              "or blocks, as prune.ship --offload sequential (the two blocks beside each cut towards the original's "
+              f"hidden states, --steps a cut; lr {LOCAL_HEAL_LR:g}) (default: {HEAL_OPTIONS['train']}, as prune.ship)",
+        choices=("lora", "all", "blocks"))
+    lr: float | None = bench_option(None, "the heal's peak learning rate (default: the one --train names)",
+                                    type=float)
+    loss: str | None = bench_option(None, "what --train blocks minimises: rms (each token's state at unit RMS, as "
+                                          "the next block's norm reads it) or mse (the stream as it is) (default: "
+                                          f"{LOCAL_HEAL_LOSS})", choices=tuple(LOSSES))
     lora_r: int | None = bench_option(None, f"LoRA's rank (default: {_heal_default('lora_r')}, as prune.ship); "
                                             "alpha stays as given, so a new rank also changes the scale",
                                       type=int)
@@ -429,15 +459,20 @@ def heal_train(command: HealCurveBenchOptions) -> dict:
 
     The layer names of ``--lora-targets`` are checked against the model's once the checkpoint loads (one line).
     """
-    train = {key: value for key, value in (("train", command.train), ("lora_r", command.lora_r),
-                                           ("lora_alpha", command.lora_alpha), ("lora_targets", command.lora_targets))
+    train = {key: value for key, value in (("train", command.train), ("lr", command.lr), ("lora_r", command.lora_r),
+                                           ("lora_alpha", command.lora_alpha), ("lora_targets", command.lora_targets),
+                                           ("loss", command.loss))
              if value is not None}
     if {"lora_r", "lora_alpha", "lora_targets"} & set(train) and train.get("train", HEAL_OPTIONS["train"]) != "lora":
         raise LayercutError("--lora-r, --lora-alpha and --lora-targets shape LoRA's adapters: pass --train lora, or "
                             "drop them")
-    if command.lora_alpha is not None and not command.lora_alpha > 0:
-        raise LayercutError(f"--lora-alpha must be positive, got {command.lora_alpha}")
-    DistillConfig.from_dict({**HEAL_OPTIONS, **train})  # a rank below 1: its own one line
+    if "loss" in train and command.train != "blocks":
+        raise LayercutError("--loss is what the heal block by block minimises: pass --train blocks, or drop it")
+    for flag, value in (("--lora-alpha", command.lora_alpha), ("--lr", command.lr)):
+        if value is not None and not value > 0:
+            raise LayercutError(f"{flag} must be positive, got {value}")
+    if command.train != "blocks":
+        DistillConfig.from_dict({**HEAL_OPTIONS, **train})  # a rank below 1: its own one line
     return train
 
 

@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from distill.local_heal import Cut, cut_depths, cuts_of, heal_cut, heal_locally, normalised_mse
+import distill.local_heal as local_heal
+from distill.local_heal import Cut, basis_changes, cut_depths, cuts_of, heal_cut, heal_locally, normalised_mse
 from prune.loading.offload import load_offloaded, materialized, streamed
 from prune.model.adapters import get_blocks
 from prune.model.surgery import block_layout, drop_blocks_
@@ -43,7 +44,6 @@ def test_a_cut_below_a_change_of_basis_is_left_as_built(tmp_path, one_thread):
     """fold-rotate turns every weight upstream of its span: a shallower cut's states are the original's turned, so
     its target, read from the original, is in another basis; the deepest cut's is the original's own."""
     from distill.local_heal import in_original_basis
-    from ship.heal import basis_changes
 
     cuts = cuts_of([[0], [1, 2], [3], [4, 5], [6], [7]])
     assert cuts == [Cut((1, 2), 3), Cut((3, 4), 6)]
@@ -63,11 +63,11 @@ def test_the_passes_that_record_a_cut_run_to_its_pair_and_through_its_target():
     assert cut_depths([[0], [1], [2, 3, 4], [5], [6, 7]]) == [(3, 6), (4, 8)]
 
 
-def _pair(tmp_path, model_type="llama", **overrides):
+def _pair(tmp_path, model_type="llama", dropped=(3, 4), **overrides):
     torch.manual_seed(0)
     original = make_tiny_model(model_type, num_hidden_layers=8, **overrides)
     slim = copy.deepcopy(original)
-    drop_blocks_(slim, [3, 4])
+    drop_blocks_(slim, list(dropped))
     tokenizer = make_tiny_tokenizer()
     for name, model in (("original", original), ("slim", slim)):
         model.save_pretrained(tmp_path / name)
@@ -102,6 +102,42 @@ def test_the_heal_brings_the_slim_model_closer_and_a_skeleton_heals_to_the_same_
             torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     with streamed(student), streamed(teacher):
         assert divergence(student, teacher, unseen)["kl"] == pytest.approx(after, rel=1e-5)
+
+
+def test_a_killed_heal_goes_on_from_its_last_whole_cut_to_the_weights_of_an_unbroken_one(tmp_path, one_thread,
+                                                                                          monkeypatch):
+    """Blocks 2 and 5 of 8 removed: two cuts, each kept in the work folder as it ends. A heal killed in the second
+    cut's steps trains only that cut when run again, and ends at the weights and records of a heal never killed
+    (the second cut's inputs are recorded through the first's kept weights); other rows train both again."""
+    original, slim = _pair(tmp_path, dropped=(2, 5))
+    layout, rows, work = block_layout(slim), torch.randint(3, 320, (8, 32)), tmp_path / "work"
+    unbroken = copy.deepcopy(slim)
+    records = heal_locally(unbroken, original, layout, rows, steps=10, progress=False, say=lambda _: None)
+    assert [r["blocks"] for r in records] == [[1, 2], [3, 4]]
+    trained, real = [], local_heal.adam_steps
+
+    def killed_in_the_second(*args, **kwargs):
+        trained.append(kwargs["desc"])
+        if len(trained) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(local_heal, "adam_steps", killed_in_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        heal_locally(copy.deepcopy(slim), original, layout, rows, steps=10, progress=False, work=work,
+                     say=lambda _: None)
+    assert sorted(path.name for path in work.iterdir()) == ["cut-1-2.safetensors"]
+    trained.clear()
+    monkeypatch.setattr(local_heal, "adam_steps", lambda *a, **k: trained.append(k["desc"]) or real(*a, **k))
+    again, said = copy.deepcopy(slim), []  # the built weights, as a run started again loads them
+    assert heal_locally(again, original, layout, rows, steps=10, progress=False, work=work, say=said.append) == records
+    assert trained == ["heal blocks [3, 4]"] and said[0].startswith("blocks [1, 2] healed before")
+    for a, b in zip(unbroken.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)
+    trained.clear()
+    heal_locally(copy.deepcopy(slim), original, layout, rows.flip(0), steps=10, progress=False, work=work,
+                 say=lambda _: None)
+    assert trained == ["heal blocks [1, 2]", "heal blocks [3, 4]"]
 
 
 def test_layers_that_attend_differently_are_each_called_with_their_own_mask(tmp_path, one_thread):

@@ -312,6 +312,7 @@ def test_a_skeleton_ships_the_in_memory_pick_and_checkpoint_and_says_what_it_ski
     assert max(float((weights[k] - streamed[k]).abs().max()) for k in weights) <= 1e-6
     assert "Healed block by block: 5 steps a cut" in streamed_card and "block by block" not in card
     assert json.loads((tmp_path / "sequential.work" / "heal.json").read_text())["train"] == "blocks"
+    assert not (tmp_path / "sequential.work" / "healed.work").exists()  # the cuts kept while healing: gone
     assert "no speed check" in said and "No speed figures, --offload sequential" in streamed_card
     assert "| calibration held-out rows |" in streamed_card  # the perplexities, measured on the skeletons
 

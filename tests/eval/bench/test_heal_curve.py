@@ -156,6 +156,51 @@ def test_train_flags_heal_otherwise_and_are_recorded(setup, tmp_path, monkeypatc
     assert results["points"][0]["kl"] != results["kl_before"]
 
 
+def test_train_blocks_heals_as_ship_does_block_by_block_and_is_recorded(setup, tmp_path, one_thread):
+    """``--train blocks``: the two blocks beside the cut (blocks 1-2 removed: the kept blocks 0 and 1, towards the
+    original's block 3) trained on the fitting rows as they are, to the KL the heal block by block itself gives;
+    ``--lr`` and ``--loss`` change it, and the record and table say what trained."""
+    from distill.heal import heal_student
+    from distill.local_heal import heal_built
+    from prune.selection.repaired import divergence, split_rows
+
+    out = tmp_path / "blocks"
+    assert main(bench_args(setup, "--steps", f"0,{STEPS}", "--train", "blocks", "--out", str(out))) == 0
+    results = json.loads((out / "heal_curve.json").read_text())
+    built, trained = results["points"]
+    heal = results["heal"]
+    assert heal["train"] == "blocks" and heal["lr"] == 1e-3 and heal["loss"] == "rms" and heal["as_ship"]
+    assert heal["train_rows"] == 14 and heal["seq_len"] == 64 and heal["teacher_cache"] is None
+    assert trained["tokens"] == STEPS * 4 * 64  # one cut, 4 rows of 64 tokens a step
+    fit, measure = split_rows(setup["calibration"])
+    student, report = heal_student(setup["student"], "float32", "cpu")
+    teacher = load(setup["teacher"], dtype="float32").model
+    records = heal_built(student.model, teacher, report, fit, steps=STEPS, batch_size=4, seed=0, progress=False,
+                         say=lambda _: None)
+    assert [r["blocks"] for r in records] == [[0, 1]] and records[0]["target"] == 3
+    assert trained["kl"] == pytest.approx(divergence(student.model, teacher, measure, 4)["kl"], rel=1e-6)
+    assert trained["kl"] < built["kl"]
+    assert "as prune.ship --offload sequential heals (train blocks, lr 0.001, loss rms, 4 x 64 tokens a step of " \
+           "each cut" in (out / "heal_curve.md").read_text()
+    other = tmp_path / "other"
+    assert main(bench_args(setup, "--steps", str(STEPS), "--train", "blocks", "--lr", "1e-4", "--loss", "mse",
+                           "--out", str(other))) == 0
+    again = json.loads((other / "heal_curve.json").read_text())
+    assert (again["heal"]["lr"], again["heal"]["loss"], again["heal"]["as_ship"]) == (1e-4, "mse", False)
+    assert again["points"][0]["kl"] != trained["kl"]
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--loss", "mse"), "--loss is what the heal block by block minimises: pass --train blocks"),
+    (("--train", "blocks", "--lora-r", "8"), "pass --train lora, or drop them"),
+    (("--lr", "0"), "--lr must be positive"),
+])
+def test_block_heal_flags_out_of_place_are_one_line(setup, capsys, one_thread, flags, says):
+    code = main([*bench_args(setup), *flags])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_BAD_INPUT and says in err and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize(("flag", "value", "says"), [
     ("--lora-r", "0", "--lora-r must be a positive integer"),
     ("--lora-alpha", "-1", "--lora-alpha must be positive"),
