@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -151,14 +151,15 @@ LOSSES = {"mse": None, "rms": normalised_mse}
 
 def heal_cut(student: nn.Module, original: nn.Module, cut: Cut, rows: torch.Tensor, *, steps: int,
              lr: float = LOCAL_HEAL_LR, batch_size: int = 4, seed: int = 0, progress: bool = True,
-             loss: str = LOCAL_HEAL_LOSS, keep: Path | None = None) -> dict:
+             loss: str = LOCAL_HEAL_LOSS, keep: tuple[Path, str] | None = None) -> dict:
     """Train ``cut``'s blocks of ``student`` towards ``original``'s output at ``cut.target``; the record.
 
     The trained weights are put in place (on a skeleton, as changes its later passes and its export read). The
     loss (``loss``: a key of :data:`LOSSES`) is relative to leaving the pair out (1.0): the MSE of each token's
     state scaled to unit RMS (``rms``), or of the stream as it is (``mse``); the record holds it before the first
-    step and over the last ten. ``keep``: a file the trained weights and the record are written to (all or
-    nothing), for :func:`heal_locally` to take instead of training them again.
+    step and over the last ten, and ``tokens_read``: the tokens of the batches its steps drew (a short last batch
+    counts its own). ``keep``: ``(file, digest)``, where the trained weights and the record are written (all or
+    nothing) for :func:`heal_locally` to take instead of training them again.
     """
     batches = _recorded(student, original, cut, rows, batch_size)
     slim_blocks = get_blocks(student)[1]
@@ -167,7 +168,10 @@ def heal_cut(student: nn.Module, original: nn.Module, cut: Cut, rows: torch.Tens
     dtype = float_param(pair[0]).dtype
     pair.to(device=device, dtype=torch.float32).eval()
 
+    read = []
+
     def forward(batch: SpanBatch) -> torch.Tensor:
+        read.append(batch.x.shape[0] * batch.x.shape[1])
         hidden = batch.x
         for block, (args, kwargs) in zip(pair, batch.args, strict=True):
             hidden = block_output(block(hidden, *args, **kwargs))
@@ -184,10 +188,10 @@ def heal_cut(student: nn.Module, original: nn.Module, cut: Cut, rows: torch.Tens
     tokens = int(rows.numel())
     last = losses[-10:]
     result = {"blocks": list(cut.blocks), "target": cut.target, "steps": steps, "lr": lr, "loss": loss,
-              "tokens": tokens, "loss_start": round(losses[0], 6) if losses else None,
+              "tokens": tokens, "tokens_read": sum(read), "loss_start": round(losses[0], 6) if losses else None,
               "loss_end": round(sum(last) / len(last), 6) if last else None}
     if keep is not None:
-        _keep_pair(keep, pair, cut, result, _digest(rows, steps, lr, batch_size, seed, loss))
+        _keep_pair(*keep, pair, cut, result)
     _apply(student, cut, pair)
     return result
 
@@ -199,9 +203,9 @@ def _apply(student: nn.Module, cut: Cut, pair: Sequence[nn.Module]) -> None:
 
 
 def _digest(rows: torch.Tensor, *settings) -> str:
-    """What a kept cut was trained from: the rows' token ids and the settings (another digest: trained again)."""
+    """What a kept cut was trained from: the rows' token ids and shape and ``settings`` (another: trained again)."""
     digest = hashlib.sha256(rows.detach().cpu().to(torch.int64).contiguous().numpy().tobytes())
-    digest.update(repr(settings).encode())
+    digest.update(repr((tuple(rows.shape), *settings)).encode())
     return digest.hexdigest()
 
 
@@ -210,7 +214,7 @@ def kept_cut_file(work: Path, cut: Cut) -> Path:
     return Path(work) / f"cut-{'-'.join(map(str, cut.blocks))}.safetensors"
 
 
-def _keep_pair(path: Path, pair: Sequence[nn.Module], cut: Cut, record: dict, digest: str) -> None:
+def _keep_pair(path: Path, digest: str, pair: Sequence[nn.Module], cut: Cut, record: dict) -> None:
     tensors = {f"{index}.{name}": param.detach().contiguous()
                for index, block in zip(cut.blocks, pair, strict=True) for name, param in block.named_parameters()}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,25 +222,33 @@ def _keep_pair(path: Path, pair: Sequence[nn.Module], cut: Cut, record: dict, di
     write_file_atomic(path, lambda staging: save_file(tensors, str(staging), metadata=metadata))
 
 
-def _kept_pair(student: nn.Module, path: Path, cut: Cut, digest: str) -> tuple[list[nn.Module], dict] | None:
+def _kept_pair(student: nn.Module, path: Path, cut: Cut, digest: str,
+               say: Callable[[str], None]) -> tuple[list[nn.Module], dict] | None:
     """The pair as :func:`heal_cut` kept it in ``path``, and its record.
 
-    None where none was kept there from these rows and settings.
+    None where none was kept there from these rows and settings, or the file cannot be read whole (said: the cut
+    trains again and writes it anew).
     """
     if not path.is_file():
         return None
-    with safe_open(str(path), framework="pt") as saved:
-        metadata = saved.metadata() or {}
-        if metadata.get("digest") != digest:
-            return None
-        tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118 (safe_open is no dict)
-    pair = []
-    for index in cut.blocks:
-        block = materialized(get_blocks(student)[1][index])
-        for name, param in block.named_parameters():
-            param.data = tensors[f"{index}.{name}"].to(dtype=param.dtype)
-        pair.append(block)
-    return pair, json.loads(metadata["record"])
+    try:
+        with safe_open(str(path), framework="pt") as saved:
+            metadata = saved.metadata() or {}
+            if metadata.get("digest") != digest:
+                say(f"blocks {list(cut.blocks)}: the pair kept in {path} was trained from other rows, settings or "
+                    "cuts before it: trained again")
+                return None
+            tensors = {name: saved.get_tensor(name) for name in saved.keys()}  # noqa: SIM118 (safe_open is no dict)
+        pair = []
+        for index in cut.blocks:
+            block = materialized(get_blocks(student)[1][index])
+            for name, param in block.named_parameters():
+                param.data = tensors[f"{index}.{name}"].to(dtype=param.dtype)
+            pair.append(block)
+        return pair, json.loads(metadata["record"])
+    except (SafetensorError, OSError, KeyError, ValueError) as err:
+        say(f"blocks {list(cut.blocks)}: the pair kept in {path} cannot be read ({err}): trained again")
+        return None
 
 
 def heal_locally(student: nn.Module, original: nn.Module, layout: list[list[int]], rows: torch.Tensor, *,
@@ -248,18 +260,20 @@ def heal_locally(student: nn.Module, original: nn.Module, layout: list[list[int]
     ``rows`` [n, seq]: the token ids the passes record; ``blocks_before``: the original's block count;
     ``basis_changes``: see :func:`in_original_basis` (a cut shallower than such a span is left as built, and said);
     ``work``: a folder each cut's trained weights are kept in as it ends (:func:`kept_cut_file`). A heal run again
-    from the same rows and settings takes the cuts kept there instead of training them: a killed heal goes on from
-    its last whole cut, to the weights an unbroken one gives (a later cut's inputs are recorded with them).
+    from the same rows, settings, layout and device takes the cuts kept there instead of training them: a killed
+    heal goes on from its last whole cut, to the weights an unbroken one gives (a later cut's inputs are recorded
+    with them; each cut's digest holds the one before it, so a cut trained again trains every later one again).
     Returns each healed cut's record (:func:`heal_cut`).
     """
     records = []
-    digest = _digest(rows, steps, lr, batch_size, seed, loss)
+    digest = _digest(rows, steps, lr, batch_size, seed, loss, layout, blocks_before, input_device(student).type)
     for cut in cuts_of(layout, blocks_before):
         if not in_original_basis(cut, basis_changes):
             say(f"not healing blocks {list(cut.blocks)}: a deeper cut's repair turned the basis of their states")
             continue
+        digest = hashlib.sha256(f"{digest} {cut}".encode()).hexdigest()
         keep = kept_cut_file(Path(work), cut) if work is not None else None
-        kept = _kept_pair(student, keep, cut, digest) if keep is not None else None
+        kept = _kept_pair(student, keep, cut, digest, say) if keep is not None else None
         if kept is not None:
             pair, record = kept
             _apply(student, cut, pair)
@@ -268,7 +282,8 @@ def heal_locally(student: nn.Module, original: nn.Module, layout: list[list[int]
             continue
         say(f"healing blocks {list(cut.blocks)} towards the original's block {cut.target}: {steps} steps")
         records.append(heal_cut(student, original, cut, rows, steps=steps, lr=lr, batch_size=batch_size,
-                                seed=seed, progress=progress, loss=loss, keep=keep))
+                                seed=seed, progress=progress, loss=loss,
+                                keep=None if keep is None else (keep, digest)))
     return records
 
 

@@ -13,6 +13,7 @@ kept by the same test.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch
 from distill.checkpoints import default_work_folder, list_checkpoints
 from distill.heal import HealRows, heal_settings, heal_student, heal_training
 from distill.local_heal import heal_built, local_heal_settings
-from prune.atomic import atomic_directory
+from prune.atomic import atomic_directory, write_file_atomic, write_json
 from prune.checkpoint.report import REPORT_FILE, read_report
 from prune.checkpoint.save_load import write_model
 from prune.checkpoint.write import HELDOUT_BEFORE_DISTILL
@@ -43,6 +44,9 @@ LOCAL_SETTINGS = {key: local_heal_settings()[key] for key in ("train", "lr")}
 HEAL_MIN_STEPS = 20
 # files of the built checkpoint that the healed one is written without (its own weights and card replace them)
 _NOT_CARRIED = (".safetensors", ".bin", ".gguf")
+# the heal block by block's folder of kept cuts, in healed.work/, and the steps it began with there
+KEPT_CUTS = "blocks"
+_BEGAN = "steps.json"
 
 
 @dataclass(kw_only=True)
@@ -158,6 +162,7 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     shutil.rmtree(healed, ignore_errors=True)  # a killed heal's output: written again (its training resumes)
     if not steps:
         say(f"not healing: {why}")
+        forget_heal(healed)  # what a killed heal kept (a run continued under a budget now spent) is of no use
         return result
     if config.local_heal:
         return heal_blocks(config, result, checkpoint, healed, calibration, original, say, before, more)
@@ -203,18 +208,45 @@ def heal_blocks(config: ShipConfig, result: Healing, checkpoint: Path, healed: P
     if before is None:
         before = divergence_now()
     say(f"healing block by block: {result.steps} steps a cut ({result.why}); KL before {before['kl']:.4f}")
-    work = default_work_folder(healed)
+    kept = default_work_folder(healed) / KEPT_CUTS
+    kept.mkdir(parents=True, exist_ok=True)
+    write_file_atomic(kept / _BEGAN, lambda staging: write_json(staging, {"steps": result.steps, "why": result.why}))
     records = heal_built(student.model, original.model, report, rows, steps=result.steps,
                          batch_size=prune.batch_size, seed=prune.data.seed, progress=prune.replace.progress,
-                         work=work / "blocks", say=say)
+                         work=kept, say=say)
     if not records:
         say("not healing: no cut whose state the original gives")
+        forget_heal(healed)
         return dataclasses.replace(result, steps=0, why="no cut whose state after it the original gives")
     result = dataclasses.replace(result, tokens=int(rows.numel()))
     result = _judge_and_keep(config, result, before, divergence_now(), student, report, {"block_by_block": records},
                              checkpoint, healed, say)
-    shutil.rmtree(work, ignore_errors=True)  # the trained pairs are in healed/ now, or were not kept
+    forget_heal(healed)  # the trained pairs are in healed/ now, or were not kept
     return result
+
+
+def began_with(healed: Path) -> tuple[int, str] | None:
+    """``(steps, why)`` a killed heal block by block began with, where it kept cuts; None where none began.
+
+    A run continued goes on with them: its cuts were trained at that many steps, though a budget planned again
+    (the machine's speed probed again, the time spent before counted again) may now give another count.
+    """
+    kept = default_work_folder(healed) / KEPT_CUTS
+    if not any(kept.glob("cut-*.safetensors")):
+        return None
+    try:
+        began = json.loads((kept / _BEGAN).read_text(encoding="utf-8"))
+        return int(began["steps"]), str(began["why"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def forget_heal(healed: Path) -> None:
+    """Remove what a heal kept while it trained: ``healed.work/`` (kept cuts, distillation's checkpoints).
+
+    Its output is written, or it will not heal, or the checkpoint it healed is built again.
+    """
+    shutil.rmtree(default_work_folder(healed), ignore_errors=True)
 
 
 def _judge_and_keep(config: ShipConfig, result: Healing, before: dict, after: dict, student: LoadedModel, report: dict,

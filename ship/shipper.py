@@ -29,7 +29,7 @@ from prune.selection.repaired import update_share
 from ship.build import Built, build, chosen_config
 from ship.card import CARD, ship_card
 from ship.config import SHORTLIST_SHARE, ShipConfig, applicable, duration_words, servable_repairs
-from ship.heal import Healing, heal, heal_steps
+from ship.heal import Healing, began_with, forget_heal, heal, heal_steps
 from ship.plan import (
     Plan,
     block_budget,
@@ -153,6 +153,8 @@ class Shipper:
         """These stages run again, and the checks after them: their figures were of files made again."""
         self.work.forget(*stages, VERIFIED)
         shutil.rmtree(self.work / VERIFY, ignore_errors=True)
+        if BUILD in stages:  # a killed heal's kept cuts were trained on the checkpoint that went
+            forget_heal(self.work / HEALED)
 
     # ---- the stages that need the model --------------------------------------------------------------------
 
@@ -260,6 +262,11 @@ class Shipper:
             known, fixed = replanned if replanned is not None else (None, None)
         planned = known or plan.planned_heal_seconds
         steps, why = heal_steps(self.config, planned, done, reserve, fixed=fixed or 0.0)
+        began = began_with(self.work / HEALED) if self.config.local_heal else None
+        if began is not None and began[0] != steps:
+            self.say(f"the heal began with {began[0]} steps a cut ({began[1]}) and kept cuts of them: it goes on with "
+                     f"those, not the {steps} planned now")
+            steps, why = began
         if not steps:
             return heal(self.config, steps, why, self.work / CHECKPOINT, self.work / HEALED, None, None, say=self.say)
         calibration = self._calibration()

@@ -30,6 +30,7 @@ own on the selection split; the record says what was trained, at what learning r
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import tempfile
 import time
@@ -40,7 +41,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from distill.config import DEFAULT_LR, DistillConfig
+from distill.config import DEFAULT_LR, MAX_LR, DistillConfig
 from distill.heal import HEAL_OPTIONS, HealRows, heal_data_config, heal_settings, heal_student, heal_training
 from distill.local_heal import LOCAL_HEAL_LOSS, LOCAL_HEAL_LR, LOSSES, heal_built, local_heal_settings
 from distill.trainable import lora_target_names
@@ -213,7 +214,7 @@ def heal_curve(original: LoadedModel, checkpoint: Path, calibration: torch.Tenso
                                      lr=settings["lr"], loss=settings["loss"], batch_size=prune.batch_size,
                                      seed=prune.data.seed, say=tqdm.write)
                 seconds, report = time.perf_counter() - started, {"block_by_block": records}
-                tokens = count * prune.batch_size * int(rows.train.shape[1]) * len(records)
+                tokens = sum(record["tokens_read"] for record in records)
             elif count:
                 done = heal_training(student, original, rows, count,
                                      dataclasses.replace(prune, out=str(Path(work) / f"steps-{count}")), train=train)
@@ -468,9 +469,10 @@ def heal_train(command: HealCurveBenchOptions) -> dict:
                             "drop them")
     if "loss" in train and command.train != "blocks":
         raise LayercutError("--loss is what the heal block by block minimises: pass --train blocks, or drop it")
-    for flag, value in (("--lora-alpha", command.lora_alpha), ("--lr", command.lr)):
-        if value is not None and not value > 0:
-            raise LayercutError(f"{flag} must be positive, got {value}")
+    if command.lora_alpha is not None and not command.lora_alpha > 0:
+        raise LayercutError(f"--lora-alpha must be positive, got {command.lora_alpha}")
+    if command.lr is not None and not (math.isfinite(command.lr) and 0 < command.lr <= MAX_LR):
+        raise LayercutError(f"--lr must be a positive number at most {MAX_LR:g}, got {command.lr}")
     if command.train != "blocks":
         DistillConfig.from_dict({**HEAL_OPTIONS, **train})  # a rank below 1: its own one line
     return train

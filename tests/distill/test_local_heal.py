@@ -134,10 +134,46 @@ def test_a_killed_heal_goes_on_from_its_last_whole_cut_to_the_weights_of_an_unbr
     assert trained == ["heal blocks [3, 4]"] and said[0].startswith("blocks [1, 2] healed before")
     for a, b in zip(unbroken.parameters(), again.parameters(), strict=True):
         assert torch.equal(a, b)
-    trained.clear()
-    heal_locally(copy.deepcopy(slim), original, layout, rows.flip(0), steps=10, progress=False, work=work,
-                 say=lambda _: None)
-    assert trained == ["heal blocks [1, 2]", "heal blocks [3, 4]"]
+    assert [r["tokens_read"] for r in records] == [10 * 4 * 32] * 2  # two whole batches of 4 rows
+    for other in ({"rows": rows.flip(0)}, {"steps": 11}):  # other rows or settings: both cuts trained again
+        trained.clear()
+        said.clear()
+        heal_locally(copy.deepcopy(slim), original, layout, **{"rows": rows, "steps": 10, **other}, progress=False,
+                     work=work, say=said.append)
+        assert trained == ["heal blocks [1, 2]", "heal blocks [3, 4]"] and "trained again" in said[0]
+
+
+def test_a_skeleton_goes_on_from_cuts_kept_in_memory_to_the_same_weights(tmp_path, one_thread, monkeypatch):
+    """The first cut kept by a heal in memory, killed in the second: the checkpoints loaded as skeletons (blocks on
+    the meta device, the kept weights read into them as changes) train the second cut alone, to the weights of the
+    heal in memory never killed (within 1e-6, as a skeleton's heal is)."""
+    original, slim = _pair(tmp_path, dropped=(2, 5))
+    layout, rows, work = block_layout(slim), torch.randint(3, 320, (8, 32)), tmp_path / "work"
+    unbroken = copy.deepcopy(slim)
+    heal_locally(unbroken, original, layout, rows, steps=10, progress=False, say=lambda _: None)
+    steps = local_heal.adam_steps
+    calls = []
+
+    def killed_in_the_second(*args, **kwargs):
+        calls.append(kwargs["desc"])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return steps(*args, **kwargs)
+
+    monkeypatch.setattr(local_heal, "adam_steps", killed_in_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        heal_locally(copy.deepcopy(slim), original, layout, rows, steps=10, progress=False, work=work,
+                     say=lambda _: None)
+    monkeypatch.setattr(local_heal, "adam_steps", steps)
+    student = load_offloaded(str(tmp_path / "slim"), dtype="float32").model
+    teacher = load_offloaded(str(tmp_path / "original"), dtype="float32").model
+    said = []
+    heal_locally(student, teacher, layout, rows, steps=10, progress=False, work=work, say=said.append)
+    assert said[0].startswith("blocks [1, 2] healed before") and said[1].startswith("healing blocks [3, 4]")
+    for index in (1, 2, 3, 4):
+        trained = materialized(get_blocks(student)[1][index])
+        for a, b in zip(get_blocks(unbroken)[1][index].parameters(), trained.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def test_layers_that_attend_differently_are_each_called_with_their_own_mask(tmp_path, one_thread):

@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from prune.errors import EXIT_INTERRUPTED
 from prune.replace import METHODS
 from ship.config import servable_repairs
 from tests.helpers import make_tiny_model, make_tiny_tokenizer, run_prune_cli
@@ -315,6 +316,43 @@ def test_a_skeleton_ships_the_in_memory_pick_and_checkpoint_and_says_what_it_ski
     assert not (tmp_path / "sequential.work" / "healed.work").exists()  # the cuts kept while healing: gone
     assert "no speed check" in said and "No speed figures, --offload sequential" in streamed_card
     assert "| calibration held-out rows |" in streamed_card  # the perplexities, measured on the skeletons
+
+
+def test_a_ship_killed_in_its_heal_block_by_block_goes_on_from_the_cuts_it_kept(tmp_path, tiny_folder, text_file,
+                                                                                 capsys, one_thread, monkeypatch):
+    """Killed once its cuts were trained, the same command trains none again, goes on with the steps the heal began
+    with though the plan now gives others, and ships the weights of a run never killed; the kept cuts go once the
+    healed checkpoint is written."""
+    import distill.local_heal
+    import ship.heal as heal_stage
+    import ship.shipper as shipper
+
+    args = [*base_args(tiny_folder, text_file), "--heal-steps", "5", "--offload", "sequential", "--no-verify"]
+    code, _, err = ship(capsys, *args, "--out", tmp_path / "unbroken")
+    assert code == 0, err
+    healed_blocks = heal_stage.heal_built
+
+    def trained_then_killed(*a, **k):
+        healed_blocks(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(heal_stage, "heal_built", trained_then_killed)
+    code, _, err = ship(capsys, *args, "--out", tmp_path / "killed")
+    assert code == EXIT_INTERRUPTED and "interrupted" in err
+    kept = tmp_path / "killed.work" / "healed.work" / "blocks"
+    assert sorted(kept.glob("cut-*.safetensors")) and (kept / "steps.json").is_file()
+    monkeypatch.setattr(heal_stage, "heal_built", healed_blocks)
+    trained, steps = [], distill.local_heal.adam_steps
+    monkeypatch.setattr(distill.local_heal, "adam_steps", lambda *a, **k: trained.append(k["desc"]) or steps(*a, **k))
+    monkeypatch.setattr(shipper, "heal_steps", lambda *_, **__: (3, "a budget planned again"))
+    code, stdout, err = ship(capsys, *args, "--out", tmp_path / "killed")
+    assert code == 0, err
+    assert trained == [] and "healed before: their trained weights read from" in stdout
+    assert "the heal began with 5 steps a cut (--heal-steps 5) and kept cuts of them" in stdout
+    assert json.loads((tmp_path / "killed.work" / "heal.json").read_text())["steps"] == 5
+    unbroken, resumed = (load_file(tmp_path / name / "model.safetensors") for name in ("unbroken", "killed"))
+    assert unbroken.keys() == resumed.keys() and all(torch.equal(unbroken[k], resumed[k]) for k in unbroken)
+    assert not (tmp_path / "killed.work" / "healed.work").exists()
 
 
 @pytest.mark.parametrize(("extra", "words"), [

@@ -145,8 +145,9 @@ def test_train_flags_heal_otherwise_and_are_recorded(setup, tmp_path, monkeypatc
     monkeypatch.setattr(distill.heal, "DistillStep", step)
     out = tmp_path / "all"
     assert main(bench_args(setup, "--steps", "2", "--train", "all", "--out", str(out))) == 0
-    assert main(bench_args(setup, "--steps", "2", "--lora-r", "4", "--lora-alpha", "8")) == 0
+    assert main(bench_args(setup, "--steps", "2", "--lora-r", "4", "--lora-alpha", "8", "--lr", "5e-5")) == 0
     assert [o["train"] for o in asked] == ["all", "lora"] and (asked[1]["lora_r"], asked[1]["lora_alpha"]) == (4, 8)
+    assert "lr" not in asked[0] and asked[1]["lr"] == 5e-5  # --lr reaches the training
     assert all(o["teacher_cache"] == distill.heal.HEAL_OPTIONS["teacher_cache"] for o in asked)  # the rest is ship's
     results = json.loads((out / "heal_curve.json").read_text())
     heal = results["heal"]
@@ -171,13 +172,14 @@ def test_train_blocks_heals_as_ship_does_block_by_block_and_is_recorded(setup, t
     heal = results["heal"]
     assert heal["train"] == "blocks" and heal["lr"] == 1e-3 and heal["loss"] == "rms" and heal["as_ship"]
     assert heal["train_rows"] == 14 and heal["seq_len"] == 64 and heal["teacher_cache"] is None
-    assert trained["tokens"] == STEPS * 4 * 64  # one cut, 4 rows of 64 tokens a step
     fit, measure = split_rows(setup["calibration"])
     student, report = heal_student(setup["student"], "float32", "cpu")
     teacher = load(setup["teacher"], dtype="float32").model
     records = heal_built(student.model, teacher, report, fit, steps=STEPS, batch_size=4, seed=0, progress=False,
                          say=lambda _: None)
     assert [r["blocks"] for r in records] == [[0, 1]] and records[0]["target"] == 3
+    # one cut, the batches its steps drew: 4 rows of 64 tokens, or the last 2 of the 14 fitting rows
+    assert trained["tokens"] == records[0]["tokens_read"] and STEPS * 2 * 64 <= trained["tokens"] <= STEPS * 4 * 64
     assert trained["kl"] == pytest.approx(divergence(student.model, teacher, measure, 4)["kl"], rel=1e-6)
     assert trained["kl"] < built["kl"]
     assert "as prune.ship --offload sequential heals (train blocks, lr 0.001, loss rms, 4 x 64 tokens a step of " \
@@ -193,7 +195,8 @@ def test_train_blocks_heals_as_ship_does_block_by_block_and_is_recorded(setup, t
 @pytest.mark.parametrize(("flags", "says"), [
     (("--loss", "mse"), "--loss is what the heal block by block minimises: pass --train blocks"),
     (("--train", "blocks", "--lora-r", "8"), "pass --train lora, or drop them"),
-    (("--lr", "0"), "--lr must be positive"),
+    (("--lr", "0"), "--lr must be a positive number at most 1"),
+    (("--lr", "inf"), "--lr must be a positive number at most 1"),
 ])
 def test_block_heal_flags_out_of_place_are_one_line(setup, capsys, one_thread, flags, says):
     code = main([*bench_args(setup), *flags])
