@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from prune.planner.inputs import LORA_ALL
 from prune.planner.shape import ModelShape
+from prune.selection.repaired import LOGIT_CHUNK
 
 if TYPE_CHECKING:
     from prune.planner.inputs import PlanInput
@@ -44,6 +45,9 @@ PERPLEXITY_LOGIT_COPIES = 3
 # float32 [batch, seq, vocab] tensors alive at the KL's peak: both log-softmaxes, the teacher's
 # probabilities, their difference and product, the student's gradient (distill.losses.teacher_student_kl)
 KL_LOGIT_COPIES = 7
+# float32 [batch, 64, vocab] chunks alive as ``prune.selection.repaired.divergence`` sums its KL: the model's
+# log-probabilities, the original's probabilities, their difference and their product
+KL_CHUNK_COPIES = 4
 # activations saved for backward per token and block, in units of (hidden, intermediate) elements: the
 # Korthikanti et al. (2022) count without the attention matrix (SDPA keeps none), for SwiGLU blocks
 TRAIN_ACT_HIDDEN, TRAIN_ACT_INTERMEDIATE = 10, 4
@@ -152,6 +156,16 @@ def perplexity_logit_bytes(shape: ModelShape, inp: PlanInput) -> float:
     tokens = inp.batch_size * inp.seq_len
     per_token = PERPLEXITY_LOGIT_COPIES * 4 + (inp.act_bytes if inp.act_bytes != 4 else 0)
     return tokens * shape.vocab * per_token
+
+
+def divergence_logit_bytes(shape: ModelShape, inp: PlanInput) -> float:
+    """The KL of one model against another (``prune.selection.repaired.divergence``): its vocabulary-wide tensors.
+
+    One batch's float32 log-probabilities of the original and logits of the model, and beside them the KL's
+    chunks of positions (the model's log-probabilities, the original's probabilities, their difference and product).
+    """
+    chunk = min(LOGIT_CHUNK, inp.seq_len)
+    return shape.vocab * inp.batch_size * (inp.seq_len * (4 + inp.act_bytes) + KL_CHUNK_COPIES * chunk * 4)
 
 
 def train_activation_bytes(shape: ModelShape, blocks: int, tokens: int, act_bytes: float, train: str) -> float:

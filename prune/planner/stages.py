@@ -21,6 +21,7 @@ from prune.planner.memory import (
     Parts,
     add,
     decomposition_bytes,
+    divergence_logit_bytes,
     fit_bytes,
     fitted_map_bytes,
     forward_bytes,
@@ -541,8 +542,9 @@ def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequ
     (slim, original), once the cuts are known; before that, one cut three quarters of the way down (SmolLM2-135M's
     fell at 42 and 53 %; the most linear blocks of larger models lie deeper).
     Memory: a streamed block with the embedding, the original's embedding and head beside it, the recorded input
-    and target states (in the model's dtype, on the CPU), the pair in float32 with its gradients and Adam's two
-    states, and one batch's activations for backward.
+    and target states (in the model's dtype, on the CPU), then either the pair in float32 with its gradients and
+    Adam's two states and one batch's activations for backward, or, in the KL after, the original's streamed block
+    and a batch's logits of both models (the larger: on Gemma-3-270M's 262k vocabulary, the KL's).
     """
     if depths is None:
         depths = [(round(0.75 * (shape.layers - inp.drop)), round(0.75 * shape.layers))]
@@ -556,8 +558,13 @@ def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequ
     _streamed(devices, shape, inp, 0)
     add(devices[first], "the original's embedding and head", weight_bytes(shape, inp, 0))
     add(devices["cpu"], "recorded states", 2 * tokens * shape.hidden * inp.act_bytes)
-    add(devices[first], "pair + gradients + Adam (float32)", 4 * blocks * shape.block_params * 4)
-    add(devices[first], "activations (backward)", train_activation_bytes(shape, blocks, batch, 4, "all"))
+    trained = {"pair + gradients + Adam (float32)": 4 * blocks * shape.block_params * 4,
+               "activations (backward)": train_activation_bytes(shape, blocks, batch, 4, "all")}
+    for name, value in trained.items():
+        add(devices[first], name, value)
+    # the KL after holds the original's streamed block and a batch's logits of both once the training's parts went
+    kl_after = weight_bytes(shape, inp, 1, head=False) + divergence_logit_bytes(shape, inp)
+    add(devices[first], "the KL after, beyond the training's parts", kl_after - sum(trained.values()))
     run = sum(slim + original for slim, original in depths)
     batches = -(-rows // inp.batch_size)
     passes = tokens * _flops(shape, run) / _rate(inp) + batches * run / shape.layers * _disk_pass(shape, inp)

@@ -74,7 +74,7 @@ COSTS_STORE = "repaired-costs"
 # the measuring rows (:func:`shared_references`)
 REFERENCES = "repaired-references"
 # positions whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
-_CHUNK = 64
+LOGIT_CHUNK = 64
 
 
 def _hosted(replacement: Replacement) -> Replacement:
@@ -477,7 +477,10 @@ def divergence(model: nn.Module, original: nn.Module, token_ids: torch.Tensor, b
     """``{"ppl": .., "kl": ..}`` of ``model`` on ``token_ids``, measured against ``original``.
 
     Its perplexity and the mean KL divergence of its next-token distribution from ``original``'s per predicted
-    token: what a repaired selection measures of a view, here for two models.
+    token: what a repaired selection measures of a view, here for two models. Two vocabulary-wide batches are held
+    at once (``prune.planner.memory.divergence_logit_bytes``): the original's log-probabilities written over its
+    logits, and the model's logits. Before 2026-12-05 the last batch's two stayed beside the next one's three (a
+    whole-batch log-softmax and the copy it makes of a sliced input): 12.6 GB on Gemma-3-270M's 262k vocabulary.
     """
     nll = kl = 0.0
     targets = 0
@@ -487,11 +490,11 @@ def divergence(model: nn.Module, original: nn.Module, token_ids: torch.Tensor, b
     try:
         for first in range(0, token_ids.shape[0], batch_size):
             batch = token_ids[first : first + batch_size]
-            dense = torch.log_softmax(original(input_ids=batch.to(input_device(original)), use_cache=False)
-                                      .logits[:, :-1].float(), -1)
+            dense = _log_probs(original(input_ids=batch.to(input_device(original)), use_cache=False).logits)
             logits = model(input_ids=batch.to(input_device(model)), use_cache=False).logits[:, :-1]
             n, k = _nll_and_kl(logits, dense.to(logits.device), batch[:, 1:])
             nll, kl, targets = nll + n, kl + k, targets + batch.shape[0] * (batch.shape[1] - 1)
+            del dense, logits  # before the next batch's passes
     finally:
         model.train(modes[0])
         original.train(modes[1])
@@ -506,8 +509,8 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
     vocabulary, 525 MB a batch of two 512-token rows).
     """
     out = logits[:, :-1].float()
-    for start in range(0, out.shape[1], _CHUNK):
-        out[:, start : start + _CHUNK] = torch.log_softmax(out[:, start : start + _CHUNK], -1)
+    for start in range(0, out.shape[1], LOGIT_CHUNK):
+        out[:, start : start + LOGIT_CHUNK] = torch.log_softmax(out[:, start : start + LOGIT_CHUNK], -1)
     return out
 
 
@@ -517,17 +520,17 @@ def _all_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     ``allclose`` of whole vocabulary-wide batches makes several temporaries of their size at once: on a 1B
     skeleton this one check set the shortlist's peak.
     """
-    return all(torch.allclose(a[:, s : s + _CHUNK].float(), b[:, s : s + _CHUNK].float(), rtol=1e-3, atol=1e-3)
-               for s in range(0, a.shape[1], _CHUNK))
+    return all(torch.allclose(a[:, s : s + LOGIT_CHUNK].float(), b[:, s : s + LOGIT_CHUNK].float(), rtol=1e-3,
+                              atol=1e-3) for s in range(0, a.shape[1], LOGIT_CHUNK))
 
 
 def _nll_and_kl(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
     """Summed next-token NLL of ``targets`` and summed KL(dense || model) over positions, float64."""
     nll = kl = 0.0
-    for start in range(0, logits.shape[1], _CHUNK):
-        logp = torch.log_softmax(logits[:, start : start + _CHUNK].float(), -1)
-        ref = dense[:, start : start + _CHUNK]
-        picked = logp.gather(-1, targets[:, start : start + _CHUNK, None].to(logp.device)).squeeze(-1)
+    for start in range(0, logits.shape[1], LOGIT_CHUNK):
+        logp = torch.log_softmax(logits[:, start : start + LOGIT_CHUNK].float(), -1)
+        ref = dense[:, start : start + LOGIT_CHUNK]
+        picked = logp.gather(-1, targets[:, start : start + LOGIT_CHUNK, None].to(logp.device)).squeeze(-1)
         nll -= float(picked.double().sum())
         kl += float((ref.exp() * (ref - logp)).sum(-1).double().sum())
     return nll, kl

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -159,6 +160,7 @@ def test_a_skeletons_heal_is_planned_block_by_block(tiny_folder, tmp_path):
     Adam's states, far below the heal in memory; it grows with the steps and is none without them."""
     from prune.pipeline.config import PruneConfig
     from prune.planner.estimate import hardware_for, plan_config
+    from prune.planner.memory import divergence_logit_bytes, weight_bytes
     from prune.planner.stages import stage_local_heal
     from ship.plan import make_plan
 
@@ -183,6 +185,16 @@ def test_a_skeletons_heal_is_planned_block_by_block(tiny_folder, tmp_path):
     assert one.seconds < stage_local_heal(sized.shape, sized.inp, 50, [(2, 3), (2, 3)]).seconds < 2 * one.seconds
     assert stage_local_heal(sized.shape, sized.inp, 50, [(1, 1)]).seconds < one.seconds
     assert make_plan(config("sequential", heal_steps=0)).planned_heal_seconds is None
+    # the KL after holds the original's streamed block and a batch's logits of both models once the training's
+    # parts went: the larger of the two phases is planned (on a 262k vocabulary, the KL's)
+    for shape in (sized.shape, dataclasses.replace(sized.shape, vocab=262_144)):
+        parts = stage_local_heal(shape, sized.inp, 50).devices["cpu"]
+        trained = parts["pair + gradients + Adam (float32)"] + parts["activations (backward)"]
+        kl = divergence_logit_bytes(shape, sized.inp) + weight_bytes(shape, sized.inp, 1, head=False)
+        assert trained + parts.get("the KL after, beyond the training's parts", 0.0) == pytest.approx(max(trained, kl))
+    assert kl > 2 * trained  # the wide vocabulary's
+    # two batches of float32 log-probabilities and logits of 4 x 32 positions, four float32 chunks of 32 beside them
+    assert divergence_logit_bytes(shape, sized.inp) == 262_144 * 4 * (32 * 8 + 4 * 32 * 4)
 
 
 @pytest.mark.parametrize(("changes", "words"), [

@@ -15,7 +15,7 @@ from prune.model.surgery import drop_blocks_
 from prune.replace import ReplaceConfig, replace_blocks_
 from prune.selection.map_errors import map_errors
 from prune.selection.repaired import (
-    _CHUNK,
+    LOGIT_CHUNK,
     RepairedCosts,
     _all_close,
     _log_probs,
@@ -471,7 +471,7 @@ def test_a_build_from_a_repaired_selection_s_fits_records_the_short_cut_that_fed
 
 
 def test_log_probabilities_written_a_chunk_at_a_time_are_those_of_one_log_softmax():
-    logits = torch.randn(2, 2 * _CHUNK + 7, 50, generator=torch.Generator().manual_seed(1)) * 4
+    logits = torch.randn(2, 2 * LOGIT_CHUNK + 7, 50, generator=torch.Generator().manual_seed(1)) * 4
     expected = torch.log_softmax(logits[:, :-1], -1)
     assert torch.equal(_log_probs(logits.clone()), expected)
     # a half-precision model's logits are turned into float32 first, as one log_softmax of them would be
@@ -479,8 +479,8 @@ def test_log_probabilities_written_a_chunk_at_a_time_are_those_of_one_log_softma
 
 
 def test_logits_compared_a_chunk_at_a_time_agree_with_allclose():
-    a = torch.randn(2, 2 * _CHUNK + 7, 50, generator=torch.Generator().manual_seed(2))
+    a = torch.randn(2, 2 * LOGIT_CHUNK + 7, 50, generator=torch.Generator().manual_seed(2))
     b = a + 5e-4
     assert _all_close(a, b) and torch.allclose(a, b, rtol=1e-3, atol=1e-3)
-    b[1, 2 * _CHUNK + 3, 10] += 0.1  # one value off, in the last chunk
+    b[1, 2 * LOGIT_CHUNK + 3, 10] += 0.1  # one value off, in the last chunk
     assert not _all_close(a, b) and not torch.allclose(a, b, rtol=1e-3, atol=1e-3)
