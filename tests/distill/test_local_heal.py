@@ -60,7 +60,7 @@ def test_a_cut_below_a_change_of_basis_is_left_as_built(tmp_path, one_thread):
 
 def test_the_passes_that_record_a_cut_run_to_its_pair_and_through_its_target():
     """The slim model's pass stops as the pair's last block is called, the original's after its target block."""
-    assert cut_depths([[0], [1], [2, 3, 4], [5], [6, 7]]) == [(3, 6), (4, 8)]
+    assert cut_depths([[0], [1], [2, 3, 4], [5], [6, 7]]) == [(3, 6, 2), (4, 8, 1)]
 
 
 def _pair(tmp_path, model_type="llama", dropped=(3, 4), **overrides):

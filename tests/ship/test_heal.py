@@ -184,6 +184,9 @@ def test_a_skeletons_heal_is_planned_block_by_block(tiny_folder, tmp_path):
     # ... less the KL after the heal, measured once
     assert one.seconds < stage_local_heal(sized.shape, sized.inp, 50, [(2, 3), (2, 3)]).seconds < 2 * one.seconds
     assert stage_local_heal(sized.shape, sized.inp, 50, [(1, 1)]).seconds < one.seconds
+    # a cut at the last block trains it alone: half the pair's steps
+    alone = stage_local_heal(sized.shape, sized.inp, 50, [(2, 3, 1)])
+    assert alone.seconds < one.seconds and "50 steps of 1 block(s)" in alone.note
     assert make_plan(config("sequential", heal_steps=0)).planned_heal_seconds is None
     # the KL after holds the original's streamed block and a batch's logits of both models once the training's
     # parts went: the larger of the two phases is planned (on a 262k vocabulary, the KL's)
