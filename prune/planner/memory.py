@@ -158,14 +158,16 @@ def perplexity_logit_bytes(shape: ModelShape, inp: PlanInput) -> float:
     return tokens * shape.vocab * per_token
 
 
-def divergence_logit_bytes(shape: ModelShape, inp: PlanInput) -> float:
+def divergence_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int | None = None) -> float:
     """The KL of one model against another (``prune.selection.repaired.divergence``): its vocabulary-wide tensors.
 
     One batch's float32 log-probabilities of the original and logits of the model, and beside them the KL's
     chunks of positions (the model's log-probabilities, the original's probabilities, their difference and product).
+    ``rows``: the rows measured (a batch holds no more of them; None: a whole batch).
     """
     chunk = min(LOGIT_CHUNK, inp.seq_len)
-    return shape.vocab * inp.batch_size * (inp.seq_len * (4 + inp.act_bytes) + KL_CHUNK_COPIES * chunk * 4)
+    batch = inp.batch_size if rows is None else min(inp.batch_size, rows)
+    return shape.vocab * batch * (inp.seq_len * (4 + inp.act_bytes) + KL_CHUNK_COPIES * chunk * 4)
 
 
 def train_activation_bytes(shape: ModelShape, blocks: int, tokens: int, act_bytes: float, train: str) -> float:

@@ -560,14 +560,17 @@ def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequ
     tokens, batch = rows * inp.seq_len, inp.batch_size * inp.seq_len
     _streamed(devices, shape, inp, 0)
     add(devices[first], "the original's embedding and head", weight_bytes(shape, inp, 0))
-    add(devices["cpu"], "recorded states", 2 * tokens * shape.hidden * inp.act_bytes)
+    states = 2 * tokens * shape.hidden * inp.act_bytes
+    add(devices["cpu"], "recorded states", states)
     trained = {"pair + gradients + Adam (float32)": 4 * blocks * shape.block_params * 4,
                "activations (backward)": train_activation_bytes(shape, blocks, batch, 4, "all")}
     for name, value in trained.items():
         add(devices[first], name, value)
-    # the KL after holds the original's streamed block and a batch's logits of both once the training's parts went
-    kl_after = weight_bytes(shape, inp, 1, head=False) + divergence_logit_bytes(shape, inp)
-    add(devices[first], "the KL after, beyond the training's parts", kl_after - sum(trained.values()))
+    # the KL after holds the original's streamed block and a batch's logits of both once the training's parts (and,
+    # on the CPU, the recorded states) went
+    kl_after = weight_bytes(shape, inp, 1, embed=False, head=False) + divergence_logit_bytes(shape, inp, measuring)
+    held = sum(trained.values()) + (states if first == "cpu" else 0.0)
+    add(devices[first], "the KL after, beyond the training's parts", kl_after - held)
     run = sum(depth[0] + depth[1] for depth in depths)
     batches = -(-rows // inp.batch_size)
     passes = tokens * _flops(shape, run) / _rate(inp) + batches * run / shape.layers * _disk_pass(shape, inp)

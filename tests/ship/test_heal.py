@@ -188,16 +188,21 @@ def test_a_skeletons_heal_is_planned_block_by_block(tiny_folder, tmp_path):
     alone = stage_local_heal(sized.shape, sized.inp, 50, [(2, 3, 1)])
     assert alone.seconds < one.seconds and "50 steps of 1 block(s)" in alone.note
     assert make_plan(config("sequential", heal_steps=0)).planned_heal_seconds is None
-    # the KL after holds the original's streamed block and a batch's logits of both models once the training's
-    # parts went: the larger of the two phases is planned (on a 262k vocabulary, the KL's)
+    # the KL after holds the original's streamed block (no second embedding) and a batch of the 2 measuring rows'
+    # logits of both models, once the training's parts and the recorded states went: the larger phase is planned
+    # (on a 262k vocabulary, the KL's)
     for shape in (sized.shape, dataclasses.replace(sized.shape, vocab=262_144)):
         parts = stage_local_heal(shape, sized.inp, 50).devices["cpu"]
-        trained = parts["pair + gradients + Adam (float32)"] + parts["activations (backward)"]
-        kl = divergence_logit_bytes(shape, sized.inp) + weight_bytes(shape, sized.inp, 1, head=False)
-        assert trained + parts.get("the KL after, beyond the training's parts", 0.0) == pytest.approx(max(trained, kl))
-    assert kl > 2 * trained  # the wide vocabulary's
-    # two batches of float32 log-probabilities and logits of 4 x 32 positions, four float32 chunks of 32 beside them
-    assert divergence_logit_bytes(shape, sized.inp) == 262_144 * 4 * (32 * 8 + 4 * 32 * 4)
+        held = parts["pair + gradients + Adam (float32)"] + parts["activations (backward)"] + parts["recorded states"]
+        block = weight_bytes(shape, sized.inp, 1, embed=False, head=False)
+        kl = divergence_logit_bytes(shape, sized.inp, 2) + block
+        assert held + parts.get("the KL after, beyond the training's parts", 0.0) == pytest.approx(max(held, kl))
+    assert kl > 2 * held  # the wide vocabulary's
+    # two rows of float32 log-probabilities and logits of 32 positions, four float32 chunks of 32 beside them; a
+    # whole batch of 4 where the rows are more
+    assert divergence_logit_bytes(shape, sized.inp, 2) == 262_144 * 2 * (32 * 8 + 4 * 32 * 4)
+    assert divergence_logit_bytes(shape, sized.inp, 9) == divergence_logit_bytes(shape, sized.inp) == 2 * (
+        divergence_logit_bytes(shape, sized.inp, 2))
 
 
 @pytest.mark.parametrize(("changes", "words"), [
