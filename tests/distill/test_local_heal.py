@@ -104,30 +104,39 @@ def test_the_heal_brings_the_slim_model_closer_and_a_skeleton_heals_to_the_same_
         assert divergence(student, teacher, unseen)["kl"] == pytest.approx(after, rel=1e-5)
 
 
-def test_a_killed_heal_goes_on_from_its_last_whole_cut_to_the_weights_of_an_unbroken_one(tmp_path, one_thread,
-                                                                                          monkeypatch):
-    """Blocks 2 and 5 of 8 removed: two cuts, each kept in the work folder as it ends. A heal killed in the second
-    cut's steps trains only that cut when run again, and ends at the weights and records of a heal never killed
-    (the second cut's inputs are recorded through the first's kept weights); other rows train both again."""
+def _killed_in_the_second_cut(tmp_path, monkeypatch):
+    """Blocks 2 and 5 of 8 removed (two cuts): a heal in memory never killed, then one keeping its cuts in a work
+    folder, killed in the second cut's steps. Returns the pair, layout, rows, work folder, the unbroken model and its
+    records."""
     original, slim = _pair(tmp_path, dropped=(2, 5))
     layout, rows, work = block_layout(slim), torch.randint(3, 320, (8, 32)), tmp_path / "work"
     unbroken = copy.deepcopy(slim)
     records = heal_locally(unbroken, original, layout, rows, steps=10, progress=False, say=lambda _: None)
-    assert [r["blocks"] for r in records] == [[1, 2], [3, 4]]
-    trained, real = [], local_heal.adam_steps
+    steps, calls = local_heal.adam_steps, []
 
     def killed_in_the_second(*args, **kwargs):
-        trained.append(kwargs["desc"])
-        if len(trained) == 2:
+        calls.append(kwargs["desc"])
+        if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(*args, **kwargs)
+        return steps(*args, **kwargs)
 
-    monkeypatch.setattr(local_heal, "adam_steps", killed_in_the_second)
-    with pytest.raises(KeyboardInterrupt):
+    with monkeypatch.context() as patched, pytest.raises(KeyboardInterrupt):
+        patched.setattr(local_heal, "adam_steps", killed_in_the_second)
         heal_locally(copy.deepcopy(slim), original, layout, rows, steps=10, progress=False, work=work,
                      say=lambda _: None)
+    assert calls == ["heal blocks [1, 2]", "heal blocks [3, 4]"]
+    return original, slim, layout, rows, work, unbroken, records
+
+
+def test_a_killed_heal_goes_on_from_its_last_whole_cut_to_the_weights_of_an_unbroken_one(tmp_path, one_thread,
+                                                                                          monkeypatch):
+    """Two cuts, each kept in the work folder as it ends. A heal killed in the second cut's steps trains only that
+    cut when run again, and ends at the weights and records of a heal never killed (the second cut's inputs are
+    recorded through the first's kept weights); other rows or steps train both again."""
+    original, slim, layout, rows, work, unbroken, records = _killed_in_the_second_cut(tmp_path, monkeypatch)
+    assert [r["blocks"] for r in records] == [[1, 2], [3, 4]]
     assert sorted(path.name for path in work.iterdir()) == ["cut-1-2.safetensors"]
-    trained.clear()
+    trained, real = [], local_heal.adam_steps
     monkeypatch.setattr(local_heal, "adam_steps", lambda *a, **k: trained.append(k["desc"]) or real(*a, **k))
     again, said = copy.deepcopy(slim), []  # the built weights, as a run started again loads them
     assert heal_locally(again, original, layout, rows, steps=10, progress=False, work=work, say=said.append) == records
@@ -147,24 +156,7 @@ def test_a_skeleton_goes_on_from_cuts_kept_in_memory_to_the_same_weights(tmp_pat
     """The first cut kept by a heal in memory, killed in the second: the checkpoints loaded as skeletons (blocks on
     the meta device, the kept weights read into them as changes) train the second cut alone, to the weights of the
     heal in memory never killed (within 1e-6, as a skeleton's heal is)."""
-    original, slim = _pair(tmp_path, dropped=(2, 5))
-    layout, rows, work = block_layout(slim), torch.randint(3, 320, (8, 32)), tmp_path / "work"
-    unbroken = copy.deepcopy(slim)
-    heal_locally(unbroken, original, layout, rows, steps=10, progress=False, say=lambda _: None)
-    steps = local_heal.adam_steps
-    calls = []
-
-    def killed_in_the_second(*args, **kwargs):
-        calls.append(kwargs["desc"])
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return steps(*args, **kwargs)
-
-    monkeypatch.setattr(local_heal, "adam_steps", killed_in_the_second)
-    with pytest.raises(KeyboardInterrupt):
-        heal_locally(copy.deepcopy(slim), original, layout, rows, steps=10, progress=False, work=work,
-                     say=lambda _: None)
-    monkeypatch.setattr(local_heal, "adam_steps", steps)
+    _, _, layout, rows, work, unbroken, _ = _killed_in_the_second_cut(tmp_path, monkeypatch)
     student = load_offloaded(str(tmp_path / "slim"), dtype="float32").model
     teacher = load_offloaded(str(tmp_path / "original"), dtype="float32").model
     said = []
