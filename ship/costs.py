@@ -8,8 +8,8 @@ counted here in the same units before any weight is read:
   batch of rows, each reading every weight; the scoring pass (every state's statistics, and beside them the
   measuring rows' alone, which ``repaired-fast`` reads), one capture pass over the fitting rows that feeds every
   repair's fits, the fits' own
-  sums and solves (``fit_width`` of each repair's registration), and the measuring passes (each repair's
-  reference pass and one per candidate from its first changed block);
+  sums and solves (``fit_width`` of each repair's registration), and the measuring passes (the original's, which
+  every repair shares, and one per candidate from its first changed block), each with its vocabulary-wide work;
 - build: the held-out perplexities of the original, of the blocks removed alone and of the checkpoint, the
   checkpoint written (the chosen repair is the shortlist's fit, put in place as it is);
 - heal: ``prune.planner``'s distillation stage for ``--heal-steps`` (:func:`ship.plan.planned_heal`);
@@ -72,6 +72,14 @@ ENGINE_SHARE = 1.002  # llama.cpp scoring every position of a window (logits_all
 # text tokenized whole first (fitted on the run r8 of reports/ship-fast: 83 s for both models against 50 s at
 # LOGITS_SHARE)
 SERVING_SHARE = 0.776
+# The vocabulary-wide work of a measuring pass on the CPU, per logit (a token x the vocabulary): its logits' fresh
+# tensor, the log-softmax and the KL. Beside the arithmetic it was most of what the planner missed of Gemma-3-270M's
+# shortlist (262k vocabulary; 2026-12-05, 4 sets measured in 135 s against 52 s planned, its original pass and
+# candidates 1.5x their time in a small process: a fresh tensor's pages cost more while a process holds a few GB on
+# this machine). Fitted on that run and SmolLM2-135M's (49k; 16 candidates, 124 s) at the reference speed, the
+# original's pass counted once and each candidate over its view's blocks from its set's first one: their
+# shortlists 1.18x and 0.86x their plans (reports/shortlist-logits).
+LOGIT_SECONDS = 1.4e-8
 SAMPLE_BYTES_PER_S = 3.3e9  # a sampling step reads every weight: 48 tokens/s for 8 rows of SmolLM2-135M
 CONVERT_BYTES_PER_S = 4.27e7  # llama.cpp's converter: float32 checkpoint bytes a second
 QUANTIZE_SHARE = 0.4  # its quantizer after it (q4_k_m), as a share of the conversion's time
@@ -100,6 +108,8 @@ class ShipWork:
         sets: block sets the one-pass selections are expected to choose (each crossed with every repair).
         spans: distinct spans per set, on average (a top-k choice of scattered blocks has several); both are
             guesses before the scoring pass, counted after it (:func:`ship.plan.replan_shortlist`).
+        depth: the share of the model's blocks a candidate's measuring pass runs, on average: its view's blocks
+            from its set's first one on (half, guessed, before the sets are known).
         self_batches: batches of the model's own text sampled for calibration (0: none, or shipped), each a
             token per step for ``seq_len`` steps (``prune.data.self_text.self_batches``).
         heal_self_batches: batches of it sampled for ``--heal-data`` (``self``, ``self:chat``) before the heal
@@ -118,6 +128,7 @@ class ShipWork:
     rounds: tuple[int, ...] = ()
     sets: int = 3
     spans: float = 2
+    depth: float = 0.5
     self_batches: int = 0
     heal_self_batches: int = 0
     heldout_tokens: int = 4096
@@ -154,13 +165,16 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     sampling = sampled(work.self_batches)
     fitted = list(zip(work.repairs, work.rounds or (0,) * len(work.repairs), strict=True))  # (width, rounds)
     fits = sum(fit_flops(shape, width, tokens - measure, rounds) for width, rounds in fitted) * work.sets * work.spans
+    candidates = work.sets * (len(work.repairs) + 1)
     shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
                  + score_decompositions(shape) / fits_rate
                  + measure * moments / 2 / (rate * SCORING_SHARE)  # the measuring rows' statistics kept apart
                  + (passes(tokens - measure, layers, CAPTURE_SHARE) if work.repairs else 0.0)  # removal fits nothing
                  + fits / fits_rate
-                 + passes(measure * (len(work.repairs) + 1), layers, LOGITS_SHARE, head=True)
-                 + passes(measure * work.sets * (len(work.repairs) + 1), layers / 2, LOGITS_SHARE, head=True))
+                 + passes(measure, layers, LOGITS_SHARE, head=True)  # the original's, shared by every repair
+                 + passes(measure * candidates, layers * work.depth, LOGITS_SHARE, head=True))
+    if not inp.on_gpu:  # each measuring pass's logits, log-softmax and KL
+        shortlist += (1 + candidates) * measure * shape.vocab * LOGIT_SECONDS / cpu
     checkpoint = weight_bytes(shape, inp, kept)
     # the shortlist's fit of the chosen candidate is put in place as it is (--fit-rows fitting): prune.run's
     # held-out perplexity of the original, of the blocks removed alone and of the checkpoint, the checkpoint
@@ -186,7 +200,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
                       CONVERT_BYTES_PER_S * cpu))
                   + (models + 1 + work.speed) * PROCESS_SECONDS / cpu)
     if inp.on_gpu:
-        shortlist += GPU_SHORTLIST_SECONDS + work.sets * (len(work.repairs) + 1) * GPU_CANDIDATE_SECONDS
+        shortlist += GPU_SHORTLIST_SECONDS + candidates * GPU_CANDIDATE_SECONDS
     heal = work.heal_seconds + sampled(work.heal_self_batches)
     return {"shortlist": sampling + shortlist, "build": build, "heal": heal,
             "export": export, "verify": verify}

@@ -282,8 +282,11 @@ def _replanned(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int
         logger.info("no plan for %s (%s)", config.prune.load.model, err)
         return None
     spans = {span for blocks in sets for span in spans_of(blocks)}  # a repair fits a span once for every set
+    # a candidate's pass runs its view's blocks from the first it changes: the set's first block's place on
+    layers = planned.shape.layers
+    run = sum(layers - len(blocks) - min(blocks, default=0) for blocks in sets)
     work = dataclasses.replace(ship_work(config, model, drop, None, only=repairs), sets=len(sets),
-                               spans=len(spans) / len(sets))
+                               spans=len(spans) / len(sets), depth=run / (len(sets) * layers))
     return planned, work
 
 

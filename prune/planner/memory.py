@@ -7,8 +7,8 @@ The buffers counted are the ones the code keeps alive (read off ``prune.measure.
 
 - scoring: the weights, one block's forward activations and the streamed moments, one float64 [d, d]
   Gram per residual state and one cross Gram per block (kept until the run ends);
-- evaluation: the held-out perplexity's logits, [batch, seq, vocab], three float32 copies on a CPU
-  (logits, the chunk's log-softmax, the gathered targets' work; measured on SmolLM2-135M);
+- evaluation: the held-out perplexity's logits, [batch, seq, vocab], counted as two float32 copies on a CPU (the
+  logits and one row's chunk of their log-softmax are alive; the allocator keeps what the fits freed);
 - fitting: a closed-form fit's three float64 [d, d] sums per span and the recorded span inputs and outputs;
 - a repaired selection (``prune.ship``'s shortlist): the measuring rows' moments beside the others, the scores'
   cached decompositions, every repair's fit sums at once, and the original's float32 log-probabilities of the
@@ -39,15 +39,21 @@ INT8_BYTES = 1.0
 CPU_BASELINE_BYTES = 0.53e9
 # a CUDA context and cuBLAS workspace per GPU, outside torch's allocator (assumption: 0.5-1 GB on an H100)
 CUDA_CONTEXT_BYTES = 1.0e9
-# live copies of [batch, seq, vocab] float32 logits in a perplexity pass on a CPU (measured: 1.22 GB for
-# 4 x 512 x 49152 on SmolLM2-135M = 3.0 copies)
-PERPLEXITY_LOGIT_COPIES = 3
+# copies of [batch, seq, vocab] float32 logits counted for a perplexity pass on a CPU. Alive: the logits, the
+# log-softmax's buffer of one row's chunk (prune.measure.perplexity.log_prob_chunks) and the head's activations,
+# 0.45 GB above the loaded model for 4 x 512 x 49152 on SmolLM2-135M = 1.12 copies (2026-12-05; 3.05 before the
+# log-softmax went a row's chunk at a time into one buffer). Counted as 2: a run's held-out pass comes after the
+# fits, whose freed memory the allocator keeps, and prune.run's peak RSS on SmolLM2-135M (8 x 512 tokens, drop 4,
+# fold) read 1.87-2.15 GB in four runs that day, 2.07 GB planned so. Tight on purpose: a repaired selection's
+# passes (stage_selection) count their logits with it too.
+PERPLEXITY_LOGIT_COPIES = 2
 # float32 [batch, seq, vocab] tensors alive at the KL's peak: both log-softmaxes, the teacher's
 # probabilities, their difference and product, the student's gradient (distill.losses.teacher_student_kl)
 KL_LOGIT_COPIES = 7
-# float32 [batch, 64, vocab] chunks alive as ``prune.selection.repaired.divergence`` sums its KL: the model's
-# log-probabilities, the original's probabilities, their difference and their product
-KL_CHUNK_COPIES = 4
+# float32 [LOGIT_CHUNK, vocab] chunks of one row alive as ``prune.selection.repaired.divergence`` sums its KL: two
+# buffers every chunk reuses (the model's log-probabilities, the original's probabilities) and 16-bit logits'
+# float32 copy
+KL_CHUNK_COPIES = 3
 # activations saved for backward per token and block, in units of (hidden, intermediate) elements: the
 # Korthikanti et al. (2022) count without the attention matrix (SDPA keeps none), for SwiGLU blocks
 TRAIN_ACT_HIDDEN, TRAIN_ACT_INTERMEDIATE = 10, 4
@@ -126,10 +132,11 @@ def measuring_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int) -> float
 
     The original's float32 log-probabilities of every measuring row stay for the whole measuring, shared by
     every repair (``prune.selection.repaired.shared_references``), beside one batch of a candidate's logits in
-    the model's dtype; the chunks of their log-softmax (64 positions) are left out.
+    the model's dtype and the KL's chunks of one row's positions (:data:`KL_CHUNK_COPIES`).
     """
     batch = min(inp.batch_size, rows)
-    return (rows * 4 + batch * inp.act_bytes) * inp.seq_len * shape.vocab
+    chunks = KL_CHUNK_COPIES * min(LOGIT_CHUNK, inp.seq_len) * 4
+    return ((rows * 4 + batch * inp.act_bytes) * inp.seq_len + chunks) * shape.vocab
 
 
 def measuring_state_bytes(shape: ModelShape, inp: PlanInput, rows: int) -> float:
@@ -162,12 +169,12 @@ def divergence_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int | None =
     """The KL of one model against another (``prune.selection.repaired.divergence``): its vocabulary-wide tensors.
 
     One batch's float32 log-probabilities of the original and logits of the model, and beside them the KL's
-    chunks of positions (the model's log-probabilities, the original's probabilities, their difference and product).
-    ``rows``: the rows measured (a batch holds no more of them; None: a whole batch).
+    chunks of one row's positions (:data:`KL_CHUNK_COPIES`). ``rows``: the rows measured (a batch holds no more of
+    them; None: a whole batch).
     """
     chunk = min(LOGIT_CHUNK, inp.seq_len)
     batch = inp.batch_size if rows is None else min(inp.batch_size, rows)
-    return shape.vocab * batch * (inp.seq_len * (4 + inp.act_bytes) + KL_CHUNK_COPIES * chunk * 4)
+    return shape.vocab * (batch * inp.seq_len * (4 + inp.act_bytes) + KL_CHUNK_COPIES * chunk * 4)
 
 
 def train_activation_bytes(shape: ModelShape, blocks: int, tokens: int, act_bytes: float, train: str) -> float:

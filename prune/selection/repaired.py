@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from prune.errors import LayercutError
+from prune.measure.perplexity import LOGPROB_POSITIONS, log_prob_chunks, row_chunks, target_nll
 from prune.memory import return_freed_memory
 from prune.model.adapters import get_blocks, input_device
 from prune.model.surgery import blocks_removed, drop_blocks_
@@ -73,8 +74,8 @@ COSTS_STORE = "repaired-costs"
 # a run's memo may hold, under this name, a dict in which every RepairedCosts keeps the original model's passes over
 # the measuring rows (:func:`shared_references`)
 REFERENCES = "repaired-references"
-# positions whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
-LOGIT_CHUNK = 64
+# positions of a row whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
+LOGIT_CHUNK = LOGPROB_POSITIONS
 
 
 def _hosted(replacement: Replacement) -> Replacement:
@@ -353,11 +354,14 @@ class RepairedCosts:
                     logger.warning("repaired selection: a block ran more than once; measuring whole passes")
                     self._plain = True
                 for i, blocks in enumerate(sets):
-                    with self.view(blocks):
-                        logits = self._logits(batch, starts[i], states)
-                    batch_nll, batch_kl = _nll_and_kl(logits[:, :-1], dense, batch[:, 1:])
-                    del logits  # a batch of vocabulary-wide logits: hand it back before the next view's
-                    return_freed_memory()
+                    if not blocks:  # the original: its log-probabilities are at hand, its KL to itself nought
+                        batch_nll, batch_kl = float(target_nll(dense, batch[:, 1:].to(dense.device)).sum()), 0.0
+                    else:
+                        with self.view(blocks):
+                            logits = self._logits(batch, starts[i], states)
+                        batch_nll, batch_kl = _nll_and_kl(logits[:, :-1], dense, batch[:, 1:])
+                        del logits  # a batch of vocabulary-wide logits: hand it back before the next view's
+                        return_freed_memory()
                     nll[i] += batch_nll
                     kl[i] += batch_kl
                     if bar is not None and last and first + self.batch_size >= measure_ids.shape[0]:
@@ -481,7 +485,7 @@ def divergence(model: nn.Module, original: nn.Module, token_ids: torch.Tensor, b
     at once (``prune.planner.memory.divergence_logit_bytes``): the original's log-probabilities written over its
     logits, and the model's logits. Before 2026-12-05 the last batch's two stayed beside the next one's three (a
     whole-batch log-softmax and the copy it makes of a sliced input): this pass peaked at 13.54 GB on Gemma-3-270M's
-    skeletons and 262k vocabulary, 8.47 GB since (reports/heal-blocks).
+    skeletons and 262k vocabulary, 8.47 GB after (reports/heal-blocks); the KL's chunks are one row's since.
     """
     nll = kl = 0.0
     targets = 0
@@ -510,8 +514,8 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
     vocabulary, 525 MB a batch of two 512-token rows).
     """
     out = logits[:, :-1].float()
-    for start in range(0, out.shape[1], LOGIT_CHUNK):
-        out[:, start : start + LOGIT_CHUNK] = torch.log_softmax(out[:, start : start + LOGIT_CHUNK], -1)
+    for row, span, logprobs in log_prob_chunks(out, LOGIT_CHUNK):
+        out[row, span] = logprobs
     return out
 
 
@@ -521,20 +525,27 @@ def _all_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     ``allclose`` of whole vocabulary-wide batches makes several temporaries of their size at once: on a 1B
     skeleton this one check set the shortlist's peak.
     """
-    return all(torch.allclose(a[:, s : s + LOGIT_CHUNK].float(), b[:, s : s + LOGIT_CHUNK].float(), rtol=1e-3,
-                              atol=1e-3) for s in range(0, a.shape[1], LOGIT_CHUNK))
+    return all(torch.allclose(a[row, span].float(), b[row, span].float(), rtol=1e-3, atol=1e-3)
+               for row, span in row_chunks(*a.shape[:2], LOGIT_CHUNK))
 
 
 def _nll_and_kl(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
-    """Summed next-token NLL of ``targets`` and summed KL(dense || model) over positions, float64."""
-    nll = kl = 0.0
-    for start in range(0, logits.shape[1], LOGIT_CHUNK):
-        logp = torch.log_softmax(logits[:, start : start + LOGIT_CHUNK].float(), -1)
-        ref = dense[:, start : start + LOGIT_CHUNK]
-        picked = logp.gather(-1, targets[:, start : start + LOGIT_CHUNK, None].to(logp.device)).squeeze(-1)
-        nll -= float(picked.double().sum())
-        kl += float((ref.exp() * (ref - logp)).sum(-1).double().sum())
-    return nll, kl
+    """Summed next-token NLL of ``targets`` and summed KL(dense || model) over positions, float64.
+
+    A row's chunk of positions at a time (:func:`prune.measure.perplexity.log_prob_chunks`), into two buffers that
+    every chunk reuses: the model's log-probabilities, their difference from the original's written over them, and
+    the original's probabilities, the product written over those (and 16-bit logits' float32 copy of a chunk).
+    """
+    nll = torch.zeros((), dtype=torch.float64, device=logits.device)
+    kl = torch.zeros_like(nll)
+    targets = targets.to(logits.device)
+    probs = torch.empty(min(LOGIT_CHUNK, logits.shape[1]), logits.shape[-1], dtype=torch.float32, device=logits.device)
+    for row, span, logp in log_prob_chunks(logits, LOGIT_CHUNK):
+        ref, p = dense[row, span], probs[: span.stop - span.start]
+        nll -= logp.gather(-1, targets[row, span, None]).double().sum()
+        torch.exp(ref, out=p)
+        kl += p.mul_(torch.sub(ref, logp, out=logp)).sum(-1).double().sum()
+    return float(nll), float(kl)
 
 
 def update_share(replace: ReplaceConfig | None) -> float:

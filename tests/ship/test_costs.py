@@ -85,6 +85,43 @@ def test_a_gpu_runs_the_arithmetic_faster_and_pays_for_its_launches_processes_an
     assert gpu["verify"] - offloaded["verify"] > GPU_PROCESS_SECONDS
 
 
+def test_the_measures_run_from_each_set_s_first_block_and_pay_for_every_logit_on_the_cpu(shape, monkeypatch):
+    from prune.planner.machine import machine_speed
+    from prune.planner.stages import _flops, _rate
+    from ship.costs import LOGITS_SHARE
+
+    work = ShipWork(drop=2, repairs=(512,))
+    inp = PlanInput(model="tiny", samples=32, seq_len=512)
+    measure, candidates = 4 * 512, work.sets * 2  # one row in 8 measures; removal and the repair, each set
+    # a candidate runs the blocks from its set's first one, and the head
+    deep = seconds(shape, dataclasses.replace(work, depth=0.75))["shortlist"]
+    shallow = seconds(shape, dataclasses.replace(work, depth=0.25))["shortlist"]
+    assert deep - shallow == pytest.approx(
+        measure * candidates * (_flops(shape, 6, True) - _flops(shape, 2, True)) / (_rate(inp) * LOGITS_SHARE))
+    # every measuring pass's logits (the original's, shared by the repairs, and each candidate's), on the CPU only
+    monkeypatch.setattr("ship.costs.LOGIT_SECONDS", 0.0)
+    bare, gpu = seconds(shape, work)["shortlist"], seconds(shape, work, hardware=Hardware(gpus=1, gpu_memory=8e10))
+    monkeypatch.setattr("ship.costs.LOGIT_SECONDS", 1e-6)
+    assert seconds(shape, work)["shortlist"] - bare == pytest.approx(
+        (1 + candidates) * measure * shape.vocab * 1e-6 / machine_speed())
+    assert seconds(shape, work, hardware=Hardware(gpus=1, gpu_memory=8e10)) == gpu
+
+
+def test_a_replanned_shortlist_counts_its_sets_first_blocks(tiny_folder):
+    from prune.pipeline.config import PruneConfig
+    from prune.planner.shape import shape_of_model
+    from ship.config import ShipConfig
+    from ship.plan import _replanned
+
+    model = make_tiny_model("llama")
+    config = ShipConfig(prune=PruneConfig(load={"model": str(tiny_folder)}, data={"data": "builtin", "seq_len": 64},
+                                          drop=2), out="unused")
+    layers = shape_of_model(model).layers
+    _, work = _replanned(config, model, 2, [[1, 2], [layers - 2, layers - 1], [2, 1]], None)
+    # each view lacks its set's 2 blocks and runs from its first one's place: layers - 3 blocks, then none
+    assert work.sets == 2 and work.depth == pytest.approx((layers - 3) / (2 * layers))
+
+
 @pytest.mark.parametrize("gpus", [0, 1])
 def test_a_speed_check_that_does_not_run_is_not_costed(shape, gpus):
     from ship.costs import GPU_PROCESS_SECONDS, PROCESS_SECONDS, _speed_seconds

@@ -28,7 +28,8 @@ def test_the_8b_shapes_plan_peaks_in_the_shortlist_and_names_it(tmp_path, monkey
     plan = _plan(tmp_path / "llama-3-8b", LLAMA3_8B, tmp_path, samples=32, heldout_samples=4)
     peaks = plan.planned_stage_peaks
     assert list(peaks) == ["shortlist", "build", "heal"]
-    assert peaks["build"]["cuda:0"] == 26_341_337_600  # what ship planned for that run, to the byte
+    # what ship planned for that run (26,341,337,600 bytes), less the held-out logits' third copy (2026-12-05)
+    assert peaks["build"]["cuda:0"] == pytest.approx(26_341_337_600 * 0.993, rel=0.001)
     assert plan.planned_peak_stage["cuda:0"] == "shortlist"
     assert plan.planned_peak["cuda:0"] == peaks["shortlist"]["cuda:0"] == max(p["cuda:0"] for p in peaks.values())
     # before the scoring pass the plan guesses three block sets of two spans, each repair fitting all six at once:
@@ -49,7 +50,7 @@ def test_smollm2s_cpu_plan_stays_below_what_a_whole_ship_measured(tmp_path, monk
     plan = _plan(tmp_path / "smollm2-135m", SMOLLM2_135M, tmp_path)
     assert plan.planned_peak_stage["cpu"] == "shortlist"  # its measuring's vocabulary-wide logits
     assert 2.4e9 < plan.planned_peak["cpu"] < 4e9
-    assert plan.planned_peak["cpu"] == pytest.approx(3.13e9, rel=0.01)
+    assert plan.planned_peak["cpu"] == pytest.approx(3.20e9, rel=0.01)  # 0.08 GB of it the KL's chunks
 
 
 def test_the_8b_shapes_shortlist_memory_once_its_sets_are_known_is_near_what_the_h200_measured(tmp_path, monkeypatch):

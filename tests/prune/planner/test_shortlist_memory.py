@@ -46,8 +46,11 @@ def _peak(stages, device: str) -> float:
 
 def test_the_8b_shapes_shortlist_peaks_in_its_fits_near_what_the_h200_measured(llama8b):
     inp = _h200()
-    # ship's plan before: prune.run's own stages, whose peak is its held-out evaluation, to the byte
-    assert plan_run(llama8b, inp).peak("cuda:0") == H200_PLANNED_BEFORE
+    # ship's plan before: prune.run's own stages, whose peak was its held-out evaluation when the H200 ran; since
+    # the evaluation's logits count 2 float32 copies, not 3 (2026-12-05), its scoring pass, 0.7 % below
+    before = plan_run(llama8b, inp)
+    assert max(before.stages, key=lambda stage: stage.peak("cuda:0")).name == "scoring"
+    assert before.peak("cuda:0") == pytest.approx(H200_PLANNED_BEFORE * 0.993, rel=0.001)
     phases = {stage.name: stage for stage in stage_shortlist(llama8b, inp, _widths(llama8b, REPAIRS_8B), spans=2)}
     assert list(phases) == ["shortlist: map errors", "shortlist: fits", "shortlist: measuring"]
     peak = _peak(phases.values(), "cuda:0")
@@ -67,7 +70,7 @@ def test_the_8b_shapes_shortlist_peaks_in_its_fits_near_what_the_h200_measured(l
     assert {"fitted maps", "recorded activations", "activations", "CUDA context"} <= set(fits)
     # measuring: the original's float32 log-probabilities of the 4 measuring rows, a batch of bfloat16 logits
     measuring = phases["shortlist: measuring"].devices["cuda:0"]
-    assert measuring["logits"] == (4 * 4 + 4 * 2) * 512 * 128256
+    assert measuring["logits"] == ((4 * 4 + 4 * 2) * 512 + 3 * 128 * 4) * 128256  # and the KL's chunks of a row
     assert "measuring states" in measuring and "fit sums (float64)" not in measuring
     # repaired-fast's maps: a third set of moments (the fitting rows', StateMoments.minus) and its decompositions
     errors = phases["shortlist: map errors"].devices["cuda:0"]
@@ -108,6 +111,7 @@ def test_smollm2_on_a_cpu_stays_below_what_a_whole_ship_measured():
     inp = PlanInput(model="smollm2-135m", drop=8, samples=64, seq_len=512, batch_size=4,
                     hardware=Hardware(host_memory=25e9))
     stages = stage_shortlist(shape, inp, _widths(shape, ("fold", "cosine", "magcomp")), spans=6)
-    # float32: 0.54 GB of weights, 0.32 GB of moments, then 1.2 GB of the measuring's vocabulary-wide logits
-    assert _peak(stages, "cpu") == stages[-1].peak("cpu") == pytest.approx(3.13e9, rel=0.005)
+    # float32: 0.54 GB of weights, 0.32 GB of moments, then 1.2 GB of the measuring's vocabulary-wide logits and
+    # 0.08 GB of the KL's chunks of one row
+    assert _peak(stages, "cpu") == stages[-1].peak("cpu") == pytest.approx(3.20e9, rel=0.005)
     assert _peak(stages, "cpu") < 4e9 < 6.3e9

@@ -19,6 +19,7 @@ from prune.selection.repaired import (
     RepairedCosts,
     _all_close,
     _log_probs,
+    _nll_and_kl,
     crossfit_halves,
     split_rows,
     update_share,
@@ -180,6 +181,21 @@ def test_kl_is_the_divergence_from_the_original_models_next_token_distribution(o
     measured = RepairedCosts(model, IDS, ReplaceConfig(method="none")).measure([], [2])[2]
     assert measured["kl"] == pytest.approx(expected, rel=1e-4)
     assert measured["kl"] > 1e-4
+
+
+def test_the_empty_set_is_the_original_measured_from_its_own_pass_without_another(one_thread, monkeypatch):
+    model = make_tiny_model("llama", seed=1)
+    _, measure_ids = split_rows(IDS)
+    costs = RepairedCosts(model, IDS, ReplaceConfig(method="none"))
+    rows = _forward_rows(monkeypatch, model)
+    measured = costs.measure_sets([(), (2,)])
+    calls = list(rows)
+    assert measured[0] == {"ppl": pytest.approx(packed_perplexity(model, measure_ids, progress=False), rel=1e-6),
+                           "kl": 0.0}
+    assert measured[1]["kl"] > 1e-4
+    # the two measuring rows: the original's pass, the states the set starts from, the set's pass from its block
+    # and the one-row check of that shortcut; none for the empty set
+    assert calls == [2, 2, 2, 1]
 
 
 def test_greedy_takes_the_cheapest_repaired_set_and_a_larger_drop_continues_a_smaller_one(one_thread):
@@ -476,6 +492,29 @@ def test_log_probabilities_written_a_chunk_at_a_time_are_those_of_one_log_softma
     assert torch.equal(_log_probs(logits.clone()), expected)
     # a half-precision model's logits are turned into float32 first, as one log_softmax of them would be
     assert torch.equal(_log_probs(logits.bfloat16()), torch.log_softmax(logits.bfloat16()[:, :-1].float(), -1))
+
+
+def test_nll_and_kl_by_rows_chunks_are_those_of_whole_batches():
+    generator = torch.Generator().manual_seed(3)
+    # both sliced as the measuring passes slice them (their rows not contiguous)
+    dense = torch.log_softmax(torch.randn(3, 2 * LOGIT_CHUNK + 8, 50, generator=generator) * 2, -1)[:, :-1]
+    logits = (torch.randn(3, 2 * LOGIT_CHUNK + 8, 50, generator=generator) * 2)[:, :-1]
+    kept = dense.clone(), logits.clone()
+    targets = torch.randint(0, 50, dense.shape[:2], generator=generator)
+    logp = torch.log_softmax(logits, -1)
+    nll = -float(logp.gather(-1, targets[..., None]).double().sum())
+    kl = float((dense.exp() * (dense - logp)).sum(-1).double().sum())
+    assert kl > 10
+    got = _nll_and_kl(logits, dense, targets)
+    assert abs(got[0] - nll) < 1e-9 * abs(nll) and abs(got[1] - kl) < 1e-9 * kl
+    # the logits and the original's log-probabilities are left as they were
+    assert torch.equal(dense, kept[0]) and torch.equal(logits, kept[1])
+    # 16-bit logits: each chunk turned into float32 first, as one log_softmax of them would be
+    half = logits.bfloat16()
+    logq = torch.log_softmax(half.float(), -1)
+    expected = float((dense.exp() * (dense - logq)).sum(-1).double().sum())
+    assert abs(_nll_and_kl(half, dense, targets)[1] - expected) < 1e-9 * expected
+    assert abs(_nll_and_kl(dense, dense, targets)[1]) < 1e-5  # a model against itself
 
 
 def test_logits_compared_a_chunk_at_a_time_agree_with_allclose():
