@@ -210,9 +210,17 @@ def _digest(rows: torch.Tensor, *settings) -> str:
     return digest.hexdigest()
 
 
+_KEPT_CUT = "cut-{}.safetensors"
+
+
 def kept_cut_file(work: Path, cut: Cut) -> Path:
     """Where :func:`heal_locally` keeps ``cut``'s trained weights in its work folder."""
-    return Path(work) / f"cut-{'-'.join(map(str, cut.blocks))}.safetensors"
+    return Path(work) / _KEPT_CUT.format("-".join(map(str, cut.blocks)))
+
+
+def kept_cut_files(work: Path) -> list[Path]:
+    """The cuts' trained weights :func:`heal_locally` kept in ``work`` (none where it is not there)."""
+    return sorted(Path(work).glob(_KEPT_CUT.format("*")))
 
 
 def _keep_pair(path: Path, digest: str, pair: Sequence[nn.Module], cut: Cut, record: dict) -> None:

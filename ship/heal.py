@@ -23,7 +23,7 @@ import torch
 
 from distill.checkpoints import default_work_folder, list_checkpoints
 from distill.heal import HealRows, heal_settings, heal_student, heal_training
-from distill.local_heal import heal_built, local_heal_settings
+from distill.local_heal import heal_built, kept_cut_files, local_heal_settings
 from prune.atomic import atomic_directory, write_file_atomic, write_json
 from prune.checkpoint.report import REPORT_FILE, read_report
 from prune.checkpoint.save_load import write_model
@@ -232,7 +232,7 @@ def began_with(healed: Path) -> tuple[int, str] | None:
     (the machine's speed probed again, the time spent before counted again) may now give another count.
     """
     kept = default_work_folder(healed) / KEPT_CUTS
-    if not any(kept.glob("cut-*.safetensors")):
+    if not kept_cut_files(kept):
         return None
     try:
         began = json.loads((kept / _BEGAN).read_text(encoding="utf-8"))

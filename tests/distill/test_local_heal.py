@@ -8,7 +8,17 @@ import pytest
 import torch
 
 import distill.local_heal as local_heal
-from distill.local_heal import Cut, basis_changes, cut_depths, cuts_of, heal_cut, heal_locally, normalised_mse
+from distill.local_heal import (
+    Cut,
+    basis_changes,
+    cut_depths,
+    cuts_of,
+    heal_cut,
+    heal_locally,
+    kept_cut_file,
+    kept_cut_files,
+    normalised_mse,
+)
 from prune.loading.offload import load_offloaded, materialized, streamed
 from prune.model.adapters import get_blocks
 from prune.model.surgery import block_layout, drop_blocks_
@@ -136,6 +146,8 @@ def test_a_killed_heal_goes_on_from_its_last_whole_cut_to_the_weights_of_an_unbr
     original, slim, layout, rows, work, unbroken, records = _killed_in_the_second_cut(tmp_path, monkeypatch)
     assert [r["blocks"] for r in records] == [[1, 2], [3, 4]]
     assert sorted(path.name for path in work.iterdir()) == ["cut-1-2.safetensors"]
+    assert kept_cut_files(work) == [kept_cut_file(work, Cut(blocks=(1, 2), target=0))]
+    assert kept_cut_files(tmp_path / "none") == []
     trained, real = [], local_heal.adam_steps
     monkeypatch.setattr(local_heal, "adam_steps", lambda *a, **k: trained.append(k["desc"]) or real(*a, **k))
     again, said = copy.deepcopy(slim), []  # the built weights, as a run started again loads them
