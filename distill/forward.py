@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from distill.config import DistillConfig
+from distill.head_kl import frozen_linear_head, head_agrees
 from distill.layout import Layout, resolve_layout, teacher_targets
-from distill.losses import NEEDS_LOGITS, LossInputs, TeacherTopK, total_loss
-from prune.model.adapters import input_device
+from distill.losses import LOSSES, NEEDS_LOGITS, HeadInputs, LossInputs, TeacherTopK, total_loss
+from prune.model.adapters import final_norm, input_device, lm_head, text_config
 from prune.model.capture import residual_states
 
 
@@ -55,6 +56,56 @@ def forward_states(call, hooked: nn.Module, input_ids, mask, keep: set[int] | No
         kwargs = logits_kwargs(hooked, want_logits) if extra is None else extra
         output = call(input_ids=input_ids, attention_mask=mask, use_cache=False, **kwargs)
     return states, output.logits if want_logits else None
+
+
+def forward_head(call, hooked: nn.Module, input_ids, mask, keep: set[int] | None, extra: dict):
+    """:func:`forward_states` with the LM head left to the losses: (states, :class:`HeadInputs`, the model's logits).
+
+    ``extra`` holds ``logits_to_keep=1``: the model applies its head to the last position only (the logits
+    returned, [batch, 1, vocab]); the final norm's output, the head's input at every position, is kept for the
+    losses (``LossInputs.student_head``).
+    """
+    norm, kept = final_norm(hooked), {}
+    handle = norm.register_forward_hook(lambda _module, _args, output: kept.__setitem__("hidden", output))
+    try:
+        states, logits = forward_states(call, hooked, input_ids, mask, keep, True, extra)
+    finally:
+        handle.remove()
+    return states, HeadInputs(kept["hidden"], lm_head(hooked)), logits
+
+
+# config fields of what some models apply after the head's matmul (Gemma 2's soft-capping, Cohere's and Granite's
+# logit scales): a model that sets one keeps its whole logits, whatever a short forward shows (small logits are
+# hardly capped)
+_AFTER_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def head_for_losses(student: nn.Module, weights: dict[str, float], sharded: bool) -> dict | None:
+    """The keyword arguments that leave ``student``'s head to the losses (:func:`forward_head`), or None.
+
+    None unless every loss on the logits reads the head (registered ``from_head``), the model can skip its head
+    (``logits_to_keep``), the head is a frozen whole ``Linear`` after the final norm, and the student is not
+    sharded. Then one short forward checks that the head's matmul alone gives the model's logits (no soft-capping
+    or scale after it). Call it before accelerate wraps the student.
+    """
+    kwargs = logits_kwargs(student, False)
+    on_logits = [name for name in weights if name in NEEDS_LOGITS]
+    config = text_config(student)
+    after_head = [getattr(config, name, None) for name in _AFTER_HEAD]
+    if (sharded or not kwargs or not on_logits or not all(LOSSES.get(name).from_head for name in on_logits)
+            or any(value not in (None, 1, 1.0) for value in after_head)
+            or not frozen_linear_head(student, lm_head(student), final_norm(student))):
+        return None
+    device = input_device(student)
+    ids = torch.arange(8, device=device).unsqueeze(0) % student.get_input_embeddings().weight.shape[0]
+    was_training = student.training
+    student.eval()
+    try:
+        with torch.no_grad():
+            _, head_inputs, logits = forward_head(student, student, ids, torch.ones_like(ids), set(), kwargs)
+    finally:
+        student.train(was_training)
+    return kwargs if head_agrees(head_inputs.hidden[:, -1:], head_inputs.head, logits[:, -1:]) else None
 
 
 @dataclass

@@ -27,7 +27,7 @@ from distill.checkpoints import (
     set_rng_state,
 )
 from distill.config import DistillConfig
-from distill.forward import OnlineTeacher, TeacherSource, forward_states, logits_kwargs
+from distill.forward import OnlineTeacher, TeacherSource, forward_head, forward_states, head_for_losses, logits_kwargs
 from distill.layout import Layout, teacher_targets
 from distill.losses import NEEDS_LOGITS, LossInputs, total_loss
 from distill.processes import many_on_cpu
@@ -123,6 +123,9 @@ class Run:
         use_fsdp_on_cpu(self.accelerator)
         check_sharded_options(self.accelerator, config.train)
         self.trainable: Trainable = select_trainable(student, config)
+        # from the teacher's top-K cache, the KL through the frozen head a chunk of positions at a time (head_kl)
+        self.head_kwargs = (head_for_losses(student, self.weights, is_sharded(self.accelerator))
+                            if source is not None and self.want_logits else None)
         self.student, self.teacher = student, teacher
         optimizer = torch.optim.AdamW(self.trainable.parameters, lr=config.lr, weight_decay=config.weight_decay)
         self.scheduler = get_cosine_schedule_with_warmup(optimizer, config.warmup, config.steps)
@@ -188,11 +191,17 @@ class Run:
         with torch.no_grad(), acc.autocast():
             teacher = self.source.targets(rows, ids, mask)
         device = input_device(self.student)
-        s_states, s_logits = forward_states(
-            self.model, self.student, ids.to(device), mask.to(device), None, self.want_logits, self.call_kwargs
-        )
+        head = None
+        if self.head_kwargs is not None and teacher.topk is not None:
+            s_states, head, _ = forward_head(self.model, self.student, ids.to(device), mask.to(device), None,
+                                             self.head_kwargs)
+            s_logits = None
+        else:
+            s_states, s_logits = forward_states(
+                self.model, self.student, ids.to(device), mask.to(device), None, self.want_logits, self.call_kwargs
+            )
         inputs = LossInputs(s_states, teacher.states, self.targets, mask.to(device), s_logits, teacher.logits,
-                            teacher.topk)
+                            teacher.topk, head)
         return total_loss(inputs, self.weights)
 
     def step(self, step: int) -> tuple[float, dict[str, float], float, float]:

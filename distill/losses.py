@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from distill.head_kl import topk_kl_through_head
 from prune.errors import LayercutError
 from prune.registry import Registry
 
@@ -34,6 +36,8 @@ class LossInputs:
             top-K cache, ``teacher_topk``).
         teacher_topk: the teacher's top-K logits and the log-sum-exp of the rest (``distill.teacher_cache``),
             or None when the teacher runs online.
+        student_head: the student's final norm output and its frozen LM head, in place of ``student_logits``
+            (the losses registered ``from_head``: their vocabulary-wide work a chunk of positions at a time).
     """
 
     student_states: dict[int, torch.Tensor]
@@ -43,6 +47,24 @@ class LossInputs:
     student_logits: torch.Tensor | None = None
     teacher_logits: torch.Tensor | None = None
     teacher_topk: TeacherTopK | None = None
+    student_head: HeadInputs | None = None
+
+
+@dataclass
+class HeadInputs:
+    """The student's logits not yet made: the LM head's input and the head (frozen).
+
+    Attributes:
+        hidden: [batch, seq, hidden] the final norm's output.
+        head: the LM head (a ``Linear``); ``head(hidden)`` are the logits.
+    """
+
+    hidden: torch.Tensor
+    head: nn.Module
+
+    def logits(self) -> torch.Tensor:
+        """The [batch, seq, vocab] logits, for a loss that needs them whole."""
+        return self.head(self.hidden.to(self.head.weight.device))
 
 
 @dataclass
@@ -87,6 +109,8 @@ class Loss:
         key: the older recipe key of its weight (``mse_weight``), also a ``distill.run`` flag
             (``--mse-weight``), for the losses that had a weight field of their own before ``losses``
             became a mapping; a new loss needs none (``losses:`` / ``--loss`` name it).
+        from_head: it reads ``LossInputs.student_head`` when ``student_logits`` is None: a run whose every loss
+            on the logits says so leaves the student's head to them (``distill.loop``).
     """
 
     fn: LossFn
@@ -94,6 +118,7 @@ class Loss:
     help: str = ""
     key: str | None = None
     from_cache: bool = False
+    from_head: bool = False
 
     def __call__(self, inputs: LossInputs) -> torch.Tensor:
         """The loss of one micro-batch."""
@@ -106,7 +131,8 @@ NEEDS_LOGITS: set[str] = set()
 
 
 def register_loss(name: str, *, needs_logits: bool = False, help: str | None = None,
-                  key: str | None = None, from_cache: bool = False) -> Callable[[LossFn], LossFn]:
+                  key: str | None = None, from_cache: bool = False,
+                  from_head: bool = False) -> Callable[[LossFn], LossFn]:
     """Decorator adding a loss to :data:`LOSSES` under ``name`` (see :class:`Loss` for the arguments).
 
     ``help`` defaults to the first line of the function's docstring.
@@ -119,7 +145,7 @@ def register_loss(name: str, *, needs_logits: bool = False, help: str | None = N
         if key is not None and key in legacy_keys():
             raise ValueError(f"loss key '{key}' is already the key of loss '{legacy_keys()[key]}'")
         summary = help or (fn.__doc__ or name).strip().splitlines()[0]
-        LOSSES.register(name, Loss(fn, needs_logits, summary, key, from_cache))
+        LOSSES.register(name, Loss(fn, needs_logits, summary, key, from_cache, from_head))
         if needs_logits:
             NEEDS_LOGITS.add(name)
         return fn
@@ -175,19 +201,27 @@ def layerwise_mse(inputs: LossInputs) -> torch.Tensor:
     return torch.stack(terms).sum()
 
 
-@register_loss("teacher_student_kl", needs_logits=True, key="kl_weight", from_cache=True,
+@register_loss("teacher_student_kl", needs_logits=True, key="kl_weight", from_cache=True, from_head=True,
                help="KL(teacher || student) on the logits, float32")
 def teacher_student_kl(inputs: LossInputs) -> torch.Tensor:
     """KL(teacher || student) of the next-token distributions, summed over the vocabulary, averaged over tokens.
 
     Both log-softmaxes are taken in float32 (bf16 logits would round the small probabilities away). From a
-    teacher cache (``inputs.teacher_topk``) it is :func:`topk_kl`, over the top K classes and the rest.
+    teacher cache (``inputs.teacher_topk``) it is :func:`topk_kl`, over the top K classes and the rest: through
+    the head a chunk at a time (:func:`distill.head_kl.topk_kl_through_head`) when given ``student_head``.
     """
-    if inputs.student_logits is not None and inputs.teacher_logits is None and inputs.teacher_topk is not None:
-        return topk_kl(inputs.student_logits, inputs.teacher_topk, inputs.mask)
-    if inputs.student_logits is None or inputs.teacher_logits is None:
+    student_logits = inputs.student_logits
+    if student_logits is None and inputs.student_head is not None:
+        if inputs.teacher_logits is None and inputs.teacher_topk is not None:
+            topk = inputs.teacher_topk
+            return topk_kl_through_head(inputs.student_head.hidden, inputs.student_head.head, topk.logits, topk.indices,
+                                        topk.rest_lse, inputs.mask)
+        student_logits = inputs.student_head.logits()
+    if student_logits is not None and inputs.teacher_logits is None and inputs.teacher_topk is not None:
+        return topk_kl(student_logits, inputs.teacher_topk, inputs.mask)
+    if student_logits is None or inputs.teacher_logits is None:
         raise ValueError("teacher_student_kl needs the logits of both models")
-    student = F.log_softmax(inputs.student_logits.float(), dim=-1)  # [batch, seq, vocab]
+    student = F.log_softmax(student_logits.float(), dim=-1)  # [batch, seq, vocab]
     teacher = F.log_softmax(inputs.teacher_logits.to(student.device).float(), dim=-1)  # [batch, seq, vocab]
     per_token = (teacher.exp() * (teacher - student)).sum(dim=-1)  # [batch, seq]
     return masked_token_mean(per_token, inputs.mask.to(student.device))

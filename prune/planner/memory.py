@@ -14,7 +14,8 @@ The buffers counted are the ones the code keeps alive (read off ``prune.measure.
   cached decompositions, every repair's fit sums at once, and the original's float32 log-probabilities of the
   measuring rows with the states entering each block (``prune.selection.repaired``);
 - distillation: student and teacher weights, what is trained with its gradient and two AdamW states,
-  the activations backward needs, and the KL's float32 logits of teacher and student.
+  the activations backward needs, and the KL's float32 logits of teacher and student (from a teacher cache, a
+  chunk of positions' logits through the head: ``distill.head_kl``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from prune.measure.perplexity import LOGPROB_POSITIONS
 from prune.planner.inputs import LORA_ALL
 from prune.planner.shape import ModelShape
 from prune.selection.repaired import LOGIT_CHUNK
@@ -184,8 +186,15 @@ def train_activation_bytes(shape: ModelShape, blocks: int, tokens: int, act_byte
     return share * blocks * tokens * per_token * act_bytes
 
 
-def kl_logit_bytes(shape: ModelShape, tokens: int, act_bytes: float, cached: bool) -> float:
-    """The KL's logits: float32 copies (fewer with cached top-k teacher logits) and the model-dtype outputs."""
+def kl_logit_bytes(shape: ModelShape, tokens: int, act_bytes: float, cached: bool, through_head: bool = False) -> float:
+    """The KL's logits: float32 copies (fewer with cached top-k teacher logits) and the model-dtype outputs.
+
+    ``through_head``: from a cache, the KL through the frozen head a chunk of positions at a time
+    (``distill.head_kl``): one float32 [chunk, vocab] buffer and, in 16 bits, the head's output and the gradient's
+    cast of a chunk. A student that is not sharded takes it (``distill.forward.head_for_losses``).
+    """
+    if cached and through_head:
+        return min(LOGPROB_POSITIONS, tokens) * shape.vocab * (4 + (2 * act_bytes if act_bytes != 4 else 0))
     copies = KL_LOGIT_COPIES - (3 if cached else 0)  # a cache hands over top-k values, not [vocab] tensors
     return tokens * shape.vocab * (copies * 4 + 2 * act_bytes)
 

