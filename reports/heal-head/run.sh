@@ -54,8 +54,45 @@ ship() {  # name, model
   /usr/bin/time -v python -m prune.ship --model "$2" --drop 4 --offload none --data builtin --no-verify \
     --engine transformers --threads 2 --out "$OUT/$1" > "$OUT/$1.log" 2>&1
 }
+checkpoint() {  # model: one heal checkpoint written before and after the tied head's second name was left out
+  echo "checkpoint $(date +%T) $(uptime)"
+  python - "$@" <<'PY'
+import sys, tempfile, time
+import torch
+import distill.checkpoints as ck
+from distill.config import DistillConfig
+from distill.heal import HEAL_OPTIONS
+from distill.trainable import select_trainable
+from prune.loading.loader import load_model
+
+torch.set_num_threads(2)
+model = load_model(sys.argv[1], dtype="float32").model
+trainable = select_trainable(model, DistillConfig.from_dict({**HEAL_OPTIONS, "steps": 10}))
+optimizer = torch.optim.AdamW(trainable.parameters, lr=1e-4)
+for p in trainable.parameters:
+    p.grad = torch.zeros_like(p)
+optimizer.step()
+schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+
+
+def by_name(model, names):  # before: a buffer told from a parameter by the name named_parameters gives it
+    wanted, params = set(names), dict(model.named_parameters())
+    state = {n: t for n, t in model.state_dict().items() if n in wanted or n not in params}
+    return {n: t.detach().cpu().clone() for n, t in state.items()}
+
+
+after = ck.trained_state
+with tempfile.TemporaryDirectory() as work:
+    for name, fn in [("before", by_name), ("after", after)] * 2:
+        ck.trained_state = fn
+        start = time.perf_counter()
+        path = ck.save_checkpoint(work, 1, model, trainable.names, optimizer, schedule, {})
+        print(name, f"{time.perf_counter() - start:.2f} s", f"{path.stat().st_size / 1e6:.0f} MB", flush=True)
+PY
+}
 side "$GEMMA" 10 "$OUT/gemma10.json"
 side smollm2-135m 10 "$OUT/smol10.json"
 ship gemma "$GEMMA"
 ship smollm2 smollm2-135m
+checkpoint "$GEMMA"
 echo "end $(date +%T) $(uptime)"

@@ -455,6 +455,17 @@ def test_resume_after_a_crash_gives_the_same_parameters_as_one_run(tmp_path, tra
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_checkpoint_holds_the_trained_tensors_and_buffers_not_a_tied_heads_second_name(tmp_path):
+    student, teacher = _dropped_pair([1])
+    student.register_buffer("running", torch.arange(3.0))  # a persistent buffer: kept
+    student.lm_head.weight = student.model.embed_tokens.weight  # tied, as Gemma's and SmolLM2's are
+    distill(student, teacher, None, _config(steps=2, save_every=2, train="lora"), out=tmp_path, token_ids=_ids())
+    (_, path), = list_checkpoints(tmp_path)
+    saved = load_checkpoint(path)["model"]
+    assert "running" in saved and "lm_head.weight" not in saved and "model.embed_tokens.weight" not in saved
+    assert saved and all("lora_" in name for name in saved if name != "running")
+
+
 def test_nan_loss_stops_with_an_error_and_keeps_the_last_good_checkpoint(tmp_path):
     student, teacher = _dropped_pair([1])
     student.model.layers[1].register_forward_hook(_FailAfter(calls=2, crash=False))  # NaN from step 3 on
