@@ -16,10 +16,11 @@ import torch
 from torch import nn
 
 from distill.config import DistillConfig
-from distill.head_kl import frozen_linear_head, head_agrees
+from distill.head_kl import head_agrees, plain_linear_head
 from distill.layout import Layout, resolve_layout, teacher_targets
 from distill.losses import LOSSES, NEEDS_LOGITS, HeadInputs, LossInputs, TeacherTopK, total_loss
-from prune.model.adapters import final_norm, input_device, lm_head, text_config
+from prune.errors import LayercutError
+from prune.model.adapters import changes_logits_after_head, final_norm, input_device, lm_head
 from prune.model.capture import residual_states
 
 
@@ -66,46 +67,60 @@ def forward_head(call, hooked: nn.Module, input_ids, mask, keep: set[int] | None
     losses (``LossInputs.student_head``).
     """
     norm, kept = final_norm(hooked), {}
-    handle = norm.register_forward_hook(lambda _module, _args, output: kept.__setitem__("hidden", output))
+
+    def keep_output(_module, _args, output) -> None:
+        if isinstance(output, torch.Tensor):  # a norm that returns more than its output is not the head's input
+            kept["hidden"] = output
+
+    handle = norm.register_forward_hook(keep_output)
     try:
         states, logits = forward_states(call, hooked, input_ids, mask, keep, True, extra)
     finally:
         handle.remove()
+    if "hidden" not in kept:
+        raise LayercutError(f"{type(hooked).__name__}'s final norm gave no tensor in its forward: its head cannot be "
+                            "left to the loss (a bug: head_apart should have refused it)")
     return states, HeadInputs(kept["hidden"], lm_head(hooked)), logits
 
 
-# config fields of what some models apply after the head's matmul (Gemma 2's soft-capping, Cohere's and Granite's
-# logit scales): a model that sets one keeps its whole logits, whatever a short forward shows (small logits are
-# hardly capped)
-_AFTER_HEAD = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+def head_apart(model: nn.Module) -> dict | None:
+    """The keyword arguments under which ``model`` leaves its head to the caller (:func:`forward_head`), or None.
+
+    None unless the model can skip its head (``logits_to_keep``), no config field scales or caps the logits after
+    it, and the head is a plain ``Linear`` after a final norm the model calls; then one short forward checks that
+    the head's matmul alone gives the model's logits. Call it before accelerate wraps the model.
+    """
+    kwargs = logits_kwargs(model, False)
+    # a config that caps or scales the logits keeps them whole, whatever a short forward shows (small logits are
+    # hardly capped)
+    if not kwargs or changes_logits_after_head(model) or not plain_linear_head(model, lm_head(model),
+                                                                                 final_norm(model)):
+        return None
+    device = input_device(model)
+    ids = torch.arange(8, device=device).unsqueeze(0) % model.get_input_embeddings().weight.shape[0]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            _, head_inputs, logits = forward_head(model, model, ids, torch.ones_like(ids), set(), kwargs)
+    except LayercutError:  # the norm found is not called, or returns more than a tensor
+        return None
+    finally:
+        model.train(was_training)
+    return kwargs if head_agrees(head_inputs.hidden[:, -1:], head_inputs.head, logits[:, -1:]) else None
 
 
 def head_for_losses(student: nn.Module, weights: dict[str, float], sharded: bool) -> dict | None:
-    """The keyword arguments that leave ``student``'s head to the losses (:func:`forward_head`), or None.
+    """:func:`head_apart` for training, where the losses take the head (``LossInputs.student_head``).
 
-    None unless every loss on the logits reads the head (registered ``from_head``), the model can skip its head
-    (``logits_to_keep``), the head is a frozen whole ``Linear`` after the final norm, and the student is not
-    sharded. Then one short forward checks that the head's matmul alone gives the model's logits (no soft-capping
-    or scale after it). Call it before accelerate wraps the student.
+    None too unless every loss on the logits reads the head (registered ``from_head``), the head is frozen (its own
+    gradient is not carried; distillation never trains it) and the student is not sharded.
     """
-    kwargs = logits_kwargs(student, False)
     on_logits = [name for name in weights if name in NEEDS_LOGITS]
-    config = text_config(student)
-    after_head = [getattr(config, name, None) for name in _AFTER_HEAD]
-    if (sharded or not kwargs or not on_logits or not all(LOSSES.get(name).from_head for name in on_logits)
-            or any(value not in (None, 1, 1.0) for value in after_head)
-            or not frozen_linear_head(student, lm_head(student), final_norm(student))):
+    trained = any(p.requires_grad for p in lm_head(student).parameters())
+    if sharded or trained or not on_logits or not all(LOSSES.get(name).from_head for name in on_logits):
         return None
-    device = input_device(student)
-    ids = torch.arange(8, device=device).unsqueeze(0) % student.get_input_embeddings().weight.shape[0]
-    was_training = student.training
-    student.eval()
-    try:
-        with torch.no_grad():
-            _, head_inputs, logits = forward_head(student, student, ids, torch.ones_like(ids), set(), kwargs)
-    finally:
-        student.train(was_training)
-    return kwargs if head_agrees(head_inputs.hidden[:, -1:], head_inputs.head, logits[:, -1:]) else None
+    return head_apart(student)
 
 
 @dataclass

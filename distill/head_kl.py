@@ -22,27 +22,32 @@ from prune.measure.perplexity import LOGPROB_POSITIONS
 
 
 class _TopkKLThroughHead(torch.autograd.Function):
-    """Forward: the masked mean top-K KL; the gradient of ``hidden`` computed in forward and scaled in backward."""
+    """Forward: the masked mean top-K KL; the gradient of ``hidden`` computed in forward and scaled in backward.
+
+    The work runs on the head's device (under a device map a tied head may sit away from the final norm: the
+    states go to it, not the [vocab, hidden] weight to them); the gradient and the loss come back to the states'.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, t_top, indices, t_rest, token_weights, chunk):
-        # hidden [n, h]; weight [vocab, h]; t_top [n, K] and t_rest [n]: the teacher's log-probabilities of its top K
-        # and of the rest (-inf: no rest); token_weights [n]: mask / its sum
-        n, vocab = hidden.shape[0], weight.shape[0]
-        logits = torch.empty(min(chunk, n), vocab, device=hidden.device, dtype=torch.float32)  # reused by every chunk
-        grad_hidden = torch.empty_like(hidden)
-        loss = hidden.new_zeros((), dtype=torch.float32)
+        # hidden [n, h]; weight [vocab, h]; bias [vocab] float32 or None; t_top [n, K] and t_rest [n]: the teacher's
+        # log-probabilities of its top K and of the rest (-inf: no rest); token_weights [n]: mask / its sum. Every
+        # tensor but hidden is on the weight's device.
+        n, vocab, device = hidden.shape[0], weight.shape[0], weight.device
+        wanted = ctx.needs_input_grad[0]
+        logits = torch.empty(min(chunk, n), vocab, device=device, dtype=torch.float32)  # reused by every chunk
+        grad_hidden = torch.zeros_like(hidden)
+        loss = torch.zeros((), device=device, dtype=torch.float32)
         for start in range(0, n, chunk):
             stop = min(start + chunk, n)
             buf = logits[: stop - start]
-            h = hidden[start:stop].detach()
-            plain = h.dtype == weight.dtype == torch.float32 and not torch.is_autocast_enabled(h.device.type)
-            if plain:
+            h = hidden[start:stop].detach().to(device)
+            if h.dtype == weight.dtype == torch.float32 and not torch.is_autocast_enabled(device.type):
                 torch.matmul(h, weight.t(), out=buf)
-                if bias is not None:
-                    buf.add_(bias)
-            else:
-                buf.copy_(F.linear(h.to(weight.dtype), weight, bias))
+            else:  # 16 bits, or autocast's: the head's own product, then in float32
+                buf.copy_(F.linear(h.to(weight.dtype), weight))
+            if bias is not None:
+                buf.add_(bias)
             idx = indices[start:stop]
             s_top = buf.gather(1, idx)  # [c, K] the student's top-K logits
             buf.scatter_(1, idx, float("-inf"))  # the rest alone
@@ -59,18 +64,22 @@ class _TopkKLThroughHead(torch.autograd.Function):
             t_rest_c = t_rest[start:stop].unsqueeze(1)
             p_rest = t_rest_c.exp()
             w = token_weights[start:stop].unsqueeze(1)
+            zero = torch.zeros_like(p_rest)
             per_token = (p_top * (t_top[start:stop] - s_top_log)).sum(dim=1, keepdim=True)
-            per_token = per_token + torch.where(p_rest > 0, p_rest * (t_rest_c - s_rest_log), torch.zeros_like(p_rest))
+            per_token = per_token + torch.where(p_rest > 0, p_rest * (t_rest_c - s_rest_log), zero)
             loss += (per_token * w).sum()
+            if not wanted:
+                continue
             # d/ds_j: q_j - p_j on the top K; q_j (1 - p_rest / q_rest) on the rest, where q_j = e_j exp(m_rest - lse)
-            # and q_j / q_rest = e_j / z_rest
-            rest_scale = (m_rest - lse).exp() - torch.where(p_rest > 0, p_rest / z_rest, torch.zeros_like(p_rest))
+            # and q_j / q_rest = e_j / z_rest (no rest: nothing but the top K, written below)
+            rest_scale = torch.where(has_rest, (m_rest - lse).exp() - torch.where(p_rest > 0, p_rest / z_rest, zero),
+                                     zero)
             buf.mul_(rest_scale * w)
             buf.scatter_(1, idx, (s_top_log.exp() - p_top) * w)
             grad = buf if weight.dtype == torch.float32 else buf.to(weight.dtype)
-            grad_hidden[start:stop] = (grad @ weight).to(hidden.dtype)
+            grad_hidden[start:stop] = (grad @ weight).to(hidden.device, hidden.dtype)
         ctx.save_for_backward(grad_hidden)
-        return loss
+        return loss.to(hidden.device)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -90,11 +99,16 @@ def topk_kl_through_head(hidden: torch.Tensor, head: nn.Module, top_logits: torc
         rest_lse: the log-sum-exp of the teacher's other logits [batch, seq] (-inf: none).
         mask: [batch, seq], 1 for tokens that count.
         chunk: positions whose [chunk, vocab] float32 logits exist at once.
+
+    Raises:
+        ValueError: the states and the teacher's targets cover other positions.
     """
-    weight, bias = head.weight.detach(), None if getattr(head, "bias", None) is None else head.bias.detach()
-    device = hidden.device
-    weight = weight.to(device)
-    bias = None if bias is None else bias.to(device, torch.float32)
+    if tuple(hidden.shape[:-1]) != tuple(top_ids.shape[:-1]):
+        raise ValueError(f"the head's input covers positions {tuple(hidden.shape[:-1])}, the teacher's targets "
+                         f"{tuple(top_ids.shape[:-1])}")
+    weight = head.weight.detach()
+    device = weight.device
+    bias = None if getattr(head, "bias", None) is None else head.bias.detach().float()
     flat = hidden.reshape(-1, hidden.shape[-1])
     t_values = top_logits.to(device).float().reshape(flat.shape[0], -1)
     t_rest_lse = rest_lse.to(device).float().reshape(-1)
@@ -106,16 +120,15 @@ def topk_kl_through_head(hidden: torch.Tensor, head: nn.Module, top_logits: torc
                                     t_rest_lse - t_lse, token_weights, chunk)
 
 
-def frozen_linear_head(model: nn.Module, head: nn.Module, norm: nn.Module) -> bool:
-    """Whether ``head`` is a plain, frozen ``Linear`` of ``model`` and ``norm`` one of its modules.
+def plain_linear_head(model: nn.Module, head: nn.Module, norm: nn.Module) -> bool:
+    """Whether ``head`` is a plain ``Linear`` whose weight is whole here and ``norm`` one of ``model``'s modules.
 
-    A trained head needs its own gradient (not carried here), a sharded (DTensor) or meta weight is not whole
-    outside the model's forward, and a norm missing from the model (an ``Identity`` stand-in) is never called.
+    A sharded (DTensor) or meta weight is not whole outside the model's forward, and a norm missing from the model
+    (an ``Identity`` stand-in) is never called.
     """
     weight = getattr(head, "weight", None)
-    return (type(head) is nn.Linear and isinstance(weight, torch.Tensor) and not weight.requires_grad
-            and weight.device.type != "meta" and not hasattr(weight, "to_local")
-            and any(module is norm for module in model.modules()))
+    return (type(head) is nn.Linear and isinstance(weight, torch.Tensor) and weight.device.type != "meta"
+            and not hasattr(weight, "to_local") and any(module is norm for module in model.modules()))
 
 
 def head_agrees(hidden: torch.Tensor, head: nn.Module, logits: torch.Tensor) -> bool:
@@ -131,3 +144,29 @@ def head_agrees(hidden: torch.Tensor, head: nn.Module, logits: torch.Tensor) -> 
     scale = float(theirs.abs().max().clamp_min(1.0))
     tolerance = 1e-4 if logits.dtype == head.weight.dtype == torch.float32 else 2e-2
     return ours.shape == theirs.shape and float((ours - theirs).abs().max()) <= tolerance * scale
+
+
+def topk_through_head(hidden: torch.Tensor, head: nn.Module, k: int,
+                      chunk: int = LOGPROB_POSITIONS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`distill.losses.topk_targets` of ``head(hidden)`` without its whole logits (no gradient).
+
+    Returns the top-``k`` logits [batch, seq, k] and their ids, and the log-sum-exp of the rest [batch, seq] (-inf
+    where ``k`` is the vocabulary), float32; ``chunk`` positions' [chunk, vocab] logits exist at once, in one buffer.
+    """
+    weight, bias = head.weight, head.bias
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(weight.device)
+    n = flat.shape[0]
+    buf = torch.empty(min(chunk, n), weight.shape[0], device=weight.device, dtype=torch.float32)
+    values = torch.empty(n, k, device=weight.device, dtype=torch.float32)
+    indices = torch.empty(n, k, device=weight.device, dtype=torch.long)
+    rest = torch.empty(n, device=weight.device, dtype=torch.float32)
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        logits = buf[: stop - start]
+        logits.copy_(F.linear(flat[start:stop].to(weight.dtype), weight, bias))
+        top, ids = logits.topk(k, dim=-1)
+        values[start:stop], indices[start:stop] = top, ids
+        logits.scatter_(1, ids, float("-inf"))  # the rest alone
+        rest[start:stop] = torch.logsumexp(logits, dim=-1)  # all -inf gives -inf: no rest
+    shape = hidden.shape[:-1]
+    return values.reshape(*shape, k), indices.reshape(*shape, k), rest.reshape(shape)

@@ -202,7 +202,10 @@ class Run:
             )
         inputs = LossInputs(s_states, teacher.states, self.targets, mask.to(device), s_logits, teacher.logits,
                             teacher.topk, head)
-        return total_loss(inputs, self.weights)
+        if head is None:
+            return total_loss(inputs, self.weights)
+        with acc.autocast():  # the head's products in the precision the model's forward gave its own (bf16 on GPUs)
+            return total_loss(inputs, self.weights)
 
     def step(self, step: int) -> tuple[float, dict[str, float], float, float]:
         """One optimizer step (0-based ``step``); returns (loss, terms, grad norm, lr used)."""

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from distill.forward import TeacherTargets
+from distill.forward import TeacherTargets, forward_head, head_apart
+from distill.head_kl import topk_through_head
 from distill.losses import TeacherTopK, topk_targets
 from prune.errors import LayercutError
 from prune.stamps import weights_fingerprint
@@ -190,13 +191,21 @@ def _write_arrays(staging: Path, teacher: nn.Module, ids: torch.Tensor, k: int, 
     }
     np.save(staging / "ids.npy", ids.long().numpy())
     device = input_device(teacher)
+    # the top K through the head a chunk of positions at a time, where the head's matmul is all there is after the
+    # final norm: the whole logits and the rest's masked copy were fresh vocabulary-wide tensors every batch
+    apart = head_apart(teacher)
     with tqdm(total=rows, desc="teacher cache", unit="seq") as bar:
         for first in range(0, rows, batch_size):
             batch = ids[first:first + batch_size]  # [batch, seq]
             with torch.no_grad(), autocast():
-                logits = teacher(input_ids=batch.to(device), attention_mask=torch.ones_like(batch).to(device),
-                                 use_cache=False).logits  # [batch, seq, vocab]
-                top = topk_targets(logits, k)
+                mask = torch.ones_like(batch).to(device)
+                if apart is not None:
+                    _, head, _ = forward_head(teacher, teacher, batch.to(device), mask, set(), apart)
+                    top = TeacherTopK(*topk_through_head(head.hidden, head.head, k))
+                else:
+                    logits = teacher(input_ids=batch.to(device), attention_mask=mask,
+                                     use_cache=False).logits  # [batch, seq, vocab]
+                    top = topk_targets(logits, k)
             end = first + batch.shape[0]
             out["logits"][first:end] = top.logits.cpu().numpy()
             out["indices"][first:end] = top.indices.to(torch.int32).cpu().numpy()

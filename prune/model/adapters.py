@@ -83,6 +83,17 @@ _LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", 
 _SPEC_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# config fields of what some models apply to the logits after the head's matmul (Gemma 2's soft-capping, Cohere's and
+# Granite's logit scales): a model that sets one has logits that are not its head's product alone
+AFTER_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def changes_logits_after_head(model_or_config) -> bool:
+    """Whether the (text) config sets one of :data:`AFTER_HEAD_FIELDS` to anything but none or 1."""
+    config = text_config(model_or_config)
+    return any(getattr(config, name, None) not in (None, 1, 1.0) for name in AFTER_HEAD_FIELDS)
+
+
 def text_config(model_or_config):
     """The config that describes the decoder blocks (the text config of a multimodal model)."""
     config = getattr(model_or_config, "config", model_or_config)

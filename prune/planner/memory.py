@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 from prune.measure.perplexity import LOGPROB_POSITIONS
 from prune.planner.inputs import LORA_ALL
 from prune.planner.shape import ModelShape
-from prune.selection.repaired import LOGIT_CHUNK
 
 if TYPE_CHECKING:
     from prune.planner.inputs import PlanInput
@@ -52,7 +51,7 @@ PERPLEXITY_LOGIT_COPIES = 2
 # float32 [batch, seq, vocab] tensors alive at the KL's peak: both log-softmaxes, the teacher's
 # probabilities, their difference and product, the student's gradient (distill.losses.teacher_student_kl)
 KL_LOGIT_COPIES = 7
-# float32 [LOGIT_CHUNK, vocab] chunks of one row alive as ``prune.selection.repaired.divergence`` sums its KL: two
+# float32 [LOGPROB_POSITIONS, vocab] chunks of one row alive as ``prune.selection.repaired.divergence`` sums its KL: two
 # buffers every chunk reuses (the model's log-probabilities, the original's probabilities) and 16-bit logits'
 # float32 copy
 KL_CHUNK_COPIES = 3
@@ -137,7 +136,7 @@ def measuring_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int) -> float
     the model's dtype and the KL's chunks of one row's positions (:data:`KL_CHUNK_COPIES`).
     """
     batch = min(inp.batch_size, rows)
-    chunks = KL_CHUNK_COPIES * min(LOGIT_CHUNK, inp.seq_len) * 4
+    chunks = KL_CHUNK_COPIES * min(LOGPROB_POSITIONS, inp.seq_len) * 4
     return ((rows * 4 + batch * inp.act_bytes) * inp.seq_len + chunks) * shape.vocab
 
 
@@ -174,7 +173,7 @@ def divergence_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int | None =
     chunks of one row's positions (:data:`KL_CHUNK_COPIES`). ``rows``: the rows measured (a batch holds no more of
     them; None: a whole batch).
     """
-    chunk = min(LOGIT_CHUNK, inp.seq_len)
+    chunk = min(LOGPROB_POSITIONS, inp.seq_len)
     batch = inp.batch_size if rows is None else min(inp.batch_size, rows)
     return shape.vocab * (batch * inp.seq_len * (4 + inp.act_bytes) + KL_CHUNK_COPIES * chunk * 4)
 
@@ -191,7 +190,8 @@ def kl_logit_bytes(shape: ModelShape, tokens: int, act_bytes: float, cached: boo
 
     ``through_head``: from a cache, the KL through the frozen head a chunk of positions at a time
     (``distill.head_kl``): one float32 [chunk, vocab] buffer and, in 16 bits, the head's output and the gradient's
-    cast of a chunk. A student that is not sharded takes it (``distill.forward.head_for_losses``).
+    cast of a chunk. A student that is not sharded and whose logits are the head's product alone takes it
+    (``distill.forward.head_for_losses``; ``ModelShape.logits_after_head``).
     """
     if cached and through_head:
         return min(LOGPROB_POSITIONS, tokens) * shape.vocab * (4 + (2 * act_bytes if act_bytes != 4 else 0))

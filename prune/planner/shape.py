@@ -20,7 +20,7 @@ from pathlib import Path
 from torch import nn
 
 from prune.errors import LayercutError
-from prune.model.adapters import get_blocks, text_config
+from prune.model.adapters import changes_logits_after_head, get_blocks, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class ModelShape:
         other_params: the rest (final norm, rotary buffers that are parameters).
         block_linear_io_names: ``block_linear_io`` by the layers' own names (``q_proj``: the inputs plus outputs
             of every Linear of a block so named), sorted by name: what LoRA adapts under ``--lora-targets``.
+        logits_after_head: the config caps or scales the logits after the head's matmul
+            (``prune.model.adapters.AFTER_HEAD_FIELDS``): distillation's KL then takes whole logits.
     """
 
     model_type: str
@@ -68,6 +70,7 @@ class ModelShape:
     head_params: int
     other_params: int
     block_linear_io_names: tuple[tuple[str, int], ...] = ()
+    logits_after_head: bool = False
 
     @property
     def total(self) -> int:
@@ -171,6 +174,7 @@ def shape_of_model(model: nn.Module) -> ModelShape:
         embed_params=embed, head_params=head, other_params=other,
         block_linear_io_names=tuple(sorted((name, round(sum(c[4].get(name, 0) for c in counts) / layers))
                                            for name in {name for c in counts for name in c[4]})),
+        logits_after_head=changes_logits_after_head(config),
     )
 
 

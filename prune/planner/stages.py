@@ -483,7 +483,9 @@ def _training_buffers(devices: dict[str, Parts], shape: ModelShape, inp: PlanInp
     spec = inp.distill
     tokens = spec.batch_size * spec.seq_len
     acts = train_activation_bytes(shape, shape.layers - inp.drop, tokens, inp.act_bytes, spec.train)
-    logits = kl_logit_bytes(shape, tokens, inp.act_bytes, bool(spec.teacher_cache), not fsdp) if spec.kl else 0.0
+    # distill.forward.head_for_losses: the KL through the head unless sharded or the logits change after the head
+    through_head = not fsdp and not shape.logits_after_head
+    logits = kl_logit_bytes(shape, tokens, inp.act_bytes, bool(spec.teacher_cache), through_head) if spec.kl else 0.0
     for i, name in enumerate(names):
         add(devices[name], "activations (backward)", acts if fsdp else acts / len(names))
         add(devices[name], "logits (KL, float32)", logits if fsdp or i == len(names) - 1 else 0)

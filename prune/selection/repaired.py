@@ -74,8 +74,6 @@ COSTS_STORE = "repaired-costs"
 # a run's memo may hold, under this name, a dict in which every RepairedCosts keeps the original model's passes over
 # the measuring rows (:func:`shared_references`)
 REFERENCES = "repaired-references"
-# positions of a row whose log-softmax is held at once (a 262k vocabulary is 1 GB per 1,000 positions in float32)
-LOGIT_CHUNK = LOGPROB_POSITIONS
 
 
 def _hosted(replacement: Replacement) -> Replacement:
@@ -514,7 +512,7 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
     vocabulary, 525 MB a batch of two 512-token rows).
     """
     out = logits[:, :-1].float()
-    for row, span, logprobs in log_prob_chunks(out, LOGIT_CHUNK):
+    for row, span, logprobs in log_prob_chunks(out):
         out[row, span] = logprobs
     return out
 
@@ -526,7 +524,7 @@ def _all_close(a: torch.Tensor, b: torch.Tensor) -> bool:
     skeleton this one check set the shortlist's peak.
     """
     return all(torch.allclose(a[row, span].float(), b[row, span].float(), rtol=1e-3, atol=1e-3)
-               for row, span in row_chunks(*a.shape[:2], LOGIT_CHUNK))
+               for row, span in row_chunks(*a.shape[:2]))
 
 
 def _nll_and_kl(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
@@ -539,8 +537,9 @@ def _nll_and_kl(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor
     nll = torch.zeros((), dtype=torch.float64, device=logits.device)
     kl = torch.zeros_like(nll)
     targets = targets.to(logits.device)
-    probs = torch.empty(min(LOGIT_CHUNK, logits.shape[1]), logits.shape[-1], dtype=torch.float32, device=logits.device)
-    for row, span, logp in log_prob_chunks(logits, LOGIT_CHUNK):
+    probs = torch.empty(min(LOGPROB_POSITIONS, logits.shape[1]), logits.shape[-1], dtype=torch.float32,
+                        device=logits.device)
+    for row, span, logp in log_prob_chunks(logits):
         ref, p = dense[row, span], probs[: span.stop - span.start]
         nll -= logp.gather(-1, targets[row, span, None]).double().sum()
         torch.exp(ref, out=p)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from distill.config import DistillConfig
-from distill.forward import head_for_losses
-from distill.head_kl import topk_kl_through_head
+from distill.forward import head_apart, head_for_losses
+from distill.head_kl import topk_kl_through_head, topk_through_head
 from distill.losses import topk_kl, topk_targets
 from distill.train import distill, write_teacher_cache
 from prune.model.adapters import lm_head
@@ -61,11 +61,31 @@ def test_the_loss_and_gradient_are_topk_kls_of_the_heads_logits(vocab, k, bias, 
     assert float(want_grad.abs().max()) > 1e-3 and bool((got_grad[2, 4:] == 0).all())
 
 
-def test_bfloat16_states_and_head_give_the_float32_loss_within_their_rounding():
-    head, hidden, teacher, mask = _case(50, 8)
-    want = topk_kl(head(hidden), teacher, mask)
-    got = topk_kl_through_head(hidden.bfloat16(), copy.deepcopy(head).bfloat16(), *_teacher(teacher), mask)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bfloat16_states_and_head_give_the_float32_loss_and_gradient_within_their_rounding(bias):
+    head, hidden, teacher, mask = _case(50, 8, bias)
+    want, want_grad = _loss_and_grad(lambda h: topk_kl(head(h), teacher, mask), hidden)
+    half = copy.deepcopy(head).bfloat16()  # a 16-bit head with its bias (Phi's) in 16 bits too
+    got, got_grad = _loss_and_grad(lambda h: topk_kl_through_head(h, half, *_teacher(teacher), mask),
+                                   hidden.bfloat16())
     assert float(got) == pytest.approx(float(want), rel=2e-2) and float(want) > 0.01
+    assert got_grad.dtype == torch.bfloat16
+    assert float((got_grad.float() - want_grad).norm() / want_grad.norm()) < 3e-2
+
+
+def test_targets_for_other_positions_are_refused():
+    head, hidden, teacher, mask = _case(50, 8)
+    with pytest.raises(ValueError, match="covers positions"):
+        topk_kl_through_head(hidden[:, -1:], head, *_teacher(teacher), mask)  # the head's input sliced to the last
+
+
+@pytest.mark.parametrize(("k", "chunk", "bias"), [(8, 128, False), (8, 5, True), (50, 4, False)])
+def test_the_top_k_through_the_head_is_the_top_k_of_its_logits(k, chunk, bias):
+    head, hidden, _, _ = _case(50, k, bias)
+    want = topk_targets(head(hidden), k)
+    values, ids, rest = topk_through_head(hidden, head, k, chunk=chunk)
+    assert torch.equal(ids, want.indices) and torch.allclose(values, want.logits, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(rest, want.rest_lse, rtol=1e-5) if k < 50 else bool(torch.isneginf(rest).all())
 
 
 def _student(**overrides):
@@ -88,10 +108,40 @@ def test_a_frozen_plain_head_is_left_to_the_kl_and_other_heads_are_not():
     assert head_for_losses(student, {"teacher_student_kl": 1.0}, sharded=False) is None
 
 
-def test_a_head_whose_output_the_model_changes_keeps_its_whole_logits():
-    student, _ = _student()
+def test_a_head_whose_output_the_model_changes_keeps_its_whole_logits(monkeypatch):
+    student, teacher = _student()
+    assert head_apart(teacher) == {"logits_to_keep": 1}  # a teacher's head may require grad: it is never trained
     lm_head(student).register_forward_hook(lambda _m, _a, out: out * 2)  # something after the matmul, unnamed
     assert head_for_losses(student, {"teacher_student_kl": 1.0}, sharded=False) is None
+    # a "norm" whose output is a tuple (an attention block's), not the head's input: refused, not a crash
+    monkeypatch.setattr("distill.forward.final_norm", lambda model: model.model.layers[0].self_attn)
+    assert head_apart(teacher) is None
+
+
+def test_a_cache_written_through_the_head_holds_the_whole_logits_top_k(tmp_path, monkeypatch):
+    import distill.teacher_cache as teacher_cache
+
+    monkeypatch.setenv(teacher_cache.KEEP_ENV, "0")  # each cache computed here, none copied from an earlier run
+
+    ids = torch.randint(3, VOCAB, (6, 16), generator=torch.Generator().manual_seed(2))
+    config = DistillConfig(steps=1, batch_size=4, data={"seq_len": 16}, teacher_cache="topk=24")
+    _, teacher = _student()
+    widths = {"through": [], "whole": []}
+    run = ["through"]
+    lm_head(teacher).register_forward_hook(lambda _m, args, _o: widths[run[0]].append(args[0].shape[1]))
+    through = write_teacher_cache(teacher, config, tmp_path / "through", (ids, None, None))
+    run[0] = "whole"
+    original = teacher_cache.head_apart
+    teacher_cache.head_apart = lambda _model: None  # the whole logits, as before the head was left apart
+    try:
+        whole = write_teacher_cache(teacher, config, tmp_path / "whole", (ids, None, None))
+    finally:
+        teacher_cache.head_apart = original
+    assert set(widths["through"]) == {1} and set(widths["whole"]) == {16}  # the model's own head: last position only
+    rows = torch.arange(6)
+    a, b = through.targets(rows, ids, torch.ones_like(ids)).topk, whole.targets(rows, ids, torch.ones_like(ids)).topk
+    assert torch.equal(a.indices, b.indices) and torch.allclose(a.logits, b.logits, atol=1e-5)
+    assert torch.allclose(a.rest_lse, b.rest_lse, atol=1e-5)
 
 
 def test_training_from_a_cache_skips_the_students_head_but_for_one_position(tmp_path):

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from transformers import LlamaConfig, Qwen3MoeConfig
+from transformers import Gemma2Config, LlamaConfig, Qwen3MoeConfig
 
 from prune.errors import LayercutError
 from prune.loading.names import find_embedded_gguf
@@ -362,6 +362,11 @@ def test_the_kl_from_a_cache_holds_a_chunk_of_logits_and_under_fsdp_the_whole_ba
     fsdp = dataclasses.replace(on_cpu, hardware=Hardware(gpus=2, gpu_memory=80e9, host_memory=256e9, fsdp=True))
     whole = stage_distillation(shape, fsdp).devices["cuda:0"]["logits (KL, float32)"]
     assert whole > 4 * 512 * shape.vocab * 4 * 4  # a sharded head is not whole outside the forward: every position
+    capped = dataclasses.replace(shape, logits_after_head=True)  # Gemma 2's soft-capping: the whole logits too
+    assert stage_distillation(capped, on_cpu).devices["cpu"]["logits (KL, float32)"] > 4 * 512 * shape.vocab * 4 * 4
+    gemma2 = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=32, vocab_size=300)
+    assert shape_of_config(gemma2).logits_after_head and not shape.logits_after_head
 
 
 def test_a_small_model_s_distillation_step_on_a_gpu_costs_its_launches_and_a_large_one_its_arithmetic(llama70b):

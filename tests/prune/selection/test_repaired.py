@@ -10,12 +10,12 @@ import torch
 from prune.errors import LayercutError
 from prune.measure.heldout import packed_perplexity
 from prune.measure.moments import StateMoments
+from prune.measure.perplexity import LOGPROB_POSITIONS
 from prune.measure.scores import get_score
 from prune.model.surgery import drop_blocks_
 from prune.replace import ReplaceConfig, replace_blocks_
 from prune.selection.map_errors import map_errors
 from prune.selection.repaired import (
-    LOGIT_CHUNK,
     RepairedCosts,
     _all_close,
     _log_probs,
@@ -487,7 +487,7 @@ def test_a_build_from_a_repaired_selection_s_fits_records_the_short_cut_that_fed
 
 
 def test_log_probabilities_written_a_chunk_at_a_time_are_those_of_one_log_softmax():
-    logits = torch.randn(2, 2 * LOGIT_CHUNK + 7, 50, generator=torch.Generator().manual_seed(1)) * 4
+    logits = torch.randn(2, 2 * LOGPROB_POSITIONS + 7, 50, generator=torch.Generator().manual_seed(1)) * 4
     expected = torch.log_softmax(logits[:, :-1], -1)
     assert torch.equal(_log_probs(logits.clone()), expected)
     # a half-precision model's logits are turned into float32 first, as one log_softmax of them would be
@@ -497,8 +497,8 @@ def test_log_probabilities_written_a_chunk_at_a_time_are_those_of_one_log_softma
 def test_nll_and_kl_by_rows_chunks_are_those_of_whole_batches():
     generator = torch.Generator().manual_seed(3)
     # both sliced as the measuring passes slice them (their rows not contiguous)
-    dense = torch.log_softmax(torch.randn(3, 2 * LOGIT_CHUNK + 8, 50, generator=generator) * 2, -1)[:, :-1]
-    logits = (torch.randn(3, 2 * LOGIT_CHUNK + 8, 50, generator=generator) * 2)[:, :-1]
+    dense = torch.log_softmax(torch.randn(3, 2 * LOGPROB_POSITIONS + 8, 50, generator=generator) * 2, -1)[:, :-1]
+    logits = (torch.randn(3, 2 * LOGPROB_POSITIONS + 8, 50, generator=generator) * 2)[:, :-1]
     kept = dense.clone(), logits.clone()
     targets = torch.randint(0, 50, dense.shape[:2], generator=generator)
     logp = torch.log_softmax(logits, -1)
@@ -518,8 +518,8 @@ def test_nll_and_kl_by_rows_chunks_are_those_of_whole_batches():
 
 
 def test_logits_compared_a_chunk_at_a_time_agree_with_allclose():
-    a = torch.randn(2, 2 * LOGIT_CHUNK + 7, 50, generator=torch.Generator().manual_seed(2))
+    a = torch.randn(2, 2 * LOGPROB_POSITIONS + 7, 50, generator=torch.Generator().manual_seed(2))
     b = a + 5e-4
     assert _all_close(a, b) and torch.allclose(a, b, rtol=1e-3, atol=1e-3)
-    b[1, 2 * LOGIT_CHUNK + 3, 10] += 0.1  # one value off, in the last chunk
+    b[1, 2 * LOGPROB_POSITIONS + 3, 10] += 0.1  # one value off, in the last chunk
     assert not _all_close(a, b) and not torch.allclose(a, b, rtol=1e-3, atol=1e-3)
