@@ -139,7 +139,8 @@ def head_agrees(hidden: torch.Tensor, head: nn.Module, logits: torch.Tensor) -> 
     """
     if hidden.shape[-1] != head.weight.shape[1]:  # something between the norm and the head (OPT's project_out)
         return False
-    ours = F.linear(hidden.to(head.weight.device, head.weight.dtype), head.weight, head.bias).float()
+    with torch.no_grad():  # a teacher's head may require grad; this check is no part of any graph
+        ours = F.linear(hidden.to(head.weight.device, head.weight.dtype), head.weight, head.bias).float()
     theirs = logits.to(ours.device).float()
     scale = float(theirs.abs().max().clamp_min(1.0))
     tolerance = 1e-4 if logits.dtype == head.weight.dtype == torch.float32 else 2e-2

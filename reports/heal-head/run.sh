@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The heal's KL through the LM head (2026-12-05): the heal's steps with the whole logits and through the head side by
-# side in one process, then prune.ship healed in memory on Gemma-3-270M and SmolLM2-135M. Each run alone on the
-# 2-core machine, `uptime` beside it. The row of 3cd60e8 is the same ship command run from a checkout of 3cd60e8.
+# side in one process, then prune.ship healed in memory on Gemma-3-270M and SmolLM2-135M, a heal checkpoint before and
+# after the tied head's second name was left out, Gemma's healed checkpoint scored on the grid's texts and tasks, and
+# the teacher's cache written both ways side by side. Each run alone on the 2-core machine, `uptime` beside it. The
+# rows of 3cd60e8 and 35c361a are the same commands run from checkouts of those commits.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/heal-head}
@@ -90,9 +92,57 @@ with tempfile.TemporaryDirectory() as work:
         print(name, f"{time.perf_counter() - start:.2f} s", f"{path.stat().st_size / 1e6:.0f} MB", flush=True)
 PY
 }
+cache() {  # model, rows, json: the teacher's top-256 cache written with the whole logits and through the head in turn
+  echo "cache $1 $(date +%T) $(uptime)"
+  python - "$@" <<'PY'
+import json, sys, tempfile, time
+from contextlib import nullcontext
+from pathlib import Path
+import numpy as np
+import torch
+import distill.teacher_cache as tc
+from prune.data.calibration import default_corpus_text
+from prune.loading.loader import load_model
+
+model, rows, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+torch.set_num_threads(2)
+teacher = load_model(model, dtype="float32")
+ids = teacher.tokenizer(default_corpus_text(), return_tensors="pt").input_ids[0]
+ids = ids[: (len(ids) // 128) * 128].reshape(-1, 128)
+ids = ids.repeat((rows + len(ids) - 1) // len(ids), 1)[:rows]  # the heal's 4 x 128-token batches
+results, arrays = {}, {}
+original = tc.head_apart
+for name in ("whole logits", "through the head", "whole logits again", "through the head again"):
+    tc.head_apart = (lambda m: None) if "whole" in name else original
+    with tempfile.TemporaryDirectory() as staging:
+        started = time.perf_counter()
+        tc._write_arrays(Path(staging), teacher.model, ids, 256, 4, nullcontext)
+        seconds = time.perf_counter() - started
+        arrays[name] = {k: np.load(Path(staging) / f"{k}.npy") for k in ("logits", "indices", "rest_lse")}
+    results[name] = {"seconds": seconds, "seconds_per_batch": seconds / (rows / 4)}
+    print(name, json.dumps(results[name]), flush=True)
+tc.head_apart = original
+a, b = arrays["whole logits"], arrays["through the head"]
+agree = {"largest_logit_difference": float(np.abs(a["logits"] - b["logits"]).max()),
+         "largest_rest_lse_difference": float(np.abs(a["rest_lse"] - b["rest_lse"]).max()),
+         "indices_equal_share": float((a["indices"] == b["indices"]).mean())}
+print(json.dumps(agree))
+json.dump({"model": model, "rows": rows, "seq_len": 128, "k": 256, "batch": 4, "results": results, "agree": agree},
+          open(out, "w"), indent=1)
+PY
+}
+tasks() {  # name: the ship's checkpoint scored as the grid scores its rows (reports/gemma3-270m-grid)
+  local D=../shared/data
+  echo "tasks $1 $(date +%T) $(uptime)"
+  python -m eval.run --model "$OUT/$1" --tasks "ppl:$D/austen/sensesensibility.txt,ppl:$D/ptb/ptb.test.txt,\
+ppl:$D/wikitext-2-raw-v1/test.jsonl,ppl:$D/tinyshakespeare/input.txt,arc_easy,hellaswag,piqa,lambada_openai" \
+    --limit 400~:-500 --ppl-tokens 4096 --seq-len 512 --data-dir $D --threads 2 --out "$OUT/$1-tasks" --overwrite
+}
 side "$GEMMA" 10 "$OUT/gemma10.json"
 side smollm2-135m 10 "$OUT/smol10.json"
 ship gemma "$GEMMA"
 ship smollm2 smollm2-135m
 checkpoint "$GEMMA"
+tasks gemma
+cache "$GEMMA" 224 "$OUT/cache224.json"
 echo "end $(date +%T) $(uptime)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -110,7 +111,9 @@ def test_a_frozen_plain_head_is_left_to_the_kl_and_other_heads_are_not():
 
 def test_a_head_whose_output_the_model_changes_keeps_its_whole_logits(monkeypatch):
     student, teacher = _student()
-    assert head_apart(teacher) == {"logits_to_keep": 1}  # a teacher's head may require grad: it is never trained
+    with warnings.catch_warnings():  # a teacher's head may require grad: it is never trained, nor its check a graph
+        warnings.simplefilter("error")
+        assert head_apart(teacher) == {"logits_to_keep": 1}
     lm_head(student).register_forward_hook(lambda _m, _a, out: out * 2)  # something after the matmul, unnamed
     assert head_for_losses(student, {"teacher_student_kl": 1.0}, sharded=False) is None
     # a "norm" whose output is a tuple (an attention block's), not the head's input: refused, not a crash
