@@ -8,7 +8,6 @@ teacher run online (:class:`OnlineTeacher`) or its top-K logits cache (``distill
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,19 +15,16 @@ import torch
 from torch import nn
 
 from distill.config import DistillConfig
-from distill.head_kl import head_agrees, plain_linear_head
 from distill.layout import Layout, resolve_layout, teacher_targets
 from distill.losses import LOSSES, NEEDS_LOGITS, HeadInputs, LossInputs, TeacherTopK, total_loss
-from prune.errors import LayercutError
-from prune.model.adapters import changes_logits_after_head, final_norm, input_device, lm_head
+from prune.model.adapters import input_device, lm_head
 from prune.model.capture import residual_states
+from prune.model.head import head_apart, kept_hidden, normed_output, skip_head_kwargs
 
 
 def logits_kwargs(model: nn.Module, want_logits: bool) -> dict:
     """Skip most of the LM head when no loss needs logits (``logits_to_keep=1``), if the model supports it."""
-    if want_logits or "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        return {}
-    return {"logits_to_keep": 1}
+    return {} if want_logits else skip_head_kwargs(model)
 
 
 def forward_states(call, hooked: nn.Module, input_ids, mask, keep: set[int] | None, want_logits: bool,
@@ -66,52 +62,13 @@ def forward_head(call, hooked: nn.Module, input_ids, mask, keep: set[int] | None
     returned, [batch, 1, vocab]); the final norm's output, the head's input at every position, is kept for the
     losses (``LossInputs.student_head``).
     """
-    norm, kept = final_norm(hooked), {}
-
-    def keep_output(_module, _args, output) -> None:
-        if isinstance(output, torch.Tensor):  # a norm that returns more than its output is not the head's input
-            kept["hidden"] = output
-
-    handle = norm.register_forward_hook(keep_output)
-    try:
+    with normed_output(hooked) as kept:
         states, logits = forward_states(call, hooked, input_ids, mask, keep, True, extra)
-    finally:
-        handle.remove()
-    if "hidden" not in kept:
-        raise LayercutError(f"{type(hooked).__name__}'s final norm gave no tensor in its forward: its head cannot be "
-                            "left to the loss (a bug: head_apart should have refused it)")
-    return states, HeadInputs(kept["hidden"], lm_head(hooked)), logits
-
-
-def head_apart(model: nn.Module) -> dict | None:
-    """The keyword arguments under which ``model`` leaves its head to the caller (:func:`forward_head`), or None.
-
-    None unless the model can skip its head (``logits_to_keep``), no config field scales or caps the logits after
-    it, and the head is a plain ``Linear`` after a final norm the model calls; then one short forward checks that
-    the head's matmul alone gives the model's logits. Call it before accelerate wraps the model.
-    """
-    kwargs = logits_kwargs(model, False)
-    # a config that caps or scales the logits keeps them whole, whatever a short forward shows (small logits are
-    # hardly capped)
-    if not kwargs or changes_logits_after_head(model) or not plain_linear_head(model, lm_head(model),
-                                                                                 final_norm(model)):
-        return None
-    device = input_device(model)
-    ids = torch.arange(8, device=device).unsqueeze(0) % model.get_input_embeddings().weight.shape[0]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            _, head_inputs, logits = forward_head(model, model, ids, torch.ones_like(ids), set(), kwargs)
-    except LayercutError:  # the norm found is not called, or returns more than a tensor
-        return None
-    finally:
-        model.train(was_training)
-    return kwargs if head_agrees(head_inputs.hidden[:, -1:], head_inputs.head, logits[:, -1:]) else None
+    return states, HeadInputs(kept_hidden(kept, hooked), lm_head(hooked)), logits
 
 
 def head_for_losses(student: nn.Module, weights: dict[str, float], sharded: bool) -> dict | None:
-    """:func:`head_apart` for training, where the losses take the head (``LossInputs.student_head``).
+    """:func:`prune.model.head.head_apart` for training, where the losses take the head (``LossInputs.student_head``).
 
     None too unless every loss on the logits reads the head (registered ``from_head``), the head is frozen (its own
     gradient is not carried; distillation never trains it) and the student is not sharded.

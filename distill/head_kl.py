@@ -120,33 +120,6 @@ def topk_kl_through_head(hidden: torch.Tensor, head: nn.Module, top_logits: torc
                                     t_rest_lse - t_lse, token_weights, chunk)
 
 
-def plain_linear_head(model: nn.Module, head: nn.Module, norm: nn.Module) -> bool:
-    """Whether ``head`` is a plain ``Linear`` whose weight is whole here and ``norm`` one of ``model``'s modules.
-
-    A sharded (DTensor) or meta weight is not whole outside the model's forward, and a norm missing from the model
-    (an ``Identity`` stand-in) is never called.
-    """
-    weight = getattr(head, "weight", None)
-    return (type(head) is nn.Linear and isinstance(weight, torch.Tensor) and weight.device.type != "meta"
-            and not hasattr(weight, "to_local") and any(module is norm for module in model.modules()))
-
-
-def head_agrees(hidden: torch.Tensor, head: nn.Module, logits: torch.Tensor) -> bool:
-    """Whether ``head(hidden)`` [.., vocab] is the model's own ``logits`` (no soft-capping or scale after the head).
-
-    Within 1e-4 of the largest logit in float32, 2e-2 in 16 bits (the same matmul in another shape rounds
-    otherwise): a soft-capped or scaled head misses by far more.
-    """
-    if hidden.shape[-1] != head.weight.shape[1]:  # something between the norm and the head (OPT's project_out)
-        return False
-    with torch.no_grad():  # a teacher's head may require grad; this check is no part of any graph
-        ours = F.linear(hidden.to(head.weight.device, head.weight.dtype), head.weight, head.bias).float()
-    theirs = logits.to(ours.device).float()
-    scale = float(theirs.abs().max().clamp_min(1.0))
-    tolerance = 1e-4 if logits.dtype == head.weight.dtype == torch.float32 else 2e-2
-    return ours.shape == theirs.shape and float((ours - theirs).abs().max()) <= tolerance * scale
-
-
 def topk_through_head(hidden: torch.Tensor, head: nn.Module, k: int,
                       chunk: int = LOGPROB_POSITIONS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`distill.losses.topk_targets` of ``head(hidden)`` without its whole logits (no gradient).

@@ -37,10 +37,11 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from distill.forward import TeacherTargets, forward_head, head_apart
+from distill.forward import TeacherTargets, forward_head
 from distill.head_kl import topk_through_head
 from distill.losses import TeacherTopK, topk_targets
 from prune.errors import LayercutError
+from prune.model.head import head_apart
 from prune.stamps import weights_fingerprint
 
 logger = logging.getLogger(__name__)

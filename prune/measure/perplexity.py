@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from prune.errors import LayercutError
 from prune.model.adapters import input_device, max_positions
+from prune.model.head import HeadOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -122,23 +123,29 @@ def row_chunks(rows: int, positions: int, size: int = LOGPROB_POSITIONS) -> Iter
             yield row, slice(start, min(start + size, positions))
 
 
-def log_prob_chunks(logits: torch.Tensor, size: int = LOGPROB_POSITIONS) -> Iterator[tuple[int, slice, torch.Tensor]]:
+def log_prob_chunks(logits: torch.Tensor | HeadOutputs,
+                    size: int = LOGPROB_POSITIONS) -> Iterator[tuple[int, slice, torch.Tensor]]:
     """``(row, positions, log-probabilities)`` of ``logits`` [batch, n, vocab], a row's chunk at a time, float32.
 
     Every chunk is written into one buffer: a caller is done with a chunk's log-probabilities when it asks for the
     next. A fresh vocabulary-wide tensor for each chunk cost more than the log-softmax itself on this project's
     2-core machine whenever the process held a few GB (its pages are faulted in anew each time: 13.3 ns an element
     against 0.58 written into one buffer, [128, 262144] float32, 2026-12-05); 16-bit logits are turned into float32
-    in a second one. Not differentiable (``out=``): for measuring only.
+    in a second one. Logits left to the head (:class:`~prune.model.head.HeadOutputs`) are made in that second one a
+    chunk at a time: the batch's whole logits never exist. Not differentiable (``out=``): for measuring only.
     """
     rows, positions, vocab = logits.shape
+    made = isinstance(logits, HeadOutputs)
     buffer = torch.empty(min(size, positions), vocab, dtype=torch.float32, device=logits.device)
-    staging = None if logits.dtype == torch.float32 else torch.empty_like(buffer)
+    staging = None if logits.dtype == torch.float32 and not made else torch.empty_like(buffer)
     for row, span in row_chunks(rows, positions, size):
         out = buffer[: span.stop - span.start]
-        chunk = logits[row, span]
-        if staging is not None:
-            chunk = staging[: span.stop - span.start].copy_(chunk)
+        if made:
+            chunk = logits.chunk(row, span, staging[: span.stop - span.start])
+        else:
+            chunk = logits[row, span]
+            if staging is not None:
+                chunk = staging[: span.stop - span.start].copy_(chunk)
         torch.log_softmax(chunk, dim=-1, out=out)
         yield row, span, out
 

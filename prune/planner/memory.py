@@ -128,14 +128,24 @@ def fitted_map_bytes(shape: ModelShape, spans: float, widths: Sequence[int]) -> 
     return spans * sum(width * shape.hidden for width in widths) * 8
 
 
+def logits_left_to_head(shape: ModelShape, inp: PlanInput) -> bool:
+    """Whether a measuring pass makes a candidate's logits a row's chunk at a time (``prune.model.head``).
+
+    Where no config field caps or scales the logits after the head, and the model is held whole: a skeleton's
+    head is counted as making its whole logits, as before.
+    """
+    return not shape.logits_after_head and inp.offload == "none"
+
+
 def measuring_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int) -> float:
     """A repaired selection's vocabulary-wide logits while it measures on ``rows`` calibration rows.
 
     The original's float32 log-probabilities of every measuring row stay for the whole measuring, shared by
     every repair (``prune.selection.repaired.shared_references``), beside one batch of a candidate's logits in
-    the model's dtype and the KL's chunks of one row's positions (:data:`KL_CHUNK_COPIES`).
+    the model's dtype (none where they are made a row's chunk at a time: :func:`logits_left_to_head`) and the KL's
+    chunks of one row's positions (:data:`KL_CHUNK_COPIES`).
     """
-    batch = min(inp.batch_size, rows)
+    batch = 0 if logits_left_to_head(shape, inp) else min(inp.batch_size, rows)
     chunks = KL_CHUNK_COPIES * min(LOGPROB_POSITIONS, inp.seq_len) * 4
     return ((rows * 4 + batch * inp.act_bytes) * inp.seq_len + chunks) * shape.vocab
 
@@ -169,13 +179,14 @@ def perplexity_logit_bytes(shape: ModelShape, inp: PlanInput) -> float:
 def divergence_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int | None = None) -> float:
     """The KL of one model against another (``prune.selection.repaired.divergence``): its vocabulary-wide tensors.
 
-    One batch's float32 log-probabilities of the original and logits of the model, and beside them the KL's
-    chunks of one row's positions (:data:`KL_CHUNK_COPIES`). ``rows``: the rows measured (a batch holds no more of
-    them; None: a whole batch).
+    One batch's float32 log-probabilities of the original and logits of the model (none where they are made a
+    row's chunk at a time: :func:`logits_left_to_head`), and beside them the KL's chunks of one row's positions
+    (:data:`KL_CHUNK_COPIES`). ``rows``: the rows measured (a batch holds no more of them; None: a whole batch).
     """
     chunk = min(LOGPROB_POSITIONS, inp.seq_len)
     batch = inp.batch_size if rows is None else min(inp.batch_size, rows)
-    return shape.vocab * (batch * inp.seq_len * (4 + inp.act_bytes) + KL_CHUNK_COPIES * chunk * 4)
+    model = 0 if logits_left_to_head(shape, inp) else inp.act_bytes
+    return shape.vocab * (batch * inp.seq_len * (4 + model) + KL_CHUNK_COPIES * chunk * 4)
 
 
 def train_activation_bytes(shape: ModelShape, blocks: int, tokens: int, act_bytes: float, train: str) -> float:

@@ -126,8 +126,12 @@ def _loss_without(model: nn.Module, batch: torch.Tensor, position: int) -> float
         return batch_loss(model, batch)
 
 
-def logits_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.Tensor) -> torch.Tensor:
-    """The logits of ``model`` on ``batch`` when ``state`` enters block ``start`` (blocks before it skipped)."""
+def logits_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.Tensor,
+                extra: dict | None = None) -> torch.Tensor:
+    """The logits of ``model`` on ``batch`` when ``state`` enters block ``start`` (blocks before it skipped).
+
+    ``extra``: more keyword arguments for the forward (``logits_to_keep``).
+    """
 
     def enter(_module, args, kwargs):
         if args:
@@ -137,7 +141,7 @@ def logits_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.
     with blocks_removed(model, list(range(start))):
         _, blocks = get_blocks(model)
         with hooks_held([blocks[0].register_forward_pre_hook(enter, with_kwargs=True)]):
-            return model(input_ids=batch, use_cache=False).logits
+            return model(input_ids=batch, use_cache=False, **(extra or {})).logits
 
 
 def _loss_from(model: nn.Module, batch: torch.Tensor, start: int, state: torch.Tensor) -> float:

@@ -44,7 +44,8 @@ from torch import nn
 from prune.errors import LayercutError
 from prune.measure.perplexity import LOGPROB_POSITIONS, log_prob_chunks, row_chunks, target_nll
 from prune.memory import return_freed_memory
-from prune.model.adapters import get_blocks, input_device
+from prune.model.adapters import get_blocks, input_device, lm_head
+from prune.model.head import HeadOutputs, head_apart, kept_hidden, normed_output
 from prune.model.surgery import blocks_removed, drop_blocks_
 from prune.replace import (
     LeastSquaresOptions,
@@ -180,6 +181,8 @@ class RepairedCosts:
         self._fold = 0  # the fold whose fits the views put in place
         self._plain = False  # set when starting a pass at a later block does not reproduce the whole pass
         self._checked = False
+        self._apart: dict | None = None  # the views' head left to the measuring (prune.model.head.head_apart)
+        self._asked = False
 
     @property
     def fit_ids(self) -> torch.Tensor:
@@ -357,7 +360,7 @@ class RepairedCosts:
                     else:
                         with self.view(blocks):
                             logits = self._logits(batch, starts[i], states)
-                        batch_nll, batch_kl = _nll_and_kl(logits[:, :-1], dense, batch[:, 1:])
+                        batch_nll, batch_kl = _nll_and_kl(_but_last(logits), dense, batch[:, 1:])
                         del logits  # a batch of vocabulary-wide logits: hand it back before the next view's
                         return_freed_memory()
                     nll[i] += batch_nll
@@ -381,13 +384,26 @@ class RepairedCosts:
             self.references[key] = (_log_probs(logits), states)
         return self.references[key]
 
-    def _logits(self, batch: torch.Tensor, start: int, states: list[torch.Tensor] | None) -> torch.Tensor:
-        """The current view's logits, its blocks before ``start`` skipped when their output is at hand."""
-        whole = lambda rows=None: self.model(input_ids=batch[:rows], use_cache=False).logits  # noqa: E731
+    def _head_apart(self) -> dict | None:
+        """:func:`~prune.model.head.head_apart` of the model, asked once: the views share its head and final norm."""
+        if not self._asked:
+            self._asked, self._apart = True, head_apart(self.model)
+        return self._apart
+
+    def _logits(self, batch: torch.Tensor, start: int,
+                states: list[torch.Tensor] | None) -> torch.Tensor | HeadOutputs:
+        """The current view's logits, its blocks before ``start`` skipped when their output is at hand.
+
+        Left to the head where it can be (:class:`~prune.model.head.HeadOutputs`): a candidate's whole logits were
+        a fresh 2.1 GB tensor at every batch of Gemma-3-270M's measuring rows.
+        """
+        apart = self._head_apart()
+        whole = lambda rows=None: _outputs(  # noqa: E731
+            self.model, apart, lambda extra: self.model(input_ids=batch[:rows], use_cache=False, **extra).logits)
         # nothing changed in front (start 0), or nothing left to start at (the candidate's view ends there)
         if states is None or self._plain or not 0 < start < len(get_blocks(self.model)[1]):
             return whole()
-        logits = logits_from(self.model, batch, start, states[start])
+        logits = _outputs(self.model, apart, lambda extra: logits_from(self.model, batch, start, states[start], extra))
         if not self._checked:  # once: a block that passes on more than its hidden state breaks the shortcut
             self._checked = True
             # in float32 on the batch's first row alone (rows are whole, unpadded windows, so one tells what all
@@ -396,12 +412,34 @@ class RepairedCosts:
             # otherwise: about 1e-6 in float32, but a 16-bit logit's last bit is above the 1e-3 the check allows,
             # so there the whole batch is compared, the same shapes on both sides
             rows = 1 if logits.dtype == torch.float32 else batch.shape[0]
-            if not _all_close(logits[:rows], whole(rows)):
+            if not _all_close(_first_rows(logits, rows), _first_rows(whole(rows), rows)):
                 logger.warning("repaired selection: starting at block %d differs from the whole pass; measuring "
                                "whole passes", start)
                 self._plain = True
                 return whole()
         return logits
+
+
+def _outputs(model: nn.Module, apart: dict | None, run) -> torch.Tensor | HeadOutputs:
+    """``run(extra)``'s logits, or with ``apart`` the final norm's output and the head, the logits not made.
+
+    ``run`` takes the forward's extra keyword arguments; ``apart``: :func:`~prune.model.head.head_apart`'s.
+    """
+    if apart is None:
+        return run({})
+    with normed_output(model) as kept:
+        run(apart)
+    return HeadOutputs(kept_hidden(kept, model), lm_head(model))
+
+
+def _first_rows(logits: torch.Tensor | HeadOutputs, rows: int) -> torch.Tensor:
+    """The first ``rows`` rows' logits [rows, seq, vocab]."""
+    return logits.logits(rows) if isinstance(logits, HeadOutputs) else logits[:rows]
+
+
+def _but_last(logits: torch.Tensor | HeadOutputs) -> torch.Tensor | HeadOutputs:
+    """The logits at every position but the last (the predictions of the next tokens)."""
+    return logits.positions(slice(None, -1)) if isinstance(logits, HeadOutputs) else logits[:, :-1]
 
 
 @contextmanager
@@ -481,20 +519,24 @@ def divergence(model: nn.Module, original: nn.Module, token_ids: torch.Tensor, b
     Its perplexity and the mean KL divergence of its next-token distribution from ``original``'s per predicted
     token: what a repaired selection measures of a view, here for two models. Two vocabulary-wide batches are held
     at once (``prune.planner.memory.divergence_logit_bytes``): the original's log-probabilities written over its
-    logits, and the model's logits. Before 2026-12-05 the last batch's two stayed beside the next one's three (a
+    logits, and the model's logits (made a row's chunk at a time instead where its head allows:
+    :func:`~prune.model.head.head_apart`). Before 2026-12-05 the last batch's two stayed beside the next one's three (a
     whole-batch log-softmax and the copy it makes of a sliced input): this pass peaked at 13.54 GB on Gemma-3-270M's
     skeletons and 262k vocabulary, 8.47 GB after (reports/heal-blocks); the KL's chunks are one row's since.
     """
     nll = kl = 0.0
     targets = 0
     modes = model.training, original.training
+    apart = head_apart(model)  # the model's logits a row's chunk at a time where its head allows
     model.eval()
     original.eval()
     try:
         for first in range(0, token_ids.shape[0], batch_size):
             batch = token_ids[first : first + batch_size]
             dense = _log_probs(original(input_ids=batch.to(input_device(original)), use_cache=False).logits)
-            logits = model(input_ids=batch.to(input_device(model)), use_cache=False).logits[:, :-1]
+            ids = batch.to(input_device(model))
+            logits = _but_last(_outputs(model, apart, lambda extra: model(input_ids=ids, use_cache=False,  # noqa: B023
+                                                                          **extra).logits))
             n, k = _nll_and_kl(logits, dense.to(logits.device), batch[:, 1:])
             nll, kl, targets = nll + n, kl + k, targets + batch.shape[0] * (batch.shape[1] - 1)
             del dense, logits  # before the next batch's passes
@@ -527,7 +569,7 @@ def _all_close(a: torch.Tensor, b: torch.Tensor) -> bool:
                for row, span in row_chunks(*a.shape[:2]))
 
 
-def _nll_and_kl(logits: torch.Tensor, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
+def _nll_and_kl(logits: torch.Tensor | HeadOutputs, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
     """Summed next-token NLL of ``targets`` and summed KL(dense || model) over positions, float64.
 
     A row's chunk of positions at a time (:func:`prune.measure.perplexity.log_prob_chunks`), into two buffers that

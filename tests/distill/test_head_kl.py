@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from distill.config import DistillConfig
-from distill.forward import head_apart, head_for_losses
+from distill.forward import head_for_losses
 from distill.head_kl import topk_kl_through_head, topk_through_head
 from distill.losses import topk_kl, topk_targets
 from distill.train import distill, write_teacher_cache
 from prune.model.adapters import lm_head
+from prune.model.head import head_apart
 from prune.model.surgery import drop_blocks_
 from tests.helpers import VOCAB, make_tiny_model
 
@@ -117,7 +118,7 @@ def test_a_head_whose_output_the_model_changes_keeps_its_whole_logits(monkeypatc
     lm_head(student).register_forward_hook(lambda _m, _a, out: out * 2)  # something after the matmul, unnamed
     assert head_for_losses(student, {"teacher_student_kl": 1.0}, sharded=False) is None
     # a "norm" whose output is a tuple (an attention block's), not the head's input: refused, not a crash
-    monkeypatch.setattr("distill.forward.final_norm", lambda model: model.model.layers[0].self_attn)
+    monkeypatch.setattr("prune.model.head.final_norm", lambda model: model.model.layers[0].self_attn)
     assert head_apart(teacher) is None
 
 

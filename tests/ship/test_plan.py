@@ -50,7 +50,7 @@ def test_smollm2s_cpu_plan_stays_below_what_a_whole_ship_measured(tmp_path, monk
     plan = _plan(tmp_path / "smollm2-135m", SMOLLM2_135M, tmp_path)
     assert plan.planned_peak_stage["cpu"] == "shortlist"  # its measuring's vocabulary-wide logits
     assert 2.4e9 < plan.planned_peak["cpu"] < 4e9
-    assert plan.planned_peak["cpu"] == pytest.approx(3.20e9, rel=0.01)  # 0.08 GB of it the KL's chunks
+    assert plan.planned_peak["cpu"] == pytest.approx(2.80e9, rel=0.01)  # 0.08 GB of it the KL's chunks
 
 
 def test_the_8b_shapes_shortlist_memory_once_its_sets_are_known_is_near_what_the_h200_measured(tmp_path, monkeypatch):

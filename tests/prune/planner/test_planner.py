@@ -369,6 +369,19 @@ def test_the_kl_from_a_cache_holds_a_chunk_of_logits_and_under_fsdp_the_whole_ba
     assert shape_of_config(gemma2).logits_after_head and not shape.logits_after_head
 
 
+def test_a_candidates_logits_are_counted_where_the_measuring_cannot_leave_them_to_the_head():
+    from prune.planner.memory import divergence_logit_bytes, measuring_logit_bytes
+
+    shape = shape_of_config(LlamaConfig(**SMOLLM2_135M))
+    inp = PlanInput(model="smollm2", drop=4, samples=64, seq_len=512, batch_size=4)
+    apart, capped = measuring_logit_bytes(shape, inp, 8), dataclasses.replace(shape, logits_after_head=True)
+    batch = 4 * 512 * 4 * shape.vocab  # a candidate's float32 logits of a batch
+    assert measuring_logit_bytes(capped, inp, 8) - apart == batch
+    skeleton = dataclasses.replace(inp, offload="sequential")  # counted as before: its head is not checked there
+    assert measuring_logit_bytes(shape, skeleton, 8) - apart == batch
+    assert divergence_logit_bytes(capped, inp) - divergence_logit_bytes(shape, inp) == batch
+
+
 def test_a_small_model_s_distillation_step_on_a_gpu_costs_its_launches_and_a_large_one_its_arithmetic(llama70b):
     from prune.planner.stages import GPU_STEP_SECONDS
 

@@ -523,3 +523,51 @@ def test_logits_compared_a_chunk_at_a_time_agree_with_allclose():
     assert _all_close(a, b) and torch.allclose(a, b, rtol=1e-3, atol=1e-3)
     b[1, 2 * LOGPROB_POSITIONS + 3, 10] += 0.1  # one value off, in the last chunk
     assert not _all_close(a, b) and not torch.allclose(a, b, rtol=1e-3, atol=1e-3)
+
+
+def _head_positions(model) -> list[int]:
+    """Note the positions the LM head's forward runs on, call by call."""
+    from prune.model.adapters import lm_head
+
+    seen = []
+    lm_head(model).register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[1]))
+    return seen
+
+
+@pytest.mark.parametrize("method", ["none", "linear"])
+def test_candidates_logits_are_made_a_rows_chunk_at_a_time_and_measure_what_whole_logits_measure(
+        one_thread, monkeypatch, method):
+    import prune.selection.repaired as repaired
+
+    model = make_tiny_model("llama", seed=3)
+    config = ReplaceConfig(method=method, progress=False)
+    apart = RepairedCosts(model, IDS, config)
+    positions = _head_positions(model)
+    fast = apart.measure([], [0, 1, 3])
+    assert apart._apart == {"logits_to_keep": 1}
+    # the original's pass makes its whole logits (its log-probabilities are kept for every candidate); each
+    # candidate's forward runs the head on its last position alone
+    assert positions.count(IDS.shape[1]) == 1 and positions.count(1) >= 3
+    monkeypatch.setattr(repaired, "head_apart", lambda _model: None)  # the whole logits, as before
+    whole = RepairedCosts(model, IDS, config)
+    positions.clear()
+    slow = whole.measure([], [0, 1, 3])
+    assert 1 not in positions
+    for block in (0, 1, 3):
+        assert fast[block]["ppl"] == pytest.approx(slow[block]["ppl"], rel=1e-6)
+        assert fast[block]["kl"] == pytest.approx(slow[block]["kl"], rel=1e-5, abs=1e-8)
+
+
+def test_divergence_leaves_the_models_head_apart_and_measures_the_same(one_thread, monkeypatch):
+    import prune.selection.repaired as repaired
+
+    original = make_tiny_model("llama", seed=3)
+    model = copy.deepcopy(original)
+    drop_blocks_(model, [1])
+    positions = _head_positions(model)
+    fast = repaired.divergence(model, original, IDS)
+    assert set(positions) == {1}  # the model's head ran on last positions alone (the check's included)
+    monkeypatch.setattr(repaired, "head_apart", lambda _model: None)
+    slow = repaired.divergence(model, original, IDS)
+    assert fast["ppl"] == pytest.approx(slow["ppl"], rel=1e-6) and fast["kl"] > 1e-4
+    assert fast["kl"] == pytest.approx(slow["kl"], rel=1e-5)
