@@ -131,8 +131,9 @@ def log_prob_chunks(logits: torch.Tensor | HeadOutputs,
     next. A fresh vocabulary-wide tensor for each chunk cost more than the log-softmax itself on this project's
     2-core machine whenever the process held a few GB (its pages are faulted in anew each time: 13.3 ns an element
     against 0.58 written into one buffer, [128, 262144] float32, 2026-12-05); 16-bit logits are turned into float32
-    in a second one. Logits left to the head (:class:`~prune.model.head.HeadOutputs`) are made in that second one a
-    chunk at a time: the batch's whole logits never exist. Not differentiable (``out=``): for measuring only.
+    in a second one. Logits left to the head (:class:`~prune.model.head.HeadOutputs`) are made a chunk at a time
+    and land in that second one (a 16-bit head's product goes through a temporary of the chunk's size first): the
+    batch's whole logits never exist. Not differentiable (``out=``): for measuring only.
     """
     rows, positions, vocab = logits.shape
     made = isinstance(logits, HeadOutputs)

@@ -84,8 +84,9 @@ _SPEC_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # config fields of what some models apply to the logits after the head's matmul (Gemma 2's soft-capping, Cohere's and
-# Granite's logit scales): a model that sets one has logits that are not its head's product alone
-AFTER_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# Granite's logit scales, Falcon-H1's multiplier): a model that sets one has logits that are not its head's product
+# alone
+AFTER_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
 def changes_logits_after_head(model_or_config) -> bool:

@@ -15,6 +15,7 @@ reuses (``prune.measure.perplexity.log_prob_chunks``; distillation's KL, ``disti
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -134,9 +135,16 @@ def head_agrees(hidden: torch.Tensor, head: nn.Module, logits: torch.Tensor) -> 
     with torch.no_grad():  # a teacher's head may require grad; this check is no part of any graph
         ours = F.linear(hidden.to(head.weight.device, head.weight.dtype), head.weight, head.bias).float()
     theirs = logits.to(ours.device).float()
+    if not bool(torch.isfinite(theirs).all()):  # masked logits (-inf) would make any difference pass the scale below
+        return False
     scale = float(theirs.abs().max().clamp_min(1.0))
     tolerance = 1e-4 if logits.dtype == head.weight.dtype == torch.float32 else 2e-2
     return ours.shape == theirs.shape and float((ours - theirs).abs().max()) <= tolerance * scale
+
+
+# each model's last answer of head_apart, while its head and final norm are the same modules with the same hooks: a
+# skeleton's short forward reads every block from disk, and the shortlist asks once per repair, the heal twice
+_ASKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def head_apart(model: nn.Module) -> dict | None:
@@ -144,14 +152,19 @@ def head_apart(model: nn.Module) -> dict | None:
 
     None unless the model can skip its head (``logits_to_keep``), no config field scales or caps the logits after
     it, and the head is a plain ``Linear`` after a final norm the model calls; then one short forward checks that
-    the head's matmul alone gives the model's logits. Call it before accelerate wraps the model.
+    the norm's output covers every position and the head's matmul alone gives the model's logits (its answer kept
+    while the head, the norm and their hooks stay). Call it before accelerate wraps the model.
     """
     kwargs = skip_head_kwargs(model)
     # a config that caps or scales the logits keeps them whole, whatever a short forward shows (small logits are
     # hardly capped)
-    if not kwargs or changes_logits_after_head(model) or not plain_linear_head(model, lm_head(model),
-                                                                                 final_norm(model)):
+    head, norm = lm_head(model), final_norm(model)
+    if not kwargs or changes_logits_after_head(model) or not plain_linear_head(model, head, norm):
         return None
+    key = (weakref.ref(head), weakref.ref(norm), len(head._forward_hooks), len(norm._forward_hooks))
+    asked = _ASKED.get(model)
+    if asked is not None and asked[0] == key:
+        return asked[1]
     ids = torch.arange(8, device=input_device(model)).unsqueeze(0) % model.get_input_embeddings().weight.shape[0]
     was_training = model.training
     model.eval()
@@ -160,6 +173,8 @@ def head_apart(model: nn.Module) -> dict | None:
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **kwargs).logits
     finally:
         model.train(was_training)
-    if "hidden" not in kept:  # the norm found is not called, or returns more than a tensor
-        return None
-    return kwargs if head_agrees(kept["hidden"][:, -1:], lm_head(model), logits[:, -1:]) else None
+    hidden = kept.get("hidden")  # none: the norm found is not called, or returns more than a tensor
+    agrees = (hidden is not None and tuple(hidden.shape[:2]) == tuple(ids.shape)  # not a norm after the slice
+              and head_agrees(hidden[:, -1:], head, logits[:, -1:]))
+    _ASKED[model] = (key, kwargs if agrees else None)
+    return kwargs if agrees else None

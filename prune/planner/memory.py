@@ -128,13 +128,14 @@ def fitted_map_bytes(shape: ModelShape, spans: float, widths: Sequence[int]) -> 
     return spans * sum(width * shape.hidden for width in widths) * 8
 
 
-def logits_left_to_head(shape: ModelShape, inp: PlanInput) -> bool:
+def logits_left_to_head(shape: ModelShape) -> bool:
     """Whether a measuring pass makes a candidate's logits a row's chunk at a time (``prune.model.head``).
 
-    Where no config field caps or scales the logits after the head, and the model is held whole: a skeleton's
-    head is counted as making its whole logits, as before.
+    Where no config field caps or scales the logits after the head; a skeleton too (it holds its head and final
+    norm whole). A model with something between its norm and its head (OPT's ``project_out``) is counted so too,
+    though it keeps its whole logits.
     """
-    return not shape.logits_after_head and inp.offload == "none"
+    return not shape.logits_after_head
 
 
 def measuring_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int) -> float:
@@ -145,7 +146,7 @@ def measuring_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int) -> float
     the model's dtype (none where they are made a row's chunk at a time: :func:`logits_left_to_head`) and the KL's
     chunks of one row's positions (:data:`KL_CHUNK_COPIES`).
     """
-    batch = 0 if logits_left_to_head(shape, inp) else min(inp.batch_size, rows)
+    batch = 0 if logits_left_to_head(shape) else min(inp.batch_size, rows)
     chunks = KL_CHUNK_COPIES * min(LOGPROB_POSITIONS, inp.seq_len) * 4
     return ((rows * 4 + batch * inp.act_bytes) * inp.seq_len + chunks) * shape.vocab
 
@@ -185,7 +186,7 @@ def divergence_logit_bytes(shape: ModelShape, inp: PlanInput, rows: int | None =
     """
     chunk = min(LOGPROB_POSITIONS, inp.seq_len)
     batch = inp.batch_size if rows is None else min(inp.batch_size, rows)
-    model = 0 if logits_left_to_head(shape, inp) else inp.act_bytes
+    model = 0 if logits_left_to_head(shape) else inp.act_bytes
     return shape.vocab * (batch * inp.seq_len * (4 + model) + KL_CHUNK_COPIES * chunk * 4)
 
 

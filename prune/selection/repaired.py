@@ -358,9 +358,9 @@ class RepairedCosts:
                     if not blocks:  # the original: its log-probabilities are at hand, its KL to itself nought
                         batch_nll, batch_kl = float(target_nll(dense, batch[:, 1:].to(dense.device)).sum()), 0.0
                     else:
-                        with self.view(blocks):
+                        with self.view(blocks):  # the head's products too, where they are left to the measuring
                             logits = self._logits(batch, starts[i], states)
-                        batch_nll, batch_kl = _nll_and_kl(_but_last(logits), dense, batch[:, 1:])
+                            batch_nll, batch_kl = _nll_and_kl(_but_last(logits), dense, batch[:, 1:])
                         del logits  # a batch of vocabulary-wide logits: hand it back before the next view's
                         return_freed_memory()
                     nll[i] += batch_nll
@@ -412,7 +412,7 @@ class RepairedCosts:
             # otherwise: about 1e-6 in float32, but a 16-bit logit's last bit is above the 1e-3 the check allows,
             # so there the whole batch is compared, the same shapes on both sides
             rows = 1 if logits.dtype == torch.float32 else batch.shape[0]
-            if not _all_close(_first_rows(logits, rows), _first_rows(whole(rows), rows)):
+            if not _all_close(logits, whole(rows), rows):
                 logger.warning("repaired selection: starting at block %d differs from the whole pass; measuring "
                                "whole passes", start)
                 self._plain = True
@@ -430,11 +430,6 @@ def _outputs(model: nn.Module, apart: dict | None, run) -> torch.Tensor | HeadOu
     with normed_output(model) as kept:
         run(apart)
     return HeadOutputs(kept_hidden(kept, model), lm_head(model))
-
-
-def _first_rows(logits: torch.Tensor | HeadOutputs, rows: int) -> torch.Tensor:
-    """The first ``rows`` rows' logits [rows, seq, vocab]."""
-    return logits.logits(rows) if isinstance(logits, HeadOutputs) else logits[:rows]
 
 
 def _but_last(logits: torch.Tensor | HeadOutputs) -> torch.Tensor | HeadOutputs:
@@ -519,10 +514,11 @@ def divergence(model: nn.Module, original: nn.Module, token_ids: torch.Tensor, b
     Its perplexity and the mean KL divergence of its next-token distribution from ``original``'s per predicted
     token: what a repaired selection measures of a view, here for two models. Two vocabulary-wide batches are held
     at once (``prune.planner.memory.divergence_logit_bytes``): the original's log-probabilities written over its
-    logits, and the model's logits (made a row's chunk at a time instead where its head allows:
-    :func:`~prune.model.head.head_apart`). Before 2026-12-05 the last batch's two stayed beside the next one's three (a
-    whole-batch log-softmax and the copy it makes of a sliced input): this pass peaked at 13.54 GB on Gemma-3-270M's
-    skeletons and 262k vocabulary, 8.47 GB after (reports/heal-blocks); the KL's chunks are one row's since.
+    logits, and the model's logits; one where the model's head allows its logits to be made a row's chunk at a
+    time (:func:`~prune.model.head.head_apart`). Before 2026-12-05 the last batch's two stayed beside the next
+    one's three (a whole-batch log-softmax and the copy it makes of a sliced input): this pass peaked at 13.54 GB
+    on Gemma-3-270M's skeletons and 262k vocabulary, 8.47 GB after (reports/heal-blocks); the KL's chunks are one
+    row's since.
     """
     nll = kl = 0.0
     targets = 0
@@ -559,14 +555,25 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _all_close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``torch.allclose`` of two batches of logits (rtol = atol = 1e-3), a chunk of positions at a time.
+def _all_close(a: torch.Tensor | HeadOutputs, b: torch.Tensor | HeadOutputs, rows: int | None = None) -> bool:
+    """``torch.allclose`` of two batches of logits (rtol = atol = 1e-3), their first ``rows``, a chunk at a time.
 
     ``allclose`` of whole vocabulary-wide batches makes several temporaries of their size at once: on a 1B
-    skeleton this one check set the shortlist's peak.
+    skeleton this one check set the shortlist's peak. Logits left to the head (:class:`~prune.model.head.HeadOutputs`)
+    are made a chunk at a time into a buffer of each side's own, never whole.
     """
-    return all(torch.allclose(a[row, span].float(), b[row, span].float(), rtol=1e-3, atol=1e-3)
-               for row, span in row_chunks(*a.shape[:2]))
+    rows = a.shape[0] if rows is None else rows
+    positions, vocab = a.shape[1], a.shape[-1]
+
+    def chunks(x: torch.Tensor | HeadOutputs) -> Iterator[torch.Tensor]:
+        if not isinstance(x, HeadOutputs):
+            yield from (x[row, span].float() for row, span in row_chunks(rows, positions))
+            return
+        buffer = torch.empty(min(LOGPROB_POSITIONS, positions), vocab, dtype=torch.float32, device=x.device)
+        yield from (x.chunk(row, span, buffer[: span.stop - span.start]) for row, span in row_chunks(rows, positions))
+
+    return all(torch.allclose(mine, theirs.to(mine.device), rtol=1e-3, atol=1e-3)
+               for mine, theirs in zip(chunks(a), chunks(b), strict=True))
 
 
 def _nll_and_kl(logits: torch.Tensor | HeadOutputs, dense: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
@@ -582,7 +589,9 @@ def _nll_and_kl(logits: torch.Tensor | HeadOutputs, dense: torch.Tensor, targets
     probs = torch.empty(min(LOGPROB_POSITIONS, logits.shape[1]), logits.shape[-1], dtype=torch.float32,
                         device=logits.device)
     for row, span, logp in log_prob_chunks(logits):
-        ref, p = dense[row, span], probs[: span.stop - span.start]
+        # a chunk moved, not the batch: under a device map the original's log-probabilities sit where its input
+        # went, the head's logits on the head's device
+        ref, p = dense[row, span].to(logits.device), probs[: span.stop - span.start]
         nll -= logp.gather(-1, targets[row, span, None]).double().sum()
         torch.exp(ref, out=p)
         kl += p.mul_(torch.sub(ref, logp, out=logp)).sum(-1).double().sum()

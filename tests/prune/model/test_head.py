@@ -53,3 +53,20 @@ def test_logits_changed_after_the_head_are_not_left_apart():
     model.config.final_logit_softcapping = None
     lm_head(model).register_forward_hook(lambda _module, _args, out: out * 2)  # unnamed: the short forward tells
     assert head_apart(model) is None
+
+
+def test_masked_logits_never_agree_and_the_answer_is_kept_while_the_head_and_its_hooks_stay():
+    from prune.model.head import head_agrees
+
+    model = make_tiny_model("llama", seed=2)
+    head = lm_head(model)
+    hidden = torch.randn(1, 1, head.weight.shape[1])
+    logits = head(hidden).detach()
+    assert head_agrees(hidden, head, logits)
+    logits[..., 0] = float("-inf")  # an infinite scale would let any difference pass
+    assert not head_agrees(hidden, head, logits)
+    calls = []
+    model.get_input_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    assert head_apart(model) == head_apart(model) == {"logits_to_keep": 1} and len(calls) == 1  # one short forward
+    head.register_forward_hook(lambda _module, _args, out: out * 2)  # a new hook: asked again, and refused
+    assert head_apart(model) is None and len(calls) == 2

@@ -377,8 +377,8 @@ def test_a_candidates_logits_are_counted_where_the_measuring_cannot_leave_them_t
     apart, capped = measuring_logit_bytes(shape, inp, 8), dataclasses.replace(shape, logits_after_head=True)
     batch = 4 * 512 * 4 * shape.vocab  # a candidate's float32 logits of a batch
     assert measuring_logit_bytes(capped, inp, 8) - apart == batch
-    skeleton = dataclasses.replace(inp, offload="sequential")  # counted as before: its head is not checked there
-    assert measuring_logit_bytes(shape, skeleton, 8) - apart == batch
+    skeleton = dataclasses.replace(inp, offload="sequential")  # its head and final norm are whole too
+    assert measuring_logit_bytes(shape, skeleton, 8) == apart
     assert divergence_logit_bytes(capped, inp) - divergence_logit_bytes(shape, inp) == batch
 
 

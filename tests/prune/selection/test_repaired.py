@@ -169,6 +169,13 @@ def test_in_bfloat16_the_shortcut_is_checked_on_the_whole_batch_and_holds(one_th
     assert 1 not in heads and len(set(heads)) == 1  # every forward, the check's included, ran a whole batch
 
 
+def test_in_bfloat16_the_shortcut_with_the_head_apart_is_checked_and_holds(one_thread):
+    model = make_tiny_model("llama", seed=3).to(torch.bfloat16)
+    costs = RepairedCosts(model, IDS, ReplaceConfig(method="linear", progress=False))
+    costs.measure([2], [0, 1, 3])
+    assert costs._apart == {"logits_to_keep": 1} and costs._checked and not costs._plain
+
+
 def test_kl_is_the_divergence_from_the_original_models_next_token_distribution(one_thread):
     model = make_tiny_model("llama", seed=1)
     _, measure_ids = split_rows(IDS)
