@@ -158,8 +158,10 @@ def head_apart(model: nn.Module) -> dict | None:
     kwargs = skip_head_kwargs(model)
     # a config that caps or scales the logits keeps them whole, whatever a short forward shows (small logits are
     # hardly capped)
+    if not kwargs or changes_logits_after_head(model):
+        return None
     head, norm = lm_head(model), final_norm(model)
-    if not kwargs or changes_logits_after_head(model) or not plain_linear_head(model, head, norm):
+    if not plain_linear_head(model, head, norm):
         return None
     key = (weakref.ref(head), weakref.ref(norm), len(head._forward_hooks), len(norm._forward_hooks))
     asked = _ASKED.get(model)
