@@ -180,3 +180,21 @@ def head_apart(model: nn.Module) -> dict | None:
               and head_agrees(hidden[:, -1:], head, logits[:, -1:]))
     _ASKED[model] = (key, kwargs if agrees else None)
     return kwargs if agrees else None
+
+
+def outputs_apart(model: nn.Module, apart: dict | None, run) -> torch.Tensor | HeadOutputs:
+    """``run(extra)``'s logits, or with ``apart`` the final norm's output and the head, the logits not made.
+
+    ``run`` calls the model's forward with ``extra`` keyword arguments added and returns its logits; ``apart``:
+    :func:`head_apart`'s answer for ``model`` (None: the whole logits).
+    """
+    if apart is None:
+        return run({})
+    with normed_output(model) as kept:
+        run(apart)
+    return HeadOutputs(kept_hidden(kept, model), lm_head(model))
+
+
+def but_last(logits: torch.Tensor | HeadOutputs) -> torch.Tensor | HeadOutputs:
+    """The logits at every position but the last (the predictions of the next tokens)."""
+    return logits.positions(slice(None, -1)) if isinstance(logits, HeadOutputs) else logits[:, :-1]

@@ -44,8 +44,8 @@ from torch import nn
 from prune.errors import LayercutError
 from prune.measure.perplexity import LOGPROB_POSITIONS, log_prob_chunks, row_chunks, target_nll
 from prune.memory import return_freed_memory
-from prune.model.adapters import get_blocks, input_device, lm_head
-from prune.model.head import HeadOutputs, head_apart, kept_hidden, normed_output
+from prune.model.adapters import get_blocks, input_device
+from prune.model.head import HeadOutputs, but_last, head_apart, outputs_apart
 from prune.model.surgery import blocks_removed, drop_blocks_
 from prune.replace import (
     LeastSquaresOptions,
@@ -360,7 +360,7 @@ class RepairedCosts:
                     else:
                         with self.view(blocks):  # the head's products too, where they are left to the measuring
                             logits = self._logits(batch, starts[i], states)
-                            batch_nll, batch_kl = _nll_and_kl(_but_last(logits), dense, batch[:, 1:])
+                            batch_nll, batch_kl = _nll_and_kl(but_last(logits), dense, batch[:, 1:])
                         del logits  # a batch of vocabulary-wide logits: hand it back before the next view's
                         return_freed_memory()
                     nll[i] += batch_nll
@@ -398,12 +398,13 @@ class RepairedCosts:
         a fresh 2.1 GB tensor at every batch of Gemma-3-270M's measuring rows.
         """
         apart = self._head_apart()
-        whole = lambda rows=None: _outputs(  # noqa: E731
+        whole = lambda rows=None: outputs_apart(  # noqa: E731
             self.model, apart, lambda extra: self.model(input_ids=batch[:rows], use_cache=False, **extra).logits)
         # nothing changed in front (start 0), or nothing left to start at (the candidate's view ends there)
         if states is None or self._plain or not 0 < start < len(get_blocks(self.model)[1]):
             return whole()
-        logits = _outputs(self.model, apart, lambda extra: logits_from(self.model, batch, start, states[start], extra))
+        logits = outputs_apart(self.model, apart,
+                               lambda extra: logits_from(self.model, batch, start, states[start], extra))
         if not self._checked:  # once: a block that passes on more than its hidden state breaks the shortcut
             self._checked = True
             # in float32 on the batch's first row alone (rows are whole, unpadded windows, so one tells what all
@@ -418,23 +419,6 @@ class RepairedCosts:
                 self._plain = True
                 return whole()
         return logits
-
-
-def _outputs(model: nn.Module, apart: dict | None, run) -> torch.Tensor | HeadOutputs:
-    """``run(extra)``'s logits, or with ``apart`` the final norm's output and the head, the logits not made.
-
-    ``run`` takes the forward's extra keyword arguments; ``apart``: :func:`~prune.model.head.head_apart`'s.
-    """
-    if apart is None:
-        return run({})
-    with normed_output(model) as kept:
-        run(apart)
-    return HeadOutputs(kept_hidden(kept, model), lm_head(model))
-
-
-def _but_last(logits: torch.Tensor | HeadOutputs) -> torch.Tensor | HeadOutputs:
-    """The logits at every position but the last (the predictions of the next tokens)."""
-    return logits.positions(slice(None, -1)) if isinstance(logits, HeadOutputs) else logits[:, :-1]
 
 
 @contextmanager
@@ -531,7 +515,7 @@ def divergence(model: nn.Module, original: nn.Module, token_ids: torch.Tensor, b
             batch = token_ids[first : first + batch_size]
             dense = _log_probs(original(input_ids=batch.to(input_device(original)), use_cache=False).logits)
             ids = batch.to(input_device(model))
-            logits = _but_last(_outputs(model, apart, lambda extra: model(input_ids=ids, use_cache=False,  # noqa: B023
+            logits = but_last(outputs_apart(model, apart, lambda extra: model(input_ids=ids, use_cache=False,  # noqa: B023
                                                                           **extra).logits))
             n, k = _nll_and_kl(logits, dense.to(logits.device), batch[:, 1:])
             nll, kl, targets = nll + n, kl + k, targets + batch.shape[0] * (batch.shape[1] - 1)
