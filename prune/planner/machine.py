@@ -3,12 +3,17 @@
 The planner's CPU rates (``prune.planner.stages.CPU_FLOPS``, ``ship.costs``' shares and byte rates) were measured
 on one 2-core machine. The same machine ran the same ship twice as fast on the evening of the day it was costed
 (its scoring pass 7.8 s a batch, then 4.0 s: another tenant of the host), and another machine is another speed.
-So before a plan, :func:`machine_speed` times a fixed float32 product on the threads the run will use and divides
-the reference time by it; the CPU rates are multiplied by that factor. It is measured once per process (about 1.5
-seconds), and ``$LAYERCUT_MACHINE_SPEED`` fixes it (tests set 1: their plans must not depend on the machine's load).
+So before a plan, :func:`machine_speed` times the forward of a block of the reference widths on the threads the
+run will use and divides the reference time by it; the CPU rates are multiplied by that factor. It is measured once
+per process (about 2 seconds), and ``$LAYERCUT_MACHINE_SPEED`` fixes it (tests set 1: their plans must not depend
+on the machine's load).
 
     from prune.planner.machine import machine_speed
-    machine_speed()   # 1.9: this CPU runs the planner's work 1.9x as fast as the reference machine did
+    machine_speed()   # 1.6: this CPU runs the planner's work 1.6x as fast as the reference machine did
+
+A whole block, not one matrix product: a Sapphire Rapids host ran a float32 product 2.0-2.2x as fast as the
+reference machine, and the stages 1.5-1.7x (their norms, attention, activations and copies gained less), so a
+product's probe planned every stage about 1.3x too short there (2026-12-05).
 
 A model of another width runs at another FLOP rate on the same CPU: a Llama-3.2-1B-shaped block at about 1.5x
 SmolLM2-135M's, whose scoring gave the rates. :func:`shape_speed` times a block of the model's widths against one
@@ -32,39 +37,36 @@ from prune.errors import LayercutError
 logger = logging.getLogger(__name__)
 
 SPEED_ENV = "LAYERCUT_MACHINE_SPEED"
-# the product timed: a scoring batch's tokens through one MLP projection of SmolLM2-135M (float32)
-PROBE_SHAPE = (2048, 576, 1536)
-PROBE_PRODUCTS = 4  # products per round
-PROBE_WARMUP_SECONDS = 0.5  # products before the timed rounds: the first ones run slow (threads, clocks)
-PROBE_ROUNDS = 12  # rounds timed after the warm-up; their lower quartile is the probe's time
-# the probe's time on the machine the rates were measured on: 2 threads of this project's 2-core machine, idle,
-# 2026-12-02, between the runs that measured CPU_FLOPS (prune.planner.stages) and ship.costs' reference
-# (0.0925 s in the first of six medians of 5 rounds, 0.0828-0.0845 s in the others: the warm ones). Measured as
-# such a median; the lower quartile read within 2 % of it on an idle host (2026-12-04: ten readings each, the
-# median's quiet ones 1.018-1.039x, the quartile's 1.014-1.050x)
-REFERENCE_SECONDS = 0.0835
+# the block the reference rates were measured on: SmolLM2-135M's widths (hidden, MLP, heads)
+REFERENCE_BLOCK = (576, 1536, 9)
+PROBE_BATCH = (4, 512)  # sequences x tokens a forward: the scoring batch CPU_FLOPS was measured on
+PROBE_WARMUP_SECONDS = 0.5  # forwards before the timed rounds: the first ones run slow (threads, clocks, pages)
+PROBE_ROUNDS = 12  # forwards timed after the warm-up; their lower quartile is the probe's time
+# The probe's time on the reference machine (2 threads of this project's 2-core machine, idle, 2026-12-02). That
+# machine is gone; its time is carried over from a host that ran both (2026-12-05, idle, 2 threads): the probe read
+# 0.075-0.087 s there in three readings around two `prune.run --drop 4 --samples 32` scoring passes of SmolLM2-135M
+# at 785-826 tokens/s against the reference's 482 (1.63-1.71x), and its prune.ship of SmolLM2-135M healed its drop 4
+# and built it 1.50x and 1.66x as fast as a host whose product probe read 1.05x the reference (1.58x and 1.74x the
+# reference's speed): 0.085 s x 1.6.
+REFERENCE_SECONDS = 0.135
 
 
 def probe_seconds(rounds: int = PROBE_ROUNDS) -> float:
-    """Seconds of ``PROBE_PRODUCTS`` float32 products of :data:`PROBE_SHAPE` on torch's threads: the lower quartile.
+    """Seconds of a float32 forward of a :data:`REFERENCE_BLOCK` on torch's threads: the rounds' lower quartile.
 
-    Not the median of a few rounds straight after the first product: that read a shared 2-core host at 0.73-1.01x
+    Not the median of a few rounds straight after the first forward: that read a shared 2-core host at 0.73-1.01x
     within one minute (2026-12-04), and a plan made just after a run gave every stage 1.33x the seconds the same
     run then took. Another tenant slows some rounds, never speeds one up, so the quicker rounds after a warm-up
     are the machine's own speed; on an idle machine the rounds agree and this is their median.
     """
-    tokens, hidden, width = PROBE_SHAPE
-    generator = torch.Generator().manual_seed(0)
-    left = torch.randn(tokens, hidden, generator=generator)  # [tokens, hidden]
-    right = torch.randn(hidden, width, generator=generator)  # [hidden, width]
+    forward, _ = _block_forward(*REFERENCE_BLOCK, *PROBE_BATCH)
     began = time.perf_counter()
     while time.perf_counter() - began < PROBE_WARMUP_SECONDS:
-        torch.mm(left, right)
+        forward()
     times = []
     for _ in range(rounds):
         began = time.perf_counter()
-        for _ in range(PROBE_PRODUCTS):
-            torch.mm(left, right)
+        forward()
         times.append(time.perf_counter() - began)
     return quick_rounds(times)
 
@@ -100,12 +102,11 @@ def machine_speed() -> float:
     return speed
 
 
-# the block the reference rates were measured on: SmolLM2-135M's widths (hidden, MLP, heads)
-REFERENCE_BLOCK = (576, 1536, 9)
 SHAPE_ROUNDS = 3  # turns of (reference block, the model's block); the median of their ratios is the factor
 
 
-def _block_forward(hidden: int, intermediate: int, heads: int, sequences: int, seq_len: int) -> Callable[[], int]:
+def _block_forward(hidden: int, intermediate: int, heads: int, sequences: int,
+                   seq_len: int) -> tuple[Callable[[], None], int]:
     """A Llama block of these widths with random float32 weights, as a call running it on a batch; FLOP a call."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -145,7 +146,7 @@ def shape_speed(hidden: int, intermediate: int, heads: int, sequences: int = 4, 
     """
     if os.environ.get(SPEED_ENV) or (hidden, intermediate) == REFERENCE_BLOCK[:2]:
         return 1.0
-    reference, reference_flop = _block_forward(*REFERENCE_BLOCK, 4, seq_len)  # CPU_FLOPS's own batch
+    reference, reference_flop = _block_forward(*REFERENCE_BLOCK, PROBE_BATCH[0], seq_len)  # CPU_FLOPS's own batch
     model, model_flop = _block_forward(hidden, intermediate, heads, sequences, seq_len)
     reference()
     model()

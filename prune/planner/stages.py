@@ -42,8 +42,8 @@ from prune.replace.registry import METHODS, closed_form_methods
 from prune.selection.repaired import MEASURE_EVERY
 
 # Throughput. CPU: SmolLM2-135M's scoring pass ran 482 tokens/s on 2 threads of this 2-core machine
-# (2026-12-02, prune.run --drop 4 --samples 32, idle, while prune.planner.machine's probe took its reference
-# 0.0835 s), 253 MFLOP a token (2 x 106 M block parameters + the float32 moment products): 1.22e11 FLOP/s in
+# (2026-12-02, prune.run --drop 4 --samples 32, idle: the machine prune.planner.machine's probe is the reference
+# of), 253 MFLOP a token (2 x 106 M block parameters + the float32 moment products): 1.22e11 FLOP/s in
 # float32, multiplied by this CPU's speed now against that machine (prune.planner.machine). GPU: an assumption,
 # 40 % of an H100 SXM's 989 TFLOP/s dense bf16 (NVIDIA H100 datasheet); bitsandbytes 4/8-bit weights at half
 # that (they are dequantized per call).

@@ -48,7 +48,19 @@ def test_the_probe_reads_its_quicker_rounds_and_a_slowed_few_do_not_move_it():
     assert machine.quick_rounds([0.3, 0.1]) == 0.1
 
 
-def test_the_probe_times_real_products():
+def test_the_probe_times_a_block_of_the_reference_widths_on_the_scoring_batch(monkeypatch):
+    asked = []
+
+    def forward(*widths):
+        asked.append(widths)
+        return (lambda: time.sleep(0.001)), 1
+    monkeypatch.setattr(machine, "_block_forward", forward)
+    monkeypatch.setattr(machine, "PROBE_WARMUP_SECONDS", 0.0)
+    assert machine.probe_seconds(rounds=4) == pytest.approx(0.001, abs=5e-3)
+    assert asked == [(576, 1536, 9, 4, 512)]  # SmolLM2-135M's widths, CPU_FLOPS's own batch
+
+
+def test_the_probe_times_a_real_block():
     seconds = machine.probe_seconds(rounds=1)
     assert math.isfinite(seconds) and 0 < seconds < 30
     assert machine.REFERENCE_SECONDS > 0
