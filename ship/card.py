@@ -165,6 +165,8 @@ def ship_command(config: ShipConfig) -> str:
                       ("--new-tokens", "new_tokens")):
         if getattr(config, key) != defaults[key].default:
             parts.append(f"{flag} {getattr(config, key)}")
+    parts += [f"--{key.replace('_', '-')} {shlex.quote(f'{value:g}' if isinstance(value, float) else str(value))}"
+              for key, value in config.heal_train.items()]
     if config.heal_data:
         parts.append(f"--heal-data {_quote(portable(config.heal_data))}")
         if config.heal_samples != defaults["heal_samples"].default:

@@ -32,7 +32,7 @@ from prune.options import (
 )
 from prune.pipeline.config import PruneConfig
 from prune.selection.strategies import DEFAULT_PROTECT
-from ship.config import DEFAULT_HEAL_STEPS, HEAL_BATCH, ShipConfig, parse_duration, ship_engines
+from ship.config import DEFAULT_HEAL_STEPS, HEAL_BATCH, HEAL_OPTIONS, ShipConfig, parse_duration, ship_engines
 from ship.shipper import Shipper, remove_work
 
 
@@ -82,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "trained on (default: none)")
     group.add_argument("--heal-samples", type=int, default=64, metavar="N",
                        help="sequences of --seq-len tokens drawn from --heal-data (default: 64)")
+    group.add_argument("--lora-r", type=int, default=None, metavar="R",
+                       help=f"LoRA rank of the heal's adapters (default: {HEAL_OPTIONS['lora_r']}, chosen on the "
+                       "selection split; see the README)")
+    group.add_argument("--lora-alpha", type=float, default=None, metavar="A",
+                       help=f"LoRA alpha of the heal's adapters (default: {HEAL_OPTIONS['lora_alpha']:g})")
+    group.add_argument("--lora-targets", default=None, metavar="NAMES",
+                       help="the blocks' Linear layers the heal adapts: a comma list of their names (q_proj,v_proj) "
+                       "or all-linear (default: all-linear)")
     group.add_argument("--processes", type=int, default=1, metavar="N",
                        help="heal on N processes launched by accelerate (DDP: one GPU each with --device cuda, gloo "
                        f"on the CPU, where they share the cores), splitting the {HEAL_BATCH} sequences of a step "
@@ -106,7 +114,11 @@ def config_from_args(args: argparse.Namespace) -> ShipConfig:
                       heldout=list(args.heldout), gguf_type=args.gguf_type, converter=args.converter,
                       verify=not args.no_verify, speed_repeats=args.repeats, prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, threads=args.threads, heal_steps=args.heal_steps,
-                      heal_data=args.heal_data, heal_samples=args.heal_samples, processes=args.processes)
+                      heal_data=args.heal_data, heal_samples=args.heal_samples, processes=args.processes,
+                      heal_train={key: value for key, value in (("lora_r", args.lora_r),
+                                                                ("lora_alpha", args.lora_alpha),
+                                                                ("lora_targets", args.lora_targets))
+                                  if value is not None})
 
 
 @cli_entry

@@ -122,6 +122,8 @@ class ShipConfig:
         heal_data: more text the heal trains on beside the calibration's fitting rows (a ``--data`` spec; None:
             none), ``heal_samples`` sequences of the calibration's length; the heal is judged on the calibration's
             measuring rows either way.
+        heal_train: LoRA's options in place of the heal's own (``lora_r``, ``lora_alpha``, ``lora_targets``:
+            ``--lora-r``, ``--lora-alpha``, ``--lora-targets``); empty: :data:`HEAL_OPTIONS`'.
         processes: the heal trains on this many processes, launched by accelerate (DDP; over gloo on the CPU,
             one GPU each with a GPU ``--device``), splitting each step's ``HEAL_BATCH`` sequences between them:
             the weights one process trains, within float rounding (:mod:`distill.launch`).
@@ -142,6 +144,7 @@ class ShipConfig:
     heal_steps: int = DEFAULT_HEAL_STEPS
     heal_data: str | None = None
     heal_samples: int = 64
+    heal_train: dict = field(default_factory=dict)
     processes: int = 1
 
     def __post_init__(self):
@@ -163,6 +166,8 @@ class ShipConfig:
             raise LayercutError(f"--heal-steps must be 0 (no healing) or more, got {self.heal_steps}")
         if self.heal_data is not None:  # the spec and the count refused here, not after the shortlist
             self.heal_data_config()
+        if self.heal_train:
+            self._check_heal_train()
         if self.local_heal:
             self._check_local_heal()
         per_process(DistillConfig(batch_size=HEAL_BATCH), self.processes)  # they split a step's sequences
@@ -205,6 +210,24 @@ class ShipConfig:
         """
         return self.prune.load.offload == "sequential" and bool(self.heal_steps)
 
+    def _check_heal_train(self) -> None:
+        """Refuse, in one line, LoRA options the heal cannot take (a layer name is checked once the model loads)."""
+        flags = "--" + ", --".join(key.replace("_", "-") for key in self.heal_train)
+        if unknown := set(self.heal_train) - {"lora_r", "lora_alpha", "lora_targets"}:
+            raise LayercutError(f"the heal takes lora_r, lora_alpha and lora_targets, not {', '.join(sorted(unknown))}")
+        if not self.heal_steps:
+            raise LayercutError(f"--heal-steps 0 heals nothing, so {flags} (the heal's adapters) change nothing: "
+                                "drop them, or heal")
+        if self.prune.load.offload == "sequential":
+            raise LayercutError(f"{flags} with --offload sequential: the heal block by block trains the two blocks "
+                                "beside each cut whole, with no adapters; drop them")
+        alpha = self.heal_train.get("lora_alpha")
+        if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
+            raise LayercutError(f"--lora-alpha must be a positive number, got {alpha}")
+        config = DistillConfig.from_dict({**HEAL_OPTIONS, **self.heal_train})  # a rank below 1: its own one line
+        if "lora_targets" in self.heal_train:  # as distillation spells it (each name once): one digest a choice
+            self.heal_train = {**self.heal_train, "lora_targets": config.lora_targets}
+
     def _check_local_heal(self) -> None:
         """Refuse, in one line, what the heal block by block does not do."""
         from prune.data.sources import parse_sources
@@ -243,7 +266,7 @@ class ShipConfig:
                 "heldout": list(self.heldout), "gguf_type": self.gguf_type if self.gguf else None,
                 "heal_steps": self.heal_steps,
                 # what the heal trains: a run healed at another LoRA rank is another run (its checkpoints differ)
-                **({"heal": local_heal_settings() if self.local_heal else heal_settings()}
+                **({"heal": local_heal_settings() if self.local_heal else heal_settings(self.heal_train)}
                    if self.heal_steps else {}),
                 **({"heal_data": self.heal_data, "heal_samples": self.heal_samples} if self.heal_data else {})}
 

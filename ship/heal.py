@@ -158,7 +158,8 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     ``before``: the checkpoint's ``{"kl", "ppl"}`` on the measuring rows where the shortlist measured them
     (the build put its fit in place), else measured here; ``more``: ``--heal-data``'s rows, trained on too.
     """
-    result = Healing(steps=steps, why=why, **(LOCAL_SETTINGS if config.local_heal else heal_settings()))
+    settings = LOCAL_SETTINGS if config.local_heal else heal_settings(config.heal_train)
+    result = Healing(steps=steps, why=why, **settings)
     shutil.rmtree(healed, ignore_errors=True)  # a killed heal's output: written again (its training resumes)
     if not steps:
         say(f"not healing: {why}")
@@ -176,7 +177,7 @@ def heal(config: ShipConfig, steps: int, why: str, checkpoint: Path, healed: Pat
     say(f"healing: {steps} steps of distillation towards the original ({why}){_over(config.processes)}; KL before "
         f"{before['kl']:.4f}" + resumed)
     done = heal_training(student, original, rows, steps, dataclasses.replace(prune, out=str(healed)), resume=True,
-                         processes=config.processes, folder=checkpoint)
+                         processes=config.processes, folder=checkpoint, train=config.heal_train or None)
     for folder in done.cleanup:
         shutil.rmtree(folder, ignore_errors=True)
     after = divergence(student.model, original.model, rows.measure, prune.batch_size)

@@ -89,6 +89,11 @@ def make_plan(config: ShipConfig) -> Plan:
     count = None
     if amounts is not None and meta.skeleton is not None:
         count = block_budget(prune, meta.skeleton, amounts)
+    targets = config.heal_train.get("lora_targets")
+    if targets is not None and meta.skeleton is not None:  # a misspelt layer refused now, not after the shortlist
+        from distill.trainable import lora_target_names
+
+        lora_target_names(meta.skeleton, targets=targets)
     check_engine(config)
     planned = None
     sized = prune if count is None else dataclasses.replace(prune, drop=count, target_params=None,
@@ -371,7 +376,7 @@ def _heal_plan(config: ShipConfig, prune: PruneConfig, keeps_original: bool = Fa
         return None
     # --heal-data's sequences train too (the teacher's cache writes them)
     train = heal_sequences(prune.data.samples, prune.data.seq_len, config.heal_samples if config.heal_data else 0)
-    options = {**HEAL_OPTIONS, "steps": config.heal_steps,
+    options = {**HEAL_OPTIONS, **config.heal_train, "steps": config.heal_steps,
                "data": {"samples": train, "heldout_samples": 0, "seq_len": HEAL_SEQ_LEN}}
     try:
         return plan_config(dataclasses.replace(prune, distill=options), hardware_for(prune.load.device),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -102,3 +103,27 @@ def test_heal_data_is_refused_with_its_own_flags_before_any_stage(tmp_path, chan
     changes = {"heal_data": "builtin", **changes}
     with pytest.raises(LayercutError, match=words):
         ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), engine="transformers", **changes)
+
+
+def test_the_heals_lora_options_are_settings_checked_before_any_stage(tiny_folder, tmp_path):
+    def config(load=None, **changes):
+        prune = PruneConfig(load={"model": str(tiny_folder), **(load or {})}, data={"data": "builtin"}, drop=2)
+        return ShipConfig(prune, out=str(tmp_path / "o"), engine="transformers", **changes)
+
+    default, ranked = config(), config(heal_train={"lora_r": 8, "lora_alpha": 16.0})
+    assert ranked.settings()["heal"] == {"train": "lora", "lr": 3e-4, "lora_r": 8, "lora_alpha": 16.0}
+    assert ranked.digest() != default.digest()  # another rank trains other weights: another run's work folder
+    # every Linear is the default: said or not, one run
+    assert config(heal_train={"lora_targets": "all-linear"}).digest() == default.digest()
+    spaced = config(heal_train={"lora_targets": " q_proj, v_proj,q_proj"})
+    assert spaced.heal_train == {"lora_targets": "q_proj,v_proj"}
+    assert spaced.settings()["heal"]["lora_targets"] == "q_proj,v_proj"
+    for changes, words in (({"heal_train": {"lora_r": 0}}, "--lora-r must be a positive integer, got 0"),
+                           ({"heal_train": {"lora_alpha": -1.0}}, "--lora-alpha must be a positive number, got -1"),
+                           ({"heal_train": {"lora_targets": "mlp.up_proj"}}, "--lora-targets takes all-linear or"),
+                           ({"heal_train": {"lora_r": 8}, "heal_steps": 0},
+                            "--heal-steps 0 heals nothing, so --lora-r (the heal's adapters) change nothing"),
+                           ({"heal_train": {"lora_r": 8, "lora_targets": "q_proj"}, "load": {"offload": "sequential"}},
+                            "--lora-r, --lora-targets with --offload sequential: the heal block by block")):
+        with pytest.raises(LayercutError, match=re.escape(words)):
+            config(**changes)

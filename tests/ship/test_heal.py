@@ -104,6 +104,9 @@ def test_the_heal_is_planned_holding_the_original_beside_the_checkpoint_and_no_s
 
     assert plan.planned_heal_seconds == planned_heal(config(heal_steps=50), prune) > 0
     assert make_plan(config(heal_steps=0)).planned_heal_peak is None
+    # --lora-r 4 on q_proj alone: fewer adapters, their gradients and Adam's moments than rank 64 on every Linear
+    narrow = config(heal_steps=50, heal_train={"lora_r": 4, "lora_targets": "q_proj"})
+    assert planned_heal_peak(narrow, prune)["cpu"] < peak["cpu"]
 
 
 def test_the_card_says_what_the_heal_trained():

@@ -178,6 +178,20 @@ def test_heal_data_is_trained_on_beside_the_calibration_rows_and_judged_on_the_s
     assert "--heal-data" in card.split("## Reproduce")[1] and "--heal-samples 8" in card
 
 
+def test_the_heal_trains_the_lora_adapters_asked_for_and_the_card_says_so(tmp_path, tiny_folder, text_file, capsys,
+                                                                          one_thread):
+    args = base_args(tiny_folder, text_file)
+    args[args.index("--heal-steps") + 1] = "20"
+    code, stdout, err = ship(capsys, *args, "--lora-r", "4", "--lora-alpha", "8", "--lora-targets", "q_proj,v_proj",
+                             "--no-verify", "--out", tmp_path / "ranked")
+    assert code == 0, err
+    heal = json.loads((tmp_path / "ranked.work" / "heal.json").read_text())
+    assert (heal["lora_r"], heal["lora_alpha"], heal["lora_targets"]) == (4, 8.0, "q_proj,v_proj")
+    card = (tmp_path / "ranked" / "README.md").read_text()
+    assert "LoRA of rank 4 and alpha 8 on the q_proj, v_proj layers of the kept blocks, merged" in card
+    assert "--lora-r 4 --lora-alpha 8 --lora-targets q_proj,v_proj" in card.split("## Reproduce")[1]
+
+
 def test_only_a_float32_build_takes_the_shortlists_figures_as_the_checkpoints(shipped, tmp_path, tiny_folder,
                                                                               text_file, capsys, one_thread):
     out, _ = shipped
@@ -359,6 +373,7 @@ def test_a_ship_killed_in_its_heal_block_by_block_goes_on_from_the_cuts_it_kept(
     (["--time-budget", "1s"], "--time-budget 1s: the planner gives"),
     (["--time-budget", "soon"], "give a duration such as 30m"),
     (["--unit", "mlp"], "unrecognized"),
+    (["--heal-steps", "10", "--lora-targets", "q_porj"], "--lora-targets: the blocks have no Linear layer named q_p"),
 ])
 def test_bad_input_is_one_line_before_any_weight_is_read(tiny_folder, text_file, tmp_path, capsys, extra, words,
                                                          monkeypatch, no_model_load):
