@@ -165,8 +165,7 @@ def ship_command(config: ShipConfig) -> str:
                       ("--new-tokens", "new_tokens")):
         if getattr(config, key) != defaults[key].default:
             parts.append(f"{flag} {getattr(config, key)}")
-    parts += [f"--{key.replace('_', '-')} {shlex.quote(f'{value:g}' if isinstance(value, float) else str(value))}"
-              for key, value in config.heal_train.items()]
+    parts += [f"--{key.replace('_', '-')} {shlex.quote(_number(value))}" for key, value in config.heal_train.items()]
     if config.heal_data:
         parts.append(f"--heal-data {_quote(portable(config.heal_data))}")
         if config.heal_samples != defaults["heal_samples"].default:
@@ -293,6 +292,13 @@ def _count(value) -> str:
 
 def _num(value, digits: int) -> str:
     return "" if value is None or (isinstance(value, float) and not math.isfinite(value)) else f"{value:.{digits}f}"
+
+
+def _number(value) -> str:
+    """A flag's value as typed: ``128`` for 128.0, every digit where ``:g`` would round it (it must parse back)."""
+    if isinstance(value, float) and float(f"{value:g}") == value:
+        return f"{value:g}"
+    return repr(value) if isinstance(value, float) else str(value)
 
 
 def _quote(text: str) -> str:

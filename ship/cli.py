@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--heal-samples", type=int, default=64, metavar="N",
                        help="sequences of --seq-len tokens drawn from --heal-data (default: 64)")
     group.add_argument("--lora-r", type=int, default=None, metavar="R",
-                       help=f"LoRA rank of the heal's adapters (default: {HEAL_OPTIONS['lora_r']}, chosen on the "
-                       "selection split; see the README)")
+                       help=f"LoRA rank of the heal's adapters; their update is scaled by alpha / rank, and alpha "
+                       f"stays {HEAL_OPTIONS['lora_alpha']:g} unless --lora-alpha (default: {HEAL_OPTIONS['lora_r']}, "
+                       "chosen on the selection split; see the README)")
     group.add_argument("--lora-alpha", type=float, default=None, metavar="A",
                        help=f"LoRA alpha of the heal's adapters (default: {HEAL_OPTIONS['lora_alpha']:g})")
     group.add_argument("--lora-targets", default=None, metavar="NAMES",

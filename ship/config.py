@@ -148,6 +148,7 @@ class ShipConfig:
     processes: int = 1
 
     def __post_init__(self):
+        self.heal_train = dict(self.heal_train or {})  # this run's own: the caller's dict is never changed
         engines = ship_engines()
         if self.engine not in engines:
             raise LayercutError(f"--engine {self.engine}: choose one of {', '.join(engines)}")
@@ -214,7 +215,8 @@ class ShipConfig:
         """Refuse, in one line, LoRA options the heal cannot take (a layer name is checked once the model loads)."""
         flags = "--" + ", --".join(key.replace("_", "-") for key in self.heal_train)
         if unknown := set(self.heal_train) - {"lora_r", "lora_alpha", "lora_targets"}:
-            raise LayercutError(f"the heal takes lora_r, lora_alpha and lora_targets, not {', '.join(sorted(unknown))}")
+            raise LayercutError(f"heal_train takes lora_r, lora_alpha and lora_targets, not "
+                                f"{', '.join(sorted(unknown))}: drop the others")
         if not self.heal_steps:
             raise LayercutError(f"--heal-steps 0 heals nothing, so {flags} (the heal's adapters) change nothing: "
                                 "drop them, or heal")
@@ -223,10 +225,10 @@ class ShipConfig:
                                 "beside each cut whole, with no adapters; drop them")
         alpha = self.heal_train.get("lora_alpha")
         if alpha is not None and not (math.isfinite(alpha) and alpha > 0):
-            raise LayercutError(f"--lora-alpha must be a positive number, got {alpha}")
+            raise LayercutError(f"--lora-alpha must be positive, got {alpha}")
         config = DistillConfig.from_dict({**HEAL_OPTIONS, **self.heal_train})  # a rank below 1: its own one line
         if "lora_targets" in self.heal_train:  # as distillation spells it (each name once): one digest a choice
-            self.heal_train = {**self.heal_train, "lora_targets": config.lora_targets}
+            self.heal_train["lora_targets"] = config.lora_targets
 
     def _check_local_heal(self) -> None:
         """Refuse, in one line, what the heal block by block does not do."""

@@ -90,7 +90,8 @@ def make_plan(config: ShipConfig) -> Plan:
     if amounts is not None and meta.skeleton is not None:
         count = block_budget(prune, meta.skeleton, amounts)
     targets = config.heal_train.get("lora_targets")
-    if targets is not None and meta.skeleton is not None:  # a misspelt layer refused now, not after the shortlist
+    # a misspelt layer refused now, not after the shortlist (a model with no skeleton: when the heal loads it)
+    if targets is not None and meta.skeleton is not None:
         from distill.trainable import lora_target_names
 
         lora_target_names(meta.skeleton, targets=targets)

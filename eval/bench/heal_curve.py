@@ -17,10 +17,10 @@ the tasks, drawn beside the perplexity.
 
 The calibration rows are a ship run's own (``--calibration OUT.work/calibration.safetensors``, key ``token_ids``),
 else drawn as ``prune.ship`` draws them (``--data --samples --seq-len --seed``); ``--seed`` seeds the heal as
-ship's does. ``--train``, ``--lora-r``, ``--lora-alpha`` and ``--lora-targets`` heal otherwise than ship (every
-weight but the embedding and head at distillation's learning rate for it, or LoRA of another rank, scale or set of
-layers): what chooses ship's
-own on the selection split; the record says what was trained, at what learning rate.
+ship's does. ``--train``, ``--lora-r``, ``--lora-alpha`` and ``--lora-targets`` heal otherwise than ship's
+defaults (every weight but the embedding and head at distillation's learning rate for it, or LoRA of another rank,
+scale or set of layers, as ``prune.ship --lora-r`` and its kin train it): what chooses ship's own on the selection
+split; the record says what was trained, at what learning rate.
 
     python -m eval.bench heal-curve --model smollm2-135m --checkpoint slim.work/checkpoint \
         --calibration slim.work/calibration.safetensors --steps 0,50,100,200 --heldout plays=plays.txt --out curve/ \
@@ -246,7 +246,7 @@ def heal_curve_markdown(results: dict) -> str:
     heal = results["heal"]
     blocks = heal["train"] == "blocks"
     ship = "prune.ship --offload sequential" if blocks else "prune.ship"
-    how = f"as {ship} heals" if heal.get("as_ship", True) else f"otherwise than {ship} heals"
+    how = f"as {ship} heals" if heal.get("as_ship", True) else f"otherwise than {ship} heals by default"
     lines = [f"{results['model']} healed from {Path(results['checkpoint']).name} {how} (train {heal['train']}"
              + (f", rank {heal['lora_r']}, alpha {heal['lora_alpha']:g}" if "lora_r" in heal else "")
              + (f", adapters on {heal['lora_targets']}" if "lora_targets" in heal else "")

@@ -5,8 +5,8 @@ on one 2-core machine. The same machine ran the same ship twice as fast on the e
 (its scoring pass 7.8 s a batch, then 4.0 s: another tenant of the host), and another machine is another speed.
 So before a plan, :func:`machine_speed` times the forward of a block of the reference widths on the threads the
 run will use and divides the reference time by it; the CPU rates are multiplied by that factor. It is measured once
-per process (about 2 seconds), and ``$LAYERCUT_MACHINE_SPEED`` fixes it (tests set 1: their plans must not depend
-on the machine's load).
+per process (1.5-2 seconds, 3-4 on a busy host), and ``$LAYERCUT_MACHINE_SPEED`` fixes it (tests set 1: their plans
+must not depend on the machine's load).
 
     from prune.planner.machine import machine_speed
     machine_speed()   # 1.6: this CPU runs the planner's work 1.6x as fast as the reference machine did

@@ -75,14 +75,16 @@ def test_the_ship_command_of_the_cli_parses_back_to_the_same_config(tmp_path):
     from ship.cli import build_parser, config_from_args
 
     original = config(tmp_path, heal_steps=50, verify=False, heal_data="builtin", heal_samples=16,
-                      heal_train={"lora_r": 16, "lora_alpha": 32.0, "lora_targets": "q_proj,v_proj"})
+                      heal_train={"lora_r": 16, "lora_alpha": 0.1234567, "lora_targets": "q_proj,v_proj"})
     argv = shlex.split(ship_command(original))[3:]
     assert argv[argv.index("--heal-data") + 1] == "builtin" and argv[argv.index("--heal-samples") + 1] == "16"
     assert [argv[argv.index(flag) + 1] for flag in ("--lora-r", "--lora-alpha", "--lora-targets")] == [
-        "16", "32", "q_proj,v_proj"]
+        "16", "0.1234567", "q_proj,v_proj"]
     argv[argv.index("--out") + 1] = original.out
     again = config_from_args(build_parser().parse_args(argv))
     assert again.settings() == original.settings() != config(tmp_path, heal_steps=50, verify=False).settings()
+    assert again.settings() != config(tmp_path, heal_steps=50, verify=False, heal_data="builtin",
+                                      heal_samples=16).settings()  # the adapters are a setting
     assert (again.time_budget, again.speed_repeats, again.verify) == (150.0, 1, False)
 
 

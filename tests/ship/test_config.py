@@ -119,7 +119,7 @@ def test_the_heals_lora_options_are_settings_checked_before_any_stage(tiny_folde
     assert spaced.heal_train == {"lora_targets": "q_proj,v_proj"}
     assert spaced.settings()["heal"]["lora_targets"] == "q_proj,v_proj"
     for changes, words in (({"heal_train": {"lora_r": 0}}, "--lora-r must be a positive integer, got 0"),
-                           ({"heal_train": {"lora_alpha": -1.0}}, "--lora-alpha must be a positive number, got -1"),
+                           ({"heal_train": {"lora_alpha": -1.0}}, "--lora-alpha must be positive, got -1"),
                            ({"heal_train": {"lora_targets": "mlp.up_proj"}}, "--lora-targets takes all-linear or"),
                            ({"heal_train": {"lora_r": 8}, "heal_steps": 0},
                             "--heal-steps 0 heals nothing, so --lora-r (the heal's adapters) change nothing"),

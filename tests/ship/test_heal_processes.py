@@ -211,11 +211,13 @@ def test_the_launch_job_file_gives_each_process_its_share_of_the_same_options(tm
     from distill.launch import LaunchJob, per_process
     from prune.errors import LayercutError
 
-    config = DistillConfig(steps=30, train="lora", teacher_cache="topk=256", seed=3, save_every=10)
+    config = DistillConfig(steps=30, train="lora", teacher_cache="topk=256", seed=3, save_every=10, lora_r=4,
+                           lora_alpha=8.0, lora_targets="q_proj,v_proj")  # prune.ship --lora-*: in every process
     job = LaunchJob(student="s", dtype="float32", device="cpu", config=config, layout=[[0], [3]], cache_key="k",
                     work=str(tmp_path), resume=True, processes=2)
     again = LaunchJob.from_json(job.to_json())
     assert again == job and again.config.to_dict() == config.to_dict()
+    assert (again.config.lora_r, again.config.lora_alpha, again.config.lora_targets) == (4, 8.0, "q_proj,v_proj")
     assert per_process(config, 2).batch_size * 2 == config.batch_size
     assert per_process(config, 1) == config
     with pytest.raises(LayercutError, match="give one of 1, 2, 4"):

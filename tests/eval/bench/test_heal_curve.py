@@ -153,7 +153,7 @@ def test_train_flags_heal_otherwise_and_are_recorded(setup, tmp_path, monkeypatc
     heal = results["heal"]
     # what was trained is recorded, not ship's LoRA settings beside it
     assert heal["train"] == "all" and heal["lr"] == 2e-5 and "lora_r" not in heal and not heal["as_ship"]
-    assert "otherwise than prune.ship heals (train all, lr 2e-05," in (out / "heal_curve.md").read_text()
+    assert "otherwise than prune.ship heals by default (train all, lr 2e-05," in (out / "heal_curve.md").read_text()
     assert results["points"][0]["kl"] != results["kl_before"]
 
 
