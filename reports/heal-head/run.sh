@@ -50,11 +50,11 @@ for name in ("whole logits", "through the head", "whole logits again", "through 
 json.dump({"model": model, "steps": steps, "dropped": drop, "results": results}, open(out, "w"), indent=1)
 PY
 }
-ship() {  # name, model
+ship() {  # name, model, more flags
   rm -rf "$OUT/$1" "$OUT/$1.work"
   echo "ship $1 $(date +%T) $(uptime)"
   /usr/bin/time -v python -m prune.ship --model "$2" --drop 4 --offload none --data builtin --no-verify \
-    --engine transformers --threads 2 --out "$OUT/$1" > "$OUT/$1.log" 2>&1
+    --engine transformers --threads 2 "${@:3}" --out "$OUT/$1" > "$OUT/$1.log" 2>&1
 }
 checkpoint() {  # model: one heal checkpoint written before and after the tied head's second name was left out
   echo "checkpoint $(date +%T) $(uptime)"
@@ -145,4 +145,6 @@ ship smollm2 smollm2-135m
 checkpoint "$GEMMA"
 tasks gemma
 cache "$GEMMA" 224 "$OUT/cache224.json"
+ship gemma200 "$GEMMA" --heal-steps 200  # issue 79's limit of steps, at dc1ab81
+tasks gemma200
 echo "end $(date +%T) $(uptime)"
