@@ -42,4 +42,10 @@ ship() {  # name, model
 probes
 ship gemma "$GEMMA"
 ship smollm2 smollm2-135m
+# the Llama-3.2-1B shape block by block (random float32 weights), as reports/heal-blocks runs it
+python -m eval.bench scale --shape llama-3.2-1b --write-only --out "$OUT/s1b"
+echo "ship 1b $(date +%T) $(uptime)"
+/usr/bin/time -v python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 \
+  --seq-len 512 --heldout-samples 2 --heal-steps 20 --engine transformers --no-verify --threads 2 \
+  --offload sequential --out "$OUT/s1b/ship-heal" > "$OUT/s1b.log" 2>&1
 echo "end $(date +%T) $(uptime)"
