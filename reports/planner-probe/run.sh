@@ -48,4 +48,8 @@ echo "ship 1b $(date +%T) $(uptime)"
 /usr/bin/time -v python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 \
   --seq-len 512 --heldout-samples 2 --heal-steps 20 --engine transformers --no-verify --threads 2 \
   --offload sequential --out "$OUT/s1b/ship-heal" > "$OUT/s1b.log" 2>&1
+# the same, training-free, profiled: where the shortlist's seconds go
+python -m cProfile -o "$OUT/s1b.prof" -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin \
+  --samples 16 --seq-len 512 --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 \
+  --offload sequential --out "$OUT/s1b/prof" > "$OUT/s1b-prof.log" 2>&1
 echo "end $(date +%T) $(uptime)"
