@@ -10,6 +10,7 @@ The distillation part takes plain numbers (:class:`DistillSpec`): prune never im
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,8 +71,13 @@ FIT_FLOPS = 3.88e10
 # torch.linalg.eigh of an n x n float64 matrix, in FIT_FLOPS' operations per n^3: 0.13-0.15 ns per n^3 at n = 576 to
 # 4,096 on 2 threads of this machine (2026-12-03, its probe at 0.98-1.02x), 0.19 ns at n = 8,192 (a Llama-3.2-1B
 # shape's fold, 105 s of a 430 s prune.run). Counted as n^3 until then, the fold's solve at the MLP width was most
-# of what the planner missed on the 1B and 8B shapes.
+# of what the planner missed on the 1B and 8B shapes. EIGH_FLOPS up to EIGH_NARROW, EIGH_WIDE_FLOPS (0.19 ns) from
+# EIGH_WIDE on (wider ones unmeasured: the same), between them in proportion to log n (eigh_flops): counted at 6
+# throughout, the 1B shape's two folds at 8,192 took 101 s of its shortlist where 84 were planned (2026-12-05,
+# reports/planner-probe).
 EIGH_FLOPS = 6.0
+EIGH_WIDE_FLOPS = 7.4
+EIGH_NARROW, EIGH_WIDE = 4096, 8192
 # On a GPU, models of this project's sizes leave it idle: a pass costs its kernel launches and Python, not its
 # arithmetic. Both floors were read off one H200 (2026-12-04, reports/gpu-ship/h200-2026-12-04: bfloat16, torch 2.11,
 # transformers 5.17) and hold for the host's Python as much as for the GPU.
@@ -193,7 +199,17 @@ def score_decompositions(shape: ModelShape) -> float:
 
     (``prune.measure.moments.StateMoments.gram_eigh``.)
     """
-    return (shape.layers + 1) * EIGH_FLOPS * shape.hidden ** 3
+    return (shape.layers + 1) * eigh_flops(shape.hidden) * shape.hidden ** 3
+
+
+def eigh_flops(n: int) -> float:
+    """FIT_FLOPS' operations per n^3 of an n x n float64 eigendecomposition (:data:`EIGH_FLOPS` and its wide kin)."""
+    if n <= EIGH_NARROW:
+        return EIGH_FLOPS
+    if n >= EIGH_WIDE:
+        return EIGH_WIDE_FLOPS
+    share = math.log(n / EIGH_NARROW) / math.log(EIGH_WIDE / EIGH_NARROW)
+    return EIGH_FLOPS + share * (EIGH_WIDE_FLOPS - EIGH_FLOPS)
 
 
 def fit_rate(inp: PlanInput) -> float:
@@ -211,13 +227,13 @@ def fit_flops(shape: ModelShape, width: int, tokens: int, rounds: int = 0) -> fl
     """FLOP of one span's closed-form fit over ``tokens``, as :data:`FIT_FLOPS` counts them: its sums and solves.
 
     The sums are the Gram of the regressor (``width`` wide: the hidden state, or the MLP's input for a fold) and
-    its cross with the target; the solve decomposes that Gram (:data:`EIGH_FLOPS`); a rotating fit's ``rounds``
+    its cross with the target; the solve decomposes that Gram (:func:`eigh_flops`); a rotating fit's ``rounds``
     (``Method.fit_rounds``) each take an SVD of the hidden width and solve against the regressor.
     """
     if not width:
         return 0.0
     sums = 2 * tokens * (width + shape.hidden) ** 2
-    return sums + EIGH_FLOPS * width ** 3 + rounds * (20 * shape.hidden ** 3 + 4 * width ** 2 * shape.hidden)
+    return sums + eigh_flops(width) * width ** 3 + rounds * (20 * shape.hidden ** 3 + 4 * width ** 2 * shape.hidden)
 
 
 def _disk_pass(shape: ModelShape, inp: PlanInput) -> float:
