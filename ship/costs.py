@@ -24,7 +24,7 @@ about the build (``--replace none``), holds one set of moments and no fit, where
 scores' decompositions and every repair's fits at once (a Llama-3-8B shape on an H200,
 2026-12-04: 61.3 GB measured, 26.3 GB planned for the whole run).
 
-Rates are ``prune.planner.stages``' FLOP rate times what a kind of pass reached of it on this 2-core machine
+Rates are ``prune.planner.rates``' FLOP rate times what a kind of pass reached of it on this 2-core machine
 (SmolLM2-135M, ``--drop 8 --samples 32``, idle, 2026-12-02; ``reports/ship-fast/``), and byte rates for what reads
 and writes files, all at the reference machine's speed and multiplied by this CPU's now
 (:func:`prune.planner.machine.machine_speed`). On a GPU the same counts run at the GPU rate, and what is not
@@ -45,18 +45,17 @@ from dataclasses import dataclass
 from prune.planner.inputs import PlanInput
 from prune.planner.machine import machine_speed
 from prune.planner.memory import weight_bytes
-from prune.planner.shape import ModelShape
-from prune.planner.stages import (
+from prune.planner.rates import (
     DISK_BYTES_PER_S,
     GPU_BLOCK_CALL_SECONDS,
-    Stage,
-    _flops,
-    _rate,
     fit_flops,
     fit_rate,
+    flop_rate,
+    forward_flops,
     score_decompositions,
-    stage_shortlist,
 )
+from prune.planner.shape import ModelShape
+from prune.planner.stages import Stage, stage_shortlist
 
 # what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
 SCORING_SHARE = 1.145  # the scoring pass, every state's Gram and every pair's cosines (32 s for 16,384 tokens)
@@ -147,14 +146,14 @@ class ShipWork:
 
 def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str, float]:
     """Seconds of each stage (``shortlist``, its calibration included, ``build``, ``heal``, ``export``, ``verify``)."""
-    rate = _rate(inp)
+    rate = flop_rate(inp)
     layers, kept = shape.layers, shape.layers - work.drop
     tokens = inp.samples * inp.seq_len
     measure = max(1, inp.samples // 8) * inp.seq_len
     moments = (2 * layers + 1) * 2 * shape.hidden ** 2
 
     def passes(count: float, blocks: float, share: float, head: bool = False, extra: float = 0.0) -> float:
-        return count * (_flops(shape, blocks, head) + extra) / (rate * share)
+        return count * (forward_flops(shape, blocks, head) + extra) / (rate * share)
 
     fits_rate = fit_rate(inp)  # the fits run where the model does
     cpu = machine_speed()  # the converter, the sampling's reads, the writes and the processes run on this CPU
@@ -226,7 +225,7 @@ def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> fl
 
     Each check that runs (serving; fidelity in memory only; speed unless ``work.speed`` is False) starts a process
     that reads both models; every pass and decode step costs a call of each block it runs
-    (:data:`prune.planner.stages.GPU_BLOCK_CALL_SECONDS`). Their arithmetic is left out: a 70B model's 4,096 held-out
+    (:data:`prune.planner.rates.GPU_BLOCK_CALL_SECONDS`). Their arithmetic is left out: a 70B model's 4,096 held-out
     tokens are about a second of it.
     """
     from eval.bench.checks import GREEDY_TOKENS
@@ -268,7 +267,8 @@ def _fidelity_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> floa
     steps = math.ceil(options.prompts / options.batch_size) * options.new_tokens
 
     def passes(blocks: int) -> float:
-        return (tokens * _flops(shape, blocks) + written * _flops(shape, 0, True)) / (_rate(inp) * SERVING_SHARE)
+        flop = tokens * forward_flops(shape, blocks) + written * forward_flops(shape, 0, True)
+        return flop / (flop_rate(inp) * SERVING_SHARE)
 
     total = 2 * PROCESS_SECONDS / machine_speed()  # a fresh Python, and the second model's load
     decoders = (shape.layers - work.drop,) if work.fidelity_kept else (shape.layers, shape.layers - work.drop)
@@ -287,7 +287,7 @@ def _speed_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
     if not work.speed:
         return total
     for blocks in (shape.layers, shape.layers - work.drop):
-        prefill = work.prompt_len * _flops(shape, blocks, True) / (_rate(inp) * ENGINE_SHARE)
+        prefill = work.prompt_len * forward_flops(shape, blocks, True) / (flop_rate(inp) * ENGINE_SHARE)
         decode = work.new_tokens * weight_bytes(shape, inp, blocks) / (SAMPLE_BYTES_PER_S * machine_speed() * 8 / 2)
         total += (work.speed_rounds + 1) * 2 * (prefill + decode)
     return total

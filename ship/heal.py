@@ -34,7 +34,7 @@ from prune.selection.repaired import divergence, split_rows
 from ship.config import HEAL_OPTIONS, ShipConfig, duration_words
 from ship.work import StageResult
 
-# the planner's healing time (its rates measured on this heal's own kind of step, prune.planner.stages.TRAIN_SHARE)
+# the planner's healing time (its rates measured on this heal's own kind of step, prune.planner.rates.TRAIN_SHARE)
 # is multiplied by this before the steps are fitted into the time left: a heal that overruns takes the engine
 # checks' time
 HEAL_MARGIN = 1.15

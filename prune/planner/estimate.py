@@ -27,10 +27,9 @@ from prune.errors import LayercutError
 from prune.planner.inputs import DistillSpec, Hardware, PlanInput, lora_targets_spec
 from prune.planner.machine import machine_speed
 from prune.planner.memory import add
+from prune.planner.rates import CPU_SOURCE, GPU_SOURCE
 from prune.planner.shape import ModelShape, build_on_meta, read_config, shape_of_model, shape_of_name
 from prune.planner.stages import (
-    CPU_SOURCE,
-    GPU_SOURCE,
     Stage,
     stage_distillation,
     stage_evaluation,

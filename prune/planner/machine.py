@@ -1,6 +1,6 @@
 """How fast this CPU runs now, against the machine the planner's rates were measured on.
 
-The planner's CPU rates (``prune.planner.stages.CPU_FLOPS``, ``ship.costs``' shares and byte rates) were measured
+The planner's CPU rates (``prune.planner.rates.CPU_FLOPS``, ``ship.costs``' shares and byte rates) were measured
 on one 2-core machine. The same machine ran the same ship twice as fast on the evening of the day it was costed
 (its scoring pass 7.8 s a batch, then 4.0 s: another tenant of the host), and another machine is another speed.
 So before a plan, :func:`machine_speed` times the forward of a block of the reference widths on the threads the

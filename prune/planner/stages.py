@@ -4,18 +4,17 @@
 with the bytes per device (by what fills them, from :mod:`prune.planner.memory`) and its seconds.
 Times divide each stage's arithmetic (2 x parameters a token passes through for a forward, x2 again for a
 backward through frozen weights, x3 with gradients for every weight) by a throughput: measured on this
-machine's CPU, and an assumed share of an H100's bf16 peak on a GPU; the plan names which one gave each time.
+machine's CPU, and an assumed share of an H100's bf16 peak on a GPU (:mod:`prune.planner.rates`); the plan names
+which one gave each time.
 The distillation part takes plain numbers (:class:`DistillSpec`): prune never imports ``distill``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prune.planner.inputs import DTYPE_BYTES, PlanInput
-from prune.planner.machine import machine_speed
 from prune.planner.memory import (
     CPU_BASELINE_BYTES,
     CUDA_CONTEXT_BYTES,
@@ -38,64 +37,22 @@ from prune.planner.memory import (
     train_activation_bytes,
     weight_bytes,
 )
+from prune.planner.rates import (
+    DISK_BYTES_PER_S,
+    FP32_SHARE,
+    GPU_BLOCK_CALL_SECONDS,
+    GPU_STEP_SECONDS,
+    TEACHER_SHARE,
+    TRAIN_SHARE,
+    fit_flops,
+    fit_rate,
+    flop_rate,
+    forward_flops,
+    score_decompositions,
+)
 from prune.planner.shape import ModelShape
 from prune.replace.registry import METHODS, closed_form_methods
 from prune.selection.repaired import MEASURE_EVERY
-
-# Throughput. CPU: SmolLM2-135M's scoring pass ran 482 tokens/s on 2 threads of this 2-core machine
-# (2026-12-02, prune.run --drop 4 --samples 32, idle: the machine prune.planner.machine's probe is the reference
-# of), 253 MFLOP a token (2 x 106 M block parameters + the float32 moment products): 1.22e11 FLOP/s in
-# float32, multiplied by this CPU's speed now against that machine (prune.planner.machine). GPU: an assumption,
-# 40 % of an H100 SXM's 989 TFLOP/s dense bf16 (NVIDIA H100 datasheet); bitsandbytes 4/8-bit weights at half
-# that (they are dequantized per call).
-CPU_FLOPS = 1.22e11
-GPU_FLOPS = 0.4 * 989e12
-QUANTIZED_SPEED = 0.5
-DISK_BYTES_PER_S = 1.0e9  # assumption: a local NVMe read with a cold page cache
-CPU_SOURCE = "CPU: 1.22e11 FLOP/s measured (SmolLM2-135M scoring, 482 tokens/s, 2 threads)"
-# What distillation reaches of CPU_FLOPS on the CPU: eval.bench teacher-cache --train lora on SmolLM2-135M at drop 8
-# (prune.ship's heal; 4 x 128 tokens a step, 2 threads, idle, the reference machine's speed, 2026-12-02): the
-# student's forward and backward 2.718 s a step (the cached run: 217.5 GFLOP planned), the teacher's forward 0.776 s
-# more (the online run, 3.494 s: 137.7 GFLOP). The teacher's forward outruns the scoring pass, which also
-# multiplies every state's float32 moments; the student's backward through LoRA's many small products does not.
-TRAIN_SHARE = 0.656
-TEACHER_SHARE = 1.455
-# float64 on a GPU: 40 % of an H100 SXM's 67 TFLOP/s FP64 Tensor Core peak (NVIDIA H100 datasheet), the closed-form
-# fits' arithmetic (prune.measure.least_squares, prune.replace.rotate)
-GPU_FP64_FLOPS = 0.4 * 67e12
-GPU_SOURCE = "GPU: 40 % of H100 bf16 peak (989 TFLOP/s, NVIDIA datasheet) = 4.0e14 FLOP/s per GPU"
-# The closed-form work in float64, at the reference machine's speed (fitted on prune.ship's SmolLM2-135M runs,
-# ship.costs): a fit's sums (its regressor's Gram and the cross with its target) and the eigendecompositions that
-# the scores and the least-squares solves go through (prune.measure.least_squares).
-FIT_FLOPS = 3.88e10
-# torch.linalg.eigh of an n x n float64 matrix, in FIT_FLOPS' operations per n^3: 0.13-0.15 ns per n^3 at n = 576 to
-# 4,096 on 2 threads of this machine (2026-12-03, its probe at 0.98-1.02x), 0.19 ns at n = 8,192 (a Llama-3.2-1B
-# shape's fold, 105 s of a 430 s prune.run). Counted as n^3 until then, the fold's solve at the MLP width was most
-# of what the planner missed on the 1B and 8B shapes. EIGH_FLOPS up to EIGH_NARROW, EIGH_WIDE_FLOPS (0.19 ns) from
-# EIGH_WIDE on (wider ones unmeasured: the same), between them in proportion to log n (eigh_flops): counted at 6
-# throughout, the 1B shape's two folds at 8,192 took 101 s of its shortlist where 84 were planned (2026-12-05,
-# reports/planner-probe).
-EIGH_FLOPS = 6.0
-EIGH_WIDE_FLOPS = 7.4
-EIGH_NARROW, EIGH_WIDE = 4096, 8192
-# On a GPU, models of this project's sizes leave it idle: a pass costs its kernel launches and Python, not its
-# arithmetic. Both floors were read off one H200 (2026-12-04, reports/gpu-ship/h200-2026-12-04: bfloat16, torch 2.11,
-# transformers 5.17) and hold for the host's Python as much as for the GPU.
-# A block's forward call at a decode step: SmolLM2-135M decoded 60.4 tokens/s through 30 blocks (0.55 ms a block),
-# the Llama-3.2-1B shape 69.4 through 16 (0.90 ms: its 128k-wide head).
-GPU_BLOCK_CALL_SECONDS = 5.5e-4
-# A LoRA distillation step of 4 x 128 tokens (forward, backward, the optimizer): 100 steps took 17.8 s on SmolLM2-135M
-# at drop 8 (22 blocks), 18.2 s on the 1B shape at drop 4 (12 blocks), 23.9 s on Gemma-3-270M's shape (14 blocks)
-GPU_STEP_SECONDS = 0.18
-# float32 arithmetic on a GPU against its bfloat16 tensor cores: an H100 SXM's 67 TFLOP/s FP32 against 989 (NVIDIA
-# datasheet); the heal block by block trains its pair in float32
-FP32_SHARE = 67 / 989
-
-
-
-
-
-
 
 
 @dataclass
@@ -154,19 +111,6 @@ def _streamed(devices: dict[str, Parts], shape: ModelShape, inp: PlanInput, toke
     add(devices[first], "2 state buffers", 2 * tokens * shape.hidden * inp.act_bytes)
 
 
-def _flops(shape: ModelShape, blocks: int, head: bool = False) -> float:
-    """FLOP of a forward per token through ``blocks`` blocks (and the head)."""
-    return 2 * (blocks * shape.block_active_params + (shape.vocab * shape.hidden if head else 0))
-
-
-def _rate(inp: PlanInput, quantized: bool | None = None, parallel: int = 1) -> float:
-    """FLOP/s: the CPU's measured (at this CPU's speed now), or ``parallel`` GPUs' assumed (half for bitsandbytes)."""
-    quantized = inp.quant_bits < 16 if quantized is None else quantized
-    if not inp.on_gpu:
-        return CPU_FLOPS * machine_speed() * inp.shape_speed
-    return GPU_FLOPS * parallel * (QUANTIZED_SPEED if quantized else 1.0)
-
-
 def stage_load(shape: ModelShape, inp: PlanInput) -> Stage:
     """Reading the weights: the whole model, or only the embedding under offload sequential."""
     devices = _new_devices(inp)
@@ -189,51 +133,10 @@ def stage_scoring(shape: ModelShape, inp: PlanInput) -> Stage:
         _weights(devices, shape, inp, shape.layers, "weights")
     add(devices[compute_devices(inp)[0]], "activations", forward_bytes(shape, inp, tokens))
     _moments(devices, shape, inp)
-    flop = inp.calibration_tokens * (_flops(shape, shape.layers) + (2 * shape.layers + 1) * 2 * shape.hidden ** 2)
-    seconds = flop / _rate(inp) + score_decompositions(shape) / fit_rate(inp) + _disk_pass(shape, inp)
+    moments = (2 * shape.layers + 1) * 2 * shape.hidden ** 2
+    flop = inp.calibration_tokens * (forward_flops(shape, shape.layers) + moments)
+    seconds = flop / flop_rate(inp) + score_decompositions(shape) / fit_rate(inp) + _disk_pass(shape, inp)
     return Stage("scoring", devices, seconds, f"{inp.calibration_tokens:,} tokens")
-
-
-def score_decompositions(shape: ModelShape) -> float:
-    """FLOP of the scores' decompositions, as :data:`FIT_FLOPS` counts them: every state's centred Gram, once.
-
-    (``prune.measure.moments.StateMoments.gram_eigh``.)
-    """
-    return (shape.layers + 1) * eigh_flops(shape.hidden) * shape.hidden ** 3
-
-
-def eigh_flops(n: int) -> float:
-    """FIT_FLOPS' operations per n^3 of an n x n float64 eigendecomposition (:data:`EIGH_FLOPS` and its wide kin)."""
-    if n <= EIGH_NARROW:
-        return EIGH_FLOPS
-    if n >= EIGH_WIDE:
-        return EIGH_WIDE_FLOPS
-    share = math.log(n / EIGH_NARROW) / math.log(EIGH_WIDE / EIGH_NARROW)
-    return EIGH_FLOPS + share * (EIGH_WIDE_FLOPS - EIGH_FLOPS)
-
-
-def fit_rate(inp: PlanInput) -> float:
-    """FLOP/s of the float64 closed-form work: :data:`FIT_FLOPS` at this CPU's speed (on a GPU, at its float64 rate).
-
-    Not by the model's widths (``inp.shape_speed``): the decompositions' rate is LAPACK's, not the blocks' GEMMs'.
-    On a GPU the fits' share of the CPU's float32 rate is taken of the GPU's float64 one, :data:`GPU_FP64_FLOPS`
-    (of its bfloat16 one, they were planned 15 times too fast: a Llama-3-8B shape's shortlist took 257 s on an
-    H200 against 17 s planned, most of it two ``fold-rotate`` fits' rounds at the MLP's 14,336 width).
-    """
-    return FIT_FLOPS * (machine_speed() if not inp.on_gpu else GPU_FP64_FLOPS / CPU_FLOPS)
-
-
-def fit_flops(shape: ModelShape, width: int, tokens: int, rounds: int = 0) -> float:
-    """FLOP of one span's closed-form fit over ``tokens``, as :data:`FIT_FLOPS` counts them: its sums and solves.
-
-    The sums are the Gram of the regressor (``width`` wide: the hidden state, or the MLP's input for a fold) and
-    its cross with the target; the solve decomposes that Gram (:func:`eigh_flops`); a rotating fit's ``rounds``
-    (``Method.fit_rounds``) each take an SVD of the hidden width and solve against the regressor.
-    """
-    if not width:
-        return 0.0
-    sums = 2 * tokens * (width + shape.hidden) ** 2
-    return sums + eigh_flops(width) * width ** 3 + rounds * (20 * shape.hidden ** 3 + 4 * width ** 2 * shape.hidden)
 
 
 def _disk_pass(shape: ModelShape, inp: PlanInput) -> float:
@@ -268,14 +171,14 @@ def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
     # the solve, one span at a time: the uncentred Gram, the ridged copy and its factor, in float64
     # (prune.measure.least_squares); a fold's are the MLP width squared (1B shape: 1.6 GB)
     add(devices[first], "solve workspace (float64)", solve_bytes(width))
-    flop = passes * inp.calibration_tokens * _flops(shape, shape.layers)
+    flop = passes * inp.calibration_tokens * forward_flops(shape, shape.layers)
     # the time counts one span's sums and solve: the blocks a score ranks most removable mostly form one run (every
     # SmolLM2-135M drop of reports/ship-defaults, both shaped runs of reports/scale); each further span adds its own
     rounds = METHODS[inp.replace].fit_rounds if inp.replace in METHODS else 0
     solve = fit_flops(shape, width, passes * inp.calibration_tokens, rounds) / fit_rate(inp)
     note = f"{inp.spans} span(s) at most; closed-form sums" + ("" if inp.replace in closed_form_methods() else
                                                                 f" (a trained {inp.replace} counted as one)")
-    return Stage("fitting", devices, flop / _rate(inp) + solve + passes * _disk_pass(shape, inp), note)
+    return Stage("fitting", devices, flop / flop_rate(inp) + solve + passes * _disk_pass(shape, inp), note)
 
 
 def _fit_width(shape: ModelShape, method: str) -> int:
@@ -341,14 +244,14 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
     steps, sets = selection_sets(inp, free)
     tokens = inp.calibration_tokens
     if kind == "pass":  # one pass over the fitting rows and one over the measuring rows, streaming moments
-        flop = tokens * (_flops(shape, shape.layers) + (2 * shape.layers + 1) * 2 * shape.hidden ** 2)
+        flop = tokens * (forward_flops(shape, shape.layers) + (2 * shape.layers + 1) * 2 * shape.hidden ** 2)
         note = f"one pass of {tokens:,} tokens"
     else:
         measure = _measuring_rows(inp, repaired) * inp.seq_len  # split_rows' or crossfit_halves' rows
-        per_step = measure * _flops(shape, shape.layers, True) * (2 if repaired else 1)
+        per_step = measure * forward_flops(shape, shape.layers, True) * (2 if repaired else 1)
         if repaired:  # the capture passes fitting the step's new spans (crossfit: each half's, every row)
-            per_step += (tokens if _crossfit(inp) else tokens - measure) * _flops(shape, shape.layers)
-        flop = steps * per_step + sets * measure * _flops(shape, shape.layers / 2, True)
+            per_step += (tokens if _crossfit(inp) else tokens - measure) * forward_flops(shape, shape.layers)
+        flop = steps * per_step + sets * measure * forward_flops(shape, shape.layers / 2, True)
         note = (f"{sets} candidate set(s) in {steps} step(s), each {'repaired, ' if repaired else ''}measured on "
                 f"{measure:,} tokens" + ("" if declared else " (assumed one set per block)"))
     devices = _new_devices(inp)
@@ -368,7 +271,7 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
         add(devices[names[0]], "fitted maps",
             folds * (free + inp.drop) * (shape.hidden ** 2 + shape.hidden) * inp.dtype_bytes)
     _moments(devices, shape, inp)
-    return Stage("selection", devices, flop / _rate(inp) + reading, note)
+    return Stage("selection", devices, flop / flop_rate(inp) + reading, note)
 
 
 def stage_shortlist(shape: ModelShape, inp: PlanInput, widths: Sequence[int], spans: float) -> list[Stage]:
@@ -456,9 +359,9 @@ def stage_evaluation(shape: ModelShape, inp: PlanInput) -> Stage | None:
     add(devices[names[0]], "activations", forward_bytes(shape, inp, tokens))
     add(devices[names[-1]], "logits", perplexity_logit_bytes(shape, inp))
     _moments(devices, shape, inp)
-    flop = inp.heldout_samples * inp.seq_len * (_flops(shape, shape.layers, True) +
-                                                 _flops(shape, shape.layers - inp.drop, True))
-    return Stage("evaluation", devices, flop / _rate(inp), f"{inp.heldout_samples} x {inp.seq_len} tokens, twice")
+    flop = inp.heldout_samples * inp.seq_len * (forward_flops(shape, shape.layers, True) +
+                                                 forward_flops(shape, shape.layers - inp.drop, True))
+    return Stage("evaluation", devices, flop / flop_rate(inp), f"{inp.heldout_samples} x {inp.seq_len} tokens, twice")
 
 
 def _trainable_params(shape: ModelShape, inp: PlanInput) -> float:
@@ -520,9 +423,9 @@ def stage_distillation(shape: ModelShape, inp: PlanInput, moments_alive: bool = 
     tokens = spec.steps * spec.grad_accum * spec.batch_size * spec.seq_len
     backward = 3 if spec.train == "all" else 2  # frozen weights: gradients of the inputs only
     train_share, teacher_share = (1.0, 1.0) if inp.on_gpu else (TRAIN_SHARE, TEACHER_SHARE)
-    student = backward * (_flops(shape, shape.layers - inp.drop, True) + 2 * map_params(shape, inp)) / (
-        _rate(inp) * train_share)
-    teacher = 0.0 if spec.teacher_cache else _flops(shape, shape.layers, True) / (_rate(inp) * teacher_share)
+    student = backward * (forward_flops(shape, shape.layers - inp.drop, True) + 2 * map_params(shape, inp)) / (
+        flop_rate(inp) * train_share)
+    teacher = 0.0 if spec.teacher_cache else forward_flops(shape, shape.layers, True) / (flop_rate(inp) * teacher_share)
     where = "per GPU, FSDP" if inp.hardware.fsdp and inp.hardware.gpus > 1 else "device map"
     note = f"{spec.steps} steps x {spec.grad_accum * spec.batch_size} x {spec.seq_len} tokens ({where})"
     seconds = tokens * (student + teacher)
@@ -545,7 +448,7 @@ def stage_teacher_cache(shape: ModelShape, inp: PlanInput) -> Stage | None:
     read = spec.steps * spec.grad_accum * spec.batch_size
     total = (spec.cache_sequences or read) * spec.seq_len
     share = 1.0 if inp.on_gpu else TEACHER_SHARE
-    return Stage("teacher cache", devices, total * _flops(shape, shape.layers, True) / (_rate(inp) * share),
+    return Stage("teacher cache", devices, total * forward_flops(shape, shape.layers, True) / (flop_rate(inp) * share),
                  f"top-{spec.teacher_cache} logits of {total:,} tokens")
 
 
@@ -591,12 +494,15 @@ def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequ
     add(devices[first], "the KL after, beyond the training's parts", kl_after - held)
     run = sum(depth[0] + depth[1] for depth in depths)
     batches = -(-rows // inp.batch_size)
-    passes = tokens * _flops(shape, run) / _rate(inp) + batches * run / shape.layers * _disk_pass(shape, inp)
-    kl = (measuring * inp.seq_len * (_flops(shape, shape.layers - inp.drop, True) + _flops(shape, shape.layers, True))
-          / _rate(inp) + 2 * _disk_pass(shape, inp) * -(-measuring // inp.batch_size))
+    passes = (tokens * forward_flops(shape, run) / flop_rate(inp)
+              + batches * run / shape.layers * _disk_pass(shape, inp))
+    kl = (measuring * inp.seq_len * (forward_flops(shape, shape.layers - inp.drop, True)
+                                     + forward_flops(shape, shape.layers, True))
+          / flop_rate(inp) + 2 * _disk_pass(shape, inp) * -(-measuring // inp.batch_size))
     def training(count: int) -> float:
         # float32 on a GPU: its rate without the bfloat16 tensor cores (FP32_SHARE); a pair's step costs its launches
-        seconds = steps * batch * 3 * _flops(shape, count) / (_rate(inp) * (FP32_SHARE if inp.on_gpu else TRAIN_SHARE))
+        share = FP32_SHARE if inp.on_gpu else TRAIN_SHARE
+        seconds = steps * batch * 3 * forward_flops(shape, count) / (flop_rate(inp) * share)
         return max(seconds, steps * 3 * count * GPU_BLOCK_CALL_SECONDS) if inp.on_gpu else seconds
 
     return Stage("local heal", devices, passes + sum(training(count) for count in trains) + kl,

@@ -62,7 +62,7 @@ def test_every_stage_is_costed_and_each_piece_of_work_costs_where_it_is_done(sha
 
 
 def test_a_gpu_runs_the_arithmetic_faster_and_pays_for_its_launches_processes_and_files(shape):
-    from prune.planner.stages import GPU_BLOCK_CALL_SECONDS
+    from prune.planner.rates import GPU_BLOCK_CALL_SECONDS
     from ship.costs import GPU_CANDIDATE_SECONDS, GPU_PROCESS_SECONDS, GPU_SHORTLIST_SECONDS
 
     work = ShipWork(drop=2, repairs=(512,))
@@ -87,7 +87,7 @@ def test_a_gpu_runs_the_arithmetic_faster_and_pays_for_its_launches_processes_an
 
 def test_the_measures_run_from_each_set_s_first_block_and_pay_for_every_logit_on_the_cpu(shape, monkeypatch):
     from prune.planner.machine import machine_speed
-    from prune.planner.stages import _flops, _rate
+    from prune.planner.rates import flop_rate, forward_flops
     from ship.costs import LOGITS_SHARE
 
     work = ShipWork(drop=2, repairs=(512,))
@@ -97,7 +97,8 @@ def test_the_measures_run_from_each_set_s_first_block_and_pay_for_every_logit_on
     deep = seconds(shape, dataclasses.replace(work, depth=0.75))["shortlist"]
     shallow = seconds(shape, dataclasses.replace(work, depth=0.25))["shortlist"]
     assert deep - shallow == pytest.approx(
-        measure * candidates * (_flops(shape, 6, True) - _flops(shape, 2, True)) / (_rate(inp) * LOGITS_SHARE))
+        measure * candidates * (forward_flops(shape, 6, True) - forward_flops(shape, 2, True))
+        / (flop_rate(inp) * LOGITS_SHARE))
     # every measuring pass's logits (the original's, shared by the repairs, and each candidate's), on the CPU only
     monkeypatch.setattr("ship.costs.LOGIT_SECONDS", 0.0)
     bare, gpu = seconds(shape, work)["shortlist"], seconds(shape, work, hardware=Hardware(gpus=1, gpu_memory=8e10))
@@ -133,7 +134,7 @@ def test_a_speed_check_that_does_not_run_is_not_costed(shape, gpus):
     skipped = timed["verify"] - untimed["verify"]
     if gpus:  # its process, which reads both models, and its rounds' block calls
         from prune.planner.memory import weight_bytes
-        from prune.planner.stages import DISK_BYTES_PER_S, GPU_BLOCK_CALL_SECONDS
+        from prune.planner.rates import DISK_BYTES_PER_S, GPU_BLOCK_CALL_SECONDS
 
         inp = PlanInput(model="tiny", samples=32, seq_len=512, **inputs)
         both = weight_bytes(shape, inp, shape.layers) + weight_bytes(shape, inp, shape.layers - work.drop)

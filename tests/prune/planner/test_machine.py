@@ -8,7 +8,7 @@ import pytest
 from prune.errors import LayercutError
 from prune.planner import machine
 from prune.planner.inputs import Hardware, PlanInput
-from prune.planner.stages import CPU_FLOPS, GPU_FLOPS, _rate
+from prune.planner.rates import CPU_FLOPS, GPU_FLOPS, flop_rate
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def measured(monkeypatch):
 def test_a_cpu_twice_as_fast_as_the_reference_plans_twice_the_rate(measured):
     measured.setattr(machine, "probe_seconds", lambda: machine.REFERENCE_SECONDS / 2)
     assert machine.machine_speed() == pytest.approx(2.0)
-    assert _rate(PlanInput(model="m")) == pytest.approx(2 * CPU_FLOPS)
+    assert flop_rate(PlanInput(model="m")) == pytest.approx(2 * CPU_FLOPS)
     measured.setattr(machine, "probe_seconds", lambda: 1 / 0)  # measured once per process: not called again
     assert machine.machine_speed() == pytest.approx(2.0)
 
@@ -31,7 +31,7 @@ def test_a_cpu_twice_as_fast_as_the_reference_plans_twice_the_rate(measured):
 def test_the_environment_fixes_the_speed_and_a_bad_value_is_refused(measured):
     measured.setattr(machine, "probe_seconds", lambda: 1 / 0)  # never measured when the environment says
     measured.setenv(machine.SPEED_ENV, "0.5")
-    assert machine.machine_speed() == 0.5 and _rate(PlanInput(model="m")) == pytest.approx(CPU_FLOPS / 2)
+    assert machine.machine_speed() == 0.5 and flop_rate(PlanInput(model="m")) == pytest.approx(CPU_FLOPS / 2)
     for bad in ("fast", "0", "-1", "nan", "inf"):
         machine.machine_speed.cache_clear()
         measured.setenv(machine.SPEED_ENV, bad)
@@ -72,7 +72,7 @@ def test_the_probe_times_a_real_block():
 def test_a_gpu_plan_does_not_use_the_cpu_speed(measured):
     measured.setenv(machine.SPEED_ENV, "3")
     gpu = PlanInput(model="m", hardware=Hardware(gpus=1, gpu_memory=80e9, host_memory=64e9))
-    assert _rate(gpu) == GPU_FLOPS
+    assert flop_rate(gpu) == GPU_FLOPS
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_a_model_s_widths_scale_the_cpu_rate_by_their_timed_block_against_the_re
     assert machine.shape_speed(64, 256, 4, 1, 32) == pytest.approx(2.0, rel=0.5)
     assert set(asked) == {machine.REFERENCE_BLOCK[0], 64}  # both blocks were asked for, at their widths
     assert machine.shape_speed(*machine.REFERENCE_BLOCK[:2], 9) == 1.0  # the reference widths: nothing timed
-    assert _rate(PlanInput(model="m", shape_speed=1.5)) == pytest.approx(1.5 * CPU_FLOPS * machine.machine_speed())
+    assert flop_rate(PlanInput(model="m", shape_speed=1.5)) == pytest.approx(1.5 * CPU_FLOPS * machine.machine_speed())
     shaped.setenv(machine.SPEED_ENV, "1")
     machine.shape_speed.cache_clear()
     assert machine.shape_speed(64, 256, 4, 1, 32) == 1.0  # fixed machine, fixed rates

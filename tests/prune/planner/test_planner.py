@@ -383,7 +383,7 @@ def test_a_candidates_logits_are_counted_where_the_measuring_cannot_leave_them_t
 
 
 def test_a_small_model_s_distillation_step_on_a_gpu_costs_its_launches_and_a_large_one_its_arithmetic(llama70b):
-    from prune.planner.stages import GPU_STEP_SECONDS
+    from prune.planner.rates import GPU_STEP_SECONDS
 
     small = shape_of_config(LlamaConfig(**SMOLLM2_135M))
     on_gpu = PlanInput(model="smollm2", drop=8, checkpoint_dtype="bfloat16", distill=DistillSpec(steps=100),
@@ -469,7 +469,7 @@ def test_a_measuring_selection_block_by_block_holds_one_block_and_reads_the_disk
 def test_a_fit_counts_its_decomposition_at_its_width_and_only_a_rotating_fit_its_rounds():
     from types import SimpleNamespace
 
-    from prune.planner.stages import EIGH_FLOPS, EIGH_WIDE_FLOPS, eigh_flops, fit_flops
+    from prune.planner.rates import EIGH_FLOPS, EIGH_WIDE_FLOPS, eigh_flops, fit_flops
     from prune.replace import METHODS
 
     assert METHODS["fold"].fit_rounds == 0 and METHODS["fold-rotate"].fit_rounds == 50
