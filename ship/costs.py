@@ -6,10 +6,11 @@ counted here in the same units before any weight is read:
 - shortlist: the calibration's own text from the model, where the data samples it and no earlier run kept it
   (``--data`` with ``self``; SmolLM2-135M's default sample ships with layercut), a decode step per token of a
   batch of rows, each reading every weight; the scoring pass (every state's statistics, and beside them the
-  measuring rows' alone, which ``repaired-fast`` reads), one capture pass over the fitting rows that feeds every
-  repair's fits, the fits' own
-  sums and solves (``fit_width`` of each repair's registration), and the measuring passes (the original's, which
-  every repair shares, and one per candidate from its first changed block), each with its vocabulary-wide work;
+  measuring rows' alone, which ``repaired-fast`` reads, and the maps it solves from them: ``block_solves``), one
+  capture pass over the fitting rows that feeds every repair's fits, the fits' own sums and solves (``fit_width``
+  of each repair's registration), and the measuring passes (the original's, which every repair shares, one per
+  candidate from its first changed block, and each repair's one check of that shortcut at full depth), each with
+  its vocabulary-wide work; block by block each whole pass reads the blocks it runs from disk;
 - build: the held-out perplexities of the original, of the blocks removed alone and of the checkpoint, the
   checkpoint written (the chosen repair is the shortlist's fit, put in place as it is);
 - heal: ``prune.planner``'s distillation stage for ``--heal-steps`` (:func:`ship.plan.planned_heal`);
@@ -27,8 +28,9 @@ scores' decompositions and every repair's fits at once (a Llama-3-8B shape on an
 Rates are ``prune.planner.rates``' FLOP rate times what a kind of pass reached of it on this 2-core machine
 (SmolLM2-135M, ``--drop 8 --samples 32``, idle, 2026-12-02; ``reports/ship-fast/``), and byte rates for what reads
 and writes files, all at the reference machine's speed and multiplied by this CPU's now
-(:func:`prune.planner.machine.machine_speed`). On a GPU the same counts run at the GPU rate, and what is not
-arithmetic is counted apart (``GPU_*``, measured on an H200): processes, candidates and block calls.
+(:func:`prune.planner.machine.machine_speed`), but for the checkpoint's write (``WRITE_BYTES_PER_S``). On a GPU
+the same counts run at the GPU rate, and what is not arithmetic is counted apart (``GPU_*``, measured on an
+H200): processes, candidates and block calls.
 
 They were fitted on the run ``after8`` of reports/ship-fast, whose scoring pass took 7.8 s a batch, and are given
 here at the reference speed, where the same pass took 4.03 s (its run ``r8``, 2026-12-02): every rate x 1.94,
@@ -48,6 +50,7 @@ from prune.planner.memory import weight_bytes
 from prune.planner.rates import (
     DISK_BYTES_PER_S,
     GPU_BLOCK_CALL_SECONDS,
+    block_solve_flops,
     fit_flops,
     fit_rate,
     flop_rate,
@@ -55,7 +58,8 @@ from prune.planner.rates import (
     score_decompositions,
 )
 from prune.planner.shape import ModelShape
-from prune.planner.stages import Stage, stage_shortlist
+from prune.planner.stages import Stage, disk_pass, stage_shortlist
+from prune.selection.strategies import SELECTIONS
 
 # what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
 SCORING_SHARE = 1.145  # the scoring pass, every state's Gram and every pair's cosines (32 s for 16,384 tokens)
@@ -82,7 +86,10 @@ LOGIT_SECONDS = 1.4e-8
 SAMPLE_BYTES_PER_S = 3.3e9  # a sampling step reads every weight: 48 tokens/s for 8 rows of SmolLM2-135M
 CONVERT_BYTES_PER_S = 4.27e7  # llama.cpp's converter: float32 checkpoint bytes a second
 QUANTIZE_SHARE = 0.4  # its quantizer after it (q4_k_m), as a share of the conversion's time
-WRITE_BYTES_PER_S = 3.88e8  # safetensors written through a staging folder
+# safetensors written through a staging folder: a copy through memory and the page cache, not the arithmetic the
+# probe times, so not scaled by it: the Llama-3.2-1B shape's build wrote its 3.97 GB at 456 MB/s on a host whose
+# probe read 2.02x (planned at 2.02 x 388 MB/s: its build 1.71x the plan; 2026-12-05, reports/planner-probe)
+WRITE_BYTES_PER_S = 3.88e8
 PROCESS_SECONDS = 4.12  # a fresh Python importing torch and transformers, and loading a model
 # On a GPU (one H200, 2026-12-04, bfloat16: reports/gpu-ship/h200-2026-12-04) the stages of a model this small cost
 # what is not arithmetic. A verify check's fixed cost: its process (3.4-4.1 s to start there: the evening's run,
@@ -156,7 +163,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
         return count * (forward_flops(shape, blocks, head) + extra) / (rate * share)
 
     fits_rate = fit_rate(inp)  # the fits run where the model does
-    cpu = machine_speed()  # the converter, the sampling's reads, the writes and the processes run on this CPU
+    cpu = machine_speed()  # the converter, the sampling's reads and the processes run at this CPU's speed
 
     def sampled(batches: int) -> float:  # a token of every row of a batch each step, every weight read per step
         return batches * inp.seq_len * weight_bytes(shape, inp, layers) / (SAMPLE_BYTES_PER_S * cpu)
@@ -165,22 +172,37 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     fitted = list(zip(work.repairs, work.rounds or (0,) * len(work.repairs), strict=True))  # (width, rounds)
     fits = sum(fit_flops(shape, width, tokens - measure, rounds) for width, rounds in fitted) * work.sets * work.spans
     candidates = work.sets * (len(work.repairs) + 1)
+    # the one-pass selections' own solves from those statistics (repaired-fast: a map a block, each repair's share
+    # of the update checked; repairs sharing a share check it once, so this is at most what runs)
+    solves = sum(selection.block_solves for selection in SELECTIONS.values()
+                 if selection.repairs and selection.measures == "pass") if work.repairs else 0
+    # each repair's measure checks once that a pass started at a candidate's first changed block gives the whole
+    # pass's logits: one measuring row at full depth in float32, a batch of them in 16 bits (prune.selection.repaired)
+    checked = (1 if inp.act_bytes >= 4 else min(inp.batch_size, max(1, inp.samples // 8))) * inp.seq_len
     shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
                  + score_decompositions(shape) / fits_rate
+                 + layers * solves * block_solve_flops(shape, len(work.repairs)) / fits_rate
                  + measure * moments / 2 / (rate * SCORING_SHARE)  # the measuring rows' statistics kept apart
                  + (passes(tokens - measure, layers, CAPTURE_SHARE) if work.repairs else 0.0)  # removal fits nothing
                  + fits / fits_rate
                  + passes(measure, layers, LOGITS_SHARE, head=True)  # the original's, shared by every repair
-                 + passes(measure * candidates, layers * work.depth, LOGITS_SHARE, head=True))
-    if not inp.on_gpu:  # each measuring pass's logits, log-softmax and KL
-        shortlist += (1 + candidates) * measure * shape.vocab * LOGIT_SECONDS / cpu
+                 + passes(measure * candidates, layers * work.depth, LOGITS_SHARE, head=True)
+                 + passes(checked * (len(work.repairs) + 1), layers, LOGITS_SHARE, head=True))
+    if inp.offload == "sequential":  # each whole pass reads every block it runs from disk, once per batch of rows
+        batches = -(-max(1, inp.samples // 8) // inp.batch_size)
+        reads = (1 + bool(work.repairs) + batches * (1 + candidates * work.depth)  # scoring, capture, measuring
+                 + len(work.repairs) + 1)  # the checks' row
+        shortlist += reads * disk_pass(shape, inp)
+    if not inp.on_gpu:  # each measuring pass's logits, log-softmax and KL; the checks' logits made and compared
+        logits = (1 + candidates) * measure + (len(work.repairs) + 1) * checked
+        shortlist += logits * shape.vocab * LOGIT_SECONDS / cpu
     checkpoint = weight_bytes(shape, inp, kept)
     # the shortlist's fit of the chosen candidate is put in place as it is (--fit-rows fitting): prune.run's
     # held-out perplexity of the original, of the blocks removed alone and of the checkpoint, the checkpoint
     # written (a skeleton measures no held-out rows there: it never holds the whole model)
     heldout = 0 if inp.offload == "sequential" else inp.heldout_samples * inp.seq_len
     build = (passes(heldout, layers, PERPLEXITY_SHARE, head=True)
-             + 2 * passes(heldout, kept, PERPLEXITY_SHARE, head=True) + checkpoint / (WRITE_BYTES_PER_S * cpu))
+             + 2 * passes(heldout, kept, PERPLEXITY_SHARE, head=True) + checkpoint / WRITE_BYTES_PER_S)
     # the quantizer reads the converted float32 file and writes a quarter of it
     export = (1 + QUANTIZE_SHARE * work.quantized) * checkpoint / (CONVERT_BYTES_PER_S * cpu) if work.gguf else 0.0
     held = work.texts * work.heldout_tokens

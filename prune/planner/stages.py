@@ -44,6 +44,7 @@ from prune.planner.rates import (
     GPU_STEP_SECONDS,
     TEACHER_SHARE,
     TRAIN_SHARE,
+    block_solve_flops,
     fit_flops,
     fit_rate,
     flop_rate,
@@ -135,12 +136,17 @@ def stage_scoring(shape: ModelShape, inp: PlanInput) -> Stage:
     _moments(devices, shape, inp)
     moments = (2 * shape.layers + 1) * 2 * shape.hidden ** 2
     flop = inp.calibration_tokens * (forward_flops(shape, shape.layers) + moments)
-    seconds = flop / flop_rate(inp) + score_decompositions(shape) / fit_rate(inp) + _disk_pass(shape, inp)
+    seconds = flop / flop_rate(inp) + score_decompositions(shape) / fit_rate(inp) + disk_pass(shape, inp)
     return Stage("scoring", devices, seconds, f"{inp.calibration_tokens:,} tokens")
 
 
-def _disk_pass(shape: ModelShape, inp: PlanInput) -> float:
-    """Seconds to read every block once (offload sequential reads them per pass)."""
+def disk_pass(shape: ModelShape, inp: PlanInput) -> float:
+    """Seconds to read every block once (offload sequential reads them per pass).
+
+    Counted at the disk's rate for every pass: a checkpoint larger than the memory left (a Llama-3-8B shape's 32 GB
+    here) is read from disk each time; a smaller one is read from the page cache after its first pass, so this is
+    an upper bound there.
+    """
     if inp.offload != "sequential":
         return 0.0
     return shape.layers * weight_bytes(shape, inp, 1, embed=False, head=False) / DISK_BYTES_PER_S
@@ -178,7 +184,7 @@ def stage_fitting(shape: ModelShape, inp: PlanInput) -> Stage | None:
     solve = fit_flops(shape, width, passes * inp.calibration_tokens, rounds) / fit_rate(inp)
     note = f"{inp.spans} span(s) at most; closed-form sums" + ("" if inp.replace in closed_form_methods() else
                                                                 f" (a trained {inp.replace} counted as one)")
-    return Stage("fitting", devices, flop / flop_rate(inp) + solve + passes * _disk_pass(shape, inp), note)
+    return Stage("fitting", devices, flop / flop_rate(inp) + solve + passes * disk_pass(shape, inp), note)
 
 
 def _fit_width(shape: ModelShape, method: str) -> int:
@@ -195,6 +201,13 @@ def _measuring(select: str) -> tuple[str, bool, bool]:
     if selection is None or not selection.measures:
         return "once", False, False
     return selection.measures, selection.repairs, True
+
+
+def block_solves(select: str) -> int:
+    """The least-squares maps ``select`` solves per block from a pass's statistics (its registration says)."""
+    from prune.selection.strategies import SELECTIONS
+
+    return SELECTIONS.get(select).block_solves if select in SELECTIONS else 0
 
 
 def _crossfit(inp: PlanInput) -> bool:
@@ -243,8 +256,10 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
     free = max(shape.layers - inp.protected, 0)
     steps, sets = selection_sets(inp, free)
     tokens = inp.calibration_tokens
+    solves = 0.0
     if kind == "pass":  # one pass over the fitting rows and one over the measuring rows, streaming moments
         flop = tokens * (forward_flops(shape, shape.layers) + (2 * shape.layers + 1) * 2 * shape.hidden ** 2)
+        solves = shape.layers * block_solves(inp.select) * block_solve_flops(shape) / fit_rate(inp)
         note = f"one pass of {tokens:,} tokens"
     else:
         measure = _measuring_rows(inp, repaired) * inp.seq_len  # split_rows' or crossfit_halves' rows
@@ -261,7 +276,7 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
         add(devices[names[0]], "one block + embedding", weight_bytes(shape, inp, 1, head=False))
         batches = -(-_measuring_rows(inp, repaired) // inp.batch_size)
         reads = 2 if kind == "pass" else (steps * (3 if repaired else 1) + sets) * batches
-        reading = reads * _disk_pass(shape, inp)
+        reading = reads * disk_pass(shape, inp)
     else:
         _weights(devices, shape, inp, shape.layers, "weights")
     add(devices[names[0]], "activations", forward_bytes(shape, inp, inp.batch_size * inp.seq_len))
@@ -271,7 +286,7 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
         add(devices[names[0]], "fitted maps",
             folds * (free + inp.drop) * (shape.hidden ** 2 + shape.hidden) * inp.dtype_bytes)
     _moments(devices, shape, inp)
-    return Stage("selection", devices, flop / flop_rate(inp) + reading, note)
+    return Stage("selection", devices, flop / flop_rate(inp) + solves + reading, note)
 
 
 def stage_shortlist(shape: ModelShape, inp: PlanInput, widths: Sequence[int], spans: float) -> list[Stage]:
@@ -495,10 +510,10 @@ def stage_local_heal(shape: ModelShape, inp: PlanInput, steps: int, depths: Sequ
     run = sum(depth[0] + depth[1] for depth in depths)
     batches = -(-rows // inp.batch_size)
     passes = (tokens * forward_flops(shape, run) / flop_rate(inp)
-              + batches * run / shape.layers * _disk_pass(shape, inp))
+              + batches * run / shape.layers * disk_pass(shape, inp))
     kl = (measuring * inp.seq_len * (forward_flops(shape, shape.layers - inp.drop, True)
                                      + forward_flops(shape, shape.layers, True))
-          / flop_rate(inp) + 2 * _disk_pass(shape, inp) * -(-measuring // inp.batch_size))
+          / flop_rate(inp) + 2 * disk_pass(shape, inp) * -(-measuring // inp.batch_size))
     def training(count: int) -> float:
         # float32 on a GPU: its rate without the bfloat16 tensor cores (FP32_SHARE); a pair's step costs its launches
         share = FP32_SHARE if inp.on_gpu else TRAIN_SHARE

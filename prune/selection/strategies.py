@@ -140,6 +140,10 @@ class Selection:
             runs each one-pass selection once per repair), the work they share, done once into the run's memo:
             ``(memo, model, token_ids, replaces, batch_size, moments) -> None``, ``moments`` the scoring pass's
             statistics; None where there is none.
+        block_solves: least-squares maps it solves per block from a pass's statistics, at the hidden width, each
+            with its own decomposition and a check of its error per share of the update. The planner counts them
+            (``prune.planner.rates.block_solve_flops``): negligible at SmolLM2-135M's width, 2 s a block at a
+            Llama-3.2-1B shape's 2,048, unplanned (2026-12-05).
     """
 
     name: str
@@ -150,6 +154,7 @@ class Selection:
     repairs: bool = False
     rows: str = "eighth"
     prepare: Callable[..., None] | None = None
+    block_solves: int = 0
 
     def __call__(self, inputs: SelectionInput) -> list[int]:
         """The blocks (or units) the strategy chooses."""
@@ -165,7 +170,8 @@ SELECTIONS: Registry[Selection] = Registry("selection")
 
 
 def register_selection(name: str, help: str = "", *, measures: str | bool = "", units: bool = False,
-                       repairs: bool = False, rows: str = "eighth", prepare: Callable[..., None] | None = None):
+                       repairs: bool = False, rows: str = "eighth", prepare: Callable[..., None] | None = None,
+                       block_solves: int = 0):
     """Decorator registering a selection strategy in :data:`SELECTIONS` as ``name``, with what it declares.
 
     Args:
@@ -176,9 +182,11 @@ def register_selection(name: str, help: str = "", *, measures: str | bool = "", 
         repairs: it repairs each candidate set before measuring it (:attr:`Selection.repairs`).
         rows: the rows a repaired selection measures on (:attr:`Selection.rows`).
         prepare: the work its runs for several repairs share (:attr:`Selection.prepare`).
+        block_solves: the least-squares maps it solves per block (:attr:`Selection.block_solves`).
     """
     pattern = "once" if measures is True else measures or ""
-    return SELECTIONS.decorator(name, lambda run: Selection(name, run, help, pattern, units, repairs, rows, prepare))
+    return SELECTIONS.decorator(name, lambda run: Selection(name, run, help, pattern, units, repairs, rows, prepare,
+                                                            block_solves))
 
 
 def measured_selections() -> tuple[str, ...]:
@@ -428,7 +436,7 @@ def _prepare_repaired_fast(memo: dict, model, token_ids, replaces, batch_size: i
 
 
 @register_selection("repaired-fast", "the K whose least-squares map misses least on held-out rows (one pass)",
-                    measures="pass", repairs=True, prepare=_prepare_repaired_fast)
+                    measures="pass", repairs=True, prepare=_prepare_repaired_fast, block_solves=1)
 def _repaired_fast(inputs: SelectionInput) -> list[int]:
     """One pass: the ``count`` blocks whose least-squares map misses the least of their output on held-out rows."""
     if inputs.model is None or inputs.token_ids is None:

@@ -103,9 +103,58 @@ def test_the_measures_run_from_each_set_s_first_block_and_pay_for_every_logit_on
     monkeypatch.setattr("ship.costs.LOGIT_SECONDS", 0.0)
     bare, gpu = seconds(shape, work)["shortlist"], seconds(shape, work, hardware=Hardware(gpus=1, gpu_memory=8e10))
     monkeypatch.setattr("ship.costs.LOGIT_SECONDS", 1e-6)
+    checked = 2 * 512  # each repair's check of the shortcut, removal's too: one row at full depth in float32
     assert seconds(shape, work)["shortlist"] - bare == pytest.approx(
-        (1 + candidates) * measure * shape.vocab * 1e-6 / machine_speed())
+        ((1 + candidates) * measure + checked) * shape.vocab * 1e-6 / machine_speed())
     assert seconds(shape, work, hardware=Hardware(gpus=1, gpu_memory=8e10)) == gpu
+
+
+def test_the_one_pass_selection_s_maps_and_each_repair_s_check_of_the_shortcut_are_counted(shape, monkeypatch):
+    """On a Llama-3.2-1B shape block by block repaired-fast's 16 maps took 33 s of the scoring pass and the four
+    checks a full-depth row each: neither was planned, its shortlist 1.30x its plan (2026-12-05)."""
+    from prune.planner.machine import machine_speed
+    from prune.planner.rates import block_solve_flops, eigh_flops, fit_rate, flop_rate, forward_flops
+    from prune.selection.strategies import SELECTIONS
+    from ship.costs import LOGIT_SECONDS, LOGITS_SHARE
+
+    assert SELECTIONS.get("repaired-fast").block_solves == 1  # the one-pass selection ship runs for its repairs
+    work = ShipWork(drop=2, repairs=(512, 256))
+    inp = PlanInput(model="tiny", samples=32, seq_len=512)
+    # a map a block: its Gram's decomposition, the solve's products, each repair's share checked
+    assert block_solve_flops(shape, 2) == (eigh_flops(256) + 4 + 4) * 256 ** 3
+    solved = seconds(shape, work)["shortlist"]
+    monkeypatch.setattr("ship.costs.block_solve_flops", lambda *_: 0.0)
+    assert solved - seconds(shape, work)["shortlist"] == pytest.approx(
+        shape.layers * block_solve_flops(shape, 2) / fit_rate(inp))
+    # removal alone fits no map
+    removal = ShipWork(drop=2, repairs=())
+    monkeypatch.undo()
+    bare = seconds(shape, removal)["shortlist"]
+    monkeypatch.setattr("ship.costs.block_solve_flops", lambda *_: 1e30)
+    assert seconds(shape, removal)["shortlist"] == bare
+    monkeypatch.undo()
+    # the check: one row in float32; in 16 bits a batch of rows (its last bit is above the check's tolerance)
+    one_row = 512 * (forward_flops(shape, shape.layers, True) / (flop_rate(inp) * LOGITS_SHARE)
+                     + shape.vocab * LOGIT_SECONDS / machine_speed())
+    wide = seconds(shape, work, dtype="bfloat16")["shortlist"] - seconds(shape, work)["shortlist"]
+    assert wide == pytest.approx((4 - 1) * 3 * one_row)  # 4 measuring rows a batch, three repairs with removal
+
+
+def test_block_by_block_each_whole_pass_of_the_shortlist_reads_the_blocks_it_runs_from_disk(shape):
+    from prune.planner.stages import disk_pass
+
+    work = ShipWork(drop=2, repairs=(512,))  # 3 sets: 6 candidates, each from half the blocks on
+    offloaded = PlanInput(model="tiny", samples=32, seq_len=512, offload="sequential")
+    assert disk_pass(shape, offloaded) > 0
+    # the scoring pass, the fits' capture pass, the original's and the candidates' measures (4 rows: one batch),
+    # the two repairs' (removal's and the fit's) checks of one row
+    reads = 1 + 1 + (1 + 6 * 0.5) + 2
+    assert (seconds(shape, work, offload="sequential")["shortlist"] - seconds(shape, work)["shortlist"]
+            == pytest.approx(reads * disk_pass(shape, offloaded)))
+    # twice the measuring rows (8 of 64), two batches of them: each measuring pass reads every block twice
+    more = stage_seconds(shape, dataclasses.replace(offloaded, samples=64), work)["shortlist"] - stage_seconds(
+        shape, PlanInput(model="tiny", samples=64, seq_len=512), work)["shortlist"]
+    assert more == pytest.approx((reads + 1 + 6 * 0.5) * disk_pass(shape, offloaded))
 
 
 def test_a_replanned_shortlist_counts_its_sets_first_blocks(tiny_folder):

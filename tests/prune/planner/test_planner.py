@@ -423,6 +423,21 @@ def test_a_selection_that_re_fits_and_measures_every_candidate_set_is_in_the_pla
     assert "selection" not in [s.name for s in plain.stages] and "selection" in format_plan(repaired)
 
 
+def test_a_one_pass_selection_s_maps_are_in_the_plan_time(monkeypatch):
+    """repaired-fast solves a least-squares map a block from its pass's statistics (its registration says)."""
+    from prune.planner import stages
+    from prune.planner.rates import block_solve_flops, fit_rate
+
+    shape = shape_of_config(LlamaConfig(**SMOLLM2_135M))
+    inp = PlanInput(model="smollm2-135m", drop=4, replace="linear", select="repaired-fast", samples=32,
+                    seq_len=512, dtype="float32", hardware=Hardware(host_memory=25e9))
+    assert stages.block_solves("repaired-fast") == 1 and stages.block_solves("topk") == 0
+    fast = next(s for s in plan_run(shape, inp).stages if s.name == "selection")
+    monkeypatch.setattr(stages, "block_solves", lambda select: 0)  # the same pass, its maps not counted
+    bare = stages.stage_selection(shape, inp, measuring=True)
+    assert fast.seconds - bare.seconds == pytest.approx(30 * block_solve_flops(shape) / fit_rate(inp))
+
+
 def test_a_crossfit_selection_is_planned_on_every_row_with_a_fit_per_half():
     shape = shape_of_config(LlamaConfig(**SMOLLM2_135M))
     inp = PlanInput(model="smollm2-135m", drop=8, replace="fold-rotate", select="repaired-greedy", samples=32,
