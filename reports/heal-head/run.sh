@@ -147,4 +147,6 @@ tasks gemma
 cache "$GEMMA" 224 "$OUT/cache224.json"
 ship gemma200 "$GEMMA" --heal-steps 200  # issue 79's limit of steps, at dc1ab81
 tasks gemma200
+ship gemma0 "$GEMMA" --heal-steps 0  # the pick before any heal, at c49d6ad
+tasks gemma0
 echo "end $(date +%T) $(uptime)"

@@ -53,3 +53,33 @@ python -m cProfile -o "$OUT/s1b.prof" -m prune.ship --model "$OUT/s1b/llama-3.2-
   --samples 16 --seq-len 512 --heldout-samples 2 --heal-steps 0 --engine transformers --no-verify --threads 2 \
   --offload sequential --out "$OUT/s1b/prof" > "$OUT/s1b-prof.log" 2>&1
 echo "end $(date +%T) $(uptime)"
+# c49d6ad: the same 1B command twice, one after the other (a ran on the tree just before c49d6ad, without the disk
+# reads in the plan); each run re-planned at c49d6ad with its own readings by replan below
+replan() {  # probe reading, block shape_speed, block sets (JSON), then prune.ship's arguments
+  LAYERCUT_MACHINE_SPEED=$1 python - "$@" <<'PY'
+import json, sys
+import prune.planner.machine as machine
+machine.shape_speed = lambda *args, **kwargs: float(sys.argv[2])
+from ship.cli import build_parser, config_from_args
+from ship.costs import stage_seconds
+from ship.plan import _replanned, on_meta
+config = config_from_args(build_parser().parse_args(sys.argv[4:]))
+planned, work = _replanned(config, on_meta(config.prune.load.model).skeleton, int(config.prune.drop),
+                           json.loads(sys.argv[3]), None)
+print({stage: round(s, 1) for stage, s in stage_seconds(planned.shape, planned.inp, work).items()})
+PY
+}
+for run in a b; do
+  echo "ship 1b-$run $(date +%T) $(uptime)"
+  /usr/bin/time -v python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 \
+    --seq-len 512 --heldout-samples 2 --heal-steps 20 --engine transformers --no-verify --threads 2 \
+    --offload sequential --out "$OUT/s1b-$run" > "$OUT/s1b-$run.log" 2>&1
+done
+replan 2.02 1.20 '[[11,12,13,14],[1,2,3,4]]' --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin \
+  --samples 16 --seq-len 512 --heldout-samples 2 --offload sequential --no-verify --engine transformers --out x
+replan 1.92 1.28 '[[11,12,13,14],[1,2,3,4]]' --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin \
+  --samples 16 --seq-len 512 --heldout-samples 2 --offload sequential --no-verify --engine transformers --out x
+replan 1.73 1.0 '[[2,11,27,28],[3,14,17,25],[12,13,14,15],[13,14,17,25]]' --model smollm2-135m --drop 4 \
+  --data builtin --offload none --no-verify --engine transformers --out x
+replan 1.73 1.06 '[[1,3,8,16],[7,8,9,10],[8,9,10,16],[8,9,14,16]]' --model "$GEMMA" --drop 4 --data builtin \
+  --offload none --no-verify --engine transformers --out x
