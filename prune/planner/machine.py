@@ -102,7 +102,11 @@ def machine_speed() -> float:
     return speed
 
 
-SHAPE_ROUNDS = 3  # turns of (reference block, the model's block); the median of their ratios is the factor
+# turns of (reference block, the model's block), after two of each as a warm-up; each side's lower quartile gives
+# its rate. Three turns and the median of their ratios read a Llama-3-8B-shaped block at 1.37-2.41x in fresh
+# processes on one idle host (2026-12-05): one slowed reference round moved the whole plan 1.7x. Eight and the
+# quartiles read 1.38-1.50x there (the 1B shape's 1.22-1.39x), 7 s a plan for the 8B shape's block.
+SHAPE_ROUNDS = 8
 
 
 def _block_forward(hidden: int, intermediate: int, heads: int, sequences: int,
@@ -140,25 +144,28 @@ def shape_speed(hidden: int, intermediate: int, heads: int, sequences: int = 4, 
     """The FLOP rate of a block of these widths over the reference widths' (:data:`REFERENCE_BLOCK`) on this CPU now.
 
     Both blocks run on ``sequences`` x ``seq_len`` tokens (the run's batch; one sequence block by block), in turns,
-    after a warm-up: the machine's own speed cancels out of their ratio. 1 for the reference widths, and where
-    ``$LAYERCUT_MACHINE_SPEED`` fixes the machine (tests: a plan must not depend on the machine's load). A block of
-    8B's widths costs about a second a turn and its 0.9 GB of float32 weights while it runs.
+    after a warm-up: the machine's own speed cancels out of their ratio. Each side's rate is taken at the lower
+    quartile of its rounds (:func:`quick_rounds`), as the machine's probe is: a slowed round never speeds one up.
+    1 for the reference widths, and where ``$LAYERCUT_MACHINE_SPEED`` fixes the machine (tests: a plan must not
+    depend on the machine's load). A block of 8B's widths costs about 0.85 s a turn here and its 0.9 GB of float32
+    weights while it runs.
     """
     if os.environ.get(SPEED_ENV) or (hidden, intermediate) == REFERENCE_BLOCK[:2]:
         return 1.0
     reference, reference_flop = _block_forward(*REFERENCE_BLOCK, PROBE_BATCH[0], seq_len)  # CPU_FLOPS's own batch
     model, model_flop = _block_forward(hidden, intermediate, heads, sequences, seq_len)
-    reference()
-    model()
-    ratios = []
+    for _ in range(2):
+        reference()
+        model()
+    reference_times, model_times = [], []
     for _ in range(SHAPE_ROUNDS):
         began = time.perf_counter()
         reference()
         middle = time.perf_counter()
         model()
-        ended = time.perf_counter()
-        ratios.append((model_flop / (ended - middle)) / (reference_flop / (middle - began)))
-    factor = statistics.median(ratios)
+        model_times.append(time.perf_counter() - middle)
+        reference_times.append(middle - began)
+    factor = (model_flop / quick_rounds(model_times)) / (reference_flop / quick_rounds(reference_times))
     logger.info("a block of width %d (MLP %d) runs at %.2fx the FLOP rate of the reference widths here", hidden,
                 intermediate, factor)
     return factor
