@@ -53,7 +53,8 @@ def _local_folder(name: str, checkpoint: str) -> Path:
 def _dtype(dtype: str, config) -> torch.dtype:
     if dtype != "auto":
         return getattr(torch, dtype)
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    # transformers >= 4.56 reads a config.json's torch_dtype into dtype; asking torch_dtype only logs a deprecation
+    stored = getattr(config, "dtype", None)
     return getattr(torch, stored) if isinstance(stored, str) else stored or torch.float32
 
 

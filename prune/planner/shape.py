@@ -162,7 +162,7 @@ def shape_of_model(model: nn.Module) -> ModelShape:
     other = _unique_params(model, seen)  # whatever is left: final norm, position embeddings of some models
     layers = len(blocks)
     hidden = int(model.get_input_embeddings().weight.shape[1])
-    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    dtype = str(getattr(config, "dtype", None) or "float32")  # a config.json's torch_dtype is read into it
     heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
     return ModelShape(
         model_type=str(getattr(config, "model_type", type(model).__name__)),

@@ -67,6 +67,23 @@ def _unique_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
 
 
+def test_the_stored_dtype_is_read_without_the_deprecated_name(monkeypatch):
+    """transformers >= 4.56 reads a config.json's torch_dtype into dtype; asking torch_dtype logged a deprecation
+    once a ship (2026-12-05)."""
+    import torch
+    from transformers import PretrainedConfig
+
+    from prune.loading.offload import _dtype
+
+    model = make_tiny_model("llama")
+    model.config.dtype = torch.bfloat16
+    monkeypatch.setattr(PretrainedConfig, "torch_dtype", property(lambda self: pytest.fail("torch_dtype was asked")))
+    assert shape_of_model(model).dtype == "bfloat16"
+    assert _dtype("auto", model.config) is torch.bfloat16
+    model.config.dtype = None  # none stored: float32
+    assert shape_of_model(model).dtype == "float32" and _dtype("auto", model.config) is torch.float32
+
+
 @pytest.mark.parametrize("model_type", sorted(TINY_TYPES))
 def test_meta_shape_reproduces_the_real_model_bytes_exactly(model_type):
     model = make_tiny_model(model_type)
