@@ -9,7 +9,8 @@ counted here in the same units before any weight is read:
   measuring rows' alone, which ``repaired-fast`` reads, and the maps it solves from them: ``block_solves``), one
   capture pass over the fitting rows that feeds every repair's fits, the fits' own sums and solves (``fit_width``
   of each repair's registration), and the measuring passes (the original's, which every repair shares, one per
-  candidate from its first changed block, and each repair's one check of that shortcut at full depth), each with
+  candidate from its first changed block, and each repair's and removal's one check of that shortcut through
+  the kept blocks), each with
   its vocabulary-wide work; block by block each whole pass reads the blocks it runs from disk;
 - build: the held-out perplexities of the original, of the blocks removed alone and of the checkpoint, the
   checkpoint written (the chosen repair is the shortlist's fit, put in place as it is);
@@ -110,6 +111,10 @@ class ShipWork:
     Attributes:
         drop: blocks removed.
         repairs: the training-free repairs the shortlist fits (removal not counted), by ``fit_width``.
+        map_shares: the distinct shares of their update among every repair the model takes, before any size cap
+            or budget leaves one out: the one-pass selections (``Selection.block_solves``) solve each block's map
+            from the scoring pass's statistics and check it at each share, whatever the shortlist then fits
+            (0: no repair, no maps).
         rounds: each of those repairs' ``fit_rounds`` (none given: every fit solved once).
         sets: block sets the one-pass selections are expected to choose (each crossed with every repair).
         spans: distinct spans per set, on average (a top-k choice of scattered blocks has several); both are
@@ -132,6 +137,7 @@ class ShipWork:
     drop: int
     repairs: tuple[int, ...]
     rounds: tuple[int, ...] = ()
+    map_shares: int = 0
     sets: int = 3
     spans: float = 2
     depth: float = 0.5
@@ -172,26 +178,27 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     fitted = list(zip(work.repairs, work.rounds or (0,) * len(work.repairs), strict=True))  # (width, rounds)
     fits = sum(fit_flops(shape, width, tokens - measure, rounds) for width, rounds in fitted) * work.sets * work.spans
     candidates = work.sets * (len(work.repairs) + 1)
-    # the one-pass selections' own solves from those statistics (repaired-fast: a map a block, each repair's share
-    # of the update checked; repairs sharing a share check it once, so this is at most what runs)
+    # the one-pass selections' own solves from those statistics (repaired-fast: a map a block, checked at each
+    # share), done before the budget chooses the repairs: the same with any of them left out
     solves = sum(selection.block_solves for selection in SELECTIONS.values()
-                 if selection.repairs and selection.measures == "pass") if work.repairs else 0
-    # each repair's measure checks once that a pass started at a candidate's first changed block gives the whole
-    # pass's logits: one measuring row at full depth in float32, a batch of them in 16 bits (prune.selection.repaired)
+                 if selection.repairs and selection.measures == "pass") if work.map_shares else 0
+    # each repair's measure (removal's too) checks once that a pass started at a candidate's first changed block
+    # gives the candidate's whole pass over its kept blocks: one measuring row in float32, a batch of them in 16
+    # bits (prune.selection.repaired)
     checked = (1 if inp.act_bytes >= 4 else min(inp.batch_size, max(1, inp.samples // 8))) * inp.seq_len
     shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
                  + score_decompositions(shape) / fits_rate
-                 + layers * solves * block_solve_flops(shape, len(work.repairs)) / fits_rate
+                 + layers * solves * block_solve_flops(shape, work.map_shares) / fits_rate
                  + measure * moments / 2 / (rate * SCORING_SHARE)  # the measuring rows' statistics kept apart
                  + (passes(tokens - measure, layers, CAPTURE_SHARE) if work.repairs else 0.0)  # removal fits nothing
                  + fits / fits_rate
                  + passes(measure, layers, LOGITS_SHARE, head=True)  # the original's, shared by every repair
                  + passes(measure * candidates, layers * work.depth, LOGITS_SHARE, head=True)
-                 + passes(checked * (len(work.repairs) + 1), layers, LOGITS_SHARE, head=True))
+                 + passes(checked * (len(work.repairs) + 1), kept, LOGITS_SHARE, head=True))
     if inp.offload == "sequential":  # each whole pass reads every block it runs from disk, once per batch of rows
         batches = -(-max(1, inp.samples // 8) // inp.batch_size)
         reads = (1 + bool(work.repairs) + batches * (1 + candidates * work.depth)  # scoring, capture, measuring
-                 + len(work.repairs) + 1)  # the checks' row
+                 + (len(work.repairs) + 1) * kept / layers)  # the checks' row through the kept blocks
         shortlist += reads * disk_pass(shape, inp)
     if not inp.on_gpu:  # each measuring pass's logits, log-softmax and KL; the checks' logits made and compared
         logits = (1 + candidates) * measure + (len(work.repairs) + 1) * checked

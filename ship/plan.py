@@ -187,6 +187,7 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
     from prune.data.self_text import self_batches
     from prune.planner.shape import shape_of_model
     from prune.replace import METHODS, parameter_count
+    from prune.selection.repaired import update_share
 
     shape = shape_of_model(skeleton) if skeleton is not None else None
     # as the shortlist sizes them (ship.config.params_cap): a repair adding more than its cap allows is never fitted
@@ -197,6 +198,11 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
                    METHODS[name].adds_params and removal + METHODS[name].adds_params(skeleton)
                    > params_cap(removal, target))))]
     widths = tuple(METHODS[name].fit_width(shape.hidden, shape.intermediate) if shape else 1 for name in repairs)
+    # the one-pass selection's maps are checked at the share of every repair the model takes (ship.shortlist's
+    # prepare), before a size cap or the budget leaves one out
+    takes = [name for name in servable_repairs() if name != "none"
+             and (skeleton is None or applicable(name, skeleton) is None)]
+    shares = {update_share(dataclasses.replace(config.prune, replace=name).replace) for name in takes}
     data = config.prune.data
     original_kept = False
     if config.gguf:  # the original's engine file, written by an earlier run's checks with its serving rows
@@ -206,7 +212,7 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
 
         folder = checkpoint_folder(config.prune.load.model)
         original_kept = folder is not None and gguf_export_path(Path(folder)).is_file()
-    return ShipWork(drop=drop, repairs=widths, fidelity_kept=fidelity_kept,
+    return ShipWork(drop=drop, repairs=widths, map_shares=len(shares), fidelity_kept=fidelity_kept,
                     rounds=tuple(METHODS[name].fit_rounds for name in repairs),
                     self_batches=self_batches(data, config.prune.load.model),
                     heal_self_batches=self_batches(config.heal_data_config(), config.prune.load.model)

@@ -102,11 +102,15 @@ def machine_speed() -> float:
     return speed
 
 
-# turns of (reference block, the model's block), after two of each as a warm-up; each side's lower quartile gives
-# its rate. Three turns and the median of their ratios read a Llama-3-8B-shaped block at 1.37-2.41x in fresh
-# processes on one idle host (2026-12-05): one slowed reference round moved the whole plan 1.7x. Eight and the
-# quartiles read 1.38-1.50x there (the 1B shape's 1.22-1.39x), 7 s a plan for the 8B shape's block.
+# turns of (reference block, the model's block), after two of each as a warm-up (a fresh block's first calls run
+# slow: its pages, the threads); each side's lower quartile gives its rate. Three turns and the median of their
+# ratios read a Llama-3-8B-shaped block at 1.37-2.41x in fresh processes on one idle host (2026-12-05): one slowed
+# reference round moved the whole plan 1.7x. Eight and the quartiles read 1.38-1.50x there (the 1B shape's
+# 1.22-1.39x), about 10 s a plan for the 8B shape's block with its weights drawn. Past SHAPE_SECONDS of timed turns
+# a wider block stops at SHAPE_MIN_ROUNDS (a 70B block's forward takes seconds).
 SHAPE_ROUNDS = 8
+SHAPE_MIN_ROUNDS = 4
+SHAPE_SECONDS = 8.0
 
 
 def _block_forward(hidden: int, intermediate: int, heads: int, sequences: int,
@@ -148,7 +152,7 @@ def shape_speed(hidden: int, intermediate: int, heads: int, sequences: int = 4, 
     quartile of its rounds (:func:`quick_rounds`), as the machine's probe is: a slowed round never speeds one up.
     1 for the reference widths, and where ``$LAYERCUT_MACHINE_SPEED`` fixes the machine (tests: a plan must not
     depend on the machine's load). A block of 8B's widths costs about 0.85 s a turn here and its 0.9 GB of float32
-    weights while it runs.
+    weights while it runs; past :data:`SHAPE_SECONDS` of turns, at least :data:`SHAPE_MIN_ROUNDS` are taken.
     """
     if os.environ.get(SPEED_ENV) or (hidden, intermediate) == REFERENCE_BLOCK[:2]:
         return 1.0
@@ -158,7 +162,9 @@ def shape_speed(hidden: int, intermediate: int, heads: int, sequences: int = 4, 
         reference()
         model()
     reference_times, model_times = [], []
-    for _ in range(SHAPE_ROUNDS):
+    started = time.perf_counter()
+    while len(model_times) < SHAPE_ROUNDS and (len(model_times) < SHAPE_MIN_ROUNDS
+                                               or time.perf_counter() - started < SHAPE_SECONDS):
         began = time.perf_counter()
         reference()
         middle = time.perf_counter()

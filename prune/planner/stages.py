@@ -241,6 +241,8 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
     - each step also runs the current set's model once over those rows (the states the candidates start
       from) and, for a repaired selection, the original model (the KL's reference) and one capture pass over
       the fitting rows that fits the spans its sets add (a span is fitted once and reused at every step);
+    - a one-pass selection (``measures`` "pass") reads its pass's statistics and solves its maps from them:
+      ``block_solves`` a block (``prune.planner.rates.block_solve_flops``), at the float64 fits' rate;
     - the measuring rows are every calibration row for a bare selection (greedy-ppl, measured) and a cross-fitted
       one (each half fitted on the other: the capture passes read every row once), one row in ``MEASURE_EVERY``
       for another repaired one (the others fit);

@@ -111,33 +111,50 @@ def test_the_measures_run_from_each_set_s_first_block_and_pay_for_every_logit_on
 
 def test_the_one_pass_selection_s_maps_and_each_repair_s_check_of_the_shortcut_are_counted(shape, monkeypatch):
     """On a Llama-3.2-1B shape block by block repaired-fast's 16 maps took 33 s of the scoring pass and the four
-    checks a full-depth row each: neither was planned, its shortlist 1.30x its plan (2026-12-05)."""
+    checks a row each through the kept blocks: neither was planned, its shortlist 1.30x its plan (2026-12-05)."""
     from prune.planner.machine import machine_speed
     from prune.planner.rates import block_solve_flops, eigh_flops, fit_rate, flop_rate, forward_flops
-    from prune.selection.strategies import SELECTIONS
     from ship.costs import LOGIT_SECONDS, LOGITS_SHARE
 
-    assert SELECTIONS.get("repaired-fast").block_solves == 1  # the one-pass selection ship runs for its repairs
-    work = ShipWork(drop=2, repairs=(512, 256))
     inp = PlanInput(model="tiny", samples=32, seq_len=512)
-    # a map a block: its Gram's decomposition, the solve's products, each repair's share checked
+    # a map a block: its Gram's decomposition, the solve's products, each share of the update checked
     assert block_solve_flops(shape, 2) == (eigh_flops(256) + 4 + 4) * 256 ** 3
-    solved = seconds(shape, work)["shortlist"]
-    monkeypatch.setattr("ship.costs.block_solve_flops", lambda *_: 0.0)
-    assert solved - seconds(shape, work)["shortlist"] == pytest.approx(
-        shape.layers * block_solve_flops(shape, 2) / fit_rate(inp))
-    # removal alone fits no map
-    removal = ShipWork(drop=2, repairs=())
-    monkeypatch.undo()
-    bare = seconds(shape, removal)["shortlist"]
-    monkeypatch.setattr("ship.costs.block_solve_flops", lambda *_: 1e30)
-    assert seconds(shape, removal)["shortlist"] == bare
-    monkeypatch.undo()
-    # the check: one row in float32; in 16 bits a batch of rows (its last bit is above the check's tolerance)
-    one_row = 512 * (forward_flops(shape, shape.layers, True) / (flop_rate(inp) * LOGITS_SHARE)
+    work = ShipWork(drop=2, repairs=(512, 256), map_shares=2)
+    maps = shape.layers * block_solve_flops(shape, 2) / fit_rate(inp)
+    assert seconds(shape, work)["shortlist"] - seconds(shape, dataclasses.replace(work, map_shares=0))[
+        "shortlist"] == pytest.approx(maps)
+    # the maps are solved before the budget chooses the repairs: a plan of removal alone still holds them, so
+    # what a repair adds over it (ship.shortlist._within_time) does not
+    alone = dataclasses.replace(work, repairs=())
+    assert seconds(shape, alone)["shortlist"] - seconds(shape, dataclasses.replace(alone, map_shares=0))[
+        "shortlist"] == pytest.approx(maps)
+    # the check: one row in float32, through the kept blocks and the head; in 16 bits a batch of rows (its last
+    # bit is above the check's tolerance)
+    one_row = 512 * (forward_flops(shape, shape.layers - 2, True) / (flop_rate(inp) * LOGITS_SHARE)
                      + shape.vocab * LOGIT_SECONDS / machine_speed())
     wide = seconds(shape, work, dtype="bfloat16")["shortlist"] - seconds(shape, work)["shortlist"]
     assert wide == pytest.approx((4 - 1) * 3 * one_row)  # 4 measuring rows a batch, three repairs with removal
+
+
+def test_the_plan_s_maps_are_what_the_one_pass_selection_solves(monkeypatch):
+    """repaired-fast (``block_solves`` 1) decomposes one Gram and solves one map a block, and checks each share."""
+    import torch
+
+    import prune.selection.map_errors as map_errors
+    from prune.selection.strategies import SELECTIONS
+
+    model = make_tiny_model("llama")
+    blocks = len(model.model.layers)
+    solved, checked = [], []
+    fit, residual = map_errors.fit_linear_map, map_errors.residual_sums
+    monkeypatch.setattr(map_errors, "fit_linear_map", lambda *a, **k: solved.append(1) or fit(*a, **k))
+    monkeypatch.setattr(map_errors, "residual_sums", lambda *a, **k: checked.append(1) or residual(*a, **k))
+    eigh, decomposed = torch.linalg.eigh, []
+    monkeypatch.setattr(torch.linalg, "eigh", lambda *a, **k: decomposed.append(1) or eigh(*a, **k))
+    token_ids = torch.randint(0, model.config.vocab_size, (16, 32), generator=torch.Generator().manual_seed(0))
+    map_errors.map_errors_of_shares(model, token_ids, [0.7, 1.0], batch_size=4)
+    assert SELECTIONS.get("repaired-fast").block_solves == 1
+    assert len(solved) == len(decomposed) == blocks and len(checked) == 2 * blocks
 
 
 def test_block_by_block_each_whole_pass_of_the_shortlist_reads_the_blocks_it_runs_from_disk(shape):
@@ -147,8 +164,8 @@ def test_block_by_block_each_whole_pass_of_the_shortlist_reads_the_blocks_it_run
     offloaded = PlanInput(model="tiny", samples=32, seq_len=512, offload="sequential")
     assert disk_pass(shape, offloaded) > 0
     # the scoring pass, the fits' capture pass, the original's and the candidates' measures (4 rows: one batch),
-    # the two repairs' (removal's and the fit's) checks of one row
-    reads = 1 + 1 + (1 + 6 * 0.5) + 2
+    # the two repairs' (removal's and the fit's) checks of one row through the 6 kept blocks of 8
+    reads = 1 + 1 + (1 + 6 * 0.5) + 2 * 6 / 8
     assert (seconds(shape, work, offload="sequential")["shortlist"] - seconds(shape, work)["shortlist"]
             == pytest.approx(reads * disk_pass(shape, offloaded)))
     # twice the measuring rows (8 of 64), two batches of them: each measuring pass reads every block twice

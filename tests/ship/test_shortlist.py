@@ -103,6 +103,8 @@ def test_removal_alone_is_planned_without_the_capture_pass_its_fits_would_need(t
     planned = plan_config(prune, hardware_for("cpu"))
     every, alone = (ship_work(config, model, 2, None, only=only) for only in (None, ()))
     assert alone.repairs == () and len(every.repairs) >= 3
+    # the one-pass selection's maps are solved at every share the model's repairs apply, whichever the budget keeps
+    assert every.map_shares == alone.map_shares == 2  # fold's 0.7 and the others' whole update
 
     def shortlists():
         return [ship.costs.stage_seconds(planned.shape, planned.inp, w)["shortlist"] for w in (every, alone)]

@@ -119,6 +119,12 @@ def test_a_slowed_spell_of_reference_rounds_does_not_move_the_shape_s_factor(sha
     shaped.setattr(machine, "_block_forward", forward)
     assert machine.shape_speed(64, 256, 4, 1, 32) == pytest.approx(2.0, rel=0.3)
     assert len(calls) == 2 + machine.SHAPE_ROUNDS
+    # a block whose turns outlast SHAPE_SECONDS stops at the fewest rounds a quartile is taken of
+    calls.clear()
+    machine.shape_speed.cache_clear()
+    shaped.setattr(machine, "SHAPE_SECONDS", 0.0)
+    machine.shape_speed(64, 256, 4, 1, 32)
+    assert len(calls) == 2 + machine.SHAPE_MIN_ROUNDS < 2 + machine.SHAPE_ROUNDS
 
 
 def test_the_shape_probe_times_real_blocks(shaped):
