@@ -54,7 +54,7 @@ python -m cProfile -o "$OUT/s1b.prof" -m prune.ship --model "$OUT/s1b/llama-3.2-
   --offload sequential --out "$OUT/s1b/prof" > "$OUT/s1b-prof.log" 2>&1
 echo "end $(date +%T) $(uptime)"
 # c49d6ad: the same 1B command twice, one after the other (a ran on the tree just before c49d6ad, without the disk
-# reads in the plan); each run re-planned at c49d6ad with its own readings by replan below
+# reads in the plan); each run re-planned at 383d630 with its own readings by replan below
 replan() {  # probe reading, block shape_speed, block sets (JSON), then prune.ship's arguments
   LAYERCUT_MACHINE_SPEED=$1 python - "$@" <<'PY'
 import json, sys
