@@ -69,7 +69,7 @@ planned, work = _replanned(config, on_meta(config.prune.load.model).skeleton, in
 print({stage: round(s, 1) for stage, s in stage_seconds(planned.shape, planned.inp, work).items()})
 PY
 }
-for run in a b; do
+for run in a b c; do  # c at 2cbf168, its own plan
   echo "ship 1b-$run $(date +%T) $(uptime)"
   /usr/bin/time -v python -m prune.ship --model "$OUT/s1b/llama-3.2-1b-float32" --drop 4 --data builtin --samples 16 \
     --seq-len 512 --heldout-samples 2 --heal-steps 20 --engine transformers --no-verify --threads 2 \
