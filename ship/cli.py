@@ -32,7 +32,15 @@ from prune.options import (
 )
 from prune.pipeline.config import PruneConfig
 from prune.selection.strategies import DEFAULT_PROTECT
-from ship.config import DEFAULT_HEAL_STEPS, HEAL_BATCH, HEAL_OPTIONS, ShipConfig, parse_duration, ship_engines
+from ship.config import (
+    DEFAULT_HEAL_STEPS,
+    HEAL_BATCH,
+    HEAL_OPTIONS,
+    HEAL_TRAIN_KEYS,
+    ShipConfig,
+    parse_duration,
+    ship_engines,
+)
 from ship.shipper import Shipper, remove_work
 
 
@@ -116,10 +124,8 @@ def config_from_args(args: argparse.Namespace) -> ShipConfig:
                       verify=not args.no_verify, speed_repeats=args.repeats, prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, threads=args.threads, heal_steps=args.heal_steps,
                       heal_data=args.heal_data, heal_samples=args.heal_samples, processes=args.processes,
-                      heal_train={key: value for key, value in (("lora_r", args.lora_r),
-                                                                ("lora_alpha", args.lora_alpha),
-                                                                ("lora_targets", args.lora_targets))
-                                  if value is not None})
+                      heal_train={key: getattr(args, key) for key in HEAL_TRAIN_KEYS
+                                  if getattr(args, key) is not None})
 
 
 @cli_entry

@@ -36,6 +36,8 @@ from prune.replace import METHODS, check_replacement_supported
 # 29.60 after 100, 29.48 after 200: 100 steps buy 96 % of 200's gain in log-perplexity, 50 steps 77 %), at half the
 # heal's minutes
 DEFAULT_HEAL_STEPS = 100
+# what a run may set of the heal's adapters (ShipConfig.heal_train: --lora-r, --lora-alpha, --lora-targets)
+HEAL_TRAIN_KEYS = ("lora_r", "lora_alpha", "lora_targets")
 
 
 def heal_sequences(samples: int, seq_len: int, more: int = 0) -> int:
@@ -214,7 +216,7 @@ class ShipConfig:
     def _check_heal_train(self) -> None:
         """Refuse, in one line, LoRA options the heal cannot take (a layer name is checked once the model loads)."""
         flags = "--" + ", --".join(key.replace("_", "-") for key in self.heal_train)
-        if unknown := set(self.heal_train) - {"lora_r", "lora_alpha", "lora_targets"}:
+        if unknown := set(self.heal_train) - set(HEAL_TRAIN_KEYS):
             raise LayercutError(f"heal_train takes lora_r, lora_alpha and lora_targets, not "
                                 f"{', '.join(sorted(unknown))}: drop the others")
         if not self.heal_steps:

@@ -56,11 +56,13 @@ from prune.planner.rates import (
     fit_rate,
     flop_rate,
     forward_flops,
+    moment_flops,
     score_decompositions,
 )
 from prune.planner.shape import ModelShape
 from prune.planner.stages import Stage, disk_pass, stage_shortlist
-from prune.selection.strategies import SELECTIONS
+from prune.selection.repaired import MEASURE_EVERY
+from prune.selection.strategies import pass_selections
 
 # what a kind of pass reaches of the planner's FLOP rate here (measured: see the module's docstring)
 SCORING_SHARE = 1.145  # the scoring pass, every state's Gram and every pair's cosines (32 s for 16,384 tokens)
@@ -162,8 +164,9 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     rate = flop_rate(inp)
     layers, kept = shape.layers, shape.layers - work.drop
     tokens = inp.samples * inp.seq_len
-    measure = max(1, inp.samples // 8) * inp.seq_len
-    moments = (2 * layers + 1) * 2 * shape.hidden ** 2
+    rows = max(1, inp.samples // MEASURE_EVERY)  # the measuring rows (prune.selection.repaired.measuring_rows)
+    measure = rows * inp.seq_len
+    moments = moment_flops(shape)
 
     def passes(count: float, blocks: float, share: float, head: bool = False, extra: float = 0.0) -> float:
         return count * (forward_flops(shape, blocks, head) + extra) / (rate * share)
@@ -180,12 +183,11 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     candidates = work.sets * (len(work.repairs) + 1)
     # the one-pass selections' own solves from those statistics (repaired-fast: a map a block, checked at each
     # share), done before the budget chooses the repairs: the same with any of them left out
-    solves = sum(selection.block_solves for selection in SELECTIONS.values()
-                 if selection.repairs and selection.measures == "pass") if work.map_shares else 0
+    solves = sum(selection.block_solves for selection in pass_selections()) if work.map_shares else 0
     # each repair's measure (removal's too) checks once that a pass started at a candidate's first changed block
     # gives the candidate's whole pass over its kept blocks: one measuring row in float32, a batch of them in 16
     # bits (prune.selection.repaired)
-    checked = (1 if inp.act_bytes >= 4 else min(inp.batch_size, max(1, inp.samples // 8))) * inp.seq_len
+    checked = (1 if inp.act_bytes >= 4 else min(inp.batch_size, rows)) * inp.seq_len
     shortlist = (passes(tokens, layers, SCORING_SHARE, extra=moments)
                  + score_decompositions(shape) / fits_rate
                  + layers * solves * block_solve_flops(shape, work.map_shares) / fits_rate
@@ -196,7 +198,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
                  + passes(measure * candidates, layers * work.depth, LOGITS_SHARE, head=True)
                  + passes(checked * (len(work.repairs) + 1), kept, LOGITS_SHARE, head=True))
     if inp.offload == "sequential":  # each whole pass reads every block it runs from disk, once per batch of rows
-        batches = -(-max(1, inp.samples // 8) // inp.batch_size)
+        batches = -(-rows // inp.batch_size)
         reads = (1 + bool(work.repairs) + batches * (1 + candidates * work.depth)  # scoring, capture, measuring
                  + (len(work.repairs) + 1) * kept / layers)  # the checks' row through the kept blocks
         shortlist += reads * disk_pass(shape, inp)

@@ -193,15 +193,13 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
     # as the shortlist sizes them (ship.config.params_cap): a repair adding more than its cap allows is never fitted
     removal = parameter_count(skeleton) - drop * shape.block_params if shape else 0
     target = config.prune.resolve(skeleton).target_params if skeleton is not None else None
-    repairs = [name for name in servable_repairs() if name != "none" and (only is None or name in only)
-               and (skeleton is None or (applicable(name, skeleton) is None and not (
-                   METHODS[name].adds_params and removal + METHODS[name].adds_params(skeleton)
-                   > params_cap(removal, target))))]
+    takes = [name for name in servable_repairs() if name != "none"
+             and (skeleton is None or applicable(name, skeleton) is None)]
+    repairs = [name for name in takes if (only is None or name in only) and (skeleton is None or not (
+        METHODS[name].adds_params and removal + METHODS[name].adds_params(skeleton) > params_cap(removal, target)))]
     widths = tuple(METHODS[name].fit_width(shape.hidden, shape.intermediate) if shape else 1 for name in repairs)
     # the one-pass selection's maps are checked at the share of every repair the model takes (ship.shortlist's
     # prepare), before a size cap or the budget leaves one out
-    takes = [name for name in servable_repairs() if name != "none"
-             and (skeleton is None or applicable(name, skeleton) is None)]
     shares = {update_share(dataclasses.replace(config.prune, replace=name).replace) for name in takes}
     data = config.prune.data
     original_kept = False

@@ -29,7 +29,7 @@ from prune.pipeline.removal import planned_blocks
 from prune.pipeline.runner import Scored
 from prune.replace import METHODS, ReplaceConfig, parameter_count
 from prune.selection.repaired import RepairedCosts, fit_together, shared_references
-from prune.selection.strategies import SELECTIONS
+from prune.selection.strategies import pass_selections
 from ship.config import applicable, duration_words, oversize_note, servable_repairs
 from ship.work import StageResult, write_json_atomic
 
@@ -263,18 +263,16 @@ def _candidates(scored: Scored, model, base: PruneConfig, amounts, repairs: list
             found.setdefault((blocks, repair), Candidate(list(blocks), repair, [])).chosen_by.append(
                 f"{select}/{score}")
     # a selection that declares a one-pass measure of each block's repair chooses for that repair alone
-    for name, selection in SELECTIONS.items():
-        if not (selection.repairs and selection.measures == "pass"):
-            continue
+    for selection in pass_selections():
         if selection.prepare is not None:  # what its runs for every repair share, done once
             selection.prepare(scored.memo, model, calibration.token_ids,
                               [dataclasses.replace(base, replace=r).replace for r in repairs if r != "none"],
                               base.batch_size, moments)
         for repair in (r for r in repairs if r != "none"):
-            variant = dataclasses.replace(base, select=name, replace=repair)
+            variant = dataclasses.replace(base, select=selection.name, replace=repair)
             blocks = tuple(planned_blocks(model, calibration, moments, scores, variant, amounts, scored.memo))
             found.setdefault((blocks, repair), Candidate(list(blocks), repair, [])).chosen_by.append(
-                f"{name}/linearity")
+                f"{selection.name}/linearity")
     return list(found.values())
 
 

@@ -68,6 +68,11 @@ def forward_flops(shape: ModelShape, blocks: int, head: bool = False) -> float:
     return 2 * (blocks * shape.block_active_params + (shape.vocab * shape.hidden if head else 0))
 
 
+def moment_flops(shape: ModelShape) -> float:
+    """FLOP a token of the scoring statistics' float32 products: every state's Gram and each block's cross Gram."""
+    return (2 * shape.layers + 1) * 2 * shape.hidden ** 2
+
+
 def flop_rate(inp: PlanInput, quantized: bool | None = None, parallel: int = 1) -> float:
     """FLOP/s: the CPU's measured (at this CPU's speed now), or ``parallel`` GPUs' assumed (half for bitsandbytes)."""
     quantized = inp.quant_bits < 16 if quantized is None else quantized

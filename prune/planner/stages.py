@@ -49,6 +49,7 @@ from prune.planner.rates import (
     fit_rate,
     flop_rate,
     forward_flops,
+    moment_flops,
     score_decompositions,
 )
 from prune.planner.shape import ModelShape
@@ -134,8 +135,7 @@ def stage_scoring(shape: ModelShape, inp: PlanInput) -> Stage:
         _weights(devices, shape, inp, shape.layers, "weights")
     add(devices[compute_devices(inp)[0]], "activations", forward_bytes(shape, inp, tokens))
     _moments(devices, shape, inp)
-    moments = (2 * shape.layers + 1) * 2 * shape.hidden ** 2
-    flop = inp.calibration_tokens * (forward_flops(shape, shape.layers) + moments)
+    flop = inp.calibration_tokens * (forward_flops(shape, shape.layers) + moment_flops(shape))
     seconds = flop / flop_rate(inp) + score_decompositions(shape) / fit_rate(inp) + disk_pass(shape, inp)
     return Stage("scoring", devices, seconds, f"{inp.calibration_tokens:,} tokens")
 
@@ -260,7 +260,7 @@ def stage_selection(shape: ModelShape, inp: PlanInput, measuring: bool) -> Stage
     tokens = inp.calibration_tokens
     solves = 0.0
     if kind == "pass":  # one pass over the fitting rows and one over the measuring rows, streaming moments
-        flop = tokens * (forward_flops(shape, shape.layers) + (2 * shape.layers + 1) * 2 * shape.hidden ** 2)
+        flop = tokens * (forward_flops(shape, shape.layers) + moment_flops(shape))
         solves = shape.layers * block_solves(inp.select) * block_solve_flops(shape) / fit_rate(inp)
         note = f"one pass of {tokens:,} tokens"
     else:

@@ -194,6 +194,15 @@ def measured_selections() -> tuple[str, ...]:
     return tuple(name for name, selection in SELECTIONS.items() if selection.measures)
 
 
+def pass_selections() -> list[Selection]:
+    """The selections that repair each set and measure it in one pass.
+
+    ``prune.ship`` runs each for every repair (its ``prepare`` once for all of them); its plan counts their
+    ``block_solves``.
+    """
+    return [selection for selection in SELECTIONS.values() if selection.repairs and selection.measures == "pass"]
+
+
 def unit_selections() -> tuple[str, ...]:
     """The selections that declare ``units``: those that rank sub-layers (``--unit attention,mlp``)."""
     return tuple(name for name, selection in SELECTIONS.items() if selection.units)
