@@ -209,7 +209,7 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
         from prune.checkpoint.gguf import QUANTIZER_TYPES
 
         folder = checkpoint_folder(config.prune.load.model)
-        original_kept = folder is not None and gguf_export_path(Path(folder)).is_file()
+        original_kept = folder is not None and gguf_export_path(Path(folder), config.gguf_type).is_file()
     return ShipWork(drop=drop, repairs=widths, map_shares=len(shares), fidelity_kept=fidelity_kept,
                     rounds=tuple(METHODS[name].fit_rounds for name in repairs),
                     self_batches=self_batches(data, config.prune.load.model),

@@ -80,7 +80,9 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
                                      f"prompts, judged by the original in transformers"), seconds)
     speed = SpeedCheck(baseline=config.prune.load.model, model=str(served), engine=config.engine,
                        repeats=config.speed_repeats, prompt_len=config.prompt_len, new_tokens=config.new_tokens,
-                       threads=config.threads, converter=config.converter, dtype=load.dtype, device=load.device)
+                       threads=config.threads, converter=config.converter, dtype=load.dtype, device=load.device,
+                       # the original in llama.cpp as the file that ships, quantized the same way: the depth's ratio
+                       gguf_type=config.gguf_type if config.gguf else None)
     if config.engine == REFERENCE and load.offload != "none":
         # transformers would time its reads of every block from the checkpoint, not the model: none is served so
         say(f"verifying: no speed check: --offload {load.offload} reads each block from disk in transformers (time "

@@ -171,6 +171,8 @@ class SpeedCheck:
         converter: llama.cpp's ``convert_hf_to_gguf.py``, for a folder timed in llama.cpp.
         dtype: the dtype both are loaded in (``LoadConfig.dtype``; vLLM takes it too).
         device: where transformers runs them (``LoadConfig.device``).
+        gguf_type: llama.cpp's type for a folder it runs (the baseline): the shipped file's, so the ratio is the
+            depth's alone (None: the engine's default, float32).
     """
 
     baseline: str
@@ -183,6 +185,7 @@ class SpeedCheck:
     converter: str | None = None
     dtype: str = "auto"
     device: str = "cpu"
+    gguf_type: str | None = None
 
     def run(self) -> dict:
         """The speed comparison (``speed.json``'s fields)."""
@@ -190,6 +193,8 @@ class SpeedCheck:
         from prune.checkpoint.load_config import LoadConfig
 
         values = {"converter": self.converter} if self.converter else {}
+        if self.gguf_type:
+            values["gguf_type"] = self.gguf_type
         load = LoadConfig(model=self.baseline, dtype=self.dtype, device=self.device)
         return measure_speed(self.engine, self.baseline, [self.model], load,
                              repeats=self.repeats, prompt_len=self.prompt_len, new_tokens=self.new_tokens,

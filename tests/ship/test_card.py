@@ -50,7 +50,7 @@ def test_every_engine_row_names_and_measures_the_file_that_ships(tmp_path):
     assert "| news | 10.000 | 20.000 | x2.000 | 20.500 | +2.500 % | yes (4 tokens) | 1 of 4 |" in card
     assert "| wiki | 10.000 | 20.000 | x2.000 | 20.500 | +2.500 % | **no**: from token 2 of 4 | 2 of 4 |" in card
     assert "| vs transformers | same greedy ids | original's greedy tokens kept |" in card
-    assert "`gguf/slim8-q4_k_m.gguf` (q4_k_m; the original runs as llama.cpp's f32 conversion" in card
+    assert "`gguf/slim8-q4_k_m.gguf` (q4_k_m, against the original converted and quantized the same way" in card
     # one card: the held-out figures come from the verified rows alone, the folder is named as the user has it
     assert "10.000 -> 20.000" not in card and "## Held-out perplexity" not in card
     assert card.count("## Use") == 1 and 'from_pretrained("slim8")' in card

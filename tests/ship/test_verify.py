@@ -29,6 +29,33 @@ def test_the_checks_take_the_run_s_dtype_and_device(tmp_path, monkeypatch, engin
         [engine] if engine != "transformers" else [])
 
 
+def test_the_speed_check_runs_the_original_as_the_shipped_file_s_gguf_type(tmp_path, monkeypatch):
+    sent = []
+    monkeypatch.setattr(verify_stage, "run_in_child", lambda check, log: sent.append(check) or {})
+    checkpoint = tmp_path / "slim.work" / "checkpoint"
+    (checkpoint / "gguf").mkdir(parents=True)
+    for gguf_type, expected in (("q4_k_m", "q4_k_m"), ("f16", "f16")):
+        sent.clear()
+        config = ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"),
+                            engine="llamacpp", gguf_type=gguf_type)
+        verify_stage.verify(config, checkpoint, checkpoint / "gguf" / f"slim-{gguf_type}.gguf",
+                            [f"rows={tmp_path / 'heldout.txt'}"], tmp_path / f"verify-{gguf_type}", say=lambda _: None)
+        speed = sent[-1]
+        assert isinstance(speed, SpeedCheck) and speed.model.endswith(f"slim-{gguf_type}.gguf")
+        assert speed.gguf_type == expected
+
+
+def test_a_speed_check_passes_its_gguf_type_to_the_engine(monkeypatch):
+    import eval.bench.speed as speed
+
+    given = []
+    monkeypatch.setattr(speed, "measure_speed",
+                        lambda engine, baseline, models, load, **options: given.append(options["settings"]))
+    SpeedCheck(baseline="org/model", model="slim.gguf", engine="llamacpp", gguf_type="q4_k_m").run()
+    SpeedCheck(baseline="org/model", model="slim/", engine="transformers").run()
+    assert given == [{"gguf_type": "q4_k_m"}, {}]
+
+
 def test_a_kept_row_is_kept_per_dtype_and_device(tiny_folder, tmp_path, monkeypatch):
     monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
     windows = [[1, 2, 3, 4]]

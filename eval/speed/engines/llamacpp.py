@@ -1,7 +1,7 @@
 """The ``llamacpp`` engine: llama.cpp through llama-cpp-python, on a GGUF file.
 
-A folder is exported first by ``prune.checkpoint.gguf`` (float32, cached). Prefill is ``Llama.eval`` of
-the prompt on an emptied KV cache, one ``llama_decode`` call of ``n_batch = n_ctx``, synchronised by
+A folder is exported first by ``prune.checkpoint.gguf`` (float32 unless ``--gguf-type``, cached). Prefill is
+``Llama.eval`` of the prompt on an emptied KV cache, one ``llama_decode`` call of ``n_batch = n_ctx``, synchronised by
 reading its last logits. Decode is an untimed prefill, then ``new_tokens`` timed ``Llama.eval`` calls of
 one token each, the next token the argmax of the last logits (llama.cpp's own sampler chain is not used:
 it is the same work for every model). One sequence only (``--batch-size 1``).
@@ -27,7 +27,7 @@ from eval.speed.engines.base import (
     setting,
     token_list,
 )
-from prune.checkpoint.gguf import gguf_field
+from prune.checkpoint.gguf import OUTTYPES, gguf_field
 from prune.errors import LayercutError
 from prune.measure.perplexity import token_nll
 from prune.model.layouts import DECILM, VANILLA
@@ -42,12 +42,17 @@ class LlamaCppOptions(EngineOptions):
     Attributes:
         gpu_layers: ``n_gpu_layers`` (0: CPU only, -1: all).
         converter: llama.cpp's ``convert_hf_to_gguf.py`` for folders (None: ``$LLAMA_CPP_CONVERTER``).
+        gguf_type: the type a folder is converted to (a ``.gguf`` file runs as it is): a quantized file is timed
+            against its original quantized the same way, so the ratio is the depth's alone.
     """
 
     gpu_layers: int = setting(0, "layers offloaded to the GPU", flag="--gpu-layers", type=int,
                               default_help="0, CPU only; -1: all")
     converter: str | None = setting(None, "llama.cpp's convert_hf_to_gguf.py, for folders", flag="--converter",
                                     type=str, default_help="$LLAMA_CPP_CONVERTER")
+    gguf_type: str = setting("f32", "the GGUF type a checkpoint folder is converted to (a .gguf file runs as it is)",
+                             flag="--gguf-type", type=str, check=lambda value: value in OUTTYPES,
+                             expect=f"is one of {', '.join(OUTTYPES)}")
 
 
 def gguf_block_count(path: str | Path) -> int:
@@ -68,16 +73,18 @@ def gguf_block_count(path: str | Path) -> int:
 
 
 def gguf_export_path(folder: Path, outtype: str = "f32") -> Path:
-    """Where the GGUF copy of a checkpoint folder is cached: keyed by its path and its files' sizes and times."""
+    """Where the GGUF copy of a checkpoint folder is cached: keyed by its path, its files' sizes and times, its type."""
     return export_path(folder, f".{outtype}.gguf")
 
 
-def gguf_file(path: str, converter: str | None = None) -> Path:
-    """The GGUF file llama.cpp runs for ``path``: the file itself, or a folder's float32 export (made once).
+def gguf_file(path: str, converter: str | None = None, outtype: str = "f32") -> Path:
+    """The GGUF file llama.cpp runs for ``path``: the file itself, or a folder's export of ``outtype`` (made once).
 
     Args:
         path: a ``.gguf`` file, a checkpoint folder or an alias / hub id resolving to a local folder.
         converter: llama.cpp's ``convert_hf_to_gguf.py`` (None: ``$LLAMA_CPP_CONVERTER``).
+        outtype: the folder's GGUF type (``prune.checkpoint.gguf.OUTTYPES``; the quantized ones need
+            llama-cpp-python's quantizer, which this engine has).
     """
     given = Path(path).expanduser()
     if given.is_file() and given.suffix == ".gguf":
@@ -85,22 +92,22 @@ def gguf_file(path: str, converter: str | None = None) -> Path:
     folder = given if given.is_dir() else Path(checkpoint_folder(path) or path)
     if not folder.is_dir():
         raise LayercutError(f"--engine llamacpp runs a .gguf file or a local checkpoint folder; {path} is neither")
-    out = gguf_export_path(folder)
+    out = gguf_export_path(folder, outtype)
     if out.is_file():
         return out
     from prune.checkpoint.gguf import export_gguf  # written by the export side; imported when a folder needs it
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("exporting %s to %s for llama.cpp (float32, once)", folder, out)
-    return Path(export_gguf(folder, out=out, outtype="f32", converter=converter))
+    logger.info("exporting %s to %s for llama.cpp (%s, once)", folder, out, outtype)
+    return Path(export_gguf(folder, out=out, outtype=outtype, converter=converter))
 
 
 class LlamaCppEngine(Engine):
-    """llama.cpp through llama-cpp-python, on a GGUF file (a folder is exported to float32 GGUF once)."""
+    """llama.cpp through llama-cpp-python, on a GGUF file (a folder is exported to GGUF once: ``--gguf-type``)."""
 
     name, display, module, distribution, extra = "llamacpp", "llama.cpp", "llama_cpp", "llama-cpp-python", "llamacpp"
-    summary = ("llama.cpp through llama-cpp-python; a folder is exported to float32 GGUF once; --threads sets its "
-               "threads")
+    summary = ("llama.cpp through llama-cpp-python; a folder is exported to GGUF once (float32 unless --gguf-type); "
+               "--threads sets its threads")
     layouts, options, max_batch = (VANILLA, DECILM), LlamaCppOptions, 1
     # PyPI has no binary wheel of llama-cpp-python: pip compiles llama.cpp (measured on 2 cores: 20-26 minutes
     # until 2026-12-02, 8-9 minutes on 2026-12-03 beside other jobs, 5.8 and 6.1 minutes on 2026-12-04, idle)
@@ -126,7 +133,7 @@ class LlamaCppEngine(Engine):
         settings = settings or EngineSettings()
         own = settings.of(self)
         llama_cpp = self.import_module()
-        gguf = gguf_file(path, own.converter)
+        gguf = gguf_file(path, own.converter, own.gguf_type)
         llm = self._open(gguf, settings, settings.context, logits_all=False)
         return EngineModel(
             model=llm, source=str(gguf), blocks=gguf_block_count(gguf),

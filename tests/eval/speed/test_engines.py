@@ -163,19 +163,44 @@ def test_each_engine_reads_its_own_settings_and_flags():
     llamacpp, vllm = get_engine("llamacpp"), get_engine("vllm")
     assert EngineSettings().of(llamacpp).gpu_layers == 0 and EngineSettings().of(vllm).gpu_memory == 0.85
     settings = EngineSettings.build(context=64, gpu_layers=3, eager=True)
-    assert settings.of(llamacpp).values() == {"gpu_layers": 3, "converter": None}
+    assert settings.of(llamacpp).values() == {"gpu_layers": 3, "converter": None, "gguf_type": "f32"}
     assert settings.of(vllm).values() == {"gpu_memory": 0.85, "eager": True}
     assert llamacpp.describe(settings)["gpu_layers"] == 3 and vllm.describe(settings)["enforce_eager"] is True
     with pytest.raises(TypeError, match="no engine has the setting"):
         EngineSettings.build(n_gpu=1)
     specs = setting_specs()
-    assert [spec.flag for spec in specs.values()] == ["--gpu-layers", "--converter", "--gpu-memory", "--eager"]
+    assert [spec.flag for spec in specs.values()] == ["--gpu-layers", "--converter", "--gguf-type", "--gpu-memory",
+                                                       "--eager"]
+    with pytest.raises(LayercutError, match="--gguf-type is one of f32, f16"):
+        EngineSettings.build(gguf_type="q5")
     for command in ("speed", "serving"):  # every engine's flags, in both subcommands that load engines
         usage = build_parser()._subparsers._group_actions[0].choices[command].format_help()
         assert all(spec.flag in usage for spec in specs.values())
     args = build_parser().parse_args(["speed", "--baseline", "a", "--model", "b", "--gpu-memory", "0.5", "--eager"])
     assert setting_values(args) == {"gpu_memory": 0.5, "eager": True}  # flags not given: each engine's default
     assert not hasattr(args, "gpu_layers")
+
+
+def test_a_folder_runs_in_llamacpp_as_its_export_of_the_type_asked_made_once(tiny_folder, tmp_path, monkeypatch):
+    import prune.checkpoint.gguf as export
+    from eval.speed.engines.llamacpp import gguf_export_path, gguf_file
+
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    written = []
+
+    def fake_export(folder, out, outtype, converter):
+        written.append(outtype)
+        Path(out).write_bytes(outtype.encode())
+        return Path(out)
+
+    monkeypatch.setattr(export, "export_gguf", fake_export)
+    quantized = gguf_file(str(tiny_folder), outtype="q4_k_m")
+    assert quantized == gguf_export_path(tiny_folder, "q4_k_m") != gguf_export_path(tiny_folder)
+    assert gguf_file(str(tiny_folder), outtype="q4_k_m") == quantized and written == ["q4_k_m"]  # once
+    assert gguf_file(str(tiny_folder)).read_bytes() == b"f32" and written == ["q4_k_m", "f32"]
+    given = tmp_path / "model.gguf"
+    given.write_bytes(b"GGUF")
+    assert gguf_file(str(given), outtype="q4_k_m") == given.resolve()  # a file runs as it is
 
 
 @pytest.mark.parametrize(("name", "module", "line"), [
