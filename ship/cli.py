@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "quantised)")
     group.add_argument("--converter", default=None,
                        help="llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_CONVERTER)")
-    group.add_argument("--repeats", type=int, default=3, help="timed rounds of the speed check (default: 3)")
+    group.add_argument("--repeats", type=int, default=3,
+                       help="timed rounds of the speed check (default: 3; 0: none, so llama.cpp's check writes no "
+                       "GGUF of the original)")
     group.add_argument("--prompt-len", type=int, default=256, help="prompt tokens of the speed check (default: 256)")
     group.add_argument("--new-tokens", type=int, default=64, help="tokens the speed check generates (default: 64)")
     group.add_argument("--heal-steps", type=int, default=DEFAULT_HEAL_STEPS, metavar="N",

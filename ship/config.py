@@ -24,7 +24,7 @@ from distill.heal import HealRows, heal_data_config, heal_settings
 from distill.heal import heal_rows as heal_rows
 from distill.launch import check_devices, per_process
 from distill.local_heal import local_heal_settings
-from eval.speed.engines import ENGINES
+from eval.speed.engines import ENGINES, REFERENCE
 from prune.data.calibration import DataConfig, names_a_file
 from prune.errors import LayercutError
 from prune.model.layouts import VANILLA
@@ -115,7 +115,7 @@ class ShipConfig:
         gguf_type: the GGUF written for llama.cpp (``prune.checkpoint.gguf.OUTTYPES``).
         converter: llama.cpp's ``convert_hf_to_gguf.py`` (default: ``$LLAMA_CPP_CONVERTER``).
         verify: run the engine checks (off: the card says the checkpoint was not verified).
-        speed_repeats: timed rounds of the speed check.
+        speed_repeats: timed rounds of the speed check (0: none; an 8B original's GGUF for it is written once).
         prompt_len: prompt tokens of the speed check (its prefill).
         new_tokens: tokens it generates (its decode).
         threads: CPU threads passed to the engines (None: theirs).
@@ -175,8 +175,9 @@ class ShipConfig:
             self._check_local_heal()
         per_process(DistillConfig(batch_size=HEAL_BATCH), self.processes)  # they split a step's sequences
         check_devices(self.processes, self.prune.load.device)
-        for name, value in (("--repeats", self.speed_repeats), ("--prompt-len", self.prompt_len),
-                            ("--new-tokens", self.new_tokens)):
+        if self.speed_repeats < 0:
+            raise LayercutError(f"--repeats must be 0 (no speed check) or more, got {self.speed_repeats}")
+        for name, value in (("--prompt-len", self.prompt_len), ("--new-tokens", self.new_tokens)):
             if value < 1:
                 raise LayercutError(f"{name} must be at least 1, got {value}")
 
@@ -203,6 +204,15 @@ class ShipConfig:
     def no_heal(self) -> str | None:
         """Why this run heals nothing whatever its budget (the card's and the log's words), else None."""
         return "--heal-steps 0" if not self.heal_steps else None
+
+    @property
+    def no_speed(self) -> str | None:
+        """Why the verify stage times nothing (``--repeats 0``; a skeleton in transformers), else None."""
+        if not self.speed_repeats:
+            return "--repeats 0"
+        if self.prune.load.offload != "none" and self.engine == REFERENCE:
+            return f"--offload {self.prune.load.offload} in transformers"
+        return None
 
     @property
     def local_heal(self) -> bool:

@@ -227,8 +227,9 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
                   + _speed_seconds(shape, inp, work)
                   + (_fidelity_seconds(shape, inp, work) if inp.offload == "none" else 0.0)
                   # the original's engine file for the speed check, of the shipped file's type
-                  + (0.0 if work.original_kept or not work.gguf else (1 + QUANTIZE_SHARE * work.quantized)
-                     * weight_bytes(shape, inp, layers) / (CONVERT_BYTES_PER_S * cpu))
+                  + (0.0 if work.original_kept or not work.gguf or not work.speed
+                     else (1 + QUANTIZE_SHARE * work.quantized) * weight_bytes(shape, inp, layers)
+                     / (CONVERT_BYTES_PER_S * cpu))
                   + (models + 1 + work.speed) * PROCESS_SECONDS / cpu)
     if inp.on_gpu:
         shortlist += GPU_SHORTLIST_SECONDS + candidates * GPU_CANDIDATE_SECONDS

@@ -8,7 +8,8 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.speed.engines import ENGINES, REFERENCE, display_name
+from eval.speed.engines import ENGINES, display_name
+from prune.checkpoint.gguf import QUANTIZER_TYPES
 from prune.errors import LayercutError
 from prune.model.adapters import get_blocks
 from prune.pipeline.config import PruneConfig
@@ -27,6 +28,7 @@ from ship.config import (
     servable_repairs,
 )
 from ship.costs import PROCESS_SECONDS, ShipWork, shortlist_stages, stage_peaks, stage_seconds
+from ship.disk import check_disk, ship_needs
 from ship.work import StageResult
 
 logger = logging.getLogger(__name__)
@@ -121,6 +123,7 @@ def make_plan(config: ShipConfig) -> Plan:
             plan.planned_heal_peak = _heal_peak(healing)
         kept = count is not None and _fidelity_kept(config)
         if count is not None:
+            check_disk(ship_needs(config, planned.shape, planned.inp, count, _original_file(config)))
             work = ship_work(config, meta.skeleton, count, plan.planned_heal_seconds, fidelity_kept=kept)
             plan.planned_stages = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
                 planned.shape, planned.inp, work).items()}
@@ -202,14 +205,8 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
     # prepare), before a size cap or the budget leaves one out
     shares = {update_share(dataclasses.replace(config.prune, replace=name).replace) for name in takes}
     data = config.prune.data
-    original_kept = False
-    if config.gguf:  # the original's engine file, written by an earlier run's checks with its serving rows
-        from eval.speed.engines.base import checkpoint_folder
-        from eval.speed.engines.llamacpp import gguf_export_path
-        from prune.checkpoint.gguf import QUANTIZER_TYPES
-
-        folder = checkpoint_folder(config.prune.load.model)
-        original_kept = folder is not None and gguf_export_path(Path(folder), config.gguf_type).is_file()
+    original = _original_file(config)  # the original's engine file for the speed check, written by an earlier run
+    original_kept = original is not None and original.is_file()
     return ShipWork(drop=drop, repairs=widths, map_shares=len(shares), fidelity_kept=fidelity_kept,
                     rounds=tuple(METHODS[name].fit_rounds for name in repairs),
                     self_batches=self_batches(data, config.prune.load.model),
@@ -220,8 +217,7 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
                     quantized=config.gguf and config.gguf_type in QUANTIZER_TYPES, speed_rounds=config.speed_repeats,
                     prompt_len=config.prompt_len, new_tokens=config.new_tokens,
                     heal_seconds=(heal_seconds or 0.0) if config.heal_steps else 0.0, verify=config.verify,
-                    # as ship.verify: a skeleton in transformers reads each block from disk, its speed unmeasured
-                    speed=not (config.prune.load.offload != "none" and config.engine == REFERENCE))
+                    speed=not config.no_speed)
 
 
 @dataclass(frozen=True)
@@ -298,6 +294,17 @@ def _replanned(config: ShipConfig, model, drop: int, sets: Sequence[Sequence[int
     work = dataclasses.replace(ship_work(config, model, drop, None, only=repairs), sets=len(sets),
                                spans=len(spans) / len(sets), depth=run / (len(sets) * layers))
     return planned, work
+
+
+def _original_file(config: ShipConfig) -> Path | None:
+    """Where the speed check keeps the original's GGUF of the shipped type (None: no GGUF, or no local folder)."""
+    if not config.gguf or config.no_speed:
+        return None
+    from eval.speed.engines.base import checkpoint_folder
+    from eval.speed.engines.llamacpp import gguf_export_path
+
+    folder = checkpoint_folder(config.prune.load.model)
+    return gguf_export_path(Path(folder), config.gguf_type) if folder is not None else None
 
 
 def _fidelity_kept(config: ShipConfig) -> bool:

@@ -83,11 +83,12 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
                        threads=config.threads, converter=config.converter, dtype=load.dtype, device=load.device,
                        # the original in llama.cpp as the file that ships, quantized the same way: the depth's ratio
                        gguf_type=config.gguf_type if config.gguf else None)
-    if config.engine == REFERENCE and load.offload != "none":
-        # transformers would time its reads of every block from the checkpoint, not the model: none is served so
-        say(f"verifying: no speed check: --offload {load.offload} reads each block from disk in transformers (time "
-            "it in a serving engine: --engine llamacpp or vllm)")
-        timed = {"skipped": f"--offload {load.offload} in transformers"}
+    if config.no_speed:
+        # transformers block by block would time its reads of every block from the checkpoint, not the model
+        say(f"verifying: no speed check: {config.no_speed}" + (
+            " reads each block from disk (time it in a serving engine: --engine llamacpp or vllm)"
+            if config.speed_repeats else ""))
+        timed = {"skipped": config.no_speed}
         seconds["speed"] = None
     else:
         timed = _kept(folder / "speed.json", lambda: run_in_child(speed, folder / "speed.log"),

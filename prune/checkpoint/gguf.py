@@ -44,6 +44,9 @@ CONVERTER_NAME = "convert_hf_to_gguf.py"
 # quantizer is a C function of llama.cpp, reached through llama-cpp-python (``pip install 'layercut[llamacpp]'``)
 QUANTIZER_TYPES = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", *QUANTIZER_TYPES)
+# bits a parameter takes in a file of each type (what a run's disk is planned on): llama.cpp's own figures for
+# Llama-3-8B (q4_k_m 4.89, its small tensors kept wider; q8_0 blocks of 32 int8 weights and an f16 scale)
+OUTTYPE_BITS = {"f32": 32.0, "f16": 16.0, "bf16": 16.0, "q8_0": 8.5, "q4_k_m": 4.9}
 # largest relative difference a tensor may show after the output type's rounding (q8_0: 8-bit blocks; a
 # quantizer type keeps its small tensors, the norms, in f32 and compares only those)
 TOLERANCE = {"f32": 0.0, "f16": 1e-3, "bf16": 8e-3, "q8_0": 2e-2, **{name: 1e-3 for name in QUANTIZER_TYPES}}

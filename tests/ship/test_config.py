@@ -30,11 +30,12 @@ def test_the_config_refuses_a_budget_parse_duration_would(tmp_path, budget):
         ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), engine="transformers", time_budget=budget)
 
 
-@pytest.mark.parametrize(("field", "flag"), [("speed_repeats", "--repeats"), ("prompt_len", "--prompt-len"),
-                                             ("new_tokens", "--new-tokens")])
+@pytest.mark.parametrize(("field", "flag"), [("prompt_len", "--prompt-len"), ("new_tokens", "--new-tokens")])
 def test_the_speed_check_sizes_must_be_positive(tmp_path, field, flag):
     with pytest.raises(LayercutError, match=f"{flag} must be at least 1, got 0"):
         ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), engine="transformers", **{field: 0})
+    # --repeats 0 is no speed check (ship.verify), and said so where the card would give the speed
+    assert ShipConfig(PruneConfig(drop=2), out=str(tmp_path / "o"), speed_repeats=0).no_speed == "--repeats 0"
 
 
 def test_a_missing_heldout_file_is_refused_before_any_stage(tmp_path):

@@ -206,11 +206,15 @@ def test_a_speed_check_that_does_not_run_is_not_costed(shape, gpus):
         both = weight_bytes(shape, inp, shape.layers) + weight_bytes(shape, inp, shape.layers - work.drop)
         calls = (work.speed_rounds + 1) * (work.new_tokens + 1) * (2 * shape.layers - work.drop)
         assert skipped == pytest.approx(GPU_PROCESS_SECONDS + both / DISK_BYTES_PER_S + calls * GPU_BLOCK_CALL_SECONDS)
-    else:  # its process and both models' rounds
+    else:  # its process, both models' rounds, and the original's GGUF for llama.cpp, which only it reads
         from prune.planner.machine import machine_speed
+        from prune.planner.memory import weight_bytes
+        from ship.costs import CONVERT_BYTES_PER_S
 
-        rounds = _speed_seconds(shape, PlanInput(model="tiny", samples=32, seq_len=512), work)
-        assert rounds > 0 and skipped == pytest.approx(rounds + PROCESS_SECONDS / machine_speed())
+        inp = PlanInput(model="tiny", samples=32, seq_len=512)
+        rounds = _speed_seconds(shape, inp, work)
+        converted = weight_bytes(shape, inp, shape.layers) / (CONVERT_BYTES_PER_S * machine_speed())
+        assert rounds > 0 and skipped == pytest.approx(rounds + PROCESS_SECONDS / machine_speed() + converted)
 
 
 @pytest.mark.parametrize(("offload", "engine", "speed"), [("none", "transformers", True),

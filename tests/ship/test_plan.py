@@ -9,6 +9,7 @@ import logging
 import pytest
 from transformers import LlamaConfig
 
+from prune.errors import LayercutError
 from prune.pipeline.config import PruneConfig
 from ship.config import ShipConfig
 from tests.prune.planner.test_planner import LLAMA3_8B, SMOLLM2_135M
@@ -80,3 +81,53 @@ def test_the_8b_shapes_shortlist_memory_once_its_sets_are_known_is_near_what_the
     assert memory_words(known).endswith(", 63.2 GB on cuda:0")  # beside the host's share (the CPU's rows)
     assert memory_words({"cpu": 3.13e9}) == "3.1 GB"
     assert memory_words({"cuda:0": 31.6e9, "cuda:1": 30.2e9}) == "31.6 GB on cuda:0, 30.2 GB on cuda:1"
+
+
+def _disk(monkeypatch, free: float):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("ship.disk.shutil.disk_usage", lambda path: usage(2 * free, free, free))
+
+
+def test_a_run_the_disk_cannot_hold_is_refused_before_loading_naming_what_it_writes(tmp_path, monkeypatch):
+    """The 8B shape in float32 at drop 8 on this CPU, for llama.cpp at q4_k_m: 25.1 GB of checkpoint, 3.8 GB of
+    GGUF after its 12.6 GB float16 conversion, and the speed check's 4.9 GB of the original after its own 16.1 GB
+    (2026-12-06: the disk here had 46 GB free beside the 32.1 GB original)."""
+    from ship.disk import ship_needs
+    from ship.plan import make_plan
+
+    monkeypatch.setattr("prune.planner.estimate.local_gpus", lambda device: (0, 0.0))
+    monkeypatch.setattr("ship.plan.check_engine", lambda config: None)
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    LlamaConfig(**LLAMA3_8B).save_pretrained(tmp_path / "llama-3-8b")
+
+    def config(**ship):
+        prune = PruneConfig(load={"model": str(tmp_path / "llama-3-8b"), "offload": "sequential"},
+                            data={"data": "builtin", "samples": 32}, drop=8)
+        return ShipConfig(prune=prune, out=str(tmp_path / "slim"), engine="llamacpp", gguf_type="q4_k_m", **ship)
+
+    _disk(monkeypatch, 46e9)
+    with pytest.raises(LayercutError, match=r"writes about 52\.5 GB at its peak .*\(the slim checkpoint 25\.1 GB, "
+                                            r"the q4_k_m GGUF 3\.8 GB, its float16 conversion 12\.6 GB, the "
+                                            r"original's q4_k_m GGUF for the speed check 4\.9 GB, its float16 "
+                                            r"conversion 16\.1 GB\) and it has 46\.0 GB free"):
+        make_plan(config(heal_steps=0))
+    # a healed copy of the checkpoint is another 25.1 GB; without the speed check (--repeats 0) the original's
+    # files are not written: 25.1 + 3.8 + 12.6 GB, 43.6 GB with the slack
+    with pytest.raises(LayercutError, match=r"writes about 78\.9 GB"):
+        make_plan(config())
+    assert make_plan(config(heal_steps=0, speed_repeats=0)).drop == 8
+    _disk(monkeypatch, 43e9)
+    with pytest.raises(LayercutError, match=r"writes about 43\.6 GB"):
+        make_plan(config(heal_steps=0, speed_repeats=0))
+    # what a stopped run has written is not counted again: the checkpoint, then its GGUF
+    (tmp_path / "slim.work" / "checkpoint" / "gguf").mkdir(parents=True)
+    assert make_plan(config(heal_steps=0, speed_repeats=0)).drop == 8
+    from prune.planner.estimate import hardware_for, plan_config
+
+    planned = plan_config(config().prune, hardware_for("cpu"))
+    needs = ship_needs(config(heal_steps=0, speed_repeats=0), planned.shape, planned.inp, 8, None)
+    assert [need.what for need in needs] == ["the q4_k_m GGUF", "its float16 conversion"]
+    (tmp_path / "slim.work" / "checkpoint" / "gguf" / "slim-q4_k_m.gguf").write_bytes(b"GGUF")
+    assert ship_needs(config(heal_steps=0, speed_repeats=0), planned.shape, planned.inp, 8, None) == []

@@ -6,6 +6,7 @@ import pytest
 
 import ship.verify as verify_stage
 from eval.bench.checks import FidelityCheck, ServingCheck, SpeedCheck, kept_row_path
+from prune.errors import LayercutError
 from prune.pipeline.config import PruneConfig
 from ship.config import ShipConfig
 
@@ -43,6 +44,21 @@ def test_the_speed_check_runs_the_original_as_the_shipped_file_s_gguf_type(tmp_p
         speed = sent[-1]
         assert isinstance(speed, SpeedCheck) and speed.model.endswith(f"slim-{gguf_type}.gguf")
         assert speed.gguf_type == expected
+
+
+def test_repeats_0_times_nothing_and_says_so(tmp_path, monkeypatch):
+    sent = []
+    monkeypatch.setattr(verify_stage, "run_in_child", lambda check, log: sent.append(check) or {})
+    checkpoint = tmp_path / "slim.work" / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    config = ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"),
+                        engine="llamacpp", gguf_type="q4_k_m", speed_repeats=0)
+    verified = verify_stage.verify(config, checkpoint, checkpoint / "slim-q4_k_m.gguf",
+                                   [f"rows={tmp_path / 'heldout.txt'}"], tmp_path / "verify", say=lambda _: None)
+    assert not any(isinstance(check, SpeedCheck) for check in sent) and len(sent) == 2
+    assert verified.speed == {"skipped": "--repeats 0"} and verified.check_seconds["speed"] is None
+    with pytest.raises(LayercutError, match="--repeats must be 0 \\(no speed check\\) or more, got -1"):
+        ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"), speed_repeats=-1)
 
 
 def test_a_speed_check_passes_its_gguf_type_to_the_engine(monkeypatch):
