@@ -45,6 +45,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from eval.bench.checks import GREEDY_TOKENS
 from prune.planner.inputs import PlanInput
 from prune.planner.machine import machine_speed
 from prune.planner.memory import weight_bytes
@@ -216,6 +217,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     export = (1 + QUANTIZE_SHARE * work.quantized) * checkpoint / (CONVERT_BYTES_PER_S * cpu) if work.gguf else 0.0
     held = work.texts * work.heldout_tokens
     models = (0 if work.original_kept else 1) + 1
+    texts_passes = work.texts * (max(1, work.heldout_tokens // inp.seq_len) + GREEDY_TOKENS)  # windows, decode steps
     if not work.verify:
         verify = 0.0
     elif inp.on_gpu:  # launches and processes, not arithmetic
@@ -230,7 +232,11 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
                   + (0.0 if work.original_kept or not work.gguf or not work.speed
                      else (1 + QUANTIZE_SHARE * work.quantized) * weight_bytes(shape, inp, layers)
                      / (CONVERT_BYTES_PER_S * cpu))
-                  + (models + 1 + work.speed) * PROCESS_SECONDS / cpu)
+                  + (models + 1 + work.speed) * PROCESS_SECONDS / cpu
+                  # block by block the serving check reads each model's blocks from its checkpoint once for its
+                  # windows and once a greedy token (a Llama-3-8B shape's original and slim: 57 GB a pass, past the
+                  # page cache: 26 minutes of reads on 2026-12-06)
+                  + texts_passes * ((0 if work.original_kept else layers) + kept) / layers * disk_pass(shape, inp))
     if inp.on_gpu:
         shortlist += GPU_SHORTLIST_SECONDS + candidates * GPU_CANDIDATE_SECONDS
     heal = work.heal_seconds + sampled(work.heal_self_batches)

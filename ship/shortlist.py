@@ -147,7 +147,8 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
     planner says do not fit in the time left are not tried, and once it has passed no further repair's
     candidates are measured (removal's still are: it fits nothing); ``progress``: the repairs an earlier, stopped
     call measured (kept as each repair ends); ``replan``: the planner's seconds for the stage given block sets and
-    the repairs tried (None: every one), the whole stage's kept as ``planned_seconds``.
+    the repairs tried (None: every one), the whole stage's kept as ``planned_seconds`` (where the budget left
+    repairs out, the plan of those it measured: what the stage's time is set against).
     """
     progress = progress or Progress()
     base = dataclasses.replace(config, drop=count, target_params=None, target_speedup=None, replace="none",
@@ -163,6 +164,10 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
     with shared_references(scored.memo), streamed(model):
         done = _measured(scored, model, config, count, candidates, repairs, dense, target, deadline, elapsed,
                          progress, None if planned is None else replan, say)
+    tried = {c.repair for c in done.candidates if c.measured} - {"none"}
+    offered = {name for name, why in repairs if why is None} - {"none"}
+    if planned is not None and tried != offered:  # the budget left repairs out: the plan of the ones it tried
+        planned = replan([c.blocks for c in candidates], sorted(tried, key=servable_repairs().index))
     done.planned_seconds = None if planned is None else round(planned, 1)
     return done
 

@@ -154,6 +154,9 @@ def write_offloaded(model: nn.Module, folder: Path) -> None:
     if len(files) > 1:
         index = {"metadata": {}, "weight_map": {t: f for f, shard in zip(files, shards, strict=True) for t in shard}}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    # as save_pretrained writes it: llama.cpp's converter and vLLM pick the model class by this name, and a source
+    # config written without it (a config-only folder) would otherwise ship a checkpoint they refuse
+    model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)

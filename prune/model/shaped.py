@@ -320,12 +320,15 @@ def _shaped_card(shape: str, dtype: str, seed: int, size: int) -> str:
 def _write_config(folder: Path, config, tokenizer, record: dict) -> None:
     """``config.json`` with the shaped record, ``generation_config.json`` and the tokenizer."""
     from transformers import GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     # the run's tokenizer decides which ids are special: the config agrees with it, not with the real model
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(config, key, getattr(tokenizer, key, None))
     config.dtype = record["dtype"]
     setattr(config, SHAPED_KEY, record)
+    # the class a saved model names (llama.cpp's converter and vLLM choose by it); a config alone names none
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
     config.save_pretrained(folder)
     GenerationConfig.from_model_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -3,6 +3,8 @@ as the in-memory path, with one block's weights in memory at a time."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -310,6 +312,9 @@ def test_fold_rotate_on_a_skeleton_writes_the_in_memory_checkpoint_tied_head_inc
     model = make_tiny_model("llama", tie_word_embeddings=True, num_hidden_layers=7)
     model.save_pretrained(tmp_path / "source")
     make_tiny_tokenizer().save_pretrained(tmp_path / "source")
+    config = json.loads((tmp_path / "source" / "config.json").read_text())
+    del config["architectures"]  # as a config-only folder (eval.bench scale's shapes before 2026-12-06) has it
+    (tmp_path / "source" / "config.json").write_text(json.dumps(config))
     skeleton = load_offloaded(str(tmp_path / "source"), dtype="float32").model
     _, blocks = get_blocks(skeleton)
     ran = []
@@ -326,6 +331,9 @@ def test_fold_rotate_on_a_skeleton_writes_the_in_memory_checkpoint_tied_head_inc
     model.save_pretrained(tmp_path / "memory")
     (tmp_path / "skeleton").mkdir()
     write_offloaded(skeleton, tmp_path / "skeleton")
+    # the class named as save_pretrained names it, even where the source's config named none (llama.cpp's
+    # converter refused such a checkpoint of the 8B shape on 2026-12-06)
+    assert json.loads((tmp_path / "skeleton" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     logits = {}
     for out in ("memory", "skeleton"):
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / out).eval()

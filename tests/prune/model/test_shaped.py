@@ -79,6 +79,7 @@ def test_the_checkpoint_loads_with_transformers_and_says_its_weights_are_random(
     assert 0.019 < float(model.model.layers[0].mlp.up_proj.weight.detach().std()) < 0.021  # initializer_range
     config = json.loads((sharded / "config.json").read_text())
     assert config[SHAPED_KEY]["weights"] == RANDOM_WEIGHTS and config[SHAPED_KEY]["shape"] == TINY
+    assert config["architectures"] == ["LlamaForCausalLM"]  # llama.cpp's converter chooses by it (2026-12-06)
     assert "random" in (sharded / "SHAPED.md").read_text() and (sharded / "generation_config.json").is_file()
     assert (sharded / "tokenizer.json").is_file() and config["eos_token_id"] == 2  # SmolLM2's
 
