@@ -235,7 +235,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
                   + (models + 1 + work.speed) * PROCESS_SECONDS / cpu
                   # block by block the serving check reads each model's blocks from its checkpoint once for its
                   # windows and once a greedy token (a Llama-3-8B shape's original and slim: 57 GB a pass, past the
-                  # page cache: 26 minutes of reads on 2026-12-06)
+                  # page cache: about 15 minutes of reads on 2026-12-06)
                   + texts_passes * ((0 if work.original_kept else layers) + kept) / layers * disk_pass(shape, inp))
     if inp.on_gpu:
         shortlist += GPU_SHORTLIST_SECONDS + candidates * GPU_CANDIDATE_SECONDS

@@ -81,3 +81,14 @@ for off in none sequential; do
   mkdir -p "$HERE/llama-3.2-1b/ship-5867be7"
   cp "/tmp/p1b-2/$off/ship.json" "$HERE/llama-3.2-1b/ship-5867be7/$off.json"
 done
+# prune.ship on the 8B shape block by block, training-free, verified at q4_k_m in llama.cpp (llama-3-8b/ship-28ac338/;
+# 90 min of these two cores, 45 GB of disk beside the 32 GB shape; llama.cpp's extra buffer types were off there: see
+# the README)
+python -m eval.bench scale --shape llama-3-8b --write-only --out "$OUT/s8b"
+python -m prune.ship --model "$OUT/s8b/llama-3-8b-float32" --offload sequential --drop 8 --data builtin --samples 32 \
+    --seq-len 512 --heldout-samples 1 --heal-steps 0 --engine llamacpp --gguf-type q4_k_m --time-budget 3h \
+    --threads 2 --repeats 0 --out "$OUT/s8b/ship"
+mkdir -p "$HERE/llama-3-8b/ship-28ac338"
+cp "$OUT/s8b/ship/ship.json" "$HERE/llama-3-8b/ship-28ac338/"
+cp "$OUT/s8b/ship/README.md" "$HERE/llama-3-8b/ship-28ac338/card.md"
+cp "$OUT/s8b/ship.work/shortlist.json" "$OUT/s8b/ship.work/verify.json" "$HERE/llama-3-8b/ship-28ac338/"
