@@ -136,7 +136,7 @@ def _speed(config: ShipConfig, verified: Verified | None, before: int, after: in
         return []
     engine = display_name(config.engine)
     which = f"`{gguf}`" if config.gguf and gguf else "This checkpoint"
-    if config.gguf and config.gguf_type != "f32":
+    if config.gguf and config.gguf_type != "f32" and verified.speed.get("ratios"):
         which += f" ({config.gguf_type}, against the original converted and quantized the same way: the ratio is the " \
                  "depth's alone)"
     return [f"## Speed in {engine}", "", f"{which} against the original. " + _speed_words(verified.speed, before,

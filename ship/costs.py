@@ -287,7 +287,10 @@ def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> fl
                 if inp.offload == "none" else 0.0)
     speed = sum((work.speed_rounds + 1) * calls(work.new_tokens + 1, blocks) for blocks in (layers, kept)
                 if work.speed)
-    return checks * (GPU_PROCESS_SECONDS + both / DISK_BYTES_PER_S) + serving + fidelity + speed
+    # block by block the serving check reads both models from disk once a window and once a greedy token, as on the CPU
+    reads = (windows + work.texts * GREEDY_TOKENS) * ((0 if work.original_kept else layers) + kept) / layers * \
+        disk_pass(shape, inp)
+    return checks * (GPU_PROCESS_SECONDS + both / DISK_BYTES_PER_S) + serving + fidelity + speed + reads
 
 
 def _fidelity_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:

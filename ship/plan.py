@@ -303,6 +303,8 @@ def _original_file(config: ShipConfig) -> Path | None:
     from eval.speed.engines.base import checkpoint_folder
     from eval.speed.engines.llamacpp import gguf_export_path
 
+    if Path(config.prune.load.model).suffix == ".gguf":  # a GGUF original is timed as it is, converted to nothing
+        return None
     folder = checkpoint_folder(config.prune.load.model)
     return gguf_export_path(Path(folder), config.gguf_type) if folder is not None else None
 

@@ -37,6 +37,8 @@ from ship.work import StageResult, write_json_atomic
 Replan = Callable[[list[list[int]], Collection[str] | None], float | None]
 
 
+LEFT_OUT = "not measured: --time-budget left the shortlist"  # the note of a repair the budget never fitted
+
 @dataclass
 class Candidate:
     """One row of the shortlist: a block set (and the selections that chose it) with one repair."""
@@ -164,10 +166,12 @@ def make_shortlist(scored: Scored, model, config: PruneConfig, count: int, *, de
     with shared_references(scored.memo), streamed(model):
         done = _measured(scored, model, config, count, candidates, repairs, dense, target, deadline, elapsed,
                          progress, None if planned is None else replan, say)
-    tried = {c.repair for c in done.candidates if c.measured} - {"none"}
-    offered = {name for name, why in repairs if why is None} - {"none"}
-    if planned is not None and tried != offered:  # the budget left repairs out: the plan of the ones it tried
-        planned = replan([c.blocks for c in candidates], sorted(tried, key=servable_repairs().index))
+    # the repairs the budget left out before any fit (a repair fitted, then left unmeasured as the time ran out, or
+    # over the size cap, is still in the plan); the plan of the rest, over their own block sets and removal's
+    left_out = {c.repair for c in done.candidates if c.note.startswith(LEFT_OUT)}
+    if planned is not None and left_out:
+        tried = [name for name, why in repairs if why is None and name != "none" and name not in left_out]
+        planned = replan([c.blocks for c in candidates if c.repair not in left_out], tried)
     done.planned_seconds = None if planned is None else round(planned, 1)
     return done
 
@@ -249,7 +253,7 @@ def _within_time(candidates: list[Candidate], repairs: list[str], replan: Replan
             continue
         for candidate in candidates:
             if candidate.repair == repair and not candidate.note:
-                candidate.note = (f"not measured: --time-budget left the shortlist {duration_words(max(left, 0))}, "
+                candidate.note = (f"{LEFT_OUT} {duration_words(max(left, 0))}, "
                                   f"and with this repair the planner gives its fits and measures "
                                   f"{duration_words(more)}")
         say(f"--time-budget: --replace {repair} is not tried (with it the planner gives the shortlist's fits and "

@@ -50,7 +50,15 @@ def test_every_engine_row_names_and_measures_the_file_that_ships(tmp_path):
     assert "| news | 10.000 | 20.000 | x2.000 | 20.500 | +2.500 % | yes (4 tokens) | 1 of 4 |" in card
     assert "| wiki | 10.000 | 20.000 | x2.000 | 20.500 | +2.500 % | **no**: from token 2 of 4 | 2 of 4 |" in card
     assert "| vs transformers | same greedy ids | original's greedy tokens kept |" in card
+    # untimed (no ratios): nothing said of how the original was timed
+    assert "quantized the same way" not in card and "No speed figures" in card
+    timed = Verified(domains=verified.domains, heldout=verified.heldout, files=verified.files,
+                     speed={"ratios": [{"prefill": 1.1, "decode": 1.2, "prefill_paired": {"min": 1.0, "max": 1.2},
+                                        "decode_paired": {"min": 1.1, "max": 1.3}}], "options": {"repeats": 3}})
+    card = ship_card(config(tmp_path), REPORT, shortlist(), timed, PruneConfig(drop=8, replace="fold"),
+                     {"plan": 1.0, "verify": 2.0}, healed, gguf="gguf/slim8-q4_k_m.gguf")
     assert "`gguf/slim8-q4_k_m.gguf` (q4_k_m, against the original converted and quantized the same way" in card
+    assert "decode x1.200" in card
     # one card: the held-out figures come from the verified rows alone, the folder is named as the user has it
     assert "10.000 -> 20.000" not in card and "## Held-out perplexity" not in card
     assert card.count("## Use") == 1 and 'from_pretrained("slim8")' in card

@@ -80,9 +80,18 @@ def test_a_gpu_runs_the_arithmetic_faster_and_pays_for_its_launches_processes_an
     more = seconds(shape, dataclasses.replace(work, speed_rounds=work.speed_rounds + 1), hardware=one_gpu)
     calls = (work.new_tokens + 1) * (shape.layers + shape.layers - work.drop)  # a round of each model
     assert more["verify"] - gpu["verify"] == pytest.approx(calls * GPU_BLOCK_CALL_SECONDS)
-    # a skeleton decodes nothing for fidelity: one check fewer
+    # a skeleton decodes nothing for fidelity: one check fewer; its serving check reads both models from disk once a
+    # window and once a greedy token
+    import math
+
+    from eval.bench.checks import GREEDY_TOKENS
+    from prune.planner.stages import disk_pass
+
     offloaded = seconds(shape, work, hardware=one_gpu, offload="sequential")
-    assert gpu["verify"] - offloaded["verify"] > GPU_PROCESS_SECONDS
+    skeleton = PlanInput(model="tiny", samples=32, seq_len=512, hardware=one_gpu, offload="sequential")
+    passes = (math.ceil(work.heldout_tokens / 512) + GREEDY_TOKENS) * work.texts
+    reads = passes * (2 * shape.layers - work.drop) / shape.layers * disk_pass(shape, skeleton)
+    assert reads > 0 and gpu["verify"] - (offloaded["verify"] - reads) > GPU_PROCESS_SECONDS
 
 
 def test_the_measures_run_from_each_set_s_first_block_and_pay_for_every_logit_on_the_cpu(shape, monkeypatch):
