@@ -65,6 +65,21 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _show_native_crashes() -> None:
+    """A crash inside a native library (llama.cpp, a CUDA kernel, bitsandbytes) prints the Python stack it was in.
+
+    Without it a segmentation fault ends the run with no word of which step or file it was in.
+    """
+    import faulthandler
+
+    if faulthandler.is_enabled():  # pytest, or python -X faulthandler, holds it already
+        return
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError, OSError):  # a stderr with no file descriptor (an embedding host)
+        pass
+
+
 def cli_entry(main: Callable[..., int | None]) -> Callable[..., int]:
     """Wrap a CLI ``main``: a ``LayercutError`` prints one line and returns 2; Ctrl-C returns 130, SIGTERM 143.
 
@@ -76,6 +91,7 @@ def cli_entry(main: Callable[..., int | None]) -> Callable[..., int]:
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+        _show_native_crashes()
         try:
             with sigterm_raises():
                 return main(argv) or 0

@@ -298,20 +298,39 @@ def check_quantizer(outtype: str) -> None:
                             "llama-cpp-python: pip install 'layercut[llamacpp]', or choose f32, f16, bf16 or q8_0")
 
 
+# llama.cpp's quantizer runs in a child process: llama.cpp brings its own OpenMP runtime beside torch's, and a crash
+# inside it (a build for another CPU, the two runtimes' threads) would end the whole run without a word; in a child it
+# is one line and the run's earlier work stays
+_QUANTIZE_CHILD = """
+import ctypes, sys
+import llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = getattr(llama_cpp, sys.argv[3])
+params.nthread = int(sys.argv[4])
+sys.exit(0 if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(params)) == 0
+         else 3)
+"""
+
+
 def _quantize(source: Path, out: Path, outtype: str) -> None:
-    """llama.cpp's ``llama_model_quantize`` of the f16 GGUF ``source`` into ``out``."""
-    import ctypes
+    """llama.cpp's ``llama_model_quantize`` of the f16 GGUF ``source`` into ``out``, in a child process."""
+    import signal
 
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, QUANTIZER_TYPES[outtype])
-    params.nthread = os.cpu_count() or 1
     logger.info("quantizing %s to %s with llama.cpp", source.name, outtype)
-    code = llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), ctypes.byref(params))
-    if code != 0 or not out.is_file():
-        out.unlink(missing_ok=True)
-        raise LayercutError(f"llama.cpp's quantizer failed to write {outtype} (code {code})")
+    command = [sys.executable, "-c", _QUANTIZE_CHILD, str(source), str(out), QUANTIZER_TYPES[outtype],
+               str(os.cpu_count() or 1)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False, stdin=subprocess.DEVNULL)
+    if done.returncode == 0 and out.is_file():
+        return
+    out.unlink(missing_ok=True)
+    if done.returncode < 0:  # killed by a signal: llama.cpp itself crashed (a Python error exits 1)
+        name = signal.Signals(-done.returncode).name
+        raise LayercutError(f"llama.cpp's quantizer crashed ({name}) writing {outtype}: reinstall llama-cpp-python "
+                            "built for this machine (pip install --force-reinstall --no-cache-dir llama-cpp-python)"
+                            ", or choose --gguf-type f16 or q8_0")
+    lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    last = next((line for line in reversed(lines) if "rror" in line), lines[-1] if lines else "")
+    raise LayercutError(f"llama.cpp's quantizer failed to write {outtype} (exit {done.returncode}): {last}")
 
 
 def _arch_enum(gguf, arch: str):

@@ -119,3 +119,23 @@ def test_a_forked_child_gets_the_default_sigterm_so_its_parent_can_stop_it():
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert signal.getsignal(signal.SIGTERM) is ours  # the parent keeps its clean-up
+
+
+def test_a_crash_inside_a_native_library_names_the_python_step_it_was_in():
+    """llama.cpp or a CUDA library crashing ends the run by a signal; the CLI prints the Python stack it was in."""
+    script = textwrap.dedent("""
+        import ctypes, sys
+        from prune.errors import cli_entry
+
+        def quantize_the_gguf():
+            ctypes.string_at(0)  # a read of address 0, as a native library's crash
+
+        @cli_entry
+        def main(argv):
+            quantize_the_gguf()
+
+        raise SystemExit(main(sys.argv[1:]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == -signal.SIGSEGV
+    assert "Segmentation fault" in done.stderr and "quantize_the_gguf" in done.stderr, done.stderr

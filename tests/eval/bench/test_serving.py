@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,7 +90,8 @@ def test_transformers_rows_equal_a_direct_computation_and_maps_are_labelled(tiny
 @pytest.mark.slow
 @pytest.mark.skipif(CONVERTER is None, reason=NO_CONVERTER)
 def test_llama_cpp_gives_transformers_perplexity_and_refuses_maps(tmp_path, capsys):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'layercut[llamacpp]')")
+    if importlib.util.find_spec("llama_cpp") is None:  # not imported: it loads llama.cpp into this process
+        pytest.skip("llama-cpp-python is not installed (pip install 'layercut[llamacpp]')")
     source = tmp_path / "src"
     make_tiny_model("llama").save_pretrained(source)
     byte_fallback_tokenizer().save_pretrained(source)
@@ -99,9 +103,11 @@ def test_llama_cpp_gives_transformers_perplexity_and_refuses_maps(tmp_path, caps
     text = tmp_path / "heldout.txt"
     text.write_text("abc def ghi jkl mno pqr stu vwx yz ABC DEF " * 60)
     out = tmp_path / "serving"
-    assert bench_main(["serving", "--model", f"slim={slim}", "--model", f"maps={maps}", "--heldout", str(text),
-                       "--tokens", "256", "--seq-len", "128", "--converter", str(CONVERTER),
-                       "--out", str(out)]) == 0
+    # in a child process: llama.cpp's OpenMP runtime is never loaded beside the test process's torch
+    done = subprocess.run([sys.executable, "-m", "eval.bench", "serving", "--model", f"slim={slim}", "--model",
+                           f"maps={maps}", "--heldout", str(text), "--tokens", "256", "--seq-len", "128",
+                           "--converter", str(CONVERTER), "--out", str(out)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
     rows = json.loads((out / "serving.json").read_text())["rows"]
     assert rows["slim"]["llamacpp"]["ppl"] == pytest.approx(rows["slim"]["transformers"]["ppl"], rel=1e-3)
     assert rows["slim"]["llamacpp"]["blocks"] == 3

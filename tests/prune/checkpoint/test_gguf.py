@@ -229,23 +229,46 @@ needs_quantizer = pytest.mark.skipif(
     reason="llama.cpp's quantizer comes with llama-cpp-python: pip install 'layercut[llamacpp]'")
 
 
+# llama.cpp runs in a child process, as the quantizer does: its OpenMP runtime is never loaded beside torch's here
+_LOAD_CHILD = """
+import sys, numpy, llama_cpp
+model = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=32, logits_all=True, verbose=False)
+model.eval([5, 6, 7])
+print(bool(numpy.isfinite(numpy.asarray(model.scores[:3])).all()))
+"""
+
+
 @needs_converter
 @needs_quantizer
 def test_q4_k_m_is_written_by_llama_cpps_quantizer_and_runs_there(tiny_llama_folder, tmp_path):
+    import subprocess
+    import sys
+
     import gguf
-    import llama_cpp
 
     path, checked = convert(tiny_llama_folder, tmp_path / "tiny-q4.gguf", outtype="q4_k_m", converter=CONVERTER)
     assert checked["blocks"] == 4 and not list(tmp_path.glob(".*partial"))
     reader = gguf.GGUFReader(str(path))
     from prune.checkpoint.gguf import gguf_field
 
-    assert gguf_field(reader, "general.file_type") == llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert gguf_field(reader, "general.file_type") == gguf.LlamaFileType.MOSTLY_Q4_K_M
     types = {t.tensor_type.name for t in reader.tensors}
     assert types & {"Q4_K", "Q5_0", "Q8_0", "Q6_K"}, types  # quantized blocks (small rows fall back to other types)
-    model = llama_cpp.Llama(model_path=str(path), n_ctx=32, logits_all=True, verbose=False)
-    model.eval([5, 6, 7])
-    assert np.isfinite(np.asarray(model.scores[:3])).all()
+    done = subprocess.run([sys.executable, "-c", _LOAD_CHILD, str(path)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "True", done.stderr[-2000:]
+
+
+@needs_converter
+def test_a_crash_in_llama_cpps_quantizer_is_one_line_and_leaves_no_file(tiny_llama_folder, tmp_path, monkeypatch):
+    from prune.checkpoint import gguf as module
+
+    # a quantizer that dies as a llama.cpp built for another CPU does: by a signal, half a file written
+    monkeypatch.setattr(module, "_QUANTIZE_CHILD", "import os, signal, sys\n"
+                        "open(sys.argv[2], 'wb').write(b'GGUF')\nos.kill(os.getpid(), signal.SIGSEGV)\n")
+    monkeypatch.setattr(module, "check_quantizer", lambda outtype: None)
+    with pytest.raises(LayercutError, match=r"quantizer crashed \(SIGSEGV\) writing q4_k_m: reinstall") as err:
+        convert(tiny_llama_folder, tmp_path / "q.gguf", outtype="q4_k_m", converter=CONVERTER)
+    assert "\n" not in str(err.value) and not list(tmp_path.iterdir())
 
 
 def test_q4_k_m_without_llama_cpp_python_is_one_line(tiny_llama_folder, tmp_path, monkeypatch):
