@@ -45,11 +45,17 @@ def check_output_dir(out: str | Path, overwrite: bool) -> Path:
     return path
 
 
+def existing_folder(path: str | Path) -> Path:
+    """The nearest folder at or above ``path`` that exists: the disk a run making ``path`` writes on."""
+    path = Path(path).expanduser().resolve()
+    while not path.exists():
+        path = path.parent
+    return path if path.is_dir() else path.parent
+
+
 def _check_writable(path: Path) -> None:
     """Fail now, not after hours of work, when nothing can be written where ``path`` would go."""
-    ancestor = path.parent.resolve()
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    ancestor = existing_folder(path.parent)
     try:
         probe = tempfile.mkdtemp(prefix=".layercut-probe-", dir=ancestor)
     except OSError as err:

@@ -217,7 +217,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
     export = (1 + QUANTIZE_SHARE * work.quantized) * checkpoint / (CONVERT_BYTES_PER_S * cpu) if work.gguf else 0.0
     held = work.texts * work.heldout_tokens
     models = (0 if work.original_kept else 1) + 1
-    texts_passes = work.texts * (max(1, work.heldout_tokens // inp.seq_len) + GREEDY_TOKENS)  # windows, decode steps
+    texts_passes = _serving_passes(inp, work)
     if not work.verify:
         verify = 0.0
     elif inp.on_gpu:  # launches and processes, not arithmetic
@@ -259,6 +259,14 @@ def stage_peaks(stages: Sequence[Stage]) -> dict[str, float]:
     return {device: max(stage.peak(device) for stage in stages) for device in devices}
 
 
+def _serving_passes(inp: PlanInput, work: ShipWork) -> int:
+    """A model's forward passes in the serving check: whole windows of each text, then one a greedy token.
+
+    Windows as ``eval.bench.serving.windows_of`` cuts them: whole ones only, at least one.
+    """
+    return work.texts * (max(1, work.heldout_tokens // inp.seq_len) + GREEDY_TOKENS)
+
+
 def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
     """The verify stage on a GPU: a fresh process per check, and the block calls of every decode step and pass.
 
@@ -267,7 +275,6 @@ def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> fl
     (:data:`prune.planner.rates.GPU_BLOCK_CALL_SECONDS`). Their arithmetic is left out: a 70B model's 4,096 held-out
     tokens are about a second of it.
     """
-    from eval.bench.checks import GREEDY_TOKENS
     from eval.quality.fidelity import FidelityOptions
 
     layers, kept = shape.layers, shape.layers - work.drop
@@ -277,9 +284,8 @@ def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> fl
     def calls(count: float, blocks: int) -> float:
         return count * blocks * GPU_BLOCK_CALL_SECONDS
 
-    windows = math.ceil(work.heldout_tokens / inp.seq_len) * work.texts
     served = ((0 if work.original_kept else 1), 1, 1 if work.gguf else 0)  # original, slim, shipped
-    serving = sum(n * calls(windows + work.texts * GREEDY_TOKENS, blocks)
+    serving = sum(n * calls(_serving_passes(inp, work), blocks)
                   for n, blocks in zip(served, (layers, kept, kept), strict=True))
     options = FidelityOptions()
     steps = math.ceil(options.prompts / options.batch_size) * (options.new_tokens + 1)
@@ -288,8 +294,7 @@ def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> fl
     speed = sum((work.speed_rounds + 1) * calls(work.new_tokens + 1, blocks) for blocks in (layers, kept)
                 if work.speed)
     # block by block the serving check reads both models from disk once a window and once a greedy token, as on the CPU
-    reads = (windows + work.texts * GREEDY_TOKENS) * ((0 if work.original_kept else layers) + kept) / layers * \
-        disk_pass(shape, inp)
+    reads = _serving_passes(inp, work) * ((0 if work.original_kept else layers) + kept) / layers * disk_pass(shape, inp)
     return checks * (GPU_PROCESS_SECONDS + both / DISK_BYTES_PER_S) + serving + fidelity + speed + reads
 
 

@@ -17,6 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from prune.atomic import existing_folder
 from prune.checkpoint.gguf import OUTTYPE_BITS, QUANTIZER_TYPES
 from prune.errors import LayercutError
 from prune.planner.memory import weight_bytes
@@ -56,7 +57,8 @@ def ship_needs(config, shape: ModelShape, inp, drop: int, original_file: Path | 
         needs.append(DiskNeed("its healed copy", work, weight_bytes(shape, inp, kept)))
     if config.gguf:
         quantized = config.gguf_type in QUANTIZER_TYPES  # the quantizer reads the converter's float16 file
-        if not any(work.glob(f"*/gguf/*-{config.gguf_type}.gguf")):
+        shipped = HEALED if config.heal_steps else CHECKPOINT  # an earlier file of the other folder is not shipped
+        if not any((work / shipped).glob(f"gguf/*-{config.gguf_type}.gguf")):
             needs.append(DiskNeed(f"the {config.gguf_type} GGUF", work, gguf_bytes(shape, kept, config.gguf_type)))
             if quantized:
                 needs.append(DiskNeed("its float16 conversion", work, gguf_bytes(shape, kept, "f16"), passing=True))
@@ -73,7 +75,7 @@ def check_disk(needs: list[DiskNeed]) -> None:
     """Refuse, in one line, a run whose files do not fit the free space of the filesystem they go to."""
     groups: dict[int, tuple[Path, list[DiskNeed]]] = {}
     for need in needs:
-        existing = _existing(need.where)
+        existing = existing_folder(need.where)
         groups.setdefault(os.stat(existing).st_dev, (existing, []))[1].append(need)
     for existing, group in groups.values():
         kept = sum(need.bytes for need in group if not need.passing)
@@ -85,11 +87,3 @@ def check_disk(needs: list[DiskNeed]) -> None:
                                 f"({parts}) and it has {free / 1e9:.1f} GB free: free space, point --out or "
                                 "$LAYERCUT_CACHE at a larger disk, or write fewer files: --repeats 0 (no speed "
                                 "check), --heal-steps 0, --no-verify or --engine transformers")
-
-
-def _existing(path: Path) -> Path:
-    """The nearest folder of ``path`` that exists (the run creates the rest)."""
-    path = path.expanduser().absolute()
-    while not path.exists():
-        path = path.parent
-    return path if path.is_dir() else path.parent

@@ -161,6 +161,24 @@ _UNFIT = {"shortlist": "every repair's fits of every block set are held at once,
           "heal": "pass --heal-steps 0 to ship the checkpoint as built"}
 
 
+def check_disk_left(config: ShipConfig, plan: Plan) -> None:
+    """A resumed run's disk check: the files it has still to write, refused in one line when the disk is short.
+
+    The disk may have filled since the run was planned; the files written before it was stopped are left out.
+    """
+    from prune.planner.estimate import hardware_for, plan_config
+
+    if plan.drop is None:
+        return
+    sized = dataclasses.replace(config.prune, drop=plan.drop, target_params=None, target_speedup=None)
+    try:
+        planned = plan_config(sized, hardware_for(sized.load.device))
+    except Exception as err:  # noqa: BLE001 - as in make_plan: a model the planner cannot shape has no disk plan
+        logger.info("no disk plan for %s (%s)", sized.load.model, err)
+        return
+    check_disk(ship_needs(config, planned.shape, planned.inp, plan.drop, _original_file(config)))
+
+
 def _plan_peaks(plan: Plan, peaks: dict[str, dict[str, float]], limits: dict[str, float]) -> None:
     """Set ``plan``'s peaks from each stage's bytes per device (``peaks``); warn where a stage may not fit.
 

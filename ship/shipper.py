@@ -33,6 +33,7 @@ from ship.heal import Healing, began_with, forget_heal, heal, heal_steps
 from ship.plan import (
     Plan,
     block_budget,
+    check_disk_left,
     make_plan,
     memory_words,
     plan_line,
@@ -131,6 +132,7 @@ class Shipper:
         plan = work.read(PLAN, Plan) if work.open(settings) else None
         if plan is not None:
             self.say(f"continuing the run kept in {work.path}/")
+            check_disk_left(self.config, plan)  # the disk may have filled since it was planned
         else:
             began = time.perf_counter()
             plan = make_plan(self.config)

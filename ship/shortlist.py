@@ -39,6 +39,7 @@ Replan = Callable[[list[list[int]], Collection[str] | None], float | None]
 
 LEFT_OUT = "not measured: --time-budget left the shortlist"  # the note of a repair the budget never fitted
 
+
 @dataclass
 class Candidate:
     """One row of the shortlist: a block set (and the selections that chose it) with one repair."""

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from prune.atomic import atomic_directory
+from prune.atomic import atomic_directory, existing_folder
 from prune.errors import LayercutError
 from prune.registry import Registry
 
@@ -291,9 +291,7 @@ def _reusable(folder: Path, record: dict) -> bool:
 
 def _check_space(folder: Path, needed: int) -> None:
     """Refuse before writing anything when the disk cannot hold the checkpoint."""
-    ancestor = folder.resolve().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    ancestor = existing_folder(folder.parent)
     free = shutil.disk_usage(ancestor).free
     if free < needed:
         raise LayercutError(f"{folder}: the checkpoint needs {needed / 1e9:.1f} GB and {ancestor} has "
@@ -317,18 +315,39 @@ def _shaped_card(shape: str, dtype: str, seed: int, size: int) -> str:
             "within this vocabulary), and the config's special-token ids are that tokenizer's.\n")
 
 
+def _architectures(shape: str, config) -> list[str]:
+    """The class a saved model names (llama.cpp's converter and vLLM choose by it; a config alone names none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if name is None:
+        raise LayercutError(f"shape {shape} is a '{config.model_type}' model, which this transformers has no causal "
+                            "language model class for: pip install -U transformers, or register a decoder shape")
+    return [name]
+
+
+def _name_architectures(folder: Path, shape: str) -> None:
+    """Add ``architectures`` to the config of a folder written without it (before 28ac338), in place."""
+    path = folder / "config.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data.get("architectures"):
+        return
+    data["architectures"] = _architectures(shape, shape_config(shape))
+    partial = path.with_name(".config.json.partial")
+    partial.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    partial.replace(path)
+
+
 def _write_config(folder: Path, config, tokenizer, record: dict) -> None:
     """``config.json`` with the shaped record, ``generation_config.json`` and the tokenizer."""
     from transformers import GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     # the run's tokenizer decides which ids are special: the config agrees with it, not with the real model
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         setattr(config, key, getattr(tokenizer, key, None))
     config.dtype = record["dtype"]
     setattr(config, SHAPED_KEY, record)
-    # the class a saved model names (llama.cpp's converter and vLLM choose by it); a config alone names none
-    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    config.architectures = _architectures(record["shape"], config)
     config.save_pretrained(folder)
     GenerationConfig.from_model_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -368,8 +387,10 @@ def write_shaped(shape: str, folder: str | Path, *, tokenizer, dtype: str = "flo
     torch_dtype, config = _torch_dtype(dtype), shape_config(shape)
     record = _record(shape, dtype, seed)
     if _reusable(folder, record):
+        _name_architectures(folder, shape)
         return folder
     _check_tokenizer(shape, config, tokenizer)
+    _architectures(shape, config)  # before any shard is written
     if sys.byteorder != "little":
         raise LayercutError("shaped checkpoints are written on little-endian machines only (safetensors' order)")
     total = shape_bytes(shape, dtype)

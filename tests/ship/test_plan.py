@@ -137,3 +137,28 @@ def test_a_run_the_disk_cannot_hold_is_refused_before_loading_naming_what_it_wri
     assert [need.what for need in needs] == ["the q4_k_m GGUF", "its float16 conversion"]
     (tmp_path / "slim.work" / "checkpoint" / "gguf" / "slim-q4_k_m.gguf").write_bytes(b"GGUF")
     assert ship_needs(config(heal_steps=0, speed_repeats=0), planned.shape, planned.inp, 8, None) == []
+    # a healed run ships the healed copy's GGUF: the checkpoint's, from a run without the heal, is not it
+    (tmp_path / "slim.work" / "healed").mkdir()
+    healed = ship_needs(config(speed_repeats=0), planned.shape, planned.inp, 8, None)
+    assert [need.what for need in healed] == ["the q4_k_m GGUF", "its float16 conversion"]
+
+
+def test_a_resumed_run_checks_the_disk_for_what_it_has_still_to_write(tmp_path, monkeypatch):
+    """The disk may have filled while a run was stopped: it is refused before the next stage, not in its midst."""
+    from ship.plan import Plan, check_disk_left
+
+    monkeypatch.setattr("prune.planner.estimate.local_gpus", lambda device: (0, 0.0))
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    LlamaConfig(**LLAMA3_8B).save_pretrained(tmp_path / "llama-3-8b")
+    prune = PruneConfig(load={"model": str(tmp_path / "llama-3-8b"), "offload": "sequential"},
+                        data={"data": "builtin", "samples": 32}, drop=8)
+    config = ShipConfig(prune=prune, out=str(tmp_path / "slim"), engine="llamacpp", gguf_type="q4_k_m",
+                        heal_steps=0, speed_repeats=0)
+    (tmp_path / "slim.work" / "checkpoint").mkdir(parents=True)  # the build was done: its GGUF is left
+    _disk(monkeypatch, 10e9)
+    with pytest.raises(LayercutError, match=r"writes about 17\.2 GB at its peak .*\(the q4_k_m GGUF 3\.8 GB, its "
+                                            r"float16 conversion 12\.6 GB\) and it has 10\.0 GB free"):
+        check_disk_left(config, Plan(num_blocks=32, params=None, drop=8))
+    _disk(monkeypatch, 20e9)
+    check_disk_left(config, Plan(num_blocks=32, params=None, drop=8))
+    check_disk_left(config, Plan(num_blocks=None, params=None, drop=None))  # no budget resolved: nothing planned

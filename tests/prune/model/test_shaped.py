@@ -173,3 +173,29 @@ def test_gemma_3_270m_has_the_published_shape_and_parameter_count():
     parameters = vocab * d + layers * per_block + d  # tied embedding, blocks, final norm
     assert parameters == 268_098_176  # Gemma-3-270M's own count
     assert shape_bytes("gemma-3-270m", "bfloat16") == 2 * parameters
+
+
+def test_a_shape_transformers_has_no_causal_model_for_is_refused_before_any_shard(tokenizer, tmp_path):
+    register_shape(Shape("toy-encoder-decoder", "T5Config", dict(SHAPES.get(TINY).values)))
+    try:
+        with pytest.raises(LayercutError, match="shape toy-encoder-decoder is a 't5' model, which this transformers "
+                                                "has no causal language model class for"):
+            write_shaped("toy-encoder-decoder", tmp_path / "t5", tokenizer=tokenizer, progress=False)
+    finally:
+        SHAPES.unregister("toy-encoder-decoder")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_written_before_its_config_named_a_class_is_reused_and_names_it(sharded, tokenizer, tmp_path):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(sharded, old)
+    config = json.loads((old / "config.json").read_text())
+    del config["architectures"]  # as written before 28ac338: llama.cpp's converter refuses such a folder
+    (old / "config.json").write_text(json.dumps(config))
+    shard = sorted(old.glob("*.safetensors"))[0].stat().st_mtime_ns
+    assert write_shaped(TINY, old, tokenizer=tokenizer, progress=False) == old
+    assert json.loads((old / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    assert sorted(old.glob("*.safetensors"))[0].stat().st_mtime_ns == shard  # reused, not written again
+    assert sorted(p.name for p in old.iterdir()) == sorted(p.name for p in sharded.iterdir())
