@@ -45,17 +45,20 @@ def check_output_dir(out: str | Path, overwrite: bool) -> Path:
     return path
 
 
-def existing_folder(path: str | Path) -> Path:
-    """The nearest folder at or above ``path`` that exists: the disk a run making ``path`` writes on."""
+def nearest_existing(path: str | Path) -> Path:
+    """The nearest path at or above ``path`` that exists: the disk a run making ``path`` writes on.
+
+    A file there is returned as it is: writing under it fails, and the callers' probes say so.
+    """
     path = Path(path).expanduser().resolve()
     while not path.exists():
         path = path.parent
-    return path if path.is_dir() else path.parent
+    return path
 
 
 def _check_writable(path: Path) -> None:
     """Fail now, not after hours of work, when nothing can be written where ``path`` would go."""
-    ancestor = existing_folder(path.parent)
+    ancestor = nearest_existing(path.parent)
     try:
         probe = tempfile.mkdtemp(prefix=".layercut-probe-", dir=ancestor)
     except OSError as err:

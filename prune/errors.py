@@ -76,7 +76,8 @@ def _show_native_crashes() -> None:
         return
     try:
         faulthandler.enable()
-    except (AttributeError, ValueError, OSError):  # a stderr with no file descriptor (an embedding host)
+    except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr, or one with no descriptor (an
+        # embedding host, pythonw)
         pass
 
 

@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from prune.atomic import existing_folder
+from prune.atomic import nearest_existing
 from prune.checkpoint.gguf import OUTTYPE_BITS, QUANTIZER_TYPES
 from prune.errors import LayercutError
 from prune.planner.memory import weight_bytes
@@ -43,21 +43,25 @@ def gguf_bytes(shape: ModelShape, blocks: int, gguf_type: str) -> float:
     return params * OUTTYPE_BITS[gguf_type] / 8
 
 
-def ship_needs(config, shape: ModelShape, inp, drop: int, original_file: Path | None) -> list[DiskNeed]:
+def ship_needs(config, shape: ModelShape, inp, drop: int, original_file: Path | None,
+               heal_kept: bool | None = None) -> list[DiskNeed]:
     """The files a ship run of ``config`` writes at ``drop`` blocks removed, those already written left out.
 
     ``original_file``: where the original's engine file for the speed check is cached (None: no such check).
+    ``heal_kept``: whether a resumed run's finished heal kept its copy (None: the heal is still to run, and its copy
+    is counted where ``config`` heals).
     """
     work = Path(config.work)
     kept = shape.layers - drop
+    heals = bool(config.heal_steps) if heal_kept is None else heal_kept
     needs = []
     if not (work / CHECKPOINT).is_dir():
         needs.append(DiskNeed("the slim checkpoint", work, weight_bytes(shape, inp, kept)))
-    if config.heal_steps and not (work / HEALED).is_dir():
+    if heals and not (work / HEALED).is_dir():
         needs.append(DiskNeed("its healed copy", work, weight_bytes(shape, inp, kept)))
     if config.gguf:
         quantized = config.gguf_type in QUANTIZER_TYPES  # the quantizer reads the converter's float16 file
-        shipped = HEALED if config.heal_steps else CHECKPOINT  # an earlier file of the other folder is not shipped
+        shipped = HEALED if heals else CHECKPOINT  # the folder that ships: a GGUF of the other one is not shipped
         if not any((work / shipped).glob(f"gguf/*-{config.gguf_type}.gguf")):
             needs.append(DiskNeed(f"the {config.gguf_type} GGUF", work, gguf_bytes(shape, kept, config.gguf_type)))
             if quantized:
@@ -75,7 +79,7 @@ def check_disk(needs: list[DiskNeed]) -> None:
     """Refuse, in one line, a run whose files do not fit the free space of the filesystem they go to."""
     groups: dict[int, tuple[Path, list[DiskNeed]]] = {}
     for need in needs:
-        existing = existing_folder(need.where)
+        existing = nearest_existing(need.where)
         groups.setdefault(os.stat(existing).st_dev, (existing, []))[1].append(need)
     for existing, group in groups.values():
         kept = sum(need.bytes for need in group if not need.passing)

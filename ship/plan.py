@@ -161,10 +161,11 @@ _UNFIT = {"shortlist": "every repair's fits of every block set are held at once,
           "heal": "pass --heal-steps 0 to ship the checkpoint as built"}
 
 
-def check_disk_left(config: ShipConfig, plan: Plan) -> None:
+def check_disk_left(config: ShipConfig, plan: Plan, heal_kept: bool | None = None) -> None:
     """A resumed run's disk check: the files it has still to write, refused in one line when the disk is short.
 
-    The disk may have filled since the run was planned; the files written before it was stopped are left out.
+    The disk may have filled since the run was planned; the files written before it was stopped are left out, and
+    once its heal is done (``heal_kept`` not None) the folder that ships is the one the heal chose.
     """
     from prune.planner.estimate import hardware_for, plan_config
 
@@ -176,7 +177,7 @@ def check_disk_left(config: ShipConfig, plan: Plan) -> None:
     except Exception as err:  # noqa: BLE001 - as in make_plan: a model the planner cannot shape has no disk plan
         logger.info("no disk plan for %s (%s)", sized.load.model, err)
         return
-    check_disk(ship_needs(config, planned.shape, planned.inp, plan.drop, _original_file(config)))
+    check_disk(ship_needs(config, planned.shape, planned.inp, plan.drop, _original_file(config), heal_kept))
 
 
 def _plan_peaks(plan: Plan, peaks: dict[str, dict[str, float]], limits: dict[str, float]) -> None:

@@ -132,7 +132,8 @@ class Shipper:
         plan = work.read(PLAN, Plan) if work.open(settings) else None
         if plan is not None:
             self.say(f"continuing the run kept in {work.path}/")
-            check_disk_left(self.config, plan)  # the disk may have filled since it was planned
+            healed = work.read(HEAL, Healing)  # the disk may have filled since it was planned
+            check_disk_left(self.config, plan, None if healed is None else healed.kept)
         else:
             began = time.perf_counter()
             plan = make_plan(self.config)

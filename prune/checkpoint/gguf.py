@@ -323,11 +323,13 @@ def _quantize(source: Path, out: Path, outtype: str) -> None:
     if done.returncode == 0 and out.is_file():
         return
     out.unlink(missing_ok=True)
-    if done.returncode < 0:  # killed by a signal: llama.cpp itself crashed (a Python error exits 1)
+    if done.returncode < 0:  # killed by a signal: llama.cpp itself crashed (a Python error exits 1), or was killed
         name = signal.Signals(-done.returncode).name
-        raise LayercutError(f"llama.cpp's quantizer crashed ({name}) writing {outtype}: reinstall llama-cpp-python "
-                            "built for this machine (pip install --force-reinstall --no-cache-dir llama-cpp-python)"
-                            ", or choose --gguf-type f16 or q8_0")
+        fix = ("the machine ran out of memory, or it was stopped: free memory" if name == "SIGKILL"
+               else "reinstall llama-cpp-python built for this machine (pip install --force-reinstall --no-cache-dir "
+                    "llama-cpp-python)")
+        raise LayercutError(f"llama.cpp's quantizer ended by {name} writing {outtype}: {fix}, or choose f32, f16, bf16 "
+                            "or q8_0 (llama.cpp's converter writes those)")
     lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
     last = next((line for line in reversed(lines) if "rror" in line), lines[-1] if lines else "")
     raise LayercutError(f"llama.cpp's quantizer failed to write {outtype} (exit {done.returncode}): {last}")

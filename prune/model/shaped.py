@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from prune.atomic import atomic_directory, existing_folder
+from prune.atomic import atomic_directory, nearest_existing
 from prune.errors import LayercutError
 from prune.registry import Registry
 
@@ -291,7 +291,7 @@ def _reusable(folder: Path, record: dict) -> bool:
 
 def _check_space(folder: Path, needed: int) -> None:
     """Refuse before writing anything when the disk cannot hold the checkpoint."""
-    ancestor = existing_folder(folder.parent)
+    ancestor = nearest_existing(folder.parent)
     free = shutil.disk_usage(ancestor).free
     if free < needed:
         raise LayercutError(f"{folder}: the checkpoint needs {needed / 1e9:.1f} GB and {ancestor} has "

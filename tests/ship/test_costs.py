@@ -82,16 +82,18 @@ def test_a_gpu_runs_the_arithmetic_faster_and_pays_for_its_launches_processes_an
     assert more["verify"] - gpu["verify"] == pytest.approx(calls * GPU_BLOCK_CALL_SECONDS)
     # a skeleton decodes nothing for fidelity: one check fewer; its serving check reads both models from disk once a
     # window and once a greedy token
-    import math
-
     from eval.bench.checks import GREEDY_TOKENS
     from prune.planner.stages import disk_pass
 
     offloaded = seconds(shape, work, hardware=one_gpu, offload="sequential")
     skeleton = PlanInput(model="tiny", samples=32, seq_len=512, hardware=one_gpu, offload="sequential")
-    passes = (math.ceil(work.heldout_tokens / 512) + GREEDY_TOKENS) * work.texts
+    passes = (max(1, work.heldout_tokens // 512) + GREEDY_TOKENS) * work.texts  # whole windows, as windows_of
     reads = passes * (2 * shape.layers - work.drop) / shape.layers * disk_pass(shape, skeleton)
     assert reads > 0 and gpu["verify"] - (offloaded["verify"] - reads) > GPU_PROCESS_SECONDS
+    # a held-out text of 1,000 tokens is one window of 512 (its tail left out), as on the CPU: the same passes as 512
+    served = {held: seconds(shape, dataclasses.replace(work, heldout_tokens=held), hardware=one_gpu)["verify"]
+              for held in (512, 1000, 1024)}
+    assert served[1000] == pytest.approx(served[512]) and served[1024] > served[512]
 
 
 def test_the_measures_run_from_each_set_s_first_block_and_pay_for_every_logit_on_the_cpu(shape, monkeypatch):

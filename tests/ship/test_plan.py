@@ -141,6 +141,8 @@ def test_a_run_the_disk_cannot_hold_is_refused_before_loading_naming_what_it_wri
     (tmp_path / "slim.work" / "healed").mkdir()
     healed = ship_needs(config(speed_repeats=0), planned.shape, planned.inp, 8, None)
     assert [need.what for need in healed] == ["the q4_k_m GGUF", "its float16 conversion"]
+    # a resumed run whose heal was not kept ships the checkpoint: its GGUF is there, nothing is left to write
+    assert ship_needs(config(speed_repeats=0), planned.shape, planned.inp, 8, None, heal_kept=False) == []
 
 
 def test_a_resumed_run_checks_the_disk_for_what_it_has_still_to_write(tmp_path, monkeypatch):

@@ -152,9 +152,13 @@ def test_the_heal_is_kept_only_when_it_lowers_the_kl_on_rows_it_never_trained_on
     assert (out / "scores.md").is_file() and (out / "linearity_profile.png").is_file()  # carried from the build
     # the shipped folder removed, as the tool's own message suggests: the same command heals again, to the same
     shutil.rmtree(out)
+    import ship.shipper as shipper
+
+    checked, real_check = [], shipper.check_disk_left  # a resumed run checks the disk for what it writes again
+    monkeypatch.setattr(shipper, "check_disk_left", lambda *a: checked.append(a[2]) or real_check(*a))
     code, stdout, err = ship(capsys, *args, "--no-verify", "--out", out)
     assert code == 0, err
-    assert "continuing the run kept in" in stdout and "healing: 30 steps" in stdout
+    assert "continuing the run kept in" in stdout and "healing: 30 steps" in stdout and checked == [True]
     again = load_file(out / "model.safetensors")
     assert all(torch.equal(again[name], healed[name]) for name in healed)
 
