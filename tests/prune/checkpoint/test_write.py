@@ -52,3 +52,12 @@ def test_other_write_errors_pass_unchanged(tmp_path, monkeypatch):
     with pytest.raises(PermissionError), export.atomic_directory(tmp_path / "x") as staging:
         export.write_json(staging / "a.json", {})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_out_folder_under_a_file_is_refused_before_any_work(tmp_path):
+    from prune.atomic import check_output_dir
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(LayercutError, match=r"cannot write in .*notes\.txt"):
+        check_output_dir(tmp_path / "notes.txt" / "slim", overwrite=False)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
