@@ -83,7 +83,7 @@ def block_budget(config: PruneConfig, model, amounts: Amounts) -> int:
 
 def make_plan(config: ShipConfig) -> Plan:
     """Resolve the budget from the model's config alone; refuse what cannot fit the machine or the time."""
-    from prune.planner.estimate import check_plan, hardware_for, plan_config
+    from prune.planner.estimate import check_plan
 
     prune = config.prune
     meta = on_meta(prune.load.model)
@@ -98,13 +98,8 @@ def make_plan(config: ShipConfig) -> Plan:
 
         lora_target_names(meta.skeleton, targets=targets)
     check_engine(config)
-    planned = None
-    sized = prune if count is None else dataclasses.replace(prune, drop=count, target_params=None,
-                                                           target_speedup=None)
-    try:
-        planned = plan_config(sized, hardware_for(prune.load.device))
-    except Exception as err:  # noqa: BLE001 - a model the planner cannot shape is planned once loaded
-        logger.info("no plan for %s before loading (%s)", prune.load.model, err)
+    sized = _sized(prune, count)
+    planned = _planned(sized)
     plan = Plan(num_blocks=None if amounts is None else amounts.num_blocks,
                 params=None if amounts is None else amounts.params, drop=count)
     if planned is not None:
@@ -161,21 +156,34 @@ _UNFIT = {"shortlist": "every repair's fits of every block set are held at once,
           "heal": "pass --heal-steps 0 to ship the checkpoint as built"}
 
 
+def _sized(prune: PruneConfig, count: int | None) -> PruneConfig:
+    """``prune`` with its budget resolved to ``count`` blocks (None: as given)."""
+    if count is None:
+        return prune
+    return dataclasses.replace(prune, drop=count, target_params=None, target_speedup=None)
+
+
+def _planned(sized: PruneConfig):
+    """The planner's plan of ``sized`` from its config alone; None where it cannot shape the model."""
+    from prune.planner.estimate import hardware_for, plan_config
+
+    try:
+        return plan_config(sized, hardware_for(sized.load.device))
+    except Exception as err:  # noqa: BLE001 - a model the planner cannot shape is planned once loaded
+        logger.info("no plan for %s before loading (%s)", sized.load.model, err)
+        return None
+
+
 def check_disk_left(config: ShipConfig, plan: Plan, heal_kept: bool | None = None) -> None:
     """A resumed run's disk check: the files it has still to write, refused in one line when the disk is short.
 
     The disk may have filled since the run was planned; the files written before it was stopped are left out, and
     once its heal is done (``heal_kept`` not None) the folder that ships is the one the heal chose.
     """
-    from prune.planner.estimate import hardware_for, plan_config
-
     if plan.drop is None:
         return
-    sized = dataclasses.replace(config.prune, drop=plan.drop, target_params=None, target_speedup=None)
-    try:
-        planned = plan_config(sized, hardware_for(sized.load.device))
-    except Exception as err:  # noqa: BLE001 - as in make_plan: a model the planner cannot shape has no disk plan
-        logger.info("no disk plan for %s (%s)", sized.load.model, err)
+    planned = _planned(_sized(config.prune, plan.drop))
+    if planned is None:
         return
     check_disk(ship_needs(config, planned.shape, planned.inp, plan.drop, _original_file(config), heal_kept))
 

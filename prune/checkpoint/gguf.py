@@ -285,8 +285,13 @@ def _run_converter(script: Path, source: Path, out: Path, outtype: str) -> None:
     if any("No space left on device" in line or "[Errno 28]" in line for line in lines):
         raise LayercutError(f"the disk is full: llama.cpp's converter could not write {out.name} in {out.parent} "
                             "(free space there or pass --out elsewhere; nothing was replaced)")
-    last = next((line for line in reversed(lines) if "Error" in line or "error" in line), lines[-1] if lines else "")
-    raise LayercutError(f"llama.cpp's converter failed on {source} (exit {done.returncode}): {last.strip()}")
+    raise LayercutError(f"llama.cpp's converter failed on {source} (exit {done.returncode}): {_last_error(lines)}")
+
+
+def _last_error(lines: list[str]) -> str:
+    """The last line of a failed child's output that names an error, else its last line."""
+    return next((line for line in reversed(lines) if "Error" in line or "error" in line),
+                lines[-1] if lines else "").strip()
 
 
 def check_quantizer(outtype: str) -> None:
@@ -330,9 +335,9 @@ def _quantize(source: Path, out: Path, outtype: str) -> None:
                     "llama-cpp-python)")
         raise LayercutError(f"llama.cpp's quantizer ended by {name} writing {outtype}: {fix}, or choose f32, f16, bf16 "
                             "or q8_0 (llama.cpp's converter writes those)")
-    lines = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-    last = next((line for line in reversed(lines) if "rror" in line), lines[-1] if lines else "")
-    raise LayercutError(f"llama.cpp's quantizer failed to write {outtype} (exit {done.returncode}): {last}")
+    lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    raise LayercutError(f"llama.cpp's quantizer failed to write {outtype} (exit {done.returncode}): "
+                        f"{_last_error(lines)}")
 
 
 def _arch_enum(gguf, arch: str):

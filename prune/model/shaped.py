@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from prune.atomic import atomic_directory, nearest_existing
+from prune.atomic import atomic_directory, nearest_existing, write_file_atomic
 from prune.errors import LayercutError
 from prune.registry import Registry
 
@@ -333,9 +333,8 @@ def _name_architectures(folder: Path, shape: str) -> None:
     if data.get("architectures"):
         return
     data["architectures"] = _architectures(shape, shape_config(shape))
-    partial = path.with_name(".config.json.partial")
-    partial.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    partial.replace(path)
+    text = json.dumps(data, indent=2, sort_keys=True) + "\n"
+    write_file_atomic(path, lambda staging: staging.write_text(text, encoding="utf-8"))
 
 
 def _write_config(folder: Path, config, tokenizer, record: dict) -> None:
