@@ -113,7 +113,12 @@ def _lost(config: ShipConfig, report: dict, verified: Verified | None, gguf: str
               "|" + "---|" * (header.count("|") - 1)]
     for domain, serving in verified.domains.items():
         lines.append(_domain_row(domain, serving, config.engine))
-    return lines + [""] + _fidelity(verified.fidelity)
+    lines.append("")
+    if verified.files.get("no_repack"):
+        lines += [f"{engine} loaded its files with its extra buffer types off ({verified.files['no_repack']}): the "
+                  "weights as stored, not repacked for this CPU; pass its own --no-repack where you serve them if it "
+                  "crashes there too.", ""]
+    return lines + _fidelity(verified.fidelity)
 
 
 def _fidelity(figures: dict) -> list[str]:
@@ -159,6 +164,8 @@ def ship_command(config: ShipConfig) -> str:
     parts += [f"--heldout {_quote(text)}" for text in config.heldout]
     if config.gguf and config.gguf_type != "f32":
         parts.append(f"--gguf-type {config.gguf_type}")
+    if config.no_repack:
+        parts.append("--no-repack")
     defaults = ShipConfig.__dataclass_fields__
     # not --processes nor --threads: on any count the same checkpoint, within float rounding (ShipConfig.settings)
     for flag, key in (("--heal-steps", "heal_steps"), ("--repeats", "speed_repeats"), ("--prompt-len", "prompt_len"),

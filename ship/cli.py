@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "quantised)")
     group.add_argument("--converter", default=None,
                        help="llama.cpp's convert_hf_to_gguf.py (default: $LLAMA_CPP_CONVERTER)")
+    group.add_argument("--no-repack", action="store_true",
+                       help="llama.cpp's checks load with its extra buffer types off (its own --no-repack); without "
+                       "it they are turned off only after a check crashes in llama.cpp")
     group.add_argument("--repeats", type=int, default=3,
                        help="timed rounds of the speed check (default: 3; 0: none, so llama.cpp's check writes no "
                        "GGUF of the original)")
@@ -123,6 +126,7 @@ def config_from_args(args: argparse.Namespace) -> ShipConfig:
     return ShipConfig(prune=prune, out=args.out, engine=args.engine,
                       time_budget=None if args.time_budget is None else parse_duration(args.time_budget),
                       heldout=list(args.heldout), gguf_type=args.gguf_type, converter=args.converter,
+                      no_repack=args.no_repack,
                       verify=not args.no_verify, speed_repeats=args.repeats, prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, threads=args.threads, heal_steps=args.heal_steps,
                       heal_data=args.heal_data, heal_samples=args.heal_samples, processes=args.processes,

@@ -25,6 +25,7 @@ from distill.heal import heal_rows as heal_rows
 from distill.launch import check_devices, per_process
 from distill.local_heal import local_heal_settings
 from eval.speed.engines import ENGINES, REFERENCE
+from eval.speed.engines.base import options_class
 from prune.data.calibration import DataConfig, names_a_file
 from prune.errors import LayercutError
 from prune.model.layouts import VANILLA
@@ -114,6 +115,8 @@ class ShipConfig:
             the calibration source's held-out rows.
         gguf_type: the GGUF written for llama.cpp (``prune.checkpoint.gguf.OUTTYPES``).
         converter: llama.cpp's ``convert_hf_to_gguf.py`` (default: ``$LLAMA_CPP_CONVERTER``).
+        no_repack: llama.cpp's checks load with its extra buffer types off from the start (without it they are turned
+            off only after a check crashes: ``ship.verify``).
         verify: run the engine checks (off: the card says the checkpoint was not verified).
         speed_repeats: timed rounds of the speed check (0: none; an 8B original's GGUF for it is written once).
         prompt_len: prompt tokens of the speed check (its prefill).
@@ -138,6 +141,7 @@ class ShipConfig:
     heldout: list[str] = field(default_factory=list)
     gguf_type: str = "f32"
     converter: str | None = None
+    no_repack: bool = False
     verify: bool = True
     speed_repeats: int = 3
     prompt_len: int = 256
@@ -156,6 +160,10 @@ class ShipConfig:
             raise LayercutError(f"--engine {self.engine}: choose one of {', '.join(engines)}")
         if not self.prune.removes:
             raise LayercutError("prune.ship needs a budget: pass --drop K, --target-speedup X or --target-params N")
+        if self.no_repack and "no_repack" not in options_class(ENGINES[self.engine]).specs():
+            readers = [name for name, engine in ENGINES.items() if "no_repack" in options_class(engine).specs()]
+            raise LayercutError(f"--no-repack is a setting of {', '.join(readers)}, not of --engine {self.engine}: "
+                                "drop it")
         if self.prune.unit != "block":
             raise LayercutError("prune.ship removes whole blocks: drop --unit")
         if self.time_budget is not None and not (math.isfinite(self.time_budget) and self.time_budget > 0):

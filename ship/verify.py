@@ -12,18 +12,23 @@ are kept in ``OUT.work/verify/`` as it ends, so a stopped run measures only what
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eval.bench.checks import ServingCheck, SpeedCheck, run_in_child
-from eval.speed.engines import REFERENCE
+from eval.bench.checks import CheckCrashed, ServingCheck, SpeedCheck, run_in_child
+from eval.speed.engines import REFERENCE, get_engine
+from eval.speed.engines.base import options_class
+from prune.atomic import write_file_atomic
 from prune.checkpoint.write import portable
 from ship.config import ShipConfig, heldout_label
 from ship.work import StageResult, write_json_atomic
 
 ORIGINAL, SLIM, SHIPPED = "original", "slim", "shipped"
+# in the verify folder: why the engine's checks load with its extra buffer types off (a check crashed without)
+NO_REPACK = "no-repack.txt"
 
 
 @dataclass(kw_only=True)
@@ -62,9 +67,10 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
     serving = ServingCheck(models=tuple(models), texts=texts, tokenizer=load.model, seq_len=data.seq_len,
                            tokens=tokens, threads=config.threads, converter=config.converter,
                            kept=(ORIGINAL,),  # the original's rows are the same in every run of it: kept in the cache
-                           dtype=load.dtype, device=load.device, offload=load.offload)
+                           dtype=load.dtype, device=load.device, offload=load.offload,
+                           no_repack=_no_repack(config, folder) is not None)
     seconds: dict = {}
-    domains = _kept(folder / "serving.json", lambda: run_in_child(serving, folder / "serving.log"),
+    domains = _kept(folder / "serving.json", lambda: _run_check(serving, folder / "serving.log", config, say),
                     lambda: say(f"verifying: {len(texts)} held-out text(s), the original and the checkpoint in "
                                 f"transformers" + (f", {served.name} in {config.engine}"
                                                    if config.engine != REFERENCE else "")), seconds)
@@ -82,7 +88,8 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
                        repeats=config.speed_repeats, prompt_len=config.prompt_len, new_tokens=config.new_tokens,
                        threads=config.threads, converter=config.converter, dtype=load.dtype, device=load.device,
                        # the original in llama.cpp as the file that ships, quantized the same way: the depth's ratio
-                       gguf_type=config.gguf_type if config.gguf else None)
+                       gguf_type=config.gguf_type if config.gguf else None,
+                       no_repack=_no_repack(config, folder) is not None)  # the serving check may have turned it off
     if config.no_speed:
         # transformers block by block would time its reads of every block from the checkpoint, not the model
         say(f"verifying: no speed check: {config.no_speed}" + (
@@ -91,13 +98,47 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
         timed = {"skipped": config.no_speed}
         seconds["speed"] = None
     else:
-        timed = _kept(folder / "speed.json", lambda: run_in_child(speed, folder / "speed.log"),
+        timed = _kept(folder / "speed.json", lambda: _run_check(speed, folder / "speed.log", config, say),
                       lambda: say(f"verifying: the speed of {served.name} against {config.prune.load.model} in "
                                   f"{config.engine}"), seconds)
     files = {SHIPPED: served.relative_to(checkpoint).as_posix() if served != checkpoint else ".",
-             "engine": config.engine, "gguf_type": config.gguf_type if config.gguf else None}
+             "engine": config.engine, "gguf_type": config.gguf_type if config.gguf else None,
+             **({"no_repack": _no_repack(config, folder)} if _no_repack(config, folder) else {})}
     return Verified(domains=domains, speed=timed, heldout=[portable(text) for _, text in texts], files=files,
                     fidelity=fidelity, check_seconds=seconds)
+
+
+def _no_repack(config: ShipConfig, folder: Path) -> str | None:
+    """Why the engine's checks load with its extra buffer types off; None: they do not.
+
+    ``--no-repack``, or the crash an earlier check of this run had with them on (kept in ``folder``, so a resumed
+    run keeps it).
+    """
+    if config.no_repack:
+        return "--no-repack"
+    marker = folder / NO_REPACK
+    return marker.read_text(encoding="utf-8").strip() if marker.is_file() else None
+
+
+def _run_check(check: ServingCheck | SpeedCheck, log: Path, config: ShipConfig, say) -> dict:
+    """``run_in_child(check)``, once more with the engine's extra buffer types off where it crashed with them on.
+
+    A build of llama.cpp may crash (SIGSEGV) loading any model on some CPUs while it repacks the weights for them;
+    the reason is kept for the card.
+    """
+    try:
+        return run_in_child(check, log)
+    except CheckCrashed as err:
+        engine = get_engine(config.engine)
+        if check.no_repack or err.signal == "SIGKILL" or "no_repack" not in options_class(engine).specs():
+            raise  # SIGKILL: out of memory or stopped, which its extra buffers do not cause
+        why = f"{type(check).__name__} ended by {err.signal} with them on"
+        say(f"verifying: {engine.display} crashed ({err.signal}); checking again with its extra buffer types off "
+            f"(--no-repack; its log: {log})")
+        write_file_atomic(log.parent / NO_REPACK, lambda staging: staging.write_text(why, encoding="utf-8"))
+        if log.is_file():  # the crash's log kept beside the second try's
+            log.replace(log.with_name(f"{log.stem}.crashed{log.suffix}"))
+        return run_in_child(dataclasses.replace(check, no_repack=True), log)
 
 
 def _kept(path: Path, measure, announce, seconds: dict) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +52,7 @@ class ServingCheck:
         device: where transformers runs them (``LoadConfig.device``: cpu, cuda, cuda:N, auto).
         offload: how transformers holds them (``LoadConfig.offload``; "sequential": a skeleton whose passes read
             one block at a time, for models larger than memory; the same figures).
+        no_repack: llama.cpp loads with its extra buffer types off (``LlamaCppOptions.no_repack``).
     """
 
     models: tuple[tuple[str, str, str], ...]
@@ -65,6 +67,7 @@ class ServingCheck:
     dtype: str = "auto"
     device: str = "cpu"
     offload: str = "none"
+    no_repack: bool = False
 
     def run(self) -> dict:
         """{text label: {"setup": ..., "rows": {model label: {engine: row}}}} (``eval.bench serving``'s rows)."""
@@ -77,7 +80,7 @@ class ServingCheck:
         settings = EngineSettings.build(load=LoadConfig(dtype=self.dtype, device=self.device, offload=self.offload),
                                         threads=self.threads,
                                         context=self.seq_len,
-                                        **({"converter": self.converter} if self.converter else {}))
+                                        **_llama_cpp_values(self.converter, self.no_repack))
         result = {label: {"setup": serving_setup(text, self.seq_len, windows[label]), "rows": {}}
                   for label, text in self.texts}
         engines: dict[str, dict[str, str]] = {}
@@ -173,6 +176,7 @@ class SpeedCheck:
         device: where transformers runs them (``LoadConfig.device``).
         gguf_type: llama.cpp's type for a folder it runs (the baseline): the shipped file's, so the ratio is the
             depth's alone (None: the engine's default, float32).
+        no_repack: as :class:`ServingCheck`'s.
     """
 
     baseline: str
@@ -186,13 +190,14 @@ class SpeedCheck:
     dtype: str = "auto"
     device: str = "cpu"
     gguf_type: str | None = None
+    no_repack: bool = False
 
     def run(self) -> dict:
         """The speed comparison (``speed.json``'s fields)."""
         from eval.bench.speed import measure_speed
         from prune.checkpoint.load_config import LoadConfig
 
-        values = {"converter": self.converter} if self.converter else {}
+        values = _llama_cpp_values(self.converter, self.no_repack)
         if self.gguf_type:
             values["gguf_type"] = self.gguf_type
         load = LoadConfig(model=self.baseline, dtype=self.dtype, device=self.device)
@@ -290,6 +295,22 @@ class FidelityCheck:
                              extra=[self._options().batch_size, FIDELITY_ROWS_VERSION])
 
 
+class CheckCrashed(LayercutError):
+    """A check's process ended by a signal.
+
+    ``signal``: its name (SIGSEGV: a crash in native code; SIGKILL: out of memory, or stopped).
+    """
+
+    def __init__(self, kind: str, signal_name: str, last: str, log: Path):
+        self.signal = signal_name
+        super().__init__(f"the engine check failed ({kind}, ended by {signal_name}): {last} (its log: {log})")
+
+
+def _llama_cpp_values(converter: str | None, no_repack: bool) -> dict:
+    """llama.cpp's settings a check gives ``EngineSettings.build``: the ones that differ from its defaults."""
+    return {**({"converter": converter} if converter else {}), **({"no_repack": True} if no_repack else {})}
+
+
 def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) -> dict:
     """``check.run()`` in a fresh Python process whose output goes to ``log``; its figures.
 
@@ -297,7 +318,8 @@ def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) ->
     child imports this module alone, not the caller's script.
 
     Raises:
-        LayercutError: the check failed or its process died; the line names the log.
+        CheckCrashed: its process ended by a signal (a crash in native code, or killed); the line names the log.
+        LayercutError: the check failed; the line names the log.
     """
     log.parent.mkdir(parents=True, exist_ok=True)
     request, result = log.with_suffix(".request.json"), log.with_suffix(".result.json")
@@ -308,8 +330,11 @@ def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) ->
         done = subprocess.run([sys.executable, "-c", code], stdout=handle, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0 or not result.is_file():
         lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        last = lines[-1] if lines else "no output"
+        if done.returncode < 0:
+            raise CheckCrashed(type(check).__name__, signal.Signals(-done.returncode).name, last, log)
         raise LayercutError(f"the engine check failed ({type(check).__name__}, exit {done.returncode}): "
-                            f"{lines[-1] if lines else 'no output'} (its log: {log})")
+                            f"{last} (its log: {log})")
     figures = json.loads(result.read_text(encoding="utf-8"))
     request.unlink()
     result.unlink()

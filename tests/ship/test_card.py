@@ -64,6 +64,13 @@ def test_every_engine_row_names_and_measures_the_file_that_ships(tmp_path):
     assert card.count("## Use") == 1 and 'from_pretrained("slim8")' in card
     assert 'repo_id="<you>/slim8"' in card  # prune's sections as prune renders them
     assert "Healed: 50 steps" in card and "The GGUF for llama.cpp is `gguf/slim8-q4_k_m.gguf`." in card
+    assert "extra buffer types off" not in card
+    crashed = Verified(domains=verified.domains, heldout=verified.heldout, speed=timed.speed,
+                       files={**verified.files, "no_repack": "ServingCheck ended by SIGSEGV with them on"})
+    card = ship_card(config(tmp_path), REPORT, shortlist(), crashed, PruneConfig(drop=8, replace="fold"),
+                     {"plan": 1.0, "verify": 2.0}, healed, gguf="gguf/slim8-q4_k_m.gguf")
+    assert ("llama.cpp loaded its files with its extra buffer types off (ServingCheck ended by SIGSEGV with them on)"
+            in card)
 
 
 def test_the_card_commands_carry_every_option_that_is_not_its_default(tmp_path):
@@ -82,7 +89,7 @@ def test_the_card_commands_carry_every_option_that_is_not_its_default(tmp_path):
 def test_the_ship_command_of_the_cli_parses_back_to_the_same_config(tmp_path):
     from ship.cli import build_parser, config_from_args
 
-    original = config(tmp_path, heal_steps=50, verify=False, heal_data="builtin", heal_samples=16,
+    original = config(tmp_path, heal_steps=50, verify=False, heal_data="builtin", heal_samples=16, no_repack=True,
                       heal_train={"lora_r": 16, "lora_alpha": 0.1234567, "lora_targets": "q_proj,v_proj"})
     argv = shlex.split(ship_command(original))[3:]
     assert argv[argv.index("--heal-data") + 1] == "builtin" and argv[argv.index("--heal-samples") + 1] == "16"
@@ -93,7 +100,7 @@ def test_the_ship_command_of_the_cli_parses_back_to_the_same_config(tmp_path):
     assert again.settings() == original.settings() != config(tmp_path, heal_steps=50, verify=False).settings()
     assert again.settings() != config(tmp_path, heal_steps=50, verify=False, heal_data="builtin",
                                       heal_samples=16).settings()  # the adapters are a setting
-    assert (again.time_budget, again.speed_repeats, again.verify) == (150.0, 1, False)
+    assert (again.time_budget, again.speed_repeats, again.verify, again.no_repack) == (150.0, 1, False, True)
 
 
 def test_in_transformers_the_kept_greedy_tokens_are_the_checkpoint_s_against_the_original(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import ship.verify as verify_stage
-from eval.bench.checks import FidelityCheck, ServingCheck, SpeedCheck, kept_row_path
+from eval.bench.checks import CheckCrashed, FidelityCheck, ServingCheck, SpeedCheck, kept_row_path
 from prune.errors import LayercutError
 from prune.pipeline.config import PruneConfig
 from ship.config import ShipConfig
@@ -135,3 +135,69 @@ def test_each_check_s_seconds_are_kept_and_a_check_kept_by_an_earlier_run_has_no
     (tmp_path / "verify" / "speed.json").unlink()  # the other two kept: measured again, the speed alone
     again = verify_stage.verify(*args, say=lambda _: None).check_seconds
     assert again["serving"] is None and again["fidelity"] is None and again["speed"] >= 0.05
+
+
+def _crashing_with_repack(sent: list, signal: str = "SIGSEGV"):
+    """A ``run_in_child`` whose engine crashes while llama.cpp's extra buffer types are on (as on the CPUs where a
+    build of it does); a FidelityCheck, in transformers, runs."""
+
+    def run(check, log):
+        sent.append(check)
+        if not isinstance(check, FidelityCheck) and not check.no_repack:
+            log.write_text("loading\n")
+            raise CheckCrashed(type(check).__name__, signal, "loading", log)
+        return {}
+
+    return run
+
+
+def test_a_check_llama_cpp_crashes_runs_again_with_its_extra_buffers_off_and_the_card_says_so(tmp_path, monkeypatch):
+    from ship.card import ship_command
+
+    sent, said = [], []
+    monkeypatch.setattr(verify_stage, "run_in_child", _crashing_with_repack(sent))
+    checkpoint = tmp_path / "slim.work" / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    config = ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"),
+                        engine="llamacpp", gguf_type="q4_k_m")
+    args = (config, checkpoint, checkpoint / "slim-q4_k_m.gguf", [f"rows={tmp_path / 'heldout.txt'}"],
+            tmp_path / "verify")
+    verified = verify_stage.verify(*args, say=said.append)
+    serving, serving_again, _, speed = sent
+    assert (serving.no_repack, serving_again.no_repack) == (False, True) and serving_again.models == serving.models
+    assert speed.no_repack, "the speed check starts with them off: both files timed the same way"
+    assert verified.files["no_repack"] == "ServingCheck ended by SIGSEGV with them on"
+    assert any("crashed (SIGSEGV); checking again with its extra buffer types off" in line for line in said)
+    assert (tmp_path / "verify" / "serving.crashed.log").read_text() == "loading\n"
+    (tmp_path / "verify" / "speed.json").unlink()  # a resumed run: the speed check alone, with them off from the start
+    sent.clear()
+    assert verify_stage.verify(*args, say=said.append).files["no_repack"].startswith("ServingCheck")
+    assert [check.no_repack for check in sent] == [True]
+    assert "--no-repack" not in ship_command(config)
+    given = ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "given"),
+                       engine="llamacpp", no_repack=True)
+    sent.clear()
+    assert verify_stage.verify(given, checkpoint, checkpoint / "slim.gguf", list(args[3]), tmp_path / "verify-given",
+                               say=said.append).files["no_repack"] == "--no-repack"
+    assert [check.no_repack for check in sent if not isinstance(check, FidelityCheck)] == [True, True]
+    assert "--no-repack" in ship_command(given).split()
+
+
+@pytest.mark.parametrize(("engine", "signal"), [("llamacpp", "SIGKILL"), ("transformers", "SIGSEGV")])
+def test_a_crash_extra_buffers_cannot_cause_is_not_tried_again(tmp_path, monkeypatch, engine, signal):
+    sent = []
+    monkeypatch.setattr(verify_stage, "run_in_child", _crashing_with_repack(sent, signal))
+    checkpoint = tmp_path / "slim.work" / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    config = ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"), engine=engine)
+    with pytest.raises(CheckCrashed, match=f"ended by {signal}"):
+        verify_stage.verify(config, checkpoint, checkpoint / "slim.gguf", [f"rows={tmp_path / 'heldout.txt'}"],
+                            tmp_path / "verify", say=lambda _: None)
+    assert len(sent) == 1 and not (tmp_path / "verify" / verify_stage.NO_REPACK).exists()
+
+
+def test_no_repack_with_an_engine_that_has_no_such_setting_is_refused(tmp_path):
+    with pytest.raises(LayercutError, match=r"^--no-repack is a setting of llamacpp, not of --engine transformers: "
+                                            r"drop it$"):
+        ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"),
+                   engine="transformers", no_repack=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,34 @@ class LlamaCppOptions(EngineOptions):
     gguf_type: str = setting("f32", "the GGUF type a checkpoint folder is converted to (a .gguf file runs as it is)",
                              flag="--gguf-type", type=str, check=lambda value: value in OUTTYPES,
                              expect=f"is one of {', '.join(OUTTYPES)}")
+    no_repack: bool = setting(False, "load with llama.cpp's extra buffer types off (its own --no-repack), for a "
+                              "build that crashes loading models on this CPU", flag="--no-repack")
+
+
+@contextmanager
+def _extra_buffer_types(llama_cpp, on: bool):
+    """While open, ``Llama`` loads models with llama.cpp's extra buffer types ``on`` (its default) or off.
+
+    ``llama_cpp.Llama`` takes no argument for ``llama_model_params.use_extra_bufts``: it starts from
+    ``llama_model_default_params()``, looked up on ``llama_cpp.llama_cpp`` as it loads, so that function is
+    wrapped here for the load alone.
+    """
+    if on:
+        yield
+        return
+    bindings = llama_cpp.llama_cpp
+    default = bindings.llama_model_default_params
+
+    def without_extra_buffers():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = without_extra_buffers
+    try:
+        yield
+    finally:
+        bindings.llama_model_default_params = default
 
 
 def gguf_block_count(path: str | Path) -> int:
@@ -115,16 +144,19 @@ class LlamaCppEngine(Engine):
 
     def describe(self, settings: EngineSettings) -> dict:
         """Threads, context and GPU layers (the GGUF's own types are the dtype)."""
-        return {"threads": settings.thread_count(), "n_ctx": settings.context,
-                "gpu_layers": settings.of(self).gpu_layers}  # fmt: skip
+        own = settings.of(self)
+        return {"threads": settings.thread_count(), "n_ctx": settings.context, "gpu_layers": own.gpu_layers,
+                **({"no_repack": True} if own.no_repack else {})}  # fmt: skip
 
     def _open(self, gguf: Path, settings: EngineSettings, n_ctx: int, logits_all: bool):
         llama_cpp = self.import_module()
         threads = settings.thread_count()
+        own = settings.of(self)
         try:
-            return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, logits_all=logits_all,
-                                   n_threads=threads, n_threads_batch=threads,
-                                   n_gpu_layers=settings.of(self).gpu_layers, seed=0, verbose=False)  # fmt: skip
+            with _extra_buffer_types(llama_cpp, on=not own.no_repack):
+                return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, logits_all=logits_all,
+                                       n_threads=threads, n_threads_batch=threads,
+                                       n_gpu_layers=own.gpu_layers, seed=0, verbose=False)  # fmt: skip
         except ValueError as err:  # llama.cpp could not load the file: its message, in one line
             raise LayercutError(f"llama.cpp cannot load {gguf}: {' '.join(str(err).split())}") from None
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from eval.bench.checks import FidelityCheck, ServingCheck, run_in_child
+import eval.bench.checks as checks
+from eval.bench.checks import CheckCrashed, FidelityCheck, ServingCheck, run_in_child
 from prune.errors import LayercutError
 
 
@@ -41,6 +42,19 @@ def test_a_failed_check_is_one_line_naming_its_log(tiny_folder, tmp_path):
     message = str(raised.value)
     assert "\n" not in message and "missing.txt" in message and "serving.log" in message
     assert "exit 2" in message  # the check's own one-line refusal, not a crash
+
+
+def test_a_check_whose_process_crashes_names_the_signal(tiny_folder, tmp_path, monkeypatch):
+    crashing = tmp_path / "python"  # a "Python" that dies by SIGSEGV, as a native crash in an engine does
+    crashing.write_text("#!/bin/sh\necho loading the model\nkill -SEGV $$\n")
+    crashing.chmod(0o755)
+    monkeypatch.setattr(checks.sys, "executable", str(crashing))
+    check = ServingCheck(models=(("original", str(tiny_folder), "transformers"),), texts=(), tokenizer="t")
+    with pytest.raises(CheckCrashed) as raised:
+        run_in_child(check, tmp_path / "serving.log")
+    assert raised.value.signal == "SIGSEGV"
+    assert str(raised.value) == (f"the engine check failed (ServingCheck, ended by SIGSEGV): loading the model "
+                                 f"(its log: {tmp_path / 'serving.log'})")
 
 
 def test_the_original_s_rows_are_measured_once_then_read_from_the_cache(tiny_folder, tmp_path, sample_text,

@@ -163,14 +163,15 @@ def test_each_engine_reads_its_own_settings_and_flags():
     llamacpp, vllm = get_engine("llamacpp"), get_engine("vllm")
     assert EngineSettings().of(llamacpp).gpu_layers == 0 and EngineSettings().of(vllm).gpu_memory == 0.85
     settings = EngineSettings.build(context=64, gpu_layers=3, eager=True)
-    assert settings.of(llamacpp).values() == {"gpu_layers": 3, "converter": None, "gguf_type": "f32"}
+    assert settings.of(llamacpp).values() == {"gpu_layers": 3, "converter": None, "gguf_type": "f32",
+                                              "no_repack": False}
     assert settings.of(vllm).values() == {"gpu_memory": 0.85, "eager": True}
     assert llamacpp.describe(settings)["gpu_layers"] == 3 and vllm.describe(settings)["enforce_eager"] is True
     with pytest.raises(TypeError, match="no engine has the setting"):
         EngineSettings.build(n_gpu=1)
     specs = setting_specs()
-    assert [spec.flag for spec in specs.values()] == ["--gpu-layers", "--converter", "--gguf-type", "--gpu-memory",
-                                                       "--eager"]
+    assert [spec.flag for spec in specs.values()] == ["--gpu-layers", "--converter", "--gguf-type", "--no-repack",
+                                                       "--gpu-memory", "--eager"]
     with pytest.raises(LayercutError, match="--gguf-type is one of f32, f16"):
         EngineSettings.build(gguf_type="q5")
     for command in ("speed", "serving"):  # every engine's flags, in both subcommands that load engines
@@ -179,6 +180,32 @@ def test_each_engine_reads_its_own_settings_and_flags():
     args = build_parser().parse_args(["speed", "--baseline", "a", "--model", "b", "--gpu-memory", "0.5", "--eager"])
     assert setting_values(args) == {"gpu_memory": 0.5, "eager": True}  # flags not given: each engine's default
     assert not hasattr(args, "gpu_layers")
+
+
+def test_no_repack_loads_llamacpp_with_its_extra_buffer_types_off_for_that_load_alone(tmp_path, monkeypatch):
+    """``Llama`` has no argument for ``use_extra_bufts``: the defaults it starts from are turned for the load alone."""
+    import types
+
+    seen = []
+
+    class Params:
+        use_extra_bufts = True
+
+    bindings = types.SimpleNamespace(llama_model_default_params=Params)
+
+    class Llama:  # reads the defaults while it loads, as llama_cpp.Llama does
+        def __init__(self, **kwargs):
+            seen.append((bindings.llama_model_default_params().use_extra_bufts, kwargs["n_gpu_layers"]))
+
+    module = types.SimpleNamespace(Llama=Llama, llama_cpp=bindings)
+    engine = LlamaCppEngine()
+    monkeypatch.setattr(engine, "import_module", lambda: module)
+    for no_repack in (True, False):
+        engine._open(tmp_path / "m.gguf", EngineSettings.build(no_repack=no_repack, gpu_layers=2), 16, False)
+    assert seen == [(False, 2), (True, 2)]
+    assert bindings.llama_model_default_params is Params  # given back after the load
+    assert engine.describe(EngineSettings.build(no_repack=True))["no_repack"] is True
+    assert "no_repack" not in engine.describe(EngineSettings())
 
 
 def test_a_folder_runs_in_llamacpp_as_its_export_of_the_type_asked_made_once(tiny_folder, tmp_path, monkeypatch):

@@ -230,11 +230,22 @@ needs_quantizer = pytest.mark.skipif(
 
 
 # llama.cpp runs in a child process, as the quantizer does: its OpenMP runtime is never loaded beside torch's here
+# loaded as the llamacpp engine loads it, with llama.cpp's extra buffer types on (its default) and off (--no-repack)
 _LOAD_CHILD = """
 import sys, numpy, llama_cpp
-model = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=32, logits_all=True, verbose=False)
-model.eval([5, 6, 7])
-print(bool(numpy.isfinite(numpy.asarray(model.scores[:3])).all()))
+from pathlib import Path
+from eval.speed.engines import EngineSettings
+from eval.speed.engines.llamacpp import LlamaCppEngine
+default = llama_cpp.llama_cpp.llama_model_default_params
+scores = []
+for no_repack in (False, True):
+    model = LlamaCppEngine()._open(Path(sys.argv[1]), EngineSettings.build(no_repack=no_repack), 32, True)
+    model.eval([5, 6, 7])
+    scores.append(numpy.asarray(model.scores[:3]).copy())
+    model.close()
+finite = all(bool(numpy.isfinite(s).all()) for s in scores)
+gap = float(numpy.abs(scores[0] - scores[1]).max() / numpy.abs(scores[0]).max())
+print(finite and gap < 0.05 and llama_cpp.llama_cpp.llama_model_default_params is default)
 """
 
 
