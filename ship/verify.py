@@ -133,11 +133,12 @@ def _run_check(check: ServingCheck | SpeedCheck, log: Path, config: ShipConfig, 
         if check.no_repack or err.signal == "SIGKILL" or "no_repack" not in options_class(engine).specs():
             raise  # SIGKILL: out of memory or stopped, which its extra buffers do not cause
         why = f"{type(check).__name__} ended by {err.signal} with them on"
-        say(f"verifying: {engine.display} crashed ({err.signal}); checking again with its extra buffer types off "
-            f"(--no-repack; its log: {log})")
-        write_file_atomic(log.parent / NO_REPACK, lambda staging: staging.write_text(why, encoding="utf-8"))
+        crashed = log.with_name(f"{log.stem}.crashed{log.suffix}")
         if log.is_file():  # the crash's log kept beside the second try's
-            log.replace(log.with_name(f"{log.stem}.crashed{log.suffix}"))
+            log.replace(crashed)
+        say(f"verifying: {engine.display} crashed ({err.signal}); checking again with its extra buffer types off "
+            f"(--no-repack; the crash's log: {crashed})")
+        write_file_atomic(log.parent / NO_REPACK, lambda staging: staging.write_text(why, encoding="utf-8"))
         return run_in_child(dataclasses.replace(check, no_repack=True), log)
 
 

@@ -17,6 +17,7 @@ caller gets the figures back as the function's value, or one line when the check
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import signal
@@ -347,6 +348,7 @@ def _child(request: str, result: str, spawned: float | None = None) -> None:
     ``spawned``: when the parent started this process (``time.time()``); the log says how long the process took
     to start and how long its check ran, which on a GPU are of a size.
     """
+    faulthandler.enable()  # a crash in an engine's native code: the Python stack it was in goes to the log
     began = time.time()
     if spawned is not None:
         print(f"layercut check: this process started in {began - spawned:.1f} s", flush=True)

@@ -50,3 +50,23 @@ md += ["", f"--no-repack / repacked: prefill x{ratio['prefill']:.3f} (paired {mi
 print("\n".join(md))
 PY
 uptime
+# prune.ship's own retry, against a llama.cpp that crashes loading any model while its extra buffer types are on:
+# simulated by a sitecustomize.py that sends SIGSEGV from its model load when they are (the crash seen on
+# 2026-12-06 on another host); the card and verify.json in no-repack/ship-retry/
+T=$(mktemp -d)
+cat > $T/sitecustomize.py <<'PY'
+import os, signal
+import llama_cpp.llama_cpp as bindings
+load = bindings.llama_model_load_from_file
+def crashing_load(path, params):
+    if params.use_extra_bufts:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return load(path, params)
+bindings.llama_model_load_from_file = crashing_load
+PY
+PYTHONPATH=$T python -m prune.ship --model smollm2-135m --drop 8 --heal-steps 0 --engine llamacpp --gguf-type q4_k_m \
+  --out $T/r8nr
+mkdir -p $S/no-repack/ship-retry
+cp $T/r8nr/README.md $S/no-repack/ship-retry/card.md
+cp $T/r8nr.work/verify.json $T/r8nr.work/verify/no-repack.txt $S/no-repack/ship-retry/
+uptime

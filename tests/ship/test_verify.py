@@ -167,7 +167,8 @@ def test_a_check_llama_cpp_crashes_runs_again_with_its_extra_buffers_off_and_the
     assert (serving.no_repack, serving_again.no_repack) == (False, True) and serving_again.models == serving.models
     assert speed.no_repack, "the speed check starts with them off: both files timed the same way"
     assert verified.files["no_repack"] == "ServingCheck ended by SIGSEGV with them on"
-    assert any("crashed (SIGSEGV); checking again with its extra buffer types off" in line for line in said)
+    assert any("crashed (SIGSEGV); checking again with its extra buffer types off (--no-repack; the crash's log: "
+               f"{tmp_path / 'verify' / 'serving.crashed.log'})" in line for line in said)
     assert (tmp_path / "verify" / "serving.crashed.log").read_text() == "loading\n"
     (tmp_path / "verify" / "speed.json").unlink()  # a resumed run: the speed check alone, with them off from the start
     sent.clear()

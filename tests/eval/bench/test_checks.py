@@ -57,6 +57,23 @@ def test_a_check_whose_process_crashes_names_the_signal(tiny_folder, tmp_path, m
                                  f"(its log: {tmp_path / 'serving.log'})")
 
 
+def test_a_native_crash_inside_a_check_leaves_its_python_stack_in_the_log(tmp_path, monkeypatch):
+    import os
+    import sys
+
+    # the child's check reads address 0, as an engine's native code crashing does
+    (tmp_path / "sitecustomize.py").write_text(
+        "import ctypes\nimport eval.bench.checks as checks\n"
+        "def crash_in_the_engine(self):\n    return ctypes.string_at(0)\n"
+        "checks.ServingCheck.run = crash_in_the_engine\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    check = ServingCheck(models=(), texts=(), tokenizer="t")
+    with pytest.raises(CheckCrashed, match="ended by SIGSEGV"):
+        run_in_child(check, tmp_path / "serving.log")
+    log = (tmp_path / "serving.log").read_text()
+    assert "Fatal Python error: Segmentation fault" in log and "in crash_in_the_engine" in log
+
+
 def test_the_original_s_rows_are_measured_once_then_read_from_the_cache(tiny_folder, tmp_path, sample_text,
                                                                        monkeypatch):
     import eval.bench.serving as serving
