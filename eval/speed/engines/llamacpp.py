@@ -72,6 +72,11 @@ def _extra_buffer_types(llama_cpp, on: bool):
     bindings = llama_cpp.llama_cpp
     default = bindings.llama_model_default_params
 
+    if "use_extra_bufts" not in dict(getattr(default().__class__, "_fields_", ())):
+        # a ctypes structure takes an unknown attribute without a word: the setting would do nothing
+        raise LayercutError("--no-repack: this llama-cpp-python's llama.cpp has no extra buffer types setting "
+                            "(use_extra_bufts): pip install -U 'layercut[llamacpp]'")
+
     def without_extra_buffers():
         params = default()
         params.use_extra_bufts = False
@@ -152,13 +157,13 @@ class LlamaCppEngine(Engine):
         llama_cpp = self.import_module()
         threads = settings.thread_count()
         own = settings.of(self)
-        try:
-            with _extra_buffer_types(llama_cpp, on=not own.no_repack):
+        with _extra_buffer_types(llama_cpp, on=not own.no_repack):
+            try:
                 return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_ctx, logits_all=logits_all,
                                        n_threads=threads, n_threads_batch=threads,
                                        n_gpu_layers=own.gpu_layers, seed=0, verbose=False)  # fmt: skip
-        except ValueError as err:  # llama.cpp could not load the file: its message, in one line
-            raise LayercutError(f"llama.cpp cannot load {gguf}: {' '.join(str(err).split())}") from None
+            except ValueError as err:  # llama.cpp could not load the file: its message, in one line
+                raise LayercutError(f"llama.cpp cannot load {gguf}: {' '.join(str(err).split())}") from None
 
     def load(self, path: str, settings: EngineSettings | None = None) -> EngineModel:
         """A ``llama_cpp.Llama`` of ``n_ctx = settings.context``, the last position's logits only."""

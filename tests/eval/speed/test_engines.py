@@ -189,6 +189,7 @@ def test_no_repack_loads_llamacpp_with_its_extra_buffer_types_off_for_that_load_
     seen = []
 
     class Params:
+        _fields_ = [("n_gpu_layers", int), ("use_extra_bufts", bool)]  # as ctypes declares llama_model_params
         use_extra_bufts = True
 
     bindings = types.SimpleNamespace(llama_model_default_params=Params)
@@ -206,6 +207,14 @@ def test_no_repack_loads_llamacpp_with_its_extra_buffer_types_off_for_that_load_
     assert bindings.llama_model_default_params is Params  # given back after the load
     assert engine.describe(EngineSettings.build(no_repack=True))["no_repack"] is True
     assert "no_repack" not in engine.describe(EngineSettings())
+
+
+    class Older:  # a llama.cpp before the setting: refused, not silently ignored
+        _fields_ = [("n_gpu_layers", int)]
+
+    bindings.llama_model_default_params = Older
+    with pytest.raises(LayercutError, match=r"^--no-repack: this llama-cpp-python's llama.cpp has no extra buffer"):
+        engine._open(tmp_path / "m.gguf", EngineSettings.build(no_repack=True), 16, False)
 
 
 def test_a_folder_runs_in_llamacpp_as_its_export_of_the_type_asked_made_once(tiny_folder, tmp_path, monkeypatch):
