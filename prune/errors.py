@@ -65,7 +65,20 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _show_native_crashes() -> None:
+# signals a crash inside native code ends a process by (not a request to stop, nor the kernel out of memory)
+CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGILL", "SIGABRT", "SIGFPE"})
+
+
+def ended_by(returncode: int) -> str:
+    """The name of the signal a child process ended by (its negative ``returncode``), with what SIGKILL means."""
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:  # a real-time signal has no name
+        name = f"signal {-returncode}"
+    return f"{name} (out of memory, or stopped)" if name == "SIGKILL" else name
+
+
+def show_native_crashes() -> None:
     """A crash inside a native library (llama.cpp, a CUDA kernel, bitsandbytes) prints the Python stack it was in.
 
     Without it a segmentation fault ends the run with no word of which step or file it was in.
@@ -92,7 +105,7 @@ def cli_entry(main: Callable[..., int | None]) -> Callable[..., int]:
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-        _show_native_crashes()
+        show_native_crashes()
         try:
             with sigterm_raises():
                 return main(argv) or 0

@@ -114,10 +114,12 @@ def _lost(config: ShipConfig, report: dict, verified: Verified | None, gguf: str
     for domain, serving in verified.domains.items():
         lines.append(_domain_row(domain, serving, config.engine))
     lines.append("")
-    if verified.files.get("no_repack"):
-        lines += [f"{engine} loaded its files with its extra buffer types off ({verified.files['no_repack']}): the "
-                  "weights as stored, not repacked for this CPU; pass its own --no-repack where you serve them if it "
-                  "crashes there too.", ""]
+    measured = verified.files.get("no_repack") or {}
+    if measured:
+        checks = " and ".join(f"the {check} check" for check in measured)
+        lines += [f"{engine} loaded its files with its extra buffer types off in {checks} "
+                  f"({'; '.join(dict.fromkeys(measured.values()))}): the weights as stored, not repacked for this CPU; "
+                  f"pass {engine}'s own --no-repack where you serve them if it crashes there too.", ""]
     return lines + _fidelity(verified.fidelity)
 
 

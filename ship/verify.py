@@ -23,12 +23,14 @@ from eval.speed.engines import REFERENCE, get_engine
 from eval.speed.engines.base import options_class
 from prune.atomic import write_file_atomic
 from prune.checkpoint.write import portable
+from prune.errors import CRASH_SIGNALS
 from ship.config import ShipConfig, heldout_label
 from ship.work import StageResult, write_json_atomic
 
 ORIGINAL, SLIM, SHIPPED = "original", "slim", "shipped"
-# in the verify folder: why the engine's checks load with its extra buffer types off (a check crashed without)
-NO_REPACK = "no-repack.txt"
+# beside a check's figures (serving.no-repack.txt): why it loaded the engine's files with its extra buffer types off
+NO_REPACK = ".no-repack.txt"
+CHECK_WORDS = {"ServingCheck": "the serving check", "SpeedCheck": "the speed check"}
 
 
 @dataclass(kw_only=True)
@@ -57,6 +59,7 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
     """
     folder.mkdir(parents=True, exist_ok=True)
     served = shipped_file(config, checkpoint, gguf)
+    repack = _Repack(config, folder)
     models = [(ORIGINAL, config.prune.load.model, REFERENCE), (SLIM, str(checkpoint), REFERENCE)]
     if config.engine != REFERENCE:
         models.append((SHIPPED, str(served), config.engine))
@@ -67,10 +70,9 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
     serving = ServingCheck(models=tuple(models), texts=texts, tokenizer=load.model, seq_len=data.seq_len,
                            tokens=tokens, threads=config.threads, converter=config.converter,
                            kept=(ORIGINAL,),  # the original's rows are the same in every run of it: kept in the cache
-                           dtype=load.dtype, device=load.device, offload=load.offload,
-                           no_repack=_no_repack(config, folder) is not None)
+                           dtype=load.dtype, device=load.device, offload=load.offload, no_repack=repack.off)
     seconds: dict = {}
-    domains = _kept(folder / "serving.json", lambda: _run_check(serving, folder / "serving.log", config, say),
+    domains = _kept(folder / "serving.json", lambda: repack.run(serving, folder / "serving.log", say),
                     lambda: say(f"verifying: {len(texts)} held-out text(s), the original and the checkpoint in "
                                 f"transformers" + (f", {served.name} in {config.engine}"
                                                    if config.engine != REFERENCE else "")), seconds)
@@ -89,7 +91,7 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
                        threads=config.threads, converter=config.converter, dtype=load.dtype, device=load.device,
                        # the original in llama.cpp as the file that ships, quantized the same way: the depth's ratio
                        gguf_type=config.gguf_type if config.gguf else None,
-                       no_repack=_no_repack(config, folder) is not None)  # the serving check may have turned it off
+                       no_repack=repack.off)  # a crash in the serving check turns them off for it too
     if config.no_speed:
         # transformers block by block would time its reads of every block from the checkpoint, not the model
         say(f"verifying: no speed check: {config.no_speed}" + (
@@ -98,48 +100,73 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
         timed = {"skipped": config.no_speed}
         seconds["speed"] = None
     else:
-        timed = _kept(folder / "speed.json", lambda: _run_check(speed, folder / "speed.log", config, say),
+        timed = _kept(folder / "speed.json", lambda: repack.run(speed, folder / "speed.log", say),
                       lambda: say(f"verifying: the speed of {served.name} against {config.prune.load.model} in "
                                   f"{config.engine}"), seconds)
     files = {SHIPPED: served.relative_to(checkpoint).as_posix() if served != checkpoint else ".",
              "engine": config.engine, "gguf_type": config.gguf_type if config.gguf else None,
-             **({"no_repack": _no_repack(config, folder)} if _no_repack(config, folder) else {})}
+             **({"no_repack": repack.measured()} if repack.measured() else {})}
     return Verified(domains=domains, speed=timed, heldout=[portable(text) for _, text in texts], files=files,
                     fidelity=fidelity, check_seconds=seconds)
 
 
-def _no_repack(config: ShipConfig, folder: Path) -> str | None:
-    """Why the engine's checks load with its extra buffer types off; None: they do not.
+@dataclass
+class _Repack:
+    """Whether the engine's checks load its files with its extra buffer types off, and why (``why``; None: on).
 
-    ``--no-repack``, or the crash an earlier check of this run had with them on (kept in ``folder``, so a resumed
-    run keeps it).
+    Off with ``--no-repack``, or once a check crashed with them on: that check runs again with them off, and so do
+    the checks after it, in this run and a resumed one. Each check measured with them off keeps why beside its
+    figures, so the card names the checks it holds for.
     """
-    if config.no_repack:
-        return "--no-repack"
-    marker = folder / NO_REPACK
-    return marker.read_text(encoding="utf-8").strip() if marker.is_file() else None
 
+    config: ShipConfig
+    folder: Path
+    why: str | None = None
 
-def _run_check(check: ServingCheck | SpeedCheck, log: Path, config: ShipConfig, say) -> dict:
-    """``run_in_child(check)``, once more with the engine's extra buffer types off where it crashed with them on.
+    def __post_init__(self):
+        if self.config.no_repack:
+            self.why = "--no-repack"
+        else:  # a crash an earlier run of the same verify had
+            crashes = [why for why in self.measured().values() if why != "--no-repack"]
+            self.why = crashes[0] if crashes else None
 
-    A build of llama.cpp may crash (SIGSEGV) loading any model on some CPUs while it repacks the weights for them;
-    the reason is kept for the card.
-    """
-    try:
-        return run_in_child(check, log)
-    except CheckCrashed as err:
-        engine = get_engine(config.engine)
-        if check.no_repack or err.signal == "SIGKILL" or "no_repack" not in options_class(engine).specs():
-            raise  # SIGKILL: out of memory or stopped, which its extra buffers do not cause
-        why = f"{type(check).__name__} ended by {err.signal} with them on"
-        crashed = log.with_name(f"{log.stem}.crashed{log.suffix}")
-        if log.is_file():  # the crash's log kept beside the second try's
-            log.replace(crashed)
-        say(f"verifying: {engine.display} crashed ({err.signal}); checking again with its extra buffer types off "
-            f"(--no-repack; the crash's log: {crashed})")
-        write_file_atomic(log.parent / NO_REPACK, lambda staging: staging.write_text(why, encoding="utf-8"))
-        return run_in_child(dataclasses.replace(check, no_repack=True), log)
+    @property
+    def off(self) -> bool:
+        return self.why is not None
+
+    def measured(self) -> dict[str, str]:
+        """Check -> why, for each check whose kept figures were measured with them off."""
+        return {path.name.removesuffix(NO_REPACK): path.read_text(encoding="utf-8").strip()
+                for path in sorted(self.folder.glob(f"*{NO_REPACK}"))}
+
+    def run(self, check: ServingCheck | SpeedCheck, log: Path, say) -> dict:
+        """``run_in_child(check)``, once more with them off where a crash in native code ended it with them on.
+
+        A build of llama.cpp may crash (SIGSEGV) loading any model on some CPUs while it repacks the weights for
+        them.
+        """
+        ran_off = check.no_repack
+        try:
+            figures = run_in_child(check, log)
+        except CheckCrashed as err:
+            engine = get_engine(self.config.engine)
+            if check.no_repack or err.signal not in CRASH_SIGNALS or "no_repack" not in options_class(engine).specs():
+                raise  # SIGKILL or SIGTERM: out of memory or stopped, which its extra buffers do not cause
+            words = CHECK_WORDS[type(check).__name__]
+            crashed = log.with_name(f"{log.stem}.crashed{log.suffix}")
+            if log.is_file():  # the crash's log kept beside the second try's
+                log.replace(crashed)
+            say(f"verifying: {words} crashed ({err.signal}) in {engine.display}; checking again with its extra "
+                f"buffer types off (--no-repack; the crash's log: {crashed})")
+            figures = run_in_child(dataclasses.replace(check, no_repack=True), log)
+            self.why, ran_off = f"{words} crashed ({err.signal}) with them on", True
+        kept = self.folder / f"{log.stem}{NO_REPACK}"
+        if ran_off:
+            why = self.why or "--no-repack"
+            write_file_atomic(kept, lambda staging: staging.write_text(why, encoding="utf-8"))
+        else:
+            kept.unlink(missing_ok=True)
+        return figures
 
 
 def _kept(path: Path, measure, announce, seconds: dict) -> dict:

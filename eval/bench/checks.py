@@ -17,10 +17,8 @@ caller gets the figures back as the function's value, or one line when the check
 
 from __future__ import annotations
 
-import faulthandler
 import hashlib
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -29,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eval.quality.fidelity import FidelityOptions
-from prune.errors import LayercutError
+from prune.errors import LayercutError, ended_by, show_native_crashes
 
 # a check's greedy continuation: this many tokens after the first window's first 32
 GREEDY_TOKENS = 32
@@ -299,12 +297,13 @@ class FidelityCheck:
 class CheckCrashed(LayercutError):
     """A check's process ended by a signal.
 
-    ``signal``: its name (SIGSEGV: a crash in native code; SIGKILL: out of memory, or stopped).
+    ``signal``: its name (``prune.errors.CRASH_SIGNALS``: a crash in native code; SIGKILL: out of memory, or stopped).
     """
 
-    def __init__(self, kind: str, signal_name: str, last: str, log: Path):
-        self.signal = signal_name
-        super().__init__(f"the engine check failed ({kind}, ended by {signal_name}): {last} (its log: {log})")
+    def __init__(self, kind: str, returncode: int, last: str, log: Path):
+        said = ended_by(returncode)
+        self.signal = said.split()[0] if said.startswith("SIG") else said
+        super().__init__(f"the engine check failed ({kind}, ended by {said}): {last} (its log: {log})")
 
 
 def _llama_cpp_values(converter: str | None, no_repack: bool) -> dict:
@@ -331,9 +330,11 @@ def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) ->
         done = subprocess.run([sys.executable, "-c", code], stdout=handle, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0 or not result.is_file():
         lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-        last = lines[-1] if lines else "no output"
+        # after a native crash the log ends with faulthandler's stack: the line quoted is the check's own last one
+        crash = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), len(lines))
+        last = lines[crash - 1] if crash else "no output"
         if done.returncode < 0:
-            raise CheckCrashed(type(check).__name__, signal.Signals(-done.returncode).name, last, log)
+            raise CheckCrashed(type(check).__name__, done.returncode, last, log)
         raise LayercutError(f"the engine check failed ({type(check).__name__}, exit {done.returncode}): "
                             f"{last} (its log: {log})")
     figures = json.loads(result.read_text(encoding="utf-8"))
@@ -348,7 +349,7 @@ def _child(request: str, result: str, spawned: float | None = None) -> None:
     ``spawned``: when the parent started this process (``time.time()``); the log says how long the process took
     to start and how long its check ran, which on a GPU are of a size.
     """
-    faulthandler.enable()  # a crash in an engine's native code: the Python stack it was in goes to the log
+    show_native_crashes()  # a crash in an engine's native code: the Python stack it was in goes to the log
     began = time.time()
     if spawned is not None:
         print(f"layercut check: this process started in {began - spawned:.1f} s", flush=True)

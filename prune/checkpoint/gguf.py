@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prune.checkpoint.exports import ExportTarget, check_removes, export_option, register_export
-from prune.errors import LayercutError
+from prune.errors import LayercutError, ended_by
 
 logger = logging.getLogger(__name__)
 
@@ -319,8 +319,6 @@ sys.exit(0 if llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].e
 
 def _quantize(source: Path, out: Path, outtype: str) -> None:
     """llama.cpp's ``llama_model_quantize`` of the f16 GGUF ``source`` into ``out``, in a child process."""
-    import signal
-
     logger.info("quantizing %s to %s with llama.cpp", source.name, outtype)
     command = [sys.executable, "-c", _QUANTIZE_CHILD, str(source), str(out), QUANTIZER_TYPES[outtype],
                str(os.cpu_count() or 1)]
@@ -329,8 +327,8 @@ def _quantize(source: Path, out: Path, outtype: str) -> None:
         return
     out.unlink(missing_ok=True)
     if done.returncode < 0:  # killed by a signal: llama.cpp itself crashed (a Python error exits 1), or was killed
-        name = signal.Signals(-done.returncode).name
-        fix = ("the machine ran out of memory, or it was stopped: free memory" if name == "SIGKILL"
+        name = ended_by(done.returncode)
+        fix = ("free memory" if name.startswith("SIGKILL")
                else "reinstall llama-cpp-python built for this machine (pip install --force-reinstall --no-cache-dir "
                     "llama-cpp-python)")
         raise LayercutError(f"llama.cpp's quantizer ended by {name} writing {outtype}: {fix}, or choose f32, f16, bf16 "

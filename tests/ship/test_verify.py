@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal as signal_module
+
 import pytest
 
 import ship.verify as verify_stage
@@ -137,18 +139,30 @@ def test_each_check_s_seconds_are_kept_and_a_check_kept_by_an_earlier_run_has_no
     assert again["serving"] is None and again["fidelity"] is None and again["speed"] >= 0.05
 
 
-def _crashing_with_repack(sent: list, signal: str = "SIGSEGV"):
-    """A ``run_in_child`` whose engine crashes while llama.cpp's extra buffer types are on (as on the CPUs where a
-    build of it does); a FidelityCheck, in transformers, runs."""
+def _crashing_with_repack(sent: list, signal: str = "SIGSEGV", crashes=("ServingCheck", "SpeedCheck"), always=False):
+    """A ``run_in_child`` whose engine crashes in the ``crashes`` checks while llama.cpp's extra buffer types are on
+    (as on the CPUs where a build of it does), or ``always``; a FidelityCheck, in transformers, runs."""
 
     def run(check, log):
         sent.append(check)
-        if not isinstance(check, FidelityCheck) and not check.no_repack:
+        if type(check).__name__ in crashes and (always or not check.no_repack):
             log.write_text("loading\n")
-            raise CheckCrashed(type(check).__name__, signal, "loading", log)
+            raise CheckCrashed(type(check).__name__, -getattr(signal_module, signal), "loading", log)
         return {}
 
     return run
+
+
+def _verify(tmp_path, config, say=lambda _: None, folder="verify"):
+    checkpoint = tmp_path / "slim.work" / "checkpoint"
+    checkpoint.mkdir(parents=True, exist_ok=True)
+    heldout = [f"rows={tmp_path / 'heldout.txt'}"]
+    return verify_stage.verify(config, checkpoint, checkpoint / "slim-q4_k_m.gguf", heldout, tmp_path / folder, say=say)
+
+
+def _llamacpp(tmp_path, **changes) -> ShipConfig:
+    return ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"),
+                      engine="llamacpp", gguf_type="q4_k_m", **changes)
 
 
 def test_a_check_llama_cpp_crashes_runs_again_with_its_extra_buffers_off_and_the_card_says_so(tmp_path, monkeypatch):
@@ -156,45 +170,56 @@ def test_a_check_llama_cpp_crashes_runs_again_with_its_extra_buffers_off_and_the
 
     sent, said = [], []
     monkeypatch.setattr(verify_stage, "run_in_child", _crashing_with_repack(sent))
-    checkpoint = tmp_path / "slim.work" / "checkpoint"
-    checkpoint.mkdir(parents=True)
-    config = ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"),
-                        engine="llamacpp", gguf_type="q4_k_m")
-    args = (config, checkpoint, checkpoint / "slim-q4_k_m.gguf", [f"rows={tmp_path / 'heldout.txt'}"],
-            tmp_path / "verify")
-    verified = verify_stage.verify(*args, say=said.append)
+    config = _llamacpp(tmp_path)
+    verified = _verify(tmp_path, config, said.append)
     serving, serving_again, _, speed = sent
     assert (serving.no_repack, serving_again.no_repack) == (False, True) and serving_again.models == serving.models
     assert speed.no_repack, "the speed check starts with them off: both files timed the same way"
-    assert verified.files["no_repack"] == "ServingCheck ended by SIGSEGV with them on"
-    assert any("crashed (SIGSEGV); checking again with its extra buffer types off (--no-repack; the crash's log: "
-               f"{tmp_path / 'verify' / 'serving.crashed.log'})" in line for line in said)
+    why = "the serving check crashed (SIGSEGV) with them on"
+    assert verified.files["no_repack"] == {"serving": why, "speed": why}
+    assert any("the serving check crashed (SIGSEGV) in llama.cpp; checking again with its extra buffer types off "
+               f"(--no-repack; the crash's log: {tmp_path / 'verify' / 'serving.crashed.log'})" in line
+               for line in said)
     assert (tmp_path / "verify" / "serving.crashed.log").read_text() == "loading\n"
     (tmp_path / "verify" / "speed.json").unlink()  # a resumed run: the speed check alone, with them off from the start
     sent.clear()
-    assert verify_stage.verify(*args, say=said.append).files["no_repack"].startswith("ServingCheck")
-    assert [check.no_repack for check in sent] == [True]
+    assert _verify(tmp_path, config).files["no_repack"] == {"serving": why, "speed": why}
+    assert [check.no_repack for check in sent if not isinstance(check, FidelityCheck)] == [True]
     assert "--no-repack" not in ship_command(config)
-    given = ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "given"),
-                       engine="llamacpp", no_repack=True)
+    given = _llamacpp(tmp_path, no_repack=True)
     sent.clear()
-    assert verify_stage.verify(given, checkpoint, checkpoint / "slim.gguf", list(args[3]), tmp_path / "verify-given",
-                               say=said.append).files["no_repack"] == "--no-repack"
+    assert _verify(tmp_path, given, folder="verify-given").files["no_repack"] == {"serving": "--no-repack",
+                                                                                  "speed": "--no-repack"}
     assert [check.no_repack for check in sent if not isinstance(check, FidelityCheck)] == [True, True]
     assert "--no-repack" in ship_command(given).split()
 
 
-@pytest.mark.parametrize(("engine", "signal"), [("llamacpp", "SIGKILL"), ("transformers", "SIGSEGV")])
+def test_a_crash_in_the_speed_check_alone_is_said_of_it_alone(tmp_path, monkeypatch):
+    sent = []
+    monkeypatch.setattr(verify_stage, "run_in_child", _crashing_with_repack(sent, crashes=("SpeedCheck",)))
+    verified = _verify(tmp_path, _llamacpp(tmp_path))
+    assert [type(check).__name__ for check in sent] == ["ServingCheck", "FidelityCheck", "SpeedCheck", "SpeedCheck"]
+    assert verified.files["no_repack"] == {"speed": "the speed check crashed (SIGSEGV) with them on"}
+
+
+def test_a_check_that_crashes_again_with_them_off_fails_and_keeps_no_reason(tmp_path, monkeypatch):
+    sent = []
+    monkeypatch.setattr(verify_stage, "run_in_child", _crashing_with_repack(sent, always=True))
+    with pytest.raises(CheckCrashed, match="ended by SIGSEGV"):
+        _verify(tmp_path, _llamacpp(tmp_path))
+    assert [check.no_repack for check in sent] == [False, True]  # once more, not a loop
+    assert not list((tmp_path / "verify").glob(f"*{verify_stage.NO_REPACK}"))  # a resumed run tries with them on
+
+
+@pytest.mark.parametrize(("engine", "signal"), [("llamacpp", "SIGKILL"), ("llamacpp", "SIGTERM"),
+                                                ("transformers", "SIGSEGV")])
 def test_a_crash_extra_buffers_cannot_cause_is_not_tried_again(tmp_path, monkeypatch, engine, signal):
     sent = []
     monkeypatch.setattr(verify_stage, "run_in_child", _crashing_with_repack(sent, signal))
-    checkpoint = tmp_path / "slim.work" / "checkpoint"
-    checkpoint.mkdir(parents=True)
     config = ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"), engine=engine)
     with pytest.raises(CheckCrashed, match=f"ended by {signal}"):
-        verify_stage.verify(config, checkpoint, checkpoint / "slim.gguf", [f"rows={tmp_path / 'heldout.txt'}"],
-                            tmp_path / "verify", say=lambda _: None)
-    assert len(sent) == 1 and not (tmp_path / "verify" / verify_stage.NO_REPACK).exists()
+        _verify(tmp_path, config)
+    assert len(sent) == 1 and not list((tmp_path / "verify").glob(f"*{verify_stage.NO_REPACK}"))
 
 
 def test_no_repack_with_an_engine_that_has_no_such_setting_is_refused(tmp_path):

@@ -10,6 +10,7 @@ it is the same work for every model). One sequence only (``--batch-size 1``).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +46,8 @@ class LlamaCppOptions(EngineOptions):
         converter: llama.cpp's ``convert_hf_to_gguf.py`` for folders (None: ``$LLAMA_CPP_CONVERTER``).
         gguf_type: the type a folder is converted to (a ``.gguf`` file runs as it is): a quantized file is timed
             against its original quantized the same way, so the ratio is the depth's alone.
+        no_repack: load with llama.cpp's extra buffer types off (``use_extra_bufts``, its ``--no-repack``): some
+            builds crash (SIGSEGV) loading any model on some CPUs unless they are; the weights then stay as stored.
     """
 
     gpu_layers: int = setting(0, "layers offloaded to the GPU", flag="--gpu-layers", type=int,
@@ -58,35 +61,39 @@ class LlamaCppOptions(EngineOptions):
                               "build that crashes loading models on this CPU", flag="--no-repack")
 
 
+# loads that turn llama.cpp's defaults wait for each other: each gives back the function it found
+_DEFAULTS_TURNED = threading.Lock()
+
+
 @contextmanager
 def _extra_buffer_types(llama_cpp, on: bool):
     """While open, ``Llama`` loads models with llama.cpp's extra buffer types ``on`` (its default) or off.
 
     ``llama_cpp.Llama`` takes no argument for ``llama_model_params.use_extra_bufts``: it starts from
     ``llama_model_default_params()``, looked up on ``llama_cpp.llama_cpp`` as it loads, so that function is
-    wrapped here for the load alone.
+    wrapped here for the load alone (one load at a time).
     """
     if on:
         yield
         return
-    bindings = llama_cpp.llama_cpp
-    default = bindings.llama_model_default_params
+    with _DEFAULTS_TURNED:
+        bindings = llama_cpp.llama_cpp
+        default = bindings.llama_model_default_params
+        if "use_extra_bufts" not in dict(getattr(default().__class__, "_fields_", ())):
+            # a ctypes structure takes an unknown attribute without a word: the setting would do nothing
+            raise LayercutError("llama.cpp's extra buffer types cannot be turned off (--no-repack): this "
+                                "llama-cpp-python has no use_extra_bufts setting: pip install -U 'layercut[llamacpp]'")
 
-    if "use_extra_bufts" not in dict(getattr(default().__class__, "_fields_", ())):
-        # a ctypes structure takes an unknown attribute without a word: the setting would do nothing
-        raise LayercutError("--no-repack: this llama-cpp-python's llama.cpp has no extra buffer types setting "
-                            "(use_extra_bufts): pip install -U 'layercut[llamacpp]'")
+        def without_extra_buffers():
+            params = default()
+            params.use_extra_bufts = False
+            return params
 
-    def without_extra_buffers():
-        params = default()
-        params.use_extra_bufts = False
-        return params
-
-    bindings.llama_model_default_params = without_extra_buffers
-    try:
-        yield
-    finally:
-        bindings.llama_model_default_params = default
+        bindings.llama_model_default_params = without_extra_buffers
+        try:
+            yield
+        finally:
+            bindings.llama_model_default_params = default
 
 
 def gguf_block_count(path: str | Path) -> int:
@@ -148,7 +155,7 @@ class LlamaCppEngine(Engine):
     install_note = "pip compiles llama.cpp from source: 6-26 minutes on 2 CPU cores, once"
 
     def describe(self, settings: EngineSettings) -> dict:
-        """Threads, context and GPU layers (the GGUF's own types are the dtype)."""
+        """Threads, context, GPU layers and ``no_repack`` when on (the GGUF's own types are the dtype)."""
         own = settings.of(self)
         return {"threads": settings.thread_count(), "n_ctx": settings.context, "gpu_layers": own.gpu_layers,
                 **({"no_repack": True} if own.no_repack else {})}  # fmt: skip

@@ -57,6 +57,13 @@ def test_a_check_whose_process_crashes_names_the_signal(tiny_folder, tmp_path, m
                                  f"(its log: {tmp_path / 'serving.log'})")
 
 
+def test_a_crash_names_its_signal_and_what_sigkill_means(tmp_path):
+    killed = CheckCrashed("SpeedCheck", -9, "timing", tmp_path / "speed.log")
+    assert killed.signal == "SIGKILL" and "(SpeedCheck, ended by SIGKILL (out of memory, or stopped)): timing" in str(
+        killed)
+    assert CheckCrashed("SpeedCheck", -40, "x", tmp_path / "speed.log").signal == "signal 40"  # real-time: no name
+
+
 def test_a_native_crash_inside_a_check_leaves_its_python_stack_in_the_log(tmp_path, monkeypatch):
     import os
     import sys
@@ -68,8 +75,10 @@ def test_a_native_crash_inside_a_check_leaves_its_python_stack_in_the_log(tmp_pa
         "checks.ServingCheck.run = crash_in_the_engine\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
     check = ServingCheck(models=(), texts=(), tokenizer="t")
-    with pytest.raises(CheckCrashed, match="ended by SIGSEGV"):
+    with pytest.raises(CheckCrashed, match="ended by SIGSEGV") as raised:
         run_in_child(check, tmp_path / "serving.log")
+    # the line quoted is the check's own last one, not faulthandler's stack after it
+    assert "): layercut check: this process started in " in str(raised.value)
     log = (tmp_path / "serving.log").read_text()
     assert "Fatal Python error: Segmentation fault" in log and "in crash_in_the_engine" in log
 

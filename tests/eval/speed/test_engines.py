@@ -11,7 +11,7 @@ import torch
 import eval.speed.engines.vllm as vllm_engine
 from eval.bench.cli import main
 from eval.speed.engines import ENGINES, Engine, EngineModel, EngineSettings, get_engine
-from eval.speed.engines.llamacpp import LlamaCppEngine
+from eval.speed.engines.llamacpp import _DEFAULTS_TURNED, LlamaCppEngine
 from eval.speed.engines.transformers import ENGINE as TRANSFORMERS
 from eval.speed.engines.transformers import TransformersEngine
 from eval.speed.engines.vllm import VllmEngine
@@ -205,15 +205,15 @@ def test_no_repack_loads_llamacpp_with_its_extra_buffer_types_off_for_that_load_
         engine._open(tmp_path / "m.gguf", EngineSettings.build(no_repack=no_repack, gpu_layers=2), 16, False)
     assert seen == [(False, 2), (True, 2)]
     assert bindings.llama_model_default_params is Params  # given back after the load
+    assert not _DEFAULTS_TURNED.locked()
     assert engine.describe(EngineSettings.build(no_repack=True))["no_repack"] is True
     assert "no_repack" not in engine.describe(EngineSettings())
-
 
     class Older:  # a llama.cpp before the setting: refused, not silently ignored
         _fields_ = [("n_gpu_layers", int)]
 
     bindings.llama_model_default_params = Older
-    with pytest.raises(LayercutError, match=r"^--no-repack: this llama-cpp-python's llama.cpp has no extra buffer"):
+    with pytest.raises(LayercutError, match=r"^llama.cpp's extra buffer types cannot be turned off \(--no-repack\)"):
         engine._open(tmp_path / "m.gguf", EngineSettings.build(no_repack=True), 16, False)
 
 

@@ -237,6 +237,11 @@ from pathlib import Path
 from eval.speed.engines import EngineSettings
 from eval.speed.engines.llamacpp import LlamaCppEngine
 default = llama_cpp.llama_cpp.llama_model_default_params
+load, loaded = llama_cpp.llama_cpp.llama_model_load_from_file, []
+def recording_load(path, params):  # what llama.cpp was asked for
+    loaded.append(bool(params.use_extra_bufts))
+    return load(path, params)
+llama_cpp.llama_cpp.llama_model_load_from_file = recording_load
 scores = []
 for no_repack in (False, True):
     model = LlamaCppEngine()._open(Path(sys.argv[1]), EngineSettings.build(no_repack=no_repack), 32, True)
@@ -245,7 +250,7 @@ for no_repack in (False, True):
     model.close()
 finite = all(bool(numpy.isfinite(s).all()) for s in scores)
 gap = float(numpy.abs(scores[0] - scores[1]).max() / numpy.abs(scores[0]).max())
-print(finite and gap < 0.05 and llama_cpp.llama_cpp.llama_model_default_params is default)
+print(finite and gap < 0.05 and loaded == [True, False] and llama_cpp.llama_cpp.llama_model_default_params is default)
 """
 
 
