@@ -78,6 +78,9 @@ def ended_by(returncode: int) -> str:
     return f"{name} (out of memory, or stopped)" if name == "SIGKILL" else name
 
 
+_CRASH_STREAM = None
+
+
 def show_native_crashes() -> None:
     """A crash inside a native library (llama.cpp, a CUDA kernel, bitsandbytes) prints the Python stack it was in.
 
@@ -85,10 +88,15 @@ def show_native_crashes() -> None:
     """
     import faulthandler
 
+    global _CRASH_STREAM
     if faulthandler.is_enabled():  # pytest, or python -X faulthandler, holds it already
         return
     try:
-        faulthandler.enable()
+        # a copy of stderr's descriptor: llama-cpp-python points descriptor 2 at /dev/null while it loads a model
+        # (verbose=False), which is where a crash of that load would write its stack
+        stream = os.fdopen(os.dup(sys.stderr.fileno()), "w")
+        faulthandler.enable(file=stream)
+        _CRASH_STREAM = stream  # open for as long as the handler may write to it
     except (AttributeError, ValueError, OSError, RuntimeError):  # no stderr, or one with no descriptor (an
         # embedding host, pythonw)
         pass

@@ -306,6 +306,17 @@ class CheckCrashed(LayercutError):
         super().__init__(f"the engine check failed ({kind}, ended by {said}): {last} (its log: {log})")
 
 
+def _crash_words(lines: list[str]) -> str:
+    """What a crashed check's log says of it: its own last line, and the innermost frame of faulthandler's stack."""
+    fatal = next((i for i, line in enumerate(lines) if "Fatal Python error" in line), None)
+    if fatal is None:
+        return lines[-1] if lines else "no output"
+    own = lines[fatal].split("Fatal Python error")[0].strip() or (lines[fatal - 1] if fatal else "")
+    current = next((i for i, line in enumerate(lines) if line.startswith("Current thread")), None)
+    frame = lines[current + 1].strip() if current is not None and current + 1 < len(lines) else ""
+    return "; ".join(part for part in (own, f"crashed in {frame}" if frame else "") if part) or "no output"
+
+
 def _llama_cpp_values(converter: str | None, no_repack: bool) -> dict:
     """llama.cpp's settings a check gives ``EngineSettings.build``: the ones that differ from its defaults."""
     return {**({"converter": converter} if converter else {}), **({"no_repack": True} if no_repack else {})}
@@ -330,11 +341,9 @@ def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) ->
         done = subprocess.run([sys.executable, "-c", code], stdout=handle, stderr=subprocess.STDOUT, check=False)
     if done.returncode != 0 or not result.is_file():
         lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-        # after a native crash the log ends with faulthandler's stack: the line quoted is the check's own last one
-        crash = next((i for i, line in enumerate(lines) if line.startswith("Fatal Python error")), len(lines))
-        last = lines[crash - 1] if crash else "no output"
+        last = lines[-1] if lines else "no output"
         if done.returncode < 0:
-            raise CheckCrashed(type(check).__name__, done.returncode, last, log)
+            raise CheckCrashed(type(check).__name__, done.returncode, _crash_words(lines), log)
         raise LayercutError(f"the engine check failed ({type(check).__name__}, exit {done.returncode}): "
                             f"{last} (its log: {log})")
     figures = json.loads(result.read_text(encoding="utf-8"))

@@ -68,5 +68,7 @@ PYTHONPATH=$T python -m prune.ship --model smollm2-135m --drop 8 --heal-steps 0 
   --out $T/r8nr
 mkdir -p $S/no-repack/ship-retry
 cp $T/r8nr/README.md $S/no-repack/ship-retry/card.md
-cp $T/r8nr.work/verify.json $T/r8nr.work/verify/no-repack.txt $S/no-repack/ship-retry/
+cp $T/r8nr.work/verify.json $T/r8nr.work/verify/*.no-repack.txt $T/r8nr.work/verify/serving.crashed.log \
+  $S/no-repack/ship-retry/
+sed -i "s#$T/##g" $S/no-repack/ship-retry/verify.json $S/no-repack/ship-retry/serving.crashed.log
 uptime

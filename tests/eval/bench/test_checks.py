@@ -68,17 +68,22 @@ def test_a_native_crash_inside_a_check_leaves_its_python_stack_in_the_log(tmp_pa
     import os
     import sys
 
-    # the child's check reads address 0, as an engine's native code crashing does
+    # the child's check reads address 0, as an engine's native code crashing does, while descriptor 2 points at
+    # /dev/null, as llama-cpp-python's quiet model load has it
     (tmp_path / "sitecustomize.py").write_text(
-        "import ctypes\nimport eval.bench.checks as checks\n"
-        "def crash_in_the_engine(self):\n    return ctypes.string_at(0)\n"
+        "import ctypes, os\nimport eval.bench.checks as checks\n"
+        "def crash_in_the_engine(self):\n"
+        "    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)\n"
+        "    return ctypes.string_at(0)\n"
         "checks.ServingCheck.run = crash_in_the_engine\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *sys.path]))
+    monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)
     check = ServingCheck(models=(), texts=(), tokenizer="t")
     with pytest.raises(CheckCrashed, match="ended by SIGSEGV") as raised:
         run_in_child(check, tmp_path / "serving.log")
-    # the line quoted is the check's own last one, not faulthandler's stack after it
+    # the line: the check's own last one and where it crashed, not the end of faulthandler's stack
     assert "): layercut check: this process started in " in str(raised.value)
+    assert "s; crashed in File " in str(raised.value) and " in string_at (its log: " in str(raised.value)
     log = (tmp_path / "serving.log").read_text()
     assert "Fatal Python error: Segmentation fault" in log and "in crash_in_the_engine" in log
 
