@@ -69,12 +69,17 @@ def sigterm_raises() -> Iterator[None]:
 CRASH_SIGNALS = frozenset({"SIGSEGV", "SIGBUS", "SIGILL", "SIGABRT", "SIGFPE"})
 
 
-def ended_by(returncode: int) -> str:
-    """The name of the signal a child process ended by (its negative ``returncode``), with what SIGKILL means."""
+def signal_name(returncode: int) -> str:
+    """The name of the signal a child process ended by (its negative ``returncode``)."""
     try:
-        name = signal.Signals(-returncode).name
+        return signal.Signals(-returncode).name
     except ValueError:  # a real-time signal has no name
-        name = f"signal {-returncode}"
+        return f"signal {-returncode}"
+
+
+def ended_by(returncode: int) -> str:
+    """:func:`signal_name`, with what SIGKILL means."""
+    name = signal_name(returncode)
     return f"{name} (out of memory, or stopped)" if name == "SIGKILL" else name
 
 

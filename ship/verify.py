@@ -103,9 +103,10 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
         timed = _kept(folder / "speed.json", lambda: repack.run(speed, folder / "speed.log", say),
                       lambda: say(f"verifying: the speed of {served.name} against {config.prune.load.model} in "
                                   f"{config.engine}"), seconds)
+    measured_off = repack.measured()
     files = {SHIPPED: served.relative_to(checkpoint).as_posix() if served != checkpoint else ".",
              "engine": config.engine, "gguf_type": config.gguf_type if config.gguf else None,
-             **({"no_repack": repack.measured()} if repack.measured() else {})}
+             **({"no_repack": measured_off} if measured_off else {})}
     return Verified(domains=domains, speed=timed, heldout=[portable(text) for _, text in texts], files=files,
                     fidelity=fidelity, check_seconds=seconds)
 

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from eval.quality.fidelity import FidelityOptions
-from prune.errors import LayercutError, ended_by, show_native_crashes
+from prune.errors import LayercutError, ended_by, show_native_crashes, signal_name
 
 # a check's greedy continuation: this many tokens after the first window's first 32
 GREEDY_TOKENS = 32
@@ -301,9 +301,8 @@ class CheckCrashed(LayercutError):
     """
 
     def __init__(self, kind: str, returncode: int, last: str, log: Path):
-        said = ended_by(returncode)
-        self.signal = said.split()[0] if said.startswith("SIG") else said
-        super().__init__(f"the engine check failed ({kind}, ended by {said}): {last} (its log: {log})")
+        self.signal = signal_name(returncode)
+        super().__init__(f"the engine check failed ({kind}, ended by {ended_by(returncode)}): {last} (its log: {log})")
 
 
 def _crash_words(lines: list[str]) -> str:

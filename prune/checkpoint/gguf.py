@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prune.checkpoint.exports import ExportTarget, check_removes, export_option, register_export
-from prune.errors import LayercutError, ended_by
+from prune.errors import LayercutError, ended_by, signal_name
 
 logger = logging.getLogger(__name__)
 
@@ -327,12 +327,11 @@ def _quantize(source: Path, out: Path, outtype: str) -> None:
         return
     out.unlink(missing_ok=True)
     if done.returncode < 0:  # killed by a signal: llama.cpp itself crashed (a Python error exits 1), or was killed
-        name = ended_by(done.returncode)
-        fix = ("free memory" if name.startswith("SIGKILL")
+        fix = ("free memory" if signal_name(done.returncode) == "SIGKILL"
                else "reinstall llama-cpp-python built for this machine (pip install --force-reinstall --no-cache-dir "
                     "llama-cpp-python)")
-        raise LayercutError(f"llama.cpp's quantizer ended by {name} writing {outtype}: {fix}, or choose f32, f16, bf16 "
-                            "or q8_0 (llama.cpp's converter writes those)")
+        raise LayercutError(f"llama.cpp's quantizer ended by {ended_by(done.returncode)} writing {outtype}: {fix}, "
+                            "or choose f32, f16, bf16 or q8_0 (llama.cpp's converter writes those)")
     lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
     raise LayercutError(f"llama.cpp's quantizer failed to write {outtype} (exit {done.returncode}): "
                         f"{_last_error(lines)}")
