@@ -120,7 +120,7 @@ def _lost(config: ShipConfig, report: dict, verified: Verified | None, gguf: str
         lines += [f"{engine} loaded its files with its extra buffer types off in {checks} "
                   f"({'; '.join(dict.fromkeys(measured.values()))}): the weights as stored, not repacked for this CPU; "
                   f"pass {engine}'s own --no-repack where you serve them if it crashes there too.", ""]
-    return lines + _fidelity(verified.fidelity)
+    return lines + _fidelity(verified.fidelity) + _tasks(config, verified.tasks, gguf)
 
 
 def _fidelity(figures: dict) -> list[str]:
@@ -136,6 +136,37 @@ def _fidelity(figures: dict) -> list[str]:
             f"{figures['nll']:.3f} ± {figures['nll_stderr']:.3f} per token, against {figures['own_nll']:.3f} for its "
             f"own (lower: closer to what the original would write); the checkpoint writes "
             f"{figures['kept']:.1%} of the original's tokens before the first that differs.", ""]
+
+
+def _tasks(config: ShipConfig, figures: dict, gguf: str | None) -> list[str]:
+    """The lm-eval tasks' table (``eval.bench.checks.TasksCheck``'s figures); nothing without ``--tasks``."""
+    if not figures.get("tasks"):
+        return []
+    other = f" (not `{gguf}`)" if config.gguf and gguf else ""
+    lines = [f"lm-eval tasks, in transformers on this checkpoint{other} and on the original, on the same rows "
+             f"({figures['rows']}): kept is the checkpoint's score over the original's, and the gap is paired, its "
+             "standard error from the row-by-row differences.", "",
+             "| task | metric | original | this checkpoint | kept | gap ± SE (points) | rows |",
+             "|---|---|---|---|---|---|---|"]
+    for task, row in figures["tasks"].items():
+        kept = "" if row["kept"] is None else f"{row['kept']:.1%}"
+        gap = f"{100 * row['gap']:+.1f} ± {100 * row['gap_stderr']:.1f}" + ("" if row["paired"] else " (unpaired)")
+        lines.append(f"| {task} | {row['metric']} | {row['original']:.3f} ± {row['original_stderr']:.3f} | "
+                     f"{row['model']:.3f} ± {row['model_stderr']:.3f} | {kept} | {gap} | {_count(row['rows'])} |")
+    lines.append("")
+    excluded = "; ".join(f"{task}: {why}" for task, why in figures.get("excluded_tasks", {}).items())
+    if "retention" in figures:
+        lines += [f"Accuracy above chance kept over {', '.join(figures['retention_tasks'])}: "
+                  f"{figures['retention']:.1%} ± {figures['retention_stderr']:.1%} (the sum of score - chance, over "
+                  "the original's)" + (f"; not counted: {excluded}." if excluded else "."), ""]
+    elif excluded:
+        lines += [f"No retention above chance: the original is not clearly above it ({excluded}).", ""]
+    for task, row in figures["tasks"].items():
+        if "max_gen_toks" in row:  # a generating task's figure holds for its token budget only
+            lines += [f"{task} answers each prompt{' through the chat template' if row['chat'] else ''}, greedily, "
+                      f"within {row['max_gen_toks']} new tokens: an answer cut there fails the checks that need a "
+                      "longer one.", ""]
+    return lines
 
 
 def _speed(config: ShipConfig, verified: Verified | None, before: int, after: int, gguf: str | None) -> list[str]:
@@ -181,6 +212,7 @@ def ship_command(config: ShipConfig) -> str:
             parts.append(f"--heal-samples {config.heal_samples}")
     if not config.verify:
         parts.append("--no-verify")
+    parts += _task_flags(config)
     parts += _data_flags(p)
     parts.append(f"--out {_quote(config.name)}")
     return " ".join(parts)
@@ -197,6 +229,20 @@ def prune_command(config: PruneConfig) -> str:
     if config.replace.fit_rows != "all":
         parts.append(f"--fit-rows {config.replace.fit_rows}")
     return " ".join(parts + _load_flags(config) + _budget_flags(config) + _data_flags(config) + ["--out slim/"])
+
+
+def _task_flags(config: ShipConfig) -> list[str]:
+    """``--tasks``, and its ``--limit`` and ``--data-dir`` where given."""
+    if not config.tasks:
+        return []
+    flags = [f"--tasks {_quote(','.join(config.tasks))}"]
+    if config.limit is not None:
+        limit = _number(config.limit)
+        # argparse reads "--limit -500:" as two flags: a range from the end goes in one word
+        flags.append(f"--limit={shlex.quote(limit)}" if limit.startswith("-") else f"--limit {shlex.quote(limit)}")
+    if config.data_dir is not None:
+        flags.append(f"--data-dir {_quote(config.data_dir)}")
+    return flags
 
 
 def _load_flags(config: PruneConfig) -> list[str]:

@@ -4,6 +4,7 @@
     python -m prune.ship --model smollm2-135m --target-speedup 1.25 --engine vllm --time-budget 30m --out slim/
     python -m prune.ship --model gemma3-270m --drop 4 --engine transformers --heldout wiki.txt --out gemma-slim/
     python -m prune.ship --model smollm2-135m --drop 8 --device cuda --processes 2 --out slim8/   # heal on 2 GPUs
+    python -m prune.ship --model smollm2-135m --drop 4 --engine transformers --tasks ifeval --limit 200 --out slim4/
     python -m prune.ship --model meta-llama/Meta-Llama-3-70B --offload sequential --data builtin --drop 20 \
         --dtype bfloat16 --device cuda --out slim70/   # one block in memory at a time, healed block by block
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 
+from eval.quality.rows import parse_limit
 from prune.checkpoint.gguf import OUTTYPES
 from prune.errors import CommandParser, cli_entry
 from prune.options import (
@@ -110,6 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "between them: the weights of one process within float rounding (a divisor of "
                        f"{HEAL_BATCH}; default: 1)")
     group.add_argument("--no-verify", action="store_true", help="skip the engine checks (the card says so)")
+    group = parser.add_argument_group("lm-eval tasks (the verify stage scores them on the original and the "
+                                      "checkpoint, on the same rows, in transformers)")
+    group.add_argument("--tasks", default=None,
+                       help="lm-eval tasks, comma list (ifeval, or arc_easy,piqa; ifeval needs pip install "
+                       "\"layercut[ifeval]\"); the card gives each one's score, what is kept and the paired gap "
+                       "(default: none)")
+    group.add_argument("--limit", type=parse_limit, default=None,
+                       help="rows per task, as eval.run takes it: a count (the first N), a fraction, START:END "
+                       "(--limit=-500: is the last 500) or N~START:END (N drawn at random) (default: every row; "
+                       "IFEval's 541 prompts generate up to 256 tokens each on both models)")
+    group.add_argument("--data-dir", default=None,
+                       help="local lm-eval data laid out like shared/data (default: $LAYERCUT_DATA, else the hub)")
     group = parser.add_argument_group("output")
     group.add_argument("--out", required=True, help="folder of the shipped checkpoint (OUT.work/ keeps each stage)")
     group.add_argument("--overwrite", action="store_true",
@@ -131,7 +145,8 @@ def config_from_args(args: argparse.Namespace) -> ShipConfig:
                       new_tokens=args.new_tokens, threads=args.threads, heal_steps=args.heal_steps,
                       heal_data=args.heal_data, heal_samples=args.heal_samples, processes=args.processes,
                       heal_train={key: getattr(args, key) for key in HEAL_TRAIN_KEYS
-                                  if getattr(args, key) is not None})
+                                  if getattr(args, key) is not None},
+                      tasks=(args.tasks or "").split(","), limit=args.limit, data_dir=args.data_dir)
 
 
 @cli_entry

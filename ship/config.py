@@ -132,6 +132,12 @@ class ShipConfig:
         processes: the heal trains on this many processes, launched by accelerate (DDP; over gloo on the CPU,
             one GPU each with a GPU ``--device``), splitting each step's ``HEAL_BATCH`` sequences between them:
             the weights one process trains, within float rounding (:mod:`distill.launch`).
+        tasks: lm-eval tasks the verify stage scores on the original and the checkpoint, on the same rows, in
+            transformers (``--tasks arc_easy,piqa``; a comma string is split); empty: none.
+        limit: rows per task, as ``eval.run --limit`` takes it (a count, a fraction, ``START:END`` or a draw
+            ``N~START:END``); None: every row of each task.
+        data_dir: a folder laid out like ``shared/data`` the offline tasks read (None: ``$LAYERCUT_DATA``, else
+            the hub).
     """
 
     prune: PruneConfig
@@ -152,6 +158,9 @@ class ShipConfig:
     heal_samples: int = 64
     heal_train: dict = field(default_factory=dict)
     processes: int = 1
+    tasks: list[str] = field(default_factory=list)
+    limit: int | float | str | None = None
+    data_dir: str | None = None
 
     def __post_init__(self):
         self.heal_train = dict(self.heal_train or {})  # this run's own: the caller's dict is never changed
@@ -188,6 +197,7 @@ class ShipConfig:
         for name, value in (("--prompt-len", self.prompt_len), ("--new-tokens", self.new_tokens)):
             if value < 1:
                 raise LayercutError(f"{name} must be at least 1, got {value}")
+        self._check_tasks()
 
     def heal_data_config(self) -> DataConfig:
         """``--heal-data``'s draw (:func:`distill.heal.heal_data_config`) beside this run's calibration."""
@@ -261,6 +271,45 @@ class ShipConfig:
             raise LayercutError(f"--processes {self.processes} with --offload sequential: the heal block by block "
                                 "trains one cut's pair of blocks at a time in this process; drop --processes")
 
+    def _check_tasks(self) -> None:
+        """Refuse, in one line, lm-eval tasks the verify stage cannot score (before any model loads)."""
+        tasks = self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks
+        self.tasks = list(dict.fromkeys(str(task).strip() for task in tasks if str(task).strip()))
+        if not self.tasks:
+            given = [flag for flag, value in (("--limit", self.limit), ("--data-dir", self.data_dir))
+                     if value is not None]
+            if given:
+                raise LayercutError(f"{' and '.join(given)} without --tasks: they choose the rows and the data of "
+                                    "lm-eval tasks; pass --tasks (arc_easy,piqa) or drop them")
+            return
+        from eval.quality.lmeval import check_limit, plan_tasks, resolve_data_dir
+
+        if not self.verify:
+            raise LayercutError("--tasks with --no-verify: the tasks are scored in the verify stage; drop one of them")
+        if self.prune.load.offload != "none":
+            raise LayercutError(f"--tasks with --offload {self.prune.load.offload}: each forward pass of a task would "
+                                "read every block from disk; drop --tasks and score the shipped folder with "
+                                "python -m eval.run")
+        try:
+            self.limit = check_limit(self.limit)
+        except LayercutError as err:
+            raise LayercutError(f"--limit: {err}") from None
+        # an unknown name, a missing data file, or a task whose scoring needs an extra: refused in their own words
+        plan_tasks(self.tasks, resolve_data_dir(self.data_dir))
+
+    def tasks_check(self, checkpoint: str):
+        """The verify stage's lm-eval tasks check of ``checkpoint`` against the original, on the same rows.
+
+        The original's side is kept in the cache, as the fidelity check's; the planner asks the same check whether it
+        is there.
+        """
+        from eval.bench.checks import TasksCheck
+
+        load = self.prune.load
+        return TasksCheck(original=load.model, model=checkpoint, tasks=tuple(self.tasks), limit=self.limit,
+                          data_dir=self.data_dir, batch_size=self.prune.batch_size, tokenizer=load.tokenizer,
+                          threads=self.threads, dtype=load.dtype, device=load.device, keep_original=True)
+
     def fidelity_check(self, checkpoint: str, heldout: list[str]):
         """The verify stage's generation fidelity check of ``checkpoint`` on the ``heldout`` texts.
 
@@ -290,7 +339,9 @@ class ShipConfig:
                 # what the heal trains: a run healed at another LoRA rank is another run (its checkpoints differ)
                 **({"heal": local_heal_settings() if self.local_heal else heal_settings(self.heal_train)}
                    if self.heal_steps else {}),
-                **({"heal_data": self.heal_data, "heal_samples": self.heal_samples} if self.heal_data else {})}
+                **({"heal_data": self.heal_data, "heal_samples": self.heal_samples} if self.heal_data else {}),
+                # the card's task figures: a resumed run scoring other tasks or rows would mix two runs' figures
+                **({"tasks": list(self.tasks), "limit": self.limit, "data_dir": self.data_dir} if self.tasks else {})}
 
     def digest(self) -> str:
         """A short digest of :meth:`settings` (marks a shipped folder as this run's)."""

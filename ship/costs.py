@@ -18,8 +18,9 @@ counted here in the same units before any weight is read:
 - export: llama.cpp's converter reading and writing the float32 checkpoint, and its quantizer;
 - verify: the held-out tokens through the original (unless its rows are kept) and the checkpoint in
   transformers, the shipped file in its engine, the generation fidelity check (both models decoding held-out
-  prompts, in memory only; the original's side unless an earlier run kept it) and the speed check's rounds (not
-  for a skeleton in transformers, which reads each block from disk); each check in a fresh process.
+  prompts, in memory only; the original's side unless an earlier run kept it), the lm-eval tasks of ``--tasks``
+  (:func:`_tasks_seconds`) and the speed check's rounds (not for a skeleton in transformers, which reads each
+  block from disk); each check in a fresh process.
 
 The shortlist's memory is counted here too (:func:`shortlist_stages`): ``prune.run``'s plan, which ship asks
 about the build (``--replace none``), holds one set of moments and no fit, where the shortlist holds two sets, the
@@ -107,6 +108,58 @@ GPU_SHORTLIST_SECONDS = 4.9
 GPU_CANDIDATE_SECONDS = 0.4
 
 
+# the verify stage's lm-eval tasks (--tasks): a request, a prompt and one answer, is scored in one forward pass of
+# about this many tokens. Assumed, not measured: a task's spec gives no length, and the offline tasks' prompts run
+# from a line (PIQA, ARC) to a paragraph (HellaSwag, IFEval's instructions)
+TASK_REQUEST_TOKENS = 64
+# the rows of each offline task (tests/eval/quality/test_lmeval.py counts them on shared/data): a tasks check without
+# --limit scores them all; another task's rows are not known before lm-eval builds it
+TASK_ROWS = {"arc_easy": 2376, "arc_challenge": 1172, "hellaswag": 10042, "piqa": 1838, "lambada_openai": 5153,
+             "winogrande": 1267, "boolq": 3270, "ifeval": 541}
+
+
+@dataclass(frozen=True)
+class TaskWork:
+    """One lm-eval task of the verify stage's tasks check, as counts (:func:`task_work`).
+
+    Attributes:
+        name: lm-eval's task name.
+        rows: rows scored on each model (None: not known, so not counted).
+        requests: forward passes a row asks for: one per choice of a task scored by log-likelihood (1 / its chance
+            level), one for an open answer (LAMBADA's word, IFEval's prompt).
+        max_gen_toks: a generating task's token budget (IFEval's 256): the decode steps of each batch of rows.
+        batch: requests (or rows, decoding) per forward pass.
+    """
+
+    name: str
+    rows: int | None
+    requests: int = 1
+    max_gen_toks: int | None = None
+    batch: int = 8
+
+
+def task_work(tasks: Sequence[str], limit, batch: int) -> tuple[TaskWork, ...]:
+    """The tasks check's work: each task's rows as ``limit`` picks them (:func:`eval.quality.rows.task_rows`).
+
+    A task of known size (:data:`TASK_ROWS`) is counted as ``limit`` reads it; another only where ``limit`` is a
+    count of rows or a draw of N.
+
+    Raises:
+        LayercutError: ``limit`` is a range outside a task of known size (the check would refuse it after the heal).
+    """
+    from eval.quality.lmeval import row_draw, task_rows, task_table
+
+    table, work = task_table(), []
+    for name in tasks:
+        spec = table[name] if name in table else None
+        total = TASK_ROWS.get(name)
+        rows = (len(task_rows(limit, total, name)) if total is not None
+                else limit if isinstance(limit, int) else row_draw(limit))
+        requests = round(1 / spec.chance) if spec is not None and spec.chance > 0 else 1
+        work.append(TaskWork(name, rows, requests, spec.max_gen_toks if spec is not None else None, batch))
+    return tuple(work)
+
+
 @dataclass(frozen=True)
 class ShipWork:
     """What a ship run does, as counts: its model's budget and what its shortlist will try.
@@ -133,6 +186,8 @@ class ShipWork:
         quantized: the GGUF goes through llama.cpp's quantizer after the conversion (``q4_k_m``).
         original_kept: the original's serving rows and its engine file are kept from an earlier run.
         fidelity_kept: the original's side of the generation fidelity check is kept from an earlier run.
+        tasks: the lm-eval tasks the verify stage scores (``--tasks``; none: no tasks check).
+        tasks_kept: the original's scores of those tasks are kept from an earlier run.
         verify: the engine checks run (``--no-verify``: not).
         speed: the speed check runs (not for a skeleton in transformers, which reads each block from disk).
     """
@@ -152,6 +207,8 @@ class ShipWork:
     quantized: bool = False
     original_kept: bool = False
     fidelity_kept: bool = False
+    tasks: tuple[TaskWork, ...] = ()
+    tasks_kept: bool = False
     speed_rounds: int = 3
     prompt_len: int = 256
     new_tokens: int = 64
@@ -228,6 +285,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
                   + (passes(held, kept, ENGINE_SHARE, head=True) if work.gguf else 0.0)
                   + _speed_seconds(shape, inp, work)
                   + (_fidelity_seconds(shape, inp, work) if inp.offload == "none" else 0.0)
+                  + _tasks_seconds(shape, inp, work)
                   # the original's engine file for the speed check, of the shipped file's type
                   + (0.0 if work.original_kept or not work.gguf or not work.speed
                      else (1 + QUANTIZE_SHARE * work.quantized) * weight_bytes(shape, inp, layers)
@@ -295,7 +353,38 @@ def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> fl
                 if work.speed)
     # block by block the serving check reads both models from disk once a window and once a greedy token, as on the CPU
     reads = _serving_passes(inp, work) * ((0 if work.original_kept else layers) + kept) / layers * disk_pass(shape, inp)
-    return checks * (GPU_PROCESS_SECONDS + both / DISK_BYTES_PER_S) + serving + fidelity + speed + reads
+    return (checks * (GPU_PROCESS_SECONDS + both / DISK_BYTES_PER_S) + serving + fidelity + speed + reads
+            + _tasks_seconds(shape, inp, work))
+
+
+def _tasks_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
+    """The lm-eval tasks check (``eval.bench.checks.TasksCheck``): each model loaded in turn, scoring every task.
+
+    A task scored by log-likelihood: rows x requests forward passes of :data:`TASK_REQUEST_TOKENS` tokens, every
+    position through the head (lm-eval takes the answer's log-likelihood from the logits of the whole request).
+    A generating task: its prompts' passes, then ``max_gen_toks`` decode steps for each batch of rows, each step
+    reading every weight (as the fidelity check's decoding). On both models, unless an earlier run kept the
+    original's scores (``work.tasks_kept``): the checkpoint's alone. A task whose rows are unknown counts nothing
+    (the plan warns). On a GPU: the check's process and the models' bytes read, and a call of every block a pass
+    or step runs, as :func:`_gpu_verify_seconds` counts the other checks.
+    """
+    if not work.tasks:
+        return 0.0
+    depths = (shape.layers - work.drop,) if work.tasks_kept else (shape.layers, shape.layers - work.drop)
+    total = 0.0
+    for blocks in depths:
+        for task in (task for task in work.tasks if task.rows):
+            requests = task.rows * task.requests
+            steps = math.ceil(task.rows / task.batch) * (task.max_gen_toks or 0)
+            if inp.on_gpu:
+                total += (math.ceil(requests / task.batch) + steps) * blocks * GPU_BLOCK_CALL_SECONDS
+            else:
+                total += (requests * TASK_REQUEST_TOKENS * forward_flops(shape, blocks, True)
+                          / (flop_rate(inp) * SERVING_SHARE)
+                          + steps * weight_bytes(shape, inp, blocks) / (SAMPLE_BYTES_PER_S * machine_speed()))
+    if inp.on_gpu:
+        return total + GPU_PROCESS_SECONDS + sum(weight_bytes(shape, inp, b) for b in depths) / DISK_BYTES_PER_S
+    return total + len(depths) * PROCESS_SECONDS / machine_speed()  # a fresh Python, then a model loaded each
 
 
 def _fidelity_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:

@@ -27,7 +27,7 @@ from ship.config import (
     params_cap,
     servable_repairs,
 )
-from ship.costs import PROCESS_SECONDS, ShipWork, shortlist_stages, stage_peaks, stage_seconds
+from ship.costs import PROCESS_SECONDS, ShipWork, shortlist_stages, stage_peaks, stage_seconds, task_work
 from ship.disk import check_disk, ship_needs
 from ship.work import StageResult
 
@@ -98,6 +98,7 @@ def make_plan(config: ShipConfig) -> Plan:
 
         lora_target_names(meta.skeleton, targets=targets)
     check_engine(config)
+    check_tasks(config)
     sized = _sized(prune, count)
     planned = _planned(sized)
     plan = Plan(num_blocks=None if amounts is None else amounts.num_blocks,
@@ -117,9 +118,14 @@ def make_plan(config: ShipConfig) -> Plan:
             plan.planned_heal_seconds = _heal_seconds(healing, config, sized)
             plan.planned_heal_peak = _heal_peak(healing)
         kept = count is not None and _fidelity_kept(config)
+        tasks_kept = count is not None and _tasks_kept(config)
         if count is not None:
             check_disk(ship_needs(config, planned.shape, planned.inp, count, _original_file(config)))
-            work = ship_work(config, meta.skeleton, count, plan.planned_heal_seconds, fidelity_kept=kept)
+            work = ship_work(config, meta.skeleton, count, plan.planned_heal_seconds, fidelity_kept=kept,
+                             tasks_kept=tasks_kept)
+            for task in (task for task in work.tasks if task.rows is None):
+                logger.warning("the planner does not know how many rows lm-eval's %s has: the verify stage's plan "
+                               "leaves it out (--limit N counts it)", task.name)
             plan.planned_stages = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
                 planned.shape, planned.inp, work).items()}
             peaks = {"shortlist": stage_peaks(shortlist_stages(planned.shape, planned.inp, work)), **peaks}
@@ -132,7 +138,8 @@ def make_plan(config: ShipConfig) -> Plan:
             # run is refused only when removal alone, which fits nothing, does not fit
             least = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
                 planned.shape, planned.inp,
-                ship_work(config, meta.skeleton, count, None, only=(), fidelity_kept=kept)).items()}
+                ship_work(config, meta.skeleton, count, None, only=(), fidelity_kept=kept,
+                          tasks_kept=tasks_kept)).items()}
             least_total = sum(seconds for stage, seconds in least.items() if stage != "heal")
             if least_total > budget:
                 raise LayercutError(
@@ -207,12 +214,13 @@ def _plan_peaks(plan: Plan, peaks: dict[str, dict[str, float]], limits: dict[str
 
 
 def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | None,
-              only: Collection[str] | None = None, fidelity_kept: bool = False) -> ShipWork:
+              only: Collection[str] | None = None, fidelity_kept: bool = False, tasks_kept: bool = False) -> ShipWork:
     """What the run will do, as :mod:`ship.costs` counts it.
 
     The repairs the shortlist fits (those the skeleton takes, of ``only`` where given), the text it samples, the
-    held-out tokens it verifies on; ``fidelity_kept``: the cache holds the original's side of the fidelity check
-    (:meth:`ship.config.ShipConfig.fidelity_check`, asked by the caller).
+    held-out tokens it verifies on, the lm-eval tasks it scores; ``fidelity_kept`` and ``tasks_kept``: the cache
+    holds the original's side of the fidelity check, of the tasks check (:meth:`ship.config.ShipConfig.fidelity_check`,
+    :meth:`~ship.config.ShipConfig.tasks_check`, asked by the caller).
     """
     from prune.data.self_text import self_batches
     from prune.planner.shape import shape_of_model
@@ -244,7 +252,8 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
                     quantized=config.gguf and config.gguf_type in QUANTIZER_TYPES, speed_rounds=config.speed_repeats,
                     prompt_len=config.prompt_len, new_tokens=config.new_tokens,
                     heal_seconds=(heal_seconds or 0.0) if config.heal_steps else 0.0, verify=config.verify,
-                    speed=not config.no_speed)
+                    speed=not config.no_speed, tasks_kept=tasks_kept,
+                    tasks=task_work(config.tasks, config.limit, config.prune.batch_size) if config.verify else ())
 
 
 @dataclass(frozen=True)
@@ -348,6 +357,17 @@ def _fidelity_kept(config: ShipConfig) -> bool:
         return config.fidelity_check("", list(config.heldout)).original_kept()
     except Exception as err:  # noqa: BLE001 - a cost, not a check
         logger.info("the planner costs the fidelity check's original side as measured (%s)", err)
+        return False
+
+
+def _tasks_kept(config: ShipConfig) -> bool:
+    """Whether an earlier run kept the original's scores of the verify stage's lm-eval tasks (asked once a plan)."""
+    if not (config.verify and config.tasks):
+        return False
+    try:
+        return config.tasks_check("").original_kept()
+    except Exception as err:  # noqa: BLE001 - a cost, not a check
+        logger.info("the planner costs the tasks check's original side as measured (%s)", err)
         return False
 
 
@@ -493,6 +513,28 @@ def check_engine(config: ShipConfig) -> None:
         find_converter(config.converter)
         if config.gguf_type in QUANTIZER_TYPES:
             check_quantizer(config.gguf_type)
+
+
+def check_tasks(config: ShipConfig) -> None:
+    """Refuse, before any model loads, lm-eval tasks the verify stage would fail on (one line naming the fix).
+
+    A hub task's data is read now (cached for the check), and a task that goes through the chat template (IFEval)
+    needs a tokenizer that has one: read now, but from a ``.gguf`` (converted when the model loads: its tokenizer is
+    checked then, by :meth:`ship.shipper.Shipper.shortlist`).
+    """
+    if not (config.verify and config.tasks):
+        return
+    from eval.quality.lmeval import check_chat_template, check_registry_data, plan_tasks, resolve_data_dir, task_table
+
+    check_registry_data(plan_tasks(config.tasks, resolve_data_dir(config.data_dir))[1])
+    load = config.prune.load
+    source = load.tokenizer or load.model
+    table = task_table()
+    if any(name in table and table[name].chat for name in config.tasks):
+        from prune.loading.loader import load_tokenizer, resolve_model_name
+
+        if not resolve_model_name(source).lower().endswith(".gguf"):  # resolving converts nothing
+            check_chat_template(load_tokenizer(source), config.tasks)
 
 
 def memory_words(peak: dict[str, float]) -> str:

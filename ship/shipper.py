@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from eval.quality.lmeval import check_chat_template
 from prune.atomic import check_output_dir, output_lock, write_file_atomic
 from prune.checkpoint.report import REPORT_FILE, read_report
 from prune.checkpoint.write import portable
@@ -204,6 +205,8 @@ class Shipper:
                 check_chat_sources(loaded.tokenizer, self.config.heal_data_config())
             except LayercutError as err:  # in the words of ship's own flag
                 raise LayercutError(str(err).replace("--data", "--heal-data")) from None
+        if self.config.tasks:  # a GGUF's tokenizer is read only now (ship.plan.check_tasks read the others')
+            check_chat_template(loaded.tokenizer, self.config.tasks)
         self.say("scoring every block (one pass)")
         self.scored = self._score(loaded)
         calibration = self.scored.calibration

@@ -5,7 +5,8 @@ engine (the GGUF of ``--gguf-type`` for llama.cpp, the folder for vLLM): perplex
 original's rows are measured once per model, text and library versions, then read from the cache. Then what the
 checkpoint writes after prompts cut from those texts, judged by the original (generation fidelity, in
 transformers: multiple choice and perplexity hide what shows when a model writes), and the shipped file's speed
-against the original's in the engine. The engines run in processes of their own
+against the original's in the engine; with ``--tasks``, lm-eval's tasks on the original and the checkpoint on the
+same rows, in transformers. The engines run in processes of their own
 (:func:`eval.bench.checks.run_in_child`): their memory and their failures stay theirs. Each check's figures
 are kept in ``OUT.work/verify/`` as it ends, so a stopped run measures only what is left.
 """
@@ -42,6 +43,7 @@ class Verified(StageResult):
     heldout: list
     files: dict = field(default_factory=dict)
     fidelity: dict = field(default_factory=dict)  # FidelityCheck's figures, or {"skipped": why}
+    tasks: dict = field(default_factory=dict)  # TasksCheck's figures (--tasks); empty: none asked
     # each check's wall seconds, its fresh process included (None: kept by an earlier run, or skipped)
     check_seconds: dict = field(default_factory=dict)
 
@@ -86,6 +88,7 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
         fidelity = _kept(folder / "fidelity.json", lambda: run_in_child(check, folder / "fidelity.log"),
                          lambda: say(f"verifying: what the checkpoint writes after {check.prompts} held-out "
                                      f"prompts, judged by the original in transformers"), seconds)
+    tasks = _tasks(config, checkpoint, folder, say, seconds) if config.tasks else {}
     speed = SpeedCheck(baseline=config.prune.load.model, model=str(served), engine=config.engine,
                        repeats=config.speed_repeats, prompt_len=config.prompt_len, new_tokens=config.new_tokens,
                        threads=config.threads, converter=config.converter, dtype=load.dtype, device=load.device,
@@ -108,7 +111,18 @@ def verify(config: ShipConfig, checkpoint: Path, gguf: Path | None, heldout: lis
              "engine": config.engine, "gguf_type": config.gguf_type if config.gguf else None,
              **({"no_repack": measured_off} if measured_off else {})}
     return Verified(domains=domains, speed=timed, heldout=[portable(text) for _, text in texts], files=files,
-                    fidelity=fidelity, check_seconds=seconds)
+                    fidelity=fidelity, tasks=tasks, check_seconds=seconds)
+
+
+def _tasks(config: ShipConfig, checkpoint: Path, folder: Path, say, seconds: dict) -> dict:
+    """``--tasks`` scored on the original and the checkpoint in transformers (``tasks.json``, kept as the others)."""
+    from eval.quality.lmeval import describe_rows
+
+    check = config.tasks_check(str(checkpoint))
+    rows = f"{check.limit} rows each" if isinstance(check.limit, int) else describe_rows(check.limit)
+    return _kept(folder / "tasks.json", lambda: run_in_child(check, folder / "tasks.log"),
+                 lambda: say(f"verifying: lm-eval tasks {', '.join(check.tasks)} ({rows}) on the original and the "
+                             "checkpoint in transformers"), seconds)
 
 
 @dataclass

@@ -175,3 +175,22 @@ def novel_tokens(tokenizer) -> torch.Tensor | None:
     if key not in _NOVEL_TOKENS:
         _NOVEL_TOKENS[key] = token_stream(tokenizer, [default_corpus_text()])
     return _NOVEL_TOKENS[key].clone()
+
+
+_PIQA_ROWS = (  # goal, the two solutions, the right one
+    ("To keep bread fresh for longer,", "wrap it and keep it in a cool dry place.", "leave it open in the sun.", 0),
+    ("To dry wet shoes quickly,", "put them in the freezer overnight.", "stuff them with newspaper.", 1),
+    ("To open a stuck jar lid,", "run the lid under hot water.", "paint the lid a new colour.", 0),
+    ("To light a dark room,", "close every curtain.", "switch on a lamp.", 1),
+)
+
+
+def write_piqa(folder: Path) -> Path:
+    """A data folder laid out like ``shared/data`` holding four PIQA rows (``piqa/valid.jsonl`` and its labels)."""
+    import json
+
+    (folder / "piqa").mkdir(parents=True, exist_ok=True)
+    (folder / "piqa" / "valid.jsonl").write_text("".join(
+        json.dumps({"goal": goal, "sol1": one, "sol2": two}) + "\n" for goal, one, two, _ in _PIQA_ROWS))
+    (folder / "piqa" / "valid-labels.lst").write_text("".join(f"{label}\n" for *_, label in _PIQA_ROWS))
+    return folder

@@ -10,7 +10,8 @@ names in ``kept`` (the original, the same in every run) are read from the cache 
 the same files on the same token ids with the same engine and libraries (:func:`kept_row_path`); a :class:`SpeedCheck`
 times a model against its original in one engine (``eval.bench speed``'s); a :class:`FidelityCheck` has the
 original judge what the model writes (``eval.quality.fidelity``), the original's side read from the cache likewise
-(``keep_original``). :func:`run_in_child` runs one in
+(``keep_original``); a :class:`TasksCheck` scores lm-eval tasks on both, on the same rows, the original's scores kept
+likewise. :func:`run_in_child` runs one in
 a fresh Python process: an engine's memory, threads and crashes stay its own, and the
 caller gets the figures back as the function's value, or one line when the check failed (its log has the rest).
 """
@@ -294,6 +295,116 @@ class FidelityCheck:
                              extra=[self._options().batch_size, FIDELITY_ROWS_VERSION])
 
 
+# the tasks-original rows' format and the code that scores them, as FIDELITY_ROWS_VERSION
+TASKS_ROWS_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TasksCheck:
+    """lm-eval tasks scored on ``original`` and ``model`` on the same rows (``eval.quality.lmeval.run_lm_eval``).
+
+    Each task's primary metric is kept row by row, so the gap between the two is paired
+    (:func:`eval.compare.stats.paired_tasks`): two models answering the same questions differ by far less noise than
+    their two standard errors say. Both load in transformers, one after the other (one model in memory at a time).
+
+    Attributes:
+        original: the original model (name, folder).
+        model: the checkpoint folder measured.
+        tasks: lm-eval task names (an offline one runs from ``data_dir``).
+        limit: rows per task, as ``run_lm_eval`` takes it (None: every row).
+        data_dir: a folder laid out like ``shared/data`` (None: ``$LAYERCUT_DATA``, else the hub).
+        batch_size: requests per forward pass.
+        tokenizer: the original's tokenizer where the run gave one (``--tokenizer``; the checkpoint carries it).
+        threads, dtype, device: as :class:`ServingCheck`'s.
+        keep_original: read the original's scores from the cache, or keep them there (:meth:`run`).
+    """
+
+    original: str
+    model: str
+    tasks: tuple[str, ...]
+    limit: int | float | str | None = None
+    data_dir: str | None = None
+    batch_size: int = 8
+    tokenizer: str | None = None
+    threads: int | None = None
+    dtype: str = "auto"
+    device: str = "cpu"
+    keep_original: bool = False
+
+    def run(self) -> dict:
+        """:func:`eval.compare.stats.paired_tasks`' figures, each task's metric, chat setting and token budget beside.
+
+        With ``keep_original``, the original's scores and rows are read from the cache when an earlier check kept
+        them for the same files, tasks, rows, data and libraries (:func:`kept_row_path`), else kept there: a second
+        ship of the same model scores only the checkpoint.
+        """
+        from eval.compare.stats import paired_tasks
+        from eval.quality.lmeval import describe_rows, plan_tasks, primary_metric, resolve_data_dir, task_table
+
+        path = self._kept_path() if self.keep_original else None
+        kept = _read_row(path) if path is not None else None
+        original = kept["scores"] if kept is not None else self._score(self.original, self.tokenizer)
+        model = self._score(self.model, None)
+        if path is not None and kept is None:
+            _keep_row(path, {"runs": 1, "scores": original})
+        local, registry = plan_tasks(self.tasks, resolve_data_dir(self.data_dir))  # an alias as lm-eval ran it
+        figures = paired_tasks(original, model, [*local, *registry])
+        table = task_table()
+        for task, entry in figures["tasks"].items():
+            entry.update(metric=primary_metric(task), chat=bool(task in table and table[task].chat),
+                         **({"max_gen_toks": model["max_gen_toks"][task]} if task in model["max_gen_toks"] else {}))
+        return {**figures, "limit": self.limit, "rows": describe_rows(self.limit), "original_kept": kept is not None}
+
+    def original_kept(self) -> bool:
+        """Whether an earlier check kept the original's scores of these tasks and rows (the planner's question)."""
+        path = self._kept_path()
+        return path is not None and _read_row(path) is not None
+
+    def _score(self, name: str, tokenizer: str | None) -> dict:
+        """One model's row as a comparison keeps it: each task's metric, standard error and rows; the token budgets."""
+        import gc
+
+        import torch
+
+        from eval.quality.lmeval import primary_metric, run_lm_eval
+        from prune.checkpoint.load_config import LoadConfig
+
+        loaded = LoadConfig(dtype=self.dtype, device=self.device, tokenizer=tokenizer).load(name)
+        rows: dict[str, list[float]] = {}
+        try:
+            raw = run_lm_eval(loaded.model.eval(), loaded.tokenizer, list(self.tasks), data_dir=self.data_dir,
+                              limit=self.limit, batch_size=self.batch_size, rows=rows)
+        finally:  # the next model loads into the memory this one held
+            del loaded
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        return {"tasks": {task: scores.get(primary_metric(task)) for task, scores in raw.items()},
+                "task_stderr": {task: scores.get(f"{primary_metric(task)}_stderr") for task, scores in raw.items()},
+                "task_rows": rows,
+                "max_gen_toks": {task: int(scores["max_gen_toks"]) for task, scores in raw.items()
+                                 if "max_gen_toks" in scores}}
+
+    def _kept_path(self) -> Path | None:
+        """The cache's file of the original's scores: keyed on its files, the tasks, rows, data files and libraries."""
+        import importlib.metadata
+
+        from eval.quality.lmeval import OFFLINE_ALIASES, TASK_SEED, local_data_files, resolve_data_dir, task_table
+        from eval.speed.engines import REFERENCE
+        from eval.speed.engines.base import files_stamp
+
+        root, table = resolve_data_dir(self.data_dir), task_table()
+        files = []  # an offline task's rows and its YAML (prompts, metrics); a hub task's are lm-eval's version's
+        for name in self.tasks:
+            name = OFFLINE_ALIASES.get(name, name) if root is not None else name
+            if root is not None and name in table and table[name].offline:
+                files += [files_stamp(path) for path in [*local_data_files(name, root), table[name].source]]
+        return kept_row_path(self.original, REFERENCE, [], 0, self.threads, dtype=self.dtype, device=self.device,
+                             kind="tasks-original",
+                             extra=[list(self.tasks), self.limit, TASK_SEED, self.batch_size, self.tokenizer,
+                                    str(root), files, importlib.metadata.version("lm_eval"), TASKS_ROWS_VERSION])
+
+
 class CheckCrashed(LayercutError):
     """A check's process ended by a signal.
 
@@ -321,7 +432,7 @@ def _llama_cpp_values(converter: str | None, no_repack: bool) -> dict:
     return {**({"converter": converter} if converter else {}), **({"no_repack": True} if no_repack else {})}
 
 
-def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck, log: Path) -> dict:
+def run_in_child(check: ServingCheck | SpeedCheck | FidelityCheck | TasksCheck, log: Path) -> dict:
     """``check.run()`` in a fresh Python process whose output goes to ``log``; its figures.
 
     The request travels as JSON beside the log (its fields), and the figures come back the same way: the
@@ -362,7 +473,7 @@ def _child(request: str, result: str, spawned: float | None = None) -> None:
     if spawned is not None:
         print(f"layercut check: this process started in {began - spawned:.1f} s", flush=True)
     data = json.loads(Path(request).read_text(encoding="utf-8"))
-    kind = {cls.__name__: cls for cls in (ServingCheck, SpeedCheck, FidelityCheck)}[data["kind"]]
+    kind = {cls.__name__: cls for cls in (ServingCheck, SpeedCheck, FidelityCheck, TasksCheck)}[data["kind"]]
     fields = {key: _tuples(value) for key, value in data["fields"].items()}  # JSON gave lists for the tuples
     check = kind(**fields)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -50,12 +51,54 @@ def gap_stderr(a: dict, b: dict, fa: dict, fb: dict, quality: str, tasks: list[s
     rows_a, rows_b = a.get("task_rows", {}), b.get("task_rows", {})
     if not all(t in rows_a and t in rows_b and len(rows_a[t]) == len(rows_b[t]) > 1 for t in tasks):
         return math.hypot(fa[f"{quality}_stderr"], fb[f"{quality}_stderr"])
-    variance = 0.0
-    for task in tasks:
-        diff = torch.tensor(rows_a[task], dtype=torch.float64) - torch.tensor(rows_b[task], dtype=torch.float64)
-        variance += float(diff.var()) / diff.numel()
+    variance = sum(paired_stderr(rows_a[task], rows_b[task]) ** 2 for task in tasks)
     scale = len(tasks) if quality == "task_mean" else sum(dense["tasks"][t] - chance(t) for t in tasks)
     return math.sqrt(variance) / scale
+
+
+def paired_stderr(a: Sequence[float], b: Sequence[float]) -> float | None:
+    """Standard error of ``mean(a) - mean(b)`` over the same rows: the row-by-row difference's spread / sqrt(rows).
+
+    None where the rows do not pair (other counts) or are fewer than two.
+    """
+    if len(a) != len(b) or len(a) < 2:
+        return None
+    diff = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    return math.sqrt(float(diff.var()) / diff.numel())
+
+
+def paired_tasks(original: dict, model: dict, tasks: Sequence[str]) -> dict:
+    """``model`` against ``original`` on lm-eval ``tasks`` scored on the same rows: each task, and their retention.
+
+    ``original`` and ``model`` are rows as a comparison keeps them: ``tasks`` (the primary metric), ``task_stderr``
+    and ``task_rows`` (its row-by-row scores). Per task: both values and standard errors, the rows scored, ``kept``
+    (model / original; None where the original scored 0) and ``gap`` (model - original) with its standard error,
+    paired over the rows (``paired``; else from the two standard errors). Where every task has a chance level, the
+    retention of above-chance accuracy over the tasks the original is clearly above chance on
+    (:func:`retention_tasks`: the grids' rule), with the paired standard error of its distance from 1.
+    """
+    figures = {}
+    for task in tasks:
+        before, after = original.get("tasks", {}).get(task), model.get("tasks", {}).get(task)
+        if before is None or after is None:
+            continue
+        rows_a, rows_b = original.get("task_rows", {}).get(task, []), model.get("task_rows", {}).get(task, [])
+        paired = paired_stderr(rows_b, rows_a)
+        figures[task] = {"original": before, "model": after, "original_stderr": task_stderr(original, task),
+                         "model_stderr": task_stderr(model, task), "rows": len(rows_b) or None,
+                         "kept": after / before if before else None, "gap": after - before,
+                         "gap_stderr": paired if paired is not None else math.hypot(task_stderr(original, task),
+                                                                                    task_stderr(model, task)),
+                         "paired": paired is not None}
+    result: dict = {"tasks": figures}
+    if figures and all(chance(task) is not None for task in figures):
+        counted, excluded = retention_tasks(original, list(figures), "the original's")
+        result.update(retention_tasks=counted, excluded_tasks=excluded)
+        if counted:
+            above = sum(original["tasks"][t] - chance(t) for t in counted)
+            result["retention"] = sum(model["tasks"][t] - chance(t) for t in counted) / above
+            result["retention_stderr"] = math.sqrt(sum(figures[t]["gap_stderr"] ** 2 for t in counted)) / above
+    return result
 
 
 def _beats(a: dict, b: dict, fa: dict, fb: dict, names: list[str], quality: str | None, stderr) -> bool:
@@ -69,11 +112,11 @@ def _beats(a: dict, b: dict, fa: dict, fb: dict, names: list[str], quality: str 
     return fa[quality] - fb[quality] >= TIE_SE * stderr() and fa[quality] > fb[quality]
 
 
-def retention_tasks(dense: dict, tasks: list[str]) -> tuple[list[str], dict[str, str]]:
+def retention_tasks(dense: dict, tasks: list[str], name: str = "dense") -> tuple[list[str], dict[str, str]]:
     """The ``tasks`` retention counts (the dense model clearly above chance on them), and why each other is not.
 
     A task the dense model scores within :data:`TIE_SE` standard errors of chance has no room to lose: counted,
-    it would divide noise by noise.
+    it would divide noise by noise. ``name``: what the reasons call the dense model.
     """
     counted, excluded = [], {}
     for task in tasks:
@@ -82,9 +125,9 @@ def retention_tasks(dense: dict, tasks: list[str]) -> tuple[list[str], dict[str,
         if level is None:
             excluded[task] = "no chance level known"
         elif value is None:
-            excluded[task] = "no dense score"
+            excluded[task] = f"no {name} score"
         elif value - level <= TIE_SE * task_stderr(dense, task):
-            excluded[task] = f"dense {value:.3f} is within {TIE_SE:g} standard errors of chance {level:g}"
+            excluded[task] = f"{name} {value:.3f} is within {TIE_SE:g} standard errors of chance {level:g}"
         else:
             counted.append(task)
     return counted, excluded

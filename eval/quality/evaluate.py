@@ -12,7 +12,6 @@ its maps. Models are loaded one at a time, baseline first, so memory holds one m
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import logging
 from dataclasses import asdict, dataclass, field
@@ -25,12 +24,11 @@ from eval.quality.lmeval import (
     plan_tasks,
     primary_metric,
     resolve_data_dir,
-    row_draw,
-    row_range,
     run_lm_eval,
 )
 from eval.quality.perplexity import DEFAULT_MAX_SEQ_LEN, default_seq_len, load_wikitext2_test, text_perplexity
 from eval.quality.report import write_report
+from eval.quality.rows import parse_limit as parse_limit  # eval.run's --limit, beside the rules of the rows it reads
 from eval.speed.measure import block_count
 from prune.atomic import atomic_directory, check_output_dir
 from prune.checkpoint.load_config import LoadConfig
@@ -246,28 +244,3 @@ def run(options: EvalOptions) -> dict:
         write_report(results, staging)
     logger.info("report written to %s", options.out)  # renamed into place: not the staging folder's name
     return results
-
-
-def parse_limit(text: str) -> int | float | str:
-    """Parse ``--limit``: a row count or fraction as lm-eval reads them, a range of rows, or a draw from a range.
-
-    Below 1 a fraction of each task, else a row count. A range (``START:END``, ``-500:``) or a draw
-    (``1000~1000:``) comes back as its text: results files keep it as typed.
-    """
-    if ":" in text or "~" in text:
-        try:
-            row_range(text)
-            row_draw(text)
-        except LayercutError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a row count, a fraction in (0, 1), a range START:END or a draw "
-                                         f"N~START:END: {text}") from None
-    if value < 1:
-        return value
-    if not value.is_integer():
-        raise argparse.ArgumentTypeError(f"a row count must be a whole number, got {text}")
-    return int(value)

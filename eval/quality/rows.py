@@ -6,11 +6,13 @@
 
 :func:`eval.quality.lmeval.run_lm_eval` reads rows by these rules; scripts that pair a results file's per-row
 answers with a task's rows call :func:`task_rows` rather than rebuild them. :mod:`eval.quality.lmeval` re-exports
-every public name.
+every public name but :func:`parse_limit`, the commands' ``--limit`` (``eval.run``, ``eval.compare``,
+``prune.ship``), here so that a command's parser does not import the evaluation.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 from typing import Any
@@ -128,3 +130,28 @@ def task_rows(limit: Any, total: int, name: str = "the task", seed: int = TASK_S
     if draw > len(picked):
         raise LayercutError(f"{limit} draws {draw} rows from {len(picked)} of {name}: draw fewer or widen the range")
     return sorted(random.Random(seed).sample(picked, draw))
+
+
+def parse_limit(text: str) -> int | float | str:
+    """Parse ``--limit``: a row count or fraction as lm-eval reads them, a range of rows, or a draw from a range.
+
+    Below 1 a fraction of each task, else a row count. A range (``START:END``, ``-500:``) or a draw
+    (``1000~1000:``) comes back as its text: results files keep it as typed.
+    """
+    if ":" in text or "~" in text:
+        try:
+            row_range(text)
+            row_draw(text)
+        except LayercutError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a row count, a fraction in (0, 1), a range START:END or a draw "
+                                         f"N~START:END: {text}") from None
+    if value < 1:
+        return value
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"a row count must be a whole number, got {text}")
+    return int(value)

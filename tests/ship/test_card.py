@@ -131,3 +131,60 @@ def test_the_card_says_what_the_checkpoint_writes_as_the_original_judges_it(tmp_
     assert "writes 6.4% of the original's tokens before the first that differs" in card["measured"]
     assert "Generation fidelity not measured (--offload sequential" in card["skeleton"]
     assert "What it writes" not in card["old"] and "Generation fidelity" not in card["old"]
+
+
+TASK_FIGURES = {
+    "tasks": {"arc_easy": {"metric": "acc_norm", "original": 0.6, "model": 0.5, "original_stderr": 0.1633,
+                           "model_stderr": 0.1667, "rows": 10, "kept": 5 / 6, "gap": -0.1, "gap_stderr": 0.1,
+                           "paired": True, "chat": False},
+              "ifeval": {"metric": "prompt_level_strict_acc", "original": 0.35, "model": 0.28,
+                         "original_stderr": 0.0338, "model_stderr": 0.0318, "rows": 200, "kept": 0.8, "gap": -0.07,
+                         "gap_stderr": 0.0241, "paired": True, "chat": True, "max_gen_toks": 256}},
+    "retention_tasks": ["arc_easy", "ifeval"], "excluded_tasks": {}, "retention": 0.72, "retention_stderr": 0.05,
+    "limit": 200, "rows": "the first 200 rows of each task", "original_kept": False}
+
+
+def test_the_card_gives_each_lm_eval_task_s_scores_what_is_kept_and_the_paired_gap(tmp_path):
+    def card(figures: dict, **changes) -> str:
+        verified = Verified(domains={"news": serving_rows([1, 2, 3, 4])}, speed={"ratios": []}, heldout=["news.txt"],
+                            files={"shipped": "gguf/slim8-q4_k_m.gguf", "engine": "llamacpp"}, tasks=figures)
+        return ship_card(config(tmp_path, **changes), REPORT, shortlist(), verified,
+                         PruneConfig(drop=8, replace="fold"), {"plan": 1.0}, gguf="gguf/slim8-q4_k_m.gguf")
+
+    text = card(TASK_FIGURES)
+    assert ("lm-eval tasks, in transformers on this checkpoint (not `gguf/slim8-q4_k_m.gguf`) and on the original, on "
+            "the same rows (the first 200 rows of each task): kept is the checkpoint's score over the original's, and "
+            "the gap is paired, its standard error from the row-by-row differences.") in text
+    assert "| task | metric | original | this checkpoint | kept | gap ± SE (points) | rows |" in text
+    assert "| arc_easy | acc_norm | 0.600 ± 0.163 | 0.500 ± 0.167 | 83.3% | -10.0 ± 10.0 | 10 |" in text
+    assert "| ifeval | prompt_level_strict_acc | 0.350 ± 0.034 | 0.280 ± 0.032 | 80.0% | -7.0 ± 2.4 | 200 |" in text
+    assert ("Accuracy above chance kept over arc_easy, ifeval: 72.0% ± 5.0% (the sum of score - chance, over the "
+            "original's).") in text
+    assert ("ifeval answers each prompt through the chat template, greedily, within 256 new tokens: an answer cut "
+            "there fails the checks that need a longer one.") in text
+    assert text.index("## What was lost") < text.index("lm-eval tasks, in transformers") < text.index("## Speed")
+    # a task the original is not clearly above chance on is named, and with none left there is no retention
+    near = {**TASK_FIGURES, "tasks": {"arc_easy": TASK_FIGURES["tasks"]["arc_easy"]}, "retention_tasks": [],
+            "excluded_tasks": {"arc_easy": "the original's 0.300 is within 2 standard errors of chance 0.25"}}
+    del near["retention"], near["retention_stderr"]
+    text = card(near, engine="transformers", gguf_type="f32")
+    assert ("No retention above chance: the original is not clearly above it (arc_easy: the original's 0.300 is "
+            "within 2 standard errors of chance 0.25).") in text
+    assert "on this checkpoint and on the original" in text and "answers each prompt" not in text
+    assert "lm-eval tasks" not in card({})  # no --tasks, no section
+
+
+def test_the_task_flags_reach_the_card_s_command_and_parse_back(tmp_path):
+    from ship.cli import build_parser, config_from_args
+    from tests.helpers import write_piqa
+
+    data = write_piqa(tmp_path / "data")
+    original = config(tmp_path, tasks=["piqa"], limit="-3:", data_dir=str(data))
+    argv = shlex.split(ship_command(original))[3:]
+    assert "--tasks" in argv and argv[argv.index("--tasks") + 1] == "piqa" and "--limit=-3:" in argv
+    assert argv[argv.index("--data-dir") + 1] == "data"  # as the card names every local path: not this machine's
+    argv[argv.index("--out") + 1], argv[argv.index("--data-dir") + 1] = original.out, str(data)
+    again = config_from_args(build_parser().parse_args(argv))
+    assert (again.tasks, again.limit, again.data_dir) == (["piqa"], "-3:", str(data))
+    assert again.settings() == original.settings() != config(tmp_path).settings()  # the card's figures are the run's
+    assert "--tasks" not in ship_command(config(tmp_path)) and "tasks" not in config(tmp_path).settings()

@@ -128,3 +128,61 @@ def test_the_heals_lora_options_are_settings_checked_before_any_stage(tiny_folde
                             "--lora-r, --lora-targets with --offload sequential: the heal block by block")):
         with pytest.raises(LayercutError, match=re.escape(words)):
             config(**changes)
+
+
+DATA = "{data}"  # the case's data folder: four PIQA rows and one IFEval prompt
+
+
+@pytest.mark.parametrize(("extra", "words"), [
+    (["--tasks", "piqa", "--no-verify"], "error: --tasks with --no-verify: the tasks are scored in the verify stage; "
+                                         "drop one of them"),
+    (["--limit", "5", "--data-dir", DATA], "error: --limit and --data-dir without --tasks: they choose the rows and "
+                                           "the data of lm-eval tasks; pass --tasks (arc_easy,piqa) or drop them"),
+    (["--tasks", "piqa", "--offload", "sequential"], "error: --tasks with --offload sequential: each forward pass of a "
+                                                     "task would read every block from disk; drop --tasks and score "
+                                                     "the shipped folder with python -m eval.run"),
+    (["--tasks", "piqa,pqia", "--data-dir", DATA], "error: unknown task 'pqia': not an offline task ("),
+    (["--tasks", "piqa", "--data-dir", "{data}/missing"], "(--data-dir) does not exist; point it at a folder laid out "
+                                                          "like shared/data"),
+    (["--tasks", "ifeval", "--data-dir", DATA],
+     'error: ifeval needs langdetect (lm-eval\'s IFEval checks import them); pip install "layercut[ifeval]"'),
+    (["--tasks", "ifeval", "--data-dir", DATA, "needs met"],
+     "error: ifeval runs its prompts through the model's chat template, and this tokenizer has none; evaluate an "
+     "instruct/chat model"),
+    (["--tasks", "piqa", "--limit", "1.5"], "error: argument --limit: a row count must be a whole number, got 1.5"),
+])
+def test_bad_task_flags_are_one_line_before_any_model_loads(tiny_folder, tmp_path, capsys, monkeypatch, extra,
+                                                            words, sample_text):
+    import importlib.util
+    import types
+
+    from eval.quality import lmeval
+    from eval.quality.needs import ifeval
+    from prune.checkpoint.load_config import LoadConfig
+    from prune.ship import main
+    from tests.helpers import write_piqa
+
+    monkeypatch.setattr(LoadConfig, "load", lambda self, model=None: pytest.fail("the model was loaded"))
+    monkeypatch.setattr(lmeval, "_registry", lambda: types.SimpleNamespace(all_tasks=["copa"]))  # not lm-eval's index
+    if "needs met" in extra:  # ifeval's packages and data found: the tokenizer is what is missing
+        monkeypatch.setattr(lmeval, "check_task_needs", lambda names: None)
+    else:  # the ifeval extra missing, whatever this environment holds
+        found = importlib.util.find_spec
+        monkeypatch.setattr(ifeval.importlib.util, "find_spec",
+                            lambda name: None if name == "langdetect" else found(name))
+    data = write_piqa(tmp_path / "data")
+    (data / "ifeval").mkdir()
+    (data / "ifeval" / "input_data.jsonl").write_text('{"key": 1, "prompt": "Write a haiku.", '
+                                                      '"instruction_id_list": [], "kwargs": []}\n')
+    text = tmp_path / "text.txt"
+    text.write_text(sample_text * 3)
+    args = ["--model", tiny_folder, "--data", text, "--samples", "16", "--seq-len", "32", "--drop", "2", "--engine",
+            "transformers", "--heal-steps", "0", "--out", tmp_path / "o",
+            *[value.format(data=data) for value in extra if value != "needs met"]]
+    try:
+        code = main([str(arg) for arg in args])
+    except SystemExit as exited:  # argparse's own refusal of a value
+        code = exited.code
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and words in err and "Traceback" not in err, err
+    assert not (tmp_path / "o.work" / "ship.json").exists()  # nothing that would refuse the corrected command

@@ -259,3 +259,37 @@ def test_a_skeleton_s_serving_check_reads_both_models_from_disk_once_a_window_an
     slim = (shape.layers - work.drop) / shape.layers
     assert read[1.0] - read[0.0] == pytest.approx((windows + GREEDY_TOKENS) * (1 + slim))
     assert read[1.0] - kept > (windows + GREEDY_TOKENS) * 1.0  # a kept original's rows read nothing again
+
+
+def test_the_tasks_check_costs_its_rows_on_both_models_unless_the_original_s_scores_are_kept(shape):
+    from prune.planner.machine import machine_speed
+    from ship.costs import PROCESS_SECONDS, TaskWork, _tasks_seconds, task_work
+
+    # rows: --limit's, else the task's own where known (a draw's N, a range of a known task); unknown: none counted
+    assert task_work(["piqa"], 200, 4) == (TaskWork("piqa", 200, 2, None, 4),)  # two solutions a row
+    assert task_work(["piqa", "ifeval"], None, 4) == (TaskWork("piqa", 1838, 2, None, 4),
+                                                      TaskWork("ifeval", 541, 1, 256, 4))
+    assert [t.rows for t in task_work(["hellaswag", "piqa"], "-500:", 4)] == [500, 500]
+    assert task_work(["copa"], None, 4)[0].rows is None and task_work(["copa"], "30~0:", 4)[0].rows == 30
+    inp = PlanInput(model="tiny", samples=32, seq_len=512)
+    loads = PROCESS_SECONDS / machine_speed()  # a fresh process and a model's load, for each model
+
+    def part(tasks, limit, drop=2, kept=False, batch=4):
+        return _tasks_seconds(shape, inp, ShipWork(drop=drop, repairs=(), tasks=task_work(tasks, limit, batch),
+                                                   tasks_kept=kept))
+
+    assert part(["piqa"], 400) - 2 * loads == pytest.approx(4 * (part(["piqa"], 100) - 2 * loads))
+    assert part(["copa"], None) == pytest.approx(2 * loads)  # rows unknown: the plan warns and counts none
+    # the original's scores kept: the checkpoint's alone, half the part where both models are as deep
+    assert part(["piqa"], 100, drop=0, kept=True) == pytest.approx(part(["piqa"], 100, drop=0) / 2)
+    assert part(["piqa"], 100, kept=True) < part(["piqa"], 100) / 2  # the checkpoint is the shallower
+    # IFEval decodes 256 tokens for each batch of rows: a larger batch takes fewer steps; a scored task, the same
+    assert part(["ifeval"], 64, batch=8) < part(["ifeval"], 64) and part(["piqa"], 64, batch=8) == part(["piqa"], 64)
+    assert part(["ifeval"], 64) > part(["piqa"], 64)
+    # in the verify stage, on the CPU as on a GPU
+    work = ShipWork(drop=2, repairs=(512,))
+    with_tasks = dataclasses.replace(work, tasks=task_work(["piqa"], 100, 4))
+    assert seconds(shape, with_tasks)["verify"] - seconds(shape, work)["verify"] == pytest.approx(part(["piqa"], 100))
+    gpu = Hardware(gpus=1, gpu_memory=80e9)
+    assert seconds(shape, with_tasks, hardware=gpu)["verify"] > seconds(shape, work, hardware=gpu)["verify"]
+    assert seconds(shape, with_tasks)["shortlist"] == seconds(shape, work)["shortlist"]

@@ -227,3 +227,66 @@ def test_no_repack_with_an_engine_that_has_no_such_setting_is_refused(tmp_path):
                                             r"drop it$"):
         ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"),
                    engine="transformers", no_repack=True)
+
+
+def test_the_tasks_check_runs_after_fidelity_and_its_figures_are_kept_for_a_resumed_run(tmp_path, monkeypatch):
+    from eval.bench.checks import TasksCheck
+    from tests.helpers import write_piqa
+
+    sent, said = [], []
+    monkeypatch.setattr(verify_stage, "run_in_child",
+                        lambda check, log: sent.append((check, log.name)) or ({"tasks": {"piqa": {}}}
+                                                                              if isinstance(check, TasksCheck) else {}))
+    config = ShipConfig(PruneConfig(load={"model": "org/model", "dtype": "bfloat16"}, drop=2, batch_size=2),
+                        out=str(tmp_path / "slim"), engine="transformers", tasks=["piqa"], limit=200,
+                        data_dir=str(write_piqa(tmp_path / "data")))
+    checkpoint = tmp_path / "slim.work" / "checkpoint"
+    checkpoint.mkdir(parents=True)
+    args = (config, checkpoint, None, [f"rows={tmp_path / 'heldout.txt'}"], tmp_path / "verify")
+    verified = verify_stage.verify(*args, say=said.append)
+    assert [log for _, log in sent] == ["serving.log", "fidelity.log", "tasks.log", "speed.log"]
+    check = sent[2][0]
+    assert (check.original, check.model, check.tasks, check.limit, check.batch_size, check.dtype) == (
+        "org/model", str(checkpoint), ("piqa",), 200, 2, "bfloat16") and check.keep_original
+    assert ("verifying: lm-eval tasks piqa (200 rows each) on the original and the checkpoint in transformers"
+            in said)
+    assert verified.tasks == {"tasks": {"piqa": {}}} and verified.check_seconds["tasks"] is not None
+    sent.clear()
+    again = verify_stage.verify(*args, say=said.append)  # a resumed run: the kept figures, no check
+    assert sent == [] and again.tasks == verified.tasks
+    assert again.check_seconds["tasks"] is None
+    # without --tasks, no check and nothing kept
+    (tmp_path / "plain").mkdir()
+    sent.clear()
+    plain = ShipConfig(PruneConfig(load={"model": "org/model"}, drop=2), out=str(tmp_path / "slim"),
+                       engine="transformers")
+    assert verify_stage.verify(plain, checkpoint, None, args[3], tmp_path / "plain", say=said.append).tasks == {}
+    assert "tasks.log" not in [log for _, log in sent]
+
+
+def test_the_planner_costs_the_original_s_task_scores_until_a_run_keeps_them(tiny_folder, tmp_path, sample_text,
+                                                                             monkeypatch):
+    import ship.plan as plan_module
+    from eval.bench.checks import _keep_row
+    from ship.cli import build_parser, config_from_args
+    from ship.plan import make_plan
+    from tests.helpers import write_piqa
+
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "text.txt"
+    text.write_text(sample_text * 3)
+    config = config_from_args(build_parser().parse_args(
+        ["--model", str(tiny_folder), "--data", str(text), "--samples", "16", "--seq-len", "32", "--drop", "2",
+         "--engine", "transformers", "--heal-steps", "0", "--tasks", "piqa", "--limit", "100",
+         "--data-dir", str(write_piqa(tmp_path / "data")), "--out", str(tmp_path / "slim")]))
+    costed = []
+    real = plan_module.stage_seconds
+    monkeypatch.setattr(plan_module, "stage_seconds", lambda *args: costed.append(args) or real(*args))
+    make_plan(config)
+    check = config.tasks_check("")
+    _keep_row(check._kept_path(), {"runs": 1, "scores": {}})  # as a first ship's check keeps them
+    make_plan(config)
+    (shape, inp, first), (_, _, second) = costed
+    assert [work.tasks_kept for work in (first, second)] == [False, True]
+    assert [(task.name, task.rows, task.batch) for task in first.tasks] == [("piqa", 100, 4)]
+    assert 0 < real(shape, inp, second)["verify"] < real(shape, inp, first)["verify"]

@@ -172,3 +172,50 @@ def test_a_fidelity_check_keeps_the_original_s_side_and_reads_it_back(tiny_folde
     assert not dataclasses.replace(check, threads=2).original_kept()
     other = run_in_child(dataclasses.replace(check, threads=2), tmp_path / "fourth.log")
     assert not other["original_kept"] and other["own_nll"] == pytest.approx(first["own_nll"], rel=1e-5)
+
+
+def test_a_tasks_check_scores_both_models_on_the_same_rows_and_keeps_the_original_s(tiny_folder, tmp_path,
+                                                                                   monkeypatch, lm_eval_once):
+    import shutil
+
+    from eval.bench.checks import TasksCheck
+    from prune.checkpoint.load_config import LoadConfig
+    from tests.helpers import write_piqa
+
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))  # the child process inherits it
+    checkpoint = shutil.copytree(tiny_folder, tmp_path / "checkpoint")  # the same weights in another folder
+    check = TasksCheck(original=str(tiny_folder), model=str(checkpoint), tasks=("piqa",), limit=3,
+                       data_dir=str(write_piqa(tmp_path / "data")), batch_size=2, threads=1, keep_original=True)
+    assert not check.original_kept()  # the planner's question, asked before any run kept it
+    first = run_in_child(check, tmp_path / "tasks.log")
+    piqa = first["tasks"]["piqa"]
+    assert (piqa["metric"], piqa["rows"], piqa["chat"]) == ("acc", 3, False)
+    assert first["rows"] == "the first 3 rows of each task" and first["limit"] == 3
+    value = piqa["original"]
+    assert piqa["original_stderr"] == pytest.approx((value * (1 - value) / 2) ** 0.5)  # lm-eval's, over 3 rows
+    # the same weights answer each row as the original does: the paired gap is exactly none, where the two standard
+    # errors alone would allow some
+    assert piqa["model"] == value and piqa["kept"] == 1.0 and piqa["gap"] == 0 and piqa["gap_stderr"] == 0
+    assert piqa["paired"] and "max_gen_toks" not in piqa and not first["original_kept"]
+    # three rows leave the original within two standard errors of chance: no retention, and the figures say why
+    assert "retention" not in first and first["retention_tasks"] == []
+    assert first["excluded_tasks"] == {"piqa": f"the original's {value:.3f} is within 2 standard errors of chance 0.5"}
+    kept = list((tmp_path / "cache" / "tasks-original").glob("*.json"))
+    assert len(kept) == 1 and check.original_kept()
+    # a second check (in this process) reads the original's side from the cache and loads the checkpoint alone
+    row = json.loads(kept[0].read_text())
+    rows = row["scores"]["task_rows"]["piqa"]
+    assert len(rows) == 3 and sum(rows) / 3 == pytest.approx(value)
+    flipped = [1.0 - rows[0], *rows[1:]]  # the cache's original answers its first row the other way
+    row["scores"]["task_rows"]["piqa"], row["scores"]["tasks"]["piqa"] = flipped, sum(flipped) / 3
+    kept[0].write_text(json.dumps(row))
+    loaded, load = [], LoadConfig.load
+    monkeypatch.setattr(LoadConfig, "load", lambda self, model=None: loaded.append(model) or load(self, model))
+    again = check.run()
+    assert loaded == [str(checkpoint)] and again["original_kept"]
+    piqa = again["tasks"]["piqa"]
+    assert piqa["original"] == pytest.approx(sum(flipped) / 3) and piqa["model"] == value  # the cache's original
+    # one row of three differs: the paired standard error is the spread of (0, 0, +-1) over sqrt(3)
+    assert piqa["gap"] == pytest.approx(value - sum(flipped) / 3) and piqa["gap_stderr"] == pytest.approx(1 / 3)
+    # other rows are another entry
+    assert not dataclasses.replace(check, limit=2).original_kept()
