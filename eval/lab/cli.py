@@ -1,6 +1,7 @@
 """The diagnostics ``reports/`` quotes, one subcommand each.
 
     python -m eval.lab paired BASELINE.json::remove@4 OTHER.json::linear-long@4
+    python -m eval.lab paired-fidelity A.json::layercut-local-heal@8 B.json::llm-streamline@8
     python -m eval.lab hellaswag-by-source reports/smollm2-135m-tasks-draw/results.json HELLASWAG_VAL.txt
     python -m eval.lab share-optimum reports/smollm2-135m-mapfit/selection-scale-12-15
     python -m eval.lab selection-split ../shared/data /tmp/layercut-selection
@@ -24,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     paired = sub.add_parser("paired", help="paired retention gaps of rows of eval.compare results to the first")
     paired.add_argument("rows", nargs="+", help="FILE::CELL, the first the baseline")
+    fidelity = sub.add_parser("paired-fidelity", help="paired generation fidelity gaps of rows of eval.compare "
+                                                      "results (--metrics fidelity) to the first")
+    fidelity.add_argument("rows", nargs="+", help="FILE::CELL (dense: the original), the first the baseline")
     source = sub.add_parser("hellaswag-by-source", help="HellaSwag accuracy by source (ActivityNet, WikiHow)")
     source.add_argument("results", help="an eval.compare results.json")
     source.add_argument("hellaswag", help="the HellaSwag validation text the local task reads")
@@ -61,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
         share_tasks(args.model, args.span, args.variants.split(","), args.out, data_dir=args.data_dir)
         return 0
-    from eval.lab.tables import hellaswag_by_source, paired_gaps, share_optimum
+    from eval.lab.tables import hellaswag_by_source, paired_fidelity, paired_gaps, share_optimum
 
     lines = {"paired": lambda: paired_gaps(args.rows),
+             "paired-fidelity": lambda: paired_fidelity(args.rows),
              "hellaswag-by-source": lambda: hellaswag_by_source(args.results, args.hellaswag),
              "share-optimum": lambda: share_optimum(args.folders)}[args.command]()
     print("\n".join(lines))

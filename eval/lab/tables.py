@@ -1,4 +1,4 @@
-"""Tables read from finished measurements: paired gaps across comparisons, HellaSwag by source, the best share."""
+"""Tables read from finished measurements: paired gaps (tasks, fidelity), HellaSwag by source, the best share."""
 
 from __future__ import annotations
 
@@ -72,6 +72,65 @@ def paired_gaps(specs: Sequence[str], task_sets: Sequence[Sequence[str]] = TASK_
             lines.append(f"  {name}: {100 * fa['retention']:.1f} ± {100 * fa['retention_stderr']:.1f}; "
                          f"minus {base}: {100 * gap:+.1f} ± {100 * se:.1f}")
     return lines
+
+
+def paired_fidelity(specs: Sequence[str]) -> list[str]:
+    """Generation fidelity of rows of several ``eval.compare --metrics fidelity`` results, paired to the first.
+
+    Each row's NLL by the original (mean ± standard error over prompts) and its share of the original's greedy
+    tokens kept, then its gap to the first row over the same prompts: the mean of the prompt-by-prompt differences
+    ± their standard error. Two slim models writing after the same prompts differ by far less noise than their
+    separate standard errors suggest, and a gap under 2 standard errors is called a tie.
+
+    Args:
+        specs: ``FILE::CELL`` each (``dense`` names a file's original), the first the baseline.
+
+    Raises:
+        LayercutError: a row has no per-prompt fidelity rows, or the files' prompts differ (their settings, or the
+            original's NLL of its own text prompt by prompt): their rows do not pair.
+    """
+    rows, settings = {}, None
+    for spec in specs:
+        path, _, key = spec.partition("::")
+        results = read_measurements(path, ("cells", "dense"), "an eval.compare results.json as FILE::CELL")
+        row = results["dense"] if key == "dense" else results["cells"].get(key)
+        if row is None:
+            raise LayercutError(f"{spec}: no cell '{key}' in {path}; its cells: dense, {', '.join(results['cells'])}")
+        figures = row.get("fidelity") or {}
+        if not isinstance(figures.get("nll_rows"), list):
+            raise LayercutError(f"{spec}: no per-prompt fidelity rows; measure it with eval.compare --metrics fidelity")
+        # the prompts pair when the settings and the original's own NLL of each prompt's continuation agree
+        mine = ({k: figures.get(k) for k in ("prompts", "prompt_tokens", "new_tokens")},
+                results["dense"].get("fidelity", {}).get("nll_rows"))
+        if settings is None:
+            settings = mine
+        elif mine[0] != settings[0] or not _same_rows(mine[1], settings[1]):
+            raise LayercutError(f"{spec}: its prompts differ from {specs[0]}'s (settings or held-out texts); "
+                                "its rows do not pair")
+        rows[f"{key} ({Path(path).parent.name})"] = figures
+    base = next(iter(rows))
+    lines = [f"{settings[0]['prompts']} prompts of {settings[0]['prompt_tokens']} tokens, "
+             f"{settings[0]['new_tokens']} greedy tokens each; NLL by the original (lower: more faithful)"]
+    ref = np.asarray(rows[base]["nll_rows"], dtype=np.float64)
+    for name, figures in rows.items():
+        nll = np.asarray(figures["nll_rows"], dtype=np.float64)
+        diff = nll - ref
+        se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
+        gap = float(diff.mean())
+        verdict = "tie" if gap == 0 or abs(gap) < 2 * se else "lower" if gap < 0 else "higher"
+        lines.append(f"  {name}: NLL {nll.mean():.3f} ± {_stderr(nll):.3f}, kept {figures['kept']:.3f}; "
+                     f"minus {base}: {gap:+.3f} ± {se:.3f}" + ("" if name == base else f" ({verdict})"))
+    return lines
+
+
+def _same_rows(a, b, tolerance: float = 1e-4) -> bool:
+    """Whether two lists of per-prompt figures agree (float rounding aside)."""
+    return a is not None and b is not None and len(a) == len(b) and all(
+        abs(x - y) <= tolerance for x, y in zip(a, b, strict=True))
+
+
+def _stderr(values: np.ndarray) -> float:
+    return float(values.std(ddof=1) / np.sqrt(len(values))) if len(values) > 1 else 0.0
 
 
 def hellaswag_by_source(results_path: str | Path, hellaswag_path: str | Path) -> list[str]:

@@ -237,6 +237,8 @@ COMMANDS = [
     Command("eval.mapfit", "eval.mapfit.cli", _mapfit),
     Command("eval.lab paired", "eval.lab.cli", lambda env: (["paired"], {"rows": f"{env.missing}.json::remove@1"}, []),
             subcommand="paired", valid=False),
+    Command("eval.lab paired-fidelity", "eval.lab.cli", lambda env: (
+        ["paired-fidelity"], {"rows": f"{env.missing}.json::remove@1"}, []), subcommand="paired-fidelity", valid=False),
     Command("eval.lab hellaswag-by-source", "eval.lab.cli", lambda env: (
         ["hellaswag-by-source"], {"results": env.fresh(".json"), "hellaswag": env.text}, []),
         subcommand="hellaswag-by-source", valid=False),

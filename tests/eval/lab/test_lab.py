@@ -12,7 +12,7 @@ import pytest
 import eval.lab
 from eval.lab.cli import build_parser, main
 from eval.lab.splits import write_selection_split, write_task_prompts
-from eval.lab.tables import SHARES, best_share, hellaswag_by_source, paired_gaps, share_optimum
+from eval.lab.tables import SHARES, best_share, hellaswag_by_source, paired_fidelity, paired_gaps, share_optimum
 from prune.errors import EXIT_BAD_INPUT, LayercutError
 
 REPORTS = Path(__file__).resolve().parents[3] / "reports"
@@ -45,6 +45,43 @@ def test_paired_gaps_read_rows_of_several_comparisons(tmp_path):
     _results(other, {**dense, "piqa": [0] + dense["piqa"][1:]}, {"linear@4": {"arc_easy": [1], "piqa": [1]}})
     with pytest.raises(LayercutError, match="answered the task rows otherwise"):
         paired_gaps([f"{base}::remove@4", f"{other}::linear@4"])
+
+
+def _fidelity_results(path: Path, own: list, cells: dict, prompts: int = 4) -> Path:
+    settings = {"prompts": prompts, "prompt_tokens": 8, "new_tokens": 4}
+
+    def row(nll, kept):
+        return {"nll": sum(nll) / len(nll), "nll_rows": nll, "kept": kept, **settings}
+    body = {"dense": {"fidelity": row(own, 1.0)},
+            "cells": {key: {"fidelity": row(*value)} for key, value in cells.items()}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(body))
+    return path
+
+
+def test_paired_fidelity_gaps_over_the_same_prompts(tmp_path, capsys):
+    own = [1.0, 1.2, 0.8, 1.0]
+    base = _fidelity_results(tmp_path / "a" / "results.json", own, {"local@8": ([2.0, 2.4, 1.6, 2.0], 0.25)})
+    # prompt by prompt 0.1 lower, give or take 0.02: a small gap, far inside each row's own spread, yet not a tie
+    other = _fidelity_results(tmp_path / "b" / "results.json", own, {
+        "heal@8": ([1.92, 2.28, 1.5, 1.9], 0.5), "noisy@8": ([2.5, 1.9, 2.1, 1.5], 0.0)})
+    lines = paired_fidelity([f"{base}::local@8", f"{other}::heal@8", f"{other}::noisy@8", f"{base}::dense"])
+    assert lines[0].startswith("4 prompts of 8 tokens, 4 greedy tokens each")
+    assert lines[1] == "  local@8 (a): NLL 2.000 ± 0.163, kept 0.250; minus local@8 (a): +0.000 ± 0.000"
+    assert lines[2] == "  heal@8 (b): NLL 1.900 ± 0.159, kept 0.500; minus local@8 (a): -0.100 ± 0.008 (lower)"
+    assert lines[3].startswith("  noisy@8 (b): NLL 2.000 ± 0.208") and lines[3].endswith("(tie)")
+    assert lines[4].startswith("  dense (a): NLL 1.000 ± 0.082, kept 1.000; minus local@8 (a): -1.000 ± 0.082")
+    assert main(["paired-fidelity", f"{base}::local@8", f"{other}::heal@8"]) == 0
+    assert capsys.readouterr().out.splitlines()[2] == lines[2]
+    moved = _fidelity_results(tmp_path / "c" / "results.json", [1.0, 1.2, 0.8, 1.1], {"heal@8": ([2.0] * 4, 0.0)})
+    with pytest.raises(LayercutError, match="its prompts differ"):
+        paired_fidelity([f"{base}::local@8", f"{moved}::heal@8"])
+    with pytest.raises(LayercutError, match="no cell 'gone@8'"):
+        paired_fidelity([f"{base}::gone@8"])
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "results.json").write_text(json.dumps({"dense": {}, "cells": {"x@8": {"fidelity": {"nll": 2}}}}))
+    with pytest.raises(LayercutError, match="no per-prompt fidelity rows"):
+        paired_fidelity([f"{tmp_path / 'd' / 'results.json'}::x@8"])
 
 
 def test_best_share_is_the_vertex_of_the_parabola(tmp_path):
