@@ -160,7 +160,8 @@ def _tasks(config: ShipConfig, figures: dict, gguf: str | None) -> list[str]:
                   f"{figures['retention']:.1%} ± {figures['retention_stderr']:.1%} (the sum of score - chance, over "
                   "the original's)" + (f"; not counted: {excluded}." if excluded else "."), ""]
     elif excluded:
-        lines += [f"No retention above chance: the original is not clearly above it ({excluded}).", ""]
+        # each reason in its own words: the original near chance, or a task with no chance level known
+        lines += [f"No retention above chance: no task counts ({excluded}).", ""]
     for task, row in figures["tasks"].items():
         if "max_gen_toks" in row:  # a generating task's figure holds for its token budget only
             lines += [f"{task} answers each prompt{' through the chat template' if row['chat'] else ''}, greedily, "

@@ -133,7 +133,8 @@ class ShipConfig:
             one GPU each with a GPU ``--device``), splitting each step's ``HEAL_BATCH`` sequences between them:
             the weights one process trains, within float rounding (:mod:`distill.launch`).
         tasks: lm-eval tasks the verify stage scores on the original and the checkpoint, on the same rows, in
-            transformers (``--tasks arc_easy,piqa``; a comma string is split); empty: none.
+            transformers (``--tasks arc_easy,piqa``; a comma string is split); empty: none. Each one layercut knows
+            the metric and chance level of (``eval.quality.task_specs.task_table``).
         limit: rows per task, as ``eval.run --limit`` takes it (a count, a fraction, ``START:END`` or a draw
             ``N~START:END``); None: every row of each task.
         data_dir: a folder laid out like ``shared/data`` the offline tasks read (None: ``$LAYERCUT_DATA``, else
@@ -282,7 +283,7 @@ class ShipConfig:
                 raise LayercutError(f"{' and '.join(given)} without --tasks: they choose the rows and the data of "
                                     "lm-eval tasks; pass --tasks (arc_easy,piqa) or drop them")
             return
-        from eval.quality.lmeval import check_limit, plan_tasks, resolve_data_dir
+        from eval.quality.lmeval import TASK_DIRS_ENV, check_limit, plan_tasks, resolve_data_dir, task_table
 
         if not self.verify:
             raise LayercutError("--tasks with --no-verify: the tasks are scored in the verify stage; drop one of them")
@@ -295,7 +296,15 @@ class ShipConfig:
         except LayercutError as err:
             raise LayercutError(f"--limit: {err}") from None
         # an unknown name, a missing data file, or a task whose scoring needs an extra: refused in their own words
-        plan_tasks(self.tasks, resolve_data_dir(self.data_dir))
+        local, registry = plan_tasks(self.tasks, resolve_data_dir(self.data_dir))  # an alias as lm-eval runs it
+        table = task_table()
+        unknown = [name for name in [*local, *registry] if name not in table]
+        if unknown:  # lm-eval would score it for hours, and the card would have no metric of it to show
+            them = "it" if len(unknown) == 1 else "them"
+            raise LayercutError(f"--tasks {','.join(unknown)}: layercut knows neither the metric to quote nor the "
+                                f"chance level of {them} (it knows {', '.join(sorted(table))}); add a task YAML with "
+                                f"a layercut: block to a folder on ${TASK_DIRS_ENV} (eval/tasks/README.md), or score "
+                                f"{them} with python -m eval.run")
 
     def tasks_check(self, checkpoint: str):
         """The verify stage's lm-eval tasks check of ``checkpoint`` against the original, on the same rows.

@@ -19,7 +19,7 @@ counted here in the same units before any weight is read:
 - verify: the held-out tokens through the original (unless its rows are kept) and the checkpoint in
   transformers, the shipped file in its engine, the generation fidelity check (both models decoding held-out
   prompts, in memory only; the original's side unless an earlier run kept it), the lm-eval tasks of ``--tasks``
-  (:func:`_tasks_seconds`) and the speed check's rounds (not for a skeleton in transformers, which reads each
+  (:func:`tasks_seconds`) and the speed check's rounds (not for a skeleton in transformers, which reads each
   block from disk); each check in a fresh process.
 
 The shortlist's memory is counted here too (:func:`shortlist_stages`): ``prune.run``'s plan, which ship asks
@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from eval.bench.checks import GREEDY_TOKENS
 from prune.planner.inputs import PlanInput
@@ -138,19 +139,21 @@ class TaskWork:
     batch: int = 8
 
 
-def task_work(tasks: Sequence[str], limit, batch: int) -> tuple[TaskWork, ...]:
+def task_work(tasks: Sequence[str], limit, batch: int, data_dir: Path | None = None) -> tuple[TaskWork, ...]:
     """The tasks check's work: each task's rows as ``limit`` picks them (:func:`eval.quality.rows.task_rows`).
 
     A task of known size (:data:`TASK_ROWS`) is counted as ``limit`` reads it; another only where ``limit`` is a
-    count of rows or a draw of N.
+    count of rows or a draw of N. With a data folder (``data_dir``, resolved) an offline alias is the task it runs
+    (``lambada``: ``lambada_openai``'s 5,153 rows), as :func:`eval.quality.lmeval.plan_tasks` runs it.
 
     Raises:
         LayercutError: ``limit`` is a range outside a task of known size (the check would refuse it after the heal).
     """
-    from eval.quality.lmeval import row_draw, task_rows, task_table
+    from eval.quality.lmeval import OFFLINE_ALIASES, row_draw, task_rows, task_table
 
+    names = (OFFLINE_ALIASES.get(name, name) if data_dir is not None else name for name in tasks)
     table, work = task_table(), []
-    for name in tasks:
+    for name in dict.fromkeys(names):
         spec = table[name] if name in table else None
         total = TASK_ROWS.get(name)
         rows = (len(task_rows(limit, total, name)) if total is not None
@@ -285,7 +288,7 @@ def stage_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> dict[str
                   + (passes(held, kept, ENGINE_SHARE, head=True) if work.gguf else 0.0)
                   + _speed_seconds(shape, inp, work)
                   + (_fidelity_seconds(shape, inp, work) if inp.offload == "none" else 0.0)
-                  + _tasks_seconds(shape, inp, work)
+                  + tasks_seconds(shape, inp, work)
                   # the original's engine file for the speed check, of the shipped file's type
                   + (0.0 if work.original_kept or not work.gguf or not work.speed
                      else (1 + QUANTIZE_SHARE * work.quantized) * weight_bytes(shape, inp, layers)
@@ -354,10 +357,10 @@ def _gpu_verify_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> fl
     # block by block the serving check reads both models from disk once a window and once a greedy token, as on the CPU
     reads = _serving_passes(inp, work) * ((0 if work.original_kept else layers) + kept) / layers * disk_pass(shape, inp)
     return (checks * (GPU_PROCESS_SECONDS + both / DISK_BYTES_PER_S) + serving + fidelity + speed + reads
-            + _tasks_seconds(shape, inp, work))
+            + tasks_seconds(shape, inp, work))
 
 
-def _tasks_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
+def tasks_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
     """The lm-eval tasks check (``eval.bench.checks.TasksCheck``): each model loaded in turn, scoring every task.
 
     A task scored by log-likelihood: rows x requests forward passes of :data:`TASK_REQUEST_TOKENS` tokens, every
@@ -365,8 +368,11 @@ def _tasks_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
     A generating task: its prompts' passes, then ``max_gen_toks`` decode steps for each batch of rows, each step
     reading every weight (as the fidelity check's decoding). On both models, unless an earlier run kept the
     original's scores (``work.tasks_kept``): the checkpoint's alone. A task whose rows are unknown counts nothing
-    (the plan warns). On a GPU: the check's process and the models' bytes read, and a call of every block a pass
-    or step runs, as :func:`_gpu_verify_seconds` counts the other checks.
+    (the plan warns). On a GPU: the check's process and the models' bytes read, a call of every block a pass or
+    step runs, as :func:`_gpu_verify_seconds` counts the other checks, and the arithmetic of every token, prompts
+    and written ones, at the GPU's rate (:func:`prune.planner.rates.flop_rate`): unlike the other checks' few
+    thousand tokens, a whole task's are minutes of it on a large model (full HellaSwag's 2.6 million tokens on a 70B
+    shape: about 15 minutes for the original, four times its block calls).
     """
     if not work.tasks:
         return 0.0
@@ -377,7 +383,9 @@ def _tasks_seconds(shape: ModelShape, inp: PlanInput, work: ShipWork) -> float:
             requests = task.rows * task.requests
             steps = math.ceil(task.rows / task.batch) * (task.max_gen_toks or 0)
             if inp.on_gpu:
-                total += (math.ceil(requests / task.batch) + steps) * blocks * GPU_BLOCK_CALL_SECONDS
+                tokens = requests * TASK_REQUEST_TOKENS + task.rows * (task.max_gen_toks or 0)
+                total += ((math.ceil(requests / task.batch) + steps) * blocks * GPU_BLOCK_CALL_SECONDS
+                          + tokens * forward_flops(shape, blocks, True) / flop_rate(inp))
             else:
                 total += (requests * TASK_REQUEST_TOKENS * forward_flops(shape, blocks, True)
                           / (flop_rate(inp) * SERVING_SHARE)

@@ -27,11 +27,24 @@ from ship.config import (
     params_cap,
     servable_repairs,
 )
-from ship.costs import PROCESS_SECONDS, ShipWork, shortlist_stages, stage_peaks, stage_seconds, task_work
+from ship.costs import (
+    PROCESS_SECONDS,
+    ShipWork,
+    shortlist_stages,
+    stage_peaks,
+    stage_seconds,
+    task_work,
+    tasks_seconds,
+)
 from ship.disk import check_disk, ship_needs
 from ship.work import StageResult
 
 logger = logging.getLogger(__name__)
+
+# the lm-eval tasks' share of the verify stage from which a --time-budget refusal names --tasks and --limit among
+# the ways out: a smaller one is not what makes the run too long
+TASKS_NAMED_SHARE = 0.25
+
 
 @dataclass(kw_only=True)
 class Plan(StageResult):
@@ -136,17 +149,19 @@ def make_plan(config: ShipConfig) -> Plan:
         if budget is not None and needed is not None and needed > budget:
             # the shortlist leaves out the repairs its share of the budget cannot pay for (ship.shortlist): the
             # run is refused only when removal alone, which fits nothing, does not fit
+            least_work = ship_work(config, meta.skeleton, count, None, only=(), fidelity_kept=kept,
+                                   tasks_kept=tasks_kept)
             least = {stage: round(seconds, 1) for stage, seconds in stage_seconds(
-                planned.shape, planned.inp,
-                ship_work(config, meta.skeleton, count, None, only=(), fidelity_kept=kept,
-                          tasks_kept=tasks_kept)).items()}
+                planned.shape, planned.inp, least_work).items()}
             least_total = sum(seconds for stage, seconds in least.items() if stage != "heal")
             if least_total > budget:
                 raise LayercutError(
                     f"--time-budget {duration_words(budget)}: the planner gives this run "
                     f"{duration_words(least_total)} before any healing ({_stage_words(least)})"
                     + (" with no repair tried" if least_total < needed else "")
-                    + ": give more time, a smaller --samples, or a smaller budget")
+                    + ": give more time, a smaller --samples, "
+                    + _fewer_tasks(tasks_seconds(planned.shape, planned.inp, least_work), least.get("verify", 0.0))
+                    + "or a smaller budget")
             logger.warning("--time-budget %s: the planner gives this run %s before any healing; the shortlist "
                            "tries the repairs that fit in %d%% of the budget once its block sets are known",
                            duration_words(budget), duration_words(needed), round(100 * SHORTLIST_SHARE))
@@ -222,6 +237,7 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
     holds the original's side of the fidelity check, of the tasks check (:meth:`ship.config.ShipConfig.fidelity_check`,
     :meth:`~ship.config.ShipConfig.tasks_check`, asked by the caller).
     """
+    from eval.quality.lmeval import resolve_data_dir
     from prune.data.self_text import self_batches
     from prune.planner.shape import shape_of_model
     from prune.replace import METHODS, parameter_count
@@ -253,7 +269,8 @@ def ship_work(config: ShipConfig, skeleton, drop: int, heal_seconds: float | Non
                     prompt_len=config.prompt_len, new_tokens=config.new_tokens,
                     heal_seconds=(heal_seconds or 0.0) if config.heal_steps else 0.0, verify=config.verify,
                     speed=not config.no_speed, tasks_kept=tasks_kept,
-                    tasks=task_work(config.tasks, config.limit, config.prune.batch_size) if config.verify else ())
+                    tasks=task_work(config.tasks, config.limit, config.prune.batch_size,
+                                    resolve_data_dir(config.data_dir)) if config.verify and config.tasks else ())
 
 
 @dataclass(frozen=True)
@@ -369,6 +386,18 @@ def _tasks_kept(config: ShipConfig) -> bool:
     except Exception as err:  # noqa: BLE001 - a cost, not a check
         logger.info("the planner costs the tasks check's original side as measured (%s)", err)
         return False
+
+
+def _fewer_tasks(tasks: float, verify: float) -> str:
+    """The ``--time-budget`` refusal's way out through ``--tasks`` and ``--limit`` (else nothing).
+
+    Named where the tasks' ``tasks`` seconds are a real share of the verify stage's ``verify``
+    (:data:`TASKS_NAMED_SHARE`).
+    """
+    if not tasks or tasks < TASKS_NAMED_SHARE * verify:
+        return ""
+    return (f"fewer --tasks or a smaller --limit (the tasks take {duration_words(tasks)} of the verify stage's "
+            f"{duration_words(verify)}), ")
 
 
 def _stage_words(stages: dict) -> str:

@@ -335,18 +335,22 @@ class TasksCheck:
         """:func:`eval.compare.stats.paired_tasks`' figures, each task's metric, chat setting and token budget beside.
 
         With ``keep_original``, the original's scores and rows are read from the cache when an earlier check kept
-        them for the same files, tasks, rows, data and libraries (:func:`kept_row_path`), else kept there: a second
-        ship of the same model scores only the checkpoint.
+        them for the same files, tasks, rows, data, token budgets and libraries (:meth:`_kept_path`), else kept there
+        as soon as they are scored: a second ship of the same model, or one stopped while the checkpoint was being
+        scored, scores only the checkpoint.
         """
         from eval.compare.stats import paired_tasks
         from eval.quality.lmeval import describe_rows, plan_tasks, primary_metric, resolve_data_dir, task_table
 
         path = self._kept_path() if self.keep_original else None
-        kept = _read_row(path) if path is not None else None
-        original = kept["scores"] if kept is not None else self._score(self.original, self.tokenizer)
+        kept = self._kept_scores(path)
+        if kept is None:
+            original = self._score(self.original, self.tokenizer)
+            if path is not None:  # before the checkpoint's hours: a run stopped there keeps the original's
+                _keep_row(path, {"runs": 1, "scores": original})
+        else:
+            original = kept["scores"]
         model = self._score(self.model, None)
-        if path is not None and kept is None:
-            _keep_row(path, {"runs": 1, "scores": original})
         local, registry = plan_tasks(self.tasks, resolve_data_dir(self.data_dir))  # an alias as lm-eval ran it
         figures = paired_tasks(original, model, [*local, *registry])
         table = task_table()
@@ -357,11 +361,37 @@ class TasksCheck:
 
     def original_kept(self) -> bool:
         """Whether an earlier check kept the original's scores of these tasks and rows (the planner's question)."""
-        path = self._kept_path()
-        return path is not None and _read_row(path) is not None
+        return self._kept_scores(self._kept_path()) is not None
+
+    def _names(self) -> list[str]:
+        """The tasks as lm-eval runs them: an offline alias (``lambada``) as its task where a data folder is used."""
+        from eval.quality.lmeval import OFFLINE_ALIASES, resolve_data_dir
+
+        offline = resolve_data_dir(self.data_dir) is not None
+        return list(dict.fromkeys(OFFLINE_ALIASES.get(name, name) if offline else name for name in self.tasks))
+
+    def _kept_scores(self, path: Path | None) -> dict | None:
+        """The kept row at ``path``, unless a generating task's scores there ran at another token budget than now."""
+        from eval.quality.lmeval import task_table
+
+        kept = _read_row(path) if path is not None else None
+        if kept is None:
+            return None
+        budgets, table = kept.get("scores", {}).get("max_gen_toks", {}), task_table()
+        # the budget decides which answers a generating task scores: checked on the row itself, not only through the
+        # key's stamp of the YAML that sets it
+        wanted = {name: table[name].max_gen_toks for name in self._names() if name in table}
+        if any(budget is not None and budgets.get(name) != budget for name, budget in wanted.items()):
+            return None
+        return kept
 
     def _score(self, name: str, tokenizer: str | None) -> dict:
-        """One model's row as a comparison keeps it: each task's metric, standard error and rows; the token budgets."""
+        """One model's row as a comparison keeps it: each task's metric, standard error and rows; the token budgets.
+
+        Raises:
+            LayercutError: lm-eval's results of a task lack its primary metric (asked of the original first, so
+                before the checkpoint is scored): the card would have nothing to show for it.
+        """
         import gc
 
         import torch
@@ -379,30 +409,61 @@ class TasksCheck:
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        return {"tasks": {task: scores.get(primary_metric(task)) for task, scores in raw.items()},
+        missing = [task for task in self._names() if task not in raw]
+        if missing:  # a hub tag (lambada without a data folder) runs its tasks under their own names only
+            raise LayercutError(f"lm-eval gave no figure named {', '.join(missing)} (it scored {', '.join(raw)}): "
+                                "name those tasks in --tasks")
+        for task, scores in raw.items():
+            if primary_metric(task) not in scores:
+                metrics = [m for m in scores if not m.endswith("_stderr") and m != "max_gen_toks"]
+                raise LayercutError(f"lm-eval scored {task} without {primary_metric(task)}, the metric layercut "
+                                    f"quotes for it (it gave {', '.join(metrics) or 'none'}): set primary_metric in "
+                                    "the layercut: block of its task YAML to one of them (eval/tasks/README.md)")
+        return {"tasks": {task: scores[primary_metric(task)] for task, scores in raw.items()},
                 "task_stderr": {task: scores.get(f"{primary_metric(task)}_stderr") for task, scores in raw.items()},
                 "task_rows": rows,
                 "max_gen_toks": {task: int(scores["max_gen_toks"]) for task, scores in raw.items()
                                  if "max_gen_toks" in scores}}
 
     def _kept_path(self) -> Path | None:
-        """The cache's file of the original's scores: keyed on its files, the tasks, rows, data files and libraries."""
+        """The cache's file of the original's scores (None: its files unknown).
+
+        Keyed on what the scores depend on: the original's files, the tokenizer's where it is a folder, the tasks,
+        rows and batch, each task's YAML and those it includes (prompts, metrics, chat template, token budget), and
+        with a data folder an offline task's data files and the code that reads them, and lm-eval's version.
+        """
         import importlib.metadata
 
-        from eval.quality.lmeval import OFFLINE_ALIASES, TASK_SEED, local_data_files, resolve_data_dir, task_table
+        from eval.quality.lmeval import (
+            TASK_SEED,
+            TASKS_DIR,
+            local_data_files,
+            resolve_data_dir,
+            task_table,
+            task_yaml_files,
+        )
         from eval.speed.engines import REFERENCE
         from eval.speed.engines.base import files_stamp
 
         root, table = resolve_data_dir(self.data_dir), task_table()
-        files = []  # an offline task's rows and its YAML (prompts, metrics); a hub task's are lm-eval's version's
-        for name in self.tasks:
-            name = OFFLINE_ALIASES.get(name, name) if root is not None else name
-            if root is not None and name in table and table[name].offline:
-                files += [files_stamp(path) for path in [*local_data_files(name, root), table[name].source]]
+        files, readers = [], set()  # a hub task's rows are lm-eval's version's
+        for name in (name for name in self._names() if name in table):
+            spec = table[name]
+            if spec.source is not None:
+                files += [files_stamp(path) for path in task_yaml_files(spec.source)]
+            if root is not None and spec.offline:
+                files += [files_stamp(path) for path in local_data_files(name, root)]
+                # the readers its YAML names (local_docs.py's, or those beside a YAML on $LAYERCUT_TASKS), by content:
+                # a checkout's times change with no change to what they read
+                readers |= {*TASKS_DIR.glob("*.py"), *Path(spec.source).parent.glob("*.py")}
+        code = [f"{path}:{hashlib.sha256(path.read_bytes()).hexdigest()}" for path in sorted(readers)]
+        tokenizer = Path(self.tokenizer).expanduser() if self.tokenizer else None
         return kept_row_path(self.original, REFERENCE, [], 0, self.threads, dtype=self.dtype, device=self.device,
                              kind="tasks-original",
-                             extra=[list(self.tasks), self.limit, TASK_SEED, self.batch_size, self.tokenizer,
-                                    str(root), files, importlib.metadata.version("lm_eval"), TASKS_ROWS_VERSION])
+                             extra=[list(self.tasks), self.limit, TASK_SEED, self.batch_size,
+                                    files_stamp(tokenizer) if tokenizer is not None and tokenizer.exists()
+                                    else self.tokenizer,
+                                    str(root), files, code, importlib.metadata.version("lm_eval"), TASKS_ROWS_VERSION])
 
 
 class CheckCrashed(LayercutError):

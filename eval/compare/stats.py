@@ -73,9 +73,10 @@ def paired_tasks(original: dict, model: dict, tasks: Sequence[str]) -> dict:
     ``original`` and ``model`` are rows as a comparison keeps them: ``tasks`` (the primary metric), ``task_stderr``
     and ``task_rows`` (its row-by-row scores). Per task: both values and standard errors, the rows scored, ``kept``
     (model / original; None where the original scored 0) and ``gap`` (model - original) with its standard error,
-    paired over the rows (``paired``; else from the two standard errors). Where every task has a chance level, the
-    retention of above-chance accuracy over the tasks the original is clearly above chance on
-    (:func:`retention_tasks`: the grids' rule), with the paired standard error of its distance from 1.
+    paired over the rows (``paired``; else from the two standard errors). The retention of above-chance accuracy
+    over the tasks that have a chance level and that the original is clearly above it on (:func:`retention_tasks`:
+    the grids' rule; ``excluded_tasks`` says why each other is not counted), with the paired standard error of its
+    distance from 1.
     """
     figures = {}
     for task in tasks:
@@ -91,7 +92,7 @@ def paired_tasks(original: dict, model: dict, tasks: Sequence[str]) -> dict:
                                                                                     task_stderr(model, task)),
                          "paired": paired is not None}
     result: dict = {"tasks": figures}
-    if figures and all(chance(task) is not None for task in figures):
+    if figures:  # a task with no chance level is left out and named, as the grids do: it cancels no other's
         counted, excluded = retention_tasks(original, list(figures), "the original's")
         result.update(retention_tasks=counted, excluded_tasks=excluded)
         if counted:

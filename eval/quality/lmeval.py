@@ -69,6 +69,7 @@ from eval.quality.task_specs import (
     resolve_data_dir,
     task_dirs,
     task_table,
+    task_yaml_files,
     unknown_task_error,
 )
 from prune.errors import LayercutError
@@ -103,6 +104,7 @@ __all__ = [
     "task_dirs",
     "task_rows",
     "task_table",
+    "task_yaml_files",
     "wrap_model",
 ]
 

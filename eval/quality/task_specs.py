@@ -133,6 +133,22 @@ def _read_task_yaml(path: Path, seen: frozenset[Path] = frozenset()) -> dict[str
     return merged | config
 
 
+def task_yaml_files(path: str | Path, seen: frozenset[Path] = frozenset()) -> list[Path]:
+    """A task YAML and every YAML it includes, as lm-eval merges them: what its prompts, metrics and budget come from.
+
+    A cache of a task's scores keys on these (arc_challenge's prompts are arc_easy.yaml's, which it includes).
+    """
+    path = Path(path).resolve()
+    if path in seen:  # read_task_spec refused the cycle when the table was built
+        return []
+    config = yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskYamlLoader)
+    includes = config.get("include", []) if isinstance(config, dict) else []
+    files = [path]
+    for include in includes if isinstance(includes, list) else [includes]:
+        files += task_yaml_files(path.parent / include, seen | {path})
+    return list(dict.fromkeys(files))
+
+
 def read_task_spec(path: str | Path) -> TaskSpec | None:
     """The :class:`TaskSpec` that an offline task's YAML carries under ``metadata: {layercut: ...}``.
 

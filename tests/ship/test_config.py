@@ -150,6 +150,12 @@ DATA = "{data}"  # the case's data folder: four PIQA rows and one IFEval prompt
      "error: ifeval runs its prompts through the model's chat template, and this tokenizer has none; evaluate an "
      "instruct/chat model"),
     (["--tasks", "piqa", "--limit", "1.5"], "error: argument --limit: a row count must be a whole number, got 1.5"),
+    # in lm-eval's registry, but its metric unknown: scored for hours, then left off the card
+    (["--tasks", "piqa,gsm8k"], "error: --tasks gsm8k: layercut knows neither the metric to quote nor the chance "
+                                "level of it (it knows arc_challenge, arc_easy, boolq, copa, hellaswag, ifeval, "
+                                "lambada, lambada_openai, lambada_standard, mmlu, openbookqa, piqa, sciq, "
+                                "winogrande); add a task YAML with a layercut: block to a folder on $LAYERCUT_TASKS "
+                                "(eval/tasks/README.md), or score it with python -m eval.run"),
 ])
 def test_bad_task_flags_are_one_line_before_any_model_loads(tiny_folder, tmp_path, capsys, monkeypatch, extra,
                                                             words, sample_text):
@@ -163,7 +169,8 @@ def test_bad_task_flags_are_one_line_before_any_model_loads(tiny_folder, tmp_pat
     from tests.helpers import write_piqa
 
     monkeypatch.setattr(LoadConfig, "load", lambda self, model=None: pytest.fail("the model was loaded"))
-    monkeypatch.setattr(lmeval, "_registry", lambda: types.SimpleNamespace(all_tasks=["copa"]))  # not lm-eval's index
+    # not lm-eval's index: gsm8k is in lm-eval's, and layercut knows no metric of it
+    monkeypatch.setattr(lmeval, "_registry", lambda: types.SimpleNamespace(all_tasks=["copa", "gsm8k", "piqa"]))
     if "needs met" in extra:  # ifeval's packages and data found: the tokenizer is what is missing
         monkeypatch.setattr(lmeval, "check_task_needs", lambda names: None)
     else:  # the ifeval extra missing, whatever this environment holds

@@ -263,7 +263,7 @@ def test_a_skeleton_s_serving_check_reads_both_models_from_disk_once_a_window_an
 
 def test_the_tasks_check_costs_its_rows_on_both_models_unless_the_original_s_scores_are_kept(shape):
     from prune.planner.machine import machine_speed
-    from ship.costs import PROCESS_SECONDS, TaskWork, _tasks_seconds, task_work
+    from ship.costs import PROCESS_SECONDS, TaskWork, task_work, tasks_seconds
 
     # rows: --limit's, else the task's own where known (a draw's N, a range of a known task); unknown: none counted
     assert task_work(["piqa"], 200, 4) == (TaskWork("piqa", 200, 2, None, 4),)  # two solutions a row
@@ -275,7 +275,7 @@ def test_the_tasks_check_costs_its_rows_on_both_models_unless_the_original_s_sco
     loads = PROCESS_SECONDS / machine_speed()  # a fresh process and a model's load, for each model
 
     def part(tasks, limit, drop=2, kept=False, batch=4):
-        return _tasks_seconds(shape, inp, ShipWork(drop=drop, repairs=(), tasks=task_work(tasks, limit, batch),
+        return tasks_seconds(shape, inp, ShipWork(drop=drop, repairs=(), tasks=task_work(tasks, limit, batch),
                                                    tasks_kept=kept))
 
     assert part(["piqa"], 400) - 2 * loads == pytest.approx(4 * (part(["piqa"], 100) - 2 * loads))
@@ -293,3 +293,42 @@ def test_the_tasks_check_costs_its_rows_on_both_models_unless_the_original_s_sco
     gpu = Hardware(gpus=1, gpu_memory=80e9)
     assert seconds(shape, with_tasks, hardware=gpu)["verify"] > seconds(shape, work, hardware=gpu)["verify"]
     assert seconds(shape, with_tasks)["shortlist"] == seconds(shape, work)["shortlist"]
+
+
+def test_with_a_data_folder_an_offline_alias_is_planned_as_the_task_it_runs(tmp_path):
+    from ship.costs import TaskWork, task_work
+
+    # lambada runs lambada_openai's 5,153 rows from a data folder (eval.quality.lmeval.plan_tasks), once however named
+    assert task_work(["lambada"], None, 4, tmp_path) == (TaskWork("lambada_openai", 5153, 1, None, 4),)
+    assert task_work(["lambada", "lambada_openai"], "-500:", 4, tmp_path) == (
+        TaskWork("lambada_openai", 500, 1, None, 4),)
+    # from the hub it is lm-eval's lambada, whose rows the planner does not know (the plan warns)
+    assert task_work(["lambada"], None, 4) == (TaskWork("lambada", None, 1, None, 4),)
+
+
+def test_a_whole_task_on_a_gpu_costs_its_tokens_arithmetic_beside_its_block_calls():
+    from transformers import LlamaConfig
+
+    from prune.planner.memory import weight_bytes
+    from prune.planner.rates import DISK_BYTES_PER_S, GPU_BLOCK_CALL_SECONDS, GPU_FLOPS, forward_flops
+    from prune.planner.shape import shape_of_config
+    from ship.costs import GPU_PROCESS_SECONDS, TASK_REQUEST_TOKENS, task_work, tasks_seconds
+    from tests.prune.planner.test_planner import LLAMA3_70B
+
+    shape = shape_of_config(LlamaConfig(**LLAMA3_70B))
+    inp = PlanInput(model="llama-3-70b", samples=32, seq_len=512, hardware=Hardware(gpus=1, gpu_memory=80e9))
+    # the checkpoint alone (60 blocks) on full HellaSwag: 10,042 rows of four endings, eight requests a pass
+    work = ShipWork(drop=20, repairs=(), tasks=task_work(["hellaswag"], None, 8), tasks_kept=True)
+    requests, kept = 10042 * 4, 60
+    calls = -(-requests // 8) * kept * GPU_BLOCK_CALL_SECONDS
+    arithmetic = requests * TASK_REQUEST_TOKENS * forward_flops(shape, kept, True) / GPU_FLOPS
+    loads = GPU_PROCESS_SECONDS + weight_bytes(shape, inp, kept) / DISK_BYTES_PER_S
+    assert tasks_seconds(shape, inp, work) == pytest.approx(loads + calls + arithmetic)
+    # what counting the block calls alone left out: about four times them, a quarter of an hour
+    assert 3 * calls < arithmetic and 600 < arithmetic < 1200
+    # a generating task's written tokens each run through the model too
+    ifeval = dataclasses.replace(work, tasks=task_work(["ifeval"], 64, 8))
+    steps = 8 * 256  # eight batches of 256 decode steps
+    assert tasks_seconds(shape, inp, ifeval) == pytest.approx(
+        loads + (8 + steps) * kept * GPU_BLOCK_CALL_SECONDS
+        + 64 * (TASK_REQUEST_TOKENS + 256) * forward_flops(shape, kept, True) / GPU_FLOPS)

@@ -5,6 +5,7 @@ it ran on an H200 on 2026-12-04 (reports/gpu-ship/h200-2026-12-04b), and SmolLM2
 """
 
 import logging
+import re
 
 import pytest
 from transformers import LlamaConfig
@@ -164,3 +165,36 @@ def test_a_resumed_run_checks_the_disk_for_what_it_has_still_to_write(tmp_path, 
     _disk(monkeypatch, 20e9)
     check_disk_left(config, Plan(num_blocks=32, params=None, drop=8))
     check_disk_left(config, Plan(num_blocks=None, params=None, drop=None))  # no budget resolved: nothing planned
+
+
+def test_a_time_budget_the_tasks_overrun_names_tasks_and_limit_among_the_ways_out(tmp_path, monkeypatch):
+    """SmolLM2-135M on this CPU: --tasks lambada runs lambada_openai's 5,153 rows from a data folder, and is planned so
+    (it was planned as a task of unknown rows, counting nothing); a minute is refused either way."""
+    import json
+
+    import ship.plan as plan_module
+    from tests.helpers import write_piqa
+
+    monkeypatch.setattr("prune.planner.estimate.local_gpus", lambda device: (0, 0.0))
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    LlamaConfig(**SMOLLM2_135M).save_pretrained(tmp_path / "smollm2-135m")
+    data = write_piqa(tmp_path / "data")
+    (data / "lambada").mkdir()
+    (data / "lambada" / "lambada_test.jsonl").write_text(json.dumps({"text": "The cat sat on the mat"}) + "\n")
+    costed, real = [], plan_module.stage_seconds
+    monkeypatch.setattr(plan_module, "stage_seconds", lambda *args: costed.append(args[2]) or real(*args))
+
+    def refusal(**tasks) -> str:
+        prune = PruneConfig(load={"model": str(tmp_path / "smollm2-135m")}, data={"data": "builtin"}, drop=8)
+        with pytest.raises(LayercutError) as raised:
+            plan_module.make_plan(ShipConfig(prune=prune, out=str(tmp_path / "slim"), engine="transformers",
+                                             time_budget=60.0, **tasks))
+        return str(raised.value)
+
+    words = refusal(tasks=["lambada"], data_dir=str(data))
+    assert [(task.name, task.rows) for task in costed[0].tasks] == [("lambada_openai", 5153)]
+    assert re.search(r": give more time, a smaller --samples, fewer --tasks or a smaller --limit \(the tasks take "
+                     r"\S+ of the verify stage's \S+\), or a smaller budget$", words), words
+    # without tasks, or with a few rows of them that are no real share of the verify stage: not named
+    for tasks in ({}, {"tasks": ["lambada"], "data_dir": str(data), "limit": 2}):
+        assert refusal(**tasks).endswith(": give more time, a smaller --samples, or a smaller budget")

@@ -219,3 +219,124 @@ def test_a_tasks_check_scores_both_models_on_the_same_rows_and_keeps_the_origina
     assert piqa["gap"] == pytest.approx(value - sum(flipped) / 3) and piqa["gap_stderr"] == pytest.approx(1 / 3)
     # other rows are another entry
     assert not dataclasses.replace(check, limit=2).original_kept()
+
+
+def _fake_lm_eval(monkeypatch, results: dict, stop: str | None = None) -> list:
+    """Each model's lm-eval results (``results[model]``) without a load or a forward pass; the models loaded.
+
+    ``stop``: the model whose scoring is stopped (a run killed there).
+    """
+    import types
+
+    import torch
+
+    from eval.quality import lmeval
+    from prune.checkpoint.load_config import LoadConfig
+
+    loaded = []
+    monkeypatch.setattr(LoadConfig, "load", lambda self, model=None: loaded.append(model) or types.SimpleNamespace(
+        model=torch.nn.Linear(1, 1), tokenizer=model))  # the tokenizer says which model lm-eval scores
+
+    def scored(model, tokenizer, tasks, rows, **_):
+        if tokenizer == stop:
+            raise KeyboardInterrupt
+        rows.update({task: [1.0, 0.0, 1.0] for task in tasks})
+        return results[tokenizer]
+
+    monkeypatch.setattr(lmeval, "run_lm_eval", scored)
+    return loaded
+
+
+def _piqa_check(tiny_folder, tmp_path, monkeypatch, **changes):
+    from eval.bench.checks import TasksCheck
+    from tests.helpers import write_piqa
+
+    monkeypatch.setenv("LAYERCUT_CACHE", str(tmp_path / "cache"))
+    fields = dict(original=str(tiny_folder), model=str(tmp_path / "checkpoint"), tasks=("piqa",), limit=3,
+                  data_dir=str(write_piqa(tmp_path / "data")), keep_original=True)
+    return TasksCheck(**{**fields, **changes})
+
+
+def test_a_task_scored_without_its_primary_metric_is_refused_before_the_checkpoint_is_scored(tiny_folder, tmp_path,
+                                                                                            monkeypatch):
+    check = _piqa_check(tiny_folder, tmp_path, monkeypatch)
+    loaded = _fake_lm_eval(monkeypatch, {name: {"piqa": {"acc_norm": 0.6, "acc_norm_stderr": 0.3}}
+                                         for name in (check.original, check.model)})
+    with pytest.raises(LayercutError) as raised:
+        check.run()
+    assert str(raised.value) == ("lm-eval scored piqa without acc, the metric layercut quotes for it (it gave "
+                                 "acc_norm): set primary_metric in the layercut: block of its task YAML to one of "
+                                 "them (eval/tasks/README.md)")
+    assert loaded == [str(tiny_folder)] and not check.original_kept()  # no checkpoint scored, nothing kept
+
+
+def test_a_task_lm_eval_gives_no_figure_for_is_refused_before_the_checkpoint_is_scored(tiny_folder, tmp_path,
+                                                                                          monkeypatch):
+    check = _piqa_check(tiny_folder, tmp_path, monkeypatch)  # as lm-eval's hub tag lambada runs: its tasks only
+    loaded = _fake_lm_eval(monkeypatch, {name: {"piqa_a": {"acc": 0.6}, "piqa_b": {"acc": 0.5}}
+                                         for name in (check.original, check.model)})
+    with pytest.raises(LayercutError) as raised:
+        check.run()
+    assert str(raised.value) == ("lm-eval gave no figure named piqa (it scored piqa_a, piqa_b): name those tasks in "
+                                 "--tasks")
+    assert loaded == [str(tiny_folder)] and not check.original_kept()
+
+
+def test_the_original_s_scores_are_kept_before_the_checkpoint_is_scored(tiny_folder, tmp_path, monkeypatch):
+    check = _piqa_check(tiny_folder, tmp_path, monkeypatch)
+    results = {name: {"piqa": {"acc": 2 / 3, "acc_stderr": 0.3}} for name in (check.original, check.model)}
+    loaded = _fake_lm_eval(monkeypatch, results, stop=check.model)
+    with pytest.raises(KeyboardInterrupt):  # stopped while the checkpoint is scored
+        check.run()
+    assert loaded == [check.original, check.model] and check.original_kept()
+    loaded = _fake_lm_eval(monkeypatch, results)
+    figures = check.run()  # the run again: the checkpoint alone
+    assert loaded == [check.model] and figures["original_kept"] and figures["tasks"]["piqa"]["gap"] == 0
+
+
+def test_the_original_s_kept_scores_follow_its_tokenizer_its_task_yamls_and_the_readers(tiny_folder, tmp_path,
+                                                                                         monkeypatch):
+    import shutil
+
+    from eval.quality import lmeval
+
+    # --tokenizer a folder: its files, not its name alone
+    tokenizer = shutil.copytree(tiny_folder, tmp_path / "tokenizer")
+    monkeypatch.delenv("LAYERCUT_DATA", raising=False)
+    hub = _piqa_check(tiny_folder, tmp_path, monkeypatch, data_dir=None, tokenizer=str(tokenizer))
+    before = hub._kept_path()
+    (tokenizer / "tokenizer_config.json").write_text("{}")
+    assert hub._kept_path() != before
+    # a task's YAML and the YAML it includes (its prompts, chat setting, token budget), with or without a data folder
+    tasks, readers = tmp_path / "tasks", tmp_path / "readers"
+    tasks.mkdir()
+    readers.mkdir()
+    (tasks / "piqa.yaml").write_text("include: base.yaml\ntask: piqa\n")
+    (tasks / "base.yaml").write_text("output_type: multiple_choice\n")
+    (tasks / "reader.py").write_text("def load():\n    return []\n")
+    (readers / "local_docs.py").write_text("def load_piqa():\n    return []\n")
+    piqa = dataclasses.replace(lmeval.task_table()["piqa"], source=tasks / "piqa.yaml")
+    monkeypatch.setattr(lmeval, "task_table", lambda: {"piqa": piqa})
+    monkeypatch.setattr(lmeval, "TASKS_DIR", readers)
+    local = _piqa_check(tiny_folder, tmp_path, monkeypatch)
+    for check in (hub, local):
+        before = check._kept_path()
+        (tasks / "base.yaml").write_text(f"output_type: multiple_choice\n# {before}\n")
+        assert check._kept_path() != before
+    # with a data folder, the readers' code: layercut's and a reader beside the YAML, by content
+    for reader in (readers / "local_docs.py", tasks / "reader.py"):
+        before, unread = local._kept_path(), hub._kept_path()
+        reader.write_text(reader.read_text() + "# changed\n")
+        assert local._kept_path() != before and hub._kept_path() == unread  # the hub's rows are lm-eval's
+
+
+def test_kept_scores_of_a_generating_task_at_another_token_budget_are_scored_again(tiny_folder, tmp_path,
+                                                                                   monkeypatch):
+    from eval.bench.checks import _keep_row
+
+    monkeypatch.delenv("LAYERCUT_DATA", raising=False)
+    check = _piqa_check(tiny_folder, tmp_path, monkeypatch, tasks=("ifeval",), data_dir=None)
+    for budget, kept in ((128, False), (None, False), (256, True)):  # ifeval.yaml's budget: 256
+        _keep_row(check._kept_path(), {"runs": 1, "scores": {"tasks": {"ifeval": 0.3},
+                                                             "max_gen_toks": {"ifeval": budget} if budget else {}}})
+        assert check.original_kept() == kept, budget

@@ -31,6 +31,14 @@ def test_two_models_on_the_same_rows_give_each_task_s_paired_gap_and_their_reten
     unpaired = paired_tasks(original, {**model, "task_rows": {}}, ["piqa"])["tasks"]["piqa"]
     assert not unpaired["paired"] and unpaired["gap_stderr"] == pytest.approx(math.hypot((0.16 / 9) ** 0.5,
                                                                                         (0.21 / 9) ** 0.5))
-    # a task with no chance level known: no retention over the tasks
+    # a task with no chance level known is left out of the retention and named; the others still count
     other = {key: {**value, "copa_like": value["piqa"]} for key, value in original.items()}
-    assert "retention" not in paired_tasks(other, other, ["piqa", "copa_like"])
+    mixed = paired_tasks(other, {key: {**value, "copa_like": value["piqa"]} for key, value in model.items()},
+                         ["arc_easy", "piqa", "copa_like"])
+    assert mixed["retention_tasks"] == ["arc_easy", "piqa"]
+    assert mixed["excluded_tasks"] == {"copa_like": "no chance level known"}
+    assert mixed["retention"] == pytest.approx(figures["retention"])
+    assert mixed["retention_stderr"] == pytest.approx(figures["retention_stderr"])
+    assert mixed["tasks"]["copa_like"]["gap"] == pytest.approx(-0.1)  # still in the table
+    alone = paired_tasks(other, other, ["copa_like"])  # none counted: no retention, and why
+    assert "retention" not in alone and alone["excluded_tasks"] == {"copa_like": "no chance level known"}
