@@ -1,0 +1,23 @@
+# Generation fidelity (eval.compare --metrics fidelity) of the healed recipes on SmolLM2-135M at drops 8 and 4,
+# beside the training-free peers closest to them, with the per-prompt rows for paired gaps (2026-12-06, after
+# 66e02fd). The same calibration, held-out texts and prompts as run.sh (the grid's; its kept self-text sample copied
+# into the cache), on this 2-core CPU, float32, one run at a time. Run from the repository root with ../shared/data
+# beside it. No tasks: the grid (reports/smollm2-135m-grid) scored them with the same recipes and seeds.
+D=../shared/data
+HELDOUT="novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt"
+COMMON="--data builtin@0.5,self@0.5 --samples 32 --seq-len 512 --heldout-samples 8 --batch-size 4 --speed-tokens 0
+  --heldout $HELDOUT --heldout-tokens 4096 --metrics fidelity --threads 2"
+CACHE="${LAYERCUT_CACHE:-$HOME/.cache/layercut}"
+mkdir -p "$CACHE/self-text"
+cp -n reports/smollm2-135m-grid/self-text/*.safetensors "$CACHE/self-text/"
+# in the order they ran: the healed rows first (about 15 minutes each), reassessing last
+DROP8=layercut-local-heal,linearpatch-distill,gromov-heal  # the training-free rows: run.sh (per-prompt rows)
+DROP4=layercut-local-heal,linearpatch-distill,llm-streamline,layercut-local
+
+for drop in 8 4; do
+  methods=DROP$drop
+  python -m eval.compare --model smollm2-135m --drop $drop $COMMON --methods ${!methods} \
+    --out /tmp/smollm2-135m-fidelity-healed-$drop
+  folder=reports/generation-fidelity/smollm2-135m-healed-drop$drop
+  mkdir -p $folder && cp /tmp/smollm2-135m-fidelity-healed-$drop/{README.md,results.json} $folder/
+done
