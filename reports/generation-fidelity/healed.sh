@@ -12,7 +12,7 @@ mkdir -p "$CACHE/self-text"
 cp -n reports/smollm2-135m-grid/self-text/*.safetensors "$CACHE/self-text/"
 # in the order they ran: the healed rows first (about 15 minutes each), reassessing last
 DROP8=layercut-local-heal,linearpatch-distill,gromov-heal  # the training-free rows: run.sh (per-prompt rows)
-DROP4=layercut-local-heal,linearpatch-distill,llm-streamline,layercut-local
+DROP4=layercut-local-heal,linearpatch-distill  # the training-free rows: run.sh (means only at drop 4)
 
 for drop in 8 4; do
   methods=DROP$drop
@@ -21,3 +21,13 @@ for drop in 8 4; do
   folder=reports/generation-fidelity/smollm2-135m-healed-drop$drop
   mkdir -p $folder && cp /tmp/smollm2-135m-fidelity-healed-$drop/{README.md,results.json} $folder/
 done
+
+# the paired gaps the README quotes, against layercut-local-heal (the training-free rows at drop 8: run.sh's second run)
+F=reports/generation-fidelity
+python -m eval.lab paired-fidelity $F/smollm2-135m-healed-drop8/results.json::layercut-local-heal@8 \
+  $F/smollm2-135m-healed-drop8/results.json::{linearpatch-distill,gromov-heal}@8 \
+  $F/smollm2-135m-drop8-rows/results.json::{layercut-linear,linearpatch,llm-streamline,layercut-local}@8 \
+  $F/smollm2-135m-healed-drop8/results.json::dense
+python -m eval.lab paired-fidelity $F/smollm2-135m-healed-drop4/results.json::layercut-local-heal@4 \
+  $F/smollm2-135m-healed-drop4/results.json::linearpatch-distill@4 \
+  $F/smollm2-135m-healed-drop4/results.json::dense
