@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eval.compare.stats import gap_stderr, task_figures
+from eval.compare.stats import gap_stderr, paired_stderr, task_figures
 from eval.quality.lmeval import task_rows
 from eval.tasks.local_docs import hellaswag_items
 from prune.errors import LayercutError
@@ -111,12 +111,10 @@ def paired_fidelity(specs: Sequence[str]) -> list[str]:
     base = next(iter(rows))
     lines = [f"{settings[0]['prompts']} prompts of {settings[0]['prompt_tokens']} tokens, "
              f"{settings[0]['new_tokens']} greedy tokens each; NLL by the original (lower: more faithful)"]
-    ref = np.asarray(rows[base]["nll_rows"], dtype=np.float64)
+    ref = rows[base]["nll_rows"]
     for name, figures in rows.items():
         nll = np.asarray(figures["nll_rows"], dtype=np.float64)
-        diff = nll - ref
-        se = float(diff.std(ddof=1) / np.sqrt(len(diff))) if len(diff) > 1 else 0.0
-        gap = float(diff.mean())
+        gap, se = float(nll.mean() - np.mean(ref)), paired_stderr(figures["nll_rows"], ref) or 0.0
         verdict = "tie" if gap == 0 or abs(gap) < 2 * se else "lower" if gap < 0 else "higher"
         lines.append(f"  {name}: NLL {nll.mean():.3f} ± {_stderr(nll):.3f}, kept {figures['kept']:.3f}; "
                      f"minus {base}: {gap:+.3f} ± {se:.3f}" + ("" if name == base else f" ({verdict})"))

@@ -3,14 +3,8 @@
 # 66e02fd). The same calibration, held-out texts and prompts as run.sh (the grid's; its kept self-text sample copied
 # into the cache), on this 2-core CPU, float32, one run at a time. Run from the repository root with ../shared/data
 # beside it. No tasks: the grid (reports/smollm2-135m-grid) scored them with the same recipes and seeds.
-D=../shared/data
-HELDOUT="novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt"
-COMMON="--data builtin@0.5,self@0.5 --samples 32 --seq-len 512 --heldout-samples 8 --batch-size 4 --speed-tokens 0
-  --heldout $HELDOUT --heldout-tokens 4096 --metrics fidelity --threads 2"
-CACHE="${LAYERCUT_CACHE:-$HOME/.cache/layercut}"
-mkdir -p "$CACHE/self-text"
-cp -n reports/smollm2-135m-grid/self-text/*.safetensors "$CACHE/self-text/"
-# in the order they ran: the healed rows first (about 15 minutes each), reassessing last
+. reports/generation-fidelity/settings.sh  # calibration, held-out texts, the grids' samples
+# in the order they ran, about 15 minutes a healed cell
 DROP8=layercut-local-heal,linearpatch-distill,gromov-heal  # the training-free rows: run.sh (per-prompt rows)
 DROP4=layercut-local-heal,linearpatch-distill  # the training-free rows: run.sh (means only at drop 4)
 

@@ -4,13 +4,7 @@
 # reports/gemma3-270m-grid): the same mixture and seed, and the grid's kept self-text sample copied into the cache,
 # so the same rows are read. The four held-out texts are the grids'; the fidelity prompts (32 of 64 tokens, 8 spread
 # through each text's first 4,096 tokens) are cut from them: text no calibration saw.
-D=../shared/data
-HELDOUT="novel=$D/austen/sensesensibility.txt,news=$D/ptb/ptb.test.txt,wiki=$D/wikitext-2-raw-v1/test.jsonl,plays=$D/tinyshakespeare/input.txt"
-COMMON="--data builtin@0.5,self@0.5 --samples 32 --seq-len 512 --heldout-samples 8 --batch-size 4 --speed-tokens 0
-  --heldout $HELDOUT --heldout-tokens 4096 --metrics fidelity --threads 2"
-CACHE="${LAYERCUT_CACHE:-$HOME/.cache/layercut}"
-mkdir -p "$CACHE/self-text"
-cp -n reports/smollm2-135m-grid/self-text/*.safetensors reports/gemma3-270m-grid/self-text/*.safetensors "$CACHE/self-text/"
+. reports/generation-fidelity/settings.sh  # calibration, held-out texts, the grids' samples
 
 python -m eval.compare --model smollm2-135m --drop 4,8 $COMMON --out /tmp/smollm2-135m-fidelity \
   --methods shortgpt,gromov,llm-streamline,replaceme-ls,linearpatch,layercut-linear,layercut-rotate,layercut-local
